@@ -1,0 +1,413 @@
+"""The FT-layer core: persist, track, complete, fail and replay source records.
+
+Every source record is persisted before its source emits it. From then on its root id
+is pending in two places kept in lockstep: the acker table (root -> ack value) and the
+timeout persistence layer (root -> stored record, in rotating buckets). A root leaves
+them in exactly one of two ways:
+
+1. Completion. XOR events (root, value) arrive from sources and tasks; the first time
+   a root's ack value returns to 0 its tree is complete: the record is deleted from
+   storage and completion listeners get (root, topic, partition, offset), so Kafka
+   offsets can move past it.
+2. Failure, for one of three causes: explicit (a task raised FailException and its
+   handler sent a fail), timeout (the root stayed pending between T and
+   T * (1 + 1/(n-1))), or recovery (the FT layer restarted: ack values are not
+   durable, so every record found in storage is replayed). The record stays in
+   storage; it is re-tagged with a fresh root id and a replay sequence number
+   (1, 2, 3, ... never reused, also across restarts) and enters the replay queue,
+   routed by the replay partitioner of its source to the partition(s) it re-enters.
+   The fresh root is pending again, with its timeout counted from the requeue.
+
+Events for roots that are not pending are dropped: "late" when the root failed
+recently (a TTL set of retired roots remembers them), "unknown" otherwise. They never
+create pending entries that could not complete.
+
+Nothing is lost: a record leaves storage only when its tree completed. A failure
+between persist and emit, a lost event, a lost fail, a crashed task or a crashed FT
+layer all end in a timeout or a recovery, that is, in a replay.
+
+Not thread-safe: one thread drives a core (the server serializes its clients).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from cachetools import TTLCache
+from numpy.typing import ArrayLike, NDArray
+
+from ftlayer.acker import AckerTable, XorResult
+from ftlayer.errors import ConfigError
+from ftlayer.ids import new_ids
+from ftlayer.partitioners import ReplayPartitioner, create_partitioner
+from ftlayer.persistence.base import PersistenceStorage
+from ftlayer.persistence.layer import Completed
+from ftlayer.persistence.timeout import TimeoutPersistenceLayer
+from ftlayer.records import RecordBatch
+
+_REPLAY_SEQ_META = "next_replay_seq"
+_EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
+CompletionListener = Callable[[Completed], None]
+
+
+class FailCause(enum.Enum):
+    EXPLICIT = "explicit"
+    TIMEOUT = "timeout"
+    RECOVERY = "recovery"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    """How one source's records are replayed: its partitioner and partition count."""
+
+    partitioner: ReplayPartitioner
+    num_partitions: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_partitions, bool) or self.num_partitions < 1:
+            raise ConfigError(f"a source needs at least 1 partition, got {self.num_partitions!r}")
+
+    @classmethod
+    def named(cls, partitioner: str, num_partitions: int, **options: object) -> SourceConfig:
+        return cls(create_partitioner(partitioner, **options), num_partitions)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRecords:
+    """Replayed records fetched from the queue: each row re-enters `partitions[i]`."""
+
+    replay_seqs: NDArray[np.uint64]
+    partitions: NDArray[np.int32]
+    records: RecordBatch
+    """The stored records, with `roots` set to the root ids they are now tracked under."""
+
+    def __len__(self) -> int:
+        return len(self.replay_seqs)
+
+
+@dataclass(slots=True)
+class FTStats:
+    """Counters of one FT layer since it started (pending and queue are current)."""
+
+    persisted: int = 0
+    completed: int = 0
+    pending: int = 0
+    failed: dict[str, int] = field(default_factory=lambda: {c.value: 0 for c in FailCause})
+    replay_queue: int = 0
+    replay_cursor: int = 0
+    late_events: int = 0
+    unknown_events: int = 0
+    xor_events: int = 0
+
+
+class ReplayQueue:
+    """Failed records waiting to re-enter the pipeline, ordered by replay seq.
+
+    One entry per (record, target partition); a broadcast replay has several entries
+    with the same replay seq. Entries stay fetchable until pruned, so a micro-batch that
+    Spark runs again fetches the same replays again.
+    """
+
+    def __init__(self) -> None:
+        # Columns: replay seq, root, storage seq, source id, target partition; each a
+        # list of appended chunks, merged on read (appends are rare: failures).
+        self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [])
+        self._pruned_upto = 0
+
+    def append(
+        self,
+        replay_seqs: NDArray[np.uint64],
+        roots: NDArray[np.uint64],
+        seqs: NDArray[np.uint64],
+        source_ids: NDArray[np.uint32],
+        partitions: NDArray[np.int32],
+    ) -> None:
+        if len(replay_seqs):
+            chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
+            for column, chunk in zip(self._columns, chunks, strict=True):
+                column.append(chunk)
+
+    def _merged(self) -> tuple[NDArray[Any], ...]:
+        for column in self._columns:
+            if len(column) > 1:
+                column[:] = [np.concatenate(column)]
+        return tuple(column[0] for column in self._columns)
+
+    def __len__(self) -> int:
+        return sum(len(chunk) for chunk in self._columns[0])
+
+    def select(
+        self, lo: int, hi: int, source_id: int | None, partition: int | None
+    ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.int32]]:
+        """Entries with lo < replay_seq <= hi: (replay_seqs, roots, seqs, partitions)."""
+        if lo < self._pruned_upto:
+            raise ConfigError(
+                f"replay range ({lo}, {hi}] starts before the pruned point {self._pruned_upto}"
+            )
+        if not self._columns[0]:
+            return _EMPTY_U64, _EMPTY_U64, _EMPTY_U64, np.zeros(0, dtype=np.int32)
+        rseq, roots, seqs, sources, parts = self._merged()
+        mask = (rseq > lo) & (rseq <= hi)
+        if source_id is not None:
+            mask &= sources == source_id
+        if partition is not None:
+            mask &= parts == partition
+        return rseq[mask], roots[mask], seqs[mask], parts[mask]
+
+    def prune(self, upto: int) -> int:
+        """Drop entries with replay_seq <= upto; returns how many were dropped."""
+        self._pruned_upto = max(self._pruned_upto, upto)
+        if not self._columns[0]:
+            return 0
+        keep = self._merged()[0] > upto
+        for column in self._columns:
+            column[0] = column[0][keep]
+        return int(len(keep) - np.count_nonzero(keep))
+
+
+class FTLayer:
+    """The in-process FT-layer core; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        storage: PersistenceStorage,
+        *,
+        timeout_s: float = 30.0,
+        buckets: int = 3,
+        sources: Mapping[int, SourceConfig] | None = None,
+        default_source: SourceConfig | None = None,
+        retired_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self.storage = storage
+        self.acker = AckerTable()
+        self.persistence = TimeoutPersistenceLayer(
+            storage,
+            timeout_s=timeout_s,
+            buckets=buckets,
+            on_timeout=self._on_timeout,
+            start=clock(),
+        )
+        self._sources = dict(sources or {})
+        self._default_source = default_source
+        self._queue = ReplayQueue()
+        self._retired: TTLCache[int, bool] = TTLCache(
+            maxsize=1 << 20, ttl=retired_ttl_s or 2 * timeout_s, timer=clock
+        )
+        self._retries: dict[int, int] = {}
+        self._listeners: list[CompletionListener] = []
+        self.stats = FTStats()
+        meta = storage.get_meta(_REPLAY_SEQ_META)
+        self._next_replay_seq = int(meta.decode()) if meta else 1
+        self.stats.replay_cursor = self._next_replay_seq - 1
+        self._recover()
+
+    # ---- configuration ---------------------------------------------------------
+
+    def source_config(self, source_id: int) -> SourceConfig | None:
+        return self._sources.get(source_id, self._default_source)
+
+    def add_completion_listener(self, listener: CompletionListener) -> None:
+        self._listeners.append(listener)
+
+    @property
+    def replay_cursor(self) -> int:
+        """The highest replay seq handed out so far (0 before the first failure)."""
+        return self._next_replay_seq - 1
+
+    def retries(self, root: int) -> int:
+        """How many times the record now tracked under `root` has been replayed."""
+        return self._retries.get(root, 0)
+
+    def __len__(self) -> int:
+        return len(self.acker)
+
+    # ---- persist ---------------------------------------------------------------
+
+    def persist(self, batch: RecordBatch, initial_values: ArrayLike | None = None) -> None:
+        """Persist source records before their source emits them.
+
+        `initial_values` are the roots' first ack values: the XOR of the record ids the
+        source emits for each record (0, the default, when it sends those as events).
+        Raises, with nothing stored, on a reserved or repeated root, or a record its
+        source's replay partitioner could not route (no key for a hash partitioner).
+        """
+        self._check_routable(batch)
+        self.acker.add(batch.roots, initial_values)
+        try:
+            self.persistence.persist(batch)
+        except BaseException:
+            self.acker.remove(batch.roots)
+            raise
+        self.stats.persisted += len(batch)
+
+    def _check_routable(self, batch: RecordBatch) -> None:
+        for source_id in np.unique(batch.source_ids).tolist():
+            config = self.source_config(source_id)
+            if config is not None:
+                rows = batch.source_ids == source_id
+                sub = batch if bool(rows.all()) else batch.take(rows)
+                config.partitioner.check_routable(sub, config.num_partitions)
+
+    # ---- xor -------------------------------------------------------------------
+
+    def xor(self, roots: ArrayLike, values: ArrayLike) -> XorResult:
+        """Apply XOR events; completes the roots whose ack value returns to 0."""
+        result = self.acker.xor(roots, values)
+        self.stats.xor_events += len(np.asarray(roots))
+        if len(result.completed):
+            self._complete(result.completed)
+        if len(result.dropped):
+            self._count_dropped(result.dropped)
+        return result
+
+    def xor_one(self, root: int, value: int) -> bool:
+        """One XOR event (cold paths); True if it completed its root."""
+        self.stats.xor_events += 1
+        if self.acker.xor_one(root, value):
+            self._complete(np.array([root], dtype=np.uint64))
+            return True
+        if self.acker.value(root) is None:
+            self._count_dropped(np.array([root], dtype=np.uint64))
+        return False
+
+    def _complete(self, roots: NDArray[np.uint64]) -> None:
+        done = self.persistence.complete(roots)
+        self.stats.completed += len(done)
+        if self._retries:
+            for root in done.roots.tolist():
+                self._retries.pop(root, None)
+        for listener in self._listeners:
+            listener(done)
+
+    def _count_dropped(self, roots: NDArray[np.uint64]) -> None:
+        retired = self._retired
+        late = sum(1 for r in roots.tolist() if r in retired)
+        self.stats.late_events += late
+        self.stats.unknown_events += len(roots) - late
+
+    # ---- fail and replay ---------------------------------------------------------
+
+    def fail(self, roots: ArrayLike, cause: FailCause = FailCause.EXPLICIT) -> int:
+        """Fail pending roots: their records are queued for replay. Returns how many."""
+        keys = np.ascontiguousarray(roots, dtype=np.uint64)
+        pending = self.acker.remove(keys)
+        if len(pending) < len(np.unique(keys)):
+            self._count_dropped(np.setdiff1d(keys, pending))
+        if not len(pending):
+            return 0
+        pending, seqs = self.persistence.take(pending)
+        self._requeue(pending, seqs, cause)
+        return len(pending)
+
+    def tick(self, now: float | None = None) -> int:
+        """Fail the roots whose timeout passed by `now` (default: the clock); returns
+        the number of bucket rotations done."""
+        return self.persistence.tick(self._clock() if now is None else now)
+
+    def _on_timeout(self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
+        self.acker.remove(roots)
+        self._requeue(roots, seqs, FailCause.TIMEOUT)
+
+    def _requeue(
+        self, old_roots: NDArray[np.uint64], seqs: NDArray[np.uint64], cause: FailCause
+    ) -> None:
+        """Step 1: route the stored records; step 2: persist their new roots and replay
+        seqs; step 3: make the new roots pending; step 4: queue them."""
+        n = len(seqs)
+        batch = self.storage.get(seqs)
+        # Step 1. Routing first: a record that cannot be routed must not leave its state.
+        index, partitions = self._route(batch)
+        new_roots = new_ids(n)
+        replay_seqs = np.arange(self._next_replay_seq, self._next_replay_seq + n, dtype=np.uint64)
+        # Step 2. The replay seq counter is stored before any record uses a seq from it.
+        self._next_replay_seq += n
+        self.storage.put_meta(_REPLAY_SEQ_META, str(self._next_replay_seq).encode())
+        self.persistence.retag(seqs, batch, new_roots, replay_seqs)
+        # Step 3.
+        self.acker.add(new_roots)
+        # Step 4.
+        self._queue.append(
+            replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
+        )
+        for root in old_roots.tolist():
+            self._retired[root] = True
+        for old, new in zip(old_roots.tolist(), new_roots.tolist(), strict=True):
+            self._retries[new] = self._retries.pop(old, 0) + 1
+        self.stats.failed[cause.value] += n
+        self.stats.replay_cursor = self.replay_cursor
+
+    def _route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
+        """(record index, target partition) pairs, by each record's source partitioner;
+        sources without a config re-enter their original partition."""
+        index_parts: list[NDArray[np.intp]] = []
+        partition_parts: list[NDArray[np.int32]] = []
+        for source_id in np.unique(batch.source_ids).tolist():
+            rows = np.flatnonzero(batch.source_ids == source_id)
+            config = self.source_config(source_id)
+            if config is None:
+                index_parts.append(rows)
+                partition_parts.append(batch.partitions[rows])
+                continue
+            sub = batch.take(rows) if len(rows) < len(batch) else batch
+            idx, parts = config.partitioner.targets(sub, config.num_partitions)
+            index_parts.append(rows[idx])
+            partition_parts.append(parts.astype(np.int32))
+        if not index_parts:
+            return np.zeros(0, np.intp), np.zeros(0, np.int32)
+        index = np.concatenate(index_parts)
+        order = np.argsort(index, kind="stable")
+        return index[order], np.concatenate(partition_parts)[order]
+
+    def fetch_replay(
+        self,
+        lo: int,
+        hi: int,
+        *,
+        source_id: int | None = None,
+        partition: int | None = None,
+    ) -> ReplayRecords:
+        """Replayed records with lo < replay seq <= hi (optionally of one source and one
+        target partition) whose roots are still pending. The same range gives the same
+        records until they complete, fail again or are pruned."""
+        rseqs, roots, seqs, parts = self._queue.select(lo, hi, source_id, partition)
+        live = np.fromiter(
+            (
+                self.persistence.seq_of(r) == s
+                for r, s in zip(roots.tolist(), seqs.tolist(), strict=True)
+            ),
+            dtype=np.bool_,
+            count=len(roots),
+        )
+        if not live.all():
+            rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
+        records = self.storage.get(seqs).with_roots(roots)
+        return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
+
+    def prune_replay(self, upto: int) -> int:
+        """Forget queue entries with replay seq <= upto (their batches are checkpointed)."""
+        return self._queue.prune(upto)
+
+    # ---- recovery and status ---------------------------------------------------
+
+    def _recover(self) -> None:
+        """Every record found in storage at start was pending when the last process
+        stopped; ack values are not durable, so each is replayed under a new root."""
+        # Collect first: re-tagging writes to the storage being scanned.
+        found = [(batch.roots, seqs) for seqs, batch, _replay in self.storage.scan()]
+        for roots, seqs in found:
+            self._requeue(roots, seqs, FailCause.RECOVERY)
+
+    def snapshot_stats(self) -> FTStats:
+        """The counters, with pending and queue length filled in."""
+        self.stats.pending = len(self.acker)
+        self.stats.replay_queue = len(self._queue)
+        self.stats.replay_cursor = self.replay_cursor
+        return self.stats

@@ -1,0 +1,316 @@
+"""Handlers: the FT work sources and tasks do around user code.
+
+Every record in the pipeline carries anchors: (root id, record id) pairs. A source
+record, and every record derived from exactly one input, carries one pair; a record
+derived from several inputs (an aggregate: multi-anchoring) carries one pair per input
+it was derived from, each under that input's root.
+
+- Persister (sources): before records are emitted, draws a root id and a record id for
+  each, and persists the records with their first ack value set to that record id, so
+  the source needs no separate XOR event.
+- TaskHandler (tasks; the blueprint's AnchorHandler and XorHandler together): for a
+  batch of inputs and the outputs derived from them, draws a fresh id for every
+  (input, output) edge, gives each output its pairs (anchoring), and sends one XOR
+  event per input pair, as Storm does: the pair's record id XOR the ids of every edge
+  leaving that input. Inputs that failed (FailException) send a fail for their roots
+  instead, and must have no outputs. A terminal task (a sink) is a task with no outputs.
+- XorHandler: buffers XOR and fail events and sends them in batches.
+
+With FT off, NoFTPersister and NoFTTaskHandler do nothing at all; the wrappers of the
+integration package do not even build anchors then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ftlayer.errors import FailException
+from ftlayer.ids import new_ids
+from ftlayer.records import RecordBatch
+
+__all__ = [
+    "Anchors",
+    "FTChannel",
+    "FailException",
+    "NoFTPersister",
+    "NoFTTaskHandler",
+    "Persister",
+    "TaskHandler",
+    "XorHandler",
+    "handlers",
+]
+
+
+class FTChannel(Protocol):
+    """Where handlers send their work: the FT layer itself, or a client of its server."""
+
+    def persist(self, batch: RecordBatch, initial_values: ArrayLike | None = None) -> None: ...
+
+    def xor(self, roots: ArrayLike, values: ArrayLike) -> object: ...
+
+    def fail(self, roots: ArrayLike) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Anchors:
+    """The anchors of a batch of records, in CSR form: record i carries the pairs
+    (roots[k], ids[k]) for offsets[i] <= k < offsets[i + 1]."""
+
+    offsets: NDArray[np.int64]
+    roots: NDArray[np.uint64]
+    ids: NDArray[np.uint64]
+
+    @classmethod
+    def single(cls, roots: ArrayLike, ids: ArrayLike) -> Anchors:
+        """One pair per record."""
+        r = np.ascontiguousarray(roots, dtype=np.uint64)
+        i = np.ascontiguousarray(ids, dtype=np.uint64)
+        if len(r) != len(i):
+            raise ValueError(f"anchors: {len(r)} roots but {len(i)} ids")
+        return cls(np.arange(len(r) + 1, dtype=np.int64), r, i)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.roots) == len(self)
+
+    def pairs(self, i: int) -> list[tuple[int, int]]:
+        """The (root, id) pairs of record i."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return list(zip(self.roots[lo:hi].tolist(), self.ids[lo:hi].tolist(), strict=True))
+
+
+class XorHandler:
+    """Buffers XOR events and fails; flushes when `flush_events` are buffered or on flush()."""
+
+    def __init__(self, channel: FTChannel, *, flush_events: int = 65536) -> None:
+        self._channel = channel
+        self._flush_events = flush_events
+        self._roots: list[NDArray[np.uint64]] = []
+        self._values: list[NDArray[np.uint64]] = []
+        self._buffered = 0
+        self._fails: list[NDArray[np.uint64]] = []
+
+    @property
+    def buffered(self) -> int:
+        return self._buffered
+
+    def add(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
+        if len(roots):
+            self._roots.append(roots)
+            self._values.append(values)
+            self._buffered += len(roots)
+            if self._buffered >= self._flush_events:
+                self.flush()
+
+    def fail(self, roots: NDArray[np.uint64]) -> None:
+        if len(roots):
+            self._fails.append(roots)
+
+    def flush(self) -> None:
+        """Send buffered fails, then buffered XOR events. Failing first means events
+        of a failed tree that arrive with them are counted as late, not unknown."""
+        if self._fails:
+            fails, self._fails = np.concatenate(self._fails), []
+            self._channel.fail(fails)
+        if self._roots:
+            roots, values = np.concatenate(self._roots), np.concatenate(self._values)
+            self._roots, self._values, self._buffered = [], [], 0
+            self._channel.xor(roots, values)
+
+
+class Persister:
+    """Source side: persist records before they are emitted; returns their anchors."""
+
+    def __init__(self, channel: FTChannel, *, source_id: int = 0) -> None:
+        self._channel = channel
+        self.source_id = source_id
+
+    def persist(
+        self,
+        payloads: Sequence[bytes],
+        *,
+        topics: Sequence[str] | str,
+        partitions: ArrayLike,
+        offsets: ArrayLike,
+        key_hashes: ArrayLike | None = None,
+        has_key: ArrayLike | None = None,
+    ) -> Anchors:
+        """Persist one batch of source records; returns one (root, id) pair per record.
+
+        Returns only once the channel confirmed the records are stored, so a source
+        that emits after this call never emits an unpersisted record.
+        """
+        n = len(payloads)
+        roots, ids = new_ids(n), new_ids(n)
+        batch = RecordBatch.build(
+            roots,
+            payloads,
+            source_ids=self.source_id,
+            key_hashes=None if key_hashes is None else np.asarray(key_hashes, dtype=np.int64),
+            has_key=None if has_key is None else np.asarray(has_key, dtype=np.bool_),
+            topics=topics,
+            partitions=np.asarray(partitions, dtype=np.int32),
+            offsets=np.asarray(offsets, dtype=np.int64),
+        )
+        self._channel.persist(batch, ids)
+        return Anchors.single(roots, ids)
+
+
+class NoFTPersister:
+    """FT off: persists nothing, anchors nothing."""
+
+    source_id = 0
+
+    def persist(self, payloads: Sequence[bytes], **_: object) -> None:
+        return None
+
+
+class _RecordScope:
+    """One input record being processed one at a time (see TaskHandler.anchor)."""
+
+    def __init__(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.pairs = list(pairs)
+        self.edges = np.uint64(0)
+
+    def emit(self) -> list[tuple[int, int]]:
+        """Anchors for a new output record derived from this input."""
+        edge = new_ids(1)[0]
+        self.edges ^= edge
+        return [(root, int(edge)) for root, _ in self.pairs]
+
+
+class TaskHandler:
+    """Task side: anchoring and combined XOR events for batches of inputs."""
+
+    def __init__(self, xor: XorHandler | FTChannel) -> None:
+        self.xor = xor if isinstance(xor, XorHandler) else XorHandler(xor)
+
+    def process(
+        self,
+        inputs: Anchors,
+        parents: ArrayLike,
+        failed: ArrayLike | None = None,
+    ) -> Anchors:
+        """Inputs processed into outputs, output j derived from input parents[j].
+
+        map: parents = arange(n); flat_map: each input's index once per output;
+        filter: the indices of the kept inputs; a sink: no outputs. Inputs marked in
+        `failed` have their roots failed. Returns the outputs' anchors.
+        """
+        edge_parent = np.ascontiguousarray(parents, dtype=np.intp)
+        edge_child = np.arange(len(edge_parent), dtype=np.intp)
+        return self._process(inputs, edge_parent, edge_child, len(edge_parent), failed)
+
+    def process_grouped(
+        self,
+        inputs: Anchors,
+        groups: ArrayLike,
+        n_groups: int,
+        failed: ArrayLike | None = None,
+    ) -> Anchors:
+        """Multi-anchoring: output g is derived from every input i with groups[i] == g
+        (an aggregation). Failed inputs are left out of their group's output."""
+        group = np.ascontiguousarray(groups, dtype=np.intp)
+        if len(group) != len(inputs):
+            raise ValueError(f"process_grouped: {len(inputs)} inputs but {len(group)} groups")
+        edge_parent = np.arange(len(inputs), dtype=np.intp)
+        if failed is not None:
+            edge_parent = edge_parent[~np.asarray(failed, dtype=np.bool_)]
+        return self._process(inputs, edge_parent, group[edge_parent], n_groups, failed)
+
+    def _process(
+        self,
+        inputs: Anchors,
+        edge_parent: NDArray[np.intp],
+        edge_child: NDArray[np.intp],
+        n_children: int,
+        failed: ArrayLike | None,
+    ) -> Anchors:
+        n = len(inputs)
+        edges = new_ids(len(edge_parent))
+        combined = np.zeros(n, dtype=np.uint64)
+        np.bitwise_xor.at(combined, edge_parent, edges)
+        counts = np.diff(inputs.offsets)
+        pair_input = (
+            np.arange(n, dtype=np.intp) if inputs.is_single else np.repeat(np.arange(n), counts)
+        )
+        values = inputs.ids ^ combined[pair_input]
+        if failed is None:
+            self.xor.add(inputs.roots, values)
+        else:
+            failed_mask = np.asarray(failed, dtype=np.bool_)
+            if len(failed_mask) != n:
+                raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
+            if bool(failed_mask[edge_parent].any()):
+                raise ValueError("a failed input cannot have outputs")
+            ok = ~failed_mask[pair_input]
+            self.xor.fail(np.unique(inputs.roots[~ok]))
+            self.xor.add(inputs.roots[ok], values[ok])
+        # Anchoring: each output gets, per edge into it, the edge id under every root
+        # of the edge's input.
+        if inputs.is_single:
+            roots, ids, child = inputs.roots[edge_parent], edges, edge_child
+        else:
+            per_edge = counts[edge_parent]
+            edge_of_pair = np.repeat(np.arange(len(edge_parent)), per_edge)
+            first = np.repeat(np.cumsum(per_edge) - per_edge, per_edge)
+            pair = np.repeat(inputs.offsets[:-1][edge_parent], per_edge) + (
+                np.arange(len(edge_of_pair)) - first
+            )
+            roots, ids, child = inputs.roots[pair], edges[edge_of_pair], edge_child[edge_of_pair]
+        if len(child) > 1 and bool((np.diff(child) < 0).any()):
+            order = np.argsort(child, kind="stable")
+            roots, ids, child = roots[order], ids[order], child[order]
+        offsets = np.zeros(n_children + 1, dtype=np.int64)
+        np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
+        return Anchors(offsets, roots, ids)
+
+    @contextmanager
+    def anchor(self, pairs: Sequence[tuple[int, int]]) -> Iterator[_RecordScope]:
+        """Process one input record: `with handler.anchor(pairs) as rec: rec.emit()`.
+
+        On normal exit the input is acked (one combined event per pair); on
+        FailException its roots fail and the exception is swallowed, so the caller
+        moves on to the next record. Any other exception propagates, unacked: the
+        tree then times out, unless the caller fails it.
+        """
+        scope = _RecordScope(pairs)
+        try:
+            yield scope
+        except FailException:
+            self.xor.fail(np.array(sorted({r for r, _ in scope.pairs}), dtype=np.uint64))
+            return
+        roots = np.array([r for r, _ in scope.pairs], dtype=np.uint64)
+        ids = np.array([i for _, i in scope.pairs], dtype=np.uint64)
+        self.xor.add(roots, ids ^ scope.edges)
+
+    def flush(self) -> None:
+        self.xor.flush()
+
+
+class NoFTTaskHandler:
+    """FT off: anchors nothing and sends nothing."""
+
+    def process(self, inputs: object, parents: object, failed: object = None) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+
+def handlers(
+    channel: FTChannel | None, *, source_id: int = 0
+) -> tuple[Persister | NoFTPersister, TaskHandler | NoFTTaskHandler]:
+    """The FT switch: real handlers for a channel, no-op handlers for None (FT off)."""
+    if channel is None:
+        return NoFTPersister(), NoFTTaskHandler()
+    return Persister(channel, source_id=source_id), TaskHandler(channel)

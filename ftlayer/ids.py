@@ -1,0 +1,50 @@
+"""Record ids: random 64-bit integers, generated in batches.
+
+A RecordId is (root id, record id). The root id names the source record a record
+descends from (new on every replay); the record id names the record itself. Both are
+drawn uniformly from [2, 2**64): 0 marks "no id" on the wire and in the acker table,
+and 1 marks a deleted acker slot, so neither is ever handed out.
+
+Why random and 64 bits: a tree is complete when the XOR of all ids sent for it returns
+to 0. With ids independent and uniform, a set of ids that should not cancel does so with
+probability 2**-64 per check (docs/guarantees.md), and no coordination between processes
+is needed to keep ids unique.
+
+Generators are per process and re-seeded from os.urandom after fork, so forked Spark
+workers never draw the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+from numpy.typing import NDArray
+
+#: Smallest id ever generated; 0 and 1 are reserved (no id, deleted acker slot).
+MIN_ID = 2
+
+_state = threading.local()
+
+
+def _generator() -> np.random.Generator:
+    gen: np.random.Generator | None = getattr(_state, "gen", None)
+    if gen is None or getattr(_state, "pid", None) != os.getpid():
+        gen = np.random.Generator(np.random.PCG64(int.from_bytes(os.urandom(16), "little")))
+        _state.gen = gen
+        _state.pid = os.getpid()
+    return gen
+
+
+def new_ids(n: int) -> NDArray[np.uint64]:
+    """`n` fresh random ids in [2, 2**64), as a uint64 array."""
+    if n < 0:
+        raise ValueError(f"cannot generate a negative number of ids: {n}")
+    ids = _generator().integers(MIN_ID, 2**64, size=n, dtype=np.uint64, endpoint=False)
+    return ids
+
+
+def new_id() -> int:
+    """One fresh random id (cold paths; hot paths call new_ids)."""
+    return int(new_ids(1)[0])

@@ -1,0 +1,160 @@
+"""Persisted source records, as columns.
+
+The FT layer never deserializes a record: it keeps the raw payload bytes and the few
+fields the fault-tolerance logic needs (the blueprint's "semi-deserialized" record):
+
+| column      | dtype   | meaning                                                        |
+|-------------|---------|----------------------------------------------------------------|
+| roots       | uint64  | the root id the record is tracked under (new on every replay)  |
+| source_ids  | uint32  | which source emitted it (replays go back to that source)       |
+| key_hashes  | int64   | the stored key hash the hash/key-group partitioners replay by  |
+| has_key     | bool    | False for a record without a key (no hash partitioning)        |
+| topics      | str     | Kafka coordinates: topic ...                                   |
+| partitions  | int32   | ... partition (the source partition the record first entered)  |
+| offsets     | int64   | ... and offset                                                 |
+| payloads    | bytes   | the raw record bytes, opaque to the FT layer                   |
+
+Batches are columnar so the hot paths (persist, delete, replay) work on arrays, not on
+one Python object per record; only topics and payloads are Python lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Sized
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+U64 = NDArray[np.uint64]
+I64 = NDArray[np.int64]
+I32 = NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordBatch:
+    """A batch of semi-deserialized source records; every column has the same length."""
+
+    roots: NDArray[np.uint64]
+    source_ids: NDArray[np.uint32]
+    key_hashes: NDArray[np.int64]
+    has_key: NDArray[np.bool_]
+    topics: Sequence[str]
+    partitions: NDArray[np.int32]
+    offsets: NDArray[np.int64]
+    payloads: Sequence[bytes]
+
+    def __post_init__(self) -> None:
+        n = len(self.roots)
+        columns: dict[str, Sized] = {
+            "source_ids": self.source_ids,
+            "key_hashes": self.key_hashes,
+            "has_key": self.has_key,
+            "topics": self.topics,
+            "partitions": self.partitions,
+            "offsets": self.offsets,
+            "payloads": self.payloads,
+        }
+        for name, column in columns.items():
+            if len(column) != n:
+                raise ValueError(
+                    f"RecordBatch column {name!r} has {len(column)} entries, roots has {n}"
+                )
+
+    def __len__(self) -> int:
+        return len(self.roots)
+
+    @classmethod
+    def build(
+        cls,
+        roots: Sequence[int] | NDArray[np.uint64],
+        payloads: Sequence[bytes],
+        *,
+        source_ids: Sequence[int] | NDArray[np.uint32] | int = 0,
+        key_hashes: Sequence[int] | NDArray[np.int64] | None = None,
+        has_key: Sequence[bool] | NDArray[np.bool_] | None = None,
+        topics: Sequence[str] | str = "",
+        partitions: Sequence[int] | NDArray[np.int32] | int = 0,
+        offsets: Sequence[int] | NDArray[np.int64] | None = None,
+    ) -> RecordBatch:
+        """Build a batch from plain sequences; scalars broadcast to every record.
+
+        Without key_hashes no record has a key; without offsets the offsets are 0..n-1.
+        """
+        n = len(roots)
+        roots_a = np.asarray(roots, dtype=np.uint64)
+        if key_hashes is None:
+            hashes_a = np.zeros(n, dtype=np.int64)
+            has_key_a = np.zeros(n, dtype=np.bool_) if has_key is None else np.asarray(has_key)
+        else:
+            hashes_a = np.asarray(key_hashes, dtype=np.int64)
+            has_key_a = np.ones(n, dtype=np.bool_) if has_key is None else np.asarray(has_key)
+        return cls(
+            roots=roots_a,
+            source_ids=_column(source_ids, n).astype(np.uint32, copy=False),
+            key_hashes=hashes_a,
+            has_key=has_key_a.astype(np.bool_, copy=False),
+            topics=[topics] * n if isinstance(topics, str) else list(topics),
+            partitions=_column(partitions, n).astype(np.int32, copy=False),
+            offsets=(
+                np.arange(n, dtype=np.int64)
+                if offsets is None
+                else np.asarray(offsets, dtype=np.int64)
+            ),
+            payloads=list(payloads),
+        )
+
+    def take(self, index: NDArray[np.intp] | NDArray[np.bool_]) -> RecordBatch:
+        """The records at `index` (an integer index array or a boolean mask), in that order."""
+        positions = np.flatnonzero(index) if index.dtype == np.bool_ else index
+        pos_list = positions.tolist()
+        return RecordBatch(
+            roots=self.roots[positions],
+            source_ids=self.source_ids[positions],
+            key_hashes=self.key_hashes[positions],
+            has_key=self.has_key[positions],
+            topics=[self.topics[i] for i in pos_list],
+            partitions=self.partitions[positions],
+            offsets=self.offsets[positions],
+            payloads=[self.payloads[i] for i in pos_list],
+        )
+
+    def with_roots(self, roots: NDArray[np.uint64]) -> RecordBatch:
+        """The same records tracked under other root ids (what a replay does)."""
+        return RecordBatch(
+            roots=np.asarray(roots, dtype=np.uint64),
+            source_ids=self.source_ids,
+            key_hashes=self.key_hashes,
+            has_key=self.has_key,
+            topics=self.topics,
+            partitions=self.partitions,
+            offsets=self.offsets,
+            payloads=self.payloads,
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[RecordBatch]) -> RecordBatch:
+        """One batch holding the records of `batches`, in order."""
+        if not batches:
+            return cls.empty()
+        return cls(
+            roots=np.concatenate([b.roots for b in batches]),
+            source_ids=np.concatenate([b.source_ids for b in batches]),
+            key_hashes=np.concatenate([b.key_hashes for b in batches]),
+            has_key=np.concatenate([b.has_key for b in batches]),
+            topics=[t for b in batches for t in b.topics],
+            partitions=np.concatenate([b.partitions for b in batches]),
+            offsets=np.concatenate([b.offsets for b in batches]),
+            payloads=[p for b in batches for p in b.payloads],
+        )
+
+    @classmethod
+    def empty(cls) -> RecordBatch:
+        return cls.build(np.zeros(0, dtype=np.uint64), [])
+
+
+def _column(value: Sequence[int] | NDArray[np.integer] | int, n: int) -> NDArray[np.int64]:
+    """A column of n integers from a sequence, or a scalar repeated n times."""
+    if isinstance(value, int):
+        return np.full(n, value, dtype=np.int64)
+    return np.asarray(value, dtype=np.int64)

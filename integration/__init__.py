@@ -1,0 +1,1 @@
+"""PySpark and Kafka integration: the Kafka stream source, task wrappers, sinks, Kafka helpers."""

@@ -1,0 +1,371 @@
+"""The persistence storage contract: where every source record waits until its tree completes.
+
+Before a source emits a record, the FT layer stores it here (`put`); when the record's
+tree completes it is deleted (`delete`); when the tree fails, the stored record is
+re-tagged with a new root id and queued for replay (`set_roots`). After a crash,
+recovery rebuilds the FT layer's in-memory state from `scan`. So a record the source
+emitted is lost only if the storage loses it.
+
+Storage sequence numbers
+------------------------
+Every stored record is named by its storage sequence number, `seq`: a uint64 that the
+storage hands out, starting at 1 and strictly increasing in put order. A seq is never
+reused, not even after every record was deleted and, for a durable storage, not after a
+restart (the storage keeps its high-water mark). Seq order is therefore put order, and
+`scan` returns records in it. The root id cannot be the key: it changes on every replay.
+
+Atomicity and errors
+--------------------
+Every writing operation works on a batch and is atomic: all of it is written in one
+transaction, or on any error nothing is. Reading operations see committed state only.
+
+- `StorageError`: the storage cannot do what was asked (it is closed, a topic is too
+  long for the layout, the disk refused); nothing was written.
+- `RecordNotStored` (a `StorageError` and a `KeyError`): `get` or `set_roots` named a seq
+  that is not stored; its message names the seqs.
+- `ConfigError`: an argument is malformed (columns of different lengths, a seq that is
+  not a non-negative integer, `batch_size < 1`, an empty or over-long meta key).
+
+A storage is not thread-safe: callers use it from one thread at a time.
+
+Record value layout
+-------------------
+Every storage stores a record as one byte string: a 43-byte packed header, then the
+topic, then the payload, untouched. All integers are little-endian; there is no padding.
+
+| offset    | size | field      | type | meaning                                          |
+|-----------|------|------------|------|--------------------------------------------------|
+| 0         | 8    | root       | u64  | root id the record is tracked under               |
+| 8         | 8    | replay_seq | u64  | position in the replay queue; 0 = not queued      |
+| 16        | 4    | source_id  | u32  | the source that emitted it                        |
+| 20        | 1    | has_key    | u8   | 1 if the Kafka record had a key, else 0           |
+| 21        | 8    | key_hash   | i64  | stored key hash (hash/key-group partitioners)     |
+| 29        | 4    | partition  | i32  | Kafka partition the record first entered          |
+| 33        | 8    | offset     | i64  | Kafka offset                                      |
+| 41        | 2    | topic_len  | u16  | length T of the topic in bytes                    |
+| 43        | T    | topic      | utf-8| Kafka topic                                       |
+| 43 + T    | rest | payload    | raw  | the record bytes, opaque to the FT layer          |
+
+Headers are built and parsed a batch at a time with numpy (`HEADER` below), so the
+per-record Python work is one concatenation when storing and three slices when reading.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Final, Self
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.errors import ConfigError, StorageError
+from ftlayer.records import RecordBatch
+
+HEADER: Final = np.dtype(
+    [
+        ("root", "<u8"),
+        ("replay_seq", "<u8"),
+        ("source_id", "<u4"),
+        ("has_key", "u1"),
+        ("key_hash", "<i8"),
+        ("partition", "<i4"),
+        ("offset", "<i8"),
+        ("topic_len", "<u2"),
+    ]
+)
+"""The packed record header (43 bytes); see the layout table in the module docstring."""
+
+HEADER_SIZE: Final = HEADER.itemsize
+MAX_TOPIC_BYTES: Final = 0xFFFF
+MAX_META_KEY_BYTES: Final = 511
+"""LMDB's key size limit; the memory storage enforces it too so both behave alike."""
+
+# root and replay_seq: the first 16 header bytes, the only ones `set_roots` rewrites.
+_TAGS: Final = np.dtype([("root", "<u8"), ("replay_seq", "<u8")])
+
+Seqs = NDArray[np.uint64] | Sequence[int]
+"""Storage sequence numbers: a uint64 array, or any sequence of non-negative ints."""
+
+
+class RecordNotStored(StorageError, KeyError):
+    """A seq given to `get` or `set_roots` is not stored (never was, or was deleted)."""
+
+    def __init__(self, missing: NDArray[np.uint64]) -> None:
+        shown = ", ".join(str(seq) for seq in missing[:10].tolist())
+        more = f" ({len(missing)} in all)" if len(missing) > 10 else ""
+        verb = "seq {} is" if len(missing) == 1 else "seqs {} are"
+        super().__init__(f"{verb.format(shown + more)} not stored")
+        self.missing = missing
+
+    def __str__(self) -> str:
+        # KeyError would show the message quoted, as if it were the key itself.
+        return str(self.args[0])
+
+
+class PersistenceStorage(ABC):
+    """Stores source records under storage sequence numbers; the module docstring is the spec.
+
+    Implementations: `LmdbStorage` (durable, the default) and `MemoryStorage` (same
+    contract, nothing survives the process). Use as a context manager, or call `close`.
+    """
+
+    @abstractmethod
+    def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+        """Store every record of `batch` in one transaction; return their seqs in batch order.
+
+        The seqs are the next `len(batch)` numbers, consecutive. Every record is stored
+        with replay_seq 0 (not queued for replay). An empty batch stores nothing and uses
+        no seq. Raises StorageError (nothing stored, no seq used) if a topic is longer than
+        65535 UTF-8 bytes, and TypeError if a payload is not bytes-like.
+        """
+
+    @abstractmethod
+    def delete(self, seqs: Seqs) -> int:
+        """Delete the records `seqs` in one transaction; return how many were stored.
+
+        Seqs that are not stored are ignored; a seq given twice counts once.
+        """
+
+    @abstractmethod
+    def get(self, seqs: Seqs) -> RecordBatch:
+        """The stored records `seqs`, in that order (a seq given twice appears twice).
+
+        Raises RecordNotStored naming every seq that is not stored.
+        """
+
+    @abstractmethod
+    def set_roots(
+        self,
+        seqs: Seqs,
+        roots: NDArray[np.uint64] | Sequence[int],
+        replay_seqs: NDArray[np.uint64] | Sequence[int],
+    ) -> None:
+        """Rewrite the root id and replay seq of stored records, in one transaction.
+
+        This is what failing a tree does: the record gets a new root and, with
+        replay_seq > 0, a place in the replay queue (0 means not queued). Everything else
+        about the record is unchanged. If a seq is given twice, its last entry wins.
+        Raises RecordNotStored (nothing written) if a seq is not stored, and ConfigError
+        if the three columns differ in length.
+        """
+
+    @abstractmethod
+    def scan(
+        self, batch_size: int = 65536
+    ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
+        """Every stored record in seq order, as (seqs, batch, replay_seqs) of up to `batch_size`.
+
+        Recovery uses it to rebuild the in-memory state. Each chunk is read consistently;
+        records put or deleted while a scan is in progress may or may not appear.
+        Raises ConfigError at once if batch_size < 1.
+        """
+
+    @abstractmethod
+    def get_meta(self, key: str) -> bytes | None:
+        """The value stored under meta key `key`, or None."""
+
+    @abstractmethod
+    def put_meta(self, key: str, value: bytes) -> None:
+        """Store `value` under meta key `key` (1 to 511 UTF-8 bytes), replacing any old value.
+
+        Meta entries live apart from the records: FT-layer state such as checkpoints.
+        """
+
+    @property
+    @abstractmethod
+    def next_seq(self) -> int:
+        """The seq the next stored record will get."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """How many records are stored."""
+
+    @abstractmethod
+    def size_bytes(self) -> int:
+        """The storage's size in bytes: on disk for LMDB, approximate memory in memory."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Flush committed writes to durable storage (a no-op where nothing is durable)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the storage. Idempotent; any other use afterwards raises StorageError."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once `close` was called."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def as_seqs(seqs: Seqs) -> NDArray[np.uint64]:
+    """`seqs` as a 1-d uint64 array; ConfigError unless they are non-negative integers."""
+    if isinstance(seqs, np.ndarray) and seqs.dtype == np.uint64 and seqs.ndim == 1:
+        return seqs
+    array = np.asarray(seqs)
+    if array.ndim != 1:
+        raise ConfigError(f"seqs must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if array.dtype.kind not in "iu" or (array.dtype.kind == "i" and bool((array < 0).any())):
+        raise ConfigError(f"seqs must be non-negative integers, got {array[:5].tolist()}...")
+    return array.astype(np.uint64)
+
+
+def check_retag_columns(
+    seqs: Seqs,
+    roots: NDArray[np.uint64] | Sequence[int],
+    replay_seqs: NDArray[np.uint64] | Sequence[int],
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]:
+    """The three `set_roots` columns as uint64 arrays; ConfigError if their lengths differ."""
+    seq_array = as_seqs(seqs)
+    root_array = np.asarray(roots, dtype=np.uint64)
+    replay_array = np.asarray(replay_seqs, dtype=np.uint64)
+    if not len(seq_array) == len(root_array) == len(replay_array):
+        raise ConfigError(
+            f"set_roots needs one root and one replay seq per seq: got {len(seq_array)} seqs, "
+            f"{len(root_array)} roots, {len(replay_array)} replay seqs"
+        )
+    return seq_array, root_array, replay_array
+
+
+def check_stored(seqs: NDArray[np.uint64], values: Sequence[bytes | None]) -> None:
+    """Raise RecordNotStored naming the seqs whose value is None (not stored)."""
+    if None in values:
+        missing = np.array([value is None for value in values], dtype=np.bool_)
+        raise RecordNotStored(seqs[missing])
+
+
+def check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ConfigError(f"scan batch_size must be at least 1, got {batch_size}")
+
+
+def encode_meta_key(key: str) -> bytes:
+    """`key` as UTF-8; ConfigError unless it is a str of 1 to 511 bytes."""
+    if not isinstance(key, str):
+        raise ConfigError(f"meta keys are str, got {type(key).__name__}: {key!r}")
+    encoded = key.encode("utf-8")
+    if not 0 < len(encoded) <= MAX_META_KEY_BYTES:
+        raise ConfigError(
+            f"meta key must be 1 to {MAX_META_KEY_BYTES} UTF-8 bytes, got {len(encoded)}: "
+            f"{key[:40]!r}"
+        )
+    return encoded
+
+
+def encode_records(batch: RecordBatch) -> list[bytes]:
+    """The stored value of every record in `batch` (replay_seq 0), in batch order.
+
+    Headers are filled column by column in one structured array; for each distinct topic
+    the header and topic bytes of its records become fixed-width rows, turned into one
+    bytes object per record by numpy; only the payload concatenation is per record.
+    """
+    n = len(batch)
+    if n == 0:
+        return []
+    head = np.empty(n, dtype=HEADER)
+    head["root"] = batch.roots
+    head["replay_seq"] = 0
+    head["source_id"] = batch.source_ids
+    head["has_key"] = batch.has_key
+    head["key_hash"] = batch.key_hashes
+    head["partition"] = batch.partitions
+    head["offset"] = batch.offsets
+    topic_bytes = _encode_topics(batch.topics)
+    if len(topic_bytes) == 1:
+        prefixes = _prefixes(head, next(iter(topic_bytes.values())))
+    else:
+        codes_by_topic = {topic: code for code, topic in enumerate(topic_bytes)}
+        codes = np.fromiter(map(codes_by_topic.__getitem__, batch.topics), np.intp, n)
+        order = np.argsort(codes, kind="stable")
+        ends = np.cumsum(np.bincount(codes, minlength=len(topic_bytes)))
+        grouped = np.empty(n, dtype=object)
+        start = 0
+        for encoded, end in zip(topic_bytes.values(), ends.tolist(), strict=True):
+            rows = order[start:end]
+            grouped[rows] = _prefixes(head[rows], encoded)
+            start = end
+        prefixes = grouped.tolist()
+    return list(map(operator.add, prefixes, batch.payloads))
+
+
+def _encode_topics(topics: Sequence[str]) -> dict[str, bytes]:
+    """Each distinct topic (in first-seen order) with its UTF-8 bytes."""
+    # list.count compares by identity first, so a batch built with one topic object
+    # (the usual case) is recognised without hashing every entry.
+    distinct = [topics[0]] if topics.count(topics[0]) == len(topics) else dict.fromkeys(topics)
+    encoded = {topic: topic.encode("utf-8") for topic in distinct}
+    too_long = [topic for topic, raw in encoded.items() if len(raw) > MAX_TOPIC_BYTES]
+    if too_long:
+        raise StorageError(
+            f"topic {too_long[0][:40]!r}... is {len(encoded[too_long[0]])} UTF-8 bytes, "
+            f"more than the {MAX_TOPIC_BYTES} the record layout allows; nothing was stored"
+        )
+    return encoded
+
+
+def _prefixes(head: NDArray[np.void], topic: bytes) -> list[bytes]:
+    """Header + topic of each record in `head` (all with this topic), one bytes each."""
+    n = len(head)
+    head["topic_len"] = len(topic)
+    width = HEADER_SIZE + len(topic)
+    rows = np.empty((n, width), dtype=np.uint8)
+    rows[:, :HEADER_SIZE] = head.view(np.uint8).reshape(n, HEADER_SIZE)
+    rows[:, HEADER_SIZE:] = np.frombuffer(topic, dtype=np.uint8)
+    prefixes: list[bytes] = rows.view(f"V{width}").ravel().tolist()
+    return prefixes
+
+
+def decode_records(values: Sequence[bytes]) -> tuple[RecordBatch, NDArray[np.uint64]]:
+    """The records stored as `values` (see the layout), and their replay seqs."""
+    n = len(values)
+    header_bytes = b"".join([value[:HEADER_SIZE] for value in values])
+    if len(header_bytes) != n * HEADER_SIZE:
+        raise StorageError("a stored record is shorter than the record header: storage corrupt")
+    head = np.frombuffer(header_bytes, dtype=HEADER)
+    topic_ends = (head["topic_len"].astype(np.intp) + HEADER_SIZE).tolist()
+    names: dict[bytes, str] = {}
+    topics = []
+    for value, end in zip(values, topic_ends, strict=True):
+        raw = value[HEADER_SIZE:end]
+        topic = names.get(raw)
+        if topic is None:
+            topic = names[raw] = raw.decode("utf-8")
+        topics.append(topic)
+    batch = RecordBatch(
+        roots=head["root"].astype(np.uint64),
+        source_ids=head["source_id"].astype(np.uint32),
+        key_hashes=head["key_hash"].astype(np.int64),
+        has_key=head["has_key"].astype(np.bool_),
+        topics=topics,
+        partitions=head["partition"].astype(np.int32),
+        offsets=head["offset"].astype(np.int64),
+        payloads=[value[end:] for value, end in zip(values, topic_ends, strict=True)],
+    )
+    return batch, head["replay_seq"].astype(np.uint64)
+
+
+def retag_records(
+    values: Sequence[bytes], roots: NDArray[np.uint64], replay_seqs: NDArray[np.uint64]
+) -> list[bytes]:
+    """`values` with root and replay_seq replaced (the first 16 bytes); the rest is kept."""
+    tags = np.empty(len(values), dtype=_TAGS)
+    tags["root"] = roots
+    tags["replay_seq"] = replay_seqs
+    prefixes: list[bytes] = tags.view(f"V{_TAGS.itemsize}").tolist()
+    return list(map(operator.add, prefixes, [value[_TAGS.itemsize :] for value in values]))

@@ -1,0 +1,402 @@
+"""The LMDB persistence storage: the default, durable `PersistenceStorage`.
+
+One LMDB environment (a directory holding data.mdb and lock.mdb) with three named
+sub-databases:
+
+| sub-database | key                       | value                                         |
+|--------------|---------------------------|-----------------------------------------------|
+| `records`    | seq, 8 bytes big-endian   | the record value (layout in `base`)           |
+| `meta`       | UTF-8 meta key            | the caller's bytes (`put_meta`)               |
+| `ftlayer`    | `format`, `next_seq`      | format marker; seq high-water mark, 8 bytes BE |
+
+Big-endian seq keys sort in seq order, and seqs only grow, so every `put` appends at the
+right edge of the B-tree (`putmulti(append=True)` skips the key search) and deletes of
+records completed in roughly put order touch neighbouring pages. The high-water mark is
+written in the same transaction as the records it covers, so a seq is never reused even
+after every record was deleted; on open the next seq is the larger of it and the last
+key + 1.
+
+Opening never writes into something that is not ours. A path that is a file, a
+non-empty directory without data.mdb, a data.mdb that LMDB cannot read, or an LMDB
+environment without our format marker raises NotAnLmdbEnvironment and leaves the path
+byte-for-byte untouched: an existing data.mdb is first probed read-only without the lock
+file (LMDB would otherwise create lock.mdb before reading data.mdb). The one exception is
+an LMDB environment whose main database is empty, which is what a crash between creating
+a store and its first commit leaves behind: it becomes a store.
+
+The map grows by itself: a transaction that fills the map is aborted, the map size
+doubled, and the whole transaction retried, so every operation stays all-or-nothing.
+
+Durability: with `sync=True` (the default) every commit is on disk when the call returns.
+With `sync=False` a commit is atomic but may be lost to an OS crash until `sync()`.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from itertools import islice
+from typing import Final, TypeVar
+
+import lmdb
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
+from ftlayer.records import RecordBatch
+
+from .base import (
+    PersistenceStorage,
+    Seqs,
+    as_seqs,
+    check_batch_size,
+    check_retag_columns,
+    check_stored,
+    decode_records,
+    encode_meta_key,
+    encode_records,
+    retag_records,
+)
+
+FORMAT_MARKER: Final = b"ftlayer-lmdb-v1"
+DEFAULT_MAP_SIZE: Final = 64 * 1024 * 1024
+
+_RECORDS_DB: Final = b"records"
+_META_DB: Final = b"meta"
+_STORE_DB: Final = b"ftlayer"
+_FORMAT_KEY: Final = b"format"
+_NEXT_SEQ_KEY: Final = b"next_seq"
+_MAX_DBS: Final = 3
+_DATA_FILE: Final = "data.mdb"
+
+_T = TypeVar("_T")
+
+# LMDB corrupts an environment opened twice in one process. py-lmdb refuses the second
+# open, but our read-only probe would report that as "not an LMDB environment"; tracking
+# our own open stores lets us say what is really wrong.
+_open_stores: weakref.WeakValueDictionary[tuple[int, int], LmdbStorage] = (
+    weakref.WeakValueDictionary()
+)
+
+
+class LmdbStorage(PersistenceStorage):
+    """Source records in an LMDB environment at `path` (a directory, created if missing).
+
+    `map_size` is the initial map size in bytes; it doubles whenever a write needs more.
+    `sync=False` trades durability of the last commits on an OS crash for speed (see the
+    module docstring). Raises NotAnLmdbEnvironment if `path` holds something that is not
+    an ftlayer LMDB store, and StorageError if the store is already open in this process.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        sync: bool = True,
+    ) -> None:
+        if map_size < 1:
+            raise ConfigError(f"map_size must be a positive number of bytes, got {map_size}")
+        self._path = os.fspath(path)
+        self._env: lmdb.Environment | None = None
+        identity = _prepare_directory(self._path)
+        try:
+            env = lmdb.open(self._path, map_size=map_size, max_dbs=_MAX_DBS, sync=sync, subdir=True)
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open LMDB storage at {self._path}: {exc}") from exc
+        self._env = env
+        try:
+            self._records, self._meta, self._store, self._next_seq = self._write(
+                partial(_initialize, env), db=None
+            )
+        except BaseException:
+            self._env = None
+            env.close()
+            raise
+        _open_stores[identity] = self
+        self._identity = identity
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def map_size(self) -> int:
+        """The current LMDB map size in bytes; it doubles whenever a write needs more."""
+        return self._live_env().info()["map_size"]
+
+    def __repr__(self) -> str:
+        state = " (closed)" if self._env is None else ""
+        return f"LmdbStorage({self._path!r}){state}"
+
+    def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+        self._live_env()
+        n = len(batch)
+        first = self._next_seq
+        seqs = np.arange(first, first + n, dtype=np.uint64)
+        if n == 0:
+            return seqs
+        values = encode_records(batch)
+        keys = _keys(seqs)
+        next_seq = (first + n).to_bytes(8, "big")
+        store = self._store
+
+        def write(txn: lmdb.Transaction[bytes]) -> None:
+            _, added = txn.cursor().putmulti(zip(keys, values, strict=True), append=True)
+            if added != n:
+                # Paranoid check: append=True silently skips a key that is not above the
+                # last one, which would mean our seq counter is behind the stored records.
+                raise StorageError(
+                    f"{self._path}: stored {added} of {n} records: seqs from {first} are "
+                    "already taken; the store was written by someone else"
+                )
+            txn.put(_NEXT_SEQ_KEY, next_seq, db=store)
+
+        self._write(write, db=self._records)
+        self._next_seq = first + n
+        return seqs
+
+    def delete(self, seqs: Seqs) -> int:
+        self._live_env()
+        keys = _keys(np.sort(as_seqs(seqs)))
+        if not keys:
+            return 0
+        return self._write(lambda txn: sum(map(txn.delete, keys)), db=self._records)
+
+    def get(self, seqs: Seqs) -> RecordBatch:
+        self._live_env()
+        seq_array = as_seqs(seqs)
+        keys = _keys(seq_array)
+        values = self._read(lambda txn: list(map(txn.get, keys)), db=self._records)
+        check_stored(seq_array, values)
+        return decode_records(values)[0]  # type: ignore[arg-type]  # checked: no None
+
+    def set_roots(
+        self,
+        seqs: Seqs,
+        roots: NDArray[np.uint64] | Sequence[int],
+        replay_seqs: NDArray[np.uint64] | Sequence[int],
+    ) -> None:
+        self._live_env()
+        seq_array, root_array, replay_array = check_retag_columns(seqs, roots, replay_seqs)
+        if len(seq_array) == 0:
+            return
+        keys = _keys(seq_array)
+
+        def write(txn: lmdb.Transaction[bytes]) -> None:
+            old = list(map(txn.get, keys))
+            check_stored(seq_array, old)
+            new = retag_records(old, root_array, replay_array)  # type: ignore[arg-type]
+            txn.cursor().putmulti(zip(keys, new, strict=True))
+
+        self._write(write, db=self._records)
+
+    def scan(
+        self, batch_size: int = 65536
+    ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
+        self._live_env()
+        check_batch_size(batch_size)
+        return self._scan(batch_size)
+
+    def _scan(
+        self, batch_size: int
+    ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
+        # One read transaction per chunk, closed before the chunk is yielded: a reader
+        # held open across yields would stop LMDB from reusing freed pages and block
+        # map growth for as long as the caller takes.
+        start = bytes(8)
+        while True:
+            items = self._read(partial(_read_chunk, start, batch_size), db=self._records)
+            if not items:
+                return
+            keys, values = zip(*items, strict=True)
+            seqs = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
+            batch, replay_seqs = decode_records(values)
+            yield seqs, batch, replay_seqs
+            if len(items) < batch_size:
+                return
+            start = (int(seqs[-1]) + 1).to_bytes(8, "big")
+
+    def get_meta(self, key: str) -> bytes | None:
+        self._live_env()
+        raw_key = encode_meta_key(key)
+        return self._read(lambda txn: txn.get(raw_key), db=self._meta)
+
+    def put_meta(self, key: str, value: bytes) -> None:
+        self._live_env()
+        raw_key = encode_meta_key(key)
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise TypeError(f"meta values are bytes, got {type(value).__name__}")
+        self._write(lambda txn: txn.put(raw_key, value), db=self._meta)
+
+    @property
+    def next_seq(self) -> int:
+        self._live_env()
+        return self._next_seq
+
+    def __len__(self) -> int:
+        self._live_env()
+        return self._read(lambda txn: txn.stat(self._records)["entries"], db=None)
+
+    def size_bytes(self) -> int:
+        """Size of data.mdb on disk (LMDB never shrinks it; freed pages are reused)."""
+        self._live_env()
+        return os.path.getsize(os.path.join(self._path, _DATA_FILE))
+
+    def sync(self) -> None:
+        self._live_env().sync(True)
+
+    def close(self) -> None:
+        env, self._env = self._env, None
+        if env is None:
+            return
+        if _open_stores.get(self._identity) is self:
+            del _open_stores[self._identity]
+        env.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._env is None
+
+    def _live_env(self) -> lmdb.Environment:
+        if self._env is None:
+            raise StorageError(f"LMDB storage at {self._path} is closed")
+        return self._env
+
+    def _write(
+        self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
+    ) -> _T:
+        """Run `work` in one write transaction (default database `db`) and commit it.
+
+        If the map is full, the transaction is aborted, the map doubled and `work` run
+        again from the start, so it must not have effects outside the transaction.
+        """
+        env = self._live_env()
+        while True:
+            try:
+                with env.begin(db=db, write=True) as txn:
+                    return work(txn)
+            except lmdb.MapFullError:
+                env.set_mapsize(2 * env.info()["map_size"])
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # another process grew the map: adopt its size
+            except lmdb.Error as exc:
+                raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+
+    def _read(
+        self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
+    ) -> _T:
+        env = self._live_env()
+        while True:
+            try:
+                with env.begin(db=db) as txn:
+                    return work(txn)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.Error as exc:
+                raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+
+
+def _keys(seqs: NDArray[np.uint64]) -> list[bytes]:
+    """LMDB keys of `seqs`: 8 bytes big-endian each, so byte order is seq order."""
+    keys: list[bytes] = seqs.astype(">u8").view("V8").tolist()
+    return keys
+
+
+def _read_chunk(
+    start: bytes, limit: int, txn: lmdb.Transaction[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """Up to `limit` (key, value) pairs from key `start` on."""
+    cursor = txn.cursor()
+    if not cursor.set_range(start):
+        return []
+    return list(islice(cursor.iternext(), limit))
+
+
+def _initialize(
+    env: lmdb.Environment, txn: lmdb.Transaction[bytes]
+) -> tuple[lmdb._Database, lmdb._Database, lmdb._Database, int]:
+    """Open (creating on first use) the sub-databases; mark a new store; find the next seq."""
+    # (py-lmdb's stubs declare Transaction.env, but the C extension has no such attribute.)
+    records = env.open_db(_RECORDS_DB, txn=txn)
+    meta = env.open_db(_META_DB, txn=txn)
+    store = env.open_db(_STORE_DB, txn=txn)
+    if txn.get(_FORMAT_KEY, db=store) is None:
+        txn.put(_FORMAT_KEY, FORMAT_MARKER, db=store)
+    high_water = txn.get(_NEXT_SEQ_KEY, db=store)
+    next_seq = 1 if high_water is None else int.from_bytes(high_water, "big")
+    cursor = txn.cursor(records)
+    if cursor.last():
+        next_seq = max(next_seq, int.from_bytes(cursor.key(), "big") + 1)
+    return records, meta, store, next_seq
+
+
+def _prepare_directory(path: str) -> tuple[int, int]:
+    """Make sure `path` is a new or an ftlayer LMDB directory without writing to it if not.
+
+    Returns the directory's identity (device, inode). Creates the directory if missing.
+    """
+    try:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotAnLmdbEnvironment(
+                f"{path} is a file, not an LMDB environment (a directory holding data.mdb); "
+                "left untouched"
+            )
+        data_file = os.path.join(path, _DATA_FILE)
+        if os.path.isdir(path) and not os.path.exists(data_file) and os.listdir(path):
+            raise NotAnLmdbEnvironment(
+                f"{path} is not an LMDB environment: it holds files but no {_DATA_FILE}; "
+                "left untouched"
+            )
+        os.makedirs(path, exist_ok=True)
+        stat = os.stat(path)
+    except OSError as exc:
+        raise StorageError(f"cannot open LMDB storage at {path}: {exc}") from exc
+    identity = (stat.st_dev, stat.st_ino)
+    if identity in _open_stores:
+        raise StorageError(f"LMDB storage at {path} is already open in this process")
+    if os.path.exists(data_file):
+        _check_ours(path)
+    return identity
+
+
+def _check_ours(path: str) -> None:
+    """Raise unless the LMDB environment at `path` is an ftlayer store (or empty).
+
+    Opened read-only and without the lock (MDB_NOLOCK) so that nothing is created or
+    changed in a directory that turns out not to be ours.
+    """
+    try:
+        probe = lmdb.open(path, readonly=True, lock=False, create=False, max_dbs=_MAX_DBS)
+    except lmdb.Error as exc:
+        raise NotAnLmdbEnvironment(
+            f"{path} is not an LMDB environment: LMDB cannot read its {_DATA_FILE} ({exc}); "
+            "left untouched"
+        ) from exc
+    try:
+        with probe.begin() as txn:
+            if txn.stat()["entries"] == 0:
+                return
+            try:
+                store = probe.open_db(_STORE_DB, txn=txn, create=False)
+                marker = txn.get(_FORMAT_KEY, db=store)
+            except lmdb.Error:
+                marker = None
+    except lmdb.Error as exc:
+        raise NotAnLmdbEnvironment(
+            f"{path} is not a readable LMDB environment ({exc}); left untouched"
+        ) from exc
+    finally:
+        probe.close()
+    if marker is None:
+        raise NotAnLmdbEnvironment(
+            f"{path} is an LMDB environment but not an ftlayer store (no format marker); "
+            "left untouched"
+        )
+    if marker != FORMAT_MARKER:
+        raise StorageError(
+            f"{path} is an ftlayer store of format {marker!r}; this version reads "
+            f"{FORMAT_MARKER!r}. Left untouched"
+        )

@@ -1,0 +1,134 @@
+"""AckerTable: XOR completion, dropped events, growth, and a model-based property."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlayer.acker import AckerTable
+from ftlayer.ids import new_ids
+
+
+def _u64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)
+
+
+def test_root_completes_when_value_returns_to_zero() -> None:
+    table = AckerTable()
+    table.add(_u64([10]), _u64([0b101]))
+    assert table.xor(_u64([10]), _u64([0b100])).completed.size == 0
+    assert table.value(10) == 0b001
+    result = table.xor(_u64([10]), _u64([0b001]))
+    assert result.completed.tolist() == [10]
+    assert 10 not in table and len(table) == 0
+
+
+def test_events_for_completed_roots_are_dropped_not_recreated() -> None:
+    table = AckerTable()
+    table.add(_u64([7]), _u64([3]))
+    assert table.xor_one(7, 3) is True
+    result = table.xor(_u64([7, 7]), _u64([1, 2]))
+    assert result.completed.size == 0
+    assert result.dropped.tolist() == [7, 7]
+    assert len(table) == 0 and table.dropped_events_total == 2
+    assert table.xor_one(7, 9) is False
+    assert 7 not in table
+
+
+def test_reserved_and_repeated_roots_are_refused_and_change_nothing() -> None:
+    table = AckerTable()
+    table.add(_u64([5]), _u64([1]))
+    for roots in ([0], [1], [5], [9, 9]):
+        with pytest.raises(ValueError, match="root"):
+            table.add(_u64(roots), _u64([4] * len(roots)))
+        assert len(table) == 1 and table.value(5) == 1 and 9 not in table
+    # Reserved keys must never match the empty/deleted markers on lookup.
+    assert table.xor(_u64([0, 1]), _u64([1, 1])).dropped.tolist() == [0, 1]
+
+
+def test_remove_returns_only_pending_roots() -> None:
+    table = AckerTable()
+    table.add(_u64([2, 3, 4]))
+    assert sorted(table.remove(_u64([3, 3, 99])).tolist()) == [3]
+    assert sorted(table.roots().tolist()) == [2, 4]
+
+
+def test_growth_and_tombstone_churn_keep_every_root() -> None:
+    table = AckerTable(capacity=4)
+    live: dict[int, int] = {}
+    for _ in range(50):
+        roots, vals = new_ids(300), new_ids(300)
+        table.add(roots, vals)
+        live.update(zip(roots.tolist(), vals.tolist(), strict=True))
+        gone = list(live)[:250]
+        res = table.xor(_u64(gone), _u64([live[r] for r in gone]))
+        assert sorted(res.completed.tolist()) == sorted(gone)
+        for r in gone:
+            del live[r]
+    assert len(table) == len(live)
+    keys, vals = table.items()
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == live
+    # 15,000 roots went through, at most 2,800 at once: tombstones are reclaimed
+    # (at most 2,800 live at load 1/2 -> 8,192 slots), not accumulated (32,768).
+    assert table.capacity <= 8192
+
+
+def test_memory_per_pending_root_at_one_million() -> None:
+    table = AckerTable()
+    table.add(new_ids(1_000_000))
+    assert len(table) == 1_000_000
+    # Two uint64 arrays at load factor <= 1/2: at most 32 bytes per root plus
+    # power-of-two slack (2**21 slots for 10**6 roots: 33.6 bytes per root).
+    assert table.memory_bytes() / 1_000_000 < 34
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(2, 60), max_size=8)),
+        st.tuples(
+            st.just("xor"), st.lists(st.tuples(st.integers(0, 62), st.integers(1, 7)), max_size=12)
+        ),
+        st.tuples(st.just("remove"), st.lists(st.integers(0, 62), max_size=6)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_matches_a_dict_model(operations: list[tuple[str, list]]) -> None:  # type: ignore[type-arg]
+    """Random add / xor / remove sequences behave exactly like the obvious dict model
+    (for batches with no root passing through 0 twice, the batch rule is this model's)."""
+    table = AckerTable(capacity=2)
+    model: dict[int, int] = {}
+    for op, arg in operations:
+        if op == "add":
+            fresh = [r for r in dict.fromkeys(arg) if r not in model]
+            table.add(_u64(fresh), _u64([r * 3 for r in fresh]))
+            model.update({r: r * 3 for r in fresh})
+        elif op == "xor":
+            roots = [r for r, _ in arg]
+            res = table.xor(_u64(roots), _u64([v for _, v in arg]))
+            expected_dropped = [r for r in roots if r not in model]
+            touched: dict[int, int] = {}
+            for r, v in arg:
+                if r in model:
+                    touched[r] = touched.get(r, model[r]) ^ v
+            done = sorted(r for r, v in touched.items() if v == 0)
+            for r, v in touched.items():
+                if v == 0:
+                    del model[r]
+                else:
+                    model[r] = v
+            assert sorted(res.completed.tolist()) == done
+            assert sorted(res.dropped.tolist()) == sorted(expected_dropped)
+        else:
+            removed = table.remove(_u64(arg))
+            assert sorted(removed.tolist()) == sorted({r for r in arg if r in model})
+            for r in arg:
+                model.pop(r, None)
+        assert len(table) == len(model)
+    keys, vals = table.items()
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == model

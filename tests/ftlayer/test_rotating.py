@@ -1,0 +1,108 @@
+"""RotatingHashMap: the expiry bound, touches, batch operations, bad input."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlayer.errors import ConfigError
+from ftlayer.rotating import RotatingHashMap
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_non_positive_timeout_is_refused(timeout: float) -> None:
+    with pytest.raises(ConfigError, match="timeout must be a positive"):
+        RotatingHashMap(3, timeout_s=timeout)
+
+
+@pytest.mark.parametrize("buckets", [0, 1, True])
+def test_fewer_than_two_buckets_are_refused(buckets: int) -> None:
+    with pytest.raises(ConfigError, match="at least 2 buckets"):
+        RotatingHashMap(buckets)
+
+
+def test_rotate_expires_after_n_rotations_and_put_touches() -> None:
+    expired: list[dict[str, int]] = []
+    rmap: RotatingHashMap[str, int] = RotatingHashMap(3, expired.append)
+    rmap.put("a", 1)
+    rmap.put("b", 2)
+    rmap.rotate()
+    rmap.put("a", 10)  # touch: back to the newest bucket
+    rmap.rotate()
+    assert rmap.rotate() == {"b": 2}
+    assert expired == [{"b": 2}]
+    assert rmap.get("a") == 10 and len(rmap) == 1
+    assert rmap.rotate() == {"a": 10}
+
+
+def test_batch_forms_agree_with_single_forms() -> None:
+    rmap: RotatingHashMap[int, str] = RotatingHashMap(2)
+    rmap.put_many([1, 2, 3], ["x", "y", "z"])
+    rmap.rotate()
+    rmap.put_many([3, 4], ["Z", "w"])
+    assert rmap.pop_many([1, 3, 9]) == ["x", "Z", None]
+    assert sorted(rmap) == [2, 4]
+    assert rmap.pop(2) == "y" and rmap.pop(2) is None
+
+
+def test_tick_without_a_timeout_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="timeout_s"):
+        RotatingHashMap(3).tick(1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    timeout=st.floats(0.5, 100.0),
+    buckets=st.integers(2, 8),
+    puts=st.lists(st.floats(0.0, 300.0), min_size=1, max_size=30),
+    max_gap=st.floats(0.001, 0.5),
+    gaps=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20),
+)
+def test_a_key_untouched_for_t_expires_between_t_and_the_bound(
+    timeout: float,
+    buckets: int,
+    puts: list[float],
+    max_gap: float,
+    gaps: list[float],
+) -> None:
+    """With the clock read at irregular moments at most `max_gap` apart, every key
+    expires no earlier than T after its put, and no later than T * (1 + 1/(n-1)) plus
+    the tick lateness (n ticks, each at most max_gap late)."""
+    now = 0.0
+    expired_at: dict[int, float] = {}
+
+    def on_expire(entries: dict[int, float]) -> None:
+        for key in entries:
+            expired_at[key] = now
+
+    rmap: RotatingHashMap[int, float] = RotatingHashMap(buckets, on_expire, timeout_s=timeout)
+    pending = sorted((t, key) for key, t in enumerate(puts))
+    horizon = max(puts) + 2 * timeout + buckets * max_gap + 1
+    step = 0
+    while now < horizon:
+        while pending and pending[0][0] <= now:
+            _, key = pending.pop(0)
+            rmap.put(key, now)
+            puts[key] = now  # the put happens at the first clock reading after its time
+        now += max_gap * gaps[step % len(gaps)] or max_gap
+        step += 1
+        rmap.tick(now)
+    assert set(expired_at) == set(range(len(puts)))
+    for key, t in enumerate(puts):
+        waited = expired_at[key] - t
+        assert waited >= timeout * (1 - 1e-9)
+        assert waited <= timeout * (1 + 1 / (buckets - 1)) + buckets * max_gap + 1e-9 * timeout
+
+
+def test_tick_after_a_long_pause_rotates_once_and_never_expires_early() -> None:
+    expired: list[dict[int, int]] = []
+    rmap: RotatingHashMap[int, int] = RotatingHashMap(3, expired.append, timeout_s=2.0)
+    rmap.put(1, 1)
+    assert rmap.tick(1000.0) == 1  # one rotation, however long the pause
+    rmap.put(2, 2)
+    assert rmap.tick(1000.5) == 0  # the next one is a full interval later
+    assert rmap.tick(1001.0) == 1
+    assert expired == []
+    assert rmap.tick(1002.0) == 1
+    assert expired == [{1: 1}]

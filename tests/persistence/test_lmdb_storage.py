@@ -1,0 +1,198 @@
+"""What only the LMDB storage promises: durability, map growth, and never writing elsewhere."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
+from ftlayer.persistence.lmdb_storage import FORMAT_MARKER, LmdbStorage
+from ftlayer.records import RecordBatch
+
+
+def batch_of(n: int, *, start: int = 0, payload_size: int = 100) -> RecordBatch:
+    return RecordBatch.build(
+        np.arange(start + 1, start + n + 1, dtype=np.uint64),
+        [i.to_bytes(4, "big") * (payload_size // 4) for i in range(start, start + n)],
+        topics="orders",
+        key_hashes=np.arange(start, start + n, dtype=np.int64),
+        partitions=np.arange(start, start + n, dtype=np.int32) % 4,
+    )
+
+
+def snapshot(path: Path) -> dict[str, str]:
+    """Every file under `path` and a hash of its bytes: proof that nothing was written."""
+    return {
+        str(file.relative_to(path)): hashlib.sha256(file.read_bytes()).hexdigest()
+        for file in sorted(path.rglob("*"))
+        if file.is_file()
+    }
+
+
+# --- durability ------------------------------------------------------------------
+
+
+def test_records_next_seq_and_meta_survive_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStorage(path) as storage:
+        seqs = storage.put(batch_of(50))
+        storage.delete(seqs[:10])
+        storage.set_roots(seqs[10:12], [900, 901], [1, 2])
+        storage.put_meta("checkpoint", b"barrier-7")
+        expected = [(s.tolist(), b.roots.tolist(), r.tolist()) for s, b, r in storage.scan(16)]
+    with LmdbStorage(path) as storage:
+        assert len(storage) == 40
+        assert storage.next_seq == 51
+        assert storage.get_meta("checkpoint") == b"barrier-7"
+        assert [(s.tolist(), b.roots.tolist(), r.tolist()) for s, b, r in storage.scan(16)] == (
+            expected
+        )
+        assert storage.get([11]).roots.tolist() == [900]
+        assert storage.put(batch_of(1)).tolist() == [51]
+
+
+def test_next_seq_is_the_last_key_plus_one_if_that_is_higher(tmp_path: Path) -> None:
+    """The high-water mark and the last key agree; if they ever did not, no seq is reused."""
+    path = tmp_path / "store"
+    with LmdbStorage(path) as storage:
+        storage.put(batch_of(5))
+    env = lmdb.open(str(path), max_dbs=3)
+    with env.begin(write=True) as txn:
+        txn.put(b"next_seq", (2).to_bytes(8, "big"), db=env.open_db(b"ftlayer", txn=txn))
+    env.close()
+    with LmdbStorage(path) as storage:
+        assert storage.next_seq == 6
+
+
+def test_sync_false_still_commits_every_operation(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStorage(path, sync=False) as storage:
+        storage.put(batch_of(10))
+        storage.sync()
+    with LmdbStorage(path) as storage:
+        assert len(storage) == 10
+
+
+def test_a_missing_directory_is_created(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "store"
+    with LmdbStorage(path) as storage:
+        storage.put(batch_of(1))
+    assert (path / "data.mdb").is_file()
+
+
+def test_the_same_store_cannot_be_opened_twice_in_one_process(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStorage(path), pytest.raises(StorageError, match="already open in this process"):
+        LmdbStorage(path)
+    with LmdbStorage(path) as storage:  # closing released it
+        assert len(storage) == 0
+
+
+# --- map growth ------------------------------------------------------------------
+
+
+def test_the_map_grows_until_every_batch_fits(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStorage(path, map_size=64 * 1024) as storage:
+        for start in range(0, 30_000, 5_000):
+            storage.put(batch_of(5_000, start=start))
+        storage.put(batch_of(1, payload_size=3 * 1024 * 1024))
+        assert len(storage) == 30_001
+        all_seqs = np.arange(1, 30_001, dtype=np.uint64)
+        storage.set_roots(all_seqs, all_seqs + 6, np.ones(30_000, dtype=np.uint64))
+        assert storage.size_bytes() > 6_000_000
+        assert storage.map_size >= storage.size_bytes()
+    with LmdbStorage(path, map_size=64 * 1024) as storage:
+        assert len(storage) == 30_001
+        assert storage.get([30_000]).payloads == batch_of(1, start=29_999).payloads
+        assert storage.get([30_000]).roots.tolist() == [30_006]
+        storage.put(batch_of(100))
+        assert storage.delete(np.arange(1, 30_102, dtype=np.uint64)) == 30_101
+
+
+def test_bad_map_size_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="map_size"):
+        LmdbStorage(tmp_path / "store", map_size=0)
+    assert not (tmp_path / "store").exists()
+
+
+# --- never write into something that is not ours --------------------------------
+
+
+def test_a_directory_with_other_files_is_refused_untouched(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(NotAnLmdbEnvironment, match=str(tmp_path)):
+        LmdbStorage(tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"not an lmdb file", os.urandom(64 * 1024), b"\x00" * 64 * 1024],
+    ids=["empty", "text", "random", "zeros"],
+)
+def test_a_data_mdb_that_is_not_lmdb_is_refused_untouched(tmp_path: Path, garbage: bytes) -> None:
+    (tmp_path / "data.mdb").write_bytes(garbage)
+    before = snapshot(tmp_path)
+    with pytest.raises(NotAnLmdbEnvironment, match=str(tmp_path)):
+        LmdbStorage(tmp_path)
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "lock.mdb").exists()
+
+
+def test_a_regular_file_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    path.write_bytes(b"precious")
+    with pytest.raises(NotAnLmdbEnvironment, match="is a file"):
+        LmdbStorage(path)
+    assert path.read_bytes() == b"precious"
+    assert snapshot(tmp_path) == {"store": hashlib.sha256(b"precious").hexdigest()}
+
+
+def test_an_lmdb_environment_of_someone_else_is_refused_untouched(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put(b"their-key", b"their-value")
+    env.close()
+    before = snapshot(tmp_path)
+    with pytest.raises(NotAnLmdbEnvironment, match="not an ftlayer store"):
+        LmdbStorage(tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_store_of_another_format_version_is_refused_untouched(tmp_path: Path) -> None:
+    with LmdbStorage(tmp_path) as storage:
+        storage.put(batch_of(3))
+    env = lmdb.open(str(tmp_path), max_dbs=3)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"ftlayer-lmdb-v99", db=env.open_db(b"ftlayer", txn=txn))
+    env.close()
+    before = snapshot(tmp_path)
+    with pytest.raises(StorageError, match="ftlayer-lmdb-v99"):
+        LmdbStorage(tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_an_empty_lmdb_environment_becomes_a_store(tmp_path: Path) -> None:
+    """What a crash between creating the environment and its first commit leaves."""
+    lmdb.open(str(tmp_path)).close()
+    with LmdbStorage(tmp_path) as storage:
+        storage.put(batch_of(2))
+    env = lmdb.open(str(tmp_path), max_dbs=3, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(b"format", db=env.open_db(b"ftlayer", txn=txn, create=False)) == (
+            FORMAT_MARKER
+        )
+    env.close()
+
+
+def test_an_empty_directory_becomes_a_store(tmp_path: Path) -> None:
+    with LmdbStorage(tmp_path) as storage:
+        assert len(storage) == 0
+    assert sorted(os.listdir(tmp_path)) == ["data.mdb", "lock.mdb"]
