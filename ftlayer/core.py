@@ -319,9 +319,14 @@ class FTLayer:
     def _requeue(
         self, old_roots: NDArray[np.uint64], seqs: NDArray[np.uint64], cause: FailCause
     ) -> None:
-        """Step 1: route the stored records; step 2: persist their new roots and replay
+        """Queue failed records for replay, in the order they were first persisted.
+
+        Step 1: route the stored records; step 2: store their new roots and replay
         seqs; step 3: make the new roots pending; step 4: queue them."""
         n = len(seqs)
+        # Replays keep the order in which their originals were persisted.
+        order = np.argsort(seqs, kind="stable")
+        old_roots, seqs = old_roots[order], seqs[order]
         batch = self.storage.get(seqs)
         # Step 1. Routing first: a record that cannot be routed must not leave its state.
         index, partitions = self._route(batch)

@@ -82,10 +82,32 @@ class Anchors:
     def is_single(self) -> bool:
         return len(self.roots) == len(self)
 
+    def take(self, index: ArrayLike) -> Anchors:
+        """The anchors of the records at `index` (integer positions or a boolean mask)."""
+        rows = np.asarray(index)
+        rows = np.flatnonzero(rows) if rows.dtype == np.bool_ else rows.astype(np.intp)
+        if self.is_single:
+            return Anchors.single(self.roots[rows], self.ids[rows])
+        pair, counts = _pair_positions(self.offsets, rows)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return Anchors(offsets, self.roots[pair], self.ids[pair])
+
     def pairs(self, i: int) -> list[tuple[int, int]]:
         """The (root, id) pairs of record i."""
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return list(zip(self.roots[lo:hi].tolist(), self.ids[lo:hi].tolist(), strict=True))
+
+
+def _pair_positions(
+    offsets: NDArray[np.int64], rows: NDArray[np.intp]
+) -> tuple[NDArray[np.intp], NDArray[np.int64]]:
+    """Where the pairs of records `rows` are (concatenated in row order), and how many
+    each record has."""
+    counts = np.diff(offsets)[rows]
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    pair = np.repeat(offsets[:-1][rows], counts) + (np.arange(int(counts.sum())) - first)
+    return pair.astype(np.intp), counts
 
 
 class XorHandler:
@@ -155,11 +177,11 @@ class Persister:
             roots,
             payloads,
             source_ids=self.source_id,
-            key_hashes=None if key_hashes is None else np.asarray(key_hashes, dtype=np.int64),
-            has_key=None if has_key is None else np.asarray(has_key, dtype=np.bool_),
+            key_hashes=key_hashes,
+            has_key=has_key,
             topics=topics,
-            partitions=np.asarray(partitions, dtype=np.int32),
-            offsets=np.asarray(offsets, dtype=np.int64),
+            partitions=partitions,
+            offsets=offsets,
         )
         self._channel.persist(batch, ids)
         return Anchors.single(roots, ids)
@@ -260,12 +282,8 @@ class TaskHandler:
         if inputs.is_single:
             roots, ids, child = inputs.roots[edge_parent], edges, edge_child
         else:
-            per_edge = counts[edge_parent]
+            pair, per_edge = _pair_positions(inputs.offsets, edge_parent)
             edge_of_pair = np.repeat(np.arange(len(edge_parent)), per_edge)
-            first = np.repeat(np.cumsum(per_edge) - per_edge, per_edge)
-            pair = np.repeat(inputs.offsets[:-1][edge_parent], per_edge) + (
-                np.arange(len(edge_of_pair)) - first
-            )
             roots, ids, child = inputs.roots[pair], edges[edge_of_pair], edge_child[edge_of_pair]
         if len(child) > 1 and bool((np.diff(child) < 0).any()):
             order = np.argsort(child, kind="stable")

@@ -24,7 +24,7 @@ from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 U64 = NDArray[np.uint64]
 I64 = NDArray[np.int64]
@@ -70,14 +70,14 @@ class RecordBatch:
         roots: Sequence[int] | NDArray[np.uint64],
         payloads: Sequence[bytes],
         *,
-        source_ids: Sequence[int] | NDArray[np.uint32] | int = 0,
-        key_hashes: Sequence[int] | NDArray[np.int64] | None = None,
-        has_key: Sequence[bool] | NDArray[np.bool_] | None = None,
+        source_ids: ArrayLike = 0,
+        key_hashes: ArrayLike | None = None,
+        has_key: ArrayLike | None = None,
         topics: Sequence[str] | str = "",
-        partitions: Sequence[int] | NDArray[np.int32] | int = 0,
-        offsets: Sequence[int] | NDArray[np.int64] | None = None,
+        partitions: ArrayLike = 0,
+        offsets: ArrayLike | None = None,
     ) -> RecordBatch:
-        """Build a batch from plain sequences; scalars broadcast to every record.
+        """Build a batch from sequences or arrays; scalars broadcast to every record.
 
         Without key_hashes no record has a key; without offsets the offsets are 0..n-1.
         """
@@ -96,11 +96,7 @@ class RecordBatch:
             has_key=has_key_a.astype(np.bool_, copy=False),
             topics=[topics] * n if isinstance(topics, str) else list(topics),
             partitions=_column(partitions, n).astype(np.int32, copy=False),
-            offsets=(
-                np.arange(n, dtype=np.int64)
-                if offsets is None
-                else np.asarray(offsets, dtype=np.int64)
-            ),
+            offsets=np.arange(n, dtype=np.int64) if offsets is None else _column(offsets, n),
             payloads=list(payloads),
         )
 
@@ -153,8 +149,7 @@ class RecordBatch:
         return cls.build(np.zeros(0, dtype=np.uint64), [])
 
 
-def _column(value: Sequence[int] | NDArray[np.integer] | int, n: int) -> NDArray[np.int64]:
+def _column(value: ArrayLike, n: int) -> NDArray[np.int64]:
     """A column of n integers from a sequence, or a scalar repeated n times."""
-    if isinstance(value, int):
-        return np.full(n, value, dtype=np.int64)
-    return np.asarray(value, dtype=np.int64)
+    column = np.asarray(value, dtype=np.int64)
+    return np.full(n, column, dtype=np.int64) if column.ndim == 0 else column

@@ -1,0 +1,226 @@
+"""FTLayer: completion, explicit and timeout failures, replay, recovery, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ftlayer.core import FailCause, FTLayer, SourceConfig
+from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
+from ftlayer.ids import new_ids
+from ftlayer.partitioners import kafka_key_hashes
+from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
+from ftlayer.records import RecordBatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["lmdb", "memory"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PersistenceStorage]:
+    store: PersistenceStorage = (
+        LmdbStorage(tmp_path / "ft") if request.param == "lmdb" else MemoryStorage()
+    )
+    yield store
+    store.close()
+
+
+def _records(n: int, *, keyed: bool = True, partitions: int = 4) -> RecordBatch:
+    keys = [f"user-{i}".encode() for i in range(n)]
+    hashes, has_key = kafka_key_hashes(keys)
+    return RecordBatch.build(
+        new_ids(n),
+        [b"payload-%d" % i for i in range(n)],
+        key_hashes=hashes if keyed else None,
+        has_key=has_key if keyed else None,
+        topics="orders",
+        partitions=np.arange(n) % partitions,
+        offsets=np.arange(100, 100 + n),
+    )
+
+
+def _emit(ft: FTLayer, batch: RecordBatch) -> np.ndarray:
+    """Persist with the emission ids as first ack values; returns those ids."""
+    ids = new_ids(len(batch))
+    ft.persist(batch, ids)
+    return ids
+
+
+def test_tree_completes_and_its_record_is_deleted(storage: PersistenceStorage) -> None:
+    ft = FTLayer(storage, timeout_s=30)
+    seen: list[Completed] = []
+    ft.add_completion_listener(seen.append)
+    batch = _records(5)
+    ids = _emit(ft, batch)
+    assert len(storage) == 5 and len(ft) == 5
+    # Each record is processed by one task that emits one child; the child is acked.
+    child = new_ids(5)
+    ft.xor(batch.roots, ids ^ child)
+    assert len(storage) == 5 and not seen  # the children are still in flight
+    ft.xor(batch.roots[:3], child[:3])
+    assert len(storage) == 2
+    # Completions come in no particular order, each with its own coordinates.
+    assert len(seen) == 1
+    done = sorted(
+        zip(seen[0].offsets.tolist(), seen[0].partitions.tolist(), seen[0].topics, strict=True)
+    )
+    assert done == [(100, 0, "orders"), (101, 1, "orders"), (102, 2, "orders")]
+    ft.xor(batch.roots[3:], child[3:])
+    assert len(storage) == 0 and len(ft) == 0
+    stats = ft.snapshot_stats()
+    assert (stats.persisted, stats.completed, stats.pending) == (5, 5, 0)
+
+
+def test_explicit_fail_replays_the_same_bytes_under_a_new_root(
+    storage: PersistenceStorage,
+) -> None:
+    ft = FTLayer(storage, default_source=SourceConfig.named("kafka-hash", 4))
+    batch = _records(4)
+    ids = _emit(ft, batch)
+    assert ft.fail(batch.roots[[1]]) == 1
+    replay = ft.fetch_replay(0, ft.replay_cursor)
+    assert replay.replay_seqs.tolist() == [1]
+    assert replay.records.payloads == [b"payload-1"]
+    assert replay.records.offsets.tolist() == [101]
+    new_root = int(replay.records.roots[0])
+    assert new_root != int(batch.roots[1]) and new_root in ft.acker
+    assert ft.retries(new_root) == 1
+    # Late events of the failed tree are dropped and counted, never re-created.
+    ft.xor(batch.roots[[1]], ids[[1]])
+    assert int(batch.roots[1]) not in ft.acker
+    assert ft.snapshot_stats().late_events == 1
+    # The replayed record is emitted again under its new root and completes.
+    emit_id = int(new_ids(1)[0])
+    ft.xor_one(new_root, emit_id)
+    assert ft.xor_one(new_root, emit_id) is True
+    assert len(storage) == 3
+    assert ft.snapshot_stats().failed[FailCause.EXPLICIT.value] == 1
+
+
+def test_timeout_fails_a_silent_tree_within_the_bound(storage: PersistenceStorage) -> None:
+    clock = Clock()
+    ft = FTLayer(storage, timeout_s=10, buckets=3, clock=clock)
+    batch = _records(2)
+    ids = _emit(ft, batch)
+    ft.xor(batch.roots[:1], ids[:1])  # record 0 completes, record 1 is dropped silently
+    for t in np.arange(0.5, 20.0, 0.5):
+        clock.now = float(t)
+        ft.tick()
+        if ft.replay_cursor:
+            break
+    # Timeout T = 10 s with 3 buckets: between 10 s and 15 s (plus one tick of 0.5 s).
+    assert 10.0 <= clock.now <= 15.5
+    replay = ft.fetch_replay(0, ft.replay_cursor)
+    assert replay.records.offsets.tolist() == [101]
+    assert ft.snapshot_stats().failed[FailCause.TIMEOUT.value] == 1
+    assert len(storage) == 1
+
+
+def test_fetch_replay_is_repeatable_until_the_replay_completes() -> None:
+    ft = FTLayer(MemoryStorage(), default_source=SourceConfig.named("forward", 4))
+    batch = _records(6)
+    _emit(ft, batch)
+    ft.fail(batch.roots[[0, 2, 5]])
+    first = ft.fetch_replay(0, 3)
+    again = ft.fetch_replay(0, 3)
+    assert first.replay_seqs.tolist() == again.replay_seqs.tolist() == [1, 2, 3]
+    assert first.records.roots.tolist() == again.records.roots.tolist()
+    assert first.partitions.tolist() == [0, 2, 1]  # forward: the original partitions
+    assert ft.fetch_replay(1, 2).records.offsets.tolist() == [102]
+    assert ft.fetch_replay(0, 3, partition=1).records.offsets.tolist() == [105]
+    emit = int(new_ids(1)[0])
+    ft.xor_one(int(first.records.roots[0]), emit)
+    ft.xor_one(int(first.records.roots[0]), emit)
+    assert ft.fetch_replay(0, 3).records.offsets.tolist() == [102, 105]
+    assert ft.prune_replay(2) == 2
+    with pytest.raises(ConfigError, match="pruned"):
+        ft.fetch_replay(0, 3)
+    assert ft.fetch_replay(2, 3).records.offsets.tolist() == [105]
+
+
+def test_broadcast_replays_to_every_partition() -> None:
+    ft = FTLayer(MemoryStorage(), default_source=SourceConfig.named("broadcast", 3))
+    batch = _records(2)
+    _emit(ft, batch)
+    ft.fail(batch.roots[[1]])
+    replay = ft.fetch_replay(0, ft.replay_cursor)
+    assert replay.partitions.tolist() == [0, 1, 2]
+    assert replay.replay_seqs.tolist() == [1, 1, 1]
+    assert set(replay.records.roots.tolist()) == {int(replay.records.roots[0])}
+
+
+def test_recovery_replays_every_record_pending_at_the_crash(tmp_path: Path) -> None:
+    store = LmdbStorage(tmp_path / "ft")
+    ft = FTLayer(store)
+    batch = _records(10)
+    ids = _emit(ft, batch)
+    ft.xor(batch.roots[:4], ids[:4])  # 4 complete before the crash
+    ft.fail(batch.roots[[4]])  # 1 is already queued for replay
+    cursor_before = ft.replay_cursor
+    store.close()  # the process is gone; its acker table with it
+
+    store = LmdbStorage(tmp_path / "ft")
+    recovered = FTLayer(store)
+    stats = recovered.snapshot_stats()
+    assert stats.failed[FailCause.RECOVERY.value] == 6 and stats.pending == 6
+    replay = recovered.fetch_replay(cursor_before, recovered.replay_cursor)
+    assert sorted(replay.records.offsets.tolist()) == list(range(104, 110))
+    assert replay.replay_seqs.min() > cursor_before  # replay seqs are never reused
+    assert len(store) == 6
+    store.close()
+
+
+def test_persist_refuses_bad_batches_and_writes_nothing(storage: PersistenceStorage) -> None:
+    ft = FTLayer(storage, default_source=SourceConfig.named("kafka-hash", 4))
+    ok = _records(3)
+    _emit(ft, ok)
+    with pytest.raises(ValueError, match="already pending"):
+        ft.persist(ok.take(np.array([0])))
+    with pytest.raises(PartitioningError, match="no key"):
+        ft.persist(_records(3, keyed=False))
+    reserved = _records(2).with_roots(np.array([5, 0], dtype=np.uint64))
+    with pytest.raises(ValueError, match="reserved"):
+        ft.persist(reserved)
+    assert len(storage) == 3 and len(ft) == 3
+
+
+def test_a_storage_failure_leaves_no_pending_root(storage: PersistenceStorage) -> None:
+    ft = FTLayer(storage)
+    storage.close()
+    batch = _records(2)
+    with pytest.raises(StorageError):
+        ft.persist(batch)
+    assert len(ft) == 0 and ft.snapshot_stats().persisted == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"timeout_s": 0}, "timeout must be a positive"),
+        ({"timeout_s": -5.0}, "timeout must be a positive"),
+        ({"buckets": 1}, "at least 2 buckets"),
+    ],
+)
+def test_bad_timeouts_are_refused(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        FTLayer(MemoryStorage(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_partitioner_is_refused() -> None:
+    with pytest.raises(PartitioningError, match="unknown replay partitioner"):
+        SourceConfig.named("fields-by-magic", 4)
+
+
+def test_a_directory_that_is_not_lmdb_is_refused_untouched(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(NotAnLmdbEnvironment, match=str(tmp_path)):
+        LmdbStorage(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

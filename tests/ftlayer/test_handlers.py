@@ -1,0 +1,186 @@
+"""Handlers: anchoring, combined XOR events, multi-anchoring, FailException, FT off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy.typing import ArrayLike
+
+from ftlayer.core import FTLayer
+from ftlayer.errors import FailException
+from ftlayer.handlers import (
+    Anchors,
+    NoFTPersister,
+    NoFTTaskHandler,
+    Persister,
+    TaskHandler,
+    XorHandler,
+    handlers,
+)
+from ftlayer.persistence import MemoryStorage
+from ftlayer.records import RecordBatch
+
+
+class CountingChannel:
+    """Forwards to an FTLayer and counts the events each call carried."""
+
+    def __init__(self, ft: FTLayer) -> None:
+        self.ft = ft
+        self.xor_calls: list[int] = []
+
+    def persist(self, batch: RecordBatch, initial_values: ArrayLike | None = None) -> None:
+        self.ft.persist(batch, initial_values)
+
+    def xor(self, roots: ArrayLike, values: ArrayLike) -> object:
+        self.xor_calls.append(len(np.asarray(roots)))
+        return self.ft.xor(roots, values)
+
+    def fail(self, roots: ArrayLike) -> object:
+        return self.ft.fail(roots)
+
+
+def _source(ft: FTLayer, n: int) -> Anchors:
+    return Persister(ft).persist(
+        [b"r%d" % i for i in range(n)], topics="t", partitions=0, offsets=np.arange(n)
+    )
+
+
+def test_chain_completes_only_after_the_sink_acks() -> None:
+    ft = FTLayer(MemoryStorage())
+    inputs = _source(ft, 4)
+    # map -> flat_map (2 outputs each) -> filter (keeps the first of each pair) -> sink
+    stages = [np.arange(4), np.repeat(np.arange(4), 2), np.arange(0, 8, 2)]
+    records = inputs
+    for parents in stages:
+        task = TaskHandler(ft)
+        records = task.process(records, parents)
+        task.flush()
+        assert ft.snapshot_stats().completed == 0
+    # Outputs carry their input's root (anchoring), each with a fresh record id.
+    assert records.roots.tolist() == inputs.roots.tolist()
+    assert not set(records.ids.tolist()) & set(inputs.ids.tolist())
+    sink = TaskHandler(ft)
+    sink.process(records, np.zeros(0, dtype=np.intp))
+    assert ft.snapshot_stats().completed == 0  # the sink's acks are still buffered
+    sink.flush()
+    assert ft.snapshot_stats().completed == 4 and len(ft) == 0
+
+
+def _run_chain(ft: FTLayer, n: int, *, flush_map: bool) -> TaskHandler:
+    inputs = _source(ft, n)
+    map_task = TaskHandler(ft)
+    mapped = map_task.process(inputs, np.arange(n))
+    if flush_map:
+        map_task.flush()
+    sink = TaskHandler(ft)
+    sink.process(mapped, np.zeros(0, dtype=np.intp))
+    sink.flush()
+    return map_task
+
+
+def test_a_tree_is_incomplete_while_any_ack_is_outstanding() -> None:
+    ft = FTLayer(MemoryStorage())
+    map_task = _run_chain(ft, 3, flush_map=False)
+    assert ft.snapshot_stats().completed == 0 and len(ft) == 3
+    map_task.flush()
+    assert ft.snapshot_stats().completed == 3 and len(ft) == 0
+
+
+def test_one_combined_event_per_input_and_root() -> None:
+    ft = FTLayer(MemoryStorage())
+    channel = CountingChannel(ft)
+    inputs = _source(ft, 5)
+    task = TaskHandler(channel)
+    task.process(inputs, np.repeat(np.arange(5), 3))  # flat_map: 3 outputs per input
+    task.flush()
+    assert channel.xor_calls == [5]  # 5 events for 15 outputs, not 20
+
+
+def test_multi_anchored_aggregate_holds_every_contributing_root() -> None:
+    ft = FTLayer(MemoryStorage())
+    inputs = _source(ft, 6)
+    agg = TaskHandler(ft)
+    # Two groups: inputs 0-3 aggregate into output 0, inputs 4-5 into output 1.
+    outputs = agg.process_grouped(inputs, [0, 0, 0, 0, 1, 1], 2)
+    agg.flush()
+    assert len(outputs) == 2
+    assert outputs.pairs(0)[0][0] == int(inputs.roots[0])
+    assert sorted(r for r, _ in outputs.pairs(0)) == sorted(inputs.roots[:4].tolist())
+    assert ft.snapshot_stats().completed == 0
+    sink = TaskHandler(ft)
+    sink.process(
+        Anchors(outputs.offsets[:2], outputs.roots[:4], outputs.ids[:4]), np.zeros(0, np.intp)
+    )
+    sink.flush()
+    assert ft.snapshot_stats().completed == 4  # group 0's roots, and only those
+    done = set(inputs.roots[:4].tolist())
+    assert not done & set(ft.acker.roots().tolist())
+
+
+def test_failed_inputs_fail_their_tree_only() -> None:
+    ft = FTLayer(MemoryStorage())
+    inputs = _source(ft, 4)
+    task = TaskHandler(ft)
+    failed = np.array([False, True, False, False])
+    out = task.process(inputs, np.flatnonzero(~failed), failed=failed)
+    task.flush()
+    sink = TaskHandler(ft)
+    sink.process(out, np.zeros(0, np.intp))
+    sink.flush()
+    stats = ft.snapshot_stats()
+    assert stats.completed == 3 and stats.failed["explicit"] == 1
+    assert ft.fetch_replay(0, ft.replay_cursor).records.payloads == [b"r1"]
+    with pytest.raises(ValueError, match="failed input cannot have outputs"):
+        task.process(inputs, np.arange(4), failed=failed)
+
+
+def test_anchor_scope_acks_fails_or_propagates() -> None:
+    ft = FTLayer(MemoryStorage())
+    inputs = _source(ft, 3)
+    task = TaskHandler(ft)
+    sink = TaskHandler(ft)
+    with task.anchor(inputs.pairs(0)) as rec:
+        child = rec.emit()
+    with task.anchor(inputs.pairs(1)):
+        raise FailException("bad record")
+    with pytest.raises(KeyError), task.anchor(inputs.pairs(2)):
+        raise KeyError("bug in user code")
+    task.flush()
+    with sink.anchor(child):
+        pass
+    sink.flush()
+    stats = ft.snapshot_stats()
+    assert stats.completed == 1 and stats.failed["explicit"] == 1
+    assert int(inputs.roots[2]) in ft.acker  # unacked: it will time out and replay
+
+
+class ExplodingChannel:
+    def persist(self, *_: object, **__: object) -> None:
+        raise AssertionError("FT off must not persist")
+
+    def xor(self, *_: object) -> object:
+        raise AssertionError("FT off must not send events")
+
+    def fail(self, *_: object) -> object:
+        raise AssertionError("FT off must not send events")
+
+
+def test_ft_off_handlers_do_nothing() -> None:
+    persister, task = handlers(None)
+    assert isinstance(persister, NoFTPersister) and isinstance(task, NoFTTaskHandler)
+    assert persister.persist([b"x"], topics="t", partitions=0, offsets=[0]) is None
+    assert task.process(None, None) is None
+    task.flush()
+    on_persister, on_task = handlers(ExplodingChannel())
+    assert isinstance(on_persister, Persister) and isinstance(on_task, TaskHandler)
+
+
+def test_xor_handler_flushes_on_size() -> None:
+    ft = FTLayer(MemoryStorage())
+    channel = CountingChannel(ft)
+    buffer = XorHandler(channel, flush_events=10)
+    roots = np.arange(2, 9, dtype=np.uint64)
+    buffer.add(roots, roots)
+    assert channel.xor_calls == [] and buffer.buffered == 7
+    buffer.add(roots, roots)
+    assert channel.xor_calls == [14] and buffer.buffered == 0
