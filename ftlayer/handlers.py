@@ -80,7 +80,11 @@ class Anchors:
 
     @property
     def is_single(self) -> bool:
-        return len(self.roots) == len(self)
+        """True if every record carries exactly one pair."""
+        n = len(self)
+        return len(self.roots) == n and bool(
+            np.array_equal(self.offsets, np.arange(n + 1, dtype=self.offsets.dtype))
+        )
 
     def take(self, index: ArrayLike) -> Anchors:
         """The anchors of the records at `index` (integer positions or a boolean mask)."""

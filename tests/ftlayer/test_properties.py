@@ -100,7 +100,7 @@ def _run_stage(
 
 
 @settings(
-    max_examples=120,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -139,6 +139,7 @@ def test_kafka_hash_replays_into_the_partition_kafka_chose(
 
     failed = np.array([i % 3 == 0 or rng.random() < 0.1 for i in range(len(consumed))])
     failed_records = [r for r, f in zip(consumed, failed.tolist(), strict=True) if f]
+    failed_values = sorted(r.value or b"" for r in failed_records)
     path = tmp_path / "ft"
     storage = LmdbStorage(path)
     ft = FTLayer(storage, default_source=SourceConfig.named("kafka-hash", PARTITIONS))
@@ -148,7 +149,7 @@ def test_kafka_hash_replays_into_the_partition_kafka_chose(
     assert ft.stats.completed == len(consumed) - len(failed_records)
     assert len(storage) == len(failed_records) == ft.replay_cursor
     replay = ft.fetch_replay(0, ft.replay_cursor)
-    assert sorted(targets_by_payload(replay)) == sorted(r.value for r in failed_records)
+    assert sorted(targets_by_payload(replay)) == failed_values
     assert misplaced_kafka_replays(replay, originals) == []
 
     # Each partition's reader gets exactly the failed records Kafka put there, in
@@ -178,7 +179,7 @@ def test_kafka_hash_replays_into_the_partition_kafka_chose(
         recovered = FTLayer(reopened, default_source=SourceConfig.named("kafka-hash", PARTITIONS))
         assert recovered.stats.failed[FailCause.RECOVERY.value] == len(failed_records)
         after_restart = recovered.fetch_replay(ft.replay_cursor, recovered.replay_cursor)
-        assert sorted(targets_by_payload(after_restart)) == sorted(r.value for r in failed_records)
+        assert sorted(targets_by_payload(after_restart)) == failed_values
         assert misplaced_kafka_replays(after_restart, originals) == []
 
 
@@ -201,8 +202,11 @@ def test_keyless_records_are_refused_by_kafka_hash_and_replayed_by_forward(
         default_source=SourceConfig.named("kafka-hash", PARTITIONS),
         sources={1: SourceConfig.named("forward", PARTITIONS)},
     )
-    persist_and_sink(ft, keyed, np.zeros(len(keyed), dtype=np.bool_))
-    stored_before, pending_before = len(storage), len(ft)
+    # Keyed records persist; the failed half stays stored, queued for replay.
+    keyed_failed = np.arange(len(keyed)) % 2 == 0
+    persist_and_sink(ft, keyed, keyed_failed)
+    before = (len(storage), len(ft), ft.replay_cursor)
+    assert before == (len(keyed) // 2,) * 3
 
     # A kafka-hash source refuses the batch at persist, naming the first keyless record:
     # Kafka placed it at random, so no key hash can send its replay back there.
@@ -213,23 +217,30 @@ def test_keyless_records_are_refused_by_kafka_hash_and_replayed_by_forward(
         f"{keyless} of {len(batch)} records have no key (first: topic {topic!r} "
         f"partition {first_keyless.partition} offset {first_keyless.offset})"
     )
+    hashes, has_key = kafka_key_hashes([r.key for r in batch])
     with pytest.raises(PartitioningError, match=re.escape(expected)):
         Persister(ft).persist(
             [r.value or b"" for r in batch],
             topics=topic,
             partitions=[r.partition for r in batch],
             offsets=[r.offset for r in batch],
-            key_hashes=kafka_key_hashes([r.key for r in batch])[0],
-            has_key=kafka_key_hashes([r.key for r in batch])[1],
+            key_hashes=hashes,
+            has_key=has_key,
         )
-    assert (len(storage), len(ft)) == (stored_before, pending_before)
+    # Nothing of the batch was stored, not even its keyed records.
+    assert (len(storage), len(ft), ft.replay_cursor) == before
 
     # The same records from a forward source persist, and replay where Kafka put them.
     persist_and_sink(ft, consumed, np.ones(len(consumed), dtype=np.bool_), source_id=1)
     replay = ft.fetch_replay(0, ft.replay_cursor, source_id=1)
     assert sorted(targets_by_payload(replay)) == sorted(values)
     assert misplaced_kafka_replays(replay, originals) == []
-    assert len(ft.fetch_replay(0, ft.replay_cursor, source_id=0)) == 0
+    # The kafka-hash source's replays are untouched by the refused batch.
+    hashed = ft.fetch_replay(0, ft.replay_cursor, source_id=0)
+    assert list(hashed.records.payloads) == [
+        r.value for r, f in zip(keyed, keyed_failed.tolist(), strict=True) if f
+    ]
+    assert misplaced_kafka_replays(hashed, originals) == []
 
 
 def spark_test_keys() -> list[Hashable]:

@@ -1,0 +1,214 @@
+"""Benchmarks: each measures ftlayer and, in the same run, the baseline it is judged by.
+
+- acker: XOR updates per second through AckerTable on batched events, against a naive
+  one-event-at-a-time dict loop on the same events; and the table's memory per pending
+  root. Targets: >= 3,000,000 updates/s and >= 3x the naive loop.
+- persist: source records per second through persist -> complete -> delete on LMDB
+  (FTLayer on LmdbStorage), against raw py-lmdb put + delete of the same payloads in the
+  same batches. Targets: >= 250,000 records/s and >= 0.5x raw LMDB.
+
+Each returns a dict of figures; the CLI prints it as one JSON object on the last line.
+Figures are wall-clock rates on whatever else the machine is doing: compare the ratio,
+which both sides of one run share.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.acker import AckerTable
+from ftlayer.core import FTLayer
+from ftlayer.ids import new_ids
+from ftlayer.persistence.lmdb_storage import LmdbStorage
+from ftlayer.records import RecordBatch
+
+ACKER_TARGET_RATE = 3_000_000
+ACKER_TARGET_RATIO = 3.0
+PERSIST_TARGET_RATE = 250_000
+PERSIST_TARGET_RATIO = 0.5
+
+
+def _machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "numpy": np.__version__}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def tree_events(
+    roots: int, depth: int, seed: int = 7
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]:
+    """A workload of `roots` trees, each a chain of `depth` tasks after its source.
+
+    Returns (roots, first ack values, event roots, event values). Events are the ones
+    handlers send: each task acks its input XOR its output; the sink acks the last
+    output. They are interleaved across trees in random order (seeded), the worst case
+    for memory locality.
+    """
+    root_ids = new_ids(roots)
+    ids = [new_ids(roots) for _ in range(depth + 1)]
+    event_roots = np.tile(root_ids, depth + 1)
+    event_values = np.concatenate([ids[j] ^ ids[j + 1] for j in range(depth)] + [ids[depth]])
+    order = np.random.default_rng(seed).permutation(len(event_roots))
+    return root_ids, ids[0], event_roots[order], event_values[order]
+
+
+def bench_acker(roots: int = 1_000_000, depth: int = 3, batch: int = 65_536) -> dict[str, Any]:
+    """XOR updates/s: AckerTable on batches against a naive dict loop, same events."""
+    root_ids, first, event_roots, event_values = tree_events(roots, depth)
+    n_events = len(event_roots)
+
+    table = AckerTable()
+    add_s = _timed(lambda: table.add(root_ids, first))
+    memory_per_root = table.memory_bytes() / roots
+    completed = 0
+
+    def batched() -> None:
+        nonlocal completed
+        for lo in range(0, n_events, batch):
+            completed += len(
+                table.xor(event_roots[lo : lo + batch], event_values[lo : lo + batch]).completed
+            )
+
+    batched_s = _timed(batched)
+    if completed != roots or len(table):
+        raise AssertionError(f"acker bench: {completed} of {roots} trees completed")
+
+    naive: dict[int, int] = dict(zip(root_ids.tolist(), first.tolist(), strict=True))
+    roots_list, values_list = event_roots.tolist(), event_values.tolist()
+    naive_done: list[int] = []
+
+    def one_at_a_time() -> None:
+        for root, value in zip(roots_list, values_list, strict=True):
+            current = naive.get(root)
+            if current is None:
+                continue
+            current ^= value
+            if current == 0:
+                del naive[root]
+                naive_done.append(root)
+            else:
+                naive[root] = current
+
+    naive_s = _timed(one_at_a_time)
+    if len(naive_done) != roots:
+        raise AssertionError("acker bench: the naive loop disagrees")
+
+    rate, naive_rate = n_events / batched_s, n_events / naive_s
+    return {
+        "bench": "acker",
+        "roots": roots,
+        "events": n_events,
+        "batch": batch,
+        "updates_per_s": round(rate),
+        "naive_updates_per_s": round(naive_rate),
+        "ratio_vs_naive": round(rate / naive_rate, 2),
+        "add_roots_per_s": round(roots / add_s),
+        "memory_bytes_per_pending_root": round(memory_per_root, 1),
+        "targets": {"updates_per_s": ACKER_TARGET_RATE, "ratio_vs_naive": ACKER_TARGET_RATIO},
+        "meets_targets": rate >= ACKER_TARGET_RATE and rate / naive_rate >= ACKER_TARGET_RATIO,
+        "machine": _machine(),
+    }
+
+
+def bench_persist(
+    records: int = 1_000_000,
+    payload_bytes: int = 100,
+    batch: int = 10_000,
+    sync: bool = True,
+    directory: str | None = None,
+) -> dict[str, Any]:
+    """Records/s through persist -> complete -> delete on LMDB, against raw py-lmdb.
+
+    Both sides keep one batch in flight: batch i is completed (deleted) after batch
+    i + 1 was persisted, as in a pipeline whose trees finish a little after they start.
+    """
+    payload = os.urandom(payload_bytes)
+    batches = [[payload] * min(batch, records - lo) for lo in range(0, records, batch)]
+    offsets = [
+        np.arange(lo, lo + len(b), dtype=np.int64)
+        for lo, b in zip(range(0, records, batch), batches, strict=True)
+    ]
+    with tempfile.TemporaryDirectory(dir=directory, prefix="ftlayer-bench-") as tmp:
+        ft_path, raw_path = Path(tmp) / "ftlayer", Path(tmp) / "raw"
+
+        storage = LmdbStorage(ft_path, sync=sync)
+        ft = FTLayer(storage, timeout_s=3600)
+
+        def through_ftlayer() -> None:
+            in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
+            for payloads, offs in zip(batches, offsets, strict=True):
+                n = len(payloads)
+                roots, ids = new_ids(n), new_ids(n)
+                ft.persist(
+                    RecordBatch.build(roots, payloads, topics="bench", partitions=0, offsets=offs),
+                    ids,
+                )
+                if in_flight is not None:
+                    ft.xor(*in_flight)  # the sink's acks complete the previous batch
+                in_flight = (roots, ids)
+            if in_flight is not None:
+                ft.xor(*in_flight)
+
+        ft_s = _timed(through_ftlayer)
+        if len(storage) or ft.snapshot_stats().completed != records:
+            raise AssertionError("persist bench: not every record completed")
+        storage.close()
+
+        env = lmdb.open(str(raw_path), map_size=1 << 34, sync=sync, metasync=sync)
+
+        def raw_lmdb() -> None:
+            next_key = 1
+            in_flight: list[bytes] | None = None
+            for payloads in batches:
+                keys = (
+                    np.arange(next_key, next_key + len(payloads), dtype=">u8").view("V8").tolist()
+                )
+                next_key += len(payloads)
+                with env.begin(write=True) as txn:
+                    txn.cursor().putmulti(zip(keys, payloads, strict=True), append=True)
+                if in_flight is not None:
+                    with env.begin(write=True) as txn:
+                        for key in in_flight:
+                            txn.delete(key)
+                in_flight = keys
+            if in_flight is not None:
+                with env.begin(write=True) as txn:
+                    for key in in_flight:
+                        txn.delete(key)
+
+        raw_s = _timed(raw_lmdb)
+        env.close()
+
+    rate, raw_rate = records / ft_s, records / raw_s
+    return {
+        "bench": "persist",
+        "records": records,
+        "payload_bytes": payload_bytes,
+        "batch": batch,
+        "sync": sync,
+        "records_per_s": round(rate),
+        "raw_lmdb_records_per_s": round(raw_rate),
+        "ratio_vs_raw_lmdb": round(rate / raw_rate, 2),
+        "targets": {
+            "records_per_s": PERSIST_TARGET_RATE,
+            "ratio_vs_raw_lmdb": PERSIST_TARGET_RATIO,
+        },
+        "meets_targets": rate >= PERSIST_TARGET_RATE and rate / raw_rate >= PERSIST_TARGET_RATIO,
+        "machine": _machine(),
+    }

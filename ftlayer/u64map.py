@@ -1,0 +1,204 @@
+"""U64Map: a hash map from uint64 ids to fixed-width columns, operated on whole arrays.
+
+The FT layer's hot tables (the acker's ack values, the persistence index) map random
+64-bit ids to a few numbers each, and are read and written a batch of ids at a time.
+A Python dict would cost a Python object or two per id and a Python-level loop per
+batch; this map keeps ids and values in numpy arrays and does every operation with a
+handful of vectorized passes.
+
+Invariants:
+- Keys are ids in [2, 2**64): 0 marks an empty slot and 1 a deleted one (ids are drawn
+  from [2, 2**64) for this reason). Reserved keys are refused on insert and never found.
+- Open addressing with linear probing, Fibonacci hashing (multiply by 2**64 / phi, keep
+  the top bits), capacity a power of two, load (live + deleted slots) at most 1/2; the
+  table grows, or is rebuilt to drop deleted slots, before an insert would pass it.
+- insert() is all or nothing: a reserved key, a key already present or a key repeated
+  in the batch raises ValueError and leaves the map as it was.
+
+Costs, n = ids in a batch: find, insert, delete are O(n) expected, in a few numpy
+passes each (probing rounds shrink geometrically at load 1/2). Memory: 8 bytes for the
+key plus the column widths, per slot; at most twice that per live key.
+Not thread-safe: one thread owns a map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+EMPTY = np.uint64(0)
+DELETED = np.uint64(1)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MAX_LOAD = 0.5
+
+
+def capacity_for(n: int) -> int:
+    """Smallest power of two >= 16 that holds n keys at load factor 1/2."""
+    need = max(16, 2 * max(n, 1))
+    return 1 << (need - 1).bit_length()
+
+
+class U64Map:
+    """uint64 id -> named fixed-width columns; see the module docstring."""
+
+    def __init__(
+        self, columns: Mapping[str, DTypeLike], capacity: int = 1024, *, key_name: str = "id"
+    ) -> None:
+        self.key_name = key_name
+        self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
+        self._live = 0
+        self._alloc(capacity_for(capacity))
+
+    def _alloc(self, cap: int) -> None:
+        self.keys: NDArray[np.uint64] = np.zeros(cap, dtype=np.uint64)
+        self.columns: dict[str, NDArray[np.generic]] = {
+            name: np.zeros(cap, dtype=dtype) for name, dtype in self._dtypes.items()
+        }
+        self._mask = cap - 1
+        self._shift = np.uint64(64 - (cap.bit_length() - 1))
+        self._deleted = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, int) and self.find_one(key) >= 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.keys)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the map's arrays."""
+        return int(self.keys.nbytes + sum(c.nbytes for c in self.columns.values()))
+
+    def live_slots(self) -> NDArray[np.intp]:
+        return np.flatnonzero(self.keys > DELETED)
+
+    # ---- lookup ----------------------------------------------------------------
+
+    def _home(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
+        return ((keys * _GOLDEN) >> self._shift).astype(np.intp)
+
+    def find(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
+        """The slot of each key, -1 where it is absent."""
+        out = np.full(len(keys), -1, dtype=np.intp)
+        table, mask = self.keys, self._mask
+        slot = self._home(keys)
+        found = table[slot]
+        hit = found == keys
+        valid = keys > DELETED
+        hit &= valid
+        out[hit] = slot[hit]
+        go = ~hit & valid & (found != EMPTY)
+        if not bool(go.any()):
+            return out
+        idx = np.flatnonzero(go)
+        while True:
+            k = keys[idx]
+            slot = (slot[go] + 1) & mask
+            found = table[slot]
+            hit = found == k
+            out[idx[hit]] = slot[hit]
+            go = ~hit & (found != EMPTY)
+            if not bool(go.any()):
+                return out
+            idx = idx[go]
+
+    def find_one(self, key: int) -> int:
+        """The slot of one key, -1 if absent (cold paths)."""
+        if not 2 <= key < 2**64:
+            return -1
+        k = np.uint64(key)
+        slot = int(self._home(np.array([k], dtype=np.uint64))[0])
+        while True:
+            found = self.keys[slot]
+            if found == k:
+                return slot
+            if found == EMPTY:
+                return -1
+            slot = (slot + 1) & self._mask
+
+    # ---- insert and delete -------------------------------------------------------
+
+    def insert(self, keys: ArrayLike, **values: ArrayLike) -> NDArray[np.intp]:
+        """Add new keys with their column values (missing columns are zero); returns
+        their slots. ValueError, and no change, on a reserved, present or repeated key."""
+        k = np.ascontiguousarray(keys, dtype=np.uint64)
+        unknown = set(values) - set(self._dtypes)
+        if unknown:
+            raise ValueError(f"unknown columns {sorted(unknown)}; have {sorted(self._dtypes)}")
+        for name, column in values.items():
+            if np.ndim(column) and len(np.asarray(column)) != len(k):
+                raise ValueError(f"{len(k)} keys but {len(np.asarray(column))} {name!r} values")
+        if len(k) == 0:
+            return np.zeros(0, dtype=np.intp)
+        if bool((k <= DELETED).any()):
+            bad = int(k[k <= DELETED][0])
+            raise ValueError(
+                f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))"
+            )
+        self._reserve(len(k))
+        present = self.find(k)
+        if bool((present >= 0).any()):
+            raise ValueError(f"{self.key_name} {int(k[present >= 0][0]):#x} is already present")
+        slots = self._place(k)
+        if not np.array_equal(self.find(k), slots):
+            # Equal keys in one batch landed in two slots: undo the whole batch.
+            self.keys[slots] = DELETED
+            self._deleted += len(slots)
+            uniq, counts = np.unique(k, return_counts=True)
+            dup = int(uniq[counts > 1][0])
+            raise ValueError(f"{self.key_name} {dup:#x} is repeated in the batch")
+        for name, column in self.columns.items():
+            column[slots] = values.get(name, 0)
+        self._live += len(k)
+        return slots
+
+    def delete_slots(self, slots: NDArray[np.intp]) -> None:
+        """Delete the keys at `slots` (distinct live slots, e.g. from find)."""
+        self.keys[slots] = DELETED
+        self._live -= len(slots)
+        self._deleted += len(slots)
+
+    def _place(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
+        """Claim a free slot for each key (keys known absent, capacity reserved)."""
+        table, mask = self.keys, self._mask
+        out = np.empty(len(keys), dtype=np.intp)
+        idx = np.arange(len(keys), dtype=np.intp)
+        slot = self._home(keys)
+        reused = 0
+        while len(idx):
+            free = table[slot] <= DELETED
+            cand = idx[free]
+            cslot = slot[free]
+            was_deleted = table[cslot] == DELETED
+            # Several keys may want one free slot: each writes its index there (the slot
+            # is free, so the key cell is scratch) and the one whose index stuck wins.
+            marks = cand.astype(np.uint64)
+            table[cslot] = marks
+            won = table[cslot] == marks
+            reused += int(np.count_nonzero(was_deleted & won))
+            table[cslot[won]] = keys[cand[won]]
+            out[cand[won]] = cslot[won]
+            placed = np.zeros(len(idx), dtype=np.bool_)
+            placed[np.flatnonzero(free)[won]] = True
+            idx = idx[~placed]
+            slot = (slot[~placed] + 1) & mask
+        self._deleted -= reused
+        return out
+
+    def _reserve(self, n: int) -> None:
+        """Grow, or rebuild without deleted slots, so n more keys keep load <= 1/2."""
+        cap = len(self.keys)
+        if self._live + self._deleted + n <= cap * _MAX_LOAD:
+            return
+        live = self.live_slots()
+        keys = self.keys[live]
+        columns = {name: column[live] for name, column in self.columns.items()}
+        self._alloc(max(cap, capacity_for(self._live + n)))
+        slots = self._place(keys)
+        for name, column in columns.items():
+            self.columns[name][slots] = column
