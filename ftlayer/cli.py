@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     persist.add_argument("--batch", type=_positive_int, default=10_000)
     persist.add_argument("--no-sync", action="store_true", help="no fsync per commit (both sides)")
     persist.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
+    persist.add_argument("--rounds", type=_positive_int, default=3, help="alternating rounds")
     persist.add_argument("--json", action="store_true", help="print one JSON object last")
     return parser
 
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch=args.batch,
                 sync=not args.no_sync,
                 directory=args.dir,
+                rounds=args.rounds,
             )
     except FTLayerError as exc:
         print(f"ftlayer: {exc}", file=sys.stderr)

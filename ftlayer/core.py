@@ -299,7 +299,7 @@ class FTLayer:
         """Fail pending roots: their records are queued for replay. Returns how many."""
         keys = np.ascontiguousarray(roots, dtype=np.uint64)
         pending = self.acker.remove(keys)
-        if len(pending) < len(np.unique(keys)):
+        if len(pending) < len(keys):
             self._count_dropped(np.setdiff1d(keys, pending))
         if not len(pending):
             return 0

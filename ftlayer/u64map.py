@@ -137,21 +137,20 @@ class U64Map:
             return np.zeros(0, dtype=np.intp)
         if bool((k <= DELETED).any()):
             bad = int(k[k <= DELETED][0])
-            raise ValueError(
-                f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))"
-            )
+            raise ValueError(f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))")
         self._reserve(len(k))
-        present = self.find(k)
-        if bool((present >= 0).any()):
-            raise ValueError(f"{self.key_name} {int(k[present >= 0][0]):#x} is already present")
         slots = self._place(k)
-        if not np.array_equal(self.find(k), slots):
-            # Equal keys in one batch landed in two slots: undo the whole batch.
+        found = self.find(k)
+        if not np.array_equal(found, slots):
+            # New keys only go to empty slots, past every slot their probe could find
+            # first: a key already present, or repeated in the batch, is found at
+            # another slot than the one just claimed. Undo the whole batch.
             self.keys[slots] = DELETED
             self._deleted += len(slots)
-            uniq, counts = np.unique(k, return_counts=True)
-            dup = int(uniq[counts > 1][0])
-            raise ValueError(f"{self.key_name} {dup:#x} is repeated in the batch")
+            first = int(np.flatnonzero(found != slots)[0])
+            if not bool(np.isin(found[first], slots)):
+                raise ValueError(f"{self.key_name} {int(k[first]):#x} is already present")
+            raise ValueError(f"{self.key_name} {int(k[first]):#x} is repeated in the batch")
         for name, column in self.columns.items():
             column[slots] = values.get(name, 0)
         self._live += len(k)
@@ -164,30 +163,28 @@ class U64Map:
         self._deleted += len(slots)
 
     def _place(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
-        """Claim a free slot for each key (keys known absent, capacity reserved)."""
+        """Claim an empty slot for each key (capacity reserved). Deleted slots are not
+        reused: that keeps every new key past any copy already in the table, so one
+        find() after placing detects duplicates, and rebuilds reclaim deleted slots."""
         table, mask = self.keys, self._mask
         out = np.empty(len(keys), dtype=np.intp)
         idx = np.arange(len(keys), dtype=np.intp)
         slot = self._home(keys)
-        reused = 0
         while len(idx):
-            free = table[slot] <= DELETED
+            free = table[slot] == EMPTY
             cand = idx[free]
             cslot = slot[free]
-            was_deleted = table[cslot] == DELETED
-            # Several keys may want one free slot: each writes its index there (the slot
-            # is free, so the key cell is scratch) and the one whose index stuck wins.
+            # Several keys may want one empty slot: each writes its index there (the slot
+            # is empty, so the key cell is scratch) and the one whose index stuck wins.
             marks = cand.astype(np.uint64)
             table[cslot] = marks
             won = table[cslot] == marks
-            reused += int(np.count_nonzero(was_deleted & won))
             table[cslot[won]] = keys[cand[won]]
             out[cand[won]] = cslot[won]
             placed = np.zeros(len(idx), dtype=np.bool_)
             placed[np.flatnonzero(free)[won]] = True
             idx = idx[~placed]
             slot = (slot[~placed] + 1) & mask
-        self._deleted -= reused
         return out
 
     def _reserve(self, n: int) -> None:

@@ -6,13 +6,14 @@ Kafka coordinates that completion reports, so neither completion nor deletion re
 the storage back.
 
 - persist(batch): store the batch (one storage transaction), then index its roots.
-- complete(roots): drop the roots from the index, delete their records, and return
-  their Kafka coordinates (roots that are not pending are skipped).
-- retag(old_roots, new_roots, replay_seqs): a failed record stays stored but is now
-  tracked under a new root and queued for replay (storage.set_roots, then re-index).
+- complete(roots): drop the roots from the index, delete their records (one storage
+  transaction), and return their Kafka coordinates. Roots not pending are skipped.
+- take(roots): drop failing roots from the index; their records stay stored.
+- retag(seqs, batch, new_roots, replay_seqs): stored records are tracked under new
+  roots and queued for replay (storage.set_roots, then index them).
 
-The index is a RotatingHashMap; this base class never rotates it. TimeoutPersistenceLayer
-(persistence/timeout.py) rotates it to fail roots that stay pending too long.
+The index is a U64Map (root -> seq, offset, partition, topic number): a few numpy
+passes per batch and no Python object per record. 64 bytes per pending root at most.
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from numpy.typing import NDArray
 
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.records import RecordBatch
-from ftlayer.rotating import ExpiryCallback, RotatingHashMap
-
-#: What the index keeps per pending root: (seq, topic, partition, offset).
-IndexEntry = tuple[int, str, int, int]
+from ftlayer.u64map import U64Map
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +45,14 @@ class Completed:
 class PersistenceLayer:
     """Index of pending roots over a storage; see the module docstring."""
 
-    def __init__(
-        self,
-        storage: PersistenceStorage,
-        *,
-        buckets: int = 2,
-        on_expire: ExpiryCallback[int, IndexEntry] | None = None,
-        timeout_s: float | None = None,
-        start: float = 0.0,
-    ) -> None:
+    def __init__(self, storage: PersistenceStorage) -> None:
         self.storage = storage
-        self._index: RotatingHashMap[int, IndexEntry] = RotatingHashMap(
-            buckets, on_expire, timeout_s=timeout_s, start=start
+        self._index = U64Map(
+            {"seq": np.uint64, "offset": np.int64, "partition": np.int32, "topic": np.uint32},
+            key_name="root",
         )
+        self._topics: list[str] = []
+        self._topic_numbers: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._index)
@@ -68,62 +61,58 @@ class PersistenceLayer:
         return root in self._index
 
     def seq_of(self, root: int) -> int | None:
-        entry = self._index.get(root)
-        return None if entry is None else entry[0]
+        """The storage seq of a pending root's record, None if the root is not pending."""
+        slot = self._index.find_one(root)
+        return None if slot < 0 else int(self._index.columns["seq"][slot])
 
     def persist(self, batch: RecordBatch) -> NDArray[np.uint64]:
         """Store the batch durably, then track its roots; returns the storage seqs."""
         seqs = self.storage.put(batch)
-        self._index.put_many(
-            batch.roots.tolist(),
-            zip(
-                seqs.tolist(),
-                batch.topics,
-                batch.partitions.tolist(),
-                batch.offsets.tolist(),
-                strict=True,
-            ),
-        )
+        self.track(batch.roots, seqs, batch)
         return seqs
 
     def track(
         self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], batch: RecordBatch
     ) -> None:
-        """Index records that are already stored (recovery, retag)."""
-        self._index.put_many(
-            roots.tolist(),
-            zip(
-                seqs.tolist(),
-                batch.topics,
-                batch.partitions.tolist(),
-                batch.offsets.tolist(),
-                strict=True,
-            ),
+        """Index records that are stored at `seqs` under `roots`."""
+        self._index.insert(
+            roots,
+            seq=seqs,
+            offset=batch.offsets,
+            partition=batch.partitions,
+            topic=self._numbers_of(batch.topics),
         )
 
     def complete(self, roots: NDArray[np.uint64]) -> Completed:
         """Forget pending roots and delete their records; returns their coordinates."""
-        popped = self._index.pop_many(roots.tolist())
-        entries = [e for e in popped if e is not None]
-        if len(entries) < len(roots):
-            roots = roots[np.fromiter((e is not None for e in popped), np.bool_, len(popped))]
-        if not entries:
-            return _no_completions()
-        seqs, topics, partitions, offsets = zip(*entries, strict=True)
-        self.storage.delete(np.fromiter(seqs, dtype=np.uint64, count=len(seqs)))
-        return Completed(
+        slots = self._index.find(roots)
+        found = slots >= 0
+        if not bool(found.all()):
+            roots, slots = roots[found], slots[found]
+        columns = self._index.columns
+        seqs = columns["seq"][slots].astype(np.uint64)
+        topic_numbers = columns["topic"][slots]
+        done = Completed(
             roots=roots,
-            topics=list(topics),
-            partitions=np.fromiter(partitions, dtype=np.int32, count=len(partitions)),
-            offsets=np.fromiter(offsets, dtype=np.int64, count=len(offsets)),
+            topics=self._names_of(topic_numbers),
+            partitions=columns["partition"][slots].astype(np.int32),
+            offsets=columns["offset"][slots].astype(np.int64),
         )
+        self._index.delete_slots(slots)
+        if len(seqs):
+            self.storage.delete(seqs)
+        return done
 
     def take(self, roots: NDArray[np.uint64]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
-        """Stop tracking roots (failing them); returns (roots that were pending, their seqs)."""
-        entries = self._index.pop_many(roots.tolist())
-        found = np.fromiter((e is not None for e in entries), dtype=np.bool_, count=len(entries))
-        seqs = np.fromiter((e[0] for e in entries if e is not None), dtype=np.uint64)
-        return roots[found], seqs
+        """Stop tracking roots (they failed); returns (the roots that were pending, the
+        seqs of their records, which stay stored)."""
+        slots = self._index.find(roots)
+        found = slots >= 0
+        roots, slots = roots[found], np.unique(slots[found])
+        seqs = self._index.columns["seq"][slots].astype(np.uint64)
+        roots = self._index.keys[slots]
+        self._index.delete_slots(slots)
+        return roots, seqs
 
     def retag(
         self,
@@ -136,11 +125,23 @@ class PersistenceLayer:
         self.storage.set_roots(seqs, new_roots, replay_seqs)
         self.track(new_roots, seqs, batch)
 
+    def _numbers_of(self, topics: Sequence[str]) -> NDArray[np.uint32]:
+        if not topics:
+            return np.zeros(0, dtype=np.uint32)
+        first = topics[0]
+        if first not in self._topic_numbers:
+            self._topic_numbers[first] = len(self._topics)
+            self._topics.append(first)
+        if isinstance(topics, list) and topics.count(first) == len(topics):
+            return np.full(len(topics), self._topic_numbers[first], dtype=np.uint32)
+        numbers = self._topic_numbers
+        for topic in set(topics) - numbers.keys():
+            numbers[topic] = len(self._topics)
+            self._topics.append(topic)
+        return np.fromiter((numbers[t] for t in topics), dtype=np.uint32, count=len(topics))
 
-def _no_completions() -> Completed:
-    return Completed(
-        roots=np.zeros(0, dtype=np.uint64),
-        topics=[],
-        partitions=np.zeros(0, dtype=np.int32),
-        offsets=np.zeros(0, dtype=np.int64),
-    )
+    def _names_of(self, numbers: NDArray[np.generic]) -> list[str]:
+        if len(numbers) and bool((numbers == numbers[0]).all()):
+            return [self._topics[int(numbers[0])]] * len(numbers)
+        topics = self._topics
+        return [topics[i] for i in numbers.tolist()]

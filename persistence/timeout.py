@@ -1,12 +1,17 @@
 """The timeout persistence layer: a persistence layer whose pending roots expire.
 
-Pending roots live in a RotatingHashMap with n buckets, rotated every T / (n - 1)
-seconds by tick(now). A root that stays pending (not completed, not failed) for T
-expires between T and T * (1 + 1/(n-1)) after it was persisted or queued for replay,
-and on_timeout receives it with its storage seq; the FT layer then fails it, so its
-record is replayed under a new root. Timeouts are counted from persist (or from the
-moment a failed record was queued for replay), not from the last XOR event: like
-Storm's message timeout, it bounds how long a whole tree may take.
+Every batch of roots that starts pending (a persist, or failed records queued for
+replay) is one entry of a RotatingHashMap with n buckets, rotated every T / (n - 1)
+seconds by tick(now). All roots of a batch start pending at the same moment, so one
+entry per batch times them all: when the entry expires, between T and
+T * (1 + 1/(n-1)) after the batch (later only by how late tick() is called, never
+earlier), the roots of the batch that are still pending are taken from the index and
+on_timeout receives them with their storage seqs; the FT layer then fails them, so
+their records are replayed under new roots.
+
+Timeouts are counted from persist (or from the moment a failed record was queued for
+replay), not from the last XOR event: like Storm's message timeout, T bounds how long a
+whole tree may take.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.persistence.base import PersistenceStorage
-from ftlayer.persistence.layer import IndexEntry, PersistenceLayer
-from ftlayer.rotating import rotation_interval, validate_timeout
+from ftlayer.persistence.layer import PersistenceLayer
+from ftlayer.records import RecordBatch
+from ftlayer.rotating import RotatingHashMap, rotation_interval, validate_timeout
 
 #: Receives the roots that timed out and their storage seqs.
 TimeoutCallback = Callable[[NDArray[np.uint64], NDArray[np.uint64]], None]
@@ -37,19 +43,28 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         start: float = 0.0,
     ) -> None:
         validate_timeout(timeout_s, buckets)
+        super().__init__(storage)
         self.timeout_s = timeout_s
         self.buckets = buckets
         self.rotation_interval_s = rotation_interval(timeout_s, buckets)
         self._on_timeout = on_timeout
-        super().__init__(
-            storage, buckets=buckets, on_expire=self._expired, timeout_s=timeout_s, start=start
+        self._batches: RotatingHashMap[int, NDArray[np.uint64]] = RotatingHashMap(
+            buckets, self._expired, timeout_s=timeout_s, start=start
         )
+        self._batch_number = 0
+
+    def track(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], batch: RecordBatch
+    ) -> None:
+        super().track(roots, seqs, batch)
+        self._batch_number += 1
+        self._batches.put(self._batch_number, roots)
 
     def tick(self, now: float) -> int:
-        """Rotate as often as due by `now`, failing expired roots; returns rotations done."""
-        return self._index.tick(now)
+        """Rotate if due by `now`, failing the roots that expired; returns 1 if it did."""
+        return self._batches.tick(now)
 
-    def _expired(self, entries: dict[int, IndexEntry]) -> None:
-        roots = np.fromiter(entries.keys(), dtype=np.uint64, count=len(entries))
-        seqs = np.fromiter((e[0] for e in entries.values()), dtype=np.uint64, count=len(entries))
-        self._on_timeout(roots, seqs)
+    def _expired(self, batches: dict[int, NDArray[np.uint64]]) -> None:
+        roots, seqs = self.take(np.concatenate(list(batches.values())))
+        if len(roots):
+            self._on_timeout(roots, seqs)
