@@ -16,6 +16,11 @@ Operations and costs (n = events in a batch, m = pending roots):
 - remove(roots): forget pending roots (they failed); returns those that were
   pending. O(n).
 
+The table's owner may add columns of its own (the FT layer keeps each root's record
+locator there: storage seq, Kafka offset, partition, topic), so one table lookup serves
+both the XOR and the persistence bookkeeping; xor() and remove() hand back those
+columns for the roots they take out.
+
 A batch is applied as one update: a root is complete when its value is 0 after the
 whole batch. For a correct event stream this is exactly the one-at-a-time rule,
 because a tree's ack value can only reach 0 at its last event (the events of a tree
@@ -32,14 +37,19 @@ slack (33.6 bytes at 1,000,000 pending roots). Not thread-safe: one thread owns 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from ftlayer.u64map import DELETED, U64Map
+from ftlayer.u64map import U64Map
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
+
+Columns = dict[str, NDArray[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +60,28 @@ class XorResult:
     """Roots whose ack value returned to 0, each once, in no particular order."""
     dropped: NDArray[np.uint64]
     """Roots of events that were ignored because the root is not pending."""
+    columns: Columns = field(default_factory=dict)
+    """The owner's columns of the completed roots, aligned with `completed`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """Roots taken out of the table without completing, with the owner's columns."""
+
+    roots: NDArray[np.uint64]
+    columns: Columns
 
 
 class AckerTable:
     """Pending roots and their ack values; see the module docstring for the contract."""
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self._map = U64Map({"ack": np.uint64}, capacity, key_name="root")
+    def __init__(
+        self, capacity: int = 1024, columns: Mapping[str, DTypeLike] | None = None
+    ) -> None:
+        if columns and "ack" in columns:
+            raise ValueError("the column name 'ack' is the table's own")
+        self._owned = list(columns or {})
+        self._map = U64Map({"ack": np.uint64, **(columns or {})}, capacity, key_name="root")
         self.completed_total = 0
         self.dropped_events_total = 0
 
@@ -88,16 +113,31 @@ class AckerTable:
         live = self._map.live_slots()
         return self._map.keys[live], self._map.columns["ack"][live].astype(np.uint64)
 
-    def add(self, roots: ArrayLike, values: ArrayLike | None = None) -> None:
-        """Register pending roots with initial ack values (default 0).
+    def add(
+        self, roots: ArrayLike, values: ArrayLike | None = None, **columns: ArrayLike
+    ) -> NDArray[np.intp]:
+        """Register pending roots with initial ack values (default 0) and values of the
+        owner's columns (default 0); returns their slots, for set_column.
 
         Raises ValueError, and changes nothing, if a root is reserved (0 or 1), already
         pending, or repeated in the batch.
         """
-        if values is None:
-            self._map.insert(roots)
-        else:
-            self._map.insert(roots, ack=np.asarray(values, dtype=np.uint64))
+        if values is not None:
+            columns["ack"] = np.asarray(values, dtype=np.uint64)
+        return self._map.insert(roots, **columns)
+
+    def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
+        """Set an owner's column for roots just added (slots from add)."""
+        self._map.columns[name][slots] = values
+
+    def lookup(self, name: str, roots: ArrayLike) -> tuple[NDArray[np.bool_], NDArray[Any]]:
+        """(pending mask, column `name` of the pending ones) for a batch of roots."""
+        slots = self._map.find(np.ascontiguousarray(roots, dtype=np.uint64))
+        pending = slots >= 0
+        return pending, self._map.columns[name][slots[pending]]
+
+    def _take(self, slots: NDArray[np.intp]) -> Columns:
+        return {name: self._map.columns[name][slots] for name in self._owned}
 
     def xor(self, roots: ArrayLike, values: ArrayLike) -> XorResult:
         """Apply a batch of XOR events (root, value); see the module docstring."""
@@ -106,7 +146,7 @@ class AckerTable:
         if len(vals) != len(keys):
             raise ValueError(f"xor: {len(keys)} roots but {len(vals)} values")
         if len(keys) == 0:
-            return XorResult(_EMPTY_U64, _EMPTY_U64)
+            return XorResult(_EMPTY_U64, _EMPTY_U64, self._take(np.zeros(0, np.intp)))
         slots = self._map.find(keys)
         known = slots >= 0
         dropped = _EMPTY_U64
@@ -118,7 +158,7 @@ class AckerTable:
         np.bitwise_xor.at(ack, slots, vals)
         zero = slots[ack[slots] == 0]
         if len(zero) == 0:
-            return XorResult(_EMPTY_U64, dropped)
+            return XorResult(_EMPTY_U64, dropped, self._take(zero))
         if len(zero) > 1:
             # A root with several events in the batch appears several times: keep one.
             # The ack cells of completed roots are free, so they serve as scratch.
@@ -126,35 +166,25 @@ class AckerTable:
             ack[zero] = marks
             zero = zero[ack[zero] == marks]
         completed = self._map.keys[zero]
+        taken = self._take(zero)
         self._map.delete_slots(zero)
         self.completed_total += len(zero)
-        return XorResult(completed, dropped)
+        return XorResult(completed, dropped, taken)
 
     def xor_one(self, root: int, value: int) -> bool:
-        """Apply one XOR event; True if it completed its root. Late events are dropped."""
-        slot = self._map.find_one(root)
-        if slot < 0:
-            self.dropped_events_total += 1
-            return False
-        ack = self._map.columns["ack"]
-        new = int(ack[slot]) ^ value
-        ack[slot] = new
-        if new != 0:
-            return False
-        self._map.delete_slots(np.array([slot], dtype=np.intp))
-        self.completed_total += 1
-        return True
+        """Apply one XOR event (cold paths); True if it completed its root."""
+        result = self.xor(np.array([root], dtype=np.uint64), np.array([value], dtype=np.uint64))
+        return len(result.completed) == 1
 
-    def remove(self, roots: ArrayLike) -> NDArray[np.uint64]:
-        """Forget pending roots (failed ones); returns those that were pending, each once."""
+    def remove(self, roots: ArrayLike) -> Removed:
+        """Forget pending roots (failed ones); returns those that were pending, each
+        once, with the owner's columns."""
         keys = np.ascontiguousarray(roots, dtype=np.uint64)
-        if len(keys) == 0:
-            return _EMPTY_U64
         slots = self._map.find(keys)
         slots = np.unique(slots[slots >= 0])
-        removed = self._map.keys[slots]
+        removed = Removed(self._map.keys[slots], self._take(slots))
         self._map.delete_slots(slots)
         return removed
 
 
-__all__ = ["DELETED", "AckerTable", "XorResult"]
+__all__ = ["AckerTable", "Removed", "XorResult"]

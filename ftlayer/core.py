@@ -46,7 +46,7 @@ from ftlayer.errors import ConfigError
 from ftlayer.ids import new_ids
 from ftlayer.partitioners import ReplayPartitioner, create_partitioner
 from ftlayer.persistence.base import PersistenceStorage
-from ftlayer.persistence.layer import Completed
+from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch
 
@@ -187,7 +187,7 @@ class FTLayer:
     ) -> None:
         self._clock = clock
         self.storage = storage
-        self.acker = AckerTable()
+        self.acker = AckerTable(columns=LOCATOR_COLUMNS)
         self.persistence = TimeoutPersistenceLayer(
             storage,
             timeout_s=timeout_s,
@@ -240,16 +240,22 @@ class FTLayer:
         source's replay partitioner could not route (no key for a hash partitioner).
         """
         self._check_routable(batch)
-        self.acker.add(batch.roots, initial_values)
+        # Step 1: the acker validates the roots (reserved, repeated, already pending).
+        slots = self.acker.add(batch.roots, initial_values, **self.persistence.locators(batch))
+        # Step 2: the storage confirms the records are durable; on any error the roots
+        # leave the acker again and the error propagates: nothing is half-persisted.
         try:
-            self.persistence.persist(batch)
+            seqs = self.persistence.persist(batch)
         except BaseException:
             self.acker.remove(batch.roots)
             raise
+        # Step 3: the roots know their records, and their timeout starts.
+        self.acker.set_column("seq", slots, seqs)
+        self.persistence.track(batch.roots)
         self.stats.persisted += len(batch)
 
     def _check_routable(self, batch: RecordBatch) -> None:
-        for source_id in np.unique(batch.source_ids).tolist():
+        for source_id in _sources_of(batch):
             config = self.source_config(source_id)
             if config is not None:
                 rows = batch.source_ids == source_id
@@ -263,29 +269,21 @@ class FTLayer:
         result = self.acker.xor(roots, values)
         self.stats.xor_events += len(np.asarray(roots))
         if len(result.completed):
-            self._complete(result.completed)
+            done = self.persistence.complete(result.completed, result.columns)
+            self.stats.completed += len(done)
+            if self._retries:
+                for root in done.roots.tolist():
+                    self._retries.pop(root, None)
+            for listener in self._listeners:
+                listener(done)
         if len(result.dropped):
             self._count_dropped(result.dropped)
         return result
 
     def xor_one(self, root: int, value: int) -> bool:
         """One XOR event (cold paths); True if it completed its root."""
-        self.stats.xor_events += 1
-        if self.acker.xor_one(root, value):
-            self._complete(np.array([root], dtype=np.uint64))
-            return True
-        if self.acker.value(root) is None:
-            self._count_dropped(np.array([root], dtype=np.uint64))
-        return False
-
-    def _complete(self, roots: NDArray[np.uint64]) -> None:
-        done = self.persistence.complete(roots)
-        self.stats.completed += len(done)
-        if self._retries:
-            for root in done.roots.tolist():
-                self._retries.pop(root, None)
-        for listener in self._listeners:
-            listener(done)
+        one = self.xor(np.array([root], dtype=np.uint64), np.array([value], dtype=np.uint64))
+        return len(one.completed) == 1
 
     def _count_dropped(self, roots: NDArray[np.uint64]) -> None:
         retired = self._retired
@@ -298,23 +296,22 @@ class FTLayer:
     def fail(self, roots: ArrayLike, cause: FailCause = FailCause.EXPLICIT) -> int:
         """Fail pending roots: their records are queued for replay. Returns how many."""
         keys = np.ascontiguousarray(roots, dtype=np.uint64)
-        pending = self.acker.remove(keys)
-        if len(pending) < len(keys):
-            self._count_dropped(np.setdiff1d(keys, pending))
-        if not len(pending):
-            return 0
-        pending, seqs = self.persistence.take(pending)
-        self._requeue(pending, seqs, cause)
-        return len(pending)
+        removed = self.acker.remove(keys)
+        if len(removed.roots) < len(keys):
+            self._count_dropped(np.setdiff1d(keys, removed.roots))
+        if len(removed.roots):
+            self._requeue(removed.roots, removed.columns["seq"], cause)
+        return len(removed.roots)
 
     def tick(self, now: float | None = None) -> int:
         """Fail the roots whose timeout passed by `now` (default: the clock); returns
         the number of bucket rotations done."""
         return self.persistence.tick(self._clock() if now is None else now)
 
-    def _on_timeout(self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
-        self.acker.remove(roots)
-        self._requeue(roots, seqs, FailCause.TIMEOUT)
+    def _on_timeout(self, roots: NDArray[np.uint64]) -> None:
+        removed = self.acker.remove(roots)  # those that completed meanwhile are skipped
+        if len(removed.roots):
+            self._requeue(removed.roots, removed.columns["seq"], FailCause.TIMEOUT)
 
     def _requeue(
         self, old_roots: NDArray[np.uint64], seqs: NDArray[np.uint64], cause: FailCause
@@ -335,9 +332,10 @@ class FTLayer:
         # Step 2. The replay seq counter is stored before any record uses a seq from it.
         self._next_replay_seq += n
         self.storage.put_meta(_REPLAY_SEQ_META, str(self._next_replay_seq).encode())
-        self.persistence.retag(seqs, batch, new_roots, replay_seqs)
-        # Step 3.
-        self.acker.add(new_roots)
+        self.persistence.retag(seqs, new_roots, replay_seqs)
+        # Step 3. The new roots wait (ack value 0) for their source to emit them again.
+        self.acker.add(new_roots, None, seq=seqs, **self.persistence.locators(batch))
+        self.persistence.track(new_roots)
         # Step 4.
         self._queue.append(
             replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
@@ -354,7 +352,7 @@ class FTLayer:
         sources without a config re-enter their original partition."""
         index_parts: list[NDArray[np.intp]] = []
         partition_parts: list[NDArray[np.int32]] = []
-        for source_id in np.unique(batch.source_ids).tolist():
+        for source_id in _sources_of(batch):
             rows = np.flatnonzero(batch.source_ids == source_id)
             config = self.source_config(source_id)
             if config is None:
@@ -383,15 +381,10 @@ class FTLayer:
         target partition) whose roots are still pending. The same range gives the same
         records until they complete, fail again or are pruned."""
         rseqs, roots, seqs, parts = self._queue.select(lo, hi, source_id, partition)
-        live = np.fromiter(
-            (
-                self.persistence.seq_of(r) == s
-                for r, s in zip(roots.tolist(), seqs.tolist(), strict=True)
-            ),
-            dtype=np.bool_,
-            count=len(roots),
-        )
-        if not live.all():
+        pending, pending_seqs = self.acker.lookup("seq", roots)
+        live = pending.copy()
+        live[pending] = pending_seqs == seqs[pending]
+        if not bool(live.all()):
             rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
         records = self.storage.get(seqs).with_roots(roots)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
@@ -416,3 +409,11 @@ class FTLayer:
         self.stats.replay_queue = len(self._queue)
         self.stats.replay_cursor = self.replay_cursor
         return self.stats
+
+
+def _sources_of(batch: RecordBatch) -> list[int]:
+    """The distinct source ids of a batch (usually one: a batch comes from one source)."""
+    ids = batch.source_ids
+    if len(ids) and bool((ids == ids[0]).all()):
+        return [int(ids[0])]
+    return [int(i) for i in np.unique(ids)]

@@ -51,7 +51,7 @@ def test_reserved_and_repeated_roots_are_refused_and_change_nothing() -> None:
 def test_remove_returns_only_pending_roots() -> None:
     table = AckerTable()
     table.add(_u64([2, 3, 4]))
-    assert sorted(table.remove(_u64([3, 3, 99])).tolist()) == [3]
+    assert sorted(table.remove(_u64([3, 3, 99])).roots.tolist()) == [3]
     assert sorted(table.roots().tolist()) == [2, 4]
 
 
@@ -126,7 +126,7 @@ def test_matches_a_dict_model(operations: list[tuple[str, list]]) -> None:  # ty
             assert sorted(res.dropped.tolist()) == sorted(expected_dropped)
         else:
             removed = table.remove(_u64(arg))
-            assert sorted(removed.tolist()) == sorted({r for r in arg if r in model})
+            assert sorted(removed.roots.tolist()) == sorted({r for r in arg if r in model})
             for r in arg:
                 model.pop(r, None)
         assert len(table) == len(model)
