@@ -32,8 +32,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The demo job needs the Spark integration (issue 4); until it lands, say so and fail.
 demo: $(STAMP)
-	$(BIN)/ftlayer demo
+	@echo "make demo arrives with the PySpark/Kafka integration; until then: make test, ftlayer bench acker|persist" >&2
+	@exit 2
 
 bench: $(STAMP)
 	$(BIN)/ftlayer bench acker

@@ -1,0 +1,43 @@
+"""The ftlayer CLI: benches print one JSON object last; bad arguments are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftlayer.cli import main
+
+
+def _last_json(capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert isinstance(result, dict)
+    return result
+
+
+def test_bench_acker_json_reports_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "acker", "--roots", "5000", "--json"]) == 0
+    result = _last_json(capsys)
+    assert result["bench"] == "acker" and result["events"] == 20_000
+    for key in ("updates_per_s", "naive_updates_per_s", "ratio_vs_naive"):
+        assert float(result[key]) > 0  # type: ignore[arg-type]
+    assert isinstance(result["meets_targets"], bool)
+
+
+def test_bench_persist_json_reports_both_sides(
+    capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    argv = ["bench", "persist", "--records", "3000", "--batch", "500", "--rounds", "1"]
+    assert main([*argv, "--no-sync", "--dir", str(tmp_path), "--json"]) == 0
+    result = _last_json(capsys)
+    assert result["bench"] == "persist" and result["records"] == 3000
+    assert float(result["ratio_vs_raw_lmdb"]) > 0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("argv", [["bench", "acker", "--roots", "0"], ["bench", "nope"], []])
+def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: ftlayer" in capsys.readouterr().err
