@@ -114,6 +114,21 @@ def _pair_positions(
     return pair.astype(np.intp), counts
 
 
+def _combine_per_input_and_root(
+    roots: NDArray[np.uint64], inputs: NDArray[np.intp], values: NDArray[np.uint64]
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """One event per (input, root): a multi-anchored input may carry several pairs of
+    one root (an aggregate of records of the same tree); their values are XOR-ed."""
+    if len(roots) < 2:
+        return roots, values
+    order = np.lexsort((roots, inputs))
+    roots, inputs, values = roots[order], inputs[order], values[order]
+    first = np.ones(len(roots), dtype=np.bool_)
+    first[1:] = (roots[1:] != roots[:-1]) | (inputs[1:] != inputs[:-1])
+    starts = np.flatnonzero(first)
+    return roots[starts], np.bitwise_xor.reduceat(values, starts)
+
+
 class XorHandler:
     """Buffers XOR events and fails; flushes when `flush_events` are buffered or on flush()."""
 
@@ -266,13 +281,11 @@ class TaskHandler:
         combined = np.zeros(n, dtype=np.uint64)
         np.bitwise_xor.at(combined, edge_parent, edges)
         counts = np.diff(inputs.offsets)
-        pair_input = (
-            np.arange(n, dtype=np.intp) if inputs.is_single else np.repeat(np.arange(n), counts)
-        )
+        single = inputs.is_single
+        pair_input = np.arange(n, dtype=np.intp) if single else np.repeat(np.arange(n), counts)
         values = inputs.ids ^ combined[pair_input]
-        if failed is None:
-            self.xor.add(inputs.roots, values)
-        else:
+        event_roots, event_inputs = inputs.roots, pair_input
+        if failed is not None:
             failed_mask = np.asarray(failed, dtype=np.bool_)
             if len(failed_mask) != n:
                 raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
@@ -280,10 +293,13 @@ class TaskHandler:
                 raise ValueError("a failed input cannot have outputs")
             ok = ~failed_mask[pair_input]
             self.xor.fail(np.unique(inputs.roots[~ok]))
-            self.xor.add(inputs.roots[ok], values[ok])
+            event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
+        if not single:
+            event_roots, values = _combine_per_input_and_root(event_roots, event_inputs, values)
+        self.xor.add(event_roots, values)
         # Anchoring: each output gets, per edge into it, the edge id under every root
         # of the edge's input.
-        if inputs.is_single:
+        if single:
             roots, ids, child = inputs.roots[edge_parent], edges, edge_child
         else:
             pair, per_edge = _pair_positions(inputs.offsets, edge_parent)

@@ -184,3 +184,22 @@ def test_xor_handler_flushes_on_size() -> None:
     assert channel.xor_calls == [] and buffer.buffered == 7
     buffer.add(roots, roots)
     assert channel.xor_calls == [14] and buffer.buffered == 0
+
+
+def test_an_aggregate_of_one_tree_acks_once_per_root() -> None:
+    ft = FTLayer(MemoryStorage())
+    channel = CountingChannel(ft)
+    inputs = _source(ft, 1)
+    # One source record fans out into 3 records, which an aggregate folds back into one.
+    fan = TaskHandler(channel)
+    three = fan.process(inputs, [0, 0, 0])
+    fan.flush()
+    agg = TaskHandler(channel)
+    folded = agg.process_grouped(three, [0, 0, 0], 1)
+    agg.flush()
+    assert len(folded.pairs(0)) == 3  # three edges, all under the one root
+    sink = TaskHandler(channel)
+    sink.process(folded, np.zeros(0, dtype=np.intp))
+    sink.flush()
+    assert channel.xor_calls[-1] == 1  # the sink sends one combined event for that root
+    assert ft.snapshot_stats().completed == 1
