@@ -14,7 +14,9 @@ Operations and costs (n = events in a batch, m = pending roots):
   (late events for a completed or failed root). O(n), vectorized.
 - xor_one(root, value): the same for one event (cold paths, tests).
 - remove(roots): forget pending roots (they failed); returns those that were
-  pending. O(n).
+  pending, with the owner's columns (Removed). O(n).
+- lookup(name, roots): which roots are pending, and an owner's column for them. O(n).
+- set_column(name, slots, values): set an owner's column of roots just added.
 
 The table's owner may add columns of its own (the FT layer keeps each root's record
 locator there: storage seq, Kafka offset, partition, topic), so one table lookup serves
@@ -29,10 +31,11 @@ form a connected graph over its ids; no proper subset of them XORs to 0 barring 
 the one-at-a-time rule would report; the root then times out and is replayed: a
 duplicate, never a loss.
 
-Layout: a U64Map (ftlayer/u64map.py) with one uint64 column, the ack value: 16 bytes a
-slot at load factor at most 1/2, so at most 32 bytes per pending root plus power-of-two
-slack (33.6 bytes at 1,000,000 pending roots). Not thread-safe: one thread owns a table
-(the FT-layer core serializes access).
+Layout: a U64Map (ftlayer/u64map.py): the uint64 ack value plus the owner's columns,
+at load factor at most 1/2. A bare table is 16 bytes a slot: 33.6 bytes per pending
+root at 1,000,000 roots. The FT layer's table, with the record locator, is 40 bytes a
+slot: 83.9 bytes per pending root at 1,000,000 (`ftlayer bench acker` reports both).
+Not thread-safe: one thread owns a table (the FT-layer core serializes access).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The FT-layer core: persist, track, complete, fail and replay source records.
 
 Every source record is persisted before its source emits it. From then on its root id
-is pending in two places kept in lockstep: the acker table (root -> ack value) and the
-timeout persistence layer (root -> stored record, in rotating buckets). A root leaves
-them in exactly one of two ways:
+is pending in one table, the acker table, which keeps per root the ack value and the
+record's locator (storage seq and Kafka coordinates); the timeout persistence layer
+holds the stored record and times the root in rotating buckets. A root stops being
+pending in exactly one of two ways:
 
 1. Completion. XOR events (root, value) arrive from sources and tasks; the first time
    a root's ack value returns to 0 its tree is complete: the record is deleted from
@@ -16,7 +17,9 @@ them in exactly one of two ways:
    storage; it is re-tagged with a fresh root id and a replay sequence number
    (1, 2, 3, ... never reused, also across restarts) and enters the replay queue,
    routed by the replay partitioner of its source to the partition(s) it re-enters.
-   The fresh root is pending again, with its timeout counted from the requeue.
+   The fresh root is pending again, with its timeout counted from the requeue; the
+   source that re-emits the record sends the emission's XOR event for it
+   (Persister.emit_replays).
 
 Events for roots that are not pending are dropped: "late" when the root failed
 recently (a TTL set of retired roots remembers them), "unknown" otherwise. They never
@@ -274,11 +277,21 @@ class FTLayer:
             if self._retries:
                 for root in done.roots.tolist():
                     self._retries.pop(root, None)
-            for listener in self._listeners:
-                listener(done)
+            self._notify(done)
         if len(result.dropped):
             self._count_dropped(result.dropped)
         return result
+
+    def _notify(self, done: Completed) -> None:
+        """Tell every listener, even if one raises; then raise the first error."""
+        errors: list[BaseException] = []
+        for listener in self._listeners:
+            try:
+                listener(done)
+            except Exception as exc:  # re-raised once every listener was told
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def xor_one(self, root: int, value: int) -> bool:
         """One XOR event (cold paths); True if it completed its root."""
@@ -294,14 +307,17 @@ class FTLayer:
     # ---- fail and replay ---------------------------------------------------------
 
     def fail(self, roots: ArrayLike, cause: FailCause = FailCause.EXPLICIT) -> int:
-        """Fail pending roots: their records are queued for replay. Returns how many."""
-        keys = np.ascontiguousarray(roots, dtype=np.uint64)
-        removed = self.acker.remove(keys)
-        if len(removed.roots) < len(keys):
-            self._count_dropped(np.setdiff1d(keys, removed.roots))
-        if len(removed.roots):
-            self._requeue(removed.roots, removed.columns["seq"], cause)
-        return len(removed.roots)
+        """Fail pending roots: their records are queued for replay. Returns how many.
+
+        If queueing raises (say, the storage refuses the write), the roots stay pending
+        and will time out: a failure can be retried, never lost."""
+        keys = np.unique(np.ascontiguousarray(roots, dtype=np.uint64))
+        pending, seqs = self.acker.lookup("seq", keys)
+        if not bool(pending.all()):
+            self._count_dropped(keys[~pending])
+        if bool(pending.any()):
+            self._requeue(keys[pending], seqs, cause)
+        return int(np.count_nonzero(pending))
 
     def tick(self, now: float | None = None) -> int:
         """Fail the roots whose timeout passed by `now` (default: the clock); returns
@@ -309,31 +325,41 @@ class FTLayer:
         return self.persistence.tick(self._clock() if now is None else now)
 
     def _on_timeout(self, roots: NDArray[np.uint64]) -> None:
-        removed = self.acker.remove(roots)  # those that completed meanwhile are skipped
-        if len(removed.roots):
-            self._requeue(removed.roots, removed.columns["seq"], FailCause.TIMEOUT)
+        pending, seqs = self.acker.lookup("seq", roots)  # completed meanwhile: skipped
+        if not bool(pending.any()):
+            return
+        try:
+            self._requeue(roots[pending], seqs, FailCause.TIMEOUT)
+        except BaseException:
+            # The batch left the rotating buckets: time its roots again, or a storage
+            # error here would leave them pending with no timeout at all.
+            self.persistence.track(roots[pending])
+            raise
 
     def _requeue(
         self, old_roots: NDArray[np.uint64], seqs: NDArray[np.uint64], cause: FailCause
     ) -> None:
         """Queue failed records for replay, in the order they were first persisted.
 
+        Steps 1-2 may raise (storage errors); they leave the old roots pending, so a
+        failed requeue is retried by the timeout. Steps 3-4 only touch memory.
         Step 1: route the stored records; step 2: store their new roots and replay
-        seqs; step 3: make the new roots pending; step 4: queue them."""
+        seqs; step 3: swap the old roots for the new ones in the acker and start their
+        timeout; step 4: queue them."""
         n = len(seqs)
-        # Replays keep the order in which their originals were persisted.
         order = np.argsort(seqs, kind="stable")
         old_roots, seqs = old_roots[order], seqs[order]
         batch = self.storage.get(seqs)
-        # Step 1. Routing first: a record that cannot be routed must not leave its state.
+        # Step 1.
         index, partitions = self._route(batch)
+        # Step 2. The replay seq counter is stored before any record uses a seq from it.
         new_roots = new_ids(n)
         replay_seqs = np.arange(self._next_replay_seq, self._next_replay_seq + n, dtype=np.uint64)
-        # Step 2. The replay seq counter is stored before any record uses a seq from it.
+        self.storage.put_meta(_REPLAY_SEQ_META, str(self._next_replay_seq + n).encode())
         self._next_replay_seq += n
-        self.storage.put_meta(_REPLAY_SEQ_META, str(self._next_replay_seq).encode())
         self.persistence.retag(seqs, new_roots, replay_seqs)
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
+        self.acker.remove(old_roots)
         self.acker.add(new_roots, None, seq=seqs, **self.persistence.locators(batch))
         self.persistence.track(new_roots)
         # Step 4.

@@ -205,6 +205,19 @@ class Persister:
         self._channel.persist(batch, ids)
         return Anchors.single(roots, ids)
 
+    def emit_replays(self, roots: ArrayLike) -> Anchors:
+        """Anchors for replayed records about to be emitted again (from
+        FTLayer.fetch_replay): a fresh record id under each replay root, whose XOR
+        event is sent now (a replayed root waits at ack value 0 for it). Emitting one
+        replay twice (a re-run) adds a second child: the root then completes once both
+        copies are fully acked, or times out and is replayed again: a duplicate, never
+        a loss."""
+        replay_roots = np.ascontiguousarray(roots, dtype=np.uint64)
+        ids = new_ids(len(replay_roots))
+        if len(ids):
+            self._channel.xor(replay_roots, ids)
+        return Anchors.single(replay_roots, ids)
+
 
 class NoFTPersister:
     """FT off: persists nothing, anchors nothing."""

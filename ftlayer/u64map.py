@@ -140,17 +140,21 @@ class U64Map:
             raise ValueError(f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))")
         self._reserve(len(k))
         slots = self._place(k)
-        found = self.find(k)
-        if not np.array_equal(found, slots):
-            # New keys only go to empty slots, past every slot their probe could find
-            # first: a key already present, or repeated in the batch, is found at
-            # another slot than the one just claimed. Undo the whole batch.
-            self.keys[slots] = DELETED
+        # New keys only go to empty slots, past every slot their probe could find first:
+        # a key already present, or repeated in the batch, is found at another slot than
+        # the one just claimed. A key placed at its home slot found it empty, so no copy
+        # of it can be in the table: only displaced keys need the check.
+        displaced = np.flatnonzero(slots != self._home(k))
+        found = self.find(k[displaced])
+        wrong = found != slots[displaced]
+        if bool(wrong.any()):
+            self.keys[slots] = DELETED  # undo the whole batch
             self._deleted += len(slots)
-            first = int(np.flatnonzero(found != slots)[0])
+            first = int(np.flatnonzero(wrong)[0])
+            key = int(k[displaced[first]])
             if not bool(np.isin(found[first], slots)):
-                raise ValueError(f"{self.key_name} {int(k[first]):#x} is already present")
-            raise ValueError(f"{self.key_name} {int(k[first]):#x} is repeated in the batch")
+                raise ValueError(f"{self.key_name} {key:#x} is already present")
+            raise ValueError(f"{self.key_name} {key:#x} is repeated in the batch")
         for name, column in self.columns.items():
             column[slots] = values.get(name, 0)
         self._live += len(k)
@@ -188,14 +192,22 @@ class U64Map:
         return out
 
     def _reserve(self, n: int) -> None:
-        """Grow, or rebuild without deleted slots, so n more keys keep load <= 1/2."""
+        """Grow, or rebuild without deleted slots, so n more keys keep load <= 1/2.
+
+        A rebuild that would leave the table more than 1/4 full doubles it instead:
+        then at least as many inserts as live keys pass before the next rebuild, so
+        rebuilds cost O(1) moves per insert even when keys churn (deleted slots are not
+        reused, see _place)."""
         cap = len(self.keys)
         if self._live + self._deleted + n <= cap * _MAX_LOAD:
             return
         live = self.live_slots()
         keys = self.keys[live]
         columns = {name: column[live] for name, column in self.columns.items()}
-        self._alloc(max(cap, capacity_for(self._live + n)))
+        new_cap = max(cap, capacity_for(self._live + n))
+        if self._deleted and (self._live + n) * 4 > new_cap:
+            new_cap *= 2
+        self._alloc(new_cap)
         slots = self._place(keys)
         for name, column in columns.items():
             self.columns[name][slots] = column

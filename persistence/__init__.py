@@ -2,18 +2,20 @@
 
 - `PersistenceStorage` (base): the durable store contract; `LmdbStorage` (default) and
   `MemoryStorage` implement it.
-- `PersistenceLayer` (layer): the index from pending root ids to stored records.
-- `TimeoutPersistenceLayer` (timeout): the same, with rotating buckets that fail roots
-  pending for longer than the timeout.
+- `PersistenceLayer` (layer): stores, deletes and re-tags the records of pending
+  roots; their locators live in the acker table (LOCATOR_COLUMNS).
+- `TimeoutPersistenceLayer` (timeout): the same, with rotating buckets that time out
+  roots pending for longer than the timeout.
 """
 
 from .base import PersistenceStorage, RecordNotStored
-from .layer import Completed, PersistenceLayer
+from .layer import LOCATOR_COLUMNS, Completed, PersistenceLayer
 from .lmdb_storage import LmdbStorage
 from .memory import MemoryStorage
 from .timeout import TimeoutPersistenceLayer
 
 __all__ = [
+    "LOCATOR_COLUMNS",
     "Completed",
     "LmdbStorage",
     "MemoryStorage",

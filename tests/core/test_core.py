@@ -224,3 +224,53 @@ def test_a_directory_that_is_not_lmdb_is_refused_untouched(tmp_path: Path) -> No
     with pytest.raises(NotAnLmdbEnvironment, match=str(tmp_path)):
         LmdbStorage(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+class RefusingStorage(MemoryStorage):
+    """A storage whose writes can be made to fail, as a full disk would."""
+
+    refuse = False
+
+    def set_roots(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        if self.refuse:
+            raise StorageError("disk full")
+        super().set_roots(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_failure_that_cannot_be_queued_stays_pending_and_times_out_later() -> None:
+    clock = Clock()
+    storage = RefusingStorage()
+    ft = FTLayer(storage, timeout_s=10, buckets=2, clock=clock)
+    batch = _records(1)
+    _emit(ft, batch)
+    storage.refuse = True
+    with pytest.raises(StorageError, match="disk full"):
+        ft.fail(batch.roots)
+    assert int(batch.roots[0]) in ft.acker  # not lost: still pending
+    clock.now = 10.0
+    ft.tick()  # 2 buckets, T = 10 s: the root expires at the second rotation
+    clock.now = 20.0
+    with pytest.raises(StorageError, match="disk full"):
+        ft.tick()  # the timeout tries again, and is set up to try once more
+    storage.refuse = False
+    for now in (30.0, 40.0):
+        clock.now = now
+        ft.tick()
+    replay = ft.fetch_replay(0, ft.replay_cursor)
+    assert replay.records.payloads == [b"payload-0"] and len(storage) == 1
+
+
+def test_every_listener_hears_of_a_completion_even_if_one_raises() -> None:
+    ft = FTLayer(MemoryStorage())
+    heard: list[int] = []
+
+    def broken(done: Completed) -> None:
+        raise RuntimeError("commit failed")
+
+    ft.add_completion_listener(broken)
+    ft.add_completion_listener(lambda done: heard.extend(done.offsets.tolist()))
+    batch = _records(1)
+    ids = _emit(ft, batch)
+    with pytest.raises(RuntimeError, match="commit failed"):
+        ft.xor(batch.roots, ids)
+    assert heard == [100] and len(ft.storage) == 0
