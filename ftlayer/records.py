@@ -129,22 +129,6 @@ class RecordBatch:
         )
 
     @classmethod
-    def concat(cls, batches: Sequence[RecordBatch]) -> RecordBatch:
-        """One batch holding the records of `batches`, in order."""
-        if not batches:
-            return cls.empty()
-        return cls(
-            roots=np.concatenate([b.roots for b in batches]),
-            source_ids=np.concatenate([b.source_ids for b in batches]),
-            key_hashes=np.concatenate([b.key_hashes for b in batches]),
-            has_key=np.concatenate([b.has_key for b in batches]),
-            topics=[t for b in batches for t in b.topics],
-            partitions=np.concatenate([b.partitions for b in batches]),
-            offsets=np.concatenate([b.offsets for b in batches]),
-            payloads=[p for b in batches for p in b.payloads],
-        )
-
-    @classmethod
     def empty(cls) -> RecordBatch:
         return cls.build(np.zeros(0, dtype=np.uint64), [])
 

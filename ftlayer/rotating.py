@@ -11,8 +11,9 @@ t + T and t + T * (1 + 1/(n-1)): it needs n rotations to fall off the end, and i
 put anywhere between two rotations. More buckets tighten the bound and cost memory
 churn; n = 3 gives [T, 1.5 T].
 
-Costs: put, get, pop and `in` are O(n) dict operations (the batch forms run them in
-C through map()); rotate() is O(1) plus the callback's work on the expired entries.
+Costs: put, get, pop and `in` are O(n) dict operations; rotate() is O(1) plus the
+callback's work on the expired entries. The FT layer keeps one entry per batch of
+roots (persistence/timeout.py), so none of this is per record.
 Not thread-safe: the owner serializes calls (the FT-layer core does).
 
 `tick(now)` drives rotations from a clock, so callers decide where time comes from
@@ -25,8 +26,7 @@ lateness (see tick).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from itertools import repeat
+from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 from ftlayer.errors import ConfigError
@@ -35,8 +35,6 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 ExpiryCallback = Callable[[dict[K, V]], None]
-
-_MISSING: object = object()
 
 
 def validate_timeout(timeout_s: float, buckets: int) -> None:
@@ -98,34 +96,11 @@ class RotatingHashMap(Generic[K, V]):
         for bucket in it:
             bucket.pop(key, None)
 
-    def put_many(self, keys: Sequence[K], values: Iterable[V]) -> None:
-        """put() for every (key, value) pair, in one pass per bucket."""
-        it = iter(self._buckets)
-        head = next(it)
-        head.update(zip(keys, values, strict=False))
-        for bucket in it:
-            if bucket:
-                deque(map(bucket.pop, keys, repeat(None)), maxlen=0)
-
     def pop(self, key: K, default: V | None = None) -> V | None:
         for bucket in self._buckets:
             if key in bucket:
                 return bucket.pop(key)
         return default
-
-    def pop_many(self, keys: Sequence[K]) -> list[V | None]:
-        """Remove `keys`; their values in order, None for keys that were absent."""
-        out: list[object] = [_MISSING] * len(keys)
-        first = True
-        for bucket in self._buckets:
-            if not bucket:
-                continue
-            got = list(map(bucket.pop, keys, repeat(_MISSING)))
-            if first:
-                out, first = got, False
-            else:
-                out = [g if o is _MISSING else o for o, g in zip(out, got, strict=True)]
-        return [None if v is _MISSING else v for v in out]  # type: ignore[misc]
 
     def rotate(self) -> dict[K, V]:
         """Expire the oldest bucket: returns its entries after passing them to on_expire."""

@@ -36,14 +36,15 @@ def test_rotate_expires_after_n_rotations_and_put_touches() -> None:
     assert rmap.rotate() == {"a": 10}
 
 
-def test_batch_forms_agree_with_single_forms() -> None:
+def test_pop_and_get_find_a_key_in_any_bucket() -> None:
     rmap: RotatingHashMap[int, str] = RotatingHashMap(2)
-    rmap.put_many([1, 2, 3], ["x", "y", "z"])
+    rmap.put(1, "x")
+    rmap.put(2, "y")
     rmap.rotate()
-    rmap.put_many([3, 4], ["Z", "w"])
-    assert rmap.pop_many([1, 3, 9]) == ["x", "Z", None]
-    assert sorted(rmap) == [2, 4]
-    assert rmap.pop(2) == "y" and rmap.pop(2) is None
+    rmap.put(3, "z")
+    assert rmap.get(1) == "x" and 2 in rmap and sorted(rmap) == [1, 2, 3]
+    assert rmap.pop(1) == "x" and rmap.pop(1) is None
+    assert rmap.rotate() == {2: "y"} and len(rmap) == 1
 
 
 def test_tick_without_a_timeout_is_an_error() -> None:
