@@ -271,6 +271,8 @@ class FTLayer:
         """Apply XOR events; completes the roots whose ack value returns to 0."""
         result = self.acker.xor(roots, values)
         self.stats.xor_events += len(np.asarray(roots))
+        if len(result.dropped):
+            self._count_dropped(result.dropped)
         if len(result.completed):
             done = self.persistence.complete(result.completed, result.columns)
             self.stats.completed += len(done)
@@ -278,8 +280,6 @@ class FTLayer:
                 for root in done.roots.tolist():
                     self._retries.pop(root, None)
             self._notify(done)
-        if len(result.dropped):
-            self._count_dropped(result.dropped)
         return result
 
     def _notify(self, done: Completed) -> None:
