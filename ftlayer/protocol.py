@@ -1,0 +1,1010 @@
+"""The FT-layer wire protocol: frames, message bodies and the handshake, as pure functions.
+
+Sources and tasks talk to the FT-layer server over one byte stream (TCP or a Unix
+socket). This module turns messages into bytes and bytes back into messages; it opens no
+socket. docs/protocol.md documents every byte; this docstring is the summary.
+
+Frames
+------
+Every message is one frame::
+
+    u32 L (big-endian)  |  u8 kind  |  u32 request id (big-endian)  |  body (L - 5 bytes)
+
+L counts kind + request id + body, so 5 <= L <= max_frame (64 MiB by default, a
+parameter of the reader and of the encoders of variable-size messages). A shorter L is
+`MalformedFrame`, a longer one `FrameTooLarge`, rejected as soon as the four length
+bytes arrive, before any of the body is buffered. The client picks request ids (1, 2,
+3, ...); every reply echoes the id of its request; id 0 in a reply means "no request"
+(an error about the stream itself). Integers inside bodies are little-endian.
+
+Kinds: requests (client to server) are below 0x80, replies have the high bit set.
+
+| kind | name                | body                                                        |
+|------|---------------------|-------------------------------------------------------------|
+| 0x01 | HELLO               | b"FTLY", u16 version, u8 k, client nonce[k] (16 <= k <= 32), |
+|      |                     | u16 m, utf-8 client name[m]                                 |
+| 0x02 | AUTH                | 32-byte HMAC-SHA256(token, b"ftlayer-auth-v1" +             |
+|      |                     | server nonce + client nonce)                                |
+| 0x10 | PERSIST             | record columns with initial ack values (below)              |
+| 0x11 | XOR                 | u32 n, roots u64[n], values u64[n]                          |
+| 0x12 | FAIL                | u32 n, roots u64[n]                                         |
+| 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
+| 0x14 | STATUS              | empty                                                       |
+| 0x20 | CHECKPOINT_BEGIN    | reserved (issue 5): decoding raises `ReservedKind`          |
+| 0x21 | CHECKPOINT_COMPLETE | reserved (issue 5): decoding raises `ReservedKind`          |
+| 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
+| 0x82 | WELCOME             | u16 version, u64 session id                                 |
+| 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
+| 0x91 | REPLAY              | u32 n, replay seqs u64[n], target partitions i32[n],        |
+|      |                     | record columns without initial values (below)               |
+| 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
+| 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
+
+Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
+u64[n], initial u64[n], source ids u32[n], key hashes i64[n], has_key u8[n] (0 or 1),
+partitions i32[n], offsets i64[n], topic index u16[n]; a topic table (u16 count, then
+per topic u16 length + utf-8); payload lengths u32[n]; the payloads, concatenated.
+Columns are decoded with `np.frombuffer`: the only Python objects built per record
+are its payload bytes (sliced from the body) and a reference to its topic's str.
+
+Handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME, always four frames. When CHALLENGE
+says no auth is required the client still sends AUTH (32 zero bytes will do) and the
+server does not check it. The token never crosses the wire: AUTH proves knowledge of
+it for this connection's two nonces, so a digest replayed on another connection fails.
+
+Errors
+------
+Every decoder checks lengths exactly and raises a `ProtocolError` subclass carrying
+its `ErrorCode` (the code an ERROR reply about it carries), and nothing else: no
+IndexError, struct.error or numpy error escapes, and no half-built batch is returned.
+`MalformedFrame` means the bytes do not fit the kind's layout (truncated, trailing
+bytes, declared counts that disagree with the byte length, invalid utf-8 or JSON);
+`BadRequest` means they fit, but a value is outside its documented range (topic index,
+has_key, nonce length, filter below -1, reserved flag bits). Encoders raise
+`BadRequest` for values the wire cannot carry and `FrameTooLarge` above max_frame.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ftlayer.core import ReplayRecords
+from ftlayer.errors import ConfigError, FTLayerError
+from ftlayer.records import RecordBatch
+
+PROTOCOL_VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = frozenset({PROTOCOL_VERSION})
+MAGIC: Final = b"FTLY"
+DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
+MAX_U32: Final = 0xFFFFFFFF
+NONCE_SIZE: Final = 32
+MIN_CLIENT_NONCE: Final = 16
+MAX_CLIENT_NONCE: Final = 32
+DIGEST_SIZE: Final = 32
+AUTH_CONTEXT: Final = b"ftlayer-auth-v1"
+AUTH_REQUIRED: Final = 0x01
+"""CHALLENGE flag bit 0: the server checks the AUTH digest."""
+
+_PREFIX: Final = struct.Struct(">I")
+_HEAD: Final = struct.Struct(">IBI")
+_HEAD_SIZE: Final = _HEAD.size  # 9: length, kind, request id
+_MIN_LENGTH: Final = 5  # kind + request id
+_U16: Final = struct.Struct("<H")
+_U32: Final = struct.Struct("<I")
+_HELLO_HEAD: Final = struct.Struct("<4sH")
+_U8: Final = struct.Struct("<B")
+_CHALLENGE: Final = struct.Struct(f"<B{NONCE_SIZE}s")
+_WELCOME: Final = struct.Struct("<HQ")
+_FETCH: Final = struct.Struct("<QQqi")
+_ERROR_HEAD: Final = struct.Struct("<H")
+_MAX_TOPICS: Final = 0xFFFF
+
+
+class Kind(enum.IntEnum):
+    """The u8 kind of a frame. Requests are below 0x80; replies have the high bit set."""
+
+    HELLO = 0x01
+    AUTH = 0x02
+    PERSIST = 0x10
+    XOR = 0x11
+    FAIL = 0x12
+    FETCH_REPLAY = 0x13
+    STATUS = 0x14
+    CHECKPOINT_BEGIN = 0x20
+    CHECKPOINT_COMPLETE = 0x21
+    CHALLENGE = 0x81
+    WELCOME = 0x82
+    OK = 0x90
+    REPLAY = 0x91
+    STATUS_REPLY = 0x92
+    ERROR = 0xFF
+
+
+RESERVED_KINDS: Final = frozenset({Kind.CHECKPOINT_BEGIN, Kind.CHECKPOINT_COMPLETE})
+
+
+class ErrorCode(enum.IntEnum):
+    """The u16 code of an ERROR reply. 1-99: the request or stream; 100+: the server."""
+
+    MALFORMED_FRAME = 1
+    FRAME_TOO_LARGE = 2
+    UNKNOWN_KIND = 3
+    UNSUPPORTED_VERSION = 4
+    AUTH_FAILED = 5
+    NOT_AUTHENTICATED = 6
+    BAD_REQUEST = 7
+    RESERVED_KIND = 8
+    UNEXPECTED_KIND = 9
+    INTERNAL = 100
+    STORAGE = 101
+    REJECTED = 102
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+class ProtocolError(FTLayerError):
+    """Bytes that break the protocol, or a message it cannot carry; `code` names why."""
+
+    code: ErrorCode = ErrorCode.MALFORMED_FRAME
+
+
+class MalformedFrame(ProtocolError):
+    """The bytes do not fit the layout of their kind (lengths, utf-8, JSON)."""
+
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's length is above max_frame (or a message would encode to one)."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class UnknownKind(ProtocolError):
+    """A frame's kind is not in `Kind`."""
+
+    code = ErrorCode.UNKNOWN_KIND
+
+
+class UnsupportedVersion(ProtocolError):
+    """HELLO or WELCOME names a protocol version this side does not speak."""
+
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class AuthFailed(ProtocolError):
+    """The AUTH digest does not prove the token for this connection's nonces."""
+
+    code = ErrorCode.AUTH_FAILED
+
+
+class NotAuthenticated(ProtocolError):
+    """A data request arrived before the handshake completed."""
+
+    code = ErrorCode.NOT_AUTHENTICATED
+
+
+class BadRequest(ProtocolError):
+    """The bytes fit the layout, but a value is outside its documented range."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class ReservedKind(ProtocolError):
+    """The kind is reserved for a later issue (checkpoints, issue 5)."""
+
+    code = ErrorCode.RESERVED_KIND
+
+
+class UnexpectedKind(ProtocolError):
+    """A valid kind where another was expected (a reply sent to the server, ...)."""
+
+    code = ErrorCode.UNEXPECTED_KIND
+
+
+# ---- messages --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One frame: its kind (any u8: unknown kinds are the decoder's to reject), the
+    request id, and the body."""
+
+    kind: int
+    request_id: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    client_nonce: bytes
+    client_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    auth_required: bool
+    server_nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    version: int
+    session_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    batch: RecordBatch
+    initial_values: NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class Xor:
+    roots: NDArray[np.uint64]
+    values: NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    roots: NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchReplay:
+    """`FTLayer.fetch_replay(lo, hi, source_id=, partition=)`; None filters nothing."""
+
+    lo: int
+    hi: int
+    source_id: int | None
+    partition: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """An ERROR reply. `code` is an int: codes this version does not know are kept."""
+
+    code: int
+    message: str
+
+
+Message = (
+    Hello
+    | Challenge
+    | Auth
+    | Welcome
+    | Persist
+    | Xor
+    | Fail
+    | FetchReplay
+    | StatusRequest
+    | StatusReply
+    | Ok
+    | ReplayRecords
+    | ErrorReply
+)
+
+
+# ---- framing ---------------------------------------------------------------------------
+
+
+def _check_max_frame(max_frame: int) -> None:
+    if not _MIN_LENGTH <= max_frame <= MAX_U32:
+        raise ConfigError(f"max_frame must be {_MIN_LENGTH} to {MAX_U32}, got {max_frame}")
+
+
+def _length_error(length: int, max_frame: int) -> ProtocolError | None:
+    """The error a frame length prefix is, or None if it is within 5..max_frame."""
+    if length < _MIN_LENGTH:
+        return MalformedFrame(
+            f"frame length {length} is below {_MIN_LENGTH} (kind + request id): "
+            "the stream is out of step"
+        )
+    if length > max_frame:
+        return FrameTooLarge(f"frame length {length} is above max_frame {max_frame}")
+    return None
+
+
+def encode_frame(
+    kind: int, request_id: int, body: bytes, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """One frame of any u8 kind; BadRequest for a kind or request id out of range,
+    FrameTooLarge if 5 + len(body) > max_frame."""
+    return _frame_head(kind, request_id, _MIN_LENGTH + len(body), max_frame) + body
+
+
+def _join_frame(kind: Kind, request_id: int, parts: list[bytes], max_frame: int) -> bytes:
+    """The frame whose body is b"".join(parts): size checked first, joined once."""
+    length = _MIN_LENGTH + sum(map(len, parts))
+    return b"".join([_frame_head(kind, request_id, length, max_frame), *parts])
+
+
+def _frame_head(kind: int, request_id: int, length: int, max_frame: int) -> bytes:
+    if not 0 <= kind <= 0xFF:
+        raise BadRequest(f"frame kind must be a u8, got {kind}")
+    if not 0 <= request_id <= MAX_U32:
+        raise BadRequest(f"request id must be a u32, got {request_id}")
+    if length > max_frame:
+        raise FrameTooLarge(
+            f"{_kind_name(kind)} frame would be {length} bytes, above max_frame "
+            f"{max_frame}: send a smaller batch"
+        )
+    return _HEAD.pack(length, kind, request_id)
+
+
+class FrameReader:
+    """Splits a byte stream into frames, whatever the chunks it arrives in.
+
+    `feed` returns every frame the stream now completes. A length prefix below 5 or
+    above max_frame raises at once (MalformedFrame, FrameTooLarge), before the body is
+    buffered; frames completed earlier in the same chunk are dropped with it. The
+    stream cannot be resynchronized after that, so the reader stays failed: every
+    later `feed` raises the same error. Unknown kinds are not the reader's concern.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        _check_max_frame(max_frame)
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._error: ProtocolError | None = None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes received that are not yet part of a returned frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._error is not None:
+            raise type(self._error)(f"the stream failed earlier: {self._error}")
+        buffer = self._buffer
+        buffer += data
+        frames: list[Frame] = []
+        error: ProtocolError | None = None
+        pos = 0
+        end = len(buffer)
+        # One copy per frame body: slices of a memoryview, not of the bytearray.
+        with memoryview(buffer) as view:
+            while end - pos >= _PREFIX.size:
+                (length,) = _PREFIX.unpack_from(view, pos)
+                error = _length_error(length, self.max_frame)
+                if error is not None or end - pos - _PREFIX.size < length:
+                    break
+                _, kind, request_id = _HEAD.unpack_from(view, pos)
+                body = view[pos + _HEAD_SIZE : pos + _PREFIX.size + length].tobytes()
+                frames.append(Frame(kind, request_id, body))
+                pos += _PREFIX.size + length
+        if error is not None:
+            self._error = error
+            buffer.clear()
+            raise error
+        if pos:
+            del buffer[:pos]
+        return frames
+
+
+def parse_frame(data: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
+    """Exactly one frame from `data` (MalformedFrame if it is more, less or not one)."""
+    reader = FrameReader(max_frame)
+    frames = reader.feed(data)
+    if len(frames) != 1 or reader.pending_bytes:
+        raise MalformedFrame(
+            f"expected exactly one frame in {len(data)} bytes, got {len(frames)} "
+            f"and {reader.pending_bytes} bytes left over"
+        )
+    return frames[0]
+
+
+# ---- body reading ----------------------------------------------------------------------
+
+
+class _Body:
+    """A cursor over one body; every read checks the bytes are there (MalformedFrame)."""
+
+    __slots__ = ("data", "kind", "pos")
+
+    def __init__(self, data: bytes, kind: Kind) -> None:
+        self.data = data
+        self.kind = kind
+        self.pos = 0
+
+    def _take(self, size: int, what: str) -> int:
+        start = self.pos
+        if size > len(self.data) - start:
+            raise MalformedFrame(
+                f"{self.kind.name} body is truncated: {what} needs {size} bytes at offset "
+                f"{start}, the body has {len(self.data)}"
+            )
+        self.pos = start + size
+        return start
+
+    def unpack(self, layout: struct.Struct, what: str) -> tuple[Any, ...]:
+        return layout.unpack_from(self.data, self._take(layout.size, what))
+
+    def u16(self, what: str) -> int:
+        value: int = self.unpack(_U16, what)[0]
+        return value
+
+    def u32(self, what: str) -> int:
+        value: int = self.unpack(_U32, what)[0]
+        return value
+
+    def raw(self, size: int, what: str) -> bytes:
+        start = self._take(size, what)
+        return self.data[start : start + size]
+
+    def array(self, dtype: str, count: int, what: str) -> NDArray[Any]:
+        """`count` little-endian items, copied into a native, writable array."""
+        item = np.dtype(dtype)
+        start = self._take(count * item.itemsize, what)
+        view = np.frombuffer(self.data, dtype=item, count=count, offset=start)
+        return view.astype(item.newbyteorder("="))
+
+    def text(self, size: int, what: str) -> str:
+        return _utf8(self.raw(size, what), self.kind, what)
+
+    def rest(self) -> bytes:
+        start = self.pos
+        self.pos = len(self.data)
+        return self.data[start:]
+
+    def done(self) -> None:
+        extra = len(self.data) - self.pos
+        if extra:
+            raise MalformedFrame(
+                f"{self.kind.name} body has {extra} trailing bytes after offset {self.pos}"
+            )
+
+
+def _utf8(raw: bytes, kind: Kind, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedFrame(f"{kind.name} {what} is not valid utf-8: {exc.reason}") from None
+
+
+def _body(message: Frame | bytes, kind: Kind) -> _Body:
+    """The body of `message` (a Frame, whose kind must be `kind`, or a bare body)."""
+    if isinstance(message, Frame):
+        if message.kind != kind:
+            raise UnexpectedKind(f"expected a {kind.name} frame, got {_kind_name(message.kind)}")
+        return _Body(message.body, kind)
+    return _Body(bytes(message), kind)
+
+
+def _kind_name(kind: int) -> str:
+    return Kind(kind).name if kind in Kind._value2member_map_ else f"kind 0x{kind:02x}"
+
+
+# ---- handshake -------------------------------------------------------------------------
+
+
+def new_nonce(size: int = NONCE_SIZE) -> bytes:
+    """A fresh random nonce (32 bytes for the server, 16 to 32 for the client)."""
+    return secrets.token_bytes(size)
+
+
+def auth_digest(token: bytes | str, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """HMAC-SHA256(token, b"ftlayer-auth-v1" + server nonce + client nonce): 32 bytes."""
+    key = token.encode("utf-8") if isinstance(token, str) else token
+    return hmac.new(key, AUTH_CONTEXT + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def verify_auth(
+    token: bytes | str, server_nonce: bytes, client_nonce: bytes, digest: bytes
+) -> bool:
+    """True if `digest` proves `token` for these nonces (constant-time comparison)."""
+    return hmac.compare_digest(auth_digest(token, server_nonce, client_nonce), digest)
+
+
+def check_auth(token: bytes | str, server_nonce: bytes, client_nonce: bytes, digest: bytes) -> None:
+    """`verify_auth`, raising AuthFailed (which says nothing about the token) if false."""
+    if not verify_auth(token, server_nonce, client_nonce, digest):
+        raise AuthFailed("authentication failed: the AUTH digest does not match the token")
+
+
+def encode_hello(
+    request_id: int,
+    client_nonce: bytes,
+    client_name: str = "",
+    *,
+    version: int = PROTOCOL_VERSION,
+) -> bytes:
+    if not MIN_CLIENT_NONCE <= len(client_nonce) <= MAX_CLIENT_NONCE:
+        raise BadRequest(
+            f"client nonce must be {MIN_CLIENT_NONCE} to {MAX_CLIENT_NONCE} bytes, "
+            f"got {len(client_nonce)}"
+        )
+    if not 0 <= version <= 0xFFFF:
+        raise BadRequest(f"protocol version must be a u16, got {version}")
+    name = client_name.encode("utf-8")
+    if len(name) > 0xFFFF:
+        raise BadRequest(f"client name is {len(name)} utf-8 bytes, at most 65535 fit")
+    body = b"".join(
+        [
+            _HELLO_HEAD.pack(MAGIC, version),
+            _U8.pack(len(client_nonce)),
+            client_nonce,
+            _U16.pack(len(name)),
+            name,
+        ]
+    )
+    return encode_frame(Kind.HELLO, request_id, body)
+
+
+def decode_hello(message: Frame | bytes) -> Hello:
+    """Magic and version are checked first, so a future layout after them cannot
+    confuse this version: a wrong version is UnsupportedVersion, whatever follows."""
+    body = _body(message, Kind.HELLO)
+    magic, version = body.unpack(_HELLO_HEAD, "magic and version")
+    if magic != MAGIC:
+        raise MalformedFrame(f"HELLO magic is {magic!r}, expected {MAGIC!r}: not an ftlayer client")
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(
+            f"client speaks protocol version {version}; this side speaks "
+            f"{sorted(SUPPORTED_VERSIONS)}"
+        )
+    (nonce_size,) = body.unpack(_U8, "client nonce length")
+    if not MIN_CLIENT_NONCE <= nonce_size <= MAX_CLIENT_NONCE:
+        raise BadRequest(
+            f"HELLO client nonce is {nonce_size} bytes, must be "
+            f"{MIN_CLIENT_NONCE} to {MAX_CLIENT_NONCE}"
+        )
+    nonce = body.raw(nonce_size, "client nonce")
+    name = body.text(body.u16("client name length"), "client name")
+    body.done()
+    return Hello(version, nonce, name)
+
+
+def encode_challenge(request_id: int, auth_required: bool, server_nonce: bytes) -> bytes:
+    if len(server_nonce) != NONCE_SIZE:
+        raise BadRequest(f"server nonce must be {NONCE_SIZE} bytes, got {len(server_nonce)}")
+    flags = AUTH_REQUIRED if auth_required else 0
+    return encode_frame(Kind.CHALLENGE, request_id, _CHALLENGE.pack(flags, server_nonce))
+
+
+def decode_challenge(message: Frame | bytes) -> Challenge:
+    body = _body(message, Kind.CHALLENGE)
+    flags, nonce = body.unpack(_CHALLENGE, "flags and server nonce")
+    body.done()
+    if flags & ~AUTH_REQUIRED:
+        raise BadRequest(f"CHALLENGE flags 0x{flags:02x} set reserved bits (only bit 0 is defined)")
+    return Challenge(bool(flags & AUTH_REQUIRED), nonce)
+
+
+def encode_auth(request_id: int, digest: bytes) -> bytes:
+    if len(digest) != DIGEST_SIZE:
+        raise BadRequest(f"AUTH digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
+    return encode_frame(Kind.AUTH, request_id, digest)
+
+
+def decode_auth(message: Frame | bytes) -> Auth:
+    body = _body(message, Kind.AUTH)
+    digest = body.raw(DIGEST_SIZE, "digest")
+    body.done()
+    return Auth(digest)
+
+
+def encode_welcome(request_id: int, session_id: int, *, version: int = PROTOCOL_VERSION) -> bytes:
+    if not 0 <= session_id < 2**64 or not 0 <= version <= 0xFFFF:
+        raise BadRequest(
+            f"WELCOME needs a u16 version and a u64 session id, got {version}, {session_id}"
+        )
+    return encode_frame(Kind.WELCOME, request_id, _WELCOME.pack(version, session_id))
+
+
+def decode_welcome(message: Frame | bytes) -> Welcome:
+    body = _body(message, Kind.WELCOME)
+    version, session_id = body.unpack(_WELCOME, "version and session id")
+    body.done()
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(
+            f"server speaks protocol version {version}; this side speaks "
+            f"{sorted(SUPPORTED_VERSIONS)}"
+        )
+    return Welcome(version, session_id)
+
+
+# ---- records (PERSIST and REPLAY) ------------------------------------------------------
+
+
+def _u64_column(values: ArrayLike, n: int | None, what: str) -> NDArray[np.uint64]:
+    """`values` as a 1-d uint64 array (of length n, unless n is None); BadRequest for
+    another length or a value that is not a u64."""
+    try:
+        array = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=np.uint64)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"got dtype {array.dtype}")
+        if array.dtype.kind == "i" and array.size and int(array.min()) < 0:
+            raise ValueError(f"got {int(array.min())}")
+        if array.ndim != 1 or (n is not None and len(array) != n):
+            raise ValueError(f"got shape {array.shape}")
+    except (ValueError, TypeError, OverflowError) as exc:
+        count = "" if n is None else f"{n} "
+        raise BadRequest(f"{what} must be {count}unsigned 64-bit integers: {exc}") from None
+    return array.astype("<u8", copy=False)
+
+
+def _encode_topics(topics: Sequence[str], n: int) -> tuple[bytes, bytes]:
+    """(topic index u16[n], topic table) for the record layout."""
+    if n == 0:
+        return b"", _U16.pack(0)
+    # list.count compares by identity first: a batch built with one topic object (the
+    # usual case) is recognised without hashing every entry.
+    if topics.count(topics[0]) == n:
+        distinct: list[str] = [topics[0]]
+        index = np.zeros(n, dtype="<u2")
+    else:
+        codes = {topic: code for code, topic in enumerate(dict.fromkeys(topics))}
+        if len(codes) > _MAX_TOPICS:
+            raise BadRequest(f"a batch may have at most {_MAX_TOPICS} topics, got {len(codes)}")
+        distinct = list(codes)
+        index = np.fromiter(map(codes.__getitem__, topics), dtype="<u2", count=n)
+    table = [_U16.pack(len(distinct))]
+    for topic in distinct:
+        raw = topic.encode("utf-8")
+        if len(raw) > 0xFFFF:
+            raise BadRequest(
+                f"topic {topic[:40]!r}... is {len(raw)} utf-8 bytes, at most 65535 fit"
+            )
+        table += [_U16.pack(len(raw)), raw]
+    return index.tobytes(), b"".join(table)
+
+
+def _record_parts(
+    batch: RecordBatch, initial: NDArray[np.uint64] | None, parts: list[bytes]
+) -> None:
+    """Append the record columns (see the module docstring), after u32 n, to `parts`.
+
+    The payloads are appended one by one, not joined: the frame is built with a single
+    join, so the payload bytes are copied once."""
+    n = len(batch)
+    payloads = batch.payloads
+    lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+    if n and int(lengths.max()) > MAX_U32:
+        raise BadRequest("a payload is longer than 4 GiB: the record layout cannot carry it")
+    index, table = _encode_topics(batch.topics, n)
+    parts.append(np.ascontiguousarray(batch.roots, dtype="<u8").tobytes())
+    if initial is not None:
+        parts.append(initial.tobytes())
+    parts += [
+        np.ascontiguousarray(batch.source_ids, dtype="<u4").tobytes(),
+        np.ascontiguousarray(batch.key_hashes, dtype="<i8").tobytes(),
+        np.ascontiguousarray(batch.has_key, dtype=np.bool_).astype("u1").tobytes(),
+        np.ascontiguousarray(batch.partitions, dtype="<i4").tobytes(),
+        np.ascontiguousarray(batch.offsets, dtype="<i8").tobytes(),
+        index,
+        table,
+        lengths.astype("<u4").tobytes(),
+    ]
+    parts += payloads
+
+
+def _read_records(body: _Body, n: int, with_initial: bool) -> tuple[RecordBatch, NDArray[Any]]:
+    """The record columns of n records from `body` (after u32 n), checked completely
+    before the batch is built; (batch, initial values or an empty array)."""
+    roots = body.array("<u8", n, "roots")
+    initial = body.array("<u8", n if with_initial else 0, "initial ack values")
+    source_ids = body.array("<u4", n, "source ids")
+    key_hashes = body.array("<i8", n, "key hashes")
+    has_key = body.array("u1", n, "has_key")
+    partitions = body.array("<i4", n, "partitions")
+    offsets = body.array("<i8", n, "offsets")
+    topic_index = body.array("<u2", n, "topic index")
+    count = body.u16("topic count")
+    table = [body.text(body.u16(f"topic {i} length"), f"topic {i}") for i in range(count)]
+    lengths = body.array("<u4", n, "payload lengths")
+    blob = body.rest()
+    total = int(lengths.sum(dtype=np.uint64))
+    if total != len(blob):
+        raise MalformedFrame(
+            f"{body.kind.name} payload lengths add up to {total} bytes, but {len(blob)} "
+            "bytes follow them"
+        )
+    if n and int(has_key.max()) > 1:
+        raise BadRequest(f"{body.kind.name} has_key must be 0 or 1, got {int(has_key.max())}")
+    if n and int(topic_index.max()) >= count:
+        raise BadRequest(
+            f"{body.kind.name} topic index {int(topic_index.max())} is out of range: "
+            f"the topic table has {count} topics"
+        )
+    batch = RecordBatch(
+        roots=roots,
+        source_ids=source_ids,
+        key_hashes=key_hashes,
+        has_key=has_key.astype(np.bool_),
+        topics=_topics(table, topic_index, n),
+        partitions=partitions,
+        offsets=offsets,
+        payloads=_split(blob, lengths, n),
+    )
+    return batch, initial
+
+
+def _topics(table: list[str], index: NDArray[Any], n: int) -> list[str]:
+    if len(table) == 1:
+        return [table[0]] * n
+    names = np.empty(len(table), dtype=object)
+    names[:] = table
+    topics: list[str] = names[index].tolist()
+    return topics
+
+
+def _split(blob: bytes, lengths: NDArray[Any], n: int) -> list[bytes]:
+    """The payloads: one bytes object each, sliced from `blob`."""
+    if n == 0:
+        return []
+    width = int(lengths[0])
+    if width and bool((lengths == width).all()):
+        # Equal lengths (common: fixed-size records): numpy cuts them in one call.
+        same: list[bytes] = np.frombuffer(blob, dtype=f"V{width}").tolist()
+        return same
+    ends = np.cumsum(lengths, dtype=np.int64).tolist()
+    return [blob[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def encode_persist(
+    request_id: int,
+    batch: RecordBatch,
+    initial_values: ArrayLike | None = None,
+    *,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """PERSIST: `FTLayer.persist(batch, initial_values)`; None means all initial values 0."""
+    n = len(batch)
+    initial = (
+        np.zeros(n, dtype=np.uint64)
+        if initial_values is None
+        else _u64_column(initial_values, n, "initial values")
+    )
+    parts = [_U32.pack(n)]
+    _record_parts(batch, initial, parts)
+    return _join_frame(Kind.PERSIST, request_id, parts, max_frame)
+
+
+def decode_persist(message: Frame | bytes) -> Persist:
+    body = _body(message, Kind.PERSIST)
+    n = body.u32("record count")
+    batch, initial = _read_records(body, n, with_initial=True)
+    return Persist(batch, initial)
+
+
+def encode_replay(
+    request_id: int, replay: ReplayRecords, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """REPLAY: the reply to FETCH_REPLAY, `FTLayer.fetch_replay`'s ReplayRecords."""
+    n = len(replay.records)
+    if len(replay.replay_seqs) != n or len(replay.partitions) != n:
+        raise BadRequest(
+            f"REPLAY needs one replay seq and one partition per record: {n} records, "
+            f"{len(replay.replay_seqs)} replay seqs, {len(replay.partitions)} partitions"
+        )
+    parts = [
+        _U32.pack(n),
+        np.ascontiguousarray(replay.replay_seqs, dtype="<u8").tobytes(),
+        np.ascontiguousarray(replay.partitions, dtype="<i4").tobytes(),
+    ]
+    _record_parts(replay.records, None, parts)
+    return _join_frame(Kind.REPLAY, request_id, parts, max_frame)
+
+
+def decode_replay(message: Frame | bytes) -> ReplayRecords:
+    body = _body(message, Kind.REPLAY)
+    n = body.u32("record count")
+    replay_seqs = body.array("<u8", n, "replay seqs")
+    partitions = body.array("<i4", n, "target partitions")
+    batch, _ = _read_records(body, n, with_initial=False)
+    return ReplayRecords(replay_seqs=replay_seqs, partitions=partitions, records=batch)
+
+
+# ---- events ----------------------------------------------------------------------------
+
+
+def encode_xor(
+    request_id: int, roots: ArrayLike, values: ArrayLike, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """XOR: events (roots[i], values[i]) for `FTLayer.xor`."""
+    root_array = _u64_column(roots, None, "XOR roots")
+    n = len(root_array)
+    value_array = _u64_column(values, n, "XOR values")
+    body = b"".join([_U32.pack(n), root_array.tobytes(), value_array.tobytes()])
+    return encode_frame(Kind.XOR, request_id, body, max_frame=max_frame)
+
+
+def decode_xor(message: Frame | bytes) -> Xor:
+    body = _body(message, Kind.XOR)
+    n = body.u32("event count")
+    _expect_size(body, 16 * n, n, "events")
+    roots = body.array("<u8", n, "roots")
+    values = body.array("<u8", n, "values")
+    return Xor(roots, values)
+
+
+def encode_fail(request_id: int, roots: ArrayLike, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """FAIL: the roots for `FTLayer.fail`."""
+    root_array = _u64_column(roots, None, "FAIL roots")
+    body = _U32.pack(len(root_array)) + root_array.tobytes()
+    return encode_frame(Kind.FAIL, request_id, body, max_frame=max_frame)
+
+
+def decode_fail(message: Frame | bytes) -> Fail:
+    body = _body(message, Kind.FAIL)
+    n = body.u32("root count")
+    _expect_size(body, 8 * n, n, "roots")
+    return Fail(body.array("<u8", n, "roots"))
+
+
+def _expect_size(body: _Body, size: int, n: int, what: str) -> None:
+    """Fixed-layout bodies: the declared count must match the byte length exactly."""
+    left = len(body.data) - body.pos
+    if left != size:
+        raise MalformedFrame(
+            f"{body.kind.name} declares {n} {what} ({size} bytes), but {left} bytes follow"
+        )
+
+
+# ---- replay fetch, status, replies -----------------------------------------------------
+
+
+def encode_fetch_replay(
+    request_id: int,
+    lo: int,
+    hi: int,
+    *,
+    source_id: int | None = None,
+    partition: int | None = None,
+) -> bytes:
+    """FETCH_REPLAY: records with lo < replay seq <= hi; None (-1 on the wire) = any."""
+    sid = -1 if source_id is None else source_id
+    part = -1 if partition is None else partition
+    if not (0 <= lo < 2**64 and 0 <= hi < 2**64 and -1 <= sid <= MAX_U32 and -1 <= part < 2**31):
+        raise BadRequest(
+            f"FETCH_REPLAY needs u64 lo and hi, a u32 source id and a non-negative i32 "
+            f"partition (or None), got {lo}, {hi}, {source_id}, {partition}"
+        )
+    return encode_frame(Kind.FETCH_REPLAY, request_id, _FETCH.pack(lo, hi, sid, part))
+
+
+def decode_fetch_replay(message: Frame | bytes) -> FetchReplay:
+    body = _body(message, Kind.FETCH_REPLAY)
+    lo, hi, source_id, partition = body.unpack(_FETCH, "lo, hi, source id and partition")
+    body.done()
+    if not -1 <= source_id <= MAX_U32 or partition < -1:
+        raise BadRequest(
+            f"FETCH_REPLAY source id {source_id} or partition {partition} is out of range "
+            "(-1 means any)"
+        )
+    return FetchReplay(
+        lo, hi, None if source_id == -1 else source_id, None if partition == -1 else partition
+    )
+
+
+def encode_status_request(request_id: int) -> bytes:
+    return encode_frame(Kind.STATUS, request_id, b"")
+
+
+def decode_status_request(message: Frame | bytes) -> StatusRequest:
+    _body(message, Kind.STATUS).done()
+    return StatusRequest()
+
+
+def encode_status_reply(
+    request_id: int, status: Mapping[str, Any], *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """STATUS_REPLY: `status` as a JSON object (e.g. dataclasses.asdict(snapshot_stats()))."""
+    try:
+        text = json.dumps(dict(status), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"status is not a JSON object: {exc}") from None
+    return encode_frame(Kind.STATUS_REPLY, request_id, text.encode("utf-8"), max_frame=max_frame)
+
+
+def decode_status_reply(message: Frame | bytes) -> StatusReply:
+    body = _body(message, Kind.STATUS_REPLY)
+    text = _utf8(body.rest(), Kind.STATUS_REPLY, "body")
+    try:
+        status = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedFrame(f"STATUS_REPLY body is not JSON: {exc}") from None
+    if not isinstance(status, dict):
+        raise MalformedFrame(f"STATUS_REPLY body is JSON {type(status).__name__}, not an object")
+    return StatusReply(status)
+
+
+def encode_ok(request_id: int, count: int = 0) -> bytes:
+    if not 0 <= count <= MAX_U32:
+        raise BadRequest(f"OK count must be a u32, got {count}")
+    return encode_frame(Kind.OK, request_id, _U32.pack(count))
+
+
+def decode_ok(message: Frame | bytes) -> Ok:
+    body = _body(message, Kind.OK)
+    count = body.u32("count")
+    body.done()
+    return Ok(count)
+
+
+_MAX_ERROR_MESSAGE: Final = 4096
+
+
+def encode_error(request_id: int, code: int, message: str) -> bytes:
+    """ERROR; messages longer than 4096 utf-8 bytes are cut (an error must always fit)."""
+    if not 0 <= code <= 0xFFFF:
+        raise BadRequest(f"error code must be a u16, got {code}")
+    raw = message.encode("utf-8")
+    if len(raw) > _MAX_ERROR_MESSAGE:
+        raw = raw[:_MAX_ERROR_MESSAGE].decode("utf-8", errors="ignore").encode("utf-8")
+    return encode_frame(Kind.ERROR, request_id, _ERROR_HEAD.pack(code) + raw)
+
+
+def encode_error_for(request_id: int, error: ProtocolError) -> bytes:
+    """The ERROR reply that reports `error` (its code and message)."""
+    return encode_error(request_id, error.code, str(error))
+
+
+def decode_error(message: Frame | bytes) -> ErrorReply:
+    body = _body(message, Kind.ERROR)
+    (code,) = body.unpack(_ERROR_HEAD, "error code")
+    return ErrorReply(code, _utf8(body.rest(), Kind.ERROR, "message"))
+
+
+# ---- dispatch --------------------------------------------------------------------------
+
+
+def decode(frame: Frame) -> Message:
+    """The message in `frame`, by its kind; UnknownKind or ReservedKind otherwise."""
+    if frame.kind not in Kind._value2member_map_:
+        raise UnknownKind(f"unknown frame kind 0x{frame.kind:02x} (request id {frame.request_id})")
+    kind = Kind(frame.kind)
+    if kind in RESERVED_KINDS:
+        raise ReservedKind(f"{kind.name} is reserved for checkpoints and not implemented yet")
+    return _DECODERS[kind](frame)
+
+
+_DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
+    Kind.HELLO: decode_hello,
+    Kind.AUTH: decode_auth,
+    Kind.PERSIST: decode_persist,
+    Kind.XOR: decode_xor,
+    Kind.FAIL: decode_fail,
+    Kind.FETCH_REPLAY: decode_fetch_replay,
+    Kind.STATUS: decode_status_request,
+    Kind.CHALLENGE: decode_challenge,
+    Kind.WELCOME: decode_welcome,
+    Kind.OK: decode_ok,
+    Kind.REPLAY: decode_replay,
+    Kind.STATUS_REPLY: decode_status_reply,
+    Kind.ERROR: decode_error,
+}

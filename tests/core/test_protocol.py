@@ -1,0 +1,774 @@
+"""The wire protocol codec: round trips, every malformed input's typed error, a fuzz run
+through FrameReader + decode, the handshake digest, and one trip through a real FTLayer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numpy.typing import NDArray
+
+from ftlayer import protocol as p
+from ftlayer.core import FTLayer, ReplayRecords
+from ftlayer.errors import ConfigError
+from ftlayer.ids import new_ids
+from ftlayer.persistence import MemoryStorage
+from ftlayer.records import RecordBatch
+
+U64_MAX = 2**64 - 1
+I64 = st.integers(-(2**63), 2**63 - 1)
+I32 = st.integers(-(2**31), 2**31 - 1)
+U32 = st.integers(0, 2**32 - 1)
+U64 = st.integers(0, U64_MAX)
+TOPICS = st.text(max_size=12)  # unicode, empty included
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_size: int = 20) -> RecordBatch:
+    n = draw(st.integers(0, max_size))
+    column = st.lists
+    topic_pool = draw(st.lists(TOPICS, min_size=1, max_size=4))
+    if draw(st.booleans()):
+        # Equal-length payloads take the fast path of the decoder: cover it too.
+        width = draw(st.integers(0, 8))
+        payloads = draw(column(st.binary(min_size=width, max_size=width), min_size=n, max_size=n))
+    else:
+        payloads = draw(column(st.binary(max_size=40), min_size=n, max_size=n))
+    return RecordBatch(
+        roots=np.array(draw(column(U64, min_size=n, max_size=n)), dtype=np.uint64),
+        source_ids=np.array(draw(column(U32, min_size=n, max_size=n)), dtype=np.uint32),
+        key_hashes=np.array(draw(column(I64, min_size=n, max_size=n)), dtype=np.int64),
+        has_key=np.array(draw(column(st.booleans(), min_size=n, max_size=n)), dtype=np.bool_),
+        topics=draw(column(st.sampled_from(topic_pool), min_size=n, max_size=n)),
+        partitions=np.array(draw(column(I32, min_size=n, max_size=n)), dtype=np.int32),
+        offsets=np.array(draw(column(I64, min_size=n, max_size=n)), dtype=np.int64),
+        payloads=payloads,
+    )
+
+
+def assert_same_batch(got: RecordBatch, want: RecordBatch) -> None:
+    for name in ("roots", "source_ids", "key_hashes", "has_key", "partitions", "offsets"):
+        expected = getattr(want, name)
+        actual = getattr(got, name)
+        assert actual.dtype == expected.dtype, name
+        np.testing.assert_array_equal(actual, expected, err_msg=name)
+    assert list(got.topics) == list(want.topics)
+    assert list(got.payloads) == list(want.payloads)
+    assert all(type(payload) is bytes for payload in got.payloads)
+
+
+def frame(data: bytes) -> p.Frame:
+    return p.parse_frame(data)
+
+
+def body_of(data: bytes) -> bytes:
+    return frame(data).body
+
+
+def reframe(kind: int, body: bytes, request_id: int = 7) -> p.Frame:
+    return p.Frame(kind, request_id, body)
+
+
+def small_batch(n: int = 3, topics: list[str] | None = None) -> RecordBatch:
+    return RecordBatch.build(
+        new_ids(n),
+        [b"payload-%d" % i for i in range(n)],
+        key_hashes=np.arange(n) - 1,
+        topics=topics if topics is not None else "orders",
+        partitions=np.arange(n) % 2,
+    )
+
+
+# ---- round trips -----------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches(), data=st.data(), request_id=U32)
+def test_persist_round_trips(batch: RecordBatch, data: st.DataObject, request_id: int) -> None:
+    n = len(batch)
+    initial = np.array(data.draw(st.lists(U64, min_size=n, max_size=n)), dtype=np.uint64)
+    decoded = p.decode(frame(p.encode_persist(request_id, batch, initial)))
+    assert isinstance(decoded, p.Persist)
+    assert_same_batch(decoded.batch, batch)
+    np.testing.assert_array_equal(decoded.initial_values, initial)
+    assert decoded.initial_values.dtype == np.uint64
+    assert frame(p.encode_persist(request_id, batch)).request_id == request_id
+
+
+def test_persist_without_initial_values_sends_zeros() -> None:
+    decoded = p.decode_persist(frame(p.encode_persist(1, small_batch(4))))
+    np.testing.assert_array_equal(decoded.initial_values, np.zeros(4, dtype=np.uint64))
+
+
+def test_empty_persist_is_a_short_frame() -> None:
+    data = p.encode_persist(1, RecordBatch.empty())
+    assert len(data) == 9 + 4 + 2  # frame header, n = 0, empty topic table
+    assert len(p.decode_persist(frame(data)).batch) == 0
+
+
+def test_decoded_columns_are_writable_native_arrays() -> None:
+    decoded = p.decode_persist(frame(p.encode_persist(1, small_batch(5), new_ids(5))))
+    for column in (decoded.batch.roots, decoded.initial_values, decoded.batch.offsets):
+        assert column.flags.writeable
+        assert column.dtype.isnative
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches(), data=st.data())
+def test_replay_round_trips(batch: RecordBatch, data: st.DataObject) -> None:
+    n = len(batch)
+    replay = ReplayRecords(
+        replay_seqs=np.array(data.draw(st.lists(U64, min_size=n, max_size=n)), dtype=np.uint64),
+        partitions=np.array(data.draw(st.lists(I32, min_size=n, max_size=n)), dtype=np.int32),
+        records=batch,
+    )
+    decoded = p.decode(frame(p.encode_replay(3, replay)))
+    assert isinstance(decoded, ReplayRecords)
+    np.testing.assert_array_equal(decoded.replay_seqs, replay.replay_seqs)
+    np.testing.assert_array_equal(decoded.partitions, replay.partitions)
+    assert decoded.replay_seqs.dtype == np.uint64 and decoded.partitions.dtype == np.int32
+    assert_same_batch(decoded.records, batch)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pairs=st.lists(st.tuples(U64, U64), max_size=50))
+def test_xor_and_fail_round_trip(pairs: list[tuple[int, int]]) -> None:
+    roots = np.array([r for r, _ in pairs], dtype=np.uint64)
+    values = np.array([v for _, v in pairs], dtype=np.uint64)
+    xor = p.decode(frame(p.encode_xor(1, roots, values)))
+    assert isinstance(xor, p.Xor)
+    np.testing.assert_array_equal(xor.roots, roots)
+    np.testing.assert_array_equal(xor.values, values)
+    fail = p.decode(frame(p.encode_fail(2, roots)))
+    assert isinstance(fail, p.Fail)
+    np.testing.assert_array_equal(fail.roots, roots)
+    assert xor.roots.dtype == xor.values.dtype == fail.roots.dtype == np.uint64
+
+
+def test_xor_accepts_python_ints_up_to_u64_max() -> None:
+    xor = p.decode_xor(frame(p.encode_xor(1, [U64_MAX, 2**63, 2], [1, U64_MAX, 0])))
+    assert xor.roots.tolist() == [U64_MAX, 2**63, 2]
+    assert xor.values.tolist() == [1, U64_MAX, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    request_id=U32,
+    nonce=st.binary(min_size=16, max_size=32),
+    name=st.text(max_size=30),
+    server_nonce=st.binary(min_size=32, max_size=32),
+    auth_required=st.booleans(),
+    session_id=U64,
+)
+def test_handshake_round_trips(
+    request_id: int,
+    nonce: bytes,
+    name: str,
+    server_nonce: bytes,
+    auth_required: bool,
+    session_id: int,
+) -> None:
+    hello = frame(p.encode_hello(request_id, nonce, name))
+    assert (hello.kind, hello.request_id) == (p.Kind.HELLO, request_id)
+    assert p.decode(hello) == p.Hello(p.PROTOCOL_VERSION, nonce, name)
+    challenge = p.decode(frame(p.encode_challenge(request_id, auth_required, server_nonce)))
+    assert challenge == p.Challenge(auth_required, server_nonce)
+    digest = p.auth_digest(b"token", server_nonce, nonce)
+    assert p.decode(frame(p.encode_auth(request_id, digest))) == p.Auth(digest)
+    welcome = p.decode(frame(p.encode_welcome(request_id, session_id)))
+    assert welcome == p.Welcome(p.PROTOCOL_VERSION, session_id)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lo=U64,
+    hi=U64,
+    source_id=st.none() | U32,
+    partition=st.none() | st.integers(0, 2**31 - 1),
+)
+def test_fetch_replay_round_trips(
+    lo: int, hi: int, source_id: int | None, partition: int | None
+) -> None:
+    data = p.encode_fetch_replay(5, lo, hi, source_id=source_id, partition=partition)
+    assert p.decode(frame(data)) == p.FetchReplay(lo, hi, source_id, partition)
+
+
+def test_status_ok_and_error_round_trip() -> None:
+    assert p.decode(frame(p.encode_status_request(1))) == p.StatusRequest()
+    status = {"persisted": 3, "failed": {"timeout": 1}, "name": "ü"}
+    assert p.decode(frame(p.encode_status_reply(1, status))) == p.StatusReply(status)
+    assert p.decode(frame(p.encode_ok(1, 2**32 - 1))) == p.Ok(2**32 - 1)
+    error = p.decode(frame(p.encode_error(9, p.ErrorCode.STORAGE, "disk full ✗")))
+    assert error == p.ErrorReply(p.ErrorCode.STORAGE, "disk full ✗")
+    unknown_code = p.decode(frame(p.encode_error(9, 4242, "from the future")))
+    assert unknown_code == p.ErrorReply(4242, "from the future")
+
+
+def test_error_for_a_protocol_error_carries_its_code() -> None:
+    reply = p.decode_error(frame(p.encode_error_for(4, p.FrameTooLarge("too big"))))
+    assert reply == p.ErrorReply(p.ErrorCode.FRAME_TOO_LARGE, "too big")
+
+
+def test_long_error_messages_are_cut_on_a_character_boundary() -> None:
+    reply = p.decode_error(frame(p.encode_error(1, p.ErrorCode.INTERNAL, "é" * 5000)))
+    assert reply.message == "é" * 2048
+
+
+def test_persist_status_and_replay_through_a_real_ft_layer() -> None:
+    """What the server will do: decode PERSIST into FTLayer, fail, encode its REPLAY."""
+    ft = FTLayer(MemoryStorage(), timeout_s=30)
+    sent = small_batch(4, topics=["a", "b", "a", "ü"])
+    request = p.decode_persist(frame(p.encode_persist(1, sent, new_ids(4))))
+    ft.persist(request.batch, request.initial_values)
+    fail = p.decode_fail(frame(p.encode_fail(2, sent.roots[:2])))
+    assert ft.fail(fail.roots) == 2
+    fetch = p.decode_fetch_replay(frame(p.encode_fetch_replay(3, 0, 10)))
+    replay = ft.fetch_replay(fetch.lo, fetch.hi, source_id=fetch.source_id)
+    got = p.decode_replay(frame(p.encode_replay(3, replay)))
+    assert list(got.records.payloads) == [b"payload-0", b"payload-1"]
+    assert list(got.records.topics) == ["a", "b"]
+    np.testing.assert_array_equal(got.records.roots, replay.records.roots)
+    status = dataclasses.asdict(ft.snapshot_stats())
+    assert p.decode_status_reply(frame(p.encode_status_reply(4, status))).status == status
+
+
+# ---- FrameReader -----------------------------------------------------------------------
+
+
+def _some_frames() -> list[bytes]:
+    return [
+        p.encode_hello(1, b"n" * 16, "client"),
+        p.encode_persist(2, small_batch(3), new_ids(3)),
+        p.encode_status_request(3),
+        p.encode_xor(4, new_ids(5), new_ids(5)),
+        p.encode_frame(0x77, 5, b"unknown kinds pass the reader"),
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_reader_reassembles_frames_from_any_chunks(cuts: list[int]) -> None:
+    encoded = _some_frames()
+    stream = b"".join(encoded)
+    points = sorted({min(c, len(stream)) for c in cuts})
+    reader = p.FrameReader()
+    got: list[p.Frame] = []
+    for start, end in zip([0, *points], [*points, len(stream)], strict=True):
+        got += reader.feed(stream[start:end])
+    assert got == [frame(data) for data in encoded]
+    assert reader.pending_bytes == 0
+
+
+def test_reader_counts_pending_bytes_of_a_partial_frame() -> None:
+    data = p.encode_ok(1, 5)
+    reader = p.FrameReader()
+    assert reader.feed(data[:-1]) == []
+    assert reader.pending_bytes == len(data) - 1
+    assert reader.feed(data[-1:]) == [p.Frame(p.Kind.OK, 1, struct.pack("<I", 5))]
+    assert reader.pending_bytes == 0
+
+
+def test_reader_rejects_an_oversized_length_before_the_body_arrives() -> None:
+    reader = p.FrameReader(max_frame=1024)
+    with pytest.raises(p.FrameTooLarge, match="1025"):
+        reader.feed(struct.pack(">I", 1025))  # only the four length bytes
+    assert reader.pending_bytes == 0
+    with pytest.raises(p.FrameTooLarge, match="failed earlier"):
+        reader.feed(p.encode_ok(1))  # the stream cannot be resynchronized
+
+
+def test_reader_accepts_a_frame_of_exactly_max_frame() -> None:
+    data = p.encode_frame(p.Kind.STATUS_REPLY, 1, b"x" * 95)
+    assert len(p.FrameReader(max_frame=100).feed(data)) == 1
+
+
+@pytest.mark.parametrize("length", [0, 1, 4])
+def test_reader_rejects_a_length_below_five(length: int) -> None:
+    with pytest.raises(p.MalformedFrame, match=f"frame length {length} is below 5"):
+        p.FrameReader().feed(struct.pack(">IBI", length, 1, 1))
+
+
+@pytest.mark.parametrize("max_frame", [4, 2**32, -1])
+def test_reader_max_frame_must_fit_the_length_prefix(max_frame: int) -> None:
+    with pytest.raises(ConfigError):
+        p.FrameReader(max_frame=max_frame)
+
+
+def test_parse_frame_wants_exactly_one_frame() -> None:
+    data = p.encode_ok(1)
+    with pytest.raises(p.MalformedFrame, match="exactly one frame"):
+        p.parse_frame(data + data)
+    with pytest.raises(p.MalformedFrame, match="exactly one frame"):
+        p.parse_frame(data[:-1])
+
+
+# ---- malformed bodies: each gives its typed error --------------------------------------
+
+
+def _persist_body(batch: RecordBatch | None = None) -> bytes:
+    return body_of(p.encode_persist(1, batch if batch is not None else small_batch(3)))
+
+
+def _patch(body: bytes, offset: int, raw: bytes) -> bytes:
+    return body[:offset] + raw + body[offset + len(raw) :]
+
+
+# Offsets inside a 3-record PERSIST body: n (4), then columns of 43 bytes per record.
+_N3 = 3
+_HAS_KEY_AT = 4 + _N3 * (8 + 8 + 4 + 8)
+_TOPIC_INDEX_AT = _HAS_KEY_AT + _N3 * (1 + 4 + 8)
+_TABLE_AT = _TOPIC_INDEX_AT + _N3 * 2
+
+MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
+    (
+        "persist count larger than the body",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), 0, struct.pack("<I", 4))),
+        p.MalformedFrame,
+        "truncated",
+    ),
+    (
+        "persist count smaller than the body",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), 0, struct.pack("<I", 2))),
+        p.ProtocolError,  # which one depends on the random roots read as other columns
+        "PERSIST",
+    ),
+    (
+        "persist huge count",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), 0, struct.pack("<I", 2**32 - 1))),
+        p.MalformedFrame,
+        "truncated",
+    ),
+    (
+        "persist trailing byte",
+        reframe(p.Kind.PERSIST, _persist_body() + b"\0"),
+        p.MalformedFrame,
+        "payload lengths add up to",
+    ),
+    (
+        "persist truncated payload",
+        reframe(p.Kind.PERSIST, _persist_body()[:-1]),
+        p.MalformedFrame,
+        "payload lengths add up to",
+    ),
+    (
+        "persist truncated in a column",
+        reframe(p.Kind.PERSIST, _persist_body()[:50]),
+        p.MalformedFrame,
+        "truncated",
+    ),
+    (
+        "persist empty body",
+        reframe(p.Kind.PERSIST, b""),
+        p.MalformedFrame,
+        "record count",
+    ),
+    (
+        "persist topic index out of range",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), _TOPIC_INDEX_AT, struct.pack("<H", 1))),
+        p.BadRequest,
+        "topic index 1 is out of range",
+    ),
+    (
+        "persist has_key not 0 or 1",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), _HAS_KEY_AT, b"\x02")),
+        p.BadRequest,
+        "has_key",
+    ),
+    (
+        "persist topic not utf-8",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), _TABLE_AT + 4, b"\xff")),
+        p.MalformedFrame,
+        "utf-8",
+    ),
+    (
+        "persist topic length beyond the body",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), _TABLE_AT + 2, b"\xff\xff")),
+        p.MalformedFrame,
+        "topic 0",
+    ),
+    (
+        "replay truncated",
+        reframe(
+            p.Kind.REPLAY,
+            body_of(
+                p.encode_replay(
+                    1,
+                    ReplayRecords(
+                        np.arange(1, 4, dtype=np.uint64), np.zeros(3, np.int32), small_batch(3)
+                    ),
+                )
+            )[:-3],
+        ),
+        p.MalformedFrame,
+        "payload lengths",
+    ),
+    (
+        "xor count disagrees with the arrays",
+        reframe(p.Kind.XOR, struct.pack("<I", 2) + b"\0" * 16),
+        p.MalformedFrame,
+        "declares 2 events",
+    ),
+    (
+        "xor trailing bytes",
+        reframe(p.Kind.XOR, struct.pack("<I", 1) + b"\0" * 17),
+        p.MalformedFrame,
+        "declares 1 events",
+    ),
+    ("xor empty body", reframe(p.Kind.XOR, b""), p.MalformedFrame, "event count"),
+    (
+        "fail count disagrees with the array",
+        reframe(p.Kind.FAIL, struct.pack("<I", 3) + b"\0" * 16),
+        p.MalformedFrame,
+        "declares 3 roots",
+    ),
+    (
+        "fetch replay short",
+        reframe(p.Kind.FETCH_REPLAY, b"\0" * 27),
+        p.MalformedFrame,
+        "truncated",
+    ),
+    (
+        "fetch replay trailing",
+        reframe(p.Kind.FETCH_REPLAY, body_of(p.encode_fetch_replay(1, 0, 5)) + b"\0"),
+        p.MalformedFrame,
+        "trailing",
+    ),
+    (
+        "fetch replay partition below -1",
+        reframe(p.Kind.FETCH_REPLAY, struct.pack("<QQqi", 0, 5, -1, -2)),
+        p.BadRequest,
+        "out of range",
+    ),
+    (
+        "fetch replay source id beyond u32",
+        reframe(p.Kind.FETCH_REPLAY, struct.pack("<QQqi", 0, 5, 2**32, 0)),
+        p.BadRequest,
+        "out of range",
+    ),
+    ("status with a body", reframe(p.Kind.STATUS, b"x"), p.MalformedFrame, "trailing"),
+    ("status reply not utf-8", reframe(p.Kind.STATUS_REPLY, b"\xff"), p.MalformedFrame, "utf-8"),
+    ("status reply not json", reframe(p.Kind.STATUS_REPLY, b"{"), p.MalformedFrame, "not JSON"),
+    (
+        "status reply not an object",
+        reframe(p.Kind.STATUS_REPLY, b"[1]"),
+        p.MalformedFrame,
+        "not an object",
+    ),
+    ("ok short", reframe(p.Kind.OK, b"\0\0\0"), p.MalformedFrame, "truncated"),
+    ("ok trailing", reframe(p.Kind.OK, b"\0" * 5), p.MalformedFrame, "trailing"),
+    ("error without code", reframe(p.Kind.ERROR, b"\0"), p.MalformedFrame, "truncated"),
+    ("error not utf-8", reframe(p.Kind.ERROR, b"\1\0\xff"), p.MalformedFrame, "utf-8"),
+    (
+        "hello wrong magic",
+        reframe(p.Kind.HELLO, _patch(body_of(p.encode_hello(1, b"n" * 16)), 0, b"HTTP")),
+        p.MalformedFrame,
+        "magic",
+    ),
+    (
+        "hello wrong version",
+        reframe(p.Kind.HELLO, body_of(p.encode_hello(1, b"n" * 16, version=2))),
+        p.UnsupportedVersion,
+        "version 2",
+    ),
+    (
+        "hello wrong version, whatever follows",
+        reframe(p.Kind.HELLO, b"FTLY" + struct.pack("<H", 7)),
+        p.UnsupportedVersion,
+        "version 7",
+    ),
+    (
+        "hello nonce too short",
+        reframe(p.Kind.HELLO, struct.pack("<4sHB", b"FTLY", 1, 15) + b"n" * 15 + b"\0\0"),
+        p.BadRequest,
+        "15 bytes",
+    ),
+    (
+        "hello name truncated",
+        reframe(p.Kind.HELLO, body_of(p.encode_hello(1, b"n" * 16, "name"))[:-1]),
+        p.MalformedFrame,
+        "client name",
+    ),
+    (
+        "hello name not utf-8",
+        reframe(p.Kind.HELLO, struct.pack("<4sHB", b"FTLY", 1, 16) + b"n" * 16 + b"\1\0\xc3"),
+        p.MalformedFrame,
+        "utf-8",
+    ),
+    (
+        "challenge reserved flag",
+        reframe(p.Kind.CHALLENGE, b"\x02" + b"s" * 32),
+        p.BadRequest,
+        "reserved bits",
+    ),
+    ("challenge short nonce", reframe(p.Kind.CHALLENGE, b"\1" * 32), p.MalformedFrame, "trunc"),
+    ("auth short digest", reframe(p.Kind.AUTH, b"d" * 31), p.MalformedFrame, "truncated"),
+    ("auth long digest", reframe(p.Kind.AUTH, b"d" * 33), p.MalformedFrame, "trailing"),
+    (
+        "welcome wrong version",
+        reframe(p.Kind.WELCOME, struct.pack("<HQ", 9, 1)),
+        p.UnsupportedVersion,
+        "version 9",
+    ),
+    ("welcome short", reframe(p.Kind.WELCOME, b"\1\0"), p.MalformedFrame, "truncated"),
+    ("unknown kind", reframe(0x55, b""), p.UnknownKind, "0x55"),
+    ("checkpoint begin", reframe(p.Kind.CHECKPOINT_BEGIN, b""), p.ReservedKind, "reserved"),
+    (
+        "checkpoint complete",
+        reframe(p.Kind.CHECKPOINT_COMPLETE, b"x"),
+        p.ReservedKind,
+        "reserved",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [case[1:] for case in MALFORMED],
+    ids=[case[0] for case in MALFORMED],
+)
+def test_malformed_bodies_give_their_typed_error(
+    bad: p.Frame, error: type[p.ProtocolError], match: str
+) -> None:
+    with pytest.raises(error, match=match) as raised:
+        p.decode(bad)
+    assert isinstance(raised.value.code, p.ErrorCode)
+    assert raised.value.code == type(raised.value).code
+
+
+def test_a_decoder_checks_the_frame_kind() -> None:
+    with pytest.raises(p.UnexpectedKind, match="expected a XOR frame, got FAIL"):
+        p.decode_xor(frame(p.encode_fail(1, [5])))
+
+
+def test_decoders_take_a_bare_body_too() -> None:
+    roots = new_ids(3)
+    assert p.decode_fail(body_of(p.encode_fail(1, roots))).roots.tolist() == roots.tolist()
+
+
+# ---- encoders refuse what the wire cannot carry ----------------------------------------
+
+
+ENCODE_ERRORS: list[tuple[str, Callable[[], bytes], type[p.ProtocolError], str]] = [
+    (
+        "persist above max_frame",
+        lambda: p.encode_persist(1, small_batch(100), max_frame=1000),
+        p.FrameTooLarge,
+        "above max_frame 1000",
+    ),
+    (
+        "initial values of another length",
+        lambda: p.encode_persist(1, small_batch(3), [1, 2]),
+        p.BadRequest,
+        "3 unsigned",
+    ),
+    (
+        "negative initial value",
+        lambda: p.encode_persist(1, small_batch(2), [1, -1]),
+        p.BadRequest,
+        "unsigned",
+    ),
+    (
+        "topic longer than 65535 bytes",
+        lambda: p.encode_persist(1, small_batch(1, topics=["t" * 70_000])),
+        p.BadRequest,
+        "70000 utf-8 bytes",
+    ),
+    (
+        "xor values of another length",
+        lambda: p.encode_xor(1, [1, 2], [3]),
+        p.BadRequest,
+        "2 unsigned",
+    ),
+    ("xor negative root", lambda: p.encode_xor(1, np.array([-5]), [3]), p.BadRequest, "-5"),
+    ("fail float roots", lambda: p.encode_fail(1, np.array([1.5])), p.BadRequest, "float"),
+    (
+        "xor above max_frame",
+        lambda: p.encode_xor(1, new_ids(100), new_ids(100), max_frame=100),
+        p.FrameTooLarge,
+        "XOR frame",
+    ),
+    ("client nonce too short", lambda: p.encode_hello(1, b"n" * 15), p.BadRequest, "nonce"),
+    ("client nonce too long", lambda: p.encode_hello(1, b"n" * 33), p.BadRequest, "nonce"),
+    ("server nonce", lambda: p.encode_challenge(1, True, b"s" * 31), p.BadRequest, "nonce"),
+    ("digest size", lambda: p.encode_auth(1, b"d" * 31), p.BadRequest, "digest"),
+    ("request id", lambda: p.encode_ok(2**32, 0), p.BadRequest, "request id"),
+    ("ok count", lambda: p.encode_ok(1, -1), p.BadRequest, "count"),
+    (
+        "fetch partition",
+        lambda: p.encode_fetch_replay(1, 0, 1, partition=-3),
+        p.BadRequest,
+        "partition",
+    ),
+    ("status not json", lambda: p.encode_status_reply(1, {"x": object()}), p.BadRequest, "JSON"),
+    (
+        "replay columns disagree",
+        lambda: p.encode_replay(
+            1, ReplayRecords(np.zeros(2, np.uint64), np.zeros(3, np.int32), small_batch(3))
+        ),
+        p.BadRequest,
+        "2 replay seqs",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("encode", "error", "match"),
+    [case[1:] for case in ENCODE_ERRORS],
+    ids=[case[0] for case in ENCODE_ERRORS],
+)
+def test_encoders_refuse_what_the_wire_cannot_carry(
+    encode: Callable[[], bytes], error: type[p.ProtocolError], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        encode()
+
+
+# ---- fuzz: only ProtocolError escapes --------------------------------------------------
+
+
+def _valid_frames() -> list[bytes]:
+    replay = ReplayRecords(
+        np.arange(1, 4, dtype=np.uint64),
+        np.array([0, 1, -1], dtype=np.int32),
+        small_batch(3, topics=["a", "ü", "a"]),
+    )
+    return [
+        *_some_frames(),
+        p.encode_persist(6, RecordBatch.empty()),
+        p.encode_persist(7, small_batch(2, topics=["x", "y"])),
+        p.encode_replay(8, replay),
+        p.encode_fail(9, new_ids(3)),
+        p.encode_fetch_replay(10, 1, 9, source_id=2, partition=1),
+        p.encode_challenge(11, True, b"s" * 32),
+        p.encode_auth(12, b"d" * 32),
+        p.encode_welcome(13, 99),
+        p.encode_status_reply(14, {"a": [1, 2]}),
+        p.encode_ok(15, 1),
+        p.encode_error(16, 1, "bad"),
+    ]
+
+
+VALID = _valid_frames()
+FUZZ_MAX_FRAME = 4096
+
+
+@st.composite
+def fuzzed_frames(draw: st.DrawFn) -> bytes:
+    """A valid frame, mutated: bit flips, truncation, extension, or a random kind/body."""
+    how = draw(st.sampled_from(["flip", "truncate", "extend", "random", "rekind"]))
+    data = bytearray(draw(st.sampled_from(VALID)))
+    if how == "flip":
+        for position in draw(st.lists(st.integers(0, len(data) - 1), min_size=1, max_size=4)):
+            data[position] ^= 1 << draw(st.integers(0, 7))
+    elif how == "truncate":
+        cut = draw(st.integers(0, len(data) - 1))
+        body = data[9:]
+        return p.encode_frame(data[4], 1, bytes(body[: max(0, cut - 9)]))
+    elif how == "extend":
+        return p.encode_frame(data[4], 1, bytes(data[9:]) + draw(st.binary(min_size=1)))
+    elif how == "random":
+        return p.encode_frame(draw(st.integers(0, 255)), 1, draw(st.binary(max_size=64)))
+    else:
+        data[4] = draw(st.integers(0, 255))
+    return bytes(data)
+
+
+FRAMES_PER_EXAMPLE = 25
+FUZZ_EXAMPLES = 450  # 11,250 frames
+
+
+@settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    frames=st.lists(fuzzed_frames(), min_size=FRAMES_PER_EXAMPLE, max_size=FRAMES_PER_EXAMPLE),
+    chunk=st.integers(1, 200),
+)
+def test_fuzzed_frames_only_raise_protocol_errors(frames: list[bytes], chunk: int) -> None:
+    decoded = 0
+    # Each frame through its own reader (a bad length prefix ends a stream) ...
+    for data in frames:
+        reader = p.FrameReader(max_frame=FUZZ_MAX_FRAME)
+        try:
+            for start in range(0, len(data), chunk):
+                for got in reader.feed(data[start : start + chunk]):
+                    decoded += _decode_or_protocol_error(got)
+        except p.ProtocolError as exc:
+            assert isinstance(exc.code, p.ErrorCode)
+    # ... and all of them as one stream, as a server would see them.
+    stream = p.FrameReader(max_frame=FUZZ_MAX_FRAME)
+    try:
+        for got in stream.feed(b"".join(frames)):
+            _decode_or_protocol_error(got)
+    except p.ProtocolError:
+        pass
+    assert decoded <= len(frames)
+
+
+def _decode_or_protocol_error(got: p.Frame) -> int:
+    try:
+        message = p.decode(got)
+    except p.ProtocolError as exc:
+        assert isinstance(exc.code, p.ErrorCode)
+        return 0
+    if isinstance(message, p.Persist):
+        assert len(message.initial_values) == len(message.batch)
+    return 1
+
+
+# ---- authentication --------------------------------------------------------------------
+
+
+def test_the_right_token_verifies() -> None:
+    server, client = p.new_nonce(), p.new_nonce(16)
+    digest = p.auth_digest(b"s3cret", server, client)
+    assert len(digest) == p.DIGEST_SIZE
+    assert p.verify_auth(b"s3cret", server, client, digest)
+    assert p.verify_auth("s3cret", server, client, digest)  # str tokens are utf-8
+    p.check_auth(b"s3cret", server, client, digest)
+
+
+def test_a_wrong_token_fails() -> None:
+    server, client = p.new_nonce(), p.new_nonce()
+    digest = p.auth_digest(b"guess", server, client)
+    assert not p.verify_auth(b"s3cret", server, client, digest)
+    with pytest.raises(p.AuthFailed) as raised:
+        p.check_auth(b"s3cret", server, client, digest)
+    assert "s3cret" not in str(raised.value)
+    assert raised.value.code == p.ErrorCode.AUTH_FAILED
+
+
+def test_a_digest_replayed_under_another_server_nonce_fails() -> None:
+    client = p.new_nonce()
+    recorded = p.auth_digest(b"s3cret", p.new_nonce(), client)
+    assert not p.verify_auth(b"s3cret", p.new_nonce(), client, recorded)
+
+
+def test_the_token_never_crosses_the_wire() -> None:
+    token = b"the-token-bytes"
+    server, client = p.new_nonce(), p.new_nonce()
+    wire = b"".join(
+        [
+            p.encode_hello(1, client, "c"),
+            p.encode_challenge(1, True, server),
+            p.encode_auth(2, p.auth_digest(token, server, client)),
+        ]
+    )
+    assert token not in wire
+
+
+def _as_u64(values: list[int]) -> NDArray[np.uint64]:
+    return np.array(values, dtype=np.uint64)
+
+
+def test_u64_columns_from_uint64_arrays_are_not_reinterpreted() -> None:
+    big = _as_u64([U64_MAX, 0])
+    assert p.decode_fail(frame(p.encode_fail(1, big))).roots.tolist() == [U64_MAX, 0]
