@@ -1,25 +1,33 @@
 """The `ftlayer` command line.
 
+    ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T]
+                   [--buckets N] [--token-file F]
+    ftlayer status --server HOST:PORT [--token-file F] [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
-its last line instead. `serve`, `status` and `demo` arrive with the FT-layer process
-and the Spark integration.
+its last line instead, as does `status`. `serve` prints "ftlayer serving on HOST:PORT"
+once it listens, then serves until SIGTERM or SIGINT and exits 0. A token file holds
+the token's bytes (one trailing newline is ignored); serving on a non-loopback host
+needs one. `demo` arrives with the Spark integration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from ftlayer import __version__
-from ftlayer.errors import FTLayerError
+from ftlayer.errors import ConfigError, FTLayerError
 
 
 def _positive_int(text: str) -> int:
@@ -32,6 +40,35 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a port (0 to 65535): {text!r}")
+    return int(text)
+
+
+def read_token_file(path: str) -> bytes:
+    """The token in `path`: its bytes without a trailing newline; ConfigError if empty."""
+    try:
+        with open(path, "rb") as file:
+            token = file.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    token = token.removesuffix(b"\n").removesuffix(b"\r")
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ftlayer",
@@ -39,6 +76,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("version", help="print the version")
+
+    serve = commands.add_parser("serve", help="run the FT-layer server on an LMDB data dir")
+    serve.add_argument("--data-dir", required=True, help="the LMDB directory (created if missing)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=_port, default=0, help="TCP port (default: 0, any free)")
+    serve.add_argument("--timeout-s", type=_positive_float, default=30.0, help="tree timeout T")
+    serve.add_argument("--buckets", type=_positive_int, default=3, help="rotating buckets n")
+    serve.add_argument("--token-file", default=None, help="file holding the auth token")
+
+    status = commands.add_parser("status", help="show an FT-layer server's counters")
+    status.add_argument("--server", required=True, help="HOST:PORT of the server")
+    status.add_argument("--token-file", default=None, help="file holding the auth token")
+    status.add_argument("--json", action="store_true", help="print one JSON object last")
 
     bench = commands.add_parser("bench", help="run a benchmark against its baseline")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -78,12 +128,73 @@ def _print_table(result: dict[str, Any]) -> None:
     Console().print(table)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from ftlayer.server import FTServer
+
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    token = None if args.token_file is None else read_token_file(args.token_file)
+    server = FTServer(
+        args.data_dir,
+        host=args.host,
+        port=args.port,
+        timeout_s=args.timeout_s,
+        buckets=args.buckets,
+        token=token,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with server:
+        host, port = server.address
+        print(f"ftlayer serving on {host}:{port}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ftlayer.client import FTClient
+
+    token = None if args.token_file is None else read_token_file(args.token_file)
+    try:
+        with FTClient(args.server, token=token) as client:
+            status = client.status()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ftlayer status {args.server}", show_header=False)
+    for key, value in status.items():
+        if isinstance(value, dict):
+            for sub, count in value.items():
+                table.add_row(f"{key}.{sub}", f"{count:,}")
+        else:
+            table.add_row(
+                key,
+                f"{value:,}"
+                if isinstance(value, int) and not isinstance(value, bool)
+                else str(value),
+            )
+    Console().print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "version":
             print(__version__)
             return 0
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "status":
+            return _status(args)
         from ftlayer import bench
 
         if args.bench == "acker":

@@ -1,0 +1,415 @@
+"""The FT-layer server: one FTLayer over LmdbStorage, hosted over TCP.
+
+Sources and tasks reach the core through this process (docs/protocol.md is the wire
+format). The contract:
+
+1. One connection, one thread. The core is not thread-safe, so every call into it
+   (persist, xor, fail, fetch_replay, snapshot_stats, tick) runs under one lock; socket
+   I/O never does, so a slow or vanished client blocks only its own thread. Reads poll
+   with a short timeout (to notice stop()); sends time out after `send_timeout_s`;
+   the handshake must finish within `handshake_timeout_s`.
+2. Handshake: HELLO -> CHALLENGE (fresh server nonce) -> AUTH (checked with
+   check_auth when a token is set) -> WELCOME. Any other frame before WELCOME gets an
+   ERROR (not authenticated for a data request) and the connection is closed.
+3. PERSIST is answered OK only after FTLayer.persist returned, that is, after the
+   storage committed the records: OK means "confirmed persisted".
+4. Errors: a bad frame length breaks the stream (ERROR with request id 0, then close).
+   A frame with a good length but an unknown kind or a bad body leaves the stream in
+   step (docs/protocol.md, section 1): ERROR with that request id, and serving goes on.
+   Core errors map to ERROR 101 (StorageError) or 102 (ValueError, ConfigError,
+   PartitioningError: nothing applied); anything else is 100 and is logged with its
+   traceback. Other connections are never affected.
+5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), so a
+   root times out at most that late.
+
+A non-loopback host without a token is refused (ConfigError): the token is the only
+thing between the network and the acker table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import Any, Final, Self
+
+from ftlayer import __version__
+from ftlayer.core import FTLayer
+from ftlayer.errors import ConfigError, FTLayerError, StorageError
+from ftlayer.persistence.lmdb_storage import LmdbStorage
+from ftlayer.protocol import (
+    DEFAULT_MAX_FRAME,
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    Auth,
+    ErrorCode,
+    Fail,
+    FetchReplay,
+    Frame,
+    FrameReader,
+    Hello,
+    Message,
+    NotAuthenticated,
+    Persist,
+    ProtocolError,
+    StatusRequest,
+    UnexpectedKind,
+    Xor,
+    check_auth,
+    decode,
+    encode_challenge,
+    encode_error,
+    encode_error_for,
+    encode_ok,
+    encode_replay,
+    encode_status_reply,
+    encode_welcome,
+    new_nonce,
+)
+from ftlayer.rotating import rotation_interval
+
+log = logging.getLogger("ftlayer.server")
+
+_RECV_BYTES: Final = 1 << 20
+_POLL_S: Final = 0.25
+_DATA_REQUESTS: Final = (Persist, Xor, Fail, FetchReplay, StatusRequest)
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or "localhost" (names are not resolved otherwise)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Connection:
+    """One client's handshake state; only its own thread touches it."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.name = ""
+        self.server_nonce = new_nonce(NONCE_SIZE)
+        self.client_nonce: bytes | None = None
+        self.welcomed = False
+
+
+class FTServer:
+    """Hosts one FTLayer over LmdbStorage(data_dir); see the module docstring."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 30.0,
+        buckets: int = 3,
+        token: bytes | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        *,
+        handshake_timeout_s: float = 10.0,
+        send_timeout_s: float = 30.0,
+    ) -> None:
+        if token is not None and not token:
+            raise ConfigError("the token is empty: give a non-empty token or none")
+        if token is None and not is_loopback(host):
+            raise ConfigError(
+                f"refusing to serve on non-loopback host {host!r} without a token: "
+                "anyone who can reach it could ack or fail records (use --token-file)"
+            )
+        self.interval_s = min(0.5, rotation_interval(timeout_s, buckets) / 10)
+        FrameReader(max_frame)  # validates max_frame before anything is opened
+        self.data_dir = os.fspath(data_dir)
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.buckets = buckets
+        self.max_frame = max_frame
+        self._token = token
+        self._handshake_timeout_s = handshake_timeout_s
+        self._send_timeout_s = send_timeout_s
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._storage: LmdbStorage | None = None
+        self._ft: FTLayer | None = None
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._connections: dict[int, _Connection] = {}
+        self._connections_lock = threading.Lock()
+        self._started_at = 0.0
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound; the port is known once start() returned."""
+        if self._listener is None:
+            raise ConfigError("the server is not started")
+        host, port = self._listener.getsockname()[:2]
+        return str(host), int(port)
+
+    def start(self) -> Self:
+        """Open the storage (recovering what it holds), bind, and start serving."""
+        if self._listener is not None:
+            raise ConfigError("the server is already started")
+        storage = LmdbStorage(self.data_dir)
+        try:
+            self._ft = FTLayer(storage, timeout_s=self.timeout_s, buckets=self.buckets)
+            self._listener = _listen(self.host, self.port)
+        except BaseException:
+            self._ft = None
+            storage.close()
+            raise
+        self._storage = storage
+        self._listener.settimeout(_POLL_S)
+        self._started_at = time.monotonic()
+        stats = self._ft.snapshot_stats()
+        log.info(
+            "serving %s on %s:%d (recovered %d pending records for replay)",
+            self.data_dir,
+            *self.address,
+            stats.failed["recovery"],
+        )
+        for target, name in ((self._accept_loop, "accept"), (self._tick_loop, "ticker")):
+            thread = threading.Thread(target=target, name=f"ftlayer-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        """Close every socket, stop the ticker and close the storage. Idempotent."""
+        if self._stopping.is_set() or self._listener is None:
+            return
+        self._stopping.set()
+        self._listener.close()
+        with self._connections_lock:
+            connections = list(self._connections.values())
+        for conn in connections:
+            _shutdown(conn.sock)
+        for thread in list(self._threads):
+            thread.join(timeout=5.0)
+        with self._lock:
+            if self._storage is not None:
+                self._storage.close()
+            self._ft = None
+        log.info("stopped")
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stop() was called (or timeout); True if it was."""
+        return self._stopping.wait(timeout)
+
+    # ---- threads -----------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, peer_address = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break  # the listener was closed by stop()
+            peer = f"{peer_address[0]}:{peer_address[1]}"
+            conn = _Connection(sock, peer)
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name=f"ftlayer-conn-{peer}", daemon=True
+            )
+            with self._connections_lock:
+                self._connections[id(conn)] = conn
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
+            thread.start()
+
+    def _tick_loop(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            with self._lock:
+                ft = self._ft
+                if ft is None:
+                    return
+                before = ft.stats.failed["timeout"]
+                try:
+                    rotations = ft.tick()
+                except Exception:
+                    log.exception("tick failed; the roots stay pending and are retried")
+                    continue
+                timed_out = ft.stats.failed["timeout"] - before
+            if timed_out:
+                log.info(
+                    "rotation (%d) timed out %d roots: queued for replay", rotations, timed_out
+                )
+
+    def _serve(self, conn: _Connection) -> None:
+        log.info("connection from %s opened", conn.peer)
+        reason = "closed by the client"
+        try:
+            reason = self._converse(conn)
+        except OSError as exc:
+            reason = f"socket error: {exc}"
+        except Exception:
+            log.exception("connection from %s failed", conn.peer)
+            reason = "internal error"
+        finally:
+            with self._connections_lock:
+                self._connections.pop(id(conn), None)
+            _shutdown(conn.sock)
+            conn.sock.close()
+            log.info("connection from %s (%s) closed: %s", conn.peer, conn.name, reason)
+
+    def _converse(self, conn: _Connection) -> str:
+        """Serve one connection until it ends; returns why it ended."""
+        reader = FrameReader(self.max_frame)
+        deadline = time.monotonic() + self._handshake_timeout_s
+        while not self._stopping.is_set():
+            conn.sock.settimeout(_POLL_S)
+            try:
+                data = conn.sock.recv(_RECV_BYTES)
+            except TimeoutError:
+                if not conn.welcomed and time.monotonic() > deadline:
+                    return "handshake timed out"
+                continue
+            if not data:
+                return "closed by the client"
+            try:
+                frames = reader.feed(data)
+            except ProtocolError as exc:
+                log.warning("%s: broken stream: %s", conn.peer, exc)
+                self._send(conn, encode_error_for(0, exc))
+                return f"broken stream ({exc.code.name})"
+            for frame in frames:
+                reply, close = self._handle(conn, frame)
+                self._send(conn, reply)
+                if close:
+                    return "handshake failed"
+        return "server stopping"
+
+    def _send(self, conn: _Connection, data: bytes) -> None:
+        conn.sock.settimeout(self._send_timeout_s)
+        conn.sock.sendall(data)
+
+    # ---- requests ----------------------------------------------------------------
+
+    def _handle(self, conn: _Connection, frame: Frame) -> tuple[bytes, bool]:
+        """(reply, close the connection after it) for one frame."""
+        rid = frame.request_id
+        try:
+            message = decode(frame)
+        except ProtocolError as exc:
+            log.warning("%s: request %d: %s", conn.peer, rid, exc)
+            return encode_error_for(rid, exc), not conn.welcomed
+        if not conn.welcomed:
+            try:
+                return self._handshake(conn, rid, message), False
+            except ProtocolError as exc:
+                log.warning("%s: handshake: %s", conn.peer, exc)
+                return encode_error_for(rid, exc), True
+        if not isinstance(message, _DATA_REQUESTS):
+            unexpected = UnexpectedKind(
+                f"{_name(message)} is not a request after the handshake (request id {rid})"
+            )
+            log.warning("%s: %s", conn.peer, unexpected)
+            return encode_error_for(rid, unexpected), False
+        try:
+            return self._execute(rid, message), False
+        except ProtocolError as exc:  # a reply the wire cannot carry (REPLAY too large)
+            code, text = int(exc.code), str(exc)
+        except StorageError as exc:
+            code, text = int(ErrorCode.STORAGE), str(exc)
+        except (ValueError, FTLayerError) as exc:
+            code, text = int(ErrorCode.REJECTED), str(exc)
+        except Exception as exc:
+            log.exception("%s: request %d failed", conn.peer, rid)
+            code, text = int(ErrorCode.INTERNAL), f"internal server error: {exc!r}"
+        log.warning("%s: request %d (%s): error %d: %s", conn.peer, rid, _name(message), code, text)
+        return encode_error(rid, code, text), False
+
+    def _handshake(self, conn: _Connection, rid: int, message: Message) -> bytes:
+        if isinstance(message, _DATA_REQUESTS):
+            raise NotAuthenticated(
+                f"{_name(message)} before the handshake completed: send HELLO and AUTH first"
+            )
+        if conn.client_nonce is None and isinstance(message, Hello):
+            conn.client_nonce, conn.name = message.client_nonce, message.client_name
+            return encode_challenge(rid, self._token is not None, conn.server_nonce)
+        if conn.client_nonce is not None and isinstance(message, Auth):
+            if self._token is not None:
+                check_auth(self._token, conn.server_nonce, conn.client_nonce, message.digest)
+            conn.welcomed = True
+            return encode_welcome(rid, secrets.randbits(64), version=PROTOCOL_VERSION)
+        expected = "AUTH" if conn.client_nonce is not None else "HELLO"
+        raise UnexpectedKind(f"expected {expected} in the handshake, got {_name(message)}")
+
+    def _execute(self, rid: int, message: Message) -> bytes:
+        with self._lock:
+            ft = self._ft
+            if ft is None:
+                raise StorageError("the server is stopping")
+            if isinstance(message, Persist):
+                ft.persist(message.batch, message.initial_values)
+                return encode_ok(rid, len(message.batch))
+            if isinstance(message, Xor):
+                ft.xor(message.roots, message.values)
+                return encode_ok(rid, len(message.roots))
+            if isinstance(message, Fail):
+                return encode_ok(rid, ft.fail(message.roots))
+            if isinstance(message, FetchReplay):
+                replay = ft.fetch_replay(
+                    message.lo, message.hi, source_id=message.source_id, partition=message.partition
+                )
+            else:
+                status = self._status(ft)
+        if isinstance(message, FetchReplay):
+            return encode_replay(rid, replay, max_frame=self.max_frame)
+        return encode_status_reply(rid, status, max_frame=self.max_frame)
+
+    def _status(self, ft: FTLayer) -> dict[str, Any]:
+        """Called under the lock."""
+        status = dataclasses.asdict(ft.snapshot_stats())
+        assert self._storage is not None
+        with self._connections_lock:
+            connections = len(self._connections)
+        status.update(
+            lmdb_size_bytes=self._storage.size_bytes(),
+            connections=connections,
+            uptime_s=round(time.monotonic() - self._started_at, 3),
+            timeout_s=self.timeout_s,
+            buckets=self.buckets,
+            version=__version__,
+        )
+        return status
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _name(message: Message) -> str:
+    return type(message).__name__
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # already closed by the peer
+        sock.shutdown(socket.SHUT_RDWR)

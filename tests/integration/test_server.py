@@ -1,0 +1,242 @@
+"""The FT-layer server as a real `ftlayer serve` process, driven by FTClient.
+
+Every server runs as its own process on a free loopback port with a tmp data dir, and
+is stopped by the fixture's finalizer even when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ftlayer.client import FTClient
+from ftlayer.handlers import Anchors, Persister, TaskHandler
+from ftlayer.protocol import (
+    AuthFailed,
+    ErrorCode,
+    Frame,
+    FrameReader,
+    Kind,
+    NotAuthenticated,
+    decode_error,
+    encode_status_request,
+)
+
+START_DEADLINE_S = 15.0
+PAYLOADS = [f"record-{i}".encode() * (i + 1) for i in range(10)]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    address: str
+    data_dir: Path
+
+    def client(self, token: bytes | None = None) -> FTClient:
+        return FTClient(self.address, token=token)
+
+
+StartServer = Callable[..., Server]
+
+
+def _serve_command(data_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", str(data_dir), *extra]
+
+
+def _read_address(proc: subprocess.Popen[bytes], log: Path) -> str:
+    """The HOST:PORT from the "ftlayer serving on" line, within the deadline."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + START_DEADLINE_S
+    line = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                raise AssertionError(f"server did not start in time: {log.read_text()}")
+            chunk = os.read(proc.stdout.fileno(), 1)
+            if not chunk:
+                raise AssertionError(f"server exited {proc.wait()}: {log.read_text()}")
+            line += chunk
+    text = line.decode().strip()
+    assert text.startswith("ftlayer serving on "), text
+    return text.removeprefix("ftlayer serving on ")
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[StartServer]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(data_dir: Path | None = None, *extra: str) -> Server:
+        data_dir = data_dir or tmp_path / "data"
+        log = tmp_path / f"server-{len(procs)}.log"
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen(
+                _serve_command(data_dir, *extra), stdout=subprocess.PIPE, stderr=stderr
+            )
+        procs.append(proc)
+        return Server(proc, _read_address(proc, log), data_dir)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def persist(client: FTClient, payloads: list[bytes]) -> Anchors:
+    return Persister(client).persist(
+        payloads, topics="events", partitions=np.arange(len(payloads)) % 3, offsets=None
+    )
+
+
+def sink(client: FTClient, anchors: Anchors) -> None:
+    task = TaskHandler(client)
+    task.process(anchors, np.zeros(0, dtype=np.intp))
+    task.flush()
+
+
+def test_records_complete_over_the_wire(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        anchors = persist(client, PAYLOADS)
+        assert client.status()["pending"] == len(PAYLOADS)
+        mapped = TaskHandler(client)
+        outputs = mapped.process(anchors, np.arange(len(PAYLOADS)))
+        mapped.flush()
+        sink(client, outputs)
+        status = client.status()
+    assert status["persisted"] == status["completed"] == len(PAYLOADS)
+    assert status["pending"] == 0
+    assert status["lmdb_size_bytes"] > 0
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(10) == 0
+
+
+def test_explicit_fail_is_replayed_with_the_same_bytes(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        anchors = persist(client, PAYLOADS)
+        failed = np.zeros(len(PAYLOADS), dtype=np.bool_)
+        failed[[2, 7]] = True
+        task = TaskHandler(client)
+        task.process(anchors, np.zeros(0, dtype=np.intp), failed=failed)
+        task.flush()
+        replay = client.fetch_replay(0, 2**63)
+        status = client.status()
+    assert sorted(replay.records.payloads) == sorted([PAYLOADS[2], PAYLOADS[7]])
+    assert not set(replay.records.roots.tolist()) & set(anchors.roots.tolist())
+    assert status["failed"]["explicit"] == 2
+    assert status["completed"] == len(PAYLOADS) - 2
+
+
+def test_token_is_required_and_checked(start_server: StartServer, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"s3cret\n")
+    server = start_server(None, "--token-file", str(token_file))
+    with server.client(b"wrong") as client, pytest.raises(AuthFailed):
+        client.status()
+    with server.client() as client, pytest.raises(NotAuthenticated):
+        client.status()
+    # A client that skips the handshake altogether is refused by the server itself.
+    with socket.create_connection(_host_port(server.address), timeout=5) as raw:
+        raw.sendall(encode_status_request(1))
+        frame, closed = _read_error_then_eof(raw)
+    assert decode_error(frame).code == ErrorCode.NOT_AUTHENTICATED and closed
+    with server.client(b"s3cret") as client:
+        assert client.status()["pending"] == 0
+
+
+def test_garbage_on_one_connection_spares_the_others(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        persist(client, PAYLOADS[:3])
+        before = _counters(client.status())
+        with socket.create_connection(_host_port(server.address), timeout=5) as raw:
+            raw.sendall(b"\x00\x00\x00\x01 this is not a frame")
+            frame, closed = _read_error_then_eof(raw)
+        assert frame.kind == Kind.ERROR and frame.request_id == 0 and closed
+        assert decode_error(frame).code == ErrorCode.MALFORMED_FRAME
+        persist(client, PAYLOADS[3:5])
+        after = _counters(client.status())
+    assert after == {**before, "persisted": 5, "pending": 5}
+
+
+def test_non_loopback_host_without_token_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        _serve_command(tmp_path / "data", "--host", "0.0.0.0"),
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert b"without a token" in done.stderr
+    assert b"ftlayer serving" not in done.stdout
+
+
+def test_sigkill_then_restart_replays_exactly_the_incomplete(
+    start_server: StartServer,
+) -> None:
+    server = start_server()
+    with server.client() as client:
+        anchors = persist(client, PAYLOADS)
+        done = np.arange(len(PAYLOADS)) % 3 == 0
+        sink(client, anchors.take(np.flatnonzero(done)))
+        assert client.status()["completed"] == int(done.sum())
+    server.proc.kill()
+    server.proc.wait(10)
+
+    restarted = start_server(server.data_dir)
+    incomplete = [p for p, d in zip(PAYLOADS, done, strict=True) if not d]
+    with restarted.client() as client:
+        status = client.status()
+        replay = client.fetch_replay(0, 2**63)
+    assert status["failed"]["recovery"] == len(incomplete)
+    assert status["pending"] == status["replay_queue"] == len(incomplete)
+    assert sorted(replay.records.payloads) == sorted(incomplete)
+    assert sorted(replay.replay_seqs.tolist()) == list(range(1, len(incomplete) + 1))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def _counters(status: dict[str, object]) -> dict[str, object]:
+    return {
+        k: v for k, v in status.items() if k not in ("connections", "uptime_s", "lmdb_size_bytes")
+    }
+
+
+def _read_error_then_eof(raw: socket.socket) -> tuple[Frame, bool]:
+    """The first frame the server sends on `raw`, and whether it then closed."""
+    reader = FrameReader()
+    frames: list[Frame] = []
+    while not frames:
+        data = raw.recv(65536)
+        assert data, "the server closed without an ERROR"
+        frames = reader.feed(data)
+    closed = False
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if not raw.recv(65536):
+            closed = True
+            break
+    return frames[0], closed
