@@ -6,12 +6,9 @@ is stopped by the fixture's finalizer even when a test fails.
 
 from __future__ import annotations
 
-import os
-import selectors
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serverproc import read_address, serve_command
 
 from ftlayer.client import FTClient
 from ftlayer.handlers import Anchors, Persister, TaskHandler
@@ -33,7 +31,6 @@ from ftlayer.protocol import (
     encode_status_request,
 )
 
-START_DEADLINE_S = 15.0
 PAYLOADS = [f"record-{i}".encode() * (i + 1) for i in range(10)]
 
 
@@ -50,30 +47,6 @@ class Server:
 StartServer = Callable[..., Server]
 
 
-def _serve_command(data_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", str(data_dir), *extra]
-
-
-def _read_address(proc: subprocess.Popen[bytes], log: Path) -> str:
-    """The HOST:PORT from the "ftlayer serving on" line, within the deadline."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + START_DEADLINE_S
-    line = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not selector.select(left):
-                raise AssertionError(f"server did not start in time: {log.read_text()}")
-            chunk = os.read(proc.stdout.fileno(), 1)
-            if not chunk:
-                raise AssertionError(f"server exited {proc.wait()}: {log.read_text()}")
-            line += chunk
-    text = line.decode().strip()
-    assert text.startswith("ftlayer serving on "), text
-    return text.removeprefix("ftlayer serving on ")
-
-
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[StartServer]:
     procs: list[subprocess.Popen[bytes]] = []
@@ -83,10 +56,10 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
         log = tmp_path / f"server-{len(procs)}.log"
         with log.open("wb") as stderr:
             proc = subprocess.Popen(
-                _serve_command(data_dir, *extra), stdout=subprocess.PIPE, stderr=stderr
+                serve_command(data_dir, *extra), stdout=subprocess.PIPE, stderr=stderr
             )
         procs.append(proc)
-        return Server(proc, _read_address(proc, log), data_dir)
+        return Server(proc, read_address(proc, log), data_dir)
 
     yield start
     for proc in procs:
@@ -181,7 +154,7 @@ def test_garbage_on_one_connection_spares_the_others(start_server: StartServer) 
 
 def test_non_loopback_host_without_token_is_refused(tmp_path: Path) -> None:
     done = subprocess.run(
-        _serve_command(tmp_path / "data", "--host", "0.0.0.0"),
+        serve_command(tmp_path / "data", "--host", "0.0.0.0"),
         capture_output=True,
         timeout=30,
         check=False,

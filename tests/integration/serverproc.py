@@ -1,0 +1,36 @@
+"""Starting a real `ftlayer serve` process in tests: the command and its address."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+START_DEADLINE_S = 15.0
+
+
+def serve_command(data_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", str(data_dir), *extra]
+
+
+def read_address(proc: subprocess.Popen[bytes], log: Path) -> str:
+    """The HOST:PORT from the "ftlayer serving on" line, within the deadline."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + START_DEADLINE_S
+    line = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                raise AssertionError(f"server did not start in time: {log.read_text()}")
+            chunk = os.read(proc.stdout.fileno(), 1)
+            if not chunk:
+                raise AssertionError(f"server exited {proc.wait()}: {log.read_text()}")
+            line += chunk
+    text = line.decode().strip()
+    assert text.startswith("ftlayer serving on "), text
+    return text.removeprefix("ftlayer serving on ")

@@ -1,0 +1,169 @@
+"""Durability under SIGKILL (issue 3, section 4): no confirmed record vanishes.
+
+A real `ftlayer serve` runs on a tmp data dir; two client processes stream small
+persist batches, complete most records with XOR, fail some and leave the rest pending,
+logging every PERSIST and every XOR that got OK. The server is SIGKILLed at a random
+moment (a seeded RNG: FTLAYER_DURABILITY_SEED, else a fresh seed per run, shown on
+failure) and restarted on the same data dir. Then every record whose persist was
+confirmed and whose completion was not confirmed must be in the restarted server's
+replay. Records never confirmed may or may not be there.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from serverproc import read_address
+
+from ftlayer.client import FTClient
+
+CLIENTS = 2
+PER_BATCH = 50
+BASE_SEED = int(os.environ.get("FTLAYER_DURABILITY_SEED", time.time_ns() % 2**32))
+
+# One client process: persist batches of PER_BATCH records with payloads
+# b"c<client>-b<batch>-r<i>"; after each OK append a line to the log, then fail the
+# records i % 10 == 0, complete those with i % 10 >= 2 (XOR) and leave i % 10 == 1
+# pending. Log lines: "P <batch>" (persist OK), "X <batch>" (the completing XOR OK).
+# It stops at the first error: the server was killed.
+CLIENT_SCRIPT = """
+import sys
+import numpy as np
+from ftlayer.client import FTClient
+from ftlayer.handlers import Persister
+
+address, client, log_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+n = int(sys.argv[4])
+i = np.arange(n)
+with open(log_path, "a", buffering=1) as log, FTClient(address) as channel:
+    persister = Persister(channel, source_id=client)
+    batch = 0
+    try:
+        while True:
+            payloads = [f"c{client}-b{batch}-r{r}".encode() for r in range(n)]
+            a = persister.persist(payloads, topics="t", partitions=i % 2, offsets=None)
+            log.write(f"P {batch}\\n")
+            channel.fail(a.roots[i % 10 == 0])
+            done = i % 10 >= 2
+            channel.xor(a.roots[done], a.ids[done])
+            log.write(f"X {batch}\\n")
+            batch += 1
+    except Exception as exc:
+        print(f"client {client} stopped at batch {batch}: {exc!r}", file=sys.stderr)
+"""
+
+
+class Processes:
+    """Every process a test starts; all killed by the fixture's finalizer."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def server(self, data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+        log = self.tmp_path / f"server-{len(self.procs)}.log"
+        command = [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", str(data_dir)]
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
+        self.procs.append(proc)
+        return proc, read_address(proc, log)
+
+    def client(self, address: str, client: int, log: Path) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-c", CLIENT_SCRIPT, address, str(client), str(log)]
+        command.append(str(PER_BATCH))
+        stderr = (self.tmp_path / f"client-{client}.err").open("ab")
+        with stderr:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.kill_all()
+
+
+def _confirmed(log: Path) -> tuple[set[int], set[int]]:
+    """(batches whose persist got OK, batches whose completing XOR got OK)."""
+    persisted: set[int] = set()
+    completed: set[int] = set()
+    text = log.read_text() if log.exists() else ""
+    for line in text.split("\n")[:-1]:  # the last piece is "" or a torn line
+        kind, batch = line.split()
+        (persisted if kind == "P" else completed).add(int(batch))
+    return persisted, completed
+
+
+def _wait_for_batches(logs: list[Path], at_least: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while min(len(_confirmed(log)[0]) for log in logs) < at_least:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"clients did not confirm {at_least} batches in {timeout} s")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kill_point", range(3))
+def test_no_confirmed_record_vanishes_after_sigkill(
+    processes: Processes, tmp_path: Path, kill_point: int
+) -> None:
+    seed = BASE_SEED + kill_point
+    rng = random.Random(seed)
+    data_dir = tmp_path / "data"
+    server, address = processes.server(data_dir)
+    logs = [tmp_path / f"client-{c}.log" for c in range(CLIENTS)]
+    clients = [processes.client(address, c, logs[c]) for c in range(CLIENTS)]
+    _wait_for_batches(logs, at_least=1, timeout=15.0)
+    time.sleep(rng.uniform(0.0, 0.6))  # the random kill point
+    server.send_signal(signal.SIGKILL)
+    server.wait(10)
+    for proc in clients:  # each stops at its first error
+        assert proc.wait(15) == 0
+
+    restarted, address = processes.server(data_dir)
+    with FTClient(address) as client:
+        replay = client.fetch_replay(0, 2**63)
+        status = client.status()
+    replayed = {bytes(p) for p in replay.records.payloads}
+
+    must_survive: set[bytes] = set()
+    may_be_gone: set[bytes] = set()
+    for c, log in enumerate(logs):
+        persisted, completed = _confirmed(log)
+        assert persisted, f"client {c} never confirmed a persist (seed {seed})"
+        for batch in persisted:
+            for r in range(PER_BATCH):
+                payload = f"c{c}-b{batch}-r{r}".encode()
+                if batch in completed and r % 10 >= 2:
+                    may_be_gone.add(payload)  # its completion was confirmed
+                else:
+                    must_survive.add(payload)
+    missing = must_survive - replayed
+    assert not missing, (
+        f"seed {seed}: {len(missing)} of {len(must_survive)} confirmed, uncompleted "
+        f"records vanished, e.g. {sorted(missing)[:5]}"
+    )
+    assert status["pending"] == len(replay), f"seed {seed}: {status}"
+    # Everything replayed is a record a client sent: nothing is made up.
+    assert all(p.startswith(b"c") and b"-b" in p and b"-r" in p for p in replayed)
+    restarted.send_signal(signal.SIGTERM)
+    assert restarted.wait(10) == 0
