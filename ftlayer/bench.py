@@ -235,3 +235,199 @@ def _persist_raw_lmdb(path: Path, batches: list[list[bytes]], sync: bool) -> flo
     seconds = _timed(run)
     env.close()
     return seconds
+
+
+SERVER_TARGET_XOR_RATE = 1_500_000
+SERVER_TARGET_RECORD_RATE = 150_000
+_SERVER_BENCH_DEPTH = 3
+
+
+def bench_server(
+    records: int = 1_000_000,
+    events: int = 2_000_000,
+    clients: int = 2,
+    payload_bytes: int = 100,
+    batch: int = 10_000,
+    xor_batch: int = 65_536,
+    directory: str | None = None,
+) -> dict[str, Any]:
+    """XOR updates/s and persisted-then-completed records/s through the real server.
+
+    An FTServer on a fresh LMDB dir (in this process, its own threads) is fed over
+    loopback TCP by `clients` client processes (multiprocessing, spawn), each with its
+    own FTClient connection. `records` and `events` are totals, split evenly.
+
+    - xor: each client first persists its roots (not timed), then sends its events
+      (trees of depth 3 as in the acker bench, interleaved) in XOR frames of `xor_batch`
+      events; every tree completes.
+    - persist: each client persists batches of `batch` records of `payload_bytes` and
+      completes batch i (one XOR frame) after batch i + 1 was persisted, as the
+      persist bench does in process.
+
+    A phase is timed from the moment every client is ready (a barrier) until the last
+    one reports done. The in-process core figures of the same sizes (bench_acker,
+    bench_persist with one round) are measured in the same run, after the server
+    phases, and the ratios server/in-process reported.
+    """
+    import multiprocessing
+
+    from ftlayer.client import FTClient
+    from ftlayer.server import FTServer
+
+    if clients < 1:
+        raise ValueError(f"clients must be at least 1, got {clients}")
+    per_tree = _SERVER_BENCH_DEPTH + 1
+    roots_each = max(1, events // clients // per_tree)
+    records_each = max(1, records // clients)
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(dir=directory, prefix="ftlayer-bench-server-") as tmp:
+        server = FTServer(Path(tmp) / "data", timeout_s=3600).start()
+        try:
+            host, port = server.address
+            barrier = ctx.Barrier(clients + 1)
+            results = ctx.Queue()
+            workers = [
+                ctx.Process(
+                    target=_server_bench_client,
+                    args=(
+                        f"{host}:{port}",
+                        i,
+                        roots_each,
+                        records_each,
+                        payload_bytes,
+                        batch,
+                        xor_batch,
+                        barrier,
+                        results,
+                    ),
+                    daemon=True,
+                )
+                for i in range(clients)
+            ]
+            for worker in workers:
+                worker.start()
+            try:
+                xor_s = _server_phase(barrier, results, clients, "xor")
+                persist_s = _server_phase(barrier, results, clients, "persist")
+            finally:
+                for worker in workers:
+                    worker.join(timeout=30)
+                    if worker.is_alive():
+                        worker.terminate()
+            with FTClient(f"{host}:{port}", name="bench-status") as client:
+                status = client.status()
+        finally:
+            server.stop()
+    n_events = roots_each * per_tree * clients
+    n_records = records_each * clients
+    if status["completed"] != roots_each * clients + n_records or status["pending"]:
+        raise AssertionError(
+            f"server bench: {status['completed']} completed, {status['pending']} pending, "
+            f"expected {roots_each * clients + n_records} and 0"
+        )
+    xor_rate, record_rate = n_events / xor_s, n_records / persist_s
+    acker = bench_acker(roots=roots_each * clients, depth=_SERVER_BENCH_DEPTH, batch=xor_batch)
+    persist = bench_persist(
+        records=n_records,
+        payload_bytes=payload_bytes,
+        batch=batch,
+        directory=directory,
+        rounds=1,
+    )
+    return {
+        "bench": "server",
+        "clients": clients,
+        "events": n_events,
+        "xor_batch": xor_batch,
+        "records": n_records,
+        "payload_bytes": payload_bytes,
+        "batch": batch,
+        "xor_updates_per_s": round(xor_rate),
+        "records_per_s": round(record_rate),
+        "in_process_xor_updates_per_s": acker["updates_per_s"],
+        "in_process_records_per_s": persist["records_per_s"],
+        "xor_ratio_vs_in_process": round(xor_rate / acker["updates_per_s"], 3),
+        "records_ratio_vs_in_process": round(record_rate / persist["records_per_s"], 3),
+        "targets": {
+            "xor_updates_per_s": SERVER_TARGET_XOR_RATE,
+            "records_per_s": SERVER_TARGET_RECORD_RATE,
+        },
+        "meets_targets": xor_rate >= SERVER_TARGET_XOR_RATE
+        and record_rate >= SERVER_TARGET_RECORD_RATE,
+        "machine": _machine(),
+    }
+
+
+def _server_phase(barrier: Any, results: Any, clients: int, phase: str) -> float:
+    """Seconds from the barrier (every client ready) until every client reported."""
+    barrier.wait(timeout=600)
+    start = time.perf_counter()
+    for _ in range(clients):
+        name, error = results.get(timeout=600)
+        if error is not None:
+            raise AssertionError(f"server bench client failed in {name}: {error}")
+        if name != phase:
+            raise AssertionError(f"server bench: expected {phase}, got {name}")
+    return time.perf_counter() - start
+
+
+def _server_bench_client(
+    address: str,
+    index: int,
+    roots: int,
+    records: int,
+    payload_bytes: int,
+    batch: int,
+    xor_batch: int,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """One client process of bench_server: set up, then the two timed phases."""
+    from ftlayer.client import FTClient
+
+    phase = "setup"
+    try:
+        with FTClient(address, name=f"bench-{index}") as client:
+            root_ids, first, event_roots, event_values = tree_events(
+                roots, _SERVER_BENCH_DEPTH, seed=index
+            )
+            for lo in range(0, roots, 65_536):
+                hi = min(roots, lo + 65_536)
+                client.persist(
+                    RecordBatch.build(root_ids[lo:hi], [b"x"] * (hi - lo), topics="bench"),
+                    first[lo:hi],
+                )
+            payload = os.urandom(payload_bytes)
+            starts = range(0, records, batch)
+            batches = [[payload] * min(batch, records - lo) for lo in starts]
+            n_events = len(event_roots)
+
+            phase = "xor"
+            barrier.wait(timeout=600)
+            for lo in range(0, n_events, xor_batch):
+                client.xor(event_roots[lo : lo + xor_batch], event_values[lo : lo + xor_batch])
+            results.put((phase, None))
+
+            phase = "persist"
+            barrier.wait(timeout=600)
+            in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
+            for lo, payloads in zip(starts, batches, strict=True):
+                n = len(payloads)
+                batch_roots, ids = new_ids(n), new_ids(n)
+                offsets = np.arange(lo, lo + n, dtype=np.int64)
+                client.persist(
+                    RecordBatch.build(
+                        batch_roots, payloads, topics="bench", partitions=0, offsets=offsets
+                    ),
+                    ids,
+                )
+                if in_flight is not None:
+                    client.xor(*in_flight)
+                in_flight = (batch_roots, ids)
+            if in_flight is not None:
+                client.xor(*in_flight)
+            results.put((phase, None))
+    except BaseException as exc:
+        results.put((phase, repr(exc)))
+        barrier.abort()
+        raise

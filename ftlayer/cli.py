@@ -6,6 +6,7 @@
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
+    ftlayer bench server  [--records N] [--events E] [--clients C] [--dir D] [--json]
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
@@ -109,6 +110,15 @@ def _parser() -> argparse.ArgumentParser:
     persist.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     persist.add_argument("--rounds", type=_positive_int, default=3, help="alternating rounds")
     persist.add_argument("--json", action="store_true", help="print one JSON object last")
+
+    server = benches.add_parser(
+        "server", help="XOR updates/s and records/s through the real server, client processes"
+    )
+    server.add_argument("--records", type=_positive_int, default=1_000_000, help="in total")
+    server.add_argument("--events", type=_positive_int, default=2_000_000, help="in total")
+    server.add_argument("--clients", type=_positive_int, default=2, help="client processes")
+    server.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
+    server.add_argument("--json", action="store_true", help="print one JSON object last")
     return parser
 
 
@@ -199,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.bench == "acker":
             result = bench.bench_acker(roots=args.roots, depth=args.depth, batch=args.batch)
+        elif args.bench == "server":
+            result = bench.bench_server(
+                records=args.records,
+                events=args.events,
+                clients=args.clients,
+                directory=args.dir,
+            )
         else:
             result = bench.bench_persist(
                 records=args.records,
