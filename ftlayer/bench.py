@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 
 from ftlayer.acker import AckerTable
 from ftlayer.core import FTLayer
+from ftlayer.handlers import FTChannel
 from ftlayer.ids import new_ids
 from ftlayer.persistence.layer import LOCATOR_COLUMNS
 from ftlayer.persistence.lmdb_storage import LmdbStorage
@@ -149,12 +150,7 @@ def bench_persist(
     alternate for `rounds` rounds on fresh environments and the medians are reported,
     so a slow spell of the disk (fsync) does not land on one side only.
     """
-    payload = os.urandom(payload_bytes)
-    starts = range(0, records, batch)
-    batches = [[payload] * min(batch, records - lo) for lo in starts]
-    offsets = [
-        np.arange(lo, lo + len(b), dtype=np.int64) for lo, b in zip(starts, batches, strict=True)
-    ]
+    batches, offsets = _payload_batches(records, payload_bytes, batch)
     ft_times: list[float] = []
     raw_times: list[float] = []
     with tempfile.TemporaryDirectory(dir=directory, prefix="ftlayer-bench-") as tmp:
@@ -184,26 +180,46 @@ def bench_persist(
     }
 
 
+def _payload_batches(
+    records: int, payload_bytes: int, batch: int
+) -> tuple[list[list[bytes]], list[NDArray[np.int64]]]:
+    """`records` payloads of `payload_bytes` random bytes in batches of `batch`, with
+    their offsets (0, 1, 2, ...)."""
+    payload = os.urandom(payload_bytes)
+    starts = range(0, records, batch)
+    batches = [[payload] * min(batch, records - lo) for lo in starts]
+    offsets = [
+        np.arange(lo, lo + len(b), dtype=np.int64) for lo, b in zip(starts, batches, strict=True)
+    ]
+    return batches, offsets
+
+
+def _persist_and_complete(
+    channel: FTChannel, batches: list[list[bytes]], offsets: list[NDArray[np.int64]]
+) -> None:
+    """Persist every batch, completing batch i (the sink's acks: one XOR per record)
+    once batch i + 1 is persisted: one batch in flight."""
+    in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
+    for payloads, offs in zip(batches, offsets, strict=True):
+        n = len(payloads)
+        roots, ids = new_ids(n), new_ids(n)
+        channel.persist(
+            RecordBatch.build(roots, payloads, topics="bench", partitions=0, offsets=offs), ids
+        )
+        if in_flight is not None:
+            channel.xor(*in_flight)
+        in_flight = (roots, ids)
+    if in_flight is not None:
+        channel.xor(*in_flight)
+
+
 def _persist_through_ftlayer(
     path: Path, batches: list[list[bytes]], offsets: list[NDArray[np.int64]], sync: bool
 ) -> float:
     storage = LmdbStorage(path, sync=sync)
     ft = FTLayer(storage, timeout_s=3600)
 
-    def run() -> None:
-        in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
-        for payloads, offs in zip(batches, offsets, strict=True):
-            n = len(payloads)
-            roots, ids = new_ids(n), new_ids(n)
-            records = RecordBatch.build(roots, payloads, topics="bench", partitions=0, offsets=offs)
-            ft.persist(records, ids)
-            if in_flight is not None:
-                ft.xor(*in_flight)  # the sink's acks complete the previous batch
-            in_flight = (roots, ids)
-        if in_flight is not None:
-            ft.xor(*in_flight)
-
-    seconds = _timed(run)
+    seconds = _timed(lambda: _persist_and_complete(ft, batches, offsets))
     if len(storage) or ft.snapshot_stats().completed != sum(len(b) for b in batches):
         raise AssertionError("persist bench: not every record completed")
     storage.close()
@@ -397,9 +413,7 @@ def _server_bench_client(
                     RecordBatch.build(root_ids[lo:hi], [b"x"] * (hi - lo), topics="bench"),
                     first[lo:hi],
                 )
-            payload = os.urandom(payload_bytes)
-            starts = range(0, records, batch)
-            batches = [[payload] * min(batch, records - lo) for lo in starts]
+            batches, offsets = _payload_batches(records, payload_bytes, batch)
             n_events = len(event_roots)
 
             phase = "xor"
@@ -410,22 +424,7 @@ def _server_bench_client(
 
             phase = "persist"
             barrier.wait(timeout=600)
-            in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
-            for lo, payloads in zip(starts, batches, strict=True):
-                n = len(payloads)
-                batch_roots, ids = new_ids(n), new_ids(n)
-                offsets = np.arange(lo, lo + n, dtype=np.int64)
-                client.persist(
-                    RecordBatch.build(
-                        batch_roots, payloads, topics="bench", partitions=0, offsets=offsets
-                    ),
-                    ids,
-                )
-                if in_flight is not None:
-                    client.xor(*in_flight)
-                in_flight = (batch_roots, ids)
-            if in_flight is not None:
-                client.xor(*in_flight)
+            _persist_and_complete(client, batches, offsets)
             results.put((phase, None))
     except BaseException as exc:
         results.put((phase, repr(exc)))

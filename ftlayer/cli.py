@@ -122,19 +122,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_table(result: dict[str, Any]) -> None:
+def _print_table(title: str, rows: dict[str, Any]) -> None:
+    """Key/value rows as a rich table; nested dicts become key.sub rows, ints get commas."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"ftlayer bench {result['bench']}", show_header=False)
-    for key, value in result.items():
-        if key not in ("bench", "machine"):
-            table.add_row(
-                key,
-                f"{value:,}"
-                if isinstance(value, int) and not isinstance(value, bool)
-                else str(value),
+    table = Table(title=title, show_header=False)
+    for key, value in rows.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, item in items:
+            text = (
+                f"{item:,}" if isinstance(item, int) and not isinstance(item, bool) else str(item)
             )
+            table.add_row(key if sub is None else f"{key}.{sub}", text)
     Console().print(table)
 
 
@@ -176,22 +176,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"ftlayer status {args.server}", show_header=False)
-    for key, value in status.items():
-        if isinstance(value, dict):
-            for sub, count in value.items():
-                table.add_row(f"{key}.{sub}", f"{count:,}")
-        else:
-            table.add_row(
-                key,
-                f"{value:,}"
-                if isinstance(value, int) and not isinstance(value, bool)
-                else str(value),
-            )
-    Console().print(table)
+    _print_table(f"ftlayer status {args.server}", status)
     return 0
 
 
@@ -231,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
-        _print_table(result)
+        rows = {k: v for k, v in result.items() if k not in ("bench", "machine")}
+        _print_table(f"ftlayer bench {result['bench']}", rows)
     return 0
 
 
