@@ -19,12 +19,14 @@ XorHandler and TaskHandler work over it exactly as over an in-process FTLayer.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
@@ -63,6 +65,7 @@ from ftlayer.protocol import (
     encode_fetch_replay,
     encode_hello,
     encode_persist,
+    encode_register_source,
     encode_status_request,
     encode_xor,
     new_nonce,
@@ -174,7 +177,23 @@ class FTClient:
         )
         return decode_ok(frame).count
 
-    # ---- idempotent reads --------------------------------------------------------
+    # ---- idempotent calls --------------------------------------------------------
+
+    def register_source(
+        self,
+        source_id: int,
+        partitioner: str,
+        num_partitions: int,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`FTLayer.register_source` on the server: how `source_id`'s records are replayed
+        (stored by the server, so it survives restarts). RequestRejected for an unknown
+        partitioner or bad options."""
+
+        def encode(rid: int) -> bytes:
+            return encode_register_source(rid, source_id, partitioner, num_partitions, options)
+
+        self._call(encode, Kind.OK, retry=True)
 
     def fetch_replay(
         self, lo: int, hi: int, source_id: int | None = None, partition: int | None = None
@@ -363,6 +382,10 @@ class BatchingChannel:
         self._flusher.start()
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def buffered(self) -> int:
         """XOR events and failed roots waiting in the buffer."""
         with self._cond:
@@ -410,6 +433,29 @@ class BatchingChannel:
                 self._fails.append(r)
                 self._added(len(r))
         return len(r)
+
+    # ---- calls passed through to the client -----------------------------------------
+
+    def fetch_replay(
+        self, lo: int, hi: int, source_id: int | None = None, partition: int | None = None
+    ) -> ReplayRecords:
+        """`FTClient.fetch_replay` (nothing buffered is involved)."""
+        return self.client.fetch_replay(lo, hi, source_id, partition)
+
+    def register_source(
+        self,
+        source_id: int,
+        partitioner: str,
+        num_partitions: int,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`FTClient.register_source`."""
+        self.client.register_source(source_id, partitioner, num_partitions, options)
+
+    def status(self) -> dict[str, Any]:
+        """`FTClient.status`: flushes first, so the counters include this process's events."""
+        self.flush()
+        return self.client.status()
 
     # ---- flushing and lifecycle ----------------------------------------------------
 
@@ -506,6 +552,47 @@ class BatchingChannel:
                     self._flush_locked()
                 except BaseException as exc:  # kept for the next call, never swallowed
                     self._error = exc
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[str, bytes | None], BatchingChannel] = {}
+_shared_pid = os.getpid()
+
+
+def shared_channel(address: str, token: bytes | None = None) -> BatchingChannel:
+    """This process's BatchingChannel to the server at `address`, made on first use.
+
+    Spark reuses Python workers across tasks (spark.python.worker.reuse, on by default),
+    so sources and tasks in one worker share one connection and one event buffer
+    instead of a handshake per task. The connection itself opens lazily on the first
+    call. A forked child never uses its parent's channel (the socket and the flusher
+    thread belong to the parent): it makes its own. Channels are flushed and closed at
+    interpreter exit; call `flush()` at the end of each partition regardless, since a
+    worker may be killed without running exit handlers.
+    """
+    global _shared_pid
+    key = (address, token)
+    with _shared_lock:
+        if _shared_pid != os.getpid():
+            _shared.clear()  # the parent's: never flush or close them here
+            _shared_pid = os.getpid()
+        channel = _shared.get(key)
+        if channel is None or channel.closed:
+            channel = _shared[key] = BatchingChannel(FTClient(address, token=token))
+        return channel
+
+
+def close_shared_channels() -> None:
+    """Flush and close this process's shared channels (also run at exit)."""
+    with _shared_lock:
+        channels = list(_shared.values()) if _shared_pid == os.getpid() else []
+        _shared.clear()
+    for channel in channels:
+        with contextlib.suppress(Exception):  # at exit there is no one left to tell
+            channel.close()
+
+
+atexit.register(close_shared_channels)
 
 
 def _error_for(code: int, message: str) -> FTLayerError:

@@ -35,6 +35,7 @@ Not thread-safe: one thread drives a core (the server serializes its clients).
 from __future__ import annotations
 
 import enum
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch
 
 _REPLAY_SEQ_META = "next_replay_seq"
+_SOURCES_META = "sources"
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
 CompletionListener = Callable[[Completed], None]
@@ -198,7 +200,14 @@ class FTLayer:
             on_timeout=self._on_timeout,
             start=clock(),
         )
-        self._sources = dict(sources or {})
+        self._registered: dict[str, dict[str, Any]] = {}
+        self._sources: dict[int, SourceConfig] = {}
+        stored_sources = storage.get_meta(_SOURCES_META)
+        if stored_sources:
+            self._registered = json.loads(stored_sources.decode())
+            for key, spec in self._registered.items():
+                self._sources[int(key)] = _source_from_spec(spec)
+        self._sources.update(sources or {})
         self._default_source = default_source
         self._queue = ReplayQueue()
         self._retired: TTLCache[int, bool] = TTLCache(
@@ -216,6 +225,32 @@ class FTLayer:
 
     def source_config(self, source_id: int) -> SourceConfig | None:
         return self._sources.get(source_id, self._default_source)
+
+    def register_source(
+        self,
+        source_id: int,
+        partitioner: str,
+        num_partitions: int,
+        options: Mapping[str, object] | None = None,
+    ) -> SourceConfig:
+        """Configure how `source_id`'s records are replayed, and store that in the
+        storage's meta entries, so a restarted FT layer routes its recovered records the
+        same way (the registrations load before recovery). Registering again replaces
+        the config; records already queued keep the partitions they were routed to.
+        ConfigError (nothing changed) for an unknown partitioner or bad options."""
+        if isinstance(source_id, bool) or not 0 <= source_id <= 0xFFFFFFFF:
+            raise ConfigError(f"a source id is a u32, got {source_id!r}")
+        spec: dict[str, Any] = {
+            "partitioner": partitioner,
+            "num_partitions": num_partitions,
+            "options": dict(options or {}),
+        }
+        config = _source_from_spec(spec)
+        registered = {**self._registered, str(source_id): spec}
+        self.storage.put_meta(_SOURCES_META, json.dumps(registered, sort_keys=True).encode())
+        self._registered = registered
+        self._sources[source_id] = config
+        return config
 
     def add_completion_listener(self, listener: CompletionListener) -> None:
         self._listeners.append(listener)
@@ -435,6 +470,15 @@ class FTLayer:
         self.stats.replay_queue = len(self._queue)
         self.stats.replay_cursor = self.replay_cursor
         return self.stats
+
+
+def _source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
+    try:
+        return SourceConfig.named(
+            spec["partitioner"], spec["num_partitions"], **dict(spec.get("options") or {})
+        )
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"bad source config {dict(spec)!r}: {exc}") from None
 
 
 def _sources_of(batch: RecordBatch) -> list[int]:

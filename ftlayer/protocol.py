@@ -30,6 +30,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x12 | FAIL                | u32 n, roots u64[n]                                         |
 | 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
 | 0x14 | STATUS              | empty                                                       |
+| 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
+|      |                     | "num_partitions": int, "options": object}                   |
 | 0x20 | CHECKPOINT_BEGIN    | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x21 | CHECKPOINT_COMPLETE | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
@@ -121,6 +123,7 @@ class Kind(enum.IntEnum):
     FAIL = 0x12
     FETCH_REPLAY = 0x13
     STATUS = 0x14
+    REGISTER_SOURCE = 0x15
     CHECKPOINT_BEGIN = 0x20
     CHECKPOINT_COMPLETE = 0x21
     CHALLENGE = 0x81
@@ -279,6 +282,16 @@ class FetchReplay:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterSource:
+    """`FTLayer.register_source`: how one source's records are replayed."""
+
+    source_id: int
+    partitioner: str
+    num_partitions: int
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     pass
 
@@ -310,6 +323,7 @@ Message = (
     | Xor
     | Fail
     | FetchReplay
+    | RegisterSource
     | StatusRequest
     | StatusReply
     | Ok
@@ -911,6 +925,46 @@ def decode_fetch_replay(message: Frame | bytes) -> FetchReplay:
     )
 
 
+def encode_register_source(
+    request_id: int,
+    source_id: int,
+    partitioner: str,
+    num_partitions: int,
+    options: Mapping[str, Any] | None = None,
+) -> bytes:
+    """REGISTER_SOURCE: u32 source id, then the config as a JSON object."""
+    if isinstance(source_id, bool) or not 0 <= source_id <= MAX_U32:
+        raise BadRequest(f"REGISTER_SOURCE needs a u32 source id, got {source_id!r}")
+    spec = {"partitioner": partitioner, "num_partitions": num_partitions, "options": options or {}}
+    try:
+        text = json.dumps(spec, separators=(",", ":"), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"REGISTER_SOURCE options are not JSON: {exc}") from None
+    return encode_frame(Kind.REGISTER_SOURCE, request_id, _U32.pack(source_id) + text.encode())
+
+
+def decode_register_source(message: Frame | bytes) -> RegisterSource:
+    body = _body(message, Kind.REGISTER_SOURCE)
+    source_id = body.u32("source id")
+    text = _utf8(body.rest(), Kind.REGISTER_SOURCE, "config")
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedFrame(f"REGISTER_SOURCE config is not JSON: {exc}") from None
+    if not (
+        isinstance(spec, dict)
+        and set(spec) == {"partitioner", "num_partitions", "options"}
+        and isinstance(spec["partitioner"], str)
+        and type(spec["num_partitions"]) is int
+        and isinstance(spec["options"], dict)
+    ):
+        raise BadRequest(
+            "REGISTER_SOURCE config must be a JSON object with exactly a str "
+            f'"partitioner", an int "num_partitions" and an object "options", got {text[:200]!r}'
+        )
+    return RegisterSource(source_id, spec["partitioner"], spec["num_partitions"], spec["options"])
+
+
 def encode_status_request(request_id: int) -> bytes:
     return encode_frame(Kind.STATUS, request_id, b"")
 
@@ -1001,6 +1055,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.FAIL: decode_fail,
     Kind.FETCH_REPLAY: decode_fetch_replay,
     Kind.STATUS: decode_status_request,
+    Kind.REGISTER_SOURCE: decode_register_source,
     Kind.CHALLENGE: decode_challenge,
     Kind.WELCOME: decode_welcome,
     Kind.OK: decode_ok,

@@ -59,6 +59,7 @@ from ftlayer.protocol import (
     NotAuthenticated,
     Persist,
     ProtocolError,
+    RegisterSource,
     StatusRequest,
     UnexpectedKind,
     Xor,
@@ -79,7 +80,7 @@ log = logging.getLogger("ftlayer.server")
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
-_DATA_REQUESTS: Final = (Persist, Xor, Fail, FetchReplay, StatusRequest)
+_DATA_REQUESTS: Final = (Persist, Xor, Fail, FetchReplay, RegisterSource, StatusRequest)
 
 
 def is_loopback(host: str) -> bool:
@@ -372,6 +373,11 @@ class FTServer:
                 return encode_ok(rid, len(message.roots))
             if isinstance(message, Fail):
                 return encode_ok(rid, ft.fail(message.roots))
+            if isinstance(message, RegisterSource):
+                ft.register_source(
+                    message.source_id, message.partitioner, message.num_partitions, message.options
+                )
+                return encode_ok(rid, 1)
             if isinstance(message, FetchReplay):
                 replay = ft.fetch_replay(
                     message.lo, message.hi, source_id=message.source_id, partition=message.partition

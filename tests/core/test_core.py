@@ -11,7 +11,7 @@ import pytest
 from ftlayer.core import FailCause, FTLayer, SourceConfig
 from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
 from ftlayer.ids import new_ids
-from ftlayer.partitioners import kafka_key_hashes
+from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch
 
@@ -212,6 +212,43 @@ def test_a_storage_failure_leaves_no_pending_root(storage: PersistenceStorage) -
 def test_bad_timeouts_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         FTLayer(MemoryStorage(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_registered_sources_route_recovered_records_after_a_restart(tmp_path: Path) -> None:
+    # Keys whose murmur2 partition out of 4 differs from the partition the record came
+    # from: the recovered replay must follow the registered partitioner, not forward.
+    storage = LmdbStorage(tmp_path / "db")
+    ft = FTLayer(storage)
+    ft.register_source(0, "kafka-hash", 4)
+    batch = _records(40)
+    ft.persist(batch, new_ids(len(batch)))
+    storage.close()
+
+    storage = LmdbStorage(tmp_path / "db")
+    try:
+        restarted = FTLayer(storage)
+        replay = restarted.fetch_replay(0, 2**63)
+        expected = create_partitioner("kafka-hash").targets(replay.records, 4)[1]
+        assert len(replay) == len(batch)
+        assert replay.partitions.tolist() == expected.tolist()
+        assert replay.partitions.tolist() != replay.records.partitions.tolist()
+    finally:
+        storage.close()
+
+
+def test_a_bad_registration_changes_nothing(storage: PersistenceStorage) -> None:
+    ft = FTLayer(storage)
+    ft.register_source(3, "forward", 2)
+    with pytest.raises(ConfigError, match="does not take options"):
+        ft.register_source(3, "forward", 2, {"colour": "red"})
+    with pytest.raises(PartitioningError, match="unknown replay partitioner"):
+        ft.register_source(3, "nope", 2)
+    with pytest.raises(ConfigError, match="at least 1 partition"):
+        ft.register_source(3, "forward", 0)
+    for layer in (ft, FTLayer(storage)):  # also as stored, for a restarted FT layer
+        config = layer.source_config(3)
+        assert config is not None
+        assert (config.partitioner.name, config.num_partitions) == ("forward", 2)
 
 
 def test_unknown_partitioner_is_refused() -> None:

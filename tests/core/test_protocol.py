@@ -199,6 +199,14 @@ def test_fetch_replay_round_trips(
     assert p.decode(frame(data)) == p.FetchReplay(lo, hi, source_id, partition)
 
 
+def test_register_source_round_trips() -> None:
+    data = p.encode_register_source(7, 2**32 - 1, "key-group", 8, {"max_parallelism": 64})
+    message = p.decode(frame(data))
+    assert message == p.RegisterSource(2**32 - 1, "key-group", 8, {"max_parallelism": 64})
+    with pytest.raises(p.BadRequest, match="u32 source id"):
+        p.encode_register_source(1, 2**32, "forward", 1)
+
+
 def test_status_ok_and_error_round_trip() -> None:
     assert p.decode(frame(p.encode_status_request(1))) == p.StatusRequest()
     status = {"persisted": 3, "failed": {"timeout": 1}, "name": "ü"}
@@ -517,6 +525,28 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
     ),
     ("welcome short", reframe(p.Kind.WELCOME, b"\1\0"), p.MalformedFrame, "truncated"),
     ("unknown kind", reframe(0x55, b""), p.UnknownKind, "0x55"),
+    ("register short", reframe(p.Kind.REGISTER_SOURCE, b"\1\0"), p.MalformedFrame, "trunc"),
+    (
+        "register not json",
+        reframe(p.Kind.REGISTER_SOURCE, b"\1\0\0\0{nope"),
+        p.MalformedFrame,
+        "not JSON",
+    ),
+    (
+        "register missing key",
+        reframe(p.Kind.REGISTER_SOURCE, b'\1\0\0\0{"partitioner":"forward","options":{}}'),
+        p.BadRequest,
+        "exactly",
+    ),
+    (
+        "register bool partitions",
+        reframe(
+            p.Kind.REGISTER_SOURCE,
+            b'\1\0\0\0{"partitioner":"forward","num_partitions":true,"options":{}}',
+        ),
+        p.BadRequest,
+        "int",
+    ),
     ("checkpoint begin", reframe(p.Kind.CHECKPOINT_BEGIN, b""), p.ReservedKind, "reserved"),
     (
         "checkpoint complete",

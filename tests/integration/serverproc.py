@@ -1,4 +1,4 @@
-"""Starting a real `ftlayer serve` process in tests: the command and its address."""
+"""Starting a real `ftlayer serve` process in tests: the command, its address, a handle."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import selectors
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from ftlayer.client import FTClient
 
 START_DEADLINE_S = 15.0
 
@@ -34,3 +38,22 @@ def read_address(proc: subprocess.Popen[bytes], log: Path) -> str:
     text = line.decode().strip()
     assert text.startswith("ftlayer serving on "), text
     return text.removeprefix("ftlayer serving on ")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    address: str
+    data_dir: Path
+    log: Path
+
+    def client(self, token: bytes | None = None) -> FTClient:
+        return FTClient(self.address, token=token)
+
+    def kill(self) -> None:
+        """SIGKILL, and wait for the process to be gone."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+StartServer = Callable[..., Server]

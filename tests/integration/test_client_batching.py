@@ -6,40 +6,32 @@ is killed by the fixture's finalizer even when a test fails.
 
 from __future__ import annotations
 
+import os
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from serverproc import read_address
+from serverproc import Server
 
-from ftlayer.client import BatchingChannel, ConnectionLost, FTClient
+from ftlayer.client import (
+    BatchingChannel,
+    ConnectionLost,
+    FTClient,
+    close_shared_channels,
+    shared_channel,
+)
 from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.ids import new_ids
 from ftlayer.protocol import Kind
 
-StartServer = Callable[[], str]
-
 
 @pytest.fixture
-def server_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """One `ftlayer serve` process: (process, address); killed at the end."""
-    log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", str(tmp_path / "d")]
-    with log.open("wb") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
-    try:
-        yield proc, read_address(proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+def server_proc(ft_server: Server) -> tuple[subprocess.Popen[bytes], str]:
+    """One `ftlayer serve` process: (process, address); stopped at the end."""
+    return ft_server.proc, ft_server.address
 
 
 def _persist(persister: Persister, n: int, tag: str) -> Anchors:
@@ -199,3 +191,28 @@ def test_a_background_flush_error_surfaces_on_the_next_call(
             channel.close()
     with pytest.raises(Exception, match="closed"):
         channel.xor(new_ids(1), new_ids(1))
+
+
+def test_one_shared_channel_per_process_and_a_new_one_after_fork(ft_server: Server) -> None:
+    first = shared_channel(ft_server.address)
+    assert shared_channel(ft_server.address) is first
+    _persist(Persister(first), 3, "parent")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own channel, which works
+        code = 1
+        try:
+            child = shared_channel(ft_server.address)
+            _persist(Persister(child), 2, "child")
+            code = 0 if child is not first else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"\0"
+    assert shared_channel(ft_server.address) is first  # the parent's is untouched
+    assert first.status()["persisted"] == 5
+    close_shared_channels()
+    assert first.closed
+    assert shared_channel(ft_server.address) is not first
+    close_shared_channels()

@@ -10,16 +10,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from serverproc import read_address, serve_command
+from serverproc import StartServer, serve_command
 
-from ftlayer.client import FTClient
+from ftlayer.client import FTClient, RequestRejected
 from ftlayer.handlers import Anchors, Persister, TaskHandler
+from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.protocol import (
     AuthFailed,
     ErrorCode,
@@ -32,46 +31,6 @@ from ftlayer.protocol import (
 )
 
 PAYLOADS = [f"record-{i}".encode() * (i + 1) for i in range(10)]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    address: str
-    data_dir: Path
-
-    def client(self, token: bytes | None = None) -> FTClient:
-        return FTClient(self.address, token=token)
-
-
-StartServer = Callable[..., Server]
-
-
-@pytest.fixture
-def start_server(tmp_path: Path) -> Iterator[StartServer]:
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(data_dir: Path | None = None, *extra: str) -> Server:
-        data_dir = data_dir or tmp_path / "data"
-        log = tmp_path / f"server-{len(procs)}.log"
-        with log.open("wb") as stderr:
-            proc = subprocess.Popen(
-                serve_command(data_dir, *extra), stdout=subprocess.PIPE, stderr=stderr
-            )
-        procs.append(proc)
-        return Server(proc, read_address(proc, log), data_dir)
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 def persist(client: FTClient, payloads: list[bytes]) -> Anchors:
@@ -213,3 +172,31 @@ def _read_error_then_eof(raw: socket.socket) -> tuple[Frame, bool]:
             closed = True
             break
     return frames[0], closed
+
+
+def test_a_registered_source_routes_replays_also_after_a_restart(
+    start_server: StartServer,
+) -> None:
+    server = start_server()
+    keys = [f"key-{i}".encode() for i in range(30)]
+    hashes, has_key = kafka_key_hashes(keys)
+    with server.client() as client:
+        client.register_source(5, "kafka-hash", 3)
+        with pytest.raises(RequestRejected, match="unknown replay partitioner 'nope'"):
+            client.register_source(5, "nope", 3)
+        Persister(client, source_id=5).persist(
+            PAYLOADS * 3,
+            topics="events",
+            partitions=np.zeros(30),  # all came from partition 0: forward would say 0
+            offsets=None,
+            key_hashes=hashes,
+            has_key=has_key,
+        )
+    server.kill()
+
+    with start_server(server.data_dir).client() as client:
+        replay = client.fetch_replay(0, 2**63, source_id=5)
+    assert len(replay) == 30
+    expected = create_partitioner("kafka-hash").targets(replay.records, 3)[1]
+    assert replay.partitions.tolist() == expected.tolist()
+    assert set(replay.partitions.tolist()) == {0, 1, 2}

@@ -1,0 +1,49 @@
+"""Fixtures for tests against a real `ftlayer serve` process.
+
+`start_server(data_dir=None, *extra_args) -> Server` starts one server process on a
+free loopback port with a tmp data dir (or `data_dir`, to restart on the same data),
+and waits for its "ftlayer serving on HOST:PORT" line. Every process it started is
+stopped (SIGTERM, then SIGKILL) by the finalizer, even when the test fails.
+`ft_server` is one such server, started with the defaults.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from serverproc import Server, StartServer, read_address, serve_command
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[StartServer]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(data_dir: Path | None = None, *extra: str) -> Server:
+        data_dir = data_dir or tmp_path / "data"
+        log = tmp_path / f"server-{len(procs)}.log"
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen(
+                serve_command(data_dir, *extra), stdout=subprocess.PIPE, stderr=stderr
+            )
+        procs.append(proc)
+        return Server(proc, read_address(proc, log), data_dir, log)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.fixture
+def ft_server(start_server: StartServer) -> Server:
+    return start_server()
