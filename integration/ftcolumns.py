@@ -1,0 +1,66 @@
+"""What every ftlayer-wrapped DataFrame shares: the FT columns and how to reach the FT layer.
+
+A record under fault tolerance carries its anchor in two LongType columns:
+
+- `ft_root` (ROOT_COLUMN): the root id of the source record it descends from;
+- `ft_id` (ID_COLUMN): its own record id.
+
+Ids are unsigned 64-bit on the wire and in the acker; Spark has no unsigned type, so a
+column holds the same 64 bits read as a signed int64 (`to_signed` / `to_unsigned`
+convert whole numpy arrays without a copy). With FT off a DataFrame has neither column.
+
+`FTSettings` names the FT-layer server a job talks to. It is a small frozen dataclass,
+so it pickles into Spark closures; `channel()` is called on the executor and returns
+that process's shared BatchingChannel (one lazy connection per Python worker, reused
+across tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ftlayer.client import BatchingChannel, parse_address, shared_channel
+from ftlayer.errors import ConfigError
+
+ROOT_COLUMN: Final = "ft_root"
+ID_COLUMN: Final = "ft_id"
+FT_COLUMNS: Final = (ROOT_COLUMN, ID_COLUMN)
+
+
+def to_signed(ids: ArrayLike) -> NDArray[np.int64]:
+    """u64 ids as the int64 values a LongType column holds (same bits, no copy)."""
+    return np.ascontiguousarray(ids, dtype=np.uint64).view(np.int64)
+
+
+def to_unsigned(values: ArrayLike) -> NDArray[np.uint64]:
+    """A LongType column's int64 values as the u64 ids they carry (same bits, no copy)."""
+    return np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
+
+
+@dataclass(frozen=True, slots=True)
+class FTSettings:
+    """Where the FT layer is: `address` HOST:PORT and an optional auth `token`.
+
+    `enabled=False` is the FT-off switch: the same pipeline then runs with no FT
+    columns, no connection and no FT cost.
+    """
+
+    address: str | None = None
+    token: bytes | None = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            if not self.address:
+                raise ConfigError("FT is on but no FT-layer address was given (HOST:PORT)")
+            parse_address(self.address)  # a clear error now, not on an executor later
+
+    def channel(self) -> BatchingChannel:
+        """This process's shared channel to the FT layer; ConfigError when FT is off."""
+        if not self.enabled or self.address is None:
+            raise ConfigError("FT is off: there is no FT-layer channel")
+        return shared_channel(self.address, self.token)
