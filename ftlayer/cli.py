@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-s", type=_positive_float, default=30.0, help="tree timeout T")
     serve.add_argument("--buckets", type=_positive_int, default=3, help="rotating buckets n")
     serve.add_argument("--token-file", default=None, help="file holding the auth token")
+    serve.add_argument(
+        "--delete-interval-s",
+        type=_positive_float,
+        default=0.2,
+        help="how often completed records are deleted from LMDB (default 0.2)",
+    )
 
     status = commands.add_parser("status", help="show an FT-layer server's counters")
     status.add_argument("--server", required=True, help="HOST:PORT of the server")
@@ -152,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         buckets=args.buckets,
         token=token,
+        delete_interval_s=args.delete_interval_s,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -189,6 +189,7 @@ class FTLayer:
         default_source: SourceConfig | None = None,
         retired_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        defer_deletes: bool = False,
     ) -> None:
         self._clock = clock
         self.storage = storage
@@ -199,6 +200,7 @@ class FTLayer:
             buckets=buckets,
             on_timeout=self._on_timeout,
             start=clock(),
+            defer_deletes=defer_deletes,
         )
         self._registered: dict[str, dict[str, Any]] = {}
         self._sources: dict[int, SourceConfig] = {}
@@ -316,6 +318,18 @@ class FTLayer:
                     self._retries.pop(root, None)
             self._notify(done)
         return result
+
+    def take_deletes(self) -> NDArray[np.uint64]:
+        """With defer_deletes: the seqs of completed records not deleted yet, unmarked.
+
+        The caller deletes them (`storage.delete`), possibly in another thread while
+        this core goes on (LmdbStorage is thread-safe); if that fails, the records stay
+        stored and are replayed after the next restart: duplicates, never a loss."""
+        return self.persistence.take_marked()
+
+    def flush_deletes(self) -> int:
+        """With defer_deletes: delete the completed records not deleted yet, now."""
+        return self.persistence.flush_deletes()
 
     def _notify(self, done: Completed) -> None:
         """Tell every listener, even if one raises; then raise the first error."""

@@ -21,6 +21,11 @@ format). The contract:
    traceback. Other connections are never affected.
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), so a
    root times out at most that late.
+6. Completed records are deleted from LMDB by a deleter thread, every
+   `delete_interval_s`, in one transaction, outside the core lock: an XOR batch never
+   waits for an LMDB commit. A completed record that a crash leaves undeleted is
+   recovered and replayed after the restart (a duplicate, never a loss); stop()
+   deletes what is left before closing the storage.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table.
@@ -120,6 +125,7 @@ class FTServer:
         *,
         handshake_timeout_s: float = 10.0,
         send_timeout_s: float = 30.0,
+        delete_interval_s: float = 0.2,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -139,6 +145,7 @@ class FTServer:
         self._token = token
         self._handshake_timeout_s = handshake_timeout_s
         self._send_timeout_s = send_timeout_s
+        self._delete_interval_s = delete_interval_s
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._storage: LmdbStorage | None = None
@@ -165,7 +172,9 @@ class FTServer:
             raise ConfigError("the server is already started")
         storage = LmdbStorage(self.data_dir)
         try:
-            self._ft = FTLayer(storage, timeout_s=self.timeout_s, buckets=self.buckets)
+            self._ft = FTLayer(
+                storage, timeout_s=self.timeout_s, buckets=self.buckets, defer_deletes=True
+            )
             self._listener = _listen(self.host, self.port)
         except BaseException:
             self._ft = None
@@ -181,7 +190,11 @@ class FTServer:
             *self.address,
             stats.failed["recovery"],
         )
-        for target, name in ((self._accept_loop, "accept"), (self._tick_loop, "ticker")):
+        for target, name in (
+            (self._accept_loop, "accept"),
+            (self._tick_loop, "ticker"),
+            (self._delete_loop, "deleter"),
+        ):
             thread = threading.Thread(target=target, name=f"ftlayer-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -200,6 +213,11 @@ class FTServer:
         for thread in list(self._threads):
             thread.join(timeout=5.0)
         with self._lock:
+            if self._ft is not None:
+                try:
+                    self._ft.flush_deletes()
+                except StorageError as exc:
+                    log.error("could not delete completed records (replayed at restart): %s", exc)
             if self._storage is not None:
                 self._storage.close()
             self._ft = None
@@ -258,6 +276,24 @@ class FTServer:
             if timed_out:
                 log.info(
                     "rotation (%d) timed out %d roots: queued for replay", rotations, timed_out
+                )
+
+    def _delete_loop(self) -> None:
+        while not self._stopping.wait(self._delete_interval_s):
+            with self._lock:
+                if self._ft is None or self._storage is None:
+                    return
+                seqs, storage = self._ft.take_deletes(), self._storage
+            if not len(seqs):
+                continue
+            try:
+                storage.delete(seqs)  # outside the core lock: XOR batches go on meanwhile
+            except StorageError as exc:
+                log.error(
+                    "could not delete %d completed records; they stay stored and are "
+                    "replayed after the next restart (duplicates, not losses): %s",
+                    len(seqs),
+                    exc,
                 )
 
     def _serve(self, conn: _Connection) -> None:
@@ -395,6 +431,8 @@ class FTServer:
         with self._connections_lock:
             connections = len(self._connections)
         status.update(
+            stored_records=len(self._storage),
+            deletes_pending=ft.persistence.marked,
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),

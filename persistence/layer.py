@@ -11,7 +11,11 @@ and this layer, and neither completion nor deletion reads the storage back.
 - locators(batch): the locator columns for the batch (the seq column is set after
   the storage confirmed the put).
 - complete(roots, locators): delete the records (one storage transaction) and return
-  the roots with their Kafka coordinates.
+  the roots with their Kafka coordinates. With `defer_deletes=True` the records are
+  only marked for deletion, and `flush_deletes()` deletes every marked record in one
+  transaction: a server calls it from another thread, so completions never wait for
+  LMDB. A marked record that a crash leaves in storage is recovered and replayed: a
+  duplicate, never a loss, since only completed records are ever marked.
 - retag(seqs, new_roots, replay_seqs): stored records are now tracked under new roots
   and queued for replay (one storage transaction).
 """
@@ -53,8 +57,10 @@ class Completed:
 class PersistenceLayer:
     """Stored records of pending roots; see the module docstring."""
 
-    def __init__(self, storage: PersistenceStorage) -> None:
+    def __init__(self, storage: PersistenceStorage, *, defer_deletes: bool = False) -> None:
         self.storage = storage
+        self.defer_deletes = defer_deletes
+        self._marked: list[NDArray[np.uint64]] = []
         self._topics: list[str] = []
         self._topic_numbers: dict[str, int] = {}
 
@@ -74,15 +80,39 @@ class PersistenceLayer:
         self, roots: NDArray[np.uint64], locators: Mapping[str, NDArray[Any]]
     ) -> Completed:
         """Delete the records of completed roots; returns their coordinates."""
-        seqs = locators["seq"]
+        seqs = locators["seq"].astype(np.uint64, copy=False)
         if len(seqs):
-            self.storage.delete(seqs.astype(np.uint64, copy=False))
+            if self.defer_deletes:
+                self._marked.append(seqs)
+            else:
+                self.storage.delete(seqs)
         return Completed(
             roots=roots,
             topics=self._names_of(locators["topic"]),
             partitions=locators["partition"].astype(np.int32, copy=False),
             offsets=locators["offset"].astype(np.int64, copy=False),
         )
+
+    @property
+    def marked(self) -> int:
+        """Records marked for deletion and not deleted yet (defer_deletes only)."""
+        return sum(len(seqs) for seqs in self._marked)
+
+    def take_marked(self) -> NDArray[np.uint64]:
+        """Unmark and return every marked seq: the caller deletes them (see flush_deletes)."""
+        marked, self._marked = self._marked, []
+        return np.concatenate(marked) if marked else np.zeros(0, dtype=np.uint64)
+
+    def flush_deletes(self) -> int:
+        """Delete the marked records in one storage transaction; returns how many."""
+        seqs = self.take_marked()
+        if len(seqs):
+            try:
+                self.storage.delete(seqs)
+            except BaseException:
+                self._marked.insert(0, seqs)  # kept, for the next flush
+                raise
+        return len(seqs)
 
     def retag(
         self,

@@ -34,6 +34,7 @@ With `sync=False` a commit is atomic but may be lost to an OS crash until `sync(
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -101,6 +102,10 @@ class LmdbStorage(PersistenceStorage):
             raise ConfigError(f"map_size must be a positive number of bytes, got {map_size}")
         self._path = os.fspath(path)
         self._env: lmdb.Environment | None = None
+        # One lock around every transaction: threads may share a store (a server's
+        # deleter thread deletes while its core persists), and LMDB allows a map
+        # resize only while this process has no transaction open.
+        self._lock = threading.RLock()
         identity = _prepare_directory(self._path)
         try:
             env = lmdb.open(self._path, map_size=map_size, max_dbs=_MAX_DBS, sync=sync, subdir=True)
@@ -249,12 +254,13 @@ class LmdbStorage(PersistenceStorage):
         self._live_env().sync(True)
 
     def close(self) -> None:
-        env, self._env = self._env, None
-        if env is None:
-            return
-        if _open_stores.get(self._identity) is self:
-            del _open_stores[self._identity]
-        env.close()
+        with self._lock:  # waits for a transaction of another thread to end
+            env, self._env = self._env, None
+            if env is None:
+                return
+            if _open_stores.get(self._identity) is self:
+                del _open_stores[self._identity]
+            env.close()
 
     @property
     def closed(self) -> bool:
@@ -273,30 +279,32 @@ class LmdbStorage(PersistenceStorage):
         If the map is full, the transaction is aborted, the map doubled and `work` run
         again from the start, so it must not have effects outside the transaction.
         """
-        env = self._live_env()
-        while True:
-            try:
-                with env.begin(db=db, write=True) as txn:
-                    return work(txn)
-            except lmdb.MapFullError:
-                env.set_mapsize(2 * env.info()["map_size"])
-            except lmdb.MapResizedError:
-                env.set_mapsize(0)  # another process grew the map: adopt its size
-            except lmdb.Error as exc:
-                raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+        with self._lock:
+            env = self._live_env()
+            while True:
+                try:
+                    with env.begin(db=db, write=True) as txn:
+                        return work(txn)
+                except lmdb.MapFullError:
+                    env.set_mapsize(2 * env.info()["map_size"])
+                except lmdb.MapResizedError:
+                    env.set_mapsize(0)  # another process grew the map: adopt its size
+                except lmdb.Error as exc:
+                    raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
 
     def _read(
         self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
     ) -> _T:
-        env = self._live_env()
-        while True:
-            try:
-                with env.begin(db=db) as txn:
-                    return work(txn)
-            except lmdb.MapResizedError:
-                env.set_mapsize(0)
-            except lmdb.Error as exc:
-                raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+        with self._lock:
+            env = self._live_env()
+            while True:
+                try:
+                    with env.begin(db=db) as txn:
+                        return work(txn)
+                except lmdb.MapResizedError:
+                    env.set_mapsize(0)
+                except lmdb.Error as exc:
+                    raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
 
 
 def _keys(seqs: NDArray[np.uint64]) -> list[bytes]:

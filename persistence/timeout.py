@@ -39,9 +39,10 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         buckets: int = 3,
         on_timeout: TimeoutCallback,
         start: float = 0.0,
+        defer_deletes: bool = False,
     ) -> None:
         validate_timeout(timeout_s, buckets)
-        super().__init__(storage)
+        super().__init__(storage, defer_deletes=defer_deletes)
         self.timeout_s = timeout_s
         self.buckets = buckets
         self.rotation_interval_s = rotation_interval(timeout_s, buckets)

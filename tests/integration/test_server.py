@@ -18,6 +18,7 @@ from serverproc import StartServer, serve_command
 
 from ftlayer.client import FTClient, RequestRejected
 from ftlayer.handlers import Anchors, Persister, TaskHandler
+from ftlayer.integration.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.protocol import (
     AuthFailed,
@@ -108,7 +109,7 @@ def test_garbage_on_one_connection_spares_the_others(start_server: StartServer) 
         assert decode_error(frame).code == ErrorCode.MALFORMED_FRAME
         persist(client, PAYLOADS[3:5])
         after = _counters(client.status())
-    assert after == {**before, "persisted": 5, "pending": 5}
+    assert after == {**before, "persisted": 5, "pending": 5, "stored_records": 5}
 
 
 def test_non_loopback_host_without_token_is_refused(tmp_path: Path) -> None:
@@ -132,6 +133,10 @@ def test_sigkill_then_restart_replays_exactly_the_incomplete(
         done = np.arange(len(PAYLOADS)) % 3 == 0
         sink(client, anchors.take(np.flatnonzero(done)))
         assert client.status()["completed"] == int(done.sum())
+        # Completed records are deleted from LMDB in the background: once the server
+        # says none is left to delete, the completions survive a crash.
+        wait_until(lambda: client.status()["deletes_pending"] == 0, 5.0, "deletes")
+        assert client.status()["stored_records"] == int((~done).sum())
     server.proc.kill()
     server.proc.wait(10)
 
@@ -144,6 +149,22 @@ def test_sigkill_then_restart_replays_exactly_the_incomplete(
     assert status["pending"] == status["replay_queue"] == len(incomplete)
     assert sorted(replay.records.payloads) == sorted(incomplete)
     assert sorted(replay.replay_seqs.tolist()) == list(range(1, len(incomplete) + 1))
+
+
+def test_records_completed_just_before_a_crash_are_replayed_not_lost(
+    start_server: StartServer,
+) -> None:
+    # A long delete interval keeps the completed records marked but not yet deleted
+    # when the server is killed: the restarted server replays them (duplicates).
+    server = start_server(None, "--delete-interval-s", "60")
+    with server.client() as client:
+        sink(client, persist(client, PAYLOADS))
+        status = client.status()
+    assert status["completed"] == status["deletes_pending"] == len(PAYLOADS)
+    server.kill()
+    with start_server(server.data_dir).client() as client:
+        replay = client.fetch_replay(0, 2**63)
+    assert sorted(replay.records.payloads) == sorted(PAYLOADS)
 
 
 def _host_port(address: str) -> tuple[str, int]:

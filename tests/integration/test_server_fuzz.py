@@ -35,6 +35,7 @@ from serverproc import read_address, serve_command
 
 from ftlayer.client import FTClient
 from ftlayer.ids import new_ids
+from ftlayer.integration.kafka import wait_until
 from ftlayer.protocol import (
     DEFAULT_MAX_FRAME,
     MAX_CLIENT_NONCE,
@@ -345,8 +346,12 @@ def test_fuzzed_frames_get_well_formed_replies_and_change_nothing(served: Served
         client.persist(batch, acks)
         assert client.xor(batch.roots[:3], acks[:3]) == 3  # three complete
         assert client.fail(batch.roots[3:4]) == 1  # one fails, is queued for replay
+        # The completed records leave LMDB in the background; wait, so that a change
+        # in the stored count later can only come from the fuzzed frames.
+        wait_until(lambda: client.status()["deletes_pending"] == 0, 5.0, "deletes")
         before = _counters(client.status())
         assert (before["persisted"], before["completed"], before["pending"]) == (8, 3, 5)
+        assert before["stored_records"] == 5
         assert before["failed"]["explicit"] == 1
 
         fuzzer = Fuzzer(SEED, batch.roots.tolist())
