@@ -284,9 +284,9 @@ def bench_server(
     one reports done. The server deletes completed records from LMDB in a background
     thread, so deletes of the XOR phase may still run during the persist phase (they
     compete with it, as they would in production); the bench then waits for the
-    storage to be empty and fails if it does not get there. The in-process core figures of the same sizes (bench_acker,
-    bench_persist with one round) are measured in the same run, after the server
-    phases, and the ratios server/in-process reported.
+    storage to be empty and fails if it does not get there. The in-process core
+    figures of the same sizes (bench_acker, bench_persist with one round) are measured
+    in the same run, after the server phases, and the ratios server/in-process reported.
     """
     import multiprocessing
 

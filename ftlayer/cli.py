@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-s", type=_positive_float, default=30.0, help="tree timeout T")
     serve.add_argument("--buckets", type=_positive_int, default=3, help="rotating buckets n")
     serve.add_argument("--token-file", default=None, help="file holding the auth token")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve.add_argument(
         "--delete-interval-s",
         type=_positive_float,
@@ -95,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="show an FT-layer server's counters")
     status.add_argument("--server", required=True, help="HOST:PORT of the server")
     status.add_argument("--token-file", default=None, help="file holding the auth token")
+    status.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA file")
     status.add_argument("--json", action="store_true", help="print one JSON object last")
 
     bench = commands.add_parser("bench", help="run a benchmark against its baseline")
@@ -159,6 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
         buckets=args.buckets,
         token=token,
         delete_interval_s=args.delete_interval_s,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -176,7 +181,7 @@ def _status(args: argparse.Namespace) -> int:
 
     token = None if args.token_file is None else read_token_file(args.token_file)
     try:
-        with FTClient(args.server, token=token) as client:
+        with FTClient(args.server, token=token, tls=args.tls_ca or False) as client:
             status = client.status()
     except OSError as exc:
         raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None

@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import os
 import socket
+import ssl
 import threading
 import time
 from collections import Counter, deque
@@ -113,6 +114,25 @@ class ConnectionLost(FTLayerError):
     """The connection broke before the reply: the request may or may not be applied."""
 
 
+def client_tls_context(
+    tls: bool | str | os.PathLike[str] | ssl.SSLContext,
+) -> ssl.SSLContext | None:
+    """The client's TLS context: None for False (plain TCP); the system's trusted CAs for
+    True; the CA certificate(s) in a PEM file for a path; or a caller's own context.
+    The server's certificate and host name are always checked."""
+    if tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    cafile = None if tls is True else os.fspath(tls)
+    try:
+        context = ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS CA file {cafile}: {exc}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """ "host:port" (or "[v6]:port") as (host, port); ConfigError if it is not one."""
     host, sep, port_text = address.rpartition(":")
@@ -134,8 +154,10 @@ class FTClient:
         request_timeout: float | None = 120.0,
         name: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
+        tls: bool | str | os.PathLike[str] | ssl.SSLContext = False,
     ) -> None:
         self.host, self.port = parse_address(address)
+        self._tls = client_tls_context(tls)
         self.address = address
         self._token = token
         self._connect_timeout = connect_timeout
@@ -295,6 +317,12 @@ class FTClient:
     def _connect(self) -> None:
         sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+            except BaseException:
+                sock.close()
+                raise
         sock.settimeout(self._request_timeout)
         self._sock, self._reader, self._frames = sock, FrameReader(self.max_frame), deque()
         try:
@@ -555,11 +583,13 @@ class BatchingChannel:
 
 
 _shared_lock = threading.Lock()
-_shared: dict[tuple[str, bytes | None], BatchingChannel] = {}
+_shared: dict[tuple[str, bytes | None, str | None], BatchingChannel] = {}
 _shared_pid = os.getpid()
 
 
-def shared_channel(address: str, token: bytes | None = None) -> BatchingChannel:
+def shared_channel(
+    address: str, token: bytes | None = None, tls_ca: str | None = None
+) -> BatchingChannel:
     """This process's BatchingChannel to the server at `address`, made on first use.
 
     Spark reuses Python workers across tasks (spark.python.worker.reuse, on by default),
@@ -568,17 +598,19 @@ def shared_channel(address: str, token: bytes | None = None) -> BatchingChannel:
     call. A forked child never uses its parent's channel (the socket and the flusher
     thread belong to the parent): it makes its own. Channels are flushed and closed at
     interpreter exit; call `flush()` at the end of each partition regardless, since a
-    worker may be killed without running exit handlers.
+    worker may be killed without running exit handlers. `tls_ca`: connect with TLS,
+    trusting the CA certificate(s) in that PEM file.
     """
     global _shared_pid
-    key = (address, token)
+    key = (address, token, tls_ca)
     with _shared_lock:
         if _shared_pid != os.getpid():
             _shared.clear()  # the parent's: never flush or close them here
             _shared_pid = os.getpid()
         channel = _shared.get(key)
         if channel is None or channel.closed:
-            channel = _shared[key] = BatchingChannel(FTClient(address, token=token))
+            client = FTClient(address, token=token, tls=tls_ca or False)
+            channel = _shared[key] = BatchingChannel(client)
         return channel
 
 

@@ -28,7 +28,12 @@ format). The contract:
    deletes what is left before closing the storage.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
-thing between the network and the acker table.
+thing between the network and the acker table. With `tls_cert` and `tls_key` every
+connection is TLS (the ssl module; TLS 1.2 at least): the handshake runs in the
+connection's own thread within `handshake_timeout_s`, and a client that does not speak
+TLS is logged and closed. The token still authenticates the client; TLS keeps the
+records and ids private on the wire and proves the server's identity to clients that
+check its certificate.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from types import TracebackType
@@ -126,6 +132,8 @@ class FTServer:
         handshake_timeout_s: float = 10.0,
         send_timeout_s: float = 30.0,
         delete_interval_s: float = 0.2,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -134,6 +142,7 @@ class FTServer:
                 f"refusing to serve on non-loopback host {host!r} without a token: "
                 "anyone who can reach it could ack or fail records (use --token-file)"
             )
+        self._tls = _tls_context(tls_cert, tls_key)
         self.interval_s = min(0.5, rotation_interval(timeout_s, buckets) / 10)
         FrameReader(max_frame)  # validates max_frame before anything is opened
         self.data_dir = os.fspath(data_dir)
@@ -300,7 +309,12 @@ class FTServer:
         log.info("connection from %s opened", conn.peer)
         reason = "closed by the client"
         try:
+            if self._tls is not None:
+                conn.sock = self._tls_handshake(conn)
             reason = self._converse(conn)
+        except ssl.SSLError as exc:
+            log.warning("%s: TLS handshake failed: %s", conn.peer, exc)
+            reason = f"TLS handshake failed ({exc.reason or exc})"
         except OSError as exc:
             reason = f"socket error: {exc}"
         except Exception:
@@ -312,6 +326,15 @@ class FTServer:
             _shutdown(conn.sock)
             conn.sock.close()
             log.info("connection from %s (%s) closed: %s", conn.peer, conn.name, reason)
+
+    def _tls_handshake(self, conn: _Connection) -> ssl.SSLSocket:
+        assert self._tls is not None
+        conn.sock.settimeout(self._handshake_timeout_s)
+        tls = self._tls.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+        with self._connections_lock:  # stop() must shut down the wrapped socket
+            conn.sock = tls
+        tls.do_handshake()
+        return tls
 
     def _converse(self, conn: _Connection) -> str:
         """Serve one connection until it ends; returns why it ended."""
@@ -441,6 +464,26 @@ class FTServer:
             version=__version__,
         )
         return status
+
+
+def _tls_context(
+    cert: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None
+) -> ssl.SSLContext | None:
+    """A server TLS context from PEM files, or None without them; ConfigError if only one
+    is given or they cannot be loaded."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ConfigError(
+            "TLS needs both a certificate and its private key (--tls-cert, --tls-key)"
+        )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(os.fspath(cert), os.fspath(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS certificate {cert} and key {key}: {exc}") from None
+    return context
 
 
 def _listen(host: str, port: int) -> socket.socket:

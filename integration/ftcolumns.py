@@ -52,6 +52,8 @@ class FTSettings:
     address: str | None = None
     token: bytes | None = None
     enabled: bool = True
+    tls_ca: str | None = None
+    """Connect with TLS, trusting the CA certificate(s) in this PEM file."""
 
     def __post_init__(self) -> None:
         if self.enabled:
@@ -63,4 +65,4 @@ class FTSettings:
         """This process's shared channel to the FT layer; ConfigError when FT is off."""
         if not self.enabled or self.address is None:
             raise ConfigError("FT is off: there is no FT-layer channel")
-        return shared_channel(self.address, self.token)
+        return shared_channel(self.address, self.token, self.tls_ca)
