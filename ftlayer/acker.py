@@ -116,6 +116,11 @@ class AckerTable:
         live = self._map.live_slots()
         return self._map.keys[live], self._map.columns["ack"][live].astype(np.uint64)
 
+    def live_columns(self, *names: str) -> dict[str, NDArray[Any]]:
+        """The named owner columns of every pending root (copies, in slot order)."""
+        live = self._map.live_slots()
+        return {name: self._map.columns[name][live] for name in names}
+
     def add(
         self, roots: ArrayLike, values: ArrayLike | None = None, **columns: ArrayLike
     ) -> NDArray[np.intp]:

@@ -27,7 +27,7 @@ import ssl
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
@@ -57,6 +57,7 @@ from ftlayer.protocol import (
     auth_digest,
     decode_challenge,
     decode_error,
+    decode_offsets,
     decode_ok,
     decode_replay,
     decode_status_reply,
@@ -65,6 +66,7 @@ from ftlayer.protocol import (
     encode_fail,
     encode_fetch_replay,
     encode_hello,
+    encode_lowest_pending,
     encode_persist,
     encode_register_source,
     encode_status_request,
@@ -227,6 +229,14 @@ class FTClient:
             retry=True,
         )
         return decode_replay(frame)
+
+    def lowest_pending_offsets(
+        self, topics: Sequence[str] | None = None
+    ) -> dict[str, dict[int, int]]:
+        """`FTLayer.lowest_pending_offsets` on the server: {topic: {partition: offset}}
+        of the lowest pending Kafka offset; partitions with nothing pending are absent."""
+        frame = self._call(lambda rid: encode_lowest_pending(rid, topics), Kind.OFFSETS, retry=True)
+        return decode_offsets(frame).offsets
 
     def status(self) -> dict[str, Any]:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""
@@ -479,6 +489,13 @@ class BatchingChannel:
     ) -> None:
         """`FTClient.register_source`."""
         self.client.register_source(source_id, partitioner, num_partitions, options)
+
+    def lowest_pending_offsets(
+        self, topics: Sequence[str] | None = None
+    ) -> dict[str, dict[int, int]]:
+        """`FTClient.lowest_pending_offsets`: flushes first, so this process's acks count."""
+        self.flush()
+        return self.client.lowest_pending_offsets(topics)
 
     def status(self) -> dict[str, Any]:
         """`FTClient.status`: flushes first, so the counters include this process's events."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -463,6 +463,40 @@ class FTLayer:
             rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
         records = self.storage.get(seqs).with_roots(roots)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
+
+    def lowest_pending_offsets(
+        self, topics: Sequence[str] | None = None
+    ) -> dict[str, dict[int, int]]:
+        """{topic: {partition: the lowest Kafka offset of a pending root}}, over every
+        pending root (replayed ones keep their original offset), for `topics` only if
+        given. A partition with nothing pending is absent: a Kafka consumer group may
+        then commit up to what its source has read; otherwise never past this offset.
+        Records persisted without an offset (negative) are ignored."""
+        cols = self.acker.live_columns("topic", "partition", "offset")
+        offsets = cols["offset"].astype(np.int64, copy=False)
+        keep = offsets >= 0
+        if topics is not None:
+            wanted = self.persistence.topic_numbers(topics)
+            keep &= np.isin(cols["topic"], wanted)
+        topic_nums = cols["topic"][keep].astype(np.uint64)
+        keys = (topic_nums << np.uint64(32)) | cols["partition"][keep].astype(np.uint32).astype(
+            np.uint64
+        )
+        offsets = offsets[keep]
+        result: dict[str, dict[int, int]] = {}
+        if not len(keys):
+            return result
+        order = np.argsort(keys, kind="stable")
+        keys, offsets = keys[order], offsets[order]
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        lowest = np.minimum.reduceat(offsets, starts)
+        names = self.persistence.topic_names((keys[starts] >> np.uint64(32)).astype(np.uint32))
+        partitions = (keys[starts] & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        for name, partition, offset in zip(
+            names, partitions.tolist(), lowest.tolist(), strict=True
+        ):
+            result.setdefault(name, {})[partition] = offset
+        return result
 
     def prune_replay(self, upto: int) -> int:
         """Forget queue entries with replay seq <= upto (their batches are checkpointed)."""

@@ -32,6 +32,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x14 | STATUS              | empty                                                       |
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
 |      |                     | "num_partitions": int, "options": object}                   |
+| 0x16 | LOWEST_PENDING      | utf-8 JSON list of topic names, or empty (every topic)      |
 | 0x20 | CHECKPOINT_BEGIN    | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x21 | CHECKPOINT_COMPLETE | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
@@ -40,6 +41,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x91 | REPLAY              | u32 n, replay seqs u64[n], target partitions i32[n],        |
 |      |                     | record columns without initial values (below)               |
 | 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
+| 0x93 | OFFSETS             | utf-8 JSON {topic: {partition: lowest pending offset}}      |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
@@ -124,6 +126,7 @@ class Kind(enum.IntEnum):
     FETCH_REPLAY = 0x13
     STATUS = 0x14
     REGISTER_SOURCE = 0x15
+    LOWEST_PENDING = 0x16
     CHECKPOINT_BEGIN = 0x20
     CHECKPOINT_COMPLETE = 0x21
     CHALLENGE = 0x81
@@ -131,6 +134,7 @@ class Kind(enum.IntEnum):
     OK = 0x90
     REPLAY = 0x91
     STATUS_REPLY = 0x92
+    OFFSETS = 0x93
     ERROR = 0xFF
 
 
@@ -292,6 +296,20 @@ class RegisterSource:
 
 
 @dataclass(frozen=True, slots=True)
+class LowestPending:
+    """`FTLayer.lowest_pending_offsets(topics)`; None = every topic."""
+
+    topics: list[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Offsets:
+    """{topic: {partition: lowest pending Kafka offset}}."""
+
+    offsets: dict[str, dict[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     pass
 
@@ -324,6 +342,8 @@ Message = (
     | Fail
     | FetchReplay
     | RegisterSource
+    | LowestPending
+    | Offsets
     | StatusRequest
     | StatusReply
     | Ok
@@ -965,6 +985,56 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
     return RegisterSource(source_id, spec["partitioner"], spec["num_partitions"], spec["options"])
 
 
+def encode_lowest_pending(request_id: int, topics: Sequence[str] | None = None) -> bytes:
+    """LOWEST_PENDING: a JSON list of topics, or an empty body for every topic."""
+    if topics is None:
+        return encode_frame(Kind.LOWEST_PENDING, request_id, b"")
+    if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
+        raise BadRequest(f"LOWEST_PENDING topics must be a list of str, got {topics!r}")
+    return encode_frame(Kind.LOWEST_PENDING, request_id, json.dumps(list(topics)).encode())
+
+
+def decode_lowest_pending(message: Frame | bytes) -> LowestPending:
+    body = _body(message, Kind.LOWEST_PENDING)
+    raw = body.rest()
+    if not raw:
+        return LowestPending(None)
+    topics = _json(raw, Kind.LOWEST_PENDING)
+    if not isinstance(topics, list) or not all(isinstance(t, str) for t in topics):
+        raise BadRequest("LOWEST_PENDING body must be a JSON list of topic names")
+    return LowestPending(topics)
+
+
+def encode_offsets(request_id: int, offsets: Mapping[str, Mapping[int, int]]) -> bytes:
+    """OFFSETS: the reply to LOWEST_PENDING; partitions are JSON object keys (strings)."""
+    wire = {topic: {str(p): int(o) for p, o in parts.items()} for topic, parts in offsets.items()}
+    return encode_frame(Kind.OFFSETS, request_id, json.dumps(wire, sort_keys=True).encode())
+
+
+def decode_offsets(message: Frame | bytes) -> Offsets:
+    body = _body(message, Kind.OFFSETS)
+    wire = _json(body.rest(), Kind.OFFSETS)
+    try:
+        if not isinstance(wire, dict):
+            raise TypeError("not an object")
+        offsets = {
+            str(topic): {int(p): int(o) for p, o in parts.items()} for topic, parts in wire.items()
+        }
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise BadRequest(
+            f"OFFSETS body must be {{topic: {{partition: offset}}}} in JSON: {exc}"
+        ) from None
+    return Offsets(offsets)
+
+
+def _json(raw: bytes, kind: Kind) -> Any:
+    text = _utf8(raw, kind, "body")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedFrame(f"{kind.name} body is not JSON: {exc}") from None
+
+
 def encode_status_request(request_id: int) -> bytes:
     return encode_frame(Kind.STATUS, request_id, b"")
 
@@ -1056,6 +1126,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.FETCH_REPLAY: decode_fetch_replay,
     Kind.STATUS: decode_status_request,
     Kind.REGISTER_SOURCE: decode_register_source,
+    Kind.LOWEST_PENDING: decode_lowest_pending,
+    Kind.OFFSETS: decode_offsets,
     Kind.CHALLENGE: decode_challenge,
     Kind.WELCOME: decode_welcome,
     Kind.OK: decode_ok,

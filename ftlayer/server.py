@@ -66,6 +66,7 @@ from ftlayer.protocol import (
     Frame,
     FrameReader,
     Hello,
+    LowestPending,
     Message,
     NotAuthenticated,
     Persist,
@@ -79,6 +80,7 @@ from ftlayer.protocol import (
     encode_challenge,
     encode_error,
     encode_error_for,
+    encode_offsets,
     encode_ok,
     encode_replay,
     encode_status_reply,
@@ -91,7 +93,15 @@ log = logging.getLogger("ftlayer.server")
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
-_DATA_REQUESTS: Final = (Persist, Xor, Fail, FetchReplay, RegisterSource, StatusRequest)
+_DATA_REQUESTS: Final = (
+    Persist,
+    Xor,
+    Fail,
+    FetchReplay,
+    RegisterSource,
+    LowestPending,
+    StatusRequest,
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -437,6 +447,8 @@ class FTServer:
                     message.source_id, message.partitioner, message.num_partitions, message.options
                 )
                 return encode_ok(rid, 1)
+            if isinstance(message, LowestPending):
+                return encode_offsets(rid, ft.lowest_pending_offsets(message.topics))
             if isinstance(message, FetchReplay):
                 replay = ft.fetch_replay(
                     message.lo, message.hi, source_id=message.source_id, partition=message.partition

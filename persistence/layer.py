@@ -123,6 +123,15 @@ class PersistenceLayer:
         """Stored records are now tracked under new roots, queued for replay."""
         self.storage.set_roots(seqs, new_roots, replay_seqs)
 
+    def topic_numbers(self, topics: Sequence[str]) -> NDArray[np.uint32]:
+        """The numbers of the known topics among `topics` (unknown ones are skipped)."""
+        known = [self._topic_numbers[t] for t in topics if t in self._topic_numbers]
+        return np.asarray(known, dtype=np.uint32)
+
+    def topic_names(self, numbers: NDArray[Any]) -> list[str]:
+        """The topic names of locator topic numbers."""
+        return self._names_of(numbers)
+
     def _numbers_of(self, topics: Sequence[str]) -> NDArray[np.uint32]:
         if not topics:
             return np.zeros(0, dtype=np.uint32)

@@ -331,3 +331,27 @@ def test_deferred_deletes_leave_completed_records_until_flushed(tmp_path: Path) 
         assert sorted(recovered.records.payloads) == sorted(batch.payloads[4:])
     finally:
         storage.close()
+
+
+def test_lowest_pending_offsets_never_pass_an_incomplete_record(
+    storage: PersistenceStorage,
+) -> None:
+    ft = FTLayer(storage)
+    orders = _records(12)  # partitions i % 4, offsets 100 + i
+    other = RecordBatch.build(
+        new_ids(3), [b"x", b"y", b"z"], topics="clicks", partitions=0, offsets=[7, 5, 9]
+    )
+    ids, other_ids = _emit(ft, orders), _emit(ft, other)
+    assert ft.lowest_pending_offsets() == {
+        "orders": {0: 100, 1: 101, 2: 102, 3: 103},
+        "clicks": {0: 5},
+    }
+    # Complete partition 0's first record and partition 1 entirely; fail one in 2.
+    done = np.array([0, 1, 5, 9])
+    ft.xor(orders.roots[done], ids[done])
+    ft.xor(other.roots[1:2], other_ids[1:2])
+    ft.fail(orders.roots[2:3])  # replayed under a new root, still pending at offset 102
+    assert ft.lowest_pending_offsets(["orders"]) == {"orders": {0: 104, 2: 102, 3: 103}}
+    assert ft.lowest_pending_offsets(["clicks", "unknown"]) == {"clicks": {0: 7}}
+    ft.xor(orders.roots[[4, 8]], ids[[4, 8]])
+    assert 0 not in ft.lowest_pending_offsets()["orders"]

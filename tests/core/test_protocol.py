@@ -207,6 +207,15 @@ def test_register_source_round_trips() -> None:
         p.encode_register_source(1, 2**32, "forward", 1)
 
 
+def test_lowest_pending_and_offsets_round_trip() -> None:
+    assert p.decode(frame(p.encode_lowest_pending(3))) == p.LowestPending(None)
+    assert p.decode(frame(p.encode_lowest_pending(3, ["a", "b"]))) == p.LowestPending(["a", "b"])
+    offsets = {"a": {0: 5, 3: 2**40}, "b": {}}
+    assert p.decode(frame(p.encode_offsets(3, offsets))) == p.Offsets(offsets)
+    with pytest.raises(p.BadRequest, match="list of str"):
+        p.encode_lowest_pending(1, "a")
+
+
 def test_status_ok_and_error_round_trip() -> None:
     assert p.decode(frame(p.encode_status_request(1))) == p.StatusRequest()
     status = {"persisted": 3, "failed": {"timeout": 1}, "name": "ü"}
@@ -526,6 +535,9 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
     ("welcome short", reframe(p.Kind.WELCOME, b"\1\0"), p.MalformedFrame, "truncated"),
     ("unknown kind", reframe(0x55, b""), p.UnknownKind, "0x55"),
     ("register short", reframe(p.Kind.REGISTER_SOURCE, b"\1\0"), p.MalformedFrame, "trunc"),
+    ("lowest not json", reframe(p.Kind.LOWEST_PENDING, b"[a"), p.MalformedFrame, "not JSON"),
+    ("lowest not list", reframe(p.Kind.LOWEST_PENDING, b'{"a":1}'), p.BadRequest, "JSON list"),
+    ("offsets bad shape", reframe(p.Kind.OFFSETS, b'{"a":{"x":1}}'), p.BadRequest, "topic"),
     (
         "register not json",
         reframe(p.Kind.REGISTER_SOURCE, b"\1\0\0\0{nope"),

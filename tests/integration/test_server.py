@@ -221,3 +221,15 @@ def test_a_registered_source_routes_replays_also_after_a_restart(
     expected = create_partitioner("kafka-hash").targets(replay.records, 3)[1]
     assert replay.partitions.tolist() == expected.tolist()
     assert set(replay.partitions.tolist()) == {0, 1, 2}
+
+
+def test_lowest_pending_offsets_follow_completions(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        anchors = Persister(client).persist(
+            PAYLOADS, topics="events", partitions=np.arange(10) % 2, offsets=np.arange(10)
+        )
+        assert client.lowest_pending_offsets() == {"events": {0: 0, 1: 1}}
+        sink(client, anchors.take([0, 1, 2, 5]))
+        assert client.lowest_pending_offsets(["events"]) == {"events": {0: 4, 1: 3}}
+        assert client.lowest_pending_offsets(["other"]) == {}

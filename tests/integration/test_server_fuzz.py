@@ -10,7 +10,7 @@ state machine dictates, or a close.
 To keep the counters checkable, option (a) of the design: a fuzz stream is first run
 through a local model of the server (the same framing, `protocol.decode` and the
 handshake state machine); a stream in which any frame would decode to a valid PERSIST,
-XOR or FAIL on a welcomed connection (one that could change the acker table) is
+XOR, FAIL or REGISTER_SOURCE on a welcomed connection (one that could change the acker table) is
 regenerated instead of sent. So afterwards the status counters must be exactly what the
 good client's own persist/xor/fail calls explain, and a good client still gets correct
 answers.
@@ -47,8 +47,10 @@ from ftlayer.protocol import (
     FrameReader,
     Hello,
     Kind,
+    LowestPending,
     Persist,
     ProtocolError,
+    RegisterSource,
     StatusRequest,
     Xor,
     decode,
@@ -68,7 +70,7 @@ SEED = 20261121
 MIN_FRAMES = 10_000
 _PREFIX = struct.Struct(">I")
 _HEAD = struct.Struct(">IBI")
-_MUTATING = (Persist, Xor, Fail)
+_MUTATING = (Persist, Xor, Fail, RegisterSource)
 _DATA = (Persist, Xor, Fail, FetchReplay, StatusRequest)
 _REPLY_KINDS = {int(k) for k in Kind if k >= 0x80}
 
@@ -164,6 +166,8 @@ def model(stream: bytes) -> Expected | None:
                 expected.replies.append((rid, frozenset({int(Kind.STATUS_REPLY)})))
             elif isinstance(message, FetchReplay):
                 expected.replies.append((rid, frozenset({int(Kind.REPLAY), int(Kind.ERROR)})))
+            elif isinstance(message, LowestPending):
+                expected.replies.append((rid, frozenset({int(Kind.OFFSETS)})))
             else:
                 expected.replies.append((rid, _ERROR))
         elif isinstance(message, Hello) and not hello_seen:
