@@ -8,8 +8,13 @@ XorHandler and TaskHandler work over it exactly as over an in-process FTLayer.
 - persist returns only after the server's OK, which it sends only once the storage
   committed the records: a source that emits after persist() never emits an
   unpersisted record.
-- A broken connection is retried once, after a short backoff, for the idempotent calls
-  only (status, fetch_replay). persist, xor and fail raise ConnectionLost instead: the
+- Connecting (lazily, and again after a broken connection) retries refused attempts
+  with exponential backoff for up to `reconnect_s` (10 s by default), so a restarting
+  server is waited for; nothing of a request is sent before its connection is up, so
+  every call may wait this way. Then ConnectionLost.
+- A connection that breaks after a request was sent is retried once (reconnecting as
+  above) for the idempotent calls only (status, fetch_replay, register_source,
+  lowest_pending_offsets). persist, xor and fail raise ConnectionLost instead: the
   request may or may not have been applied, and only the caller knows whether to
   resend. The next call reconnects.
 - An ERROR reply raises: the matching ProtocolError subclass for codes 1-9,
@@ -77,7 +82,8 @@ from ftlayer.records import RecordBatch
 
 T = TypeVar("T")
 
-_RETRY_BACKOFF_S: Final = 0.2
+_FIRST_BACKOFF_S: Final = 0.05
+_MAX_BACKOFF_S: Final = 1.0
 _RECV_BYTES: Final = 1 << 20
 _PROTOCOL_ERRORS: Final[dict[int, type[ProtocolError]]] = {
     cls.code: cls
@@ -157,12 +163,16 @@ class FTClient:
         name: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         tls: bool | str | os.PathLike[str] | ssl.SSLContext = False,
+        reconnect_s: float = 10.0,
     ) -> None:
         self.host, self.port = parse_address(address)
         self._tls = client_tls_context(tls)
         self.address = address
         self._token = token
         self._connect_timeout = connect_timeout
+        if not reconnect_s >= 0:
+            raise ConfigError(f"reconnect_s must be 0 or more seconds, got {reconnect_s}")
+        self._reconnect_s = reconnect_s
         self._request_timeout = request_timeout
         self._name = name if name is not None else f"client@{socket.gethostname()}:{os.getpid()}"
         self.max_frame = max_frame
@@ -266,21 +276,46 @@ class FTClient:
         with self._lock:
             attempts = 2 if retry else 1
             for attempt in range(attempts):
-                connected = self._sock is not None
+                if self._sock is None:
+                    self._connect_with_backoff()  # nothing of the request is sent yet
                 try:
-                    if not connected:
-                        self._connect()
                     return self._request(encode, expect)
                 except OSError as exc:
                     self._drop()
                     if attempt + 1 < attempts:
-                        time.sleep(_RETRY_BACKOFF_S)
-                        continue
-                    what = "broke" if connected else "could not be opened"
+                        continue  # idempotent: reconnect (with backoff) and send again
                     raise ConnectionLost(
-                        f"the connection to the FT-layer server at {self.address} {what}: {exc}"
+                        f"the connection to the FT-layer server at {self.address} broke: {exc}"
                     ) from exc
             raise AssertionError("unreachable")
+
+    def _connect_with_backoff(self) -> None:
+        """Connect and handshake, retrying refused or broken attempts with exponential
+        backoff (50 ms doubling to 1 s) for up to `reconnect_s`: a restarting server is
+        waited for. A TLS error (an untrusted certificate, a plain-TCP server) is not
+        retried; neither are authentication errors (ProtocolError)."""
+        deadline = time.monotonic() + self._reconnect_s
+        delay, tries = _FIRST_BACKOFF_S, 0
+        while True:
+            tries += 1
+            try:
+                self._connect()
+                return
+            except ssl.SSLError as exc:
+                self._drop()
+                raise ConnectionLost(
+                    f"the TLS connection to the FT-layer server at {self.address} could not "
+                    f"be opened: {exc}"
+                ) from exc
+            except OSError as exc:
+                self._drop()
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionLost(
+                        f"the connection to the FT-layer server at {self.address} could not "
+                        f"be opened ({tries} attempts in {self._reconnect_s:g} s): {exc}"
+                    ) from exc
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_BACKOFF_S)
 
     def _request(self, encode: Callable[[int], bytes], expect: Kind) -> Frame:
         rid = self._take_id()

@@ -172,7 +172,7 @@ def test_a_background_flush_error_surfaces_on_the_next_call(
     server_proc: tuple[subprocess.Popen[bytes], str],
 ) -> None:
     proc, address = server_proc
-    channel = BatchingChannel(FTClient(address), max_delay_s=0.02)
+    channel = BatchingChannel(FTClient(address, reconnect_s=0.2), max_delay_s=0.02)
     try:
         anchors = _persist(Persister(channel), 3, "doomed")
         proc.kill()

@@ -9,14 +9,15 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from serverproc import StartServer, serve_command
+from serverproc import Server, StartServer, serve_command
 
-from ftlayer.client import FTClient, RequestRejected
+from ftlayer.client import ConnectionLost, FTClient, RequestRejected
 from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.integration.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
@@ -233,3 +234,27 @@ def test_lowest_pending_offsets_follow_completions(start_server: StartServer) ->
         sink(client, anchors.take([0, 1, 2, 5]))
         assert client.lowest_pending_offsets(["events"]) == {"events": {0: 4, 1: 3}}
         assert client.lowest_pending_offsets(["other"]) == {}
+
+
+def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
+    start_server: StartServer,
+) -> None:
+    server = start_server()
+    port = server.address.rsplit(":", 1)[1]
+    restarted: list[Server] = []
+    with FTClient(server.address, reconnect_s=30) as client:
+        persist(client, PAYLOADS[:2])
+        server.kill()
+        restart = threading.Timer(
+            1.0, lambda: restarted.append(start_server(server.data_dir, "--port", port))
+        )
+        restart.start()
+        status = client.status()  # reconnects with backoff until the server is back
+        restart.join()
+    assert restarted and status["failed"]["recovery"] == 2
+    restarted[0].kill()
+    with (
+        FTClient(server.address, reconnect_s=0.3) as client,
+        pytest.raises(ConnectionLost, match=r"could not be opened \(\d+ attempts in 0.3 s\)"),
+    ):
+        client.status()
