@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import selectors
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ftlayer.client import FTClient
+from ftlayer.integration.ftprocess import serve_command
+
+__all__ = ["Server", "StartServer", "read_address", "serve_command"]
 
 START_DEADLINE_S = 15.0
-
-
-def serve_command(data_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", str(data_dir), *extra]
 
 
 def read_address(proc: subprocess.Popen[bytes], log: Path) -> str:

@@ -1,0 +1,146 @@
+"""An FT-layer server as a child process (`ftlayer serve`), for the demo and benchmarks.
+
+`FTServerProcess(data_dir, *serve_args)` starts `python -m ftlayer.cli serve` with this
+interpreter, waits for its "ftlayer serving on HOST:PORT" line, and stops it on exit
+(SIGTERM, then SIGKILL). The server logs to `log_path` (a file next to the data dir by
+default), named in every error. It dies with its parent on Linux (PDEATHSIG), so a
+killed demo leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from ftlayer.errors import FTLayerError
+
+__all__ = ["FTServerProcess", "ServerProcessError", "serve_command"]
+
+_SERVING: bytes = b"ftlayer serving on "
+
+
+class ServerProcessError(FTLayerError):
+    """The FT-layer server process did not start, or died."""
+
+
+def serve_command(data_dir: str | os.PathLike[str], *extra: str) -> list[str]:
+    """The command line of `ftlayer serve` on `data_dir` with this interpreter."""
+    return [sys.executable, "-m", "ftlayer.cli", "serve", "--data-dir", os.fspath(data_dir), *extra]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class FTServerProcess:
+    """One `ftlayer serve` child process; a context manager. See the module docstring."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *serve_args: str,
+        log_path: str | os.PathLike[str] | None = None,
+        start_timeout: float = 20.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.serve_args = serve_args
+        self.log_path = Path(log_path) if log_path else self.data_dir.with_suffix(".log")
+        self.start_timeout = start_timeout
+        self.address = ""
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> Self:
+        if self._proc is not None and self._proc.poll() is None:
+            raise ServerProcessError("the FT-layer server process is already running")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                serve_command(self.data_dir, *self.serve_args),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                preexec_fn=_die_with_parent,
+            )
+        assert self._proc.stdout is not None
+        self.address = self._read_address(self._proc, self._proc.stdout)
+        return self
+
+    def _read_address(self, proc: subprocess.Popen[bytes], stdout: IO[bytes]) -> str:
+        deadline = time.monotonic() + self.start_timeout
+        line = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(stdout, selectors.EVENT_READ)
+            while not line.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self.kill()
+                    raise ServerProcessError(
+                        f"the FT-layer server did not start within {self.start_timeout:g} s; "
+                        f"its log: {self.log_path}"
+                    )
+                chunk = os.read(stdout.fileno(), 1)
+                if not chunk:
+                    code = proc.wait()
+                    raise ServerProcessError(
+                        f"the FT-layer server exited with code {code} at start: {self._log_tail()}"
+                    )
+                line += chunk
+        if not line.startswith(_SERVING):
+            raise ServerProcessError(f"unexpected first line from the server: {line!r}")
+        return line[len(_SERVING) :].decode().strip()
+
+    def _log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return f"(no log at {self.log_path})"
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; waits until the process is gone."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a clean stop), then SIGKILL after `timeout` seconds."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
