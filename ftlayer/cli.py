@@ -1,8 +1,11 @@
 """The `ftlayer` command line.
 
     ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T]
-                   [--buckets N] [--token-file F]
-    ftlayer status --server HOST:PORT [--token-file F] [--json]
+                   [--buckets N] [--token-file F] [--tls-cert C --tls-key K]
+                   [--delete-interval-s S]
+    ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--json]
+    ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
+                   [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
@@ -13,7 +16,9 @@ Every bench prints a table of its figures; with --json it prints one JSON object
 its last line instead, as does `status`. `serve` prints "ftlayer serving on HOST:PORT"
 once it listens, then serves until SIGTERM or SIGINT and exits 0. A token file holds
 the token's bytes (one trailing newline is ignored); serving on a non-loopback host
-needs one. `demo` arrives with the Spark integration.
+needs one. `demo` runs the main job on an embedded broker, an FT-layer process and
+local Spark (ftlayer.integration.demo) and exits 0 only if nothing was lost and every
+produced record completed; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -49,6 +54,17 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def _rate(text: str) -> float:
+    value = _positive_float(text) if text.strip() not in ("0", "0.0") else 0.0
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
 
 
 def _port(text: str) -> int:
@@ -99,6 +115,16 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--token-file", default=None, help="file holding the auth token")
     status.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA file")
     status.add_argument("--json", action="store_true", help="print one JSON object last")
+
+    demo = commands.add_parser("demo", help="run the main job end to end and check it")
+    demo.add_argument("--records", type=_positive_int, default=100_000, help="events produced")
+    demo.add_argument("--fail-rate", type=_rate, default=0.01, help="flaky share (0..1)")
+    demo.add_argument("--partitions", type=_positive_int, default=4, help="topic partitions")
+    demo.add_argument(
+        "--kill-workers", type=_count, default=0, help="Python workers to SIGKILL meanwhile"
+    )
+    demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object last")
 
     bench = commands.add_parser("bench", help="run a benchmark against its baseline")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -192,6 +218,56 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from ftlayer.integration.demo import run_demo
+
+    console = Console(stderr=True)
+
+    def view(progress: dict[str, Any]) -> Table:
+        table = Table(title="ftlayer demo", show_header=True)
+        for name in ("produced", "read", "persisted", "completed", "pending", "replayed"):
+            table.add_column(name, justify="right")
+        replayed = sum(progress.get("failed", {}).values())
+        table.add_row(
+            *(f"{progress.get(k, 0):,}" for k in ("produced", "read", "persisted")),
+            *(f"{progress.get(k, 0):,}" for k in ("completed", "pending")),
+            f"{replayed:,}",
+        )
+        return table
+
+    console.print(
+        f"ftlayer demo: {args.records:,} events, {args.partitions} partitions, "
+        f"fail rate {args.fail_rate:g}, {args.kill_workers} worker kills; starting "
+        "Tansu, the FT layer and Spark ..."
+    )
+    with Live(view({"produced": args.records}), console=console, refresh_per_second=4) as live:
+        result = run_demo(
+            records=args.records,
+            fail_rate=args.fail_rate,
+            partitions=args.partitions,
+            kill_workers=args.kill_workers,
+            workdir=args.workdir,
+            on_progress=lambda progress: live.update(view(progress)),
+        )
+    summary = result.as_dict()
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        _print_table("ftlayer demo: summary", summary)
+    if not result.ok:
+        print(
+            f"ftlayer demo: FAILED: lost {result.lost}, completed {result.completed} of "
+            f"{result.produced}, {result.pending_at_end} trees still pending",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -202,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "demo":
+            return _demo(args)
         from ftlayer import bench
 
         if args.bench == "acker":

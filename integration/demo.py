@@ -1,0 +1,332 @@
+"""`ftlayer demo`: the main job, end to end on real parts, with its own verdict.
+
+It starts an embedded Tansu broker, an FT-layer server process (`ftlayer serve`) and
+local Spark; produces `records` keyed JSON events to an input topic; and runs this
+Structured Streaming pipeline on them, every step wrapped by ftlayer:
+
+    ftkafka source -> parse (JSON) -> enrich (flaky) -> filter -> Kafka sink
+
+- parse: the event's JSON value into columns.
+- enrich: adds a tier and a cents amount. It is flaky: for a `fail_rate` share of the
+  events (chosen by a hash of the event id) it raises FailException the first time it
+  sees the event (first sight is a marker file created with O_EXCL, so it holds across
+  Python workers and retries). Only that event's tree fails; it is replayed.
+- filter: drops events with a negative amount (about 3 in 97): their trees complete
+  without output.
+- sink: writes the enriched events as JSON to an output topic; a row is acked only
+  once the broker confirmed its write.
+
+With `kill_workers` K, a thread SIGKILLs a running PySpark Python worker K times at
+random moments: Spark retries the task, and ftlayer replays whatever the dead worker
+left incomplete.
+
+While it runs it shows produced, completed, pending and replayed counts. At the end it
+reads the output topic back and checks every event against what the pipeline must
+produce: `lost` counts events that passed the filter and never reached the output
+topic, or whose tree was still pending when the time ran out; `completed` counts
+events accounted for (their output is in the topic, or the filter dropped them) once
+the FT layer holds no pending tree; `duplicates_at_sink` counts extra copies in the
+output topic (at-least-once delivery: a replayed tree writes again). The result is
+valid (exit 0) only with lost = 0 and completed = produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftlayer.client import FTClient
+from ftlayer.errors import FailException, FTLayerError
+from ftlayer.integration.broker import TansuBroker
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.ftprocess import FTServerProcess
+from ftlayer.integration.kafka import create_topic, produce, read_all
+
+__all__ = ["DemoResult", "run_demo"]
+
+TIERS = ("bronze", "silver", "gold")
+PARSED_SCHEMA = "key binary, id long, user string, amount long"
+ENRICHED_SCHEMA = "key binary, value binary, id long, amount long"
+
+
+class DemoError(FTLayerError):
+    """The demo could not run to a verdict (a part did not start, time ran out)."""
+
+
+@dataclass
+class DemoResult:
+    produced: int
+    completed: int
+    lost: int
+    replayed: int
+    failed_explicit: int
+    timeouts: int
+    duplicates_at_sink: int
+    seconds: float
+    expected_outputs: int
+    outputs_at_sink: int
+    trees_completed: int
+    workers_killed: int
+    pending_at_end: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.completed == self.produced and self.pending_at_end == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        data.update(self.extra)
+        data["ok"] = self.ok
+        return data
+
+
+# ---- the pipeline's user code (what a data engineer writes) ---------------------------
+
+
+def event(i: int, users: int) -> tuple[bytes, bytes]:
+    """The i-th produced event: key user-<k>, value JSON."""
+    user = f"user-{i % users}"
+    value = {"id": i, "user": user, "amount": i % 97 - 3}
+    return user.encode(), json.dumps(value, separators=(",", ":")).encode()
+
+
+def passes_filter(i: int) -> bool:
+    return i % 97 - 3 >= 0
+
+
+def is_flaky(event_id: int, fail_rate: float) -> bool:
+    return zlib.crc32(event_id.to_bytes(8, "little")) % 1_000_000 < fail_rate * 1_000_000
+
+
+def parse(row: dict[str, Any]) -> dict[str, Any]:
+    data = json.loads(row["value"])
+    return {"key": row["key"], "id": data["id"], "user": data["user"], "amount": data["amount"]}
+
+
+def make_enrich(flaky_dir: str, fail_rate: float) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def enrich(row: dict[str, Any]) -> dict[str, Any]:
+        event_id = row["id"]
+        if is_flaky(event_id, fail_rate):
+            try:  # first sight, across processes: only one O_EXCL create succeeds
+                os.close(os.open(os.path.join(flaky_dir, str(event_id)), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                raise FailException(f"enrich: upstream lookup timed out for event {event_id}")
+        tier = TIERS[zlib.crc32(row["user"].encode()) % len(TIERS)]
+        out = {"id": event_id, "user": row["user"], "tier": tier, "cents": row["amount"] * 100}
+        return {
+            "key": row["key"],
+            "value": json.dumps(out, separators=(",", ":")).encode(),
+            "id": event_id,
+            "amount": row["amount"],
+        }
+
+    return enrich
+
+
+def keep(row: dict[str, Any]) -> bool:
+    return bool(row["amount"] >= 0)
+
+
+# ---- running it --------------------------------------------------------------------------
+
+
+def _python_workers() -> list[int]:
+    """PIDs of PySpark Python workers: processes forked by a pyspark.daemon."""
+    daemons: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if b"pyspark.daemon" in cmdline or b"pyspark/daemon.py" in cmdline:
+            daemons[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return [pid for pid, parent in daemons.items() if parent in daemons]
+
+
+def _killer(times: int, seconds: float, stop: threading.Event, seed: int) -> Callable[[], int]:
+    """Start a thread that SIGKILLs a running Python worker `times` times, at random
+    moments spread over about `seconds`; returns a function giving how many it killed."""
+    killed = [0]
+    rng = random.Random(seed)
+
+    def run() -> None:
+        moments = sorted(rng.uniform(0.1, 1.0) * seconds for _ in range(times))
+        start = time.monotonic()
+        for moment in moments:
+            while not stop.is_set():
+                if time.monotonic() - start >= moment:
+                    workers = _python_workers()
+                    if workers:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(rng.choice(workers), signal.SIGKILL)
+                            killed[0] += 1
+                        break
+                stop.wait(0.05)
+
+    threading.Thread(target=run, name="ftlayer-demo-killer", daemon=True).start()
+    return lambda: killed[0]
+
+
+@contextlib.contextmanager
+def _workdir(path: str | None) -> Iterator[Path]:
+    if path is not None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="ftlayer-demo-") as tmp:
+        yield Path(tmp)
+
+
+def run_demo(
+    records: int = 100_000,
+    fail_rate: float = 0.01,
+    partitions: int = 4,
+    kill_workers: int = 0,
+    *,
+    users: int = 1_000,
+    max_per_trigger: int = 20_000,
+    ft_timeout_s: float = 20.0,
+    deadline_s: float = 900.0,
+    seed: int = 0,
+    workdir: str | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> DemoResult:
+    """Run the demo (see the module docstring); returns its counts."""
+    from ftlayer.integration.sinks import ft_kafka_sink
+    from ftlayer.integration.source import register
+    from ftlayer.integration.spark import local_spark
+    from ftlayer.integration.tasks import FTTasks
+
+    if records < 1 or partitions < 1 or kill_workers < 0 or not 0 <= fail_rate <= 1:
+        raise DemoError(
+            "need records >= 1, partitions >= 1, kill_workers >= 0 and 0 <= fail_rate <= 1"
+        )
+    started = time.monotonic()
+    with _workdir(workdir) as work, TansuBroker(log_path=work / "broker.log") as broker:
+        bootstrap = broker.bootstrap
+        source_topic, sink_topic = "demo-events", "demo-enriched"
+        create_topic(bootstrap, source_topic, partitions)
+        create_topic(bootstrap, sink_topic, partitions)
+        produce(bootstrap, source_topic, (event(i, users) for i in range(records)), timeout=300)
+        flaky_dir = work / "flaky"
+        flaky_dir.mkdir()
+        with FTServerProcess(work / "ft", "--timeout-s", str(ft_timeout_s)) as server:
+            settings = FTSettings(server.address)
+            spark = local_spark(master="local[2,8]", app_name="ftlayer-demo")
+            register(spark)
+            tasks = FTTasks(settings)
+            source = (
+                spark.readStream.format("ftkafka")
+                .option("kafka.bootstrap.servers", bootstrap)
+                .option("subscribe", source_topic)
+                .option("maxOffsetsPerTrigger", str(max_per_trigger))
+                .option("ft.address", server.address)
+                .option("ft.partitioner", "kafka-hash")
+                .load()
+            )
+            parsed = tasks.map(source, parse, PARSED_SCHEMA)
+            enriched = tasks.map(parsed, make_enrich(str(flaky_dir), fail_rate), ENRICHED_SCHEMA)
+            kept = tasks.filter(enriched, keep)
+            query = (
+                kept.writeStream.foreachBatch(
+                    ft_kafka_sink(bootstrap, sink_topic, settings, on_error="fail-and-continue")
+                )
+                .option("checkpointLocation", str(work / "checkpoint"))
+                .trigger(processingTime="500 milliseconds")
+                .start()
+            )
+            stop_killer = threading.Event()
+            killed = _killer(kill_workers, 20.0, stop_killer, seed) if kill_workers else None
+            try:
+                status = _wait_until_settled(
+                    query, server.address, source_topic, records, deadline_s, on_progress
+                )
+            finally:
+                stop_killer.set()
+                with contextlib.suppress(Exception):
+                    query.stop()
+            outputs = read_all(bootstrap, sink_topic, timeout=120)
+    seconds = time.monotonic() - started
+    expected = {i for i in range(records) if passes_filter(i)}
+    found = [json.loads(r.value)["id"] for r in outputs if r.value is not None]
+    distinct = set(found)
+    pending = int(status["pending"])
+    accounted = len(distinct & expected) + (records - len(expected))
+    missing = len(expected - distinct)
+    failed = status["failed"]
+    return DemoResult(
+        produced=records,
+        completed=accounted if pending == 0 else max(0, accounted - pending),
+        lost=missing,
+        replayed=sum(int(v) for v in failed.values()),
+        failed_explicit=int(failed.get("explicit", 0)),
+        timeouts=int(failed.get("timeout", 0)),
+        duplicates_at_sink=len(found) - len(distinct),
+        seconds=round(seconds, 1),
+        expected_outputs=len(expected),
+        outputs_at_sink=len(found),
+        trees_completed=int(status["completed"]),
+        workers_killed=killed() if killed else 0,
+        pending_at_end=pending,
+        extra={"partitions": partitions, "fail_rate": fail_rate, "kill_workers": kill_workers},
+    )
+
+
+def _wait_until_settled(
+    query: Any,
+    address: str,
+    topic: str,
+    records: int,
+    deadline_s: float,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+) -> dict[str, Any]:
+    """Poll until the query has read every produced record and the FT layer holds no
+    pending tree (twice in a row), or the deadline; returns the last server status."""
+    deadline = time.monotonic() + deadline_s
+    settled = 0
+    with FTClient(address, name="ftlayer-demo") as client:
+        while True:
+            if query.exception() is not None:
+                raise DemoError(f"the streaming query failed: {query.exception()}")
+            status = client.status()
+            read = _records_read(query, topic)
+            if on_progress is not None:
+                on_progress({"produced": records, "read": read, **status})
+            done = read >= records and status["pending"] == 0 and status["persisted"] > 0
+            settled = settled + 1 if done else 0
+            if settled >= 2 or time.monotonic() > deadline:
+                return status
+            time.sleep(0.5)
+
+
+def _records_read(query: Any, topic: str) -> int:
+    """Kafka records of `topic` the query has taken into batches (from its progress)."""
+    progress = query.lastProgress
+    if not progress:
+        return 0
+    total = 0
+    for source in progress.get("sources", []):
+        end = source.get("endOffset")
+        if isinstance(end, str):
+            with contextlib.suppress(ValueError):
+                end = json.loads(end)
+        if isinstance(end, dict):
+            total += sum(int(o) for o in end.get("kafka", {}).get(topic, {}).values())
+    return total
