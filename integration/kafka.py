@@ -161,8 +161,11 @@ def produce(
     topic: str,
     records: Iterable[tuple[bytes | None, bytes]],
     timeout: float = 30.0,
+    partition: int | None = None,
 ) -> list[RecordPosition]:
     """Produce `(key, value)` records to `topic`; return each one's position, in input order.
+
+    With `partition`, every record goes to that partition.
 
     Keyed records are placed by kafka-python's default partitioner (Kafka's murmur2);
     records without a key go to a partition of its choosing. Every record is
@@ -182,7 +185,10 @@ def produce(
     except KafkaError as exc:
         raise KafkaHelperError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
     try:
-        futures = [producer.send(topic, key=key, value=value) for key, value in records]
+        futures = [
+            producer.send(topic, key=key, value=value, partition=partition)
+            for key, value in records
+        ]
         producer.flush(timeout=max(0.0, deadline - time.monotonic()))
         positions = []
         for future in futures:

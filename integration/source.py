@@ -93,6 +93,12 @@ Kafka (names as in Spark's Kafka source where they overlap):
 - `fetchOffset.numRetries` (default 3) and `fetchOffset.retryIntervalMs` (default 100,
   doubling): retries of a failed driver call to Kafka; each attempt is bounded by
   `kafka.request.timeout.ms` and `kafka.bootstrap.timeout.ms` (1500 on the driver).
+- `kafka.group.id` (default: none): a consumer group whose committed offsets the
+  source moves when Spark reports a batch done (`commit(end)`, one batch late): per
+  partition min(the batch's end, the lowest offset of a record still pending in the FT
+  layer), so a committed offset never passes an incomplete record (and never moves
+  back). Reading never uses the group (assign/seek). With FT off: the batch's end.
+  A failed commit is logged and retried at the next batch.
 - `kafka.*`: passed to kafka-python's consumer, dots turned into underscores
   (`kafka.security.protocol`, `kafka.sasl.mechanism`, `kafka.check.crcs`, ...).
 
@@ -126,6 +132,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -136,6 +143,7 @@ import numpy as np
 import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
 from numpy.typing import ArrayLike, NDArray
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -196,11 +204,18 @@ _POLL_SECONDS: Final = 0.05
 # A PERSIST frame is at most 64 MiB: persist in chunks well below that.
 _PERSIST_CHUNK_BYTES: Final = 16 * 1024 * 1024
 # Driver-side Kafka calls: each attempt is bounded by this unless kafka.* says otherwise.
+log = logging.getLogger("ftlayer.source")
+
 _DRIVER_TIMEOUT_MS: Final = 1500
+# Connection settings the group-commit consumer shares with the reading consumers.
+_SECURITY: Final = frozenset(
+    k for k in KafkaConsumer.DEFAULT_CONFIG if k.startswith(("ssl_", "sasl_", "security_"))
+)
 
 _KAFKA_PREFIX: Final = "kafka."
 _PARTITIONER_PREFIX: Final = "ft.partitioner."
 # kafka-python settings this source owns, or that take objects an option cannot give.
+_KAFKA_OWN_OPTIONS: Final = frozenset({"kafka.bootstrap.servers", "kafka.group.id"})
 _KAFKA_RESERVED: Final = frozenset(
     {
         "bootstrap_servers",
@@ -252,6 +267,8 @@ class SourceOptions:
     kafka_retry_interval_s: float = 0.1
     ft_connect_timeout_s: float = 2.0
     ft_reconnect_timeout_s: float = 5.0
+    group_id: str | None = None
+    """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
 
     @property
     def ft_on(self) -> bool:
@@ -317,13 +334,13 @@ _KNOWN_OPTIONS: Final = {
         "ft.sourceName",
         "ft.connectTimeoutMs",
         "ft.reconnectTimeoutMs",
+        "kafka.group.id",
     )
 }
 _UNSUPPORTED: Final = {
     "subscribepattern": "subscribe with a comma-separated list of topics",
     "assign": "subscribe with a comma-separated list of topics",
     "endingoffsets": "a streaming query (ftkafka has no batch reads)",
-    "kafka.group.id": "nothing: ftkafka reads by assign/seek, without a consumer group",
 }
 
 
@@ -372,7 +389,7 @@ def _kafka_config(options: _Options) -> dict[str, Any]:
     defaults: dict[str, Any] = KafkaConsumer.DEFAULT_CONFIG
     config: dict[str, Any] = {}
     for name, raw in options.raw.items():
-        if not name.startswith(_KAFKA_PREFIX) or name == "kafka.bootstrap.servers":
+        if not name.startswith(_KAFKA_PREFIX) or name in _KAFKA_OWN_OPTIONS:
             continue
         setting = name.removeprefix(_KAFKA_PREFIX).replace(".", "_")
         if setting in _KAFKA_RESERVED or setting not in defaults:
@@ -482,7 +499,17 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         kafka_retry_interval_s=opts.integer("fetchOffset.retryIntervalMs", 100, 0) / 1000,
         ft_connect_timeout_s=opts.integer("ft.connectTimeoutMs", 2000, 1) / 1000,
         ft_reconnect_timeout_s=opts.integer("ft.reconnectTimeoutMs", 5000, 0) / 1000,
+        group_id=_group_id(opts),
     )
+
+
+def _group_id(options: _Options) -> str | None:
+    raw = options.text("kafka.group.id")
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ConfigError("option kafka.group.id is empty")
+    return raw.strip()
 
 
 def source_schema(ft_on: bool) -> StructType:
@@ -740,10 +767,12 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return parts if busy else []
 
     def commit(self, end: Offset) -> None:
-        # Hook, deliberately a no-op for now: Spark calls it once batch `end` is done
-        # (one batch late). Kafka group offset commits and replay-queue pruning
-        # (FTLayer.prune_replay up to end["replay"]) come with the barrier checkpoints.
-        return None
+        # Spark calls this once batch `end` is done, one batch late: the checkpoint of
+        # that batch is complete. With kafka.group.id, move the group's committed
+        # offsets (never past an incomplete record; see _Driver.commit_offsets).
+        # Replay-queue pruning comes with the barrier checkpoints (it must be per source).
+        if self.options.group_id is not None:
+            self._driver_side().commit_offsets(end)
 
     def stop(self) -> None:
         if self._driver is not None:
@@ -808,6 +837,8 @@ class _Driver:
         self._consumer: Any = None
         self._ft: FTClient | None = None
         self._partition_counts: dict[str, int] = {}
+        self._group: Any = None
+        self._committed: dict[tuple[str, int], int] = {}
 
     # ---- lifecycle ----
 
@@ -821,6 +852,7 @@ class _Driver:
 
     def close(self) -> None:
         self._drop_consumer()
+        self._drop_group_client()
         if self._ft is not None:
             self._ft.close()
             self._ft = None
@@ -938,6 +970,65 @@ class _Driver:
         if replay is not None and "replay" in start:
             replay = min(int(replay), int(start["replay"]) + max_rows)
         return _offset(ends, replay)
+
+    # ---- consumer-group offsets ----
+
+    def commit_offsets(self, end: Offset) -> dict[str, dict[int, int]]:
+        """Commit, for every partition, the group offset min(end, the lowest offset of
+        a record whose tree is still pending in the FT layer); returns what it
+        committed. A committed offset never passes an incomplete record and never
+        moves back. A failed commit is logged and retried at the next one: the query's
+        progress is in Spark's checkpoint, the group offsets only mirror it."""
+        target = _kafka_part(end)
+        if self.options.ft_on:
+            lowest = self._ft_call(
+                "read the lowest pending offsets",
+                lambda client: client.lowest_pending_offsets(list(self.options.topics)),
+            )
+            for topic, partitions in lowest.items():
+                for p, offset in partitions.items():
+                    if p in target.get(topic, {}):
+                        target[topic][p] = min(target[topic][p], offset)
+        commits = {
+            TopicPartition(t, p): offset
+            for t, partitions in target.items()
+            for p, offset in partitions.items()
+            if offset > self._committed.get((t, p), -1)
+        }
+        if not commits:
+            return {}
+        try:
+            self._group_client().commit(
+                offsets={tp: OffsetAndMetadata(o, "", -1) for tp, o in commits.items()}
+            )
+        except (KafkaError, OSError) as exc:
+            log.warning(
+                "could not commit offsets of group %r (retried at the next batch): %r",
+                self.options.group_id,
+                exc,
+            )
+            self._drop_group_client()
+            return {}
+        for tp, offset in commits.items():
+            self._committed[(tp.topic, tp.partition)] = offset
+        return _by_topic(commits)
+
+    def _group_client(self) -> Any:
+        if self._group is None:
+            self._group = KafkaConsumer(
+                bootstrap_servers=self.options.bootstrap,
+                group_id=self.options.group_id,
+                enable_auto_commit=False,
+                request_timeout_ms=_DRIVER_TIMEOUT_MS * 4,
+                **{k: v for k, v in self.options.kafka_config.items() if k in _SECURITY},
+            )
+        return self._group
+
+    def _drop_group_client(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.close(autocommit=False)
 
     # ---- Kafka ----
 

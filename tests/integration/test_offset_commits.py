@@ -1,0 +1,112 @@
+"""Consumer-group offsets under ftlayer (issue 4, section 5 and test g).
+
+With `kafka.group.id`, the ftkafka source commits, for every partition, the group
+offset min(batch end, lowest offset still pending in the FT layer) when Spark reports a
+batch done (commit(end), one batch late). Real Tansu, a real `ftlayer serve`, local
+Spark: a sink that leaves one record unacked must hold its partition's committed offset
+at that record while the other partition moves on, and acking it lets the offset pass.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from serverproc import Server, StartServer
+
+from ftlayer.integration.ftcolumns import FTSettings, to_unsigned
+from ftlayer.integration.kafka import produce
+from ftlayer.integration.sinks import settle
+from ftlayer.integration.source import register
+
+MakeTopic = Callable[..., str]
+HELD = (0, 3)  # (partition, offset) of the record the sink does not ack at first
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ftkafka(spark: SparkSession) -> None:
+    register(spark)
+
+
+def committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int | None]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        return {p: consumer.committed(TopicPartition(topic, p)) for p in range(partitions)}
+    finally:
+        consumer.close(autocommit=False)
+
+
+def run(
+    spark: SparkSession, opts: dict[str, str], checkpoint: Path, settings: FTSettings
+) -> list[dict[str, Any]]:
+    """One availableNow run whose sink acks every row but HELD; returns HELD's rows."""
+    held: list[dict[str, Any]] = []
+
+    def sink(batch: DataFrame, batch_id: int) -> None:
+        # Two actions on one micro-batch: cache it, or the source would read (and
+        # persist, under new roots) the batch twice (see integration.sinks).
+        batch.persist()
+        is_held = (F.col("partition") == HELD[0]) & (F.col("offset") == HELD[1])
+        held.extend(row.asDict() for row in batch.filter(is_held).collect())
+        settle(batch.filter(~is_held), settings, ack=True)
+        batch.unpersist()
+
+    query = (
+        spark.readStream.format("ftkafka")
+        .options(**opts)
+        .load()
+        .writeStream.foreachBatch(sink)
+        .trigger(availableNow=True)
+        .option("checkpointLocation", str(checkpoint))
+        .start()
+    )
+    try:
+        assert query.awaitTermination(120), "the availableNow query did not finish"
+    finally:
+        query.stop()
+    return held
+
+
+def test_group_offsets_never_pass_an_incomplete_record(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server: Server = start_server(None, "--timeout-s", "600")
+    settings = FTSettings(server.address)
+    topic, group = make_topic(2), f"g-{uuid.uuid4().hex[:8]}"
+    for p in range(2):  # 20 records in each partition, offsets 0..19
+        produce(kafka_bootstrap, topic, [(None, b"a%d" % i) for i in range(20)], partition=p)
+    opts = {
+        "kafka.bootstrap.servers": kafka_bootstrap,
+        "subscribe": topic,
+        "ft.address": server.address,
+        "kafka.group.id": group,
+        "maxOffsetsPerTrigger": "10",  # 5 per partition: 4 batches, commits one late
+    }
+    held = run(spark, opts, tmp_path / "checkpoint", settings)
+    assert len(held) == 1
+    after_first = committed(kafka_bootstrap, group, topic, 2)
+    assert after_first[0] == HELD[1], after_first  # held at the unacked record
+    assert after_first[1] is not None and after_first[1] >= 10, after_first
+
+    # The held record completes; the next run's commits move past it.
+    with server.client() as client:
+        root, record_id = (to_unsigned(np.array([held[0][c]])) for c in ("ft_root", "ft_id"))
+        client.xor(root, record_id)
+        assert client.lowest_pending_offsets([topic]) == {}
+    for p in range(2):
+        produce(kafka_bootstrap, topic, [(None, b"b%d" % i) for i in range(20)], partition=p)
+    run(spark, opts, tmp_path / "checkpoint", settings)
+    after_second = committed(kafka_bootstrap, group, topic, 2)
+    assert after_second[0] is not None and after_second[0] > 20, after_second
+    assert after_second[1] is not None and after_second[1] >= after_first[1], after_second
