@@ -1,0 +1,413 @@
+"""Sinks: a record is acked only once its write is done, and failed when the write failed.
+
+A sink is the terminal task of a tree: acking a row XORs its id into its root (every
+anchor of a multi-anchored row, see integration.tasks), and the root completes once
+every branch of its tree has been acked. Both sinks here are functions for
+`writeStream.foreachBatch` and do their FT work on the executors, vectorized per Arrow
+batch, through each Python worker's shared BatchingChannel, flushed at the end of
+each partition. Nothing but a per-partition count comes back to the driver.
+
+`ft_foreach_batch(fn, settings)`: the user's foreachBatch function under FT.
+
+1. Persist the micro-batch DataFrame. Every computation of an FT task sends XOR
+   events with fresh ids, so a batch computed twice (once by `fn`, once again for
+   the acks, or by two actions inside `fn`) leaves its trees unbalanced: they would
+   time out and be replayed for ever. The cache makes `fn` and the acks read one
+   computation. A cached partition that is evicted and recomputed costs a timeout
+   and a replay of its roots (a duplicate, never a loss).
+2. Call `fn(batch without the FT columns, epoch_id)`.
+3. If it returned: ack every row (one job over the cached rows, FT columns only).
+4. If it raised: fail every root of the batch (they are replayed), then, with
+   `on_error="fail-and-raise"` (the default), re-raise: the query stops, as Spark's own
+   foreachBatch does, and nothing is lost. A sink that keeps failing (a bug, a
+   broker down) must not spin silently through replays. With "fail-and-continue"
+   the error is logged and the query goes on with the next batch; the replays bring
+   the records back. If the roots cannot even be read (the batch's own computation
+   is what failed), they are left to time out, which also replays them.
+5. Unpersist.
+
+Acks on the executors vs. on the driver: collecting the ids with `toArrow()` and
+sending them from the driver moves 16 bytes per row into the driver and sends every
+event through one client; a job over the cached FT columns sends them from where the
+rows are. Measured on this 2-core machine (local[2], 1 M cached rows, 6 alternating
+runs each while other Spark jobs ran): executors best 0.89 s, median 1.3 s; driver
+best 0.96 s, median 1.2 s. Equal within the noise: both are dominated by sending
+1 M XOR events. The executor path is used: it keeps ids off the driver and spreads
+over a cluster.
+
+`ft_kafka_sink(bootstrap_servers, topic, settings)`: writes the `key` (optional) and
+`value` columns (binary or string) with a kafka-python producer tuned for throughput
+(acks=all, linger 5 ms, 1 MB batches), one per partition: it takes 4 ms to create
+against Tansu, and a producer shared across tasks would carry a fatal error (a fenced
+idempotent producer, say) into every later batch. One job per micro-batch. Per Arrow
+batch every row is sent, the producer flushed, and each row's future checked: a row
+is acked only if the broker confirmed its write; a row whose write failed (send
+raised, the broker answered an error, or the delivery timeout expired) has its roots
+failed and replayed. When a send times out waiting for metadata or buffer space, the
+rest of the batch is failed without trying, since each further send would wait as
+long. Failures never fail the Spark task (a retried task would write the confirmed
+rows twice); the sink reports them on the driver: with "fail-and-raise" it raises
+`SinkError` after acking and failing, with "fail-and-continue" it logs. The same
+partial-write rule holds when FT is off, except that a failed write always raises,
+since nothing could replay the record.
+
+FT off: `ft_foreach_batch` calls `fn` directly (no cache, no job, no connection) and
+lets its errors propagate; the Kafka sink only writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, cast, get_args
+
+import numpy as np
+import pyarrow as pa
+from kafka import KafkaProducer
+from kafka.errors import KafkaError, KafkaTimeoutError
+from numpy.typing import NDArray
+from pyspark.sql import DataFrame
+from pyspark.sql.types import BinaryType, StringType
+
+from ftlayer.errors import ConfigError, FTLayerError
+from ftlayer.handlers import TaskHandler, XorHandler
+
+from .ftcolumns import FT_COLUMNS, FTSettings
+from .tasks import ft_columns_of, read_anchors
+
+__all__ = [
+    "DEFAULT_PRODUCER_CONFIG",
+    "FTForeachBatch",
+    "FTKafkaSink",
+    "SinkError",
+    "SinkOnError",
+    "SinkResult",
+    "ft_foreach_batch",
+    "ft_kafka_sink",
+    "settle",
+]
+
+log = logging.getLogger(__name__)
+
+SinkOnError = Literal["fail-and-raise", "fail-and-continue"]
+
+DEFAULT_PRODUCER_CONFIG: Final[Mapping[str, Any]] = {
+    "client_id": "ftlayer-kafka-sink",
+    "acks": "all",
+    "linger_ms": 5,
+    "batch_size": 1 << 20,
+    "max_block_ms": 10_000,
+    "request_timeout_ms": 15_000,
+    "delivery_timeout_ms": 30_000,
+    "bootstrap_timeout_ms": 10_000,
+}
+# Beyond the delivery timeout every future has resolved; the margin covers scheduling.
+_FLUSH_MARGIN_S: Final = 5.0
+_NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
+_SUMMARY_SCHEMA: Final = "written long, failed long, error string"
+
+
+class SinkError(FTLayerError):
+    """Rows of a micro-batch were not written; with FT on their roots were failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkResult:
+    """What a sink did with one micro-batch: rows acked (written), rows failed."""
+
+    epoch_id: int
+    acked: int
+    failed: int
+    error: str | None = None
+
+
+def _check_on_error(on_error: str) -> SinkOnError:
+    if on_error not in get_args(SinkOnError):
+        raise ConfigError(f"on_error must be one of {get_args(SinkOnError)}, got {on_error!r}")
+    return cast(SinkOnError, on_error)
+
+
+def _check_ft_columns(df: DataFrame, settings: FTSettings) -> tuple[str, ...]:
+    present = ft_columns_of(df.columns)
+    if settings.enabled and not set(FT_COLUMNS) <= set(present):
+        raise ConfigError(
+            f"FT is on but the sink's DataFrame has no {' / '.join(FT_COLUMNS)} columns "
+            f"(it has {df.columns}): were they dropped by a select upstream?"
+        )
+    if not settings.enabled and present:
+        raise ConfigError(
+            f"FT is off but the sink's DataFrame has FT columns {list(present)}: the "
+            "source, tasks and sinks of a pipeline must share one FTSettings"
+        )
+    return present
+
+
+# ---- ft_foreach_batch ----------------------------------------------------------------
+
+
+def _settle_partition(settings: FTSettings, ack: bool) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """A mapInArrow function that acks (or fails) every row it reads; yields the count."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        channel = settings.channel()
+        handler = TaskHandler(XorHandler(channel))
+        rows = 0
+        for batch in batches:
+            anchors = read_anchors(batch)
+            failed = None if ack else np.ones(len(anchors), dtype=np.bool_)
+            handler.process(anchors, _NO_PARENTS, failed)
+            rows += len(anchors)
+        handler.flush()
+        channel.flush()
+        yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], type=pa.int64())})
+
+    return run
+
+
+def settle(df: DataFrame, settings: FTSettings, *, ack: bool) -> int:
+    """Ack (or fail the roots of) every row of `df` on the executors; returns the rows."""
+    columns = ft_columns_of(df.columns)
+    counts = df.select(*columns).mapInArrow(_settle_partition(settings, ack), "rows long")
+    return sum(int(row.rows) for row in counts.collect())
+
+
+class FTForeachBatch:
+    """A foreachBatch function that acks a batch after `fn` returned (module docstring).
+
+    `last_result` holds what the last call did, for tests and monitoring.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[DataFrame, int], object],
+        settings: FTSettings,
+        on_error: SinkOnError = "fail-and-raise",
+    ) -> None:
+        self.fn = fn
+        self.settings = settings
+        self.on_error = _check_on_error(on_error)
+        self.last_result: SinkResult | None = None
+
+    def __call__(self, df: DataFrame, epoch_id: int) -> None:
+        ft_columns = _check_ft_columns(df, self.settings)
+        if not self.settings.enabled:
+            self.fn(df, epoch_id)
+            return
+        # Step 1: one computation of the batch for fn and for the acks.
+        batch = df.persist()
+        try:
+            try:
+                # Step 2: the user's write.
+                self.fn(batch.drop(*ft_columns), epoch_id)
+            except Exception as exc:
+                # Step 4: its failure fails every root of the batch.
+                self._fail_all(batch, epoch_id, exc)
+                if self.on_error == "fail-and-raise":
+                    raise
+                log.warning("foreachBatch %d failed; its roots will be replayed: %r", epoch_id, exc)
+                return
+            # Step 3: done: ack every row.
+            acked = settle(batch, self.settings, ack=True)
+            self.last_result = SinkResult(epoch_id, acked=acked, failed=0)
+        finally:
+            # Step 5.
+            batch.unpersist()
+
+    def _fail_all(self, batch: DataFrame, epoch_id: int, exc: Exception) -> None:
+        try:
+            failed = settle(batch, self.settings, ack=False)
+        except Exception as settle_exc:
+            exc.add_note(
+                f"ftlayer: the batch's roots could not be failed ({settle_exc!r}); "
+                "they time out and are replayed"
+            )
+            self.last_result = SinkResult(epoch_id, 0, 0, repr(exc))
+            return
+        exc.add_note(f"ftlayer: the {failed} rows of batch {epoch_id} were failed for replay")
+        self.last_result = SinkResult(epoch_id, acked=0, failed=failed, error=repr(exc))
+
+
+def ft_foreach_batch(
+    fn: Callable[[DataFrame, int], object],
+    settings: FTSettings,
+    *,
+    on_error: SinkOnError = "fail-and-raise",
+) -> FTForeachBatch:
+    """Wrap `fn(batch_df, epoch_id)` for `writeStream.foreachBatch`: see the module
+    docstring for when rows are acked and failed."""
+    return FTForeachBatch(fn, settings, on_error)
+
+
+# ---- the Kafka sink ----------------------------------------------------------------------
+
+
+def _as_bytes(batch: Any, column: str | None) -> list[bytes | None]:
+    if column is None:
+        return [None] * batch.num_rows
+    values = batch.column(column)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        values = values.cast(pa.binary())
+    return cast(list[bytes | None], values.to_pylist())
+
+
+def _send_all(
+    producer: Any,
+    topic: str,
+    keys: list[bytes | None],
+    values: list[bytes | None],
+    wait_s: float,
+) -> tuple[NDArray[np.bool_], BaseException | None]:
+    """Send every row, flush, and return which writes the broker confirmed."""
+    futures: list[Any] = []
+    error: BaseException | None = None
+    for key, value in zip(keys, values, strict=True):
+        try:
+            futures.append(producer.send(topic, key=key, value=value))
+        except KafkaTimeoutError as exc:
+            error = exc  # no metadata or no buffer space: every further send waits as long
+            break
+        except (KafkaError, TypeError, ValueError, AssertionError) as exc:
+            futures.append(None)  # this record only (too large, bad key type, ...)
+            error = error or exc
+    try:
+        producer.flush(timeout=wait_s)
+    except KafkaTimeoutError as exc:
+        error = error or exc
+    confirmed = np.zeros(len(values), dtype=np.bool_)
+    for i, future in enumerate(futures):
+        if future is not None and future.is_done:
+            if future.succeeded():
+                confirmed[i] = True
+            else:
+                error = error or future.exception
+    return confirmed, error
+
+
+def _kafka_partition(
+    settings: FTSettings,
+    bootstrap: str,
+    topic: str,
+    key_column: str | None,
+    value_column: str,
+    config: Mapping[str, Any],
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    wait_s = config["delivery_timeout_ms"] / 1000 + _FLUSH_MARGIN_S
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        channel = settings.channel() if settings.enabled else None
+        handler = TaskHandler(XorHandler(channel)) if channel is not None else None
+        producer: Any = None
+        written = failed = 0
+        first_error: BaseException | None = None
+        try:
+            for batch in batches:
+                n = batch.num_rows
+                try:
+                    if producer is None:
+                        producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
+                    keys, values = _as_bytes(batch, key_column), _as_bytes(batch, value_column)
+                    confirmed, error = _send_all(producer, topic, keys, values, wait_s)
+                except KafkaError as exc:  # no producer: the broker cannot be reached
+                    confirmed, error = np.zeros(n, dtype=np.bool_), exc
+                first_error = first_error or error
+                ok = int(confirmed.sum())
+                written, failed = written + ok, failed + n - ok
+                if handler is not None:
+                    handler.process(
+                        read_anchors(batch), _NO_PARENTS, None if ok == n else ~confirmed
+                    )
+        finally:
+            if producer is not None:
+                producer.close(timeout=0)  # flushed already; what is left has failed
+        if handler is not None and channel is not None:
+            handler.flush()
+            channel.flush()
+        yield pa.RecordBatch.from_pydict(
+            {
+                "written": pa.array([written], type=pa.int64()),
+                "failed": pa.array([failed], type=pa.int64()),
+                "error": pa.array([None if first_error is None else repr(first_error)]),
+            }
+        )
+
+    return run
+
+
+class FTKafkaSink:
+    """A foreachBatch function writing rows to a Kafka topic (module docstring)."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        settings: FTSettings,
+        *,
+        key_column: str | None = "key",
+        value_column: str = "value",
+        on_error: SinkOnError = "fail-and-raise",
+        producer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.settings = settings
+        self.key_column = key_column
+        self.value_column = value_column
+        self.on_error = _check_on_error(on_error)
+        self.producer_config = {**DEFAULT_PRODUCER_CONFIG, **(producer_config or {})}
+        self.last_result: SinkResult | None = None
+
+    def __call__(self, df: DataFrame, epoch_id: int) -> None:
+        ft_columns = _check_ft_columns(df, self.settings)
+        data_columns = [c for c in (self.key_column, self.value_column) if c is not None]
+        types = {f.name: f.dataType for f in df.schema.fields}
+        for column in data_columns:
+            if not isinstance(types.get(column), BinaryType | StringType):
+                found = types[column].simpleString() if column in types else "missing"
+                raise ConfigError(f"Kafka sink column {column!r} must be binary or string: {found}")
+        run = _kafka_partition(
+            self.settings,
+            self.bootstrap_servers,
+            self.topic,
+            self.key_column,
+            self.value_column,
+            self.producer_config,
+        )
+        summary = df.select(*data_columns, *ft_columns).mapInArrow(run, _SUMMARY_SCHEMA).collect()
+        written = sum(int(row.written) for row in summary)
+        failed = sum(int(row.failed) for row in summary)
+        error = next((row.error for row in summary if row.error is not None), None)
+        self.last_result = SinkResult(epoch_id, acked=written, failed=failed, error=error)
+        if not failed:
+            return
+        fate = "their roots were failed for replay" if self.settings.enabled else "FT is off"
+        message = (
+            f"{failed} of {written + failed} rows of batch {epoch_id} were not written to "
+            f"Kafka topic {self.topic!r} ({fate}); first error: {error}"
+        )
+        if self.on_error == "fail-and-raise" or not self.settings.enabled:
+            raise SinkError(message)
+        log.warning("%s", message)
+
+
+def ft_kafka_sink(
+    bootstrap_servers: str,
+    topic: str,
+    settings: FTSettings,
+    *,
+    key_column: str | None = "key",
+    value_column: str = "value",
+    on_error: SinkOnError = "fail-and-raise",
+    producer_config: Mapping[str, Any] | None = None,
+) -> FTKafkaSink:
+    """A foreachBatch function writing `key_column`/`value_column` to `topic`; rows are
+    acked once the broker confirmed them, failed (replayed) otherwise."""
+    return FTKafkaSink(
+        bootstrap_servers,
+        topic,
+        settings,
+        key_column=key_column,
+        value_column=value_column,
+        on_error=on_error,
+        producer_config=producer_config,
+    )

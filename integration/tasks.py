@@ -1,0 +1,964 @@
+"""Task wrappers: map, flat_map, filter and per-key aggregation under fault tolerance.
+
+`FTTasks(settings)` wraps user code around DataFrames. Every wrapper runs on Arrow
+batches (`DataFrame.mapInArrow`); the FT work for a batch is a handful of numpy
+operations, never a Python object per record:
+
+1. Read the inputs' anchors from their FT columns (`read_anchors`).
+2. Run the user code. Per-record forms (`map`, `flat_map`, `filter`) call it once per
+   record with a dict of the payload columns; batch forms (`map_batches`,
+   `filter_batches`) call it once per Arrow batch. Either way the result is the output
+   rows plus `parents`, the index of the input each output row came from, and a
+   `failed` mask over the inputs.
+3. `TaskHandler.process(inputs, parents, failed)` draws a fresh id for every output,
+   gives it its anchors, and buffers one combined XOR event per input and root (the
+   input's id XOR its outputs' ids, as Storm does). Failed inputs send a fail for
+   their roots instead, and none of their outputs is emitted.
+4. The outputs leave with FT columns: their root and new id.
+5. At the end of the partition (the end of the mapInArrow iterator) the events go to
+   the process's shared `BatchingChannel` and are flushed, so a partition's events
+   are on their way when its task ends. Events are kept in the task until then (up to
+   65,536 of them), so a task that fails and is retried by Spark has usually sent
+   nothing: the retry completes the trees. When a partition is larger, or a retry
+   follows a partial flush, the first attempt's events leave the trees unbalanced:
+   they time out and are replayed (a duplicate, never a loss).
+
+Errors in user code, per record:
+
+- `FailException` fails only that record's tree: its roots fail and are replayed, its
+  outputs (if any) are dropped, the rest of the batch goes on.
+- Any other exception: `on_error="fail-record"` (default) treats it like a
+  FailException and logs it; `on_error="fail-task"` lets it propagate, so Spark fails
+  the task and retries it (`local[N,F]` and clusters retry F times), and the query
+  stops if every attempt fails.
+- In a batch form, an exception fails every record of the batch the same way; the
+  batch function can instead fail single records by returning a `TaskOutput` with a
+  `failed` mask.
+
+One computation, one consumer. Every computation of a wrapper draws fresh ids for
+its outputs and sends the events for its inputs, and every wrapper or sink that reads
+a row consumes its id. So an FT DataFrame must be computed once (the sinks cache the
+micro-batch for that; persist a DataFrame yourself before two actions on it) and each
+row must reach exactly one consumer. To branch, persist the parent and route its rows
+with plain `where` predicates that send each row to exactly one branch. A row read by
+two wrappers, or computed twice, leaves its tree unbalanced: it times out and is
+replayed, and since the replay takes the same path, it is replayed again, for ever.
+A plain Spark `where` that drops rows does not ack them either: use `filter`.
+
+Multi-anchored rows. An aggregate derived from many inputs carries one anchor per
+input (its new id under each input's root; see `TaskHandler.process_grouped`). Such a
+row keeps `ft_root`/`ft_id` for its first anchor and holds the others in
+`ft_extra_anchors` (EXTRA_ANCHORS_COLUMN), an `array<struct<root: long, id: long>>`
+with the same signed-int64 bits as the FT columns. A row's anchors are therefore
+`[(ft_root, ft_id)] + ft_extra_anchors`; a null or empty list means the row has one
+anchor, so a single-anchored DataFrame unions with a multi-anchored one after adding
+`F.lit(None).cast(EXTRA_ANCHORS_TYPE)`. Every wrapper here and every sink reads it;
+a wrapper whose input has the column keeps it in its output (a map over aggregates
+gives rows anchored to every root of their aggregate). Dropping the column (a plain
+`select`) leaves the extra anchors unacked: their trees time out and are replayed.
+
+Aggregation (`aggregate`): rows are hash-partitioned by the group keys and sorted
+within partitions (what `groupBy().applyInArrow` does too), then one mapInArrow pass
+finds the groups, calls the user function once per group with the group's key and
+rows as a `pyarrow.Table`, and anchors each output row to every input of its group
+with one `process_grouped` call per Arrow batch. Unlike applyInArrow, which calls the
+function per group with no end-of-partition hook, this flushes at the end of each
+partition like the other wrappers. A group function that returns several rows (or
+none) gets them anchored by a second `process` over the group's combined anchors.
+
+FT off (`FTSettings(enabled=False)`): the same user code runs through the plain path
+(mapInArrow, or groupBy().applyInArrow for aggregates) with no FT columns, no ids, no
+connection. A record whose code raises FailException, or any exception under
+`fail-record`, is dropped and logged: without the FT layer there is nothing to replay
+it from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal, cast, get_args
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from numpy.typing import ArrayLike, NDArray
+from pyspark.sql import DataFrame
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    LongType,
+    MapType,
+    StructField,
+    StructType,
+)
+
+from ftlayer.errors import ConfigError, FailException
+from ftlayer.handlers import Anchors, TaskHandler, XorHandler
+
+from .ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed, to_unsigned
+
+__all__ = [
+    "ALL_FT_COLUMNS",
+    "EXTRA_ANCHORS_COLUMN",
+    "EXTRA_ANCHORS_TYPE",
+    "FTTasks",
+    "OnError",
+    "TaskOutput",
+    "anchor_columns",
+    "ft_columns_of",
+    "read_anchors",
+]
+
+log = logging.getLogger(__name__)
+
+EXTRA_ANCHORS_COLUMN: Final = "ft_extra_anchors"
+EXTRA_ANCHORS_TYPE: Final = ArrayType(
+    StructType([StructField("root", LongType(), False), StructField("id", LongType(), False)]),
+    containsNull=False,
+)
+ALL_FT_COLUMNS: Final = (*FT_COLUMNS, EXTRA_ANCHORS_COLUMN)
+
+_PAIR_ARROW: Final = pa.struct(
+    [pa.field("root", pa.int64(), nullable=False), pa.field("id", pa.int64(), nullable=False)]
+)
+_EXTRA_ARROW: Final = pa.list_(pa.field("element", _PAIR_ARROW, nullable=False))
+_NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
+# What pyarrow raises when user rows do not fit the declared schema.
+_CONVERSION_ERRORS: Final = (pa.ArrowException, TypeError, ValueError, OverflowError)
+
+OnError = Literal["fail-record", "fail-task"]
+Row = dict[str, Any]
+Schema = StructType | str
+GroupKey = tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOutput:
+    """What a batch function returns when its output rows are not one per input.
+
+    `rows` (RecordBatch or Table, the declared schema's columns); `parents[j]` is the
+    index of the input row output j was derived from (a map: arange(n); a flat_map:
+    repeated indices); `failed` marks inputs whose trees fail (they must have no
+    output rows). In `aggregate`, `parents` must be None: every output row of a group
+    derives from all of the group's inputs, and `failed` is a mask over the group.
+    """
+
+    rows: Any
+    parents: ArrayLike | None = None
+    failed: ArrayLike | None = None
+
+
+# ---- FT columns ---------------------------------------------------------------------
+
+
+def ft_columns_of(names: Iterable[str]) -> tuple[str, ...]:
+    """The FT columns among `names`, in ALL_FT_COLUMNS order."""
+    present = set(names)
+    return tuple(c for c in ALL_FT_COLUMNS if c in present)
+
+
+def _ids(batch: Any, name: str) -> NDArray[np.uint64]:
+    column = batch.column(name)
+    if column.null_count:
+        raise ValueError(f"{column.null_count} rows have a null {name}: every FT row needs one")
+    return to_unsigned(column.to_numpy(zero_copy_only=False))
+
+
+def read_anchors(batch: Any) -> Anchors:
+    """The anchors of an Arrow batch's rows: (ft_root, ft_id), then ft_extra_anchors."""
+    roots, ids = _ids(batch, ROOT_COLUMN), _ids(batch, ID_COLUMN)
+    if EXTRA_ANCHORS_COLUMN not in batch.schema.names:
+        return Anchors.single(roots, ids)
+    extra = batch.column(EXTRA_ANCHORS_COLUMN)
+    lengths = pc.fill_null(pc.list_value_length(extra), 0).to_numpy(zero_copy_only=False)
+    if not lengths.any():
+        return Anchors.single(roots, ids)
+    extra_roots, extra_ids = (
+        to_unsigned(child.to_numpy(zero_copy_only=False)) for child in extra.flatten().flatten()
+    )
+    offsets = np.zeros(len(roots) + 1, dtype=np.int64)
+    np.cumsum(lengths + 1, out=offsets[1:])
+    first = offsets[:-1]
+    is_extra = np.ones(int(offsets[-1]), dtype=np.bool_)
+    is_extra[first] = False
+    all_roots = np.empty(len(is_extra), dtype=np.uint64)
+    all_ids = np.empty(len(is_extra), dtype=np.uint64)
+    all_roots[first], all_ids[first] = roots, ids
+    all_roots[is_extra], all_ids[is_extra] = extra_roots, extra_ids
+    return Anchors(offsets, all_roots, all_ids)
+
+
+def anchor_columns(anchors: Anchors, multi: bool) -> list[Any]:
+    """The FT columns (Arrow arrays) for rows with these anchors: ft_root, ft_id, and
+    with `multi` ft_extra_anchors. Every row needs at least one anchor."""
+    n = len(anchors)
+    counts = np.diff(anchors.offsets)
+    # Paranoid check: an output without anchors would never be acked or failed.
+    if n and int(counts.min()) < 1:
+        raise AssertionError("an output row has no anchor")
+    first = anchors.offsets[:-1]
+    columns = [
+        pa.array(to_signed(anchors.roots[first]), type=pa.int64()),
+        pa.array(to_signed(anchors.ids[first]), type=pa.int64()),
+    ]
+    if multi:
+        is_extra = np.ones(len(anchors.roots), dtype=np.bool_)
+        is_extra[first] = False
+        pairs = pa.StructArray.from_arrays(
+            [
+                pa.array(to_signed(anchors.roots[is_extra]), type=pa.int64()),
+                pa.array(to_signed(anchors.ids[is_extra]), type=pa.int64()),
+            ],
+            fields=list(_PAIR_ARROW),
+        )
+        list_offsets = pa.array(anchors.offsets - np.arange(n + 1), type=pa.int32())
+        columns.append(pa.ListArray.from_arrays(list_offsets, pairs, type=_EXTRA_ARROW))
+    elif len(anchors.roots) != n:
+        raise AssertionError("a single-anchored output got several anchors")
+    return columns
+
+
+# ---- results of user code, as (rows, parents, failed) ---------------------------------
+
+
+def _conform(rows: Any, schema: Any) -> Any:
+    """User rows (RecordBatch or Table) as one RecordBatch of exactly `schema`."""
+    if isinstance(rows, pa.Table):
+        rows = _single_batch(rows)
+    if not isinstance(rows, pa.RecordBatch):
+        raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(rows).__name__}")
+    missing = [name for name in schema.names if name not in rows.schema.names]
+    if missing:
+        raise ValueError(f"output rows lack the declared columns {missing}")
+    return rows.select(schema.names).cast(schema)
+
+
+def _single_batch(table: Any) -> Any:
+    """A Table as one RecordBatch (columns concatenated; empty keeps the schema)."""
+    batches = table.combine_chunks().to_batches()
+    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+
+
+def _empty(schema: Any) -> Any:
+    return pa.RecordBatch.from_pylist([], schema=schema)
+
+
+def _as_bool_mask(value: Any, n: int, what: str) -> NDArray[np.bool_]:
+    """A boolean mask of length n from a numpy/pyarrow/list value; null counts as False."""
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks()
+    if isinstance(value, pa.Array):
+        value = pc.fill_null(value, False).to_numpy(zero_copy_only=False)
+    mask = np.asarray(value, dtype=np.bool_)
+    if mask.shape != (n,):
+        raise ValueError(f"{what}: expected {n} flags, got shape {mask.shape}")
+    return mask
+
+
+@dataclass(slots=True)
+class _Failures:
+    """Records failed in one batch, for the log: how many, and the first exception."""
+
+    count: int = 0
+    first: BaseException | None = None
+
+    def add(self, exc: BaseException, count: int = 1) -> None:
+        self.count += count
+        if self.first is None and not isinstance(exc, FailException):
+            self.first = exc
+
+
+def _batch_result(
+    result: Any, n: int, schema: Any
+) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
+    """A batch function's result as (rows, parents, failed), checked."""
+    if isinstance(result, TaskOutput):
+        rows = _conform(result.rows, schema)
+        parents = (
+            np.arange(rows.num_rows, dtype=np.intp)
+            if result.parents is None
+            else np.ascontiguousarray(result.parents, dtype=np.intp)
+        )
+        failed = (
+            None if result.failed is None else _as_bool_mask(result.failed, n, "TaskOutput.failed")
+        )
+    else:
+        rows, parents, failed = _conform(result, schema), np.arange(n, dtype=np.intp), None
+        if rows.num_rows != n:
+            raise ValueError(
+                f"{rows.num_rows} rows returned for {n} inputs; return "
+                "TaskOutput(rows, parents) when output rows are not one per input"
+            )
+    if len(parents) != rows.num_rows:
+        raise ValueError(f"{rows.num_rows} output rows but {len(parents)} parents")
+    if rows.num_rows and (int(parents.min()) < 0 or int(parents.max()) >= n):
+        raise ValueError(f"parents must index the {n} inputs")
+    if failed is not None and bool(failed[parents].any()):
+        raise ValueError("a failed input cannot have output rows")
+    return rows, parents, failed
+
+
+def _run_batch_fn(
+    fn: Callable[[Any], Any],
+    payload: Any,
+    schema: Any,
+    on_error: OnError,
+    failures: _Failures,
+) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
+    """map_batches: call fn on the whole batch; an exception fails every record."""
+    n = payload.num_rows
+    try:
+        rows, parents, failed = _batch_result(fn(payload), n, schema)
+    except FailException as exc:
+        failures.add(exc, n)
+    except Exception as exc:
+        if on_error == "fail-task":
+            raise
+        failures.add(exc, n)
+    else:
+        if failed is not None:
+            failures.count += int(failed.sum())
+        return rows, parents, failed
+    return _empty(schema), _NO_PARENTS, np.ones(n, dtype=np.bool_)
+
+
+def _run_record_fn(
+    fn: Callable[[Row], Iterable[Row]],
+    payload: Any,
+    schema: Any,
+    on_error: OnError,
+    failures: _Failures,
+) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
+    """map / flat_map: call fn per record (fn returns that record's output rows)."""
+    n = payload.num_rows
+    counts = np.zeros(n, dtype=np.int64)
+    failed = np.zeros(n, dtype=np.bool_)
+    outputs: list[Row] = []
+    for i, row in enumerate(payload.to_pylist()):
+        try:
+            produced = list(fn(row))
+        except FailException as exc:
+            failed[i] = True
+            failures.add(exc)
+            continue
+        except Exception as exc:
+            if on_error == "fail-task":
+                raise
+            failed[i] = True
+            failures.add(exc)
+            continue
+        outputs.extend(produced)
+        counts[i] = len(produced)
+    parents = np.repeat(np.arange(n, dtype=np.intp), counts)
+    try:
+        rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
+    except _CONVERSION_ERRORS as exc:
+        if on_error == "fail-task":
+            raise
+        # Find the outputs that do not fit the schema (the slow path, only on error)
+        # and fail their inputs, as if their code had raised.
+        bad_inputs = {
+            int(parents[j]) for j, out in enumerate(outputs) if not _converts(out, schema)
+        }
+        if not bad_inputs:
+            raise
+        failed[list(bad_inputs)] = True
+        failures.add(exc, len(bad_inputs))
+        keep = ~failed[parents]
+        outputs = [out for out, k in zip(outputs, keep.tolist(), strict=True) if k]
+        parents = parents[keep]
+        rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
+    return rows, parents, failed if failed.any() else None
+
+
+def _converts(row: Row, schema: Any) -> bool:
+    try:
+        pa.RecordBatch.from_pylist([row], schema=schema)
+    except _CONVERSION_ERRORS:
+        return False
+    return True
+
+
+def _run_predicate(
+    predicate: Callable[[Row], bool], payload: Any, on_error: OnError, failures: _Failures
+) -> tuple[NDArray[np.bool_], NDArray[np.bool_] | None]:
+    """filter: call the predicate per record; returns (keep, failed)."""
+    n = payload.num_rows
+    keep = np.zeros(n, dtype=np.bool_)
+    failed = np.zeros(n, dtype=np.bool_)
+    for i, row in enumerate(payload.to_pylist()):
+        try:
+            keep[i] = bool(predicate(row))
+        except FailException as exc:
+            failed[i] = True
+            failures.add(exc)
+        except Exception as exc:
+            if on_error == "fail-task":
+                raise
+            failed[i] = True
+            failures.add(exc)
+    return keep, failed if failed.any() else None
+
+
+def _run_batch_predicate(
+    predicate: Callable[[Any], Any], payload: Any, on_error: OnError, failures: _Failures
+) -> tuple[NDArray[np.bool_], NDArray[np.bool_] | None]:
+    n = payload.num_rows
+    try:
+        return _as_bool_mask(predicate(payload), n, "filter_batches predicate"), None
+    except FailException as exc:
+        failures.add(exc, n)
+    except Exception as exc:
+        if on_error == "fail-task":
+            raise
+        failures.add(exc, n)
+    return np.zeros(n, dtype=np.bool_), np.ones(n, dtype=np.bool_)
+
+
+def _log_failures(failures: _Failures, what: str, ft: bool) -> None:
+    if not failures.count:
+        return
+    fate = "their trees failed and will be replayed" if ft else "dropped (FT is off)"
+    if failures.first is None:  # FailException only: the user's own decision
+        log.info("%s: %d records raised FailException, %s", what, failures.count, fate)
+        return
+    log.warning(
+        "%s: %d records failed in this partition, %s; first error: %r",
+        what,
+        failures.count,
+        fate,
+        failures.first,
+        exc_info=failures.first,
+    )
+
+
+# ---- the partition runners (run on executors) ------------------------------------------
+
+# One step: the payload batch in, (payload rows out, parents, failed) back.
+_Step = Callable[[Any, _Failures], tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]]
+
+
+def _payload_of(batch: Any) -> Any:
+    names = [n for n in batch.schema.names if n not in ALL_FT_COLUMNS]
+    return batch.select(names)
+
+
+def _ft_partition(
+    settings: FTSettings, step: _Step, out_schema: Any, multi: bool, what: str
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """A mapInArrow function: run `step` per batch, anchor its outputs, flush at the end."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        channel = settings.channel()
+        handler = TaskHandler(XorHandler(channel))
+        failures = _Failures()
+        for batch in batches:
+            inputs = read_anchors(batch)
+            rows, parents, failed = step(_payload_of(batch), failures)
+            outputs = handler.process(inputs, parents, failed)
+            if rows.num_rows:
+                columns = [*rows.columns, *anchor_columns(outputs, multi)]
+                yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+        handler.flush()
+        channel.flush()
+        _log_failures(failures, what, ft=True)
+
+    return run
+
+
+def _plain_partition(step: _Step, what: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """FT off: run `step` per batch; failed records are dropped."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        failures = _Failures()
+        for batch in batches:
+            rows, _, _ = step(batch, failures)
+            if rows.num_rows:
+                yield rows
+        _log_failures(failures, what, ft=False)
+
+    return run
+
+
+def _ft_filter_partition(
+    settings: FTSettings,
+    decide: Callable[[Any, _Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
+    what: str,
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """A filter keeps its input's schema: kept rows get new ids in place."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        channel = settings.channel()
+        handler = TaskHandler(XorHandler(channel))
+        failures = _Failures()
+        for batch in batches:
+            inputs = read_anchors(batch)
+            keep, failed = decide(_payload_of(batch), failures)
+            if failed is not None:
+                keep &= ~failed
+            parents = np.flatnonzero(keep)
+            outputs = handler.process(inputs, parents, failed)
+            if len(parents):
+                yield _with_anchors(batch.take(pa.array(parents)), outputs)
+        handler.flush()
+        channel.flush()
+        _log_failures(failures, what, ft=True)
+
+    return run
+
+
+def _with_anchors(batch: Any, anchors: Anchors) -> Any:
+    """`batch` with its FT columns replaced by these anchors (same positions)."""
+    multi = EXTRA_ANCHORS_COLUMN in batch.schema.names
+    names = [ROOT_COLUMN, ID_COLUMN, EXTRA_ANCHORS_COLUMN] if multi else list(FT_COLUMNS)
+    for name, column in zip(names, anchor_columns(anchors, multi), strict=True):
+        index = batch.schema.get_field_index(name)
+        column = column.cast(batch.schema.field(index).type)
+        batch = batch.set_column(index, batch.schema.field(index), column)
+    return batch
+
+
+def _plain_filter_partition(
+    decide: Callable[[Any, _Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
+    what: str,
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        failures = _Failures()
+        for batch in batches:
+            keep, failed = decide(batch, failures)
+            if failed is not None:
+                keep &= ~failed
+            if keep.any():
+                yield batch.filter(pa.array(keep))
+        _log_failures(failures, what, ft=False)
+
+    return run
+
+
+# ---- aggregation -------------------------------------------------------------------------
+
+
+def _key_changes(columns: Sequence[Any]) -> NDArray[np.bool_]:
+    """changes[i]: row i+1's key differs from row i's (nulls equal nulls, NaN equals NaN,
+    as in Spark's grouping)."""
+    n = len(columns[0])
+    changes = np.zeros(max(n - 1, 0), dtype=np.bool_)
+    if n < 2:
+        return changes
+    for column in columns:
+        before, after = column.slice(0, n - 1), column.slice(1)
+        differ = pc.fill_null(pc.not_equal(before, after), False)
+        differ = pc.or_(differ, pc.xor(before.is_null(), after.is_null()))
+        if pa.types.is_floating(column.type):
+            both_nan = pc.and_(pc.is_nan(before), pc.is_nan(after))
+            differ = pc.and_(differ, pc.invert(pc.fill_null(both_nan, False)))
+        changes |= differ.to_numpy(zero_copy_only=False)
+    return changes
+
+
+@dataclass(slots=True)
+class _Grouper:
+    """Cuts a partition sorted by the group keys into complete groups, batch by batch:
+    the rows of the last group seen are held back until a row with another key (or the
+    end of the partition) shows the group is complete."""
+
+    by: Sequence[str]
+    held: list[Any]
+
+    def feed(self, batch: Any) -> Any | None:
+        """Rows of the groups `batch` completes (one batch), or None."""
+        if batch.num_rows == 0:
+            return None
+        keys = [batch.column(k) for k in self.by]
+        if self.held:
+            last = self.held[-1]
+            keys = [
+                pa.concat_arrays([last.column(k).slice(last.num_rows - 1), c])
+                for k, c in zip(self.by, keys, strict=True)
+            ]
+            starts = _key_changes(keys)
+        else:
+            starts = np.concatenate([[True], _key_changes(keys)])
+        boundaries = np.flatnonzero(starts)
+        cut = int(boundaries[-1]) if len(boundaries) else 0
+        if cut == 0 and not (len(boundaries) and self.held):
+            self.held.append(batch)  # the batch only continues (or starts) one group
+            return None
+        complete = [*self.held, batch.slice(0, cut)]
+        self.held = [batch.slice(cut)]
+        return _concat_batches(complete)
+
+    def finish(self) -> Any | None:
+        held, self.held = self.held, []
+        return _concat_batches(held) if held else None
+
+
+def _concat_batches(batches: Sequence[Any]) -> Any:
+    return _single_batch(pa.Table.from_batches(batches))
+
+
+def _aggregate_groups(
+    rows: Any,
+    by: Sequence[str],
+    fn: Callable[[GroupKey, Any], Any],
+    schema: Any,
+    on_error: OnError,
+    failures: _Failures,
+) -> tuple[Any, NDArray[np.intp], NDArray[np.int64], NDArray[np.bool_]]:
+    """Call fn per group of `rows` (sorted by key, groups complete).
+
+    Returns the output rows, each input's group index, each group's output count, and
+    the failed mask over the inputs.
+    """
+    n = rows.num_rows
+    starts = np.concatenate([[True], _key_changes([rows.column(k) for k in by])])
+    groups = (np.cumsum(starts) - 1).astype(np.intp)
+    bounds = [*np.flatnonzero(starts).tolist(), n]
+    payload = pa.Table.from_batches([_payload_of(rows)])
+    counts = np.zeros(len(bounds) - 1, dtype=np.int64)
+    failed = np.zeros(n, dtype=np.bool_)
+    outputs: list[Any] = []
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        key = tuple(rows.column(k)[lo] for k in by)
+        try:
+            result = fn(key, payload.slice(lo, hi - lo))
+            group_failed = None
+            if isinstance(result, TaskOutput):
+                if result.parents is not None:
+                    raise ValueError("aggregate: TaskOutput.parents must be None")
+                if result.failed is not None:
+                    group_failed = _as_bool_mask(result.failed, hi - lo, "TaskOutput.failed")
+                result = result.rows
+            out = _conform(result, schema)
+        except FailException as exc:
+            failed[lo:hi] = True
+            failures.add(exc, hi - lo)
+            continue
+        except Exception as exc:
+            if on_error == "fail-task":
+                raise
+            failed[lo:hi] = True
+            failures.add(exc, hi - lo)
+            continue
+        if group_failed is not None:
+            failed[lo:hi] = group_failed
+            failures.count += int(group_failed.sum())
+            if group_failed.all():
+                continue  # no input is left to anchor the group's outputs to
+        outputs.append(out)
+        counts[g] = out.num_rows
+    out_rows = _concat_batches(outputs) if outputs else _empty(schema)
+    return out_rows, groups, counts, failed
+
+
+def _ft_aggregate_partition(
+    settings: FTSettings,
+    by: Sequence[str],
+    fn: Callable[[GroupKey, Any], Any],
+    payload_schema: Any,
+    out_schema: Any,
+    on_error: OnError,
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    def emit(rows: Any, handler: TaskHandler, failures: _Failures) -> Iterator[Any]:
+        out, groups, counts, failed = _aggregate_groups(
+            rows, by, fn, payload_schema, on_error, failures
+        )
+        inputs = read_anchors(rows)
+        combined = handler.process_grouped(
+            inputs, groups, len(counts), failed if failed.any() else None
+        )
+        if not np.array_equal(counts, np.ones_like(counts)):
+            # Not one output per group: each output is a child of its group's combined
+            # anchors; a group without outputs acks them (its inputs are done).
+            parents = np.repeat(np.arange(len(counts), dtype=np.intp), counts)
+            combined = handler.process(combined, parents)
+        if out.num_rows:
+            columns = [*out.columns, *anchor_columns(combined, multi=True)]
+            yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        channel = settings.channel()
+        handler = TaskHandler(XorHandler(channel))
+        failures = _Failures()
+        grouper = _Grouper(by, [])
+        for batch in batches:
+            complete = grouper.feed(batch)
+            if complete is not None:
+                yield from emit(complete, handler, failures)
+        rest = grouper.finish()
+        if rest is not None:
+            yield from emit(rest, handler, failures)
+        handler.flush()
+        channel.flush()
+        _log_failures(failures, "aggregate", ft=True)
+
+    return run
+
+
+def _plain_group_fn(
+    fn: Callable[[GroupKey, Any], Any], schema: Any, on_error: OnError
+) -> Callable[[GroupKey, Any], Any]:
+    """FT off: the user's group function for applyInArrow; a failed group emits nothing."""
+
+    def run(key: GroupKey, table: Any) -> Any:
+        try:
+            result = fn(key, table)
+            if isinstance(result, TaskOutput):
+                result = result.rows
+            return pa.Table.from_batches([_conform(result, schema)])
+        except FailException:
+            pass
+        except Exception as exc:
+            if on_error == "fail-task":
+                raise
+            log.warning("aggregate: group %r failed, dropped (FT is off): %r", key, exc)
+        return schema.empty_table()
+
+    return run
+
+
+# ---- the public API (driver side) ----------------------------------------------------------
+
+
+class FTTasks:
+    """Task wrappers for one FT layer; see the module docstring.
+
+    `on_error` is the default for every wrapper ("fail-record" or "fail-task"); each
+    method can override it. Schemas are StructType or DDL strings and name the
+    payload columns only: the wrappers add the FT columns.
+    """
+
+    def __init__(self, settings: FTSettings, *, on_error: OnError = "fail-record") -> None:
+        self.settings = settings
+        self.on_error = _check_on_error(on_error)
+
+    @property
+    def ft(self) -> bool:
+        return self.settings.enabled
+
+    # ---- per record ----
+
+    def map(
+        self,
+        df: DataFrame,
+        fn: Callable[[Row], Row],
+        schema: Schema,
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """One output row (a dict of `schema`'s columns) per input row (a dict)."""
+        return self._records(df, lambda row: (fn(row),), schema, on_error, "map")
+
+    def flat_map(
+        self,
+        df: DataFrame,
+        fn: Callable[[Row], Iterable[Row]],
+        schema: Schema,
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """Zero or more output rows per input row; all of a record's outputs are emitted,
+        or (when it fails, even midway) none."""
+        return self._records(df, fn, schema, on_error, "flat_map")
+
+    def filter(
+        self,
+        df: DataFrame,
+        predicate: Callable[[Row], bool],
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """Keep the rows the predicate is true for; a dropped row's tree is acked."""
+        mode = self._mode(on_error)
+
+        def decide(payload: Any, failures: _Failures) -> Any:
+            return _run_predicate(predicate, payload, mode, failures)
+
+        return self._filter(df, decide, "filter")
+
+    # ---- per batch ----
+
+    def map_batches(
+        self,
+        df: DataFrame,
+        fn: Callable[[Any], Any],
+        schema: Schema,
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """fn(pyarrow.RecordBatch of the payload columns) returns a RecordBatch or Table
+        with one row per input (a map), or a `TaskOutput` (anything else)."""
+        mode = self._mode(on_error)
+        payload_schema = self._payload_arrow(df, schema)
+
+        def step(payload: Any, failures: _Failures) -> Any:
+            return _run_batch_fn(fn, payload, payload_schema, mode, failures)
+
+        return self._mapped(df, step, schema, "map_batches")
+
+    def filter_batches(
+        self,
+        df: DataFrame,
+        predicate: Callable[[Any], Any],
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """predicate(pyarrow.RecordBatch) returns a boolean mask (numpy or pyarrow; null
+        drops the row)."""
+        mode = self._mode(on_error)
+
+        def decide(payload: Any, failures: _Failures) -> Any:
+            return _run_batch_predicate(predicate, payload, mode, failures)
+
+        return self._filter(df, decide, "filter_batches")
+
+    # ---- grouped ----
+
+    def aggregate(
+        self,
+        df: DataFrame,
+        by: str | Sequence[str],
+        fn: Callable[[GroupKey, Any], Any],
+        schema: Schema,
+        *,
+        num_partitions: int | None = None,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """Per-key aggregation within a micro-batch, multi-anchored.
+
+        fn(key, rows) gets the group key (a tuple of pyarrow scalars, as applyInArrow
+        passes it) and the group's rows (a pyarrow.Table of the payload columns) and
+        returns a Table or RecordBatch of `schema` (usually one row), or a `TaskOutput`
+        whose `failed` mask fails single inputs of the group. Every output row is
+        anchored to every (not failed) input of its group, so an input's tree completes
+        only when the aggregate's tree does. FailException (or any exception under
+        fail-record) fails every root of the group; other groups go on.
+        `num_partitions`: how many partitions the rows are hash-partitioned into by key
+        (default: spark.sql.shuffle.partitions).
+        """
+        mode = self._mode(on_error)
+        keys = [by] if isinstance(by, str) else list(by)
+        self._check_keys(df, keys)
+        payload_struct = _struct(df, schema)
+        payload_schema = self._payload_arrow(df, payload_struct)
+        self._check_ft_columns(df)
+        # Hash-partitioned by the keys: groupBy adds no second shuffle on top of it.
+        shuffled = df if num_partitions is None else df.repartition(num_partitions, *keys)
+        if not self.ft:
+            return shuffled.groupBy(*keys).applyInArrow(
+                _plain_group_fn(fn, payload_schema, mode), payload_struct
+            )
+        if num_partitions is None:
+            shuffled = df.repartition(*keys)
+        out_struct = _with_ft_fields(payload_struct, multi=True)
+        out_schema = self._arrow(df, out_struct)
+        shuffled = shuffled.sortWithinPartitions(*keys)
+        run = _ft_aggregate_partition(self.settings, keys, fn, payload_schema, out_schema, mode)
+        return shuffled.mapInArrow(run, out_struct)
+
+    # ---- plumbing ----
+
+    def _mode(self, on_error: OnError | None) -> OnError:
+        return self.on_error if on_error is None else _check_on_error(on_error)
+
+    def _records(
+        self,
+        df: DataFrame,
+        fn: Callable[[Row], Iterable[Row]],
+        schema: Schema,
+        on_error: OnError | None,
+        what: str,
+    ) -> DataFrame:
+        mode = self._mode(on_error)
+        payload_schema = self._payload_arrow(df, schema)
+
+        def step(payload: Any, failures: _Failures) -> Any:
+            return _run_record_fn(fn, payload, payload_schema, mode, failures)
+
+        return self._mapped(df, step, schema, what)
+
+    def _mapped(self, df: DataFrame, step: _Step, schema: Schema, what: str) -> DataFrame:
+        payload_struct = _struct(df, schema)
+        self._check_ft_columns(df)
+        if not self.ft:
+            return df.mapInArrow(_plain_partition(step, what), payload_struct)
+        multi = EXTRA_ANCHORS_COLUMN in df.columns
+        out_struct = _with_ft_fields(payload_struct, multi)
+        run = _ft_partition(self.settings, step, self._arrow(df, out_struct), multi, what)
+        return df.mapInArrow(run, out_struct)
+
+    def _filter(
+        self,
+        df: DataFrame,
+        decide: Callable[[Any, _Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
+        what: str,
+    ) -> DataFrame:
+        self._check_ft_columns(df)
+        if not self.ft:
+            return df.mapInArrow(_plain_filter_partition(decide, what), df.schema)
+        return df.mapInArrow(_ft_filter_partition(self.settings, decide, what), df.schema)
+
+    def _check_ft_columns(self, df: DataFrame) -> None:
+        present = ft_columns_of(df.columns)
+        if self.ft and not set(FT_COLUMNS) <= set(present):
+            raise ConfigError(
+                f"FT is on but the DataFrame has no {' / '.join(FT_COLUMNS)} columns "
+                f"(it has {df.columns}): is it read from an FT source with the same FTSettings?"
+            )
+        if not self.ft and present:
+            raise ConfigError(
+                f"FT is off but the DataFrame has FT columns {list(present)}: the source, "
+                "tasks and sinks of a pipeline must share one FTSettings"
+            )
+
+    def _check_keys(self, df: DataFrame, keys: Sequence[str]) -> None:
+        if not keys:
+            raise ConfigError("aggregate needs at least one group key column")
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        for key in keys:
+            if key in ALL_FT_COLUMNS or key not in fields:
+                raise ConfigError(f"aggregate: {key!r} is not a payload column of {df.columns}")
+            if isinstance(fields[key], ArrayType | MapType | StructType):
+                raise ConfigError(
+                    f"aggregate: group key {key!r} is {fields[key].simpleString()}; "
+                    "keys must be atomic (number, string, binary, date, ...)"
+                )
+
+    def _payload_arrow(self, df: DataFrame, schema: Schema) -> Any:
+        return self._arrow(df, _struct(df, schema))
+
+    @staticmethod
+    def _arrow(df: DataFrame, struct: StructType) -> Any:
+        timezone = df.sparkSession.conf.get("spark.sql.session.timeZone")
+        return to_arrow_schema(struct, timezone=timezone)
+
+
+def _check_on_error(on_error: str) -> OnError:
+    if on_error not in get_args(OnError):
+        raise ConfigError(f"on_error must be one of {get_args(OnError)}, got {on_error!r}")
+    return cast(OnError, on_error)
+
+
+def _struct(df: DataFrame, schema: Schema) -> StructType:
+    struct = DataType.fromDDL(schema) if isinstance(schema, str) else schema
+    if not isinstance(struct, StructType):
+        raise ConfigError(f"an output schema must be a struct, got {struct!r}")
+    clash = [f.name for f in struct.fields if f.name in ALL_FT_COLUMNS]
+    if clash:
+        raise ConfigError(f"output schema must not declare the FT columns {clash}")
+    return struct
+
+
+def _with_ft_fields(struct: StructType, multi: bool) -> StructType:
+    fields = [
+        *struct.fields,
+        StructField(ROOT_COLUMN, LongType(), False),
+        StructField(ID_COLUMN, LongType(), False),
+    ]
+    if multi:
+        fields.append(StructField(EXTRA_ANCHORS_COLUMN, EXTRA_ANCHORS_TYPE, True))
+    return StructType(fields)
