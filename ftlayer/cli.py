@@ -10,6 +10,8 @@
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
     ftlayer bench server  [--records N] [--events E] [--clients C] [--dir D] [--json]
+    ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
+                           [--json]
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
@@ -154,6 +156,15 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--clients", type=_positive_int, default=2, help="client processes")
     server.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     server.add_argument("--json", action="store_true", help="print one JSON object last")
+
+    pipeline = benches.add_parser(
+        "pipeline", help="the demo pipeline on Spark: FT on vs off, replays vs task retries"
+    )
+    pipeline.add_argument("--records", type=_positive_int, default=100_000)
+    pipeline.add_argument("--partitions", type=_positive_int, default=4)
+    pipeline.add_argument("--fail-rate", type=_rate, default=0.001, help="flaky share (0..1)")
+    pipeline.add_argument("--rounds", type=_positive_int, default=2, help="alternating pairs")
+    pipeline.add_argument("--json", action="store_true", help="print one JSON object last")
     return parser
 
 
@@ -284,6 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.bench == "acker":
             result = bench.bench_acker(roots=args.roots, depth=args.depth, batch=args.batch)
+        elif args.bench == "pipeline":
+            from ftlayer.integration.benchpipe import bench_pipeline
+
+            result = bench_pipeline(
+                records=args.records,
+                partitions=args.partitions,
+                fail_rate=args.fail_rate,
+                rounds=args.rounds,
+            )
         elif args.bench == "server":
             result = bench.bench_server(
                 records=args.records,

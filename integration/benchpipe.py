@@ -1,0 +1,244 @@
+"""`ftlayer bench pipeline`: the demo's pipeline with FT on against FT off, in one run.
+
+One embedded Tansu broker, one FT-layer process (`ftlayer serve`) and one local Spark
+session (`local[2,64]`: two task threads; a failed task may be retried 63 times, which
+Spark's own handling of the failure runs below needs) serve every phase. The events
+are the demo's (`integration.demo.event`), produced once to an input topic; the
+pipeline is the demo's (ftkafka source -> parse -> enrich -> filter -> Kafka sink),
+each phase writing to its own output topic and checkpoint.
+
+1. Throughput. After an untimed warm-up run, `rounds` alternating pairs of runs, FT
+   off and FT on, without failures. A run is timed from the query's start until every
+   expected output is in its topic (and, FT on, no tree is pending). Reported: the
+   median records/s of each side and their ratio, on/off (target >= 0.9).
+2. Failures. The same pipeline where enrich fails a `fail_rate` share of the events
+   the first time it sees each (first sight = an O_EXCL marker file), once under
+   ftlayer (FailException: that record's tree fails and is replayed) and once under
+   Spark's own handling (FT off, the exception fails the task, Spark retries it and
+   the retry reads the whole input partition again). Every enrich call is counted (one
+   byte appended to a per-process file, so calls in failed task attempts count too).
+   Reported per side: records processed again per failed record, (calls - events) /
+   failed events; target for ftlayer <= 1.05.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ftlayer.client import FTClient
+from ftlayer.errors import FailException
+from ftlayer.integration.broker import TansuBroker
+from ftlayer.integration.demo import (
+    ENRICHED_SCHEMA,
+    PARSED_SCHEMA,
+    event,
+    is_flaky,
+    keep,
+    make_enrich,
+    parse,
+    passes_filter,
+)
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.ftprocess import FTServerProcess
+from ftlayer.integration.kafka import create_topic, end_offsets, produce
+
+__all__ = ["bench_pipeline"]
+
+PIPELINE_TARGET_RATIO = 0.9
+PIPELINE_TARGET_REPROCESSED = 1.05
+
+
+class _Counted:
+    """Wraps enrich: every call appends one byte to a file of this process first."""
+
+    def __init__(self, inner: Callable[[dict[str, Any]], dict[str, Any]], directory: str) -> None:
+        self.inner = inner
+        self.directory = directory
+        self._fd: int | None = None
+        self._pid = -1
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._fd = os.open(
+                os.path.join(self.directory, f"calls-{self._pid}"),
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+            )
+        assert self._fd is not None
+        os.write(self._fd, b".")
+        return self.inner(row)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inner": self.inner, "directory": self.directory}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["inner"], state["directory"])  # type: ignore[misc]
+
+
+def _spark_enrich(flaky_dir: str, fail_rate: float) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """enrich whose first-sight failures are plain exceptions: Spark's own handling."""
+    inner = make_enrich(flaky_dir, fail_rate)
+
+    def enrich(row: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return inner(row)
+        except FailException as exc:
+            raise RuntimeError(str(exc)) from None
+
+    return enrich
+
+
+def _calls(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.glob("calls-*"))
+
+
+def bench_pipeline(
+    records: int = 100_000,
+    partitions: int = 4,
+    fail_rate: float = 0.001,
+    rounds: int = 2,
+    max_per_trigger: int = 50_000,
+    deadline_s: float = 900.0,
+) -> dict[str, Any]:
+    """See the module docstring; returns the figures."""
+    from ftlayer.integration.sinks import ft_kafka_sink
+    from ftlayer.integration.source import register
+    from ftlayer.integration.spark import local_spark
+    from ftlayer.integration.tasks import FTTasks
+
+    if records < 1 or partitions < 1 or rounds < 1 or not 0 < fail_rate < 1:
+        raise ValueError("need records, partitions, rounds >= 1 and 0 < fail_rate < 1")
+    users = 1_000
+    expected = sum(1 for i in range(records) if passes_filter(i))
+    with (
+        tempfile.TemporaryDirectory(prefix="ftlayer-bench-pipeline-") as tmp,
+        TansuBroker(log_path=Path(tmp) / "broker.log") as broker,
+    ):
+        work = Path(tmp)
+        bootstrap = broker.bootstrap
+        source_topic = "bench-events"
+        create_topic(bootstrap, source_topic, partitions)
+        produce(bootstrap, source_topic, (event(i, users) for i in range(records)), timeout=600)
+        with FTServerProcess(work / "ft", "--timeout-s", "60") as server:
+            spark = local_spark(master="local[2,64]", app_name="ftlayer-bench-pipeline")
+            register(spark)
+            runs = 0
+
+            def run(ft: bool, enrich: Callable[[dict[str, Any]], dict[str, Any]]) -> float:
+                nonlocal runs
+                runs += 1
+                out = f"bench-out-{runs}"
+                create_topic(bootstrap, out, partitions)
+                settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
+                tasks = FTTasks(settings, on_error="fail-record" if ft else "fail-task")
+                reader = (
+                    spark.readStream.format("ftkafka")
+                    .option("kafka.bootstrap.servers", bootstrap)
+                    .option("subscribe", source_topic)
+                    .option("maxOffsetsPerTrigger", str(max_per_trigger))
+                    .option("ft.sourceName", out)  # each run replays only its own records
+                )
+                if ft:
+                    reader = reader.option("ft.address", server.address).option(
+                        "ft.partitioner", "kafka-hash"
+                    )
+                parsed = tasks.map(reader.load(), parse, PARSED_SCHEMA)
+                kept = tasks.filter(tasks.map(parsed, enrich, ENRICHED_SCHEMA), keep)
+                started = time.perf_counter()
+                query = (
+                    kept.writeStream.foreachBatch(ft_kafka_sink(bootstrap, out, settings))
+                    .option("checkpointLocation", str(work / f"checkpoint-{runs}"))
+                    .trigger(processingTime="200 milliseconds")
+                    .start()
+                )
+                try:
+                    _wait_for_outputs(
+                        query, bootstrap, out, expected, server.address, ft, deadline_s
+                    )
+                    return time.perf_counter() - started
+                finally:
+                    query.stop()
+
+            plain = make_enrich(str(work / "never"), 0.0)
+            run(True, plain)  # warm-up: JIT, Python workers, Kafka producers
+            off_s, on_s = [], []
+            for _ in range(rounds):
+                off_s.append(run(False, plain))
+                on_s.append(run(True, plain))
+
+            reprocessed: dict[str, float] = {}
+            flaky_events = sum(1 for i in range(records) if is_flaky(i, fail_rate))
+            for name, ft in (("ftlayer", True), ("spark", False)):
+                flaky_dir, calls_dir = work / f"flaky-{name}", work / f"calls-{name}"
+                flaky_dir.mkdir()
+                calls_dir.mkdir()
+                inner = (
+                    make_enrich(str(flaky_dir), fail_rate)
+                    if ft
+                    else _spark_enrich(str(flaky_dir), fail_rate)
+                )
+                run(ft, _Counted(inner, str(calls_dir)))
+                failed = len(list(flaky_dir.iterdir()))
+                reprocessed[name] = round((_calls(calls_dir) - records) / max(1, failed), 3)
+                reprocessed[f"{name}_failed_events"] = failed
+            with FTClient(server.address) as client:
+                status = client.status()
+    off_rate = records / statistics.median(off_s)
+    on_rate = records / statistics.median(on_s)
+    ratio = on_rate / off_rate
+    return {
+        "bench": "pipeline",
+        "records": records,
+        "partitions": partitions,
+        "rounds": rounds,
+        "fail_rate": fail_rate,
+        "flaky_events": flaky_events,
+        "ft_off_records_per_s": round(off_rate),
+        "ft_on_records_per_s": round(on_rate),
+        "ratio_on_vs_off": round(ratio, 3),
+        "ft_off_seconds": [round(s, 2) for s in off_s],
+        "ft_on_seconds": [round(s, 2) for s in on_s],
+        "reprocessed_per_failed_ftlayer": reprocessed["ftlayer"],
+        "reprocessed_per_failed_spark": reprocessed["spark"],
+        "failed_events_ftlayer": reprocessed["ftlayer_failed_events"],
+        "failed_events_spark": reprocessed["spark_failed_events"],
+        "ft_failed_explicit": status["failed"]["explicit"],
+        "ft_timeouts": status["failed"]["timeout"],
+        "targets": {
+            "ratio_on_vs_off": PIPELINE_TARGET_RATIO,
+            "reprocessed_per_failed_ftlayer": PIPELINE_TARGET_REPROCESSED,
+        },
+        "meets_targets": ratio >= PIPELINE_TARGET_RATIO
+        and reprocessed["ftlayer"] <= PIPELINE_TARGET_REPROCESSED,
+    }
+
+
+def _wait_for_outputs(
+    query: Any,
+    bootstrap: str,
+    topic: str,
+    expected: int,
+    address: str,
+    ft: bool,
+    deadline_s: float,
+) -> None:
+    """Until `expected` records are in `topic` and (FT on) nothing is pending."""
+    deadline = time.monotonic() + deadline_s
+    with FTClient(address, name="bench-pipeline") as client:
+        while True:
+            if query.exception() is not None:
+                raise RuntimeError(f"the bench query failed: {query.exception()}")
+            written = sum(end_offsets(bootstrap, topic).values())
+            if written >= expected and (not ft or client.status()["pending"] == 0):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"bench pipeline: {written} of {expected} outputs after {deadline_s:g} s"
+                )
+            time.sleep(0.1)
