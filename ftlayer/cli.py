@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ftlayer import __version__
+from ftlayer.client import read_token_file
 from ftlayer.errors import ConfigError, FTLayerError
 
 
@@ -73,19 +74,6 @@ def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"not a port (0 to 65535): {text!r}")
     return int(text)
-
-
-def read_token_file(path: str) -> bytes:
-    """The token in `path`: its bytes without a trailing newline; ConfigError if empty."""
-    try:
-        with open(path, "rb") as file:
-            token = file.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
-    token = token.removesuffix(b"\n").removesuffix(b"\r")
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
 
 
 def _parser() -> argparse.ArgumentParser:

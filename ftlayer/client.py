@@ -122,6 +122,19 @@ class ConnectionLost(FTLayerError):
     """The connection broke before the reply: the request may or may not be applied."""
 
 
+def read_token_file(path: str) -> bytes:
+    """The token in `path`: its bytes without a trailing newline; ConfigError if empty."""
+    try:
+        with open(path, "rb") as file:
+            token = file.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    token = token.removesuffix(b"\n").removesuffix(b"\r")
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
 def client_tls_context(
     tls: bool | str | os.PathLike[str] | ssl.SSLContext,
 ) -> ssl.SSLContext | None:

@@ -163,7 +163,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ftlayer.client import ConnectionLost, FTClient
+from ftlayer.client import ConnectionLost, FTClient, read_token_file
 from ftlayer.errors import ConfigError, FTLayerError, PartitioningError
 from ftlayer.handlers import Persister
 from ftlayer.partitioners import (
@@ -418,14 +418,9 @@ def _read_token(options: _Options) -> bytes | None:
     if token_file is None:
         return None
     try:
-        with open(token_file, "rb") as file:
-            data = file.read()
-    except OSError as exc:
-        raise ConfigError(f"option ft.tokenFile: cannot read {token_file!r}: {exc}") from None
-    data = data.removesuffix(b"\n").removesuffix(b"\r")
-    if not data:
-        raise ConfigError(f"option ft.tokenFile: {token_file!r} is empty")
-    return data
+        return read_token_file(token_file)
+    except ConfigError as exc:
+        raise ConfigError(f"option ft.tokenFile: {exc}") from None
 
 
 def _ft_settings(options: _Options) -> FTSettings:
