@@ -34,6 +34,11 @@ Errors in user code, per record:
 - In a batch form, an exception fails every record of the batch the same way; the
   batch function can instead fail single records by returning a `TaskOutput` with a
   `failed` mask.
+- Output rows that do not fit the declared schema (a missing column, a value of
+  another type) raise `OutputSchemaError`, naming the step, the column and the value,
+  and count as an exception of the user code: under fail-record only the records whose
+  output does not fit fail. A per-record function must return a dict (or a Row) with
+  every declared column: pyarrow would read a missing key as null.
 
 One computation, one consumer. Every computation of a wrapper draws fresh ids for
 its outputs and sends the events for its inputs, and every wrapper or sink that reads
@@ -77,7 +82,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import reprlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast, get_args
 
@@ -95,8 +101,9 @@ from pyspark.sql.types import (
     StructField,
     StructType,
 )
+from pyspark.sql.types import Row as SparkRow
 
-from ftlayer.errors import ConfigError, FailException
+from ftlayer.errors import ConfigError, FailException, FTLayerError
 from ftlayer.handlers import Anchors, TaskHandler, XorHandler
 
 from .ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed, to_unsigned
@@ -107,6 +114,7 @@ __all__ = [
     "EXTRA_ANCHORS_TYPE",
     "FTTasks",
     "OnError",
+    "OutputSchemaError",
     "TaskOutput",
     "anchor_columns",
     "ft_columns_of",
@@ -134,6 +142,11 @@ OnError = Literal["fail-record", "fail-task"]
 Row = dict[str, Any]
 Schema = StructType | str
 GroupKey = tuple[Any, ...]
+
+
+class OutputSchemaError(FTLayerError, ValueError):
+    """User code returned rows that do not fit its declared output schema: a column is
+    missing, or holds a value of another type. The message names the column."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +246,23 @@ def _conform(rows: Any, schema: Any) -> Any:
         raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(rows).__name__}")
     missing = [name for name in schema.names if name not in rows.schema.names]
     if missing:
-        raise ValueError(f"output rows lack the declared columns {missing}")
-    return rows.select(schema.names).cast(schema)
+        raise OutputSchemaError(
+            f"output rows lack the declared column(s) {missing} (they have {rows.schema.names})"
+        )
+    rows = rows.select(schema.names)
+    try:
+        return rows.cast(schema)
+    except _CONVERSION_ERRORS as exc:
+        for field in schema:
+            column = rows.column(field.name)
+            try:
+                column.cast(field.type)
+            except _CONVERSION_ERRORS as column_exc:
+                raise OutputSchemaError(
+                    f"output column {field.name!r} is {column.type}, which does not cast "
+                    f"to the declared {field.type}: {column_exc}"
+                ) from exc
+        raise
 
 
 def _single_batch(table: Any) -> Any:
@@ -332,6 +360,7 @@ def _run_record_fn(
     schema: Any,
     on_error: OnError,
     failures: _Failures,
+    what: str,
 ) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
     """map / flat_map: call fn per record (fn returns that record's output rows)."""
     n = payload.num_rows
@@ -354,33 +383,53 @@ def _run_record_fn(
         outputs.extend(produced)
         counts[i] = len(produced)
     parents = np.repeat(np.arange(n, dtype=np.intp), counts)
+    names = schema.names
+    error: BaseException | None = None
     try:
         rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
     except _CONVERSION_ERRORS as exc:
-        if on_error == "fail-task":
-            raise
-        # Find the outputs that do not fit the schema (the slow path, only on error)
-        # and fail their inputs, as if their code had raised.
-        bad_inputs = {
-            int(parents[j]) for j, out in enumerate(outputs) if not _converts(out, schema)
-        }
-        if not bad_inputs:
-            raise
-        failed[list(bad_inputs)] = True
-        failures.add(exc, len(bad_inputs))
-        keep = ~failed[parents]
-        outputs = [out for out, k in zip(outputs, keep.tolist(), strict=True) if k]
-        parents = parents[keep]
-        rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
-    return rows, parents, failed if failed.any() else None
+        error = exc
+    # from_pylist reads a missing key (a typo, a tuple instead of a dict) as null.
+    if error is None and all(name in out for out in outputs for name in names):
+        return rows, parents, failed if failed.any() else None
+    # The slow path, only on error: find the outputs that do not fit the schema and
+    # fail their inputs, as if their code had raised.
+    misfits = {j: p for j, out in enumerate(outputs) if (p := _row_problem(out, schema))}
+    if not misfits:
+        raise error or AssertionError("every output fits, yet the batch does not")
+    first = OutputSchemaError(
+        f"{what}: an output row does not fit the declared schema: {next(iter(misfits.values()))}"
+    )
+    if on_error == "fail-task":
+        raise first from error
+    bad_inputs = sorted({int(parents[j]) for j in misfits})
+    failed[bad_inputs] = True
+    failures.add(first, len(bad_inputs))
+    keep = ~failed[parents]
+    outputs = [out for out, k in zip(outputs, keep.tolist(), strict=True) if k]
+    rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
+    return rows, parents[keep], failed
 
 
-def _converts(row: Row, schema: Any) -> bool:
-    try:
-        pa.RecordBatch.from_pylist([row], schema=schema)
-    except _CONVERSION_ERRORS:
-        return False
-    return True
+def _row_problem(row: Any, schema: Any) -> str | None:
+    """Why one output row of a per-record function does not fit `schema`, or None."""
+    if isinstance(row, SparkRow) and hasattr(row, "__fields__"):
+        row = row.asDict()
+    if not isinstance(row, Mapping):
+        return f"it is a {type(row).__name__}, not a dict of the columns {schema.names}"
+    missing = [name for name in schema.names if name not in row]
+    if missing:
+        return f"it lacks the declared column(s) {missing} (it has {list(row)})"
+    for field in schema:
+        value = row[field.name]
+        try:
+            pa.array([value], type=field.type)
+        except _CONVERSION_ERRORS as exc:
+            return (
+                f"column {field.name!r} ({field.type}) cannot hold {reprlib.repr(value)} "
+                f"({type(value).__name__}): {exc}"
+            )
+    return None
 
 
 def _run_predicate(
@@ -751,7 +800,7 @@ class FTTasks:
         on_error: OnError | None = None,
     ) -> DataFrame:
         """One output row (a dict of `schema`'s columns) per input row (a dict)."""
-        return self._records(df, lambda row: (fn(row),), schema, on_error, "map")
+        return self._records(df, lambda row: (fn(row),), schema, on_error, _step("map", fn))
 
     def flat_map(
         self,
@@ -763,7 +812,7 @@ class FTTasks:
     ) -> DataFrame:
         """Zero or more output rows per input row; all of a record's outputs are emitted,
         or (when it fails, even midway) none."""
-        return self._records(df, fn, schema, on_error, "flat_map")
+        return self._records(df, fn, schema, on_error, _step("flat_map", fn))
 
     def filter(
         self,
@@ -877,7 +926,7 @@ class FTTasks:
         payload_schema = self._payload_arrow(df, schema)
 
         def step(payload: Any, failures: _Failures) -> Any:
-            return _run_record_fn(fn, payload, payload_schema, mode, failures)
+            return _run_record_fn(fn, payload, payload_schema, mode, failures, what)
 
         return self._mapped(df, step, schema, what)
 
@@ -935,6 +984,11 @@ class FTTasks:
     def _arrow(df: DataFrame, struct: StructType) -> Any:
         timezone = df.sparkSession.conf.get("spark.sql.session.timeZone")
         return to_arrow_schema(struct, timezone=timezone)
+
+
+def _step(kind: str, fn: Callable[..., Any]) -> str:
+    """A step as errors and logs name it: the wrapper and the user's function."""
+    return f"{kind}({getattr(fn, '__name__', type(fn).__name__)})"
 
 
 def _check_on_error(on_error: str) -> OnError:

@@ -199,3 +199,51 @@ def test_every_root_completes_once_or_is_replayed_never_early(data: st.DataObjec
     sink.flush()
     assert len(ft) == 0 and len(ft.storage) == 0
     assert ft.snapshot_stats().completed == n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    timeout=st.floats(1.0, 60.0),
+    buckets=st.integers(2, 6),
+    persist_at=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=12),
+    tick_fraction=st.floats(0.01, 0.5),
+    jitter=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50),
+)
+def test_timeouts_fire_inside_the_bound(
+    timeout: float,
+    buckets: int,
+    persist_at: list[float],
+    tick_fraction: float,
+    jitter: list[float],
+) -> None:
+    """Records persisted at random moments and never acked, with the FT layer ticked at
+    irregular moments at most d apart: each fails between T and T*(1+1/(n-1)) + n*d
+    after its persist (docs/guarantees.md), never earlier, and is queued for replay."""
+    clock = Clock()
+    clock.now = 0.0
+    ft = FTLayer(MemoryStorage(), timeout_s=timeout, buckets=buckets, clock=clock)
+    max_gap = tick_fraction * timeout / (buckets - 1)
+    persisted: dict[int, float] = {}
+    failed_at: dict[int, float] = {}
+    pending_persists = sorted(p * timeout for p in persist_at)
+    bound = timeout * (1 + 1 / (buckets - 1)) + buckets * max_gap
+    step = 0
+    while pending_persists or len(failed_at) < len(persisted):
+        clock.now += max_gap * (0.05 + 0.95 * jitter[step % len(jitter)])
+        step += 1
+        while pending_persists and pending_persists[0] <= clock.now:
+            pending_persists.pop(0)
+            anchors = Persister(ft).persist(
+                [b"r"], topics="t", partitions=[0], offsets=[len(persisted)]
+            )
+            persisted[int(anchors.roots[0])] = clock.now
+        ft.tick()
+        for root in persisted:
+            if root not in failed_at and root not in ft.acker:
+                failed_at[root] = clock.now
+        assert clock.now < 10 * bound + 4 * timeout, "a root never timed out"
+    for root, at in persisted.items():
+        waited = failed_at[root] - at
+        assert timeout <= waited <= bound + 1e-9, (waited, timeout, bound)
+    assert ft.stats.failed["timeout"] >= len(persisted)
+    assert len(ft.fetch_replay(0, ft.replay_cursor)) == len(persisted)

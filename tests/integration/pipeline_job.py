@@ -1,0 +1,174 @@
+"""The demo's pipeline on `local-cluster[2,1,1024]`, as a script run in its own process.
+
+A JVM hosts one SparkContext, and the test session's already runs on local[2,4], so a
+test runs this job as ``python pipeline_job.py --bootstrap ... --ft-address ...``. It
+starts Spark with two executor JVMs (each with its own Python workers), waits until both
+have registered, runs ftkafka source -> parse -> flaky enrich -> filter -> Kafka sink
+(the demo's user code) on processing-time triggers until every produced record was read
+and the FT layer holds no pending tree, and prints one JSON object last: the executors
+Spark had, the driver's JVM pid and the seconds each phase took. Each output value names
+the executor JVM whose Python worker enriched it (`jvm`), so the test can tell where the
+work ran.
+
+`wait_settled` is shared with test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pyspark.find_spark_home import _find_spark_home
+
+from ftlayer.client import FTClient
+from ftlayer.integration.demo import ENRICHED_SCHEMA, PARSED_SCHEMA, keep, make_enrich, parse
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.kafka import wait_until
+from ftlayer.integration.sinks import ft_kafka_sink
+from ftlayer.integration.source import register
+from ftlayer.integration.spark import local_spark
+from ftlayer.integration.tasks import FTTasks
+
+CLUSTER = "local-cluster[2,1,1024]"
+
+
+def records_read(query: Any, topic: str) -> int:
+    """Kafka records of `topic` the query has taken into finished batches."""
+    progress = query.lastProgress
+    if not progress:
+        return 0
+    total = 0
+    for source in progress["sources"]:
+        end = source["endOffset"]
+        if isinstance(end, str):
+            end = json.loads(end)
+        total += sum(int(o) for o in end.get("kafka", {}).get(topic, {}).values())
+    return total
+
+
+def wait_settled(
+    query: Any, address: str, topic: str, produced: int, timeout: float
+) -> dict[str, Any]:
+    """Wait until the query has read all `produced` records of `topic`, the FT layer
+    holds no pending tree (a failed root waiting for its replay is pending) and no batch
+    is running; returns the FT layer's status. Raises at once if the query died.
+
+    Stopping a query amid a foreachBatch call can make Spark's stream thread die of a
+    StackOverflowError (its regex for interruptions recurses over the long Python
+    traceback): hence the wait for an idle trigger."""
+    with FTClient(address, name="test-pipeline") as client:
+
+        def settled() -> bool:
+            if not query.isActive:
+                raise AssertionError(f"the streaming query stopped: {query.exception()}")
+            if records_read(query, topic) < produced or query.status["isTriggerActive"]:
+                return False
+            return bool(client.status()["pending"] == 0)
+
+        wait_until(settled, timeout, "every record read and every tree complete", interval=0.25)
+        status: dict[str, Any] = client.status()
+        return status
+
+
+def executor_jvm() -> int:
+    """The pid of the JVM this Python worker serves: its nearest `java` ancestor."""
+    pid = os.getpid()
+    while pid > 1:
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "java":
+            return pid
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    raise RuntimeError(f"Python worker {os.getpid()} has no java ancestor")
+
+
+def spark_home_in(workdir: Path) -> Path:
+    """A SPARK_HOME of symlinks to pyspark's, under `workdir`. local-cluster's workers
+    keep each executor's files and logs in $SPARK_HOME/work, which for a pip install is
+    inside site-packages; with this home they stay in the job's work dir."""
+    real = Path(_find_spark_home())
+    home = workdir / "spark-home"
+    home.mkdir(exist_ok=True)
+    for entry in real.iterdir():
+        if entry.name != "work" and not (home / entry.name).exists():
+            (home / entry.name).symlink_to(entry)
+    return home
+
+
+def make_located_enrich(flaky_dir: str, fail_rate: float) -> Any:
+    """The demo's flaky enrich, with the executor JVM added to each output value."""
+    enrich = make_enrich(flaky_dir, fail_rate)
+
+    def located(row: dict[str, Any]) -> dict[str, Any]:
+        out = enrich(row)
+        value = {**json.loads(out["value"]), "jvm": executor_jvm()}
+        return {**out, "value": json.dumps(value).encode()}
+
+    return located
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--source-topic", required=True)
+    parser.add_argument("--sink-topic", required=True)
+    parser.add_argument("--ft-address", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--records", type=int, required=True)
+    parser.add_argument("--fail-rate", type=float, default=0.01)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+
+    began = time.monotonic()
+    workdir = Path(args.workdir)
+    (workdir / "flaky").mkdir(parents=True, exist_ok=True)
+    os.environ["SPARK_HOME"] = str(spark_home_in(workdir))
+    spark = local_spark(master=CLUSTER, app_name="ftlayer-local-cluster", fast_start=True)
+    jsc = spark.sparkContext._jsc.sc()
+    try:
+        # The query must not start before both executors can take tasks.
+        wait_until(lambda: jsc.getExecutorMemoryStatus().size() == 3, 60, "two executors")
+        started = time.monotonic()
+        register(spark)
+        settings = FTSettings(args.ft_address)
+        tasks = FTTasks(settings)
+        source = (
+            spark.readStream.format("ftkafka")
+            .option("kafka.bootstrap.servers", args.bootstrap)
+            .option("subscribe", args.source_topic)
+            .option("ft.address", args.ft_address)
+            .load()
+        )
+        parsed = tasks.map(source, parse, PARSED_SCHEMA)
+        enrich = make_located_enrich(str(workdir / "flaky"), args.fail_rate)
+        kept = tasks.filter(tasks.map(parsed, enrich, ENRICHED_SCHEMA), keep)
+        query = (
+            kept.writeStream.foreachBatch(ft_kafka_sink(args.bootstrap, args.sink_topic, settings))
+            .option("checkpointLocation", str(workdir / "checkpoint"))
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+        try:
+            status = wait_settled(
+                query, args.ft_address, args.source_topic, args.records, args.timeout
+            )
+        finally:
+            with contextlib.suppress(Exception):
+                query.stop()
+        result = {
+            "executors": jsc.getExecutorMemoryStatus().size() - 1,  # the driver is listed too
+            "driver_jvm": int(spark._jvm.ProcessHandle.current().pid()),
+            "startup_s": round(started - began, 1),
+            "pipeline_s": round(time.monotonic() - started, 1),
+            "status": status,
+        }
+    finally:
+        spark.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

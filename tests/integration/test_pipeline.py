@@ -1,0 +1,484 @@
+"""Whole pipelines end to end on real parts (issue 4, section 6): the Tansu broker, a real
+`ftlayer serve` process and local Spark (`local[2,4]`; one test on `local-cluster`).
+
+Every test runs the chain a user writes, ftkafka source -> FTTasks steps -> Kafka sink
+(the demo's parse -> enrich -> filter, with faults injected into it), and checks what
+the user notices: the output topic read back holds the output of every produced record
+that passes the filter (none lost; duplicates only where a fault allows them), and the
+FT layer ends with no pending tree, its failure counters telling what happened.
+
+Faults are injected on a record's first sight, which an O_EXCL marker file decides
+across Python workers and task attempts (as the demo's flaky enrich does): the record
+fails (or is dropped, or kills its worker) once, and its replay or retry goes through.
+Replays need a running query, so those tests use processing-time triggers and wait for
+the FT layer to settle; the others use Trigger.AvailableNow. The local-cluster job runs
+in a process of its own (pipeline_job.py), started when this module starts, alongside
+the other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipeline_job import wait_settled
+from pyspark import cloudpickle
+from pyspark.errors.exceptions.captured import StreamingQueryException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+from serverproc import Server, StartServer
+
+from ftlayer.integration.demo import (
+    ENRICHED_SCHEMA,
+    PARSED_SCHEMA,
+    event,
+    is_flaky,
+    keep,
+    make_enrich,
+    parse,
+    passes_filter,
+)
+from ftlayer.integration.ftcolumns import FT_COLUMNS, FTSettings
+from ftlayer.integration.ftprocess import FTServerProcess
+from ftlayer.integration.kafka import create_topic, produce, read_all
+from ftlayer.integration.sinks import ft_kafka_sink
+from ftlayer.integration.source import register
+from ftlayer.integration.tasks import FTTasks, OnError
+
+# Spark's Python workers cannot import this module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MakeTopic = Callable[..., str]
+Enrich = Callable[[dict[str, Any]], dict[str, Any]]
+N = 3000
+USERS = 50
+FAIL_RATE = 0.01
+SETTLE_S = 90.0
+KAFKA_COLUMNS = ["key", "value", "topic", "partition", "offset", "timestamp"]
+# The demo's enrich with no flaky records: it never touches its marker directory.
+RELIABLE_ENRICH = make_enrich("/nonexistent", fail_rate=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_cluster_job_early(request: pytest.FixtureRequest) -> None:
+    """When the local-cluster test is selected, start its job (`cluster_job`) before
+    anything else, so that it runs alongside this module's other tests."""
+    if any("cluster_job" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("cluster_job")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ftkafka(spark: SparkSession) -> None:
+    register(spark)
+
+
+def produce_events(bootstrap: str, topic: str, n: int) -> None:
+    produce(bootstrap, topic, [event(i, USERS) for i in range(n)])
+
+
+def expected_ids(n: int) -> set[int]:
+    """The events whose output the sink must hold: those the filter keeps."""
+    return {i for i in range(n) if passes_filter(i)}
+
+
+def output_ids(bootstrap: str, topic: str) -> list[int]:
+    return [json.loads(r.value)["id"] for r in read_all(bootstrap, topic) if r.value is not None]
+
+
+def first_sight(directory: Path, event_id: int) -> bool:
+    """True for exactly one call per event id, across processes (O_EXCL)."""
+    try:
+        os.close(os.open(directory / str(event_id), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+def start_pipeline(
+    spark: SparkSession,
+    bootstrap: str,
+    topics: tuple[str, str],
+    server: Server | None,
+    checkpoint: Path,
+    enrich: Enrich,
+    *,
+    between: Callable[[DataFrame], DataFrame] = lambda frame: frame,
+    on_error: OnError = "fail-record",
+    available_now: bool = False,
+) -> tuple[StreamingQuery, list[DataFrame]]:
+    """Start the demo's chain from topics[0] into topics[1], FT on iff `server` is given:
+    ftkafka -> parse -> `enrich` -> (`between`) -> filter -> ft_kafka_sink. Returns the
+    query and every step's DataFrame."""
+    settings = FTSettings(server.address) if server else FTSettings(enabled=False)
+    tasks = FTTasks(settings, on_error=on_error)
+    options = {"kafka.bootstrap.servers": bootstrap, "subscribe": topics[0]}
+    if server is not None:
+        options["ft.address"] = server.address
+    source = spark.readStream.format("ftkafka").options(**options).load()
+    parsed = tasks.map(source, parse, PARSED_SCHEMA)
+    enriched = between(tasks.map(parsed, enrich, ENRICHED_SCHEMA))
+    frames = [source, parsed, enriched, tasks.filter(enriched, keep)]
+    writer = frames[-1].writeStream.foreachBatch(ft_kafka_sink(bootstrap, topics[1], settings))
+    writer = writer.option("checkpointLocation", str(checkpoint))
+    if available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime="500 milliseconds")
+    return writer.start(), frames
+
+
+def run_until_settled(query: StreamingQuery, server: Server, source_topic: str) -> dict[str, Any]:
+    """Wait until every produced record was read and every tree completed; stop."""
+    try:
+        return wait_settled(query, server.address, source_topic, N, SETTLE_S)
+    finally:
+        query.stop()
+
+
+def run_available_now(query: StreamingQuery) -> None:
+    try:
+        assert query.awaitTermination(SETTLE_S), "the availableNow query did not finish"
+    finally:
+        query.stop()
+
+
+# ---- a. explicit failures ---------------------------------------------------------------
+
+
+def test_records_failed_explicitly_are_replayed_and_reach_the_sink(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    # Trees time out only after 2 minutes: nothing but the flaky records may fail.
+    server = start_server(None, "--timeout-s", "120")
+    topics = make_topic(4), make_topic(2)
+    produce_events(kafka_bootstrap, topics[0], N)
+    flaky_dir = tmp_path / "flaky"
+    flaky_dir.mkdir()
+    flaky = {i for i in range(N) if is_flaky(i, FAIL_RATE)}
+    assert len(flaky & expected_ids(N)) >= 10  # the test means something
+
+    enrich = make_enrich(str(flaky_dir), FAIL_RATE)
+    query, _ = start_pipeline(spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich)
+    status = run_until_settled(query, server, topics[0])
+
+    found = output_ids(kafka_bootstrap, topics[1])
+    assert set(found) == expected_ids(N), "records lost or invented"
+    # A failed record leaves nothing at the sink: its one replay writes it once.
+    assert len(found) == len(set(found)), "duplicates without any fault that allows them"
+    assert {int(p.name) for p in flaky_dir.iterdir()} == flaky  # each raised on first sight
+    assert status["failed"] == {"explicit": len(flaky), "timeout": 0, "recovery": 0}
+    # One completed tree per event: the flaky ones complete under their replay roots.
+    assert (status["completed"], status["pending"]) == (N, 0)
+    assert status["replay_cursor"] == len(flaky)
+
+
+# ---- b. a step that drops records without acking them -------------------------------------
+
+
+def test_records_a_plain_where_drops_time_out_and_their_replays_reach_the_sink(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server = start_server(None, "--timeout-s", "3")
+    topics = make_topic(4), make_topic(2)
+    produce_events(kafka_bootstrap, topics[0], N)
+    seen_dir = tmp_path / "seen"
+    seen_dir.mkdir()
+    dropped = frozenset(i for i in range(150, N, 300) if passes_filter(i))
+    ft = FTTasks(FTSettings(server.address))
+
+    def hold(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "held": row["id"] in dropped and first_sight(seen_dir, row["id"])}
+
+    def drop_held_on_first_sight(enriched: DataFrame) -> DataFrame:
+        # A plain Spark `where` between two FT steps: the rows it drops are never
+        # acked, so only their tree timeout brings them back.
+        held = ft.map(enriched, hold, f"{ENRICHED_SCHEMA}, held boolean")
+        return held.where("not held")
+
+    query, _ = start_pipeline(
+        spark,
+        kafka_bootstrap,
+        topics,
+        server,
+        tmp_path / "cp",
+        RELIABLE_ENRICH,
+        between=drop_held_on_first_sight,
+    )
+    status = run_until_settled(query, server, topics[0])
+
+    found = output_ids(kafka_bootstrap, topics[1])
+    assert set(found) == expected_ids(N), "records lost or invented"
+    assert {int(p.name) for p in seen_dir.iterdir()} == dropped  # all dropped once
+    # A slow batch may time out more trees than the dropped ones (then duplicates).
+    assert status["failed"]["timeout"] >= len(dropped)
+    assert status["failed"]["explicit"] == 0
+    assert status["pending"] == 0
+
+
+# ---- c. a Python worker killed mid-batch ----------------------------------------------------
+
+
+def test_a_python_worker_killed_mid_batch_loses_nothing(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server = start_server(None, "--timeout-s", "3")
+    topics = make_topic(4), make_topic(2)
+    produce_events(kafka_bootstrap, topics[0], N)
+    seen_dir = tmp_path / "seen"
+    seen_dir.mkdir()
+    victims = frozenset({N // 3, 2 * N // 3})
+
+    def enrich_or_die(row: dict[str, Any]) -> dict[str, Any]:
+        if row["id"] in victims and first_sight(seen_dir, row["id"]):
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-batch
+        return RELIABLE_ENRICH(row)
+
+    query, _ = start_pipeline(
+        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich_or_die
+    )
+    status = run_until_settled(query, server, topics[0])
+
+    found = output_ids(kafka_bootstrap, topics[1])
+    assert set(found) == expected_ids(N), "records lost or invented"  # duplicates allowed
+    assert {int(p.name) for p in seen_dir.iterdir()} == victims
+    # The dead attempts persisted records they never acked: those trees timed out and
+    # were replayed (Spark's retry read the same Kafka range under fresh roots).
+    assert status["failed"]["timeout"] >= len(victims)
+    assert status["pending"] == 0
+
+
+# ---- e. FT off -------------------------------------------------------------------------------
+
+
+def test_ft_off_writes_the_same_output_with_no_ft_columns_and_no_ft_traffic(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server = start_server(None, "--timeout-s", "120")
+    source_topic, off_topic, on_topic = make_topic(4), make_topic(2), make_topic(2)
+    produce_events(kafka_bootstrap, source_topic, N)
+
+    off_topics, on_topics = (source_topic, off_topic), (source_topic, on_topic)
+    query, off_frames = start_pipeline(
+        spark,
+        kafka_bootstrap,
+        off_topics,
+        None,
+        tmp_path / "off",
+        RELIABLE_ENRICH,
+        available_now=True,
+    )
+    run_available_now(query)
+    with server.client() as client:
+        off_status = client.status()
+    query, on_frames = start_pipeline(
+        spark,
+        kafka_bootstrap,
+        on_topics,
+        server,
+        tmp_path / "on",
+        RELIABLE_ENRICH,
+        available_now=True,
+    )
+    run_available_now(query)
+    with server.client() as client:
+        on_status = client.status()
+
+    def written(topic: str) -> list[tuple[bytes | None, bytes | None]]:
+        return sorted((r.key, r.value) for r in read_all(kafka_bootstrap, topic))
+
+    off, on = written(off_topic), written(on_topic)
+    assert off == on
+    assert sorted(json.loads(value or b"")["id"] for _, value in on) == sorted(expected_ids(N))
+    assert off_frames[0].columns == KAFKA_COLUMNS
+    for frame in off_frames:
+        assert not set(FT_COLUMNS) & set(frame.columns), frame.columns
+    for frame in on_frames:
+        assert set(FT_COLUMNS) <= set(frame.columns), frame.columns
+    # With FT off the FT layer saw nothing; with FT on every tree completed.
+    for counter in ("persisted", "stored_records", "xor_events", "replay_cursor"):
+        assert off_status[counter] == 0, counter
+    assert (on_status["persisted"], on_status["completed"], on_status["pending"]) == (N, N, 0)
+
+
+# ---- rows that do not fit the declared schema --------------------------------------------------
+
+
+def enrich_into_amt(row: dict[str, Any]) -> dict[str, Any]:
+    """Names a column `amt` where the declared schema says `amount`."""
+    out = RELIABLE_ENRICH(row)
+    out["amt"] = out.pop("amount")
+    return out
+
+
+def enrich_amount_as_text(row: dict[str, Any]) -> dict[str, Any]:
+    """Returns text where the declared schema says long."""
+    return {**RELIABLE_ENRICH(row), "amount": f"{row['amount']} EUR"}
+
+
+@pytest.mark.parametrize(
+    ("enrich", "problem"),
+    [
+        (enrich_into_amt, r"lacks the declared column\(s\) \['amount'\] \(it has \[.*'amt'\]\)"),
+        (enrich_amount_as_text, r"column 'amount' \(int64\) cannot hold '-3 EUR' \(str\)"),
+    ],
+    ids=["missing column", "wrong type"],
+)
+def test_rows_that_do_not_fit_the_declared_schema_stop_the_query_naming_the_problem(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+    enrich: Enrich,
+    problem: str,
+) -> None:
+    server = start_server(None, "--timeout-s", "120")
+    topics = make_topic(1), make_topic(1)
+    produce_events(kafka_bootstrap, topics[0], 20)
+    # fail-task: the error stops the query (under fail-record the record would fail,
+    # be replayed and fail again, for ever).
+    query, _ = start_pipeline(
+        spark,
+        kafka_bootstrap,
+        topics,
+        server,
+        tmp_path / "cp",
+        enrich,
+        on_error="fail-task",
+        available_now=True,
+    )
+    with pytest.raises(StreamingQueryException) as raised:
+        run_available_now(query)
+
+    step = f"map({enrich.__name__}): an output row does not fit the declared schema"
+    assert step in str(raised.value)
+    assert raised.match(problem)
+    assert read_all(kafka_bootstrap, topics[1]) == []
+
+
+def enrich_with_a_typo_for_event_7(row: dict[str, Any]) -> dict[str, Any]:
+    out = RELIABLE_ENRICH(row)
+    if row["id"] == 7:
+        out["valeu"] = out.pop("value")
+    return out
+
+
+def test_a_record_whose_output_does_not_fit_fails_alone_instead_of_writing_nulls(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server = start_server(None, "--timeout-s", "120")
+    topics = make_topic(1), make_topic(1)
+    n = 200
+    produce_events(kafka_bootstrap, topics[0], n)
+    enrich = enrich_with_a_typo_for_event_7
+    query, _ = start_pipeline(
+        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich, available_now=True
+    )
+    run_available_now(query)
+
+    written = read_all(kafka_bootstrap, topics[1])
+    # A missing `value` read as null would have written a tombstone for event 7.
+    assert all(r.value is not None for r in written)
+    assert sorted(json.loads(r.value or b"")["id"] for r in written) == sorted(
+        expected_ids(n) - {7}
+    )
+    with server.client() as client:
+        status = client.status()
+    # Event 7 failed alone (fail-record); its replay waits for a later batch.
+    assert status["failed"]["explicit"] == status["replay_queue"] == 1
+    assert (status["completed"], status["pending"]) == (n - 1, 1)
+
+
+# ---- f. two executor JVMs -----------------------------------------------------------------------
+
+
+@dataclass
+class ClusterJob:
+    """pipeline_job.py running in the background, and where its output goes."""
+
+    proc: subprocess.Popen[bytes]
+    sink_topic: str
+    stdout: Path
+    stderr: Path
+
+
+@pytest.fixture(scope="module")
+def cluster_job(
+    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterJob]:
+    """The demo's pipeline on local-cluster[2,1,1024], in a process of its own (one JVM
+    hosts one SparkContext). It is started in the background: it spends most of its
+    time starting JVMs and Python workers, which overlaps well with the other tests."""
+    workdir = tmp_path_factory.mktemp("local-cluster")
+    source_topic, sink_topic = (f"local-cluster-{uuid.uuid4().hex[:10]}" for _ in range(2))
+    create_topic(kafka_bootstrap, source_topic, 4)
+    create_topic(kafka_bootstrap, sink_topic, 2)
+    produce_events(kafka_bootstrap, source_topic, N)
+    job = [sys.executable, str(Path(__file__).with_name("pipeline_job.py"))]
+    job += ["--bootstrap", kafka_bootstrap, "--source-topic", source_topic]
+    job += ["--sink-topic", sink_topic, "--workdir", str(workdir / "job")]
+    job += ["--records", str(N), "--fail-rate", str(FAIL_RATE), "--timeout", str(SETTLE_S)]
+    stdout, stderr = workdir / "job.out", workdir / "job.err"
+    # Trees time out only after 2 minutes: nothing but the flaky records may fail.
+    with FTServerProcess(workdir / "ft", "--timeout-s", "120") as server:
+        with stdout.open("wb") as out, stderr.open("wb") as err:
+            proc = subprocess.Popen([*job, "--ft-address", server.address], stdout=out, stderr=err)
+        try:
+            yield ClusterJob(proc, sink_topic, stdout, stderr)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def test_the_pipeline_on_a_local_cluster_of_two_executor_jvms(
+    cluster_job: ClusterJob, kafka_bootstrap: str
+) -> None:
+    try:
+        code = cluster_job.proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == 0, f"the job ended with {code}: {cluster_job.stderr.read_text()[-4000:]}"
+    result = json.loads(cluster_job.stdout.read_text().strip().splitlines()[-1])
+
+    values = [json.loads(r.value) for r in read_all(kafka_bootstrap, cluster_job.sink_topic)]
+    found = [v["id"] for v in values]
+    assert set(found) == expected_ids(N), "records lost or invented"
+    assert len(found) == len(set(found)), "duplicates without any fault that allows them"
+    flaky = {i for i in range(N) if is_flaky(i, FAIL_RATE)}
+    status = result["status"]
+    assert status["failed"] == {"explicit": len(flaky), "timeout": 0, "recovery": 0}
+    assert (status["completed"], status["pending"]) == (N, 0)
+    # The work ran in both executor JVMs, neither of them the driver's.
+    assert result["executors"] == 2
+    jvms = {v["jvm"] for v in values}
+    assert len(jvms) == 2 and result["driver_jvm"] not in jvms, (jvms, result)
