@@ -5,7 +5,7 @@
                    [--delete-interval-s S]
     ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
-                   [--json]
+                   [--workdir D] [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
@@ -59,6 +59,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _buckets(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"need at least 2 buckets, got {text!r}")
+    return value
+
+
 def _rate(text: str) -> float:
     value = _positive_float(text) if text.strip() not in ("0", "0.0") else 0.0
     if value > 1:
@@ -89,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     serve.add_argument("--port", type=_port, default=0, help="TCP port (default: 0, any free)")
     serve.add_argument("--timeout-s", type=_positive_float, default=30.0, help="tree timeout T")
-    serve.add_argument("--buckets", type=_positive_int, default=3, help="rotating buckets n")
+    serve.add_argument("--buckets", type=_buckets, default=3, help="rotating buckets n (>= 2)")
     serve.add_argument("--token-file", default=None, help="file holding the auth token")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")

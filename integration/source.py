@@ -113,7 +113,8 @@ FT layer:
   options as `ft.partitioner.<name>` (`ft.partitioner.max_parallelism`). kafka-hash
   and key-group replay by the key's murmur2 hash, spark-hash by its portable_hash;
   kafka-hash and key-group refuse keyless records (their task fails, naming why).
-- `ft.sourceName` (default: the subscribe string): names the sources, so that two
+- `ft.sourceName` (default: the subscribed topics joined by ",", without spaces or
+  repeats, in the order given): names the sources, so that two
   queries reading one topic keep their records apart. Set it for a query whose
   subscription may change: the default changes with it, and replays queued under the
   old source ids would not be fetched again.
@@ -487,7 +488,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         ft=_ft_settings(opts),
         partitioner=partitioner,
         partitioner_options=partitioner_options,
-        source_name=(opts.text("ft.sourceName") or subscribe).strip(),
+        source_name=(opts.text("ft.sourceName") or ",".join(topics)).strip(),
         kafka_config=_kafka_config(opts),
         poll_timeout_s=opts.integer("kafkaConsumer.pollTimeoutMs", 120_000, 1) / 1000,
         kafka_retries=opts.integer("fetchOffset.numRetries", 3, 0),

@@ -42,8 +42,9 @@ Errors in user code, per record:
 
 One computation, one consumer. Every computation of a wrapper draws fresh ids for
 its outputs and sends the events for its inputs, and every wrapper or sink that reads
-a row consumes its id. So an FT DataFrame must be computed once (the sinks cache the
-micro-batch for that; persist a DataFrame yourself before two actions on it) and each
+a row consumes its id. So an FT DataFrame must be computed once (`ft_foreach_batch`
+caches the micro-batch for that and `ft_kafka_sink` runs one job; persist a DataFrame
+yourself before two actions on it) and each
 row must reach exactly one consumer. To branch, persist the parent and route its rows
 with plain `where` predicates that send each row to exactly one branch. A row read by
 two wrappers, or computed twice, leaves its tree unbalanced: it times out and is
@@ -473,7 +474,9 @@ def _log_failures(failures: _Failures, what: str, ft: bool) -> None:
         return
     fate = "their trees failed and will be replayed" if ft else "dropped (FT is off)"
     if failures.first is None:  # FailException only: the user's own decision
-        log.info("%s: %d records raised FailException, %s", what, failures.count, fate)
+        # Under FT a replay follows; with FT off the records are gone: say so loudly.
+        level = logging.INFO if ft else logging.WARNING
+        log.log(level, "%s: %d records raised FailException, %s", what, failures.count, fate)
         return
     log.warning(
         "%s: %d records failed in this partition, %s; first error: %r",
@@ -711,6 +714,8 @@ def _ft_aggregate_partition(
     payload_schema: Any,
     out_schema: Any,
     on_error: OnError,
+    *,
+    local_sort: bool = False,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     def emit(rows: Any, handler: TaskHandler, failures: _Failures) -> Iterator[Any]:
         out, groups, counts, failed = _aggregate_groups(
@@ -734,7 +739,7 @@ def _ft_aggregate_partition(
         handler = TaskHandler(XorHandler(channel))
         failures = _Failures()
         grouper = _Grouper(by, [])
-        for batch in batches:
+        for batch in _sorted_by(batches, by) if local_sort else batches:
             complete = grouper.feed(batch)
             if complete is not None:
                 yield from emit(complete, handler, failures)
@@ -744,6 +749,33 @@ def _ft_aggregate_partition(
         handler.flush()
         channel.flush()
         _log_failures(failures, "aggregate", ft=True)
+
+    return run
+
+
+def _sorted_by(batches: Iterator[Any], by: Sequence[str]) -> Iterator[Any]:
+    """The whole partition's rows, sorted by the keys (in memory: a streaming partition
+    cannot be sorted by Spark)."""
+    collected = list(batches)
+    if not collected:
+        return iter(())
+    table = pa.Table.from_batches(collected).sort_by([(k, "ascending") for k in by])
+    return iter(table.combine_chunks().to_batches())
+
+
+def _plain_aggregate_partition(
+    by: Sequence[str], group_fn: Callable[[GroupKey, Any], Any]
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """FT off on a stream: sort the partition by the keys, call group_fn per group."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in _sorted_by(batches, by):
+            keys = [batch.column(k) for k in by]
+            starts = np.flatnonzero(np.concatenate([[True], _key_changes(keys)]))
+            ends = [*starts[1:].tolist(), batch.num_rows]
+            for start, end in zip(starts.tolist(), ends, strict=True):
+                key = tuple(column[start] for column in keys)
+                yield from group_fn(key, batch.slice(start, end - start)).to_batches()
 
     return run
 
@@ -897,16 +929,26 @@ class FTTasks:
         self._check_ft_columns(df)
         # Hash-partitioned by the keys: groupBy adds no second shuffle on top of it.
         shuffled = df if num_partitions is None else df.repartition(num_partitions, *keys)
-        if not self.ft:
+        # A streaming DataFrame can be neither sorted nor grouped by applyInArrow (Spark
+        # refuses both outside stateful operators): each micro-batch partition is then
+        # sorted by the keys in the task itself, in memory.
+        local_sort = df.isStreaming
+        if not self.ft and not local_sort:
             return shuffled.groupBy(*keys).applyInArrow(
                 _plain_group_fn(fn, payload_schema, mode), payload_struct
             )
         if num_partitions is None:
             shuffled = df.repartition(*keys)
+        if not local_sort:
+            shuffled = shuffled.sortWithinPartitions(*keys)
+        if not self.ft:
+            plain = _plain_aggregate_partition(keys, _plain_group_fn(fn, payload_schema, mode))
+            return shuffled.mapInArrow(plain, payload_struct)
         out_struct = _with_ft_fields(payload_struct, multi=True)
         out_schema = self._arrow(df, out_struct)
-        shuffled = shuffled.sortWithinPartitions(*keys)
-        run = _ft_aggregate_partition(self.settings, keys, fn, payload_schema, out_schema, mode)
+        run = _ft_aggregate_partition(
+            self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
+        )
         return shuffled.mapInArrow(run, out_struct)
 
     # ---- plumbing ----
