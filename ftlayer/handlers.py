@@ -97,6 +97,30 @@ class Anchors:
         np.cumsum(counts, out=offsets[1:])
         return Anchors(offsets, self.roots[pair], self.ids[pair])
 
+    def merged(self) -> Anchors:
+        """The same anchors with one pair per (record, root): pairs of one root are
+        merged into one whose id is the XOR of theirs.
+
+        An aggregate of several records of one tree carries several pairs of that root
+        (one per edge into it). Acking it XORs all of their ids into the root, which the
+        merged pair does at once. But a child must get each new id once per root: with
+        two pairs of one root it would be XOR-ed in twice, cancel, and let the root
+        complete while the child is still in flight."""
+        if self.is_single:
+            return self
+        n_pairs = len(self.roots)
+        record = np.repeat(np.arange(len(self), dtype=np.intp), np.diff(self.offsets))
+        order = np.lexsort((self.roots, record))
+        roots, record, ids = self.roots[order], record[order], self.ids[order]
+        first = np.ones(n_pairs, dtype=np.bool_)
+        first[1:] = (roots[1:] != roots[:-1]) | (record[1:] != record[:-1])
+        if bool(first.all()):
+            return self
+        starts = np.flatnonzero(first)
+        offsets = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(record[starts], minlength=len(self)), out=offsets[1:])
+        return Anchors(offsets, roots[starts], np.bitwise_xor.reduceat(ids, starts))
+
     def pairs(self, i: int) -> list[tuple[int, int]]:
         """The (root, id) pairs of record i."""
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -112,21 +136,6 @@ def _pair_positions(
     first = np.repeat(np.cumsum(counts) - counts, counts)
     pair = np.repeat(offsets[:-1][rows], counts) + (np.arange(int(counts.sum())) - first)
     return pair.astype(np.intp), counts
-
-
-def _combine_per_input_and_root(
-    roots: NDArray[np.uint64], inputs: NDArray[np.intp], values: NDArray[np.uint64]
-) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
-    """One event per (input, root): a multi-anchored input may carry several pairs of
-    one root (an aggregate of records of the same tree); their values are XOR-ed."""
-    if len(roots) < 2:
-        return roots, values
-    order = np.lexsort((roots, inputs))
-    roots, inputs, values = roots[order], inputs[order], values[order]
-    first = np.ones(len(roots), dtype=np.bool_)
-    first[1:] = (roots[1:] != roots[:-1]) | (inputs[1:] != inputs[:-1])
-    starts = np.flatnonzero(first)
-    return roots[starts], np.bitwise_xor.reduceat(values, starts)
 
 
 class XorHandler:
@@ -232,7 +241,10 @@ class _RecordScope:
     """One input record being processed one at a time (see TaskHandler.anchor)."""
 
     def __init__(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self.pairs = list(pairs)
+        merged: dict[int, int] = {}
+        for root, record_id in pairs:  # one pair per root: see Anchors.merged
+            merged[root] = merged.get(root, 0) ^ record_id
+        self.pairs = list(merged.items())
         self.edges = np.uint64(0)
 
     def emit(self) -> list[tuple[int, int]]:
@@ -289,6 +301,7 @@ class TaskHandler:
         n_children: int,
         failed: ArrayLike | None,
     ) -> Anchors:
+        inputs = inputs.merged()  # one pair per (input, root): see Anchors.merged
         n = len(inputs)
         edges = new_ids(len(edge_parent))
         combined = np.zeros(n, dtype=np.uint64)
@@ -307,8 +320,6 @@ class TaskHandler:
             ok = ~failed_mask[pair_input]
             self.xor.fail(np.unique(inputs.roots[~ok]))
             event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
-        if not single:
-            event_roots, values = _combine_per_input_and_root(event_roots, event_inputs, values)
         self.xor.add(event_roots, values)
         # Anchoring: each output gets, per edge into it, the edge id under every root
         # of the edge's input.
