@@ -43,6 +43,7 @@ from ftlayer.integration.demo import (
     make_enrich,
     parse,
     passes_filter,
+    stop_when_idle,
 )
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.ftprocess import FTServerProcess
@@ -163,7 +164,7 @@ def bench_pipeline(
                     )
                     return time.perf_counter() - started
                 finally:
-                    query.stop()
+                    stop_when_idle(query)
 
             plain = make_enrich(str(work / "never"), 0.0)
             run(True, plain)  # warm-up: JIT, Python workers, Kafka producers

@@ -260,8 +260,7 @@ def run_demo(
                 )
             finally:
                 stop_killer.set()
-                with contextlib.suppress(Exception):
-                    query.stop()
+                stop_when_idle(query)
             outputs = read_all(bootstrap, sink_topic, timeout=120)
     seconds = time.monotonic() - started
     expected = {i for i in range(records) if passes_filter(i)}
@@ -314,6 +313,20 @@ def _wait_until_settled(
             if settled >= 2 or time.monotonic() > deadline:
                 return status
             time.sleep(0.5)
+
+
+def stop_when_idle(query: Any, wait_s: float = 10.0) -> None:
+    """Stop the query between triggers: stopping it inside a foreachBatch call can make
+    Spark's stream thread die noisily (a StackOverflowError formatting the Python
+    traceback), though nothing is lost."""
+    deadline = time.monotonic() + wait_s
+    with contextlib.suppress(Exception):
+        while query.isActive and query.status.get("isTriggerActive"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(Exception):
+        query.stop()
 
 
 def _records_read(query: Any, topic: str) -> int:
