@@ -232,13 +232,16 @@ class FTClient:
         partitioner: str,
         num_partitions: int,
         options: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
-        """`FTLayer.register_source` on the server: how `source_id`'s records are replayed
-        (stored by the server, so it survives restarts). RequestRejected for an unknown
-        partitioner or bad options."""
+        """`FTLayer.register_source` on the server: how `source_id`'s records are replayed,
+        and their own tree timeout if `timeout_s` is given (stored by the server, so it
+        survives restarts). RequestRejected for an unknown partitioner or bad options."""
 
         def encode(rid: int) -> bytes:
-            return encode_register_source(rid, source_id, partitioner, num_partitions, options)
+            return encode_register_source(
+                rid, source_id, partitioner, num_partitions, options, timeout_s
+            )
 
         self._call(encode, Kind.OK, retry=True)
 
@@ -534,9 +537,10 @@ class BatchingChannel:
         partitioner: str,
         num_partitions: int,
         options: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         """`FTClient.register_source`."""
-        self.client.register_source(source_id, partitioner, num_partitions, options)
+        self.client.register_source(source_id, partitioner, num_partitions, options, timeout_s)
 
     def lowest_pending_offsets(
         self, topics: Sequence[str] | None = None

@@ -53,6 +53,7 @@ from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch
+from ftlayer.rotating import validate_timeout
 
 _REPLAY_SEQ_META = "next_replay_seq"
 _SOURCES_META = "sources"
@@ -69,18 +70,28 @@ class FailCause(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SourceConfig:
-    """How one source's records are replayed: its partitioner and partition count."""
+    """How one source's records are replayed: its partitioner and partition count; and
+    its tree timeout, if it has its own (None: the FT layer's)."""
 
     partitioner: ReplayPartitioner
     num_partitions: int
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_partitions, bool) or self.num_partitions < 1:
             raise ConfigError(f"a source needs at least 1 partition, got {self.num_partitions!r}")
+        if self.timeout_s is not None:
+            validate_timeout(self.timeout_s, 2)
 
     @classmethod
-    def named(cls, partitioner: str, num_partitions: int, **options: object) -> SourceConfig:
-        return cls(create_partitioner(partitioner, **options), num_partitions)
+    def named(
+        cls,
+        partitioner: str,
+        num_partitions: int,
+        timeout_s: float | None = None,
+        **options: object,
+    ) -> SourceConfig:
+        return cls(create_partitioner(partitioner, **options), num_partitions, timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,18 +245,24 @@ class FTLayer:
         partitioner: str,
         num_partitions: int,
         options: Mapping[str, object] | None = None,
+        timeout_s: float | None = None,
     ) -> SourceConfig:
         """Configure how `source_id`'s records are replayed, and store that in the
         storage's meta entries, so a restarted FT layer routes its recovered records the
         same way (the registrations load before recovery). Registering again replaces
         the config; records already queued keep the partitions they were routed to.
+        `timeout_s` gives the source's trees their own timeout (None: the FT layer's);
+        it applies to roots that start pending from now on.
         ConfigError (nothing changed) for an unknown partitioner or bad options."""
         if isinstance(source_id, bool) or not 0 <= source_id <= 0xFFFFFFFF:
             raise ConfigError(f"a source id is a u32, got {source_id!r}")
+        if timeout_s is not None:
+            validate_timeout(timeout_s, self.persistence.buckets)
         spec: dict[str, Any] = {
             "partitioner": partitioner,
             "num_partitions": num_partitions,
             "options": dict(options or {}),
+            "timeout_s": timeout_s,
         }
         config = _source_from_spec(spec)
         registered = {**self._registered, str(source_id): spec}
@@ -291,7 +308,7 @@ class FTLayer:
             raise
         # Step 3: the roots know their records, and their timeout starts.
         self.acker.set_column("seq", slots, seqs)
-        self.persistence.track(batch.roots)
+        self._track(batch.roots, batch.source_ids)
         self.stats.persisted += len(batch)
 
     def _check_routable(self, batch: RecordBatch) -> None:
@@ -410,7 +427,7 @@ class FTLayer:
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
         self.acker.remove(old_roots)
         self.acker.add(new_roots, None, seq=seqs, **self.persistence.locators(batch))
-        self.persistence.track(new_roots)
+        self._track(new_roots, batch.source_ids)
         # Step 4.
         self._queue.append(
             replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
@@ -421,6 +438,20 @@ class FTLayer:
             self._retries[new] = self._retries.pop(old, 0) + 1
         self.stats.failed[cause.value] += n
         self.stats.replay_cursor = self.replay_cursor
+
+    def _track(self, roots: NDArray[np.uint64], source_ids: NDArray[Any]) -> None:
+        """Start the timeouts of roots that became pending now, each with its source's
+        timeout (the FT layer's for sources without their own)."""
+        now = self._clock()
+        sources = _source_list(source_ids)
+        if len(sources) == 1:
+            config = self.source_config(sources[0])
+            self.persistence.track(roots, None if config is None else config.timeout_s, now)
+            return
+        for source_id in sources:
+            config = self.source_config(source_id)
+            rows = source_ids == source_id
+            self.persistence.track(roots[rows], None if config is None else config.timeout_s, now)
 
     def _route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
         """(record index, target partition) pairs, by each record's source partitioner;
@@ -523,7 +554,10 @@ class FTLayer:
 def _source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
     try:
         return SourceConfig.named(
-            spec["partitioner"], spec["num_partitions"], **dict(spec.get("options") or {})
+            spec["partitioner"],
+            spec["num_partitions"],
+            spec.get("timeout_s"),
+            **dict(spec.get("options") or {}),
         )
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"bad source config {dict(spec)!r}: {exc}") from None
@@ -531,7 +565,10 @@ def _source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
 
 def _sources_of(batch: RecordBatch) -> list[int]:
     """The distinct source ids of a batch (usually one: a batch comes from one source)."""
-    ids = batch.source_ids
+    return _source_list(batch.source_ids)
+
+
+def _source_list(ids: NDArray[Any]) -> list[int]:
     if len(ids) and bool((ids == ids[0]).all()):
         return [int(ids[0])]
     return [int(i) for i in np.unique(ids)]

@@ -31,7 +31,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
 | 0x14 | STATUS              | empty                                                       |
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
-|      |                     | "num_partitions": int, "options": object}                   |
+|      |                     | "num_partitions": int, "options": object[, "timeout_s"]}    |
 | 0x16 | LOWEST_PENDING      | utf-8 JSON list of topic names, or empty (every topic)      |
 | 0x20 | CHECKPOINT_BEGIN    | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x21 | CHECKPOINT_COMPLETE | reserved (issue 5): decoding raises `ReservedKind`          |
@@ -293,6 +293,7 @@ class RegisterSource:
     partitioner: str
     num_partitions: int
     options: dict[str, Any]
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -951,11 +952,18 @@ def encode_register_source(
     partitioner: str,
     num_partitions: int,
     options: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> bytes:
     """REGISTER_SOURCE: u32 source id, then the config as a JSON object."""
     if isinstance(source_id, bool) or not 0 <= source_id <= MAX_U32:
         raise BadRequest(f"REGISTER_SOURCE needs a u32 source id, got {source_id!r}")
-    spec = {"partitioner": partitioner, "num_partitions": num_partitions, "options": options or {}}
+    spec: dict[str, Any] = {
+        "partitioner": partitioner,
+        "num_partitions": num_partitions,
+        "options": dict(options or {}),
+    }
+    if timeout_s is not None:
+        spec["timeout_s"] = timeout_s
     try:
         text = json.dumps(spec, separators=(",", ":"), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -971,18 +979,28 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
         spec = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise MalformedFrame(f"REGISTER_SOURCE config is not JSON: {exc}") from None
+    required = {"partitioner", "num_partitions", "options"}
+    timeout = spec.get("timeout_s") if isinstance(spec, dict) else None
     if not (
         isinstance(spec, dict)
-        and set(spec) == {"partitioner", "num_partitions", "options"}
+        and required <= set(spec) <= required | {"timeout_s"}
         and isinstance(spec["partitioner"], str)
         and type(spec["num_partitions"]) is int
         and isinstance(spec["options"], dict)
+        and (timeout is None or (type(timeout) in (int, float) and timeout > 0))
     ):
         raise BadRequest(
-            "REGISTER_SOURCE config must be a JSON object with exactly a str "
-            f'"partitioner", an int "num_partitions" and an object "options", got {text[:200]!r}'
+            'REGISTER_SOURCE config must be a JSON object with a str "partitioner", an '
+            'int "num_partitions", an object "options" and optionally a positive number '
+            f'"timeout_s", and nothing else; got {text[:200]!r}'
         )
-    return RegisterSource(source_id, spec["partitioner"], spec["num_partitions"], spec["options"])
+    return RegisterSource(
+        source_id,
+        spec["partitioner"],
+        spec["num_partitions"],
+        spec["options"],
+        None if timeout is None else float(timeout),
+    )
 
 
 def encode_lowest_pending(request_id: int, topics: Sequence[str] | None = None) -> bytes:

@@ -19,8 +19,9 @@ format). The contract:
    Core errors map to ERROR 101 (StorageError) or 102 (ValueError, ConfigError,
    PartitioningError: nothing applied); anything else is 100 and is logged with its
    traceback. Other connections are never affected.
-5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), so a
-   root times out at most that late.
+5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
+   shortest rotation interval of any timeout in use (sources may register their own),
+   so a root times out at most that late.
 6. Completed records are deleted from LMDB by a deleter thread, every
    `delete_interval_s`, in one transaction, outside the core lock: an XOR batch never
    waits for an LMDB commit. A completed record that a crash leaves undeleted is
@@ -279,8 +280,16 @@ class FTServer:
                 self._threads.append(thread)
             thread.start()
 
+    def _tick_interval(self) -> float:
+        """min(0.5 s, the shortest rotation interval in use / 10): sources may register
+        timeouts shorter than the server's own."""
+        ft = self._ft
+        if ft is None:
+            return self.interval_s
+        return min(self.interval_s, ft.persistence.shortest_rotation_interval_s / 10)
+
     def _tick_loop(self) -> None:
-        while not self._stopping.wait(self.interval_s):
+        while not self._stopping.wait(self._tick_interval()):
             with self._lock:
                 ft = self._ft
                 if ft is None:
@@ -444,7 +453,11 @@ class FTServer:
                 return encode_ok(rid, ft.fail(message.roots))
             if isinstance(message, RegisterSource):
                 ft.register_source(
-                    message.source_id, message.partitioner, message.num_partitions, message.options
+                    message.source_id,
+                    message.partitioner,
+                    message.num_partitions,
+                    message.options,
+                    message.timeout_s,
                 )
                 return encode_ok(rid, 1)
             if isinstance(message, LowestPending):

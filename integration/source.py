@@ -122,6 +122,11 @@ FT layer:
   driver's connection to the FT layer; refused connections are retried with backoff
   for the latter.
 - `ft.tlsCa`: connect with TLS, trusting this PEM file (on the driver and executors).
+- `ft.timeoutMs` (default: the server's `--timeout-s`): the tree timeout of this
+  query's records, registered with each topic's source: a tree not complete between T
+  and T * (1 + 1/(n-1)) after its persist (or requeue) fails and is replayed. It must
+  exceed the slowest tree, micro-batch latency included. A value the server refuses
+  (below what its n buckets allow) fails the query's first offset call.
 
 Every bad option raises ConfigError naming the option and the value, on the driver:
 option syntax at `load()` (in `schema()`), what needs the broker (a topic or partition
@@ -270,6 +275,8 @@ class SourceOptions:
     ft_reconnect_timeout_s: float = 5.0
     group_id: str | None = None
     """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
+    timeout_s: float | None = None
+    """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
 
     @property
     def ft_on(self) -> bool:
@@ -335,6 +342,7 @@ _KNOWN_OPTIONS: Final = {
         "ft.sourceName",
         "ft.connectTimeoutMs",
         "ft.reconnectTimeoutMs",
+        "ft.timeoutMs",
         "kafka.group.id",
     )
 }
@@ -496,7 +504,14 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         ft_connect_timeout_s=opts.integer("ft.connectTimeoutMs", 2000, 1) / 1000,
         ft_reconnect_timeout_s=opts.integer("ft.reconnectTimeoutMs", 5000, 0) / 1000,
         group_id=_group_id(opts),
+        timeout_s=_timeout(opts),
     )
+
+
+def _timeout(options: _Options) -> float | None:
+    if options.text("ft.timeoutMs") is None:
+        return None
+    return options.integer("ft.timeoutMs", 0, 1) / 1000
 
 
 def _group_id(options: _Options) -> str | None:
@@ -1158,6 +1173,7 @@ class _Driver:
                     options.partitioner,
                     self._partition_counts[topic],
                     options.partitioner_options,
+                    options.timeout_s,
                 )
 
             self._ft_call(f"register the source of topic {topic!r}", register)

@@ -11,6 +11,10 @@ replayed under new roots. Roots that completed meanwhile are skipped there.
 Timeouts are counted from persist (or from the moment a failed record was queued for
 replay), not from the last XOR event: like Storm's message timeout, T bounds how long a
 whole tree may take.
+
+`track(roots, timeout_s=T2)` times roots with another timeout than the layer's own (a
+source configured with its own T): each distinct timeout has its own RotatingHashMap,
+made on first use and rotated by the same tick().
 """
 
 from __future__ import annotations
@@ -50,16 +54,37 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         self._batches: RotatingHashMap[int, NDArray[np.uint64]] = RotatingHashMap(
             buckets, self._expired, timeout_s=timeout_s, start=start
         )
+        self._by_timeout: dict[float, RotatingHashMap[int, NDArray[np.uint64]]] = {
+            timeout_s: self._batches
+        }
         self._batch_number = 0
 
-    def track(self, roots: NDArray[np.uint64]) -> None:
-        """Start the timeout of roots that became pending now."""
+    def track(
+        self, roots: NDArray[np.uint64], timeout_s: float | None = None, now: float = 0.0
+    ) -> None:
+        """Start the timeout of roots that became pending now: the layer's T, or
+        `timeout_s` (then `now` starts its buckets' clock if they are new)."""
         self._batch_number += 1
-        self._batches.put(self._batch_number, roots)
+        batches = self._batches
+        if timeout_s is not None and timeout_s != self.timeout_s:
+            batches = self._by_timeout.get(timeout_s)  # type: ignore[assignment]
+            if batches is None:
+                validate_timeout(timeout_s, self.buckets)
+                batches = RotatingHashMap(
+                    self.buckets, self._expired, timeout_s=timeout_s, start=now
+                )
+                self._by_timeout[timeout_s] = batches
+        batches.put(self._batch_number, roots)
 
     def tick(self, now: float) -> int:
-        """Rotate if due by `now`, timing out the roots that expired; 1 if it did."""
-        return self._batches.tick(now)
+        """Rotate every timeout's buckets that are due by `now`, timing out the roots
+        that expired; returns the number of rotations."""
+        return sum(batches.tick(now) for batches in list(self._by_timeout.values()))
+
+    @property
+    def shortest_rotation_interval_s(self) -> float:
+        """The shortest rotation interval over every timeout in use (for tickers)."""
+        return min(rotation_interval(t, self.buckets) for t in tuple(self._by_timeout))
 
     def _expired(self, batches: dict[int, NDArray[np.uint64]]) -> None:
         self._on_timeout(np.concatenate(list(batches.values())))

@@ -355,3 +355,35 @@ def test_lowest_pending_offsets_never_pass_an_incomplete_record(
     assert ft.lowest_pending_offsets(["clicks", "unknown"]) == {"clicks": {0: 7}}
     ft.xor(orders.roots[[4, 8]], ids[[4, 8]])
     assert 0 not in ft.lowest_pending_offsets()["orders"]
+
+
+def test_a_source_with_its_own_timeout_times_out_on_its_own_clock(tmp_path: Path) -> None:
+    clock = Clock()
+    storage = LmdbStorage(tmp_path / "db")
+    try:
+        ft = FTLayer(storage, timeout_s=100.0, buckets=3, clock=clock)
+        ft.register_source(7, "forward", 4, timeout_s=4.0)
+        quick = RecordBatch.build(
+            new_ids(3), [b"q"] * 3, source_ids=7, topics="t", partitions=0, offsets=None
+        )
+        slow = _records(3)  # source 0: the FT layer's 100 s
+        _emit(ft, quick)
+        _emit(ft, slow)
+        for now in np.arange(0.5, 6.5, 0.5):  # 4 s * (1 + 1/2) = 6 s at most
+            clock.now = float(now)
+            ft.tick()
+            if now < 4.0:
+                assert ft.stats.failed["timeout"] == 0
+        assert ft.stats.failed["timeout"] == 3  # the quick source's three, only
+        assert all(int(r) in ft.acker for r in slow.roots)
+        # The replays keep their source's timeout; the registration survives a restart.
+        for now in np.arange(6.5, 13.0, 0.5):  # requeued by 6 s: expired by 6 + 6 s
+            clock.now = float(now)
+            ft.tick()
+        assert ft.stats.failed["timeout"] == 6
+        config = FTLayer(storage, timeout_s=100.0, clock=clock).source_config(7)
+        assert config is not None and config.timeout_s == 4.0
+        with pytest.raises(ConfigError, match="timeout"):
+            ft.register_source(8, "forward", 1, timeout_s=0.0)
+    finally:
+        storage.close()

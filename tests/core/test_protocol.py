@@ -203,6 +203,8 @@ def test_register_source_round_trips() -> None:
     data = p.encode_register_source(7, 2**32 - 1, "key-group", 8, {"max_parallelism": 64})
     message = p.decode(frame(data))
     assert message == p.RegisterSource(2**32 - 1, "key-group", 8, {"max_parallelism": 64})
+    timed = p.decode(frame(p.encode_register_source(7, 3, "forward", 2, timeout_s=2.5)))
+    assert timed == p.RegisterSource(3, "forward", 2, {}, 2.5)
     with pytest.raises(p.BadRequest, match="u32 source id"):
         p.encode_register_source(1, 2**32, "forward", 1)
 
@@ -548,7 +550,16 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
         "register missing key",
         reframe(p.Kind.REGISTER_SOURCE, b'\1\0\0\0{"partitioner":"forward","options":{}}'),
         p.BadRequest,
-        "exactly",
+        "nothing else",
+    ),
+    (
+        "register bad timeout",
+        reframe(
+            p.Kind.REGISTER_SOURCE,
+            b'\1\0\0\0{"partitioner":"forward","num_partitions":1,"options":{},"timeout_s":-1}',
+        ),
+        p.BadRequest,
+        "timeout_s",
     ),
     (
         "register bool partitions",

@@ -215,6 +215,26 @@ def test_every_record_arrives_once_with_its_anchor_across_topics_and_batches(
     assert (after["completed"], after["pending"], after["unknown_events"]) == (400, 0, 0)
 
 
+def test_ft_timeout_ms_gives_the_querys_trees_their_own_timeout(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    ft_layer: Server,
+    tmp_path: Path,
+) -> None:
+    # The server's timeout is 600 s; this query's records time out after 2 to 3 s.
+    topic = make_topic(2)
+    produce(kafka_bootstrap, topic, records("t", 30))
+    rows, _ = run_available_now(
+        spark,
+        ft_options(kafka_bootstrap, [topic], ft_layer, ft_timeoutMs=2000),
+        tmp_path / "checkpoint",
+    )
+    assert len(rows) == 30
+    # Never acked: all 30 time out (and their replays again every 2-3 s).
+    wait_until(lambda: status(ft_layer)["failed"]["timeout"] >= 30, 20.0, "the timeouts")
+
+
 def test_ft_off_gives_the_same_rows_without_ft_columns_or_ft_traffic(
     spark: SparkSession,
     kafka_bootstrap: str,
@@ -470,6 +490,8 @@ BAD_OPTIONS = [
     ({"kafka.nonsense.setting": "1"}, "kafka.nonsense.setting"),
     ({"subscribePattern": "t.*"}, "subscribepattern is not supported"),
     ({"failOnDataLoss": "false"}, "unknown option 'failondataloss'"),
+    ({"ft.address": "h:1", "ft.timeoutMs": "0"}, "option ft.timeoutMs must be at least 1"),
+    ({"ft.address": "h:1", "ft.timeoutMs": "soon"}, "option ft.timeoutMs must be an integer"),
 ]
 
 
