@@ -73,6 +73,7 @@ from ftlayer.protocol import (
     encode_hello,
     encode_lowest_pending,
     encode_persist,
+    encode_prune_replay,
     encode_register_source,
     encode_status_request,
     encode_xor,
@@ -255,6 +256,13 @@ class FTClient:
             retry=True,
         )
         return decode_replay(frame)
+
+    def prune_replay(self, upto: int, source_id: int | None = None) -> int:
+        """`FTLayer.prune_replay` on the server; returns how many entries it dropped."""
+        frame = self._call(
+            lambda rid: encode_prune_replay(rid, upto, source_id), Kind.OK, retry=True
+        )
+        return decode_ok(frame).count
 
     def lowest_pending_offsets(
         self, topics: Sequence[str] | None = None

@@ -134,7 +134,7 @@ class ReplayQueue:
         # Columns: replay seq, root, storage seq, source id, target partition; each a
         # list of appended chunks, merged on read (appends are rare: failures).
         self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [])
-        self._pruned_upto = 0
+        self._pruned_upto: dict[int | None, int] = {}  # per source id; None: every source
 
     def append(
         self,
@@ -161,10 +161,16 @@ class ReplayQueue:
     def select(
         self, lo: int, hi: int, source_id: int | None, partition: int | None
     ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.int32]]:
-        """Entries with lo < replay_seq <= hi: (replay_seqs, roots, seqs, partitions)."""
-        if lo < self._pruned_upto:
+        """Entries with lo < replay_seq <= hi: (replay_seqs, roots, seqs, partitions).
+
+        ConfigError if the range starts below the point the source (or every source)
+        was pruned to: those entries are gone, and a batch that needs them again means
+        the caller's position is older than a completed checkpoint of it."""
+        pruned = max(self._pruned_upto.get(None, 0), self._pruned_upto.get(source_id, 0))
+        if lo < pruned:
+            which = "" if source_id is None else f" of source {source_id}"
             raise ConfigError(
-                f"replay range ({lo}, {hi}] starts before the pruned point {self._pruned_upto}"
+                f"replay range ({lo}, {hi}]{which} starts before its pruned point {pruned}"
             )
         if not self._columns[0]:
             return _EMPTY_U64, _EMPTY_U64, _EMPTY_U64, np.zeros(0, dtype=np.int32)
@@ -176,12 +182,16 @@ class ReplayQueue:
             mask &= parts == partition
         return rseq[mask], roots[mask], seqs[mask], parts[mask]
 
-    def prune(self, upto: int) -> int:
-        """Drop entries with replay_seq <= upto; returns how many were dropped."""
-        self._pruned_upto = max(self._pruned_upto, upto)
+    def prune(self, upto: int, source_id: int | None = None) -> int:
+        """Drop entries with replay_seq <= upto (of one source, or of every source);
+        returns how many were dropped."""
+        self._pruned_upto[source_id] = max(self._pruned_upto.get(source_id, 0), upto)
         if not self._columns[0]:
             return 0
-        keep = self._merged()[0] > upto
+        rseq, _roots, _seqs, sources, _parts = self._merged()
+        keep = rseq > upto
+        if source_id is not None:
+            keep |= sources != source_id
         for column in self._columns:
             column[0] = column[0][keep]
         return int(len(keep) - np.count_nonzero(keep))
@@ -529,9 +539,12 @@ class FTLayer:
             result.setdefault(name, {})[partition] = offset
         return result
 
-    def prune_replay(self, upto: int) -> int:
-        """Forget queue entries with replay seq <= upto (their batches are checkpointed)."""
-        return self._queue.prune(upto)
+    def prune_replay(self, upto: int, source_id: int | None = None) -> int:
+        """Forget queue entries with replay seq <= upto, of `source_id` or of every
+        source: the batches that took them in are checkpointed and never run again.
+        Returns how many entries were dropped. Their roots stay pending: a replay that
+        fails again is queued again under a new replay seq."""
+        return self._queue.prune(upto, source_id)
 
     # ---- recovery and status ---------------------------------------------------
 

@@ -33,6 +33,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
 |      |                     | "num_partitions": int, "options": object[, "timeout_s"]}    |
 | 0x16 | LOWEST_PENDING      | utf-8 JSON list of topic names, or empty (every topic)      |
+| 0x17 | PRUNE_REPLAY        | upto u64, source id i64 (-1 = every source)                 |
 | 0x20 | CHECKPOINT_BEGIN    | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x21 | CHECKPOINT_COMPLETE | reserved (issue 5): decoding raises `ReservedKind`          |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
@@ -111,6 +112,7 @@ _U8: Final = struct.Struct("<B")
 _CHALLENGE: Final = struct.Struct(f"<B{NONCE_SIZE}s")
 _WELCOME: Final = struct.Struct("<HQ")
 _FETCH: Final = struct.Struct("<QQqi")
+_PRUNE: Final = struct.Struct("<Qq")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
 
@@ -127,6 +129,7 @@ class Kind(enum.IntEnum):
     STATUS = 0x14
     REGISTER_SOURCE = 0x15
     LOWEST_PENDING = 0x16
+    PRUNE_REPLAY = 0x17
     CHECKPOINT_BEGIN = 0x20
     CHECKPOINT_COMPLETE = 0x21
     CHALLENGE = 0x81
@@ -297,6 +300,14 @@ class RegisterSource:
 
 
 @dataclass(frozen=True, slots=True)
+class PruneReplay:
+    """`FTLayer.prune_replay(upto, source_id)`; None = every source."""
+
+    upto: int
+    source_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class LowestPending:
     """`FTLayer.lowest_pending_offsets(topics)`; None = every topic."""
 
@@ -343,6 +354,7 @@ Message = (
     | Fail
     | FetchReplay
     | RegisterSource
+    | PruneReplay
     | LowestPending
     | Offsets
     | StatusRequest
@@ -1003,6 +1015,25 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
     )
 
 
+def encode_prune_replay(request_id: int, upto: int, source_id: int | None = None) -> bytes:
+    """PRUNE_REPLAY: forget replay queue entries with replay seq <= upto."""
+    sid = -1 if source_id is None else source_id
+    if not (0 <= upto < 2**64 and -1 <= sid <= MAX_U32) or isinstance(source_id, bool):
+        raise BadRequest(
+            f"PRUNE_REPLAY needs a u64 upto and a u32 source id (or None), got {upto}, {source_id}"
+        )
+    return encode_frame(Kind.PRUNE_REPLAY, request_id, _PRUNE.pack(upto, sid))
+
+
+def decode_prune_replay(message: Frame | bytes) -> PruneReplay:
+    body = _body(message, Kind.PRUNE_REPLAY)
+    upto, source_id = body.unpack(_PRUNE, "upto and source id")
+    body.done()
+    if not -1 <= source_id <= MAX_U32:
+        raise BadRequest(f"PRUNE_REPLAY source id {source_id} is out of range (-1 means any)")
+    return PruneReplay(upto, None if source_id == -1 else source_id)
+
+
 def encode_lowest_pending(request_id: int, topics: Sequence[str] | None = None) -> bytes:
     """LOWEST_PENDING: a JSON list of topics, or an empty body for every topic."""
     if topics is None:
@@ -1145,6 +1176,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.STATUS: decode_status_request,
     Kind.REGISTER_SOURCE: decode_register_source,
     Kind.LOWEST_PENDING: decode_lowest_pending,
+    Kind.PRUNE_REPLAY: decode_prune_replay,
     Kind.OFFSETS: decode_offsets,
     Kind.CHALLENGE: decode_challenge,
     Kind.WELCOME: decode_welcome,

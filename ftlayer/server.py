@@ -72,6 +72,7 @@ from ftlayer.protocol import (
     NotAuthenticated,
     Persist,
     ProtocolError,
+    PruneReplay,
     RegisterSource,
     StatusRequest,
     UnexpectedKind,
@@ -100,6 +101,7 @@ _DATA_REQUESTS: Final = (
     Fail,
     FetchReplay,
     RegisterSource,
+    PruneReplay,
     LowestPending,
     StatusRequest,
 )
@@ -460,6 +462,8 @@ class FTServer:
                     message.timeout_s,
                 )
                 return encode_ok(rid, 1)
+            if isinstance(message, PruneReplay):
+                return encode_ok(rid, ft.prune_replay(message.upto, message.source_id))
             if isinstance(message, LowestPending):
                 return encode_offsets(rid, ft.lowest_pending_offsets(message.topics))
             if isinstance(message, FetchReplay):

@@ -779,11 +779,15 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: Offset) -> None:
         # Spark calls this once batch `end` is done, one batch late: the checkpoint of
-        # that batch is complete. With kafka.group.id, move the group's committed
-        # offsets (never past an incomplete record; see _Driver.commit_offsets).
-        # Replay-queue pruning comes with the barrier checkpoints (it must be per source).
+        # that batch is complete and the batch never runs again. So the replay queue
+        # entries it took in can go (per source: other queries' entries stay), and with
+        # kafka.group.id the group's committed offsets move (never past an incomplete
+        # record; see _Driver.commit_offsets).
+        driver = self._driver_side()
+        if self.options.ft_on and "replay" in end:
+            driver.prune_replays(int(end["replay"]))
         if self.options.group_id is not None:
-            self._driver_side().commit_offsets(end)
+            driver.commit_offsets(end)
 
     def stop(self) -> None:
         if self._driver is not None:
@@ -981,6 +985,23 @@ class _Driver:
         if replay is not None and "replay" in start:
             replay = min(int(replay), int(start["replay"]) + max_rows)
         return _offset(ends, replay)
+
+    # ---- replay queue ----
+
+    def prune_replays(self, upto: int) -> None:
+        """Drop this query's replay queue entries with replay seq <= upto, source by
+        source. A failure is logged and left for the next commit: the entries only
+        take memory in the FT layer."""
+        for topic, sid in self.source_ids.items():
+
+            def prune(client: FTClient, sid: int = sid) -> int:
+                return client.prune_replay(upto, sid)
+
+            try:
+                self._ft_call(f"prune the replays of topic {topic!r}", prune)
+            except SourceError as exc:
+                log.warning("%s (retried at the next batch)", exc)
+                return
 
     # ---- consumer-group offsets ----
 

@@ -146,6 +146,26 @@ def test_fetch_replay_is_repeatable_until_the_replay_completes() -> None:
     assert ft.fetch_replay(2, 3).records.offsets.tolist() == [105]
 
 
+def test_pruning_one_source_keeps_the_other_sources_replays() -> None:
+    ft = FTLayer(MemoryStorage(), default_source=SourceConfig.named("forward", 4))
+    a = _records(4)
+    b = RecordBatch.build(
+        new_ids(4), [b"b"] * 4, source_ids=9, topics="other", partitions=0, offsets=None
+    )
+    _emit(ft, a)
+    _emit(ft, b)
+    ft.fail(a.roots[:2])  # replay seqs 1, 2 (source 0)
+    ft.fail(b.roots[:2])  # replay seqs 3, 4 (source 9)
+    assert ft.snapshot_stats().replay_queue == 4
+    assert ft.prune_replay(4, source_id=0) == 2  # source 0's two; source 9's stay
+    assert ft.snapshot_stats().replay_queue == 2
+    assert len(ft.fetch_replay(0, 4, source_id=9)) == 2  # below 0's pruned point: fine
+    with pytest.raises(ConfigError, match="of source 0 starts before its pruned point 4"):
+        ft.fetch_replay(0, 4, source_id=0)
+    assert ft.prune_replay(4) == 2  # every source
+    assert ft.snapshot_stats().replay_queue == 0
+
+
 def test_broadcast_replays_to_every_partition() -> None:
     ft = FTLayer(MemoryStorage(), default_source=SourceConfig.named("broadcast", 3))
     batch = _records(2)

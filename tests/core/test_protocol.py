@@ -209,6 +209,13 @@ def test_register_source_round_trips() -> None:
         p.encode_register_source(1, 2**32, "forward", 1)
 
 
+def test_prune_replay_round_trips() -> None:
+    assert p.decode(frame(p.encode_prune_replay(4, 2**64 - 1))) == p.PruneReplay(2**64 - 1, None)
+    assert p.decode(frame(p.encode_prune_replay(4, 10, 2**32 - 1))) == p.PruneReplay(10, 2**32 - 1)
+    with pytest.raises(p.BadRequest, match="PRUNE_REPLAY"):
+        p.encode_prune_replay(1, -1)
+
+
 def test_lowest_pending_and_offsets_round_trip() -> None:
     assert p.decode(frame(p.encode_lowest_pending(3))) == p.LowestPending(None)
     assert p.decode(frame(p.encode_lowest_pending(3, ["a", "b"]))) == p.LowestPending(["a", "b"])
@@ -538,6 +545,13 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
     ("unknown kind", reframe(0x55, b""), p.UnknownKind, "0x55"),
     ("register short", reframe(p.Kind.REGISTER_SOURCE, b"\1\0"), p.MalformedFrame, "trunc"),
     ("lowest not json", reframe(p.Kind.LOWEST_PENDING, b"[a"), p.MalformedFrame, "not JSON"),
+    ("prune short", reframe(p.Kind.PRUNE_REPLAY, b"\1" * 15), p.MalformedFrame, "trunc"),
+    (
+        "prune bad source",
+        reframe(p.Kind.PRUNE_REPLAY, struct.pack("<Qq", 1, -2)),
+        p.BadRequest,
+        "out of range",
+    ),
     ("lowest not list", reframe(p.Kind.LOWEST_PENDING, b'{"a":1}'), p.BadRequest, "JSON list"),
     ("offsets bad shape", reframe(p.Kind.OFFSETS, b'{"a":{"x":1}}'), p.BadRequest, "topic"),
     (

@@ -1,4 +1,5 @@
-"""Consumer-group offsets under ftlayer (issue 4, section 5 and test g).
+"""What the ftkafka source does when Spark reports a batch done (commit(end)): consumer
+group offsets (issue 4, section 5 and test g) and replay-queue pruning.
 
 With `kafka.group.id`, the ftkafka source commits, for every partition, the group
 offset min(batch end, lowest offset still pending in the FT layer) when Spark reports a
@@ -9,6 +10,7 @@ at that record while the other partition moves on, and acking it lets the offset
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +23,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from serverproc import Server, StartServer
 
+from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import FTSettings, to_unsigned
-from ftlayer.integration.kafka import produce
+from ftlayer.integration.kafka import produce, wait_until
 from ftlayer.integration.sinks import settle
 from ftlayer.integration.source import register
 
@@ -110,3 +113,59 @@ def test_group_offsets_never_pass_an_incomplete_record(
     after_second = committed(kafka_bootstrap, group, topic, 2)
     assert after_second[0] is not None and after_second[0] > 20, after_second
     assert after_second[1] is not None and after_second[1] >= after_first[1], after_second
+
+
+def test_commit_prunes_the_replay_entries_of_finished_batches(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server: Server = start_server(None, "--timeout-s", "600")
+    settings = FTSettings(server.address)
+    topic = make_topic(2)
+    for p in range(2):  # offsets 0..9 in each partition: 4 records with offset % 5 == 0
+        produce(kafka_bootstrap, topic, [(None, b"a%d" % i) for i in range(10)], partition=p)
+    seen: set[tuple[int, int]] = set()
+
+    def sink(batch: DataFrame, batch_id: int) -> None:
+        # Runs in the driver: fail every 5th record the first time it is seen, ack the
+        # rest; the failed ones come back as replays in a later batch.
+        batch.persist()
+        rows = batch.select("partition", "offset", "ft_root").collect()
+        first = [r for r in rows if (r.partition, r.offset) not in seen and r.offset % 5 == 0]
+        seen.update((r.partition, r.offset) for r in rows)
+        doomed = F.col("ft_root").isin([r.ft_root for r in first])
+        if first:
+            with FTClient(server.address) as client:
+                client.fail(to_unsigned(np.array([r.ft_root for r in first])))
+            settle(batch.filter(~doomed), settings, ack=True)
+        else:
+            settle(batch, settings, ack=True)
+        batch.unpersist()
+
+    query = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("ft.address", server.address)
+        .load()
+        .writeStream.foreachBatch(sink)
+        .trigger(processingTime="300 milliseconds")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .start()
+    )
+    try:
+        with server.client() as client:
+            wait_until(lambda: client.status()["failed"]["explicit"] == 4, 60, "the fails")
+            wait_until(lambda: client.status()["pending"] == 0, 60, "the replays")
+            assert client.status()["replay_queue"] > 0
+            # Batches after the one that took the replays in: its commit prunes them.
+            for round_ in range(3):
+                produce(kafka_bootstrap, topic, [(None, b"b%d" % round_)])
+                time.sleep(1.0)
+            wait_until(lambda: client.status()["replay_queue"] == 0, 60, "the pruning")
+            assert client.status()["pending"] == 0
+    finally:
+        query.stop()

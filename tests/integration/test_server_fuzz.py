@@ -10,10 +10,10 @@ state machine dictates, or a close.
 To keep the counters checkable, option (a) of the design: a fuzz stream is first run
 through a local model of the server (the same framing, `protocol.decode` and the
 handshake state machine); a stream in which any frame would decode to a valid PERSIST,
-XOR, FAIL or REGISTER_SOURCE on a welcomed connection (one that could change the acker table) is
-regenerated instead of sent. So afterwards the status counters must be exactly what the
-good client's own persist/xor/fail calls explain, and a good client still gets correct
-answers.
+XOR, FAIL, REGISTER_SOURCE or PRUNE_REPLAY on a welcomed connection (one that could
+change the acker table) is regenerated instead of sent. So afterwards the status
+counters must be exactly what the good client's own persist/xor/fail calls explain,
+and a good client still gets correct answers.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from ftlayer.protocol import (
     LowestPending,
     Persist,
     ProtocolError,
+    PruneReplay,
     RegisterSource,
     StatusRequest,
     Xor,
@@ -70,7 +71,7 @@ SEED = 20261121
 MIN_FRAMES = 10_000
 _PREFIX = struct.Struct(">I")
 _HEAD = struct.Struct(">IBI")
-_MUTATING = (Persist, Xor, Fail, RegisterSource)
+_MUTATING = (Persist, Xor, Fail, RegisterSource, PruneReplay)
 _DATA = (Persist, Xor, Fail, FetchReplay, StatusRequest)
 _REPLY_KINDS = {int(k) for k in Kind if k >= 0x80}
 
