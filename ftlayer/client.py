@@ -249,13 +249,23 @@ class FTClient:
     def fetch_replay(
         self, lo: int, hi: int, source_id: int | None = None, partition: int | None = None
     ) -> ReplayRecords:
-        """`FTLayer.fetch_replay` on the server: records with lo < replay seq <= hi."""
-        frame = self._call(
-            lambda rid: encode_fetch_replay(rid, lo, hi, source_id=source_id, partition=partition),
-            Kind.REPLAY,
-            retry=True,
-        )
-        return decode_replay(frame)
+        """`FTLayer.fetch_replay` on the server: records with lo < replay seq <= hi.
+
+        A REPLAY holds at most one frame of rows; the server sends the first rows that
+        fit, whole replay seqs at a time, and this asks again from the last seq it got
+        until a reply comes back empty or reaches `hi`."""
+        pages: list[ReplayRecords] = []
+        while True:
+            start = lo
+
+            def encode(rid: int, start: int = start) -> bytes:
+                return encode_fetch_replay(rid, start, hi, source_id=source_id, partition=partition)
+
+            page = decode_replay(self._call(encode, Kind.REPLAY, retry=True))
+            pages.append(page)
+            if not len(page) or int(page.replay_seqs[-1]) >= hi:
+                return ReplayRecords.concat(pages)
+            lo = int(page.replay_seqs[-1])
 
     def prune_replay(self, upto: int, source_id: int | None = None) -> int:
         """`FTLayer.prune_replay` on the server; returns how many entries it dropped."""

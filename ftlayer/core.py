@@ -106,6 +106,22 @@ class ReplayRecords:
     def __len__(self) -> int:
         return len(self.replay_seqs)
 
+    def take(self, index: NDArray[np.intp]) -> ReplayRecords:
+        return ReplayRecords(
+            self.replay_seqs[index], self.partitions[index], self.records.take(index)
+        )
+
+    @classmethod
+    def concat(cls, pages: Sequence[ReplayRecords]) -> ReplayRecords:
+        """The rows of `pages`, one after the other (pages of one fetch)."""
+        if len(pages) == 1:
+            return pages[0]
+        return cls(
+            np.concatenate([p.replay_seqs for p in pages] or [_EMPTY_U64]),
+            np.concatenate([p.partitions for p in pages] or [np.zeros(0, np.int32)]),
+            RecordBatch.concat([p.records for p in pages]),
+        )
+
 
 @dataclass(slots=True)
 class FTStats:

@@ -132,6 +132,24 @@ class RecordBatch:
     def empty(cls) -> RecordBatch:
         return cls.build(np.zeros(0, dtype=np.uint64), [])
 
+    @classmethod
+    def concat(cls, batches: Sequence[RecordBatch]) -> RecordBatch:
+        """The records of `batches`, one after the other."""
+        if len(batches) == 1:
+            return batches[0]
+        if not batches:
+            return cls.empty()
+        return RecordBatch(
+            roots=np.concatenate([b.roots for b in batches]),
+            source_ids=np.concatenate([b.source_ids for b in batches]),
+            key_hashes=np.concatenate([b.key_hashes for b in batches]),
+            has_key=np.concatenate([b.has_key for b in batches]),
+            topics=[t for b in batches for t in b.topics],
+            partitions=np.concatenate([b.partitions for b in batches]),
+            offsets=np.concatenate([b.offsets for b in batches]),
+            payloads=[p for b in batches for p in b.payloads],
+        )
+
 
 def _column(value: ArrayLike, n: int) -> NDArray[np.int64]:
     """A column of n integers from a sequence, or a scalar repeated n times."""

@@ -52,8 +52,10 @@ import time
 from types import TracebackType
 from typing import Any, Final, Self
 
+import numpy as np
+
 from ftlayer import __version__
-from ftlayer.core import FTLayer
+from ftlayer.core import FTLayer, ReplayRecords
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.protocol import (
@@ -473,7 +475,7 @@ class FTServer:
             else:
                 status = self._status(ft)
         if isinstance(message, FetchReplay):
-            return encode_replay(rid, replay, max_frame=self.max_frame)
+            return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
         return encode_status_reply(rid, status, max_frame=self.max_frame)
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
@@ -493,6 +495,35 @@ class FTServer:
             version=__version__,
         )
         return status
+
+
+# A REPLAY row's bytes besides its payload: replay seq, partition, then root, source id,
+# key hash, has_key, partition, offset, topic index and payload length.
+_REPLAY_ROW_BYTES: Final = 8 + 4 + 8 + 4 + 8 + 1 + 4 + 8 + 2 + 4
+_REPLAY_SLACK: Final = 64
+
+
+def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:
+    """The rows of `replay` that fit one REPLAY frame: all of them, or the longest
+    prefix that ends at a replay seq boundary (a broadcast replay has one row per
+    partition under one seq, and they travel together). The client asks again from the
+    last seq it got (docs/protocol.md, 5.2). A first seq too large for a frame is left
+    to the encoder's FrameTooLarge."""
+    n = len(replay)
+    if n < 2:
+        return replay
+    records = replay.records
+    lengths = np.fromiter(map(len, records.payloads), dtype=np.int64, count=n)
+    topics = {t: len(t.encode()) for t in dict.fromkeys(records.topics)}
+    budget = max_frame - _REPLAY_SLACK - 2 - sum(2 + size for size in topics.values())
+    sizes = np.cumsum(lengths + _REPLAY_ROW_BYTES)
+    if int(sizes[-1]) <= budget:
+        return replay
+    fits = int(np.searchsorted(sizes, budget, side="right"))
+    seqs = replay.replay_seqs
+    while 0 < fits < n and seqs[fits] == seqs[fits - 1]:
+        fits -= 1  # never split the rows of one replay seq
+    return replay if fits == 0 else replay.take(np.arange(fits))
 
 
 def _tls_context(

@@ -31,6 +31,7 @@ from ftlayer.protocol import (
     decode_error,
     encode_status_request,
 )
+from ftlayer.server import FTServer
 
 PAYLOADS = [f"record-{i}".encode() * (i + 1) for i in range(10)]
 
@@ -258,3 +259,26 @@ def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
         pytest.raises(ConnectionLost, match=r"could not be opened \(\d+ attempts in 0.3 s\)"),
     ):
         client.status()
+
+
+def test_a_replay_larger_than_a_frame_comes_back_in_pages(tmp_path: Path) -> None:
+    # A 64 KiB frame limit and 10 KB payloads: about six records fit one REPLAY frame.
+    payloads = [bytes([i]) * 10_000 for i in range(30)]
+    with FTServer(tmp_path / "data", max_frame=65_536) as server:
+        host, port = server.address
+        with FTClient(f"{host}:{port}") as client:
+            client.register_source(0, "broadcast", 2)  # two rows per replay seq
+            roots = []
+            for lo in range(0, 30, 5):
+                anchors = Persister(client).persist(
+                    payloads[lo : lo + 5], topics="big", partitions=np.zeros(5), offsets=None
+                )
+                roots.append(anchors.roots)
+            assert client.fail(np.concatenate(roots)) == 30
+            sent_before = client.requests_sent[Kind.FETCH_REPLAY]
+            replay = client.fetch_replay(0, 2**63)
+            pages = client.requests_sent[Kind.FETCH_REPLAY] - sent_before
+    assert pages > 5  # 60 rows of 10 KB cannot travel in one 64 KiB frame
+    assert replay.replay_seqs.tolist() == sorted(list(range(1, 31)) * 2)
+    assert sorted(bytes(p) for p in replay.records.payloads) == sorted(payloads * 2)
+    assert sorted(replay.partitions.tolist()) == [0] * 30 + [1] * 30
