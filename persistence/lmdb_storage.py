@@ -34,6 +34,7 @@ With `sync=False` a commit is atomic but may be lost to an OS crash until `sync(
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -290,7 +291,9 @@ class LmdbStorage(PersistenceStorage):
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)  # another process grew the map: adopt its size
                 except lmdb.Error as exc:
-                    raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+                    raise StorageError(
+                        f"LMDB storage at {self._path}: {exc}{_write_hint(exc, self._path)}"
+                    ) from exc
 
     def _read(
         self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
@@ -408,3 +411,19 @@ def _check_ours(path: str) -> None:
             f"{path} is an ftlayer store of format {marker!r}; this version reads "
             f"{FORMAT_MARKER!r}. Left untouched"
         )
+
+
+def _write_hint(exc: lmdb.Error, path: str) -> str:
+    """What a failed write most likely means: LMDB reports a write the disk (or a file
+    size limit) refused as an I/O error."""
+    text = str(exc)
+    if "Input/output error" not in text and "No space" not in text:
+        return ""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return " (the disk may be full)"
+    return (
+        f" (the disk may be full, or a file size limit reached: {free:,} bytes free "
+        "on its filesystem); nothing of this write was stored"
+    )

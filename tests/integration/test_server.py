@@ -6,6 +6,7 @@ is stopped by the fixture's finalizer even when a test fails.
 
 from __future__ import annotations
 
+import resource
 import signal
 import socket
 import subprocess
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serverproc import Server, StartServer, serve_command
+from serverproc import Server, StartServer, read_address, serve_command
 
-from ftlayer.client import ConnectionLost, FTClient, RequestRejected
+from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
 from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.integration.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
@@ -282,3 +283,40 @@ def test_a_replay_larger_than_a_frame_comes_back_in_pages(tmp_path: Path) -> Non
     assert replay.replay_seqs.tolist() == sorted(list(range(1, 31)) * 2)
     assert sorted(bytes(p) for p in replay.records.payloads) == sorted(payloads * 2)
     assert sorted(replay.partitions.tolist()) == [0] * 30 + [1] * 30
+
+
+def test_a_full_disk_is_a_clear_error_and_loses_nothing_confirmed(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # The server process may write files of at most 3 MiB (RLIMIT_FSIZE), as if its
+    # disk filled up: LMDB's writes then fail with EFBIG.
+    limit = 3 * 1024 * 1024
+
+    def small_disk() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    data_dir, log = tmp_path / "full", tmp_path / "full.log"
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            serve_command(data_dir), stdout=subprocess.PIPE, stderr=stderr, preexec_fn=small_disk
+        )
+    try:
+        confirmed: list[bytes] = []
+        with FTClient(read_address(proc, log)) as client:
+            with pytest.raises(ServerStorageError, match="disk may be full"):
+                for batch in range(1000):
+                    payloads = [b"%d-%d-" % (batch, i) + b"x" * 2000 for i in range(50)]
+                    persist(client, payloads)
+                    confirmed += payloads
+            assert len(confirmed) > 100  # some batches fit before the disk was full
+            status = client.status()  # the server goes on serving
+            assert status["persisted"] == status["pending"] == len(confirmed)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    # With room again, every confirmed record is there, to be replayed.
+    with start_server(data_dir).client() as client:
+        replay = client.fetch_replay(0, 2**63)
+    assert sorted(bytes(p) for p in replay.records.payloads) == sorted(confirmed)
