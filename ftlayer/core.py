@@ -133,6 +133,10 @@ class FTStats:
     failed: dict[str, int] = field(default_factory=lambda: {c.value: 0 for c in FailCause})
     replay_queue: int = 0
     replay_cursor: int = 0
+    replay_cursors: dict[str, int] = field(default_factory=dict)
+    """Per source id (as a string, JSON's way): its highest replay seq. A source that
+    has none since the start reads `replay_cursor_at_start` (see replay_cursor_of)."""
+    replay_cursor_at_start: int = 0
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0
@@ -258,6 +262,7 @@ class FTLayer:
         meta = storage.get_meta(_REPLAY_SEQ_META)
         self._next_replay_seq = int(meta.decode()) if meta else 1
         self.stats.replay_cursor = self._next_replay_seq - 1
+        self._cursor_at_start = self.stats.replay_cursor_at_start = self._next_replay_seq - 1
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -304,6 +309,13 @@ class FTLayer:
     def replay_cursor(self) -> int:
         """The highest replay seq handed out so far (0 before the first failure)."""
         return self._next_replay_seq - 1
+
+    def replay_cursor_of(self, source_id: int) -> int:
+        """The highest replay seq of `source_id`'s records; for a source with none since
+        this FT layer started, the cursor at the start. Never behind a value it
+        returned before (also across restarts), and a source's replays all have seqs
+        at most this: a reader that takes in (its last cursor, this] misses none."""
+        return int(self.stats.replay_cursors.get(str(source_id), self._cursor_at_start))
 
     def retries(self, root: int) -> int:
         """How many times the record now tracked under `root` has been replayed."""
@@ -458,6 +470,10 @@ class FTLayer:
         self._queue.append(
             replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
         )
+        cursors = self.stats.replay_cursors
+        queued_sources = batch.source_ids[index]
+        for source_id in _source_list(queued_sources):
+            cursors[str(source_id)] = int(replay_seqs[index][queued_sources == source_id].max())
         for root in old_roots.tolist():
             self._retired[root] = True
         for old, new in zip(old_roots.tolist(), new_roots.tolist(), strict=True):

@@ -23,9 +23,11 @@ An offset is a JSON dict::
     {"kafka": {"orders": {"0": 120, "1": 98}, "payments": {"0": 7}}, "replay": 42}
 
 `kafka` holds, per subscribed topic and partition, the Kafka offset of the next record;
-`replay` (FT on only) is the FT layer's replay cursor, the highest replay seq the query
-has taken in. Micro-batch n with start offset S and end offset E covers the Kafka
-records [S, E) of every partition and the replays with S.replay < seq <= E.replay.
+`replay` (FT on only) is the replay cursor of the query's sources (the highest replay
+seq of their records, `FTLayer.replay_cursor_of`; other queries' failures do not move
+it), the highest replay seq the query has taken in. Micro-batch n with start offset S
+and end offset E covers the Kafka records [S, E) of every partition and the replays
+with S.replay < seq <= E.replay.
 Every offset is fixed on the driver before the batch runs and is written to Spark's
 offset log, so a batch that Spark runs again reads the same ranges.
 
@@ -66,10 +68,10 @@ FT layer (`register_source(source_id, ft.partitioner, partition count)`; the sou
 is `source_id(ft.sourceName, topic)`), and fixes the initial offset once: Spark asks
 for it more than once. End offsets come from the high watermark of a Fetch, not from
 ListOffsets(latest), which Tansu answers short of the end. The replay cursor comes from
-the FT layer's status. A partition added to a topic while the query runs enters one
-batch later, from its earliest offset. Calls to Kafka and the FT layer are retried with
-doubling backoff and then fail with SourceError: an unreachable broker or FT layer is
-an error within seconds, not a hang.
+the FT layer's status (`replay_cursors`, per source). A partition added to a topic
+while the query runs enters one batch later, from its earliest offset. Calls to Kafka
+and the FT layer are retried with doubling backoff and then fail with SourceError: an
+unreachable broker or FT layer is an error within seconds, not a hang.
 
 `maxOffsetsPerTrigger` caps the Kafka records of a batch, split over partitions in
 proportion to their backlog as Spark's Kafka source does (a partition with a backlog
@@ -1200,8 +1202,12 @@ class _Driver:
             self._ft_call(f"register the source of topic {topic!r}", register)
 
     def _replay_cursor(self) -> int:
+        """The highest replay seq of this query's sources (see FTLayer.replay_cursor_of):
+        other queries' failures do not move it, so they cause no empty batches here."""
         status = self._ft_call("read the replay cursor", lambda client: client.status())
-        return int(status["replay_cursor"])
+        cursors = status.get("replay_cursors", {})
+        at_start = int(status.get("replay_cursor_at_start", status["replay_cursor"]))
+        return max(int(cursors.get(str(sid), at_start)) for sid in self.source_ids.values())
 
 
 class _NoFetchResponse(Exception):

@@ -407,3 +407,35 @@ def test_a_source_with_its_own_timeout_times_out_on_its_own_clock(tmp_path: Path
             ft.register_source(8, "forward", 1, timeout_s=0.0)
     finally:
         storage.close()
+
+
+def test_each_source_has_its_own_replay_cursor_that_never_goes_back(tmp_path: Path) -> None:
+    storage = LmdbStorage(tmp_path / "db")
+    try:
+        ft = FTLayer(storage, default_source=SourceConfig.named("forward", 4))
+        a = _records(4)
+        b = RecordBatch.build(
+            new_ids(4), [b"b"] * 4, source_ids=9, topics="other", partitions=0, offsets=None
+        )
+        _emit(ft, a)
+        _emit(ft, b)
+        assert ft.replay_cursor_of(0) == ft.replay_cursor_of(9) == 0
+        ft.fail(a.roots[:3])  # seqs 1..3, source 0
+        assert (ft.replay_cursor_of(0), ft.replay_cursor_of(9)) == (3, 0)
+        ft.fail(b.roots[:1])  # seq 4, source 9
+        assert (ft.replay_cursor_of(0), ft.replay_cursor_of(9), ft.replay_cursor) == (3, 4, 4)
+        stats = ft.snapshot_stats()
+        assert stats.replay_cursors == {"0": 3, "9": 4} and stats.replay_cursor_at_start == 0
+    finally:
+        storage.close()
+    # After a restart every source starts from the global cursor, which is never behind
+    # what a source reported; the recovered records move their sources' cursors on.
+    storage = LmdbStorage(tmp_path / "db")
+    try:
+        restarted = FTLayer(storage, default_source=SourceConfig.named("forward", 4))
+        assert restarted.replay_cursor_of(77) == 4  # a source with nothing since the start
+        assert restarted.replay_cursor_of(0) > 4 and restarted.replay_cursor_of(9) > 4
+        replay = restarted.fetch_replay(4, restarted.replay_cursor_of(9), source_id=9)
+        assert len(replay) == 4  # all of source 9's stored records, recovered
+    finally:
+        storage.close()
