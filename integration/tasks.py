@@ -390,8 +390,13 @@ def _run_record_fn(
         rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
     except _CONVERSION_ERRORS as exc:
         error = exc
-    # from_pylist reads a missing key (a typo, a tuple instead of a dict) as null.
-    if error is None and all(name in out for out in outputs for name in names):
+    # from_pylist reads a missing key (a typo, a tuple instead of a dict) as null, and
+    # truncates a float into an integer column (1.5 -> 1) without a word.
+    if (
+        error is None
+        and all(name in out for out in outputs for name in names)
+        and not _truncates(outputs, schema)
+    ):
         return rows, parents, failed if failed.any() else None
     # The slow path, only on error: find the outputs that do not fit the schema and
     # fail their inputs, as if their code had raised.
@@ -412,6 +417,17 @@ def _run_record_fn(
     return rows, parents[keep], failed
 
 
+def _truncates(outputs: Sequence[Any], schema: Any) -> bool:
+    """True if an output puts a float with a fraction into an integer column."""
+    integers = [f.name for f in schema if pa.types.is_integer(f.type)]
+    return bool(integers) and any(
+        isinstance(value := out.get(name), float) and not value.is_integer()
+        for out in outputs
+        if isinstance(out, Mapping)
+        for name in integers
+    )
+
+
 def _row_problem(row: Any, schema: Any) -> str | None:
     """Why one output row of a per-record function does not fit `schema`, or None."""
     if isinstance(row, SparkRow) and hasattr(row, "__fields__"):
@@ -423,6 +439,10 @@ def _row_problem(row: Any, schema: Any) -> str | None:
         return f"it lacks the declared column(s) {missing} (it has {list(row)})"
     for field in schema:
         value = row[field.name]
+        if pa.types.is_integer(field.type) and isinstance(value, float) and not value.is_integer():
+            return (
+                f"column {field.name!r} ({field.type}) cannot hold {value!r}: it would be truncated"
+            )
         try:
             pa.array([value], type=field.type)
         except _CONVERSION_ERRORS as exc:

@@ -411,3 +411,34 @@ def test_ft_off_gives_the_same_output_without_ft_columns_or_events(
     for counter in ("xor_events", "persisted", "unknown_events", "completed"):
         assert after[counter] == before[counter], counter
     assert after["connections"] <= before["connections"]  # FT off opens none
+
+
+def test_a_float_with_a_fraction_for_an_integer_column_fails_instead_of_truncating(
+    spark: SparkSession, ft_server: Server
+) -> None:
+    # pyarrow would write 3.5 as 3 in a long column without a word.
+    client = ft_server.client()
+    settings = FTSettings(ft_server.address)
+    n = 40
+
+    def halves(row: dict[str, Any]) -> dict[str, Any]:
+        out = decode(row)
+        if row["n"] == 3:
+            out["k"] = 3.5
+        elif row["n"] == 4:
+            out["k"] = 4.0  # a whole float converts exactly: fine
+        return out
+
+    got: list[dict[str, Any]] = []
+    collect_sink(settings, got)(
+        FTTasks(settings).map(source_frame(spark, client, n), halves, SCHEMA), 0
+    )
+    assert sorted(r["n"] for r in got) == [i for i in range(n) if i != 3]
+    assert next(r["k"] for r in got if r["n"] == 4) == 4
+    status = client.status()
+    assert (status["completed"], status["failed"]["explicit"]) == (n - 1, 1)
+
+    with pytest.raises(Exception, match=r"cannot hold 3\.5: it would be truncated"):
+        FTTasks(settings, on_error="fail-task").map(
+            source_frame(spark, client, n), halves, SCHEMA
+        ).collect()
