@@ -38,7 +38,8 @@ Errors in user code, per record:
   another type) raise `OutputSchemaError`, naming the step, the column and the value,
   and count as an exception of the user code: under fail-record only the records whose
   output does not fit fail. A per-record function must return a dict (or a Row) with
-  every declared column: pyarrow would read a missing key as null.
+  every declared column: pyarrow would read a missing key as null. A float with a
+  fraction for an integer column does not fit either (pyarrow would truncate it).
 
 One computation, one consumer. Every computation of a wrapper draws fresh ids for
 its outputs and sends the events for its inputs, and every wrapper or sink that reads
