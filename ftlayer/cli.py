@@ -3,7 +3,7 @@
     ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T]
                    [--buckets N] [--token-file F] [--tls-cert C --tls-key K]
                    [--delete-interval-s S]
-    ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--json]
+    ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--wait-s S] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
                    [--workdir D] [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
@@ -59,6 +59,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    return 0.0 if text.strip() in ("0", "0.0") else _positive_float(text)
+
+
 def _buckets(text: str) -> int:
     value = _positive_int(text)
     if value < 2:
@@ -111,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--server", required=True, help="HOST:PORT of the server")
     status.add_argument("--token-file", default=None, help="file holding the auth token")
     status.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA file")
+    status.add_argument(
+        "--wait-s",
+        type=_non_negative_float,
+        default=2.0,
+        help="how long to retry a refused connection (default 2)",
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object last")
 
     demo = commands.add_parser("demo", help="run the main job end to end and check it")
@@ -213,7 +223,9 @@ def _status(args: argparse.Namespace) -> int:
 
     token = None if args.token_file is None else read_token_file(args.token_file)
     try:
-        with FTClient(args.server, token=token, tls=args.tls_ca or False) as client:
+        with FTClient(
+            args.server, token=token, tls=args.tls_ca or False, reconnect_s=args.wait_s
+        ) as client:
             status = client.status()
     except OSError as exc:
         raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None

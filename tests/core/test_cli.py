@@ -41,3 +41,14 @@ def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFi
         main(argv)
     assert exc.value.code == 2
     assert "usage: ftlayer" in capsys.readouterr().err
+
+
+def test_status_of_an_unreachable_server_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ftlayer.integration.broker import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["status", "--server", address, "--wait-s", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert f"the FT-layer server at {address} could not be opened" in err
