@@ -486,14 +486,10 @@ class FTLayer:
         timeout (the FT layer's for sources without their own)."""
         now = self._clock()
         sources = _source_list(source_ids)
-        if len(sources) == 1:
-            config = self.source_config(sources[0])
-            self.persistence.track(roots, None if config is None else config.timeout_s, now)
-            return
         for source_id in sources:
             config = self.source_config(source_id)
-            rows = source_ids == source_id
-            self.persistence.track(roots[rows], None if config is None else config.timeout_s, now)
+            of_source = roots if len(sources) == 1 else roots[source_ids == source_id]
+            self.persistence.track(of_source, None if config is None else config.timeout_s, now)
 
     def _route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
         """(record index, target partition) pairs, by each record's source partitioner;

@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import Self
 
 from ftlayer.errors import FTLayerError
 
-__all__ = ["FTServerProcess", "ServerProcessError", "serve_command"]
+__all__ = ["FTServerProcess", "ServerProcessError", "read_serving_address", "serve_command"]
 
 _SERVING: bytes = b"ftlayer serving on "
 
@@ -42,6 +42,42 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def read_serving_address(
+    proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0
+) -> str:
+    """The HOST:PORT of the "ftlayer serving on" line a starting `ftlayer serve` prints
+    first (its stdout a pipe); ServerProcessError, naming the log, if the line does not
+    come within `timeout` seconds or the process exits first."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    line = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                raise ServerProcessError(
+                    f"the FT-layer server did not start within {timeout:g} s; its log: {log_path}"
+                )
+            chunk = os.read(proc.stdout.fileno(), 1)
+            if not chunk:
+                raise ServerProcessError(
+                    f"the FT-layer server exited with code {proc.wait()} at start: "
+                    f"{_log_tail(log_path)}"
+                )
+            line += chunk
+    if not line.startswith(_SERVING):
+        raise ServerProcessError(f"unexpected first line from the server: {line!r}")
+    return line[len(_SERVING) :].decode().strip()
+
+
+def _log_tail(log_path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {log_path})"
 
 
 class FTServerProcess:
@@ -76,39 +112,12 @@ class FTServerProcess:
                 stderr=log,
                 preexec_fn=_die_with_parent,
             )
-        assert self._proc.stdout is not None
-        self.address = self._read_address(self._proc, self._proc.stdout)
-        return self
-
-    def _read_address(self, proc: subprocess.Popen[bytes], stdout: IO[bytes]) -> str:
-        deadline = time.monotonic() + self.start_timeout
-        line = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(stdout, selectors.EVENT_READ)
-            while not line.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0 or not selector.select(left):
-                    self.kill()
-                    raise ServerProcessError(
-                        f"the FT-layer server did not start within {self.start_timeout:g} s; "
-                        f"its log: {self.log_path}"
-                    )
-                chunk = os.read(stdout.fileno(), 1)
-                if not chunk:
-                    code = proc.wait()
-                    raise ServerProcessError(
-                        f"the FT-layer server exited with code {code} at start: {self._log_tail()}"
-                    )
-                line += chunk
-        if not line.startswith(_SERVING):
-            raise ServerProcessError(f"unexpected first line from the server: {line!r}")
-        return line[len(_SERVING) :].decode().strip()
-
-    def _log_tail(self, lines: int = 5) -> str:
         try:
-            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return f"(no log at {self.log_path})"
+            self.address = read_serving_address(self._proc, self.log_path, self.start_timeout)
+        except ServerProcessError:
+            self.kill()
+            raise
+        return self
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

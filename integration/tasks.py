@@ -418,11 +418,16 @@ def _run_record_fn(
     return rows, parents[keep], failed
 
 
+def _has_fraction(value: Any) -> bool:
+    """A float that an integer column would truncate."""
+    return isinstance(value, float) and not value.is_integer()
+
+
 def _truncates(outputs: Sequence[Any], schema: Any) -> bool:
     """True if an output puts a float with a fraction into an integer column."""
     integers = [f.name for f in schema if pa.types.is_integer(f.type)]
     return bool(integers) and any(
-        isinstance(value := out.get(name), float) and not value.is_integer()
+        _has_fraction(out.get(name))
         for out in outputs
         if isinstance(out, Mapping)
         for name in integers
@@ -440,7 +445,7 @@ def _row_problem(row: Any, schema: Any) -> str | None:
         return f"it lacks the declared column(s) {missing} (it has {list(row)})"
     for field in schema:
         value = row[field.name]
-        if pa.types.is_integer(field.type) and isinstance(value, float) and not value.is_integer():
+        if pa.types.is_integer(field.type) and _has_fraction(value):
             return (
                 f"column {field.name!r} ({field.type}) cannot hold {value!r}: it would be truncated"
             )

@@ -51,11 +51,8 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         self.buckets = buckets
         self.rotation_interval_s = rotation_interval(timeout_s, buckets)
         self._on_timeout = on_timeout
-        self._batches: RotatingHashMap[int, NDArray[np.uint64]] = RotatingHashMap(
-            buckets, self._expired, timeout_s=timeout_s, start=start
-        )
         self._by_timeout: dict[float, RotatingHashMap[int, NDArray[np.uint64]]] = {
-            timeout_s: self._batches
+            timeout_s: RotatingHashMap(buckets, self._expired, timeout_s=timeout_s, start=start)
         }
         self._batch_number = 0
 
@@ -64,16 +61,13 @@ class TimeoutPersistenceLayer(PersistenceLayer):
     ) -> None:
         """Start the timeout of roots that became pending now: the layer's T, or
         `timeout_s` (then `now` starts its buckets' clock if they are new)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        batches = self._by_timeout.get(timeout)
+        if batches is None:
+            validate_timeout(timeout, self.buckets)
+            batches = RotatingHashMap(self.buckets, self._expired, timeout_s=timeout, start=now)
+            self._by_timeout[timeout] = batches
         self._batch_number += 1
-        batches = self._batches
-        if timeout_s is not None and timeout_s != self.timeout_s:
-            batches = self._by_timeout.get(timeout_s)  # type: ignore[assignment]
-            if batches is None:
-                validate_timeout(timeout_s, self.buckets)
-                batches = RotatingHashMap(
-                    self.buckets, self._expired, timeout_s=timeout_s, start=now
-                )
-                self._by_timeout[timeout_s] = batches
         batches.put(self._batch_number, roots)
 
     def tick(self, now: float) -> int:
