@@ -174,6 +174,14 @@ class PersistenceStorage(ABC):
         Meta entries live apart from the records: FT-layer state such as checkpoints.
         """
 
+    @abstractmethod
+    def delete_meta(self, key: str) -> bool:
+        """Remove meta key `key`; True if it was there."""
+
+    @abstractmethod
+    def meta_keys(self, prefix: str = "") -> list[str]:
+        """The meta keys that start with `prefix`, in byte order of their UTF-8 form."""
+
     @property
     @abstractmethod
     def next_seq(self) -> int:

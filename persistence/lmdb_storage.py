@@ -237,6 +237,45 @@ class LmdbStorage(PersistenceStorage):
             raise TypeError(f"meta values are bytes, got {type(value).__name__}")
         self._write(lambda txn: txn.put(raw_key, value), db=self._meta)
 
+    def delete_meta(self, key: str) -> bool:
+        self._live_env()
+        raw_key = encode_meta_key(key)
+        return bool(self._write(lambda txn: txn.delete(raw_key), db=self._meta))
+
+    def meta_keys(self, prefix: str = "") -> list[str]:
+        self._live_env()
+        raw = prefix.encode()
+
+        def keys(txn: lmdb.Transaction[bytes]) -> list[str]:
+            cursor = txn.cursor()
+            found: list[str] = []
+            if not cursor.set_range(raw):
+                return found
+            for key in cursor.iternext(keys=True, values=False):
+                if not bytes(key).startswith(raw):
+                    break
+                found.append(bytes(key).decode())
+            return found
+
+        return self._read(keys, db=self._meta)
+
+    def copy_to(self, path: str | os.PathLike[str], *, compact: bool = True) -> None:
+        """Write a consistent copy of the whole environment (records and meta) to the
+        empty or new directory `path`. LMDB copies from one read transaction, so
+        writers go on meanwhile and the copy is the state at its start."""
+        env = self._live_env()
+        target = os.fspath(path)
+        os.makedirs(target, exist_ok=True)
+        if os.listdir(target):
+            raise StorageError(f"cannot copy LMDB storage into {target}: it is not empty")
+        try:
+            env.copy(target, compact=compact)
+        except lmdb.Error as exc:
+            raise StorageError(
+                f"could not copy LMDB storage at {self._path} to {target}: {exc}"
+                f"{_write_hint(exc, target)}"
+            ) from exc
+
     @property
     def next_seq(self) -> int:
         self._live_env()

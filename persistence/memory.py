@@ -123,6 +123,15 @@ class MemoryStorage(PersistenceStorage):
             raise TypeError(f"meta values are bytes, got {type(value).__name__}")
         self._meta[raw_key] = bytes(value)
 
+    def delete_meta(self, key: str) -> bool:
+        self._check_open()
+        return self._meta.pop(encode_meta_key(key), None) is not None
+
+    def meta_keys(self, prefix: str = "") -> list[str]:
+        self._check_open()
+        raw = prefix.encode()
+        return [key.decode() for key in sorted(self._meta) if key.startswith(raw)]
+
     @property
     def next_seq(self) -> int:
         self._check_open()

@@ -56,6 +56,21 @@ def test_records_next_seq_and_meta_survive_a_reopen(tmp_path: Path) -> None:
         assert storage.put(batch_of(1)).tolist() == [51]
 
 
+def test_a_copy_holds_the_records_and_meta_and_opens_as_a_store(tmp_path: Path) -> None:
+    with LmdbStorage(tmp_path / "live") as storage:
+        seqs = storage.put(batch_of(50))
+        storage.put_meta("sources", b"{}")
+        storage.delete(seqs[:10])
+        storage.copy_to(tmp_path / "copy")
+        storage.put(batch_of(5, start=50))  # after the copy: not in it
+        with pytest.raises(StorageError, match="not empty"):
+            storage.copy_to(tmp_path / "copy")
+    with LmdbStorage(tmp_path / "copy") as copy:
+        assert len(copy) == 40
+        assert copy.get_meta("sources") == b"{}"
+        assert list(copy.get(seqs[10:]).roots) == list(range(11, 51))
+
+
 def test_next_seq_is_the_last_key_plus_one_if_that_is_higher(tmp_path: Path) -> None:
     """The high-water mark and the last key agree; if they ever did not, no seq is reused."""
     path = tmp_path / "store"

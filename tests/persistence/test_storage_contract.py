@@ -297,6 +297,22 @@ def test_meta_values_are_stored_apart_from_records(storage: PersistenceStorage) 
     assert len(storage) == 0 and list(storage.scan()) == []
 
 
+def test_meta_keys_list_by_prefix_in_order_and_delete_removes_one(
+    storage: PersistenceStorage,
+) -> None:
+    for key in ["cp/b/2", "cp/a/10", "sources", "cp/a/09", "cp"]:
+        storage.put_meta(key, key.encode())
+    assert storage.meta_keys("cp/") == ["cp/a/09", "cp/a/10", "cp/b/2"]
+    assert storage.meta_keys("cp/a/") == ["cp/a/09", "cp/a/10"]
+    assert storage.meta_keys("nothing") == []
+    assert storage.meta_keys() == ["cp", "cp/a/09", "cp/a/10", "cp/b/2", "sources"]
+    assert storage.delete_meta("cp/a/09") is True
+    assert storage.delete_meta("cp/a/09") is False
+    assert storage.get_meta("cp/a/09") is None
+    assert storage.meta_keys("cp/") == ["cp/a/10", "cp/b/2"]
+    assert storage.get_meta("cp/a/10") == b"cp/a/10"
+
+
 @pytest.mark.parametrize("key", ["", "k" * 512, "é" * 256, b"bytes-key"])
 def test_bad_meta_keys_are_a_config_error(storage: PersistenceStorage, key: Any) -> None:
     with pytest.raises(ConfigError, match="meta key"):
