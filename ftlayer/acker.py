@@ -116,6 +116,14 @@ class AckerTable:
         live = self._map.live_slots()
         return self._map.keys[live], self._map.columns["ack"][live].astype(np.uint64)
 
+    def snapshot(self, *names: str) -> dict[str, NDArray[Any]]:
+        """Every pending root ("root"), its ack value ("ack") and the named owner
+        columns, as copies in one slot order: a consistent picture for checkpoints."""
+        live = self._map.live_slots()
+        found = {"root": self._map.keys[live], "ack": self._map.columns["ack"][live]}
+        found.update({name: self._map.columns[name][live] for name in names})
+        return found
+
     def live_columns(self, *names: str) -> dict[str, NDArray[Any]]:
         """The named owner columns of every pending root (copies, in slot order)."""
         live = self._map.live_slots()

@@ -61,6 +61,7 @@ from ftlayer.protocol import (
     UnsupportedVersion,
     auth_digest,
     decode_challenge,
+    decode_checkpoint_reply,
     decode_error,
     decode_offsets,
     decode_ok,
@@ -68,6 +69,7 @@ from ftlayer.protocol import (
     decode_status_reply,
     decode_welcome,
     encode_auth,
+    encode_checkpoint_request,
     encode_fail,
     encode_fetch_replay,
     encode_hello,
@@ -281,6 +283,29 @@ class FTClient:
         of the lowest pending Kafka offset; partitions with nothing pending are absent."""
         frame = self._call(lambda rid: encode_lowest_pending(rid, topics), Kind.OFFSETS, retry=True)
         return decode_offsets(frame).offsets
+
+    def checkpoint(
+        self,
+        *,
+        begin: bool,
+        query: str,
+        position: Mapping[str, Any],
+        sources: Sequence[int],
+        mode: str = "unaligned",
+    ) -> dict[str, Any]:
+        """CHECKPOINT_BEGIN (begin=True: barrier `position` of `query`) or
+        CHECKPOINT_COMPLETE (Spark finished the batch that ends there); returns the
+        checkpoint as JSON (ftlayer.checkpoints.Checkpoint.to_json), with
+        "commit_offsets" {topic: {partition (str): offset}} or None. Both are
+        idempotent, so they are resent after a reconnect."""
+
+        def request(rid: int) -> bytes:
+            return encode_checkpoint_request(
+                rid, begin=begin, query=query, position=position, sources=sources, mode=mode
+            )
+
+        frame = self._call(request, Kind.CHECKPOINT, retry=True)
+        return decode_checkpoint_reply(frame).checkpoint
 
     def status(self) -> dict[str, Any]:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""

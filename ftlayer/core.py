@@ -137,6 +137,11 @@ class FTStats:
     """Per source id (as a string, JSON's way): its highest replay seq. A source that
     has none since the start reads `replay_cursor_at_start` (see replay_cursor_of)."""
     replay_cursor_at_start: int = 0
+    replay_pruned: dict[str, int] = field(default_factory=dict)
+    """Per source id (as a string; "*" for a prune of every source): the replay seq its
+    queue entries were pruned up to. A new query of that source starts its replay
+    cursor there, so it takes every queued replay of its source that no finished batch
+    took in (those queued before it started, and those a restart recovered)."""
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0
@@ -168,6 +173,13 @@ class ReplayQueue:
             chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
             for column, chunk in zip(self._columns, chunks, strict=True):
                 column.append(chunk)
+
+    def columns(self) -> dict[str, NDArray[Any]]:
+        """Copies of every entry's columns, for checkpoints."""
+        names = ("replay_seq", "root", "seq", "source_id", "partition")
+        if not self._columns[0]:
+            return {name: np.zeros(0, dtype=np.uint64) for name in names}
+        return {name: column.copy() for name, column in zip(names, self._merged(), strict=True)}
 
     def _merged(self) -> tuple[NDArray[Any], ...]:
         for column in self._columns:
@@ -572,7 +584,34 @@ class FTLayer:
         source: the batches that took them in are checkpointed and never run again.
         Returns how many entries were dropped. Their roots stay pending: a replay that
         fails again is queued again under a new replay seq."""
-        return self._queue.prune(upto, source_id)
+        dropped = self._queue.prune(upto, source_id)
+        key = "*" if source_id is None else str(source_id)
+        self.stats.replay_pruned[key] = max(self.stats.replay_pruned.get(key, 0), upto)
+        return dropped
+
+    def replay_start_of(self, source_id: int) -> int:
+        """Where a new query of `source_id` starts its replay cursor: the point its
+        queue entries were pruned to (0 if never), so it takes in every queued replay
+        of the source that no finished batch took in."""
+        pruned = self.stats.replay_pruned
+        return max(pruned.get("*", 0), pruned.get(str(source_id), 0))
+
+    # ---- checkpoints -------------------------------------------------------------
+
+    def state_snapshot(self) -> dict[str, NDArray[Any]]:
+        """Copies of the state a checkpoint holds: every pending root with its ack value
+        and locator ("acker.*"), the replay queue ("queue.*") and the retry counts
+        ("retries.*"). O(pending) array copies and no storage access, so a caller that
+        serializes this core (the server's lock) holds it only for the copy; writing
+        the snapshot can happen elsewhere (ftlayer.checkpoints)."""
+        state = {
+            f"acker.{name}": column
+            for name, column in self.acker.snapshot(*LOCATOR_COLUMNS).items()
+        }
+        state.update({f"queue.{name}": column for name, column in self._queue.columns().items()})
+        state["retries.root"] = np.fromiter(self._retries.keys(), np.uint64, len(self._retries))
+        state["retries.count"] = np.fromiter(self._retries.values(), np.int64, len(self._retries))
+        return state
 
     # ---- recovery and status ---------------------------------------------------
 

@@ -34,8 +34,10 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | "num_partitions": int, "options": object[, "timeout_s"]}    |
 | 0x16 | LOWEST_PENDING      | utf-8 JSON list of topic names, or empty (every topic)      |
 | 0x17 | PRUNE_REPLAY        | upto u64, source id i64 (-1 = every source)                 |
-| 0x20 | CHECKPOINT_BEGIN    | reserved (issue 5): decoding raises `ReservedKind`          |
-| 0x21 | CHECKPOINT_COMPLETE | reserved (issue 5): decoding raises `ReservedKind`          |
+| 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
+|      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
+|      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
+| 0x21 | CHECKPOINT_COMPLETE | the same JSON object                                        |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -43,6 +45,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | record columns without initial values (below)               |
 | 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
 | 0x93 | OFFSETS             | utf-8 JSON {topic: {partition: lowest pending offset}}      |
+| 0x94 | CHECKPOINT          | utf-8 JSON object: the checkpoint (id, state, figures,      |
+|      |                     | "commit_offsets"), the reply to both checkpoint requests   |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
@@ -138,10 +142,12 @@ class Kind(enum.IntEnum):
     REPLAY = 0x91
     STATUS_REPLY = 0x92
     OFFSETS = 0x93
+    CHECKPOINT = 0x94
     ERROR = 0xFF
 
 
-RESERVED_KINDS: Final = frozenset({Kind.CHECKPOINT_BEGIN, Kind.CHECKPOINT_COMPLETE})
+RESERVED_KINDS: Final[frozenset[Kind]] = frozenset()
+"""Kinds a later version will use; decoding one raises `ReservedKind` (none now)."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -213,7 +219,7 @@ class BadRequest(ProtocolError):
 
 
 class ReservedKind(ProtocolError):
-    """The kind is reserved for a later issue (checkpoints, issue 5)."""
+    """The kind is reserved for a later version (RESERVED_KINDS)."""
 
     code = ErrorCode.RESERVED_KIND
 
@@ -322,6 +328,25 @@ class Offsets:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointRequest:
+    """CHECKPOINT_BEGIN (`begin`) or CHECKPOINT_COMPLETE of barrier `position` of
+    `query` (see ftlayer.checkpoints)."""
+
+    begin: bool
+    query: str
+    position: dict[str, Any]
+    sources: list[int]
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointReply:
+    """The checkpoint as JSON (Checkpoint.to_json)."""
+
+    checkpoint: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     pass
 
@@ -357,6 +382,8 @@ Message = (
     | PruneReplay
     | LowestPending
     | Offsets
+    | CheckpointRequest
+    | CheckpointReply
     | StatusRequest
     | StatusReply
     | Ok
@@ -1076,6 +1103,80 @@ def decode_offsets(message: Frame | bytes) -> Offsets:
     return Offsets(offsets)
 
 
+_CHECKPOINT_MODES: Final = ("aligned", "unaligned")
+
+
+def encode_checkpoint_request(
+    request_id: int,
+    *,
+    begin: bool,
+    query: str,
+    position: Mapping[str, Any],
+    sources: Sequence[int],
+    mode: str,
+) -> bytes:
+    """CHECKPOINT_BEGIN (begin=True) or CHECKPOINT_COMPLETE."""
+    kind = Kind.CHECKPOINT_BEGIN if begin else Kind.CHECKPOINT_COMPLETE
+    body = {"query": query, "position": dict(position), "sources": list(sources), "mode": mode}
+    _check_checkpoint(body, kind)
+    return encode_frame(kind, request_id, json.dumps(body, sort_keys=True).encode())
+
+
+def _decode_checkpoint_request(message: Frame | bytes, kind: Kind) -> CheckpointRequest:
+    body = _json(_body(message, kind).rest(), kind)
+    _check_checkpoint(body, kind)
+    return CheckpointRequest(
+        kind is Kind.CHECKPOINT_BEGIN,
+        body["query"],
+        body["position"],
+        list(body["sources"]),
+        body["mode"],
+    )
+
+
+def decode_checkpoint_begin(message: Frame | bytes) -> CheckpointRequest:
+    return _decode_checkpoint_request(message, Kind.CHECKPOINT_BEGIN)
+
+
+def decode_checkpoint_complete(message: Frame | bytes) -> CheckpointRequest:
+    return _decode_checkpoint_request(message, Kind.CHECKPOINT_COMPLETE)
+
+
+def _check_checkpoint(body: Any, kind: Kind) -> None:
+    """The shape of a checkpoint request; the values are the coordinator's to check."""
+    if (
+        not isinstance(body, dict)
+        or set(body) != {"query", "position", "sources", "mode"}
+        or not isinstance(body["query"], str)
+        or not isinstance(body["position"], dict)
+        or not isinstance(body["sources"], list)
+        or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_U32
+            for s in body["sources"]
+        )
+        or body["mode"] not in _CHECKPOINT_MODES
+    ):
+        raise BadRequest(
+            f'{kind.name} body must be a JSON object {{"query": str, "position": object, '
+            f'"sources": [u32], "mode": "aligned" or "unaligned"}}, got {body!r}'[:600]
+        )
+
+
+def encode_checkpoint_reply(request_id: int, checkpoint: Mapping[str, Any]) -> bytes:
+    try:
+        text = json.dumps(dict(checkpoint), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"checkpoint is not a JSON object: {exc}") from None
+    return encode_frame(Kind.CHECKPOINT, request_id, text.encode())
+
+
+def decode_checkpoint_reply(message: Frame | bytes) -> CheckpointReply:
+    body = _json(_body(message, Kind.CHECKPOINT).rest(), Kind.CHECKPOINT)
+    if not isinstance(body, dict):
+        raise MalformedFrame(f"CHECKPOINT body is JSON {type(body).__name__}, not an object")
+    return CheckpointReply(body)
+
+
 def _json(raw: bytes, kind: Kind) -> Any:
     text = _utf8(raw, kind, "body")
     try:
@@ -1162,7 +1263,7 @@ def decode(frame: Frame) -> Message:
         raise UnknownKind(f"unknown frame kind 0x{frame.kind:02x} (request id {frame.request_id})")
     kind = Kind(frame.kind)
     if kind in RESERVED_KINDS:
-        raise ReservedKind(f"{kind.name} is reserved for checkpoints and not implemented yet")
+        raise ReservedKind(f"{kind.name} is reserved for a later version")
     return _DECODERS[kind](frame)
 
 
@@ -1177,7 +1278,10 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.REGISTER_SOURCE: decode_register_source,
     Kind.LOWEST_PENDING: decode_lowest_pending,
     Kind.PRUNE_REPLAY: decode_prune_replay,
+    Kind.CHECKPOINT_BEGIN: decode_checkpoint_begin,
+    Kind.CHECKPOINT_COMPLETE: decode_checkpoint_complete,
     Kind.OFFSETS: decode_offsets,
+    Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.CHALLENGE: decode_challenge,
     Kind.WELCOME: decode_welcome,
     Kind.OK: decode_ok,

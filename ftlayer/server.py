@@ -27,6 +27,11 @@ format). The contract:
    waits for an LMDB commit. A completed record that a crash leaves undeleted is
    recovered and replayed after the restart (a duplicate, never a loss); stop()
    deletes what is left before closing the storage.
+7. Checkpoints (ftlayer.checkpoints): CHECKPOINT_BEGIN copies the state under the
+   lock and writes the snapshot to LMDB after releasing it, before the reply;
+   CHECKPOINT_COMPLETE prunes and completes (unaligned) or starts aligning (aligned);
+   the ticker completes aligning checkpoints once no root before their barrier is
+   pending. `status` shows every query's checkpoints.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table. With `tls_cert` and `tls_key` every
@@ -55,6 +60,7 @@ from typing import Any, Final, Self
 import numpy as np
 
 from ftlayer import __version__
+from ftlayer.checkpoints import Checkpoint, CheckpointCoordinator, CheckpointMode
 from ftlayer.core import FTLayer, ReplayRecords
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
@@ -63,6 +69,7 @@ from ftlayer.protocol import (
     NONCE_SIZE,
     PROTOCOL_VERSION,
     Auth,
+    CheckpointRequest,
     ErrorCode,
     Fail,
     FetchReplay,
@@ -82,6 +89,7 @@ from ftlayer.protocol import (
     check_auth,
     decode,
     encode_challenge,
+    encode_checkpoint_reply,
     encode_error,
     encode_error_for,
     encode_offsets,
@@ -105,6 +113,7 @@ _DATA_REQUESTS: Final = (
     RegisterSource,
     PruneReplay,
     LowestPending,
+    CheckpointRequest,
     StatusRequest,
 )
 
@@ -174,6 +183,7 @@ class FTServer:
         self._stopping = threading.Event()
         self._storage: LmdbStorage | None = None
         self._ft: FTLayer | None = None
+        self._checkpoints: CheckpointCoordinator | None = None
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._connections: dict[int, _Connection] = {}
@@ -199,9 +209,10 @@ class FTServer:
             self._ft = FTLayer(
                 storage, timeout_s=self.timeout_s, buckets=self.buckets, defer_deletes=True
             )
+            self._checkpoints = CheckpointCoordinator(self._ft)
             self._listener = _listen(self.host, self.port)
         except BaseException:
-            self._ft = None
+            self._ft = self._checkpoints = None
             storage.close()
             raise
         self._storage = storage
@@ -242,9 +253,11 @@ class FTServer:
                     self._ft.flush_deletes()
                 except StorageError as exc:
                     log.error("could not delete completed records (replayed at restart): %s", exc)
+            if self._checkpoints is not None:
+                self._checkpoints.write_pending()
             if self._storage is not None:
                 self._storage.close()
-            self._ft = None
+            self._ft = self._checkpoints = None
         log.info("stopped")
 
     def __enter__(self) -> Self:
@@ -301,10 +314,13 @@ class FTServer:
                 before = ft.stats.failed["timeout"]
                 try:
                     rotations = ft.tick()
+                    if self._checkpoints is not None:
+                        self._checkpoints.poll()
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
                     continue
                 timed_out = ft.stats.failed["timeout"] - before
+            self._write_checkpoints()
             if timed_out:
                 log.info(
                     "rotation (%d) timed out %d roots: queued for replay", rotations, timed_out
@@ -468,15 +484,34 @@ class FTServer:
                 return encode_ok(rid, ft.prune_replay(message.upto, message.source_id))
             if isinstance(message, LowestPending):
                 return encode_offsets(rid, ft.lowest_pending_offsets(message.topics))
-            if isinstance(message, FetchReplay):
+            if isinstance(message, CheckpointRequest):
+                checkpoint = self._checkpoint(message).to_json()
+            elif isinstance(message, FetchReplay):
                 replay = ft.fetch_replay(
                     message.lo, message.hi, source_id=message.source_id, partition=message.partition
                 )
             else:
                 status = self._status(ft)
+        if isinstance(message, CheckpointRequest):
+            # The snapshot is written outside the core lock: events go on meanwhile.
+            self._write_checkpoints()
+            return encode_checkpoint_reply(rid, checkpoint)
         if isinstance(message, FetchReplay):
             return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
         return encode_status_reply(rid, status, max_frame=self.max_frame)
+
+    def _checkpoint(self, message: CheckpointRequest) -> Checkpoint:
+        """Called under the lock."""
+        assert self._checkpoints is not None
+        mode = CheckpointMode.named(message.mode)
+        act = self._checkpoints.begin if message.begin else self._checkpoints.complete
+        return act(message.query, message.position, message.sources, mode)
+
+    def _write_checkpoints(self) -> None:
+        """Write queued checkpoint snapshots and records (outside the core lock)."""
+        checkpoints = self._checkpoints
+        if checkpoints is not None:
+            checkpoints.write_pending()
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
@@ -490,6 +525,7 @@ class FTServer:
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),
+            checkpoints={} if self._checkpoints is None else self._checkpoints.status(),
             timeout_s=self.timeout_s,
             buckets=self.buckets,
             version=__version__,

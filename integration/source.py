@@ -130,6 +130,12 @@ FT layer:
   exceed the slowest tree, micro-batch latency included. A value the server refuses
   (below what its n buckets allow) fails the query's first offset call.
 
+- `ft.checkpointMode` (default `unaligned`): how the FT layer's checkpoint of each
+  micro-batch boundary completes (ftlayer.checkpoints). `unaligned`: at once when
+  Spark reports the batch done; the group offsets (kafka.group.id) move to the lowest
+  offset still pending in each partition. `aligned`: once no record from before the
+  boundary is pending; the group offsets then move to the boundary.
+
 Every bad option raises ConfigError naming the option and the value, on the driver:
 option syntax at `load()` (in `schema()`), what needs the broker (a topic or partition
 that does not exist) when the query starts, before any batch.
@@ -279,6 +285,14 @@ class SourceOptions:
     """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
     timeout_s: float | None = None
     """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
+    checkpoint_mode: str = "unaligned"
+    """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoints)."""
+
+    @property
+    def checkpoint_query(self) -> str:
+        """The query name the FT layer files this source's checkpoints under."""
+        name = "".join(c if c.isprintable() and c != "/" else "_" for c in self.source_name)
+        return name[:200] or "_"
 
     @property
     def ft_on(self) -> bool:
@@ -345,6 +359,7 @@ _KNOWN_OPTIONS: Final = {
         "ft.connectTimeoutMs",
         "ft.reconnectTimeoutMs",
         "ft.timeoutMs",
+        "ft.checkpointMode",
         "kafka.group.id",
     )
 }
@@ -507,7 +522,15 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         ft_reconnect_timeout_s=opts.integer("ft.reconnectTimeoutMs", 5000, 0) / 1000,
         group_id=_group_id(opts),
         timeout_s=_timeout(opts),
+        checkpoint_mode=_checkpoint_mode(opts),
     )
+
+
+def _checkpoint_mode(options: _Options) -> str:
+    raw = (options.text("ft.checkpointMode") or "unaligned").strip().lower()
+    if raw not in ("aligned", "unaligned"):
+        raise ConfigError(f"option ft.checkpointMode must be aligned or unaligned, got {raw!r}")
+    return raw
 
 
 def _timeout(options: _Options) -> float | None:
@@ -777,19 +800,23 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 parts.append(
                     FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
                 )
+        if self.options.ft_on and "replay" in end:
+            # Spark logged `end` before planning the batch: it is barrier n.
+            self._driver_side().checkpoint(end, begin=True)
         return parts if busy else []
 
     def commit(self, end: Offset) -> None:
-        # Spark calls this once batch `end` is done, one batch late: the checkpoint of
-        # that batch is complete and the batch never runs again. So the replay queue
-        # entries it took in can go (per source: other queries' entries stay), and with
-        # kafka.group.id the group's committed offsets move (never past an incomplete
-        # record; see _Driver.commit_offsets).
+        # Spark calls this once batch `end` is done, one batch late: the batch never
+        # runs again. The FT layer completes (or starts aligning) its checkpoint,
+        # drops the replay queue entries the batch took in (per source: other queries'
+        # entries stay) and answers the group offsets the checkpoint allows (never past
+        # an incomplete record); with kafka.group.id they are committed.
         driver = self._driver_side()
+        offsets: dict[str, dict[int, int]] | None = _kafka_part(end)
         if self.options.ft_on and "replay" in end:
-            driver.prune_replays(int(end["replay"]))
-        if self.options.group_id is not None:
-            driver.commit_offsets(end)
+            offsets = driver.checkpoint(end, begin=False)
+        if self.options.group_id is not None and offsets:
+            driver.commit_group(offsets)
 
     def stop(self) -> None:
         if self._driver is not None:
@@ -887,7 +914,7 @@ class _Driver:
         else:
             assert isinstance(starting, dict)
             kafka = self._specific_offsets(starting, tps)
-        return _offset(kafka, self._replay_cursor() if self.options.ft_on else None)
+        return _offset(kafka, self._replay_start() if self.options.ft_on else None)
 
     def _specific_offsets(
         self, starting: dict[str, dict[int, int]], tps: list[TopicPartition]
@@ -990,39 +1017,42 @@ class _Driver:
 
     # ---- replay queue ----
 
-    def prune_replays(self, upto: int) -> None:
-        """Drop this query's replay queue entries with replay seq <= upto, source by
-        source. A failure is logged and left for the next commit: the entries only
-        take memory in the FT layer."""
-        for topic, sid in self.source_ids.items():
+    def checkpoint(self, end: Offset, *, begin: bool) -> dict[str, dict[int, int]] | None:
+        """CHECKPOINT_BEGIN (barrier `end`) or CHECKPOINT_COMPLETE (its batch is done).
+        Completion returns the group offsets the checkpoint allows: the lowest pending
+        offsets capped at `end` (unaligned), `end` once aligned, the last aligned
+        checkpoint's while aligning, or None. A failure is logged and left: the next
+        batch's checkpoint covers this one (the FT layer completes checkpoints in
+        order, and a later commit finishes the batches before it)."""
+        position = _offset(_kafka_part(end), int(end.get("replay", 0)))
 
-            def prune(client: FTClient, sid: int = sid) -> int:
-                return client.prune_replay(upto, sid)
+        def call(client: FTClient) -> dict[str, Any]:
+            return client.checkpoint(
+                begin=begin,
+                query=self.options.checkpoint_query,
+                position=position,
+                sources=sorted(set(self.source_ids.values())),
+                mode=self.options.checkpoint_mode,
+            )
 
-            try:
-                self._ft_call(f"prune the replays of topic {topic!r}", prune)
-            except SourceError as exc:
-                log.warning("%s (retried at the next batch)", exc)
-                return
+        what = "begin the checkpoint" if begin else "complete the checkpoint"
+        try:
+            answer = self._ft_call(f"{what} of {self.options.checkpoint_query!r}", call)
+        except SourceError as exc:
+            log.warning("%s (covered by the next batch's checkpoint)", exc)
+            return None
+        offsets = answer.get("commit_offsets")
+        if offsets is None:
+            return None
+        return {t: {int(p): int(o) for p, o in parts.items()} for t, parts in offsets.items()}
 
     # ---- consumer-group offsets ----
 
-    def commit_offsets(self, end: Offset) -> dict[str, dict[int, int]]:
-        """Commit, for every partition, the group offset min(end, the lowest offset of
-        a record whose tree is still pending in the FT layer); returns what it
-        committed. A committed offset never passes an incomplete record and never
-        moves back. A failed commit is logged and retried at the next one: the query's
-        progress is in Spark's checkpoint, the group offsets only mirror it."""
-        target = _kafka_part(end)
-        if self.options.ft_on:
-            lowest = self._ft_call(
-                "read the lowest pending offsets",
-                lambda client: client.lowest_pending_offsets(list(self.options.topics)),
-            )
-            for topic, partitions in lowest.items():
-                for p, offset in partitions.items():
-                    if p in target.get(topic, {}):
-                        target[topic][p] = min(target[topic][p], offset)
+    def commit_group(self, target: Mapping[str, Mapping[int, int]]) -> dict[str, dict[int, int]]:
+        """Commit these group offsets where they move forward; returns what it
+        committed. A committed offset never moves back. A failed commit is logged and
+        retried at the next one: the query's progress is in Spark's checkpoint, the
+        group offsets only mirror it."""
         commits = {
             TopicPartition(t, p): offset
             for t, partitions in target.items()
@@ -1200,6 +1230,18 @@ class _Driver:
                 )
 
             self._ft_call(f"register the source of topic {topic!r}", register)
+
+    def _replay_start(self) -> int:
+        """A new query's replay cursor: where its sources' replay queue entries were
+        pruned to (FTLayer.replay_start_of), so its first batch takes in every queued
+        replay of its sources, such as those recovered after an FT-layer restart or
+        restored from a savepoint."""
+        status = self._ft_call("read the replay cursor", lambda client: client.status())
+        pruned = status.get("replay_pruned", {})
+        return max(
+            max(int(pruned.get("*", 0)), int(pruned.get(str(sid), 0)))
+            for sid in self.source_ids.values()
+        )
 
     def _replay_cursor(self) -> int:
         """The highest replay seq of this query's sources (see FTLayer.replay_cursor_of):

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Final, Self
 
@@ -177,6 +177,11 @@ class PersistenceStorage(ABC):
     @abstractmethod
     def delete_meta(self, key: str) -> bool:
         """Remove meta key `key`; True if it was there."""
+
+    @abstractmethod
+    def update_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+        """Store `puts` and remove `deletes` (absent keys are ignored) in one
+        transaction: all of it happens, or (on an error) none of it."""
 
     @abstractmethod
     def meta_keys(self, prefix: str = "") -> list[str]:

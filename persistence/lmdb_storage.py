@@ -37,7 +37,7 @@ import os
 import shutil
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import islice
 from typing import Final, TypeVar
@@ -241,6 +241,22 @@ class LmdbStorage(PersistenceStorage):
         self._live_env()
         raw_key = encode_meta_key(key)
         return bool(self._write(lambda txn: txn.delete(raw_key), db=self._meta))
+
+    def update_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+        self._live_env()
+        raw_puts = [(encode_meta_key(key), value) for key, value in puts.items()]
+        raw_deletes = [encode_meta_key(key) for key in deletes]
+        for _, value in raw_puts:
+            if not isinstance(value, bytes | bytearray | memoryview):
+                raise TypeError(f"meta values are bytes, got {type(value).__name__}")
+
+        def write(txn: lmdb.Transaction[bytes]) -> None:
+            for key in raw_deletes:
+                txn.delete(key)
+            for key, value in raw_puts:
+                txn.put(key, value)
+
+        self._write(write, db=self._meta)
 
     def meta_keys(self, prefix: str = "") -> list[str]:
         self._live_env()

@@ -13,7 +13,7 @@ seq order and `set_roots` replaces values in place, so iterating it is seq order
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import repeat
 
 import numpy as np
@@ -126,6 +126,17 @@ class MemoryStorage(PersistenceStorage):
     def delete_meta(self, key: str) -> bool:
         self._check_open()
         return self._meta.pop(encode_meta_key(key), None) is not None
+
+    def update_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+        self._check_open()
+        raw_puts = {encode_meta_key(key): value for key, value in puts.items()}
+        raw_deletes = [encode_meta_key(key) for key in deletes]
+        for value in raw_puts.values():
+            if not isinstance(value, bytes | bytearray | memoryview):
+                raise TypeError(f"meta values are bytes, got {type(value).__name__}")
+        for key in raw_deletes:
+            self._meta.pop(key, None)
+        self._meta.update((key, bytes(value)) for key, value in raw_puts.items())
 
     def meta_keys(self, prefix: str = "") -> list[str]:
         self._check_open()

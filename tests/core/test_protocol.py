@@ -216,6 +216,22 @@ def test_prune_replay_round_trips() -> None:
         p.encode_prune_replay(1, -1)
 
 
+def test_checkpoint_requests_and_reply_round_trip() -> None:
+    position = {"kafka": {"orders": {"0": 5, "1": 7}}, "replay": 3}
+    for begin, kind in ((True, p.Kind.CHECKPOINT_BEGIN), (False, p.Kind.CHECKPOINT_COMPLETE)):
+        request = frame(
+            p.encode_checkpoint_request(
+                9, begin=begin, query="orders", position=position, sources=[4, 2], mode="aligned"
+            )
+        )
+        assert request.kind == kind
+        assert p.decode(request) == p.CheckpointRequest(begin, "orders", position, [4, 2], "aligned")
+    reply = {"id": 3, "state": "complete", "commit_offsets": {"orders": {"0": 5}}}
+    assert p.decode(frame(p.encode_checkpoint_reply(9, reply))) == p.CheckpointReply(reply)
+    with pytest.raises(p.BadRequest, match="mode"):
+        p.encode_checkpoint_request(1, begin=True, query="q", position={}, sources=[], mode="x")
+
+
 def test_lowest_pending_and_offsets_round_trip() -> None:
     assert p.decode(frame(p.encode_lowest_pending(3))) == p.LowestPending(None)
     assert p.decode(frame(p.encode_lowest_pending(3, ["a", "b"]))) == p.LowestPending(["a", "b"])
@@ -584,12 +600,36 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
         p.BadRequest,
         "int",
     ),
-    ("checkpoint begin", reframe(p.Kind.CHECKPOINT_BEGIN, b""), p.ReservedKind, "reserved"),
+    ("checkpoint begin empty", reframe(p.Kind.CHECKPOINT_BEGIN, b""), p.MalformedFrame, "JSON"),
     (
-        "checkpoint complete",
-        reframe(p.Kind.CHECKPOINT_COMPLETE, b"x"),
-        p.ReservedKind,
-        "reserved",
+        "checkpoint complete not an object",
+        reframe(p.Kind.CHECKPOINT_COMPLETE, b"[1]"),
+        p.BadRequest,
+        "query",
+    ),
+    (
+        "checkpoint bad mode",
+        reframe(
+            p.Kind.CHECKPOINT_BEGIN,
+            b'{"query":"q","position":{},"sources":[1],"mode":"exactly"}',
+        ),
+        p.BadRequest,
+        "aligned",
+    ),
+    (
+        "checkpoint negative source",
+        reframe(
+            p.Kind.CHECKPOINT_COMPLETE,
+            b'{"query":"q","position":{},"sources":[-1],"mode":"aligned"}',
+        ),
+        p.BadRequest,
+        "u32",
+    ),
+    (
+        "checkpoint reply not an object",
+        reframe(p.Kind.CHECKPOINT, b'"done"'),
+        p.MalformedFrame,
+        "not an object",
     ),
 ]
 

@@ -115,6 +115,62 @@ def test_group_offsets_never_pass_an_incomplete_record(
     assert after_second[1] is not None and after_second[1] >= after_first[1], after_second
 
 
+def test_aligned_checkpoints_hold_every_partition_until_the_record_completes(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """ft.checkpointMode=aligned: a checkpoint completes only when no record from before
+    its barrier is pending, in any partition; only then do the group offsets move, to
+    the barrier. The unaligned test above moves partition 1 past the held record's
+    batch at once; here neither partition moves until the held record completes."""
+    server: Server = start_server(None, "--timeout-s", "600")
+    settings = FTSettings(server.address)
+    topic, group = make_topic(2), f"g-{uuid.uuid4().hex[:8]}"
+    for p in range(2):
+        produce(kafka_bootstrap, topic, [(None, b"a%d" % i) for i in range(20)], partition=p)
+    opts = {
+        "kafka.bootstrap.servers": kafka_bootstrap,
+        "subscribe": topic,
+        "ft.address": server.address,
+        "kafka.group.id": group,
+        "maxOffsetsPerTrigger": "10",
+        "ft.checkpointMode": "aligned",
+    }
+    held = run(spark, opts, tmp_path / "checkpoint", settings)
+    assert len(held) == 1
+    assert committed(kafka_bootstrap, group, topic, 2) == {0: None, 1: None}
+    with server.client() as client:
+        checkpoints = client.status()["checkpoints"][topic]
+        assert checkpoints["completed"] == 0
+        # Aligning: batches Spark reported done; begun: the last batch (its commit
+        # comes one batch late).
+        states = [c["state"] for c in checkpoints["open"]]
+        assert "aligning" in states and set(states) <= {"aligning", "begun"}, states
+        assert all(c["mode"] == "aligned" for c in checkpoints["open"])
+        # A second later the held record completes: the checkpoints waiting for it
+        # complete in order, each after an alignment wait of at least that second.
+        time.sleep(1.0)
+        root, record_id = (to_unsigned(np.array([held[0][c]])) for c in ("ft_root", "ft_id"))
+        client.xor(root, record_id)
+    for p in range(2):
+        produce(kafka_bootstrap, topic, [(None, b"b%d" % i) for i in range(20)], partition=p)
+    run(spark, opts, tmp_path / "checkpoint", settings)
+    after = committed(kafka_bootstrap, group, topic, 2)
+    assert after[0] is not None and after[0] >= 20, after
+    assert after[1] is not None and after[1] >= 20, after
+    with server.client() as client:
+        checkpoints = client.status()["checkpoints"][topic]
+    assert checkpoints["completed"] >= 4
+    recent = checkpoints["recent"]
+    # The checkpoints that waited for the held record show the wait.
+    assert max(c["alignment_wait_s"] for c in recent) >= 1.0, recent
+    assert all(c["size_bytes"] > 0 and c["write_s"] is not None for c in recent), recent
+    assert max(c["pending_roots"] for c in recent) >= 1, recent
+
+
 def test_commit_prunes_the_replay_entries_of_finished_batches(
     spark: SparkSession,
     kafka_bootstrap: str,

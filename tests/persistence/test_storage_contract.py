@@ -313,6 +313,20 @@ def test_meta_keys_list_by_prefix_in_order_and_delete_removes_one(
     assert storage.get_meta("cp/a/10") == b"cp/a/10"
 
 
+def test_update_meta_puts_and_deletes_together_or_not_at_all(
+    storage: PersistenceStorage,
+) -> None:
+    storage.put_meta("old", b"1")
+    storage.update_meta({"new/a": b"a", "new/b": b"b"}, ["old", "never-there"])
+    assert storage.meta_keys() == ["new/a", "new/b"]
+    bad: Any = {"new/c": b"c", "new/d": "text"}
+    with pytest.raises(TypeError, match="bytes"):
+        storage.update_meta(bad, ["new/a"])
+    with pytest.raises(ConfigError, match="meta key"):
+        storage.update_meta({"new/e": b"e"}, [""])
+    assert storage.meta_keys() == ["new/a", "new/b"]
+
+
 @pytest.mark.parametrize("key", ["", "k" * 512, "é" * 256, b"bytes-key"])
 def test_bad_meta_keys_are_a_config_error(storage: PersistenceStorage, key: Any) -> None:
     with pytest.raises(ConfigError, match="meta key"):

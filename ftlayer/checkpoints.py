@@ -1,0 +1,542 @@
+"""Barrier checkpoints of the FT layer, coordinated with Spark's micro-batches.
+
+Every micro-batch boundary is a barrier. Barrier n is batch n's end position S_n: the
+Kafka offsets per topic and partition and the replay cursor, which Spark writes to its
+offset log before the batch runs. The `ftkafka` source announces it when Spark plans
+the batch (CHECKPOINT_BEGIN) and reports the batch done through its commit(end), one
+batch late (CHECKPOINT_COMPLETE). A checkpoint belongs to a *query*: the ftkafka
+source name (`ft.sourceName`, by default its topics).
+
+Begin: the FT layer takes a snapshot of its state, pending roots with their ack
+values and locators, the replay queue and the retry counts (`FTLayer.state_snapshot`):
+array copies under the core's lock, O(pending), with no storage access. Writing the
+snapshot to LMDB happens afterwards and elsewhere (the server's checkpoint writer
+thread), so event processing does not wait for it: this is the asynchronous phase of
+an asynchronous barrier snapshot. The stored records need no copy: they are already
+in LMDB, and the snapshot names them by their storage seqs.
+
+Complete: Spark will never run batch n again. The FT layer prunes the replay queue
+entries batch n took in (replay seq <= S_n's cursor) and decides the consumer-group
+offsets the source may commit, by the query's mode:
+
+- unaligned: checkpoint n completes at once. Roots still in flight belong to it: they
+  are persisted, and a restart replays them. Group offsets move to the lowest offset
+  still pending in each partition, capped at S_n.
+- aligned: checkpoint n completes once no root that entered before S_n (a Kafka
+  offset below S_n in its partition, replays included: they keep their original
+  offset) is pending. Until then it is *aligning*; the server checks again on every
+  tick. Group offsets then move to S_n. The time from the batch being done to the
+  completion is the checkpoint's alignment wait.
+
+A checkpoint also completes only once its snapshot is written. The newest `retain`
+snapshots of each query stay in LMDB (meta keys "snapshot/<query>/<id>"); the record
+of every checkpoint ("checkpoint/<query>/<id>", JSON) is kept for the newest
+`retain` too, so a restarted FT layer goes on numbering and knows the last completed
+position of each query. Savepoints (ftlayer.savepoint) copy the whole store.
+
+Not thread-safe: the caller serializes begin, complete and poll with the core they
+belong to; `write_pending` may run in another thread (LmdbStorage is thread-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import json
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.core import FTLayer
+from ftlayer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint/"
+SNAPSHOT_PREFIX = "snapshot/"
+MAX_QUERY_CHARS = 200
+_QUERY_OK = re.compile(r"^[^\x00-\x1f/]+$")
+_RECENT = 20  # checkpoint records kept in memory per query, for status
+_MAX_OPEN = 1000  # open (begun or aligning) checkpoints per query before the oldest go
+
+Position = dict[str, Any]
+"""{"kafka": {topic: {partition (str): offset}}, "replay": replay cursor}."""
+
+
+class CheckpointMode(enum.Enum):
+    ALIGNED = "aligned"
+    UNALIGNED = "unaligned"
+
+    @classmethod
+    def named(cls, name: str) -> CheckpointMode:
+        try:
+            return cls(name)
+        except ValueError:
+            raise ConfigError(
+                f"unknown checkpoint mode {name!r}: use 'aligned' or 'unaligned'"
+            ) from None
+
+
+class CheckpointState(enum.Enum):
+    BEGUN = "begun"  # the batch is planned or running
+    ALIGNING = "aligning"  # the batch is done; roots before S_n are still pending
+    COMPLETE = "complete"
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """One barrier's checkpoint and its figures (times are UNIX seconds)."""
+
+    query: str
+    id: int
+    mode: CheckpointMode
+    position: Position
+    sources: tuple[int, ...]
+    state: CheckpointState = CheckpointState.BEGUN
+    begun_at: float = 0.0
+    pending_roots: int = 0
+    replay_queue: int = 0
+    copy_s: float = 0.0
+    """Time the snapshot's array copy held the core (the only part that stops events)."""
+    write_s: float | None = None
+    """Time writing the snapshot took (None until written)."""
+    size_bytes: int = 0
+    done_at: float | None = None
+    completed_at: float | None = None
+    alignment_wait_s: float | None = None
+    commit_offsets: dict[str, dict[int, int]] | None = None
+    """The consumer-group offsets this checkpoint allows (set at completion)."""
+    pruned: int = 0
+    snapshot_written: bool = False
+
+    @property
+    def duration_s(self) -> float | None:
+        """From the barrier to completion."""
+        if self.completed_at is None:
+            return None
+        return round(self.completed_at - self.begun_at, 6)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "query": self.query,
+            "id": self.id,
+            "mode": self.mode.value,
+            "state": self.state.value,
+            "position": self.position,
+            "sources": list(self.sources),
+            "begun_at": self.begun_at,
+            "done_at": self.done_at,
+            "completed_at": self.completed_at,
+            "duration_s": self.duration_s,
+            "alignment_wait_s": self.alignment_wait_s,
+            "pending_roots": self.pending_roots,
+            "replay_queue": self.replay_queue,
+            "copy_s": self.copy_s,
+            "write_s": self.write_s,
+            "size_bytes": self.size_bytes,
+            "pruned": self.pruned,
+            "commit_offsets": _offsets_to_json(self.commit_offsets),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Checkpoint:
+        checkpoint = cls(
+            query=str(data["query"]),
+            id=int(data["id"]),
+            mode=CheckpointMode.named(str(data["mode"])),
+            position=check_position(data["position"]),
+            sources=tuple(int(s) for s in data["sources"]),
+            state=CheckpointState(data["state"]),
+            begun_at=float(data["begun_at"]),
+            pending_roots=int(data["pending_roots"]),
+            replay_queue=int(data.get("replay_queue", 0)),
+            copy_s=float(data.get("copy_s", 0.0)),
+            write_s=data.get("write_s"),
+            size_bytes=int(data.get("size_bytes", 0)),
+            done_at=data.get("done_at"),
+            completed_at=data.get("completed_at"),
+            alignment_wait_s=data.get("alignment_wait_s"),
+            commit_offsets=_offsets_from_json(data.get("commit_offsets")),
+            pruned=int(data.get("pruned", 0)),
+        )
+        checkpoint.snapshot_written = True
+        return checkpoint
+
+
+@dataclass(slots=True)
+class _Query:
+    """The checkpoints of one query."""
+
+    next_id: int = 1
+    open: dict[str, Checkpoint] = field(default_factory=dict)  # by position key, in id order
+    recent: deque[Checkpoint] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    last_complete: Checkpoint | None = None
+    completed: int = 0
+    stored_ids: deque[int] = field(default_factory=deque)
+
+
+class CheckpointCoordinator:
+    """Begins, completes and stores the checkpoints of every query of one FT layer."""
+
+    def __init__(self, ft: FTLayer, *, retain: int = 3) -> None:
+        if isinstance(retain, bool) or retain < 1:
+            raise ConfigError(f"retain needs at least 1 checkpoint, got {retain!r}")
+        self.ft = ft
+        self.retain = retain
+        self._queries: dict[str, _Query] = {}
+        self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]] | None]] = deque()
+        self._write_lock = threading.Lock()
+        self._load()
+
+    # ---- begin -----------------------------------------------------------------
+
+    def begin(
+        self,
+        query: str,
+        position: Mapping[str, Any],
+        sources: Sequence[int],
+        mode: CheckpointMode,
+        now: float | None = None,
+    ) -> Checkpoint:
+        """Barrier `position` of `query`: snapshot the state (array copies) and queue
+        the snapshot for writing. Idempotent: a position already begun (Spark plans a
+        batch again after a restart) returns its checkpoint."""
+        check_query(query)
+        position = check_position(position)
+        q = self._queries.setdefault(query, _Query())
+        key = position_key(position)
+        found = q.open.get(key) or self._find_recent(q, key)
+        if found is not None:
+            return found
+        began = time.perf_counter()
+        state = self.ft.state_snapshot()
+        copy_s = time.perf_counter() - began
+        checkpoint = Checkpoint(
+            query=query,
+            id=q.next_id,
+            mode=mode,
+            position=position,
+            sources=tuple(sorted({int(s) for s in sources})),
+            begun_at=time.time() if now is None else now,
+            pending_roots=len(state["acker.root"]),
+            replay_queue=len(state["queue.replay_seq"]),
+            copy_s=round(copy_s, 6),
+        )
+        q.next_id += 1
+        q.open[key] = checkpoint
+        if len(q.open) > _MAX_OPEN:
+            oldest = next(iter(q.open))
+            dropped = q.open.pop(oldest)
+            log.warning(
+                "query %r has more than %d open checkpoints: checkpoint %d (%s) will never "
+                "be reported complete; later ones still can",
+                query,
+                _MAX_OPEN,
+                dropped.id,
+                dropped.state.value,
+            )
+        self._writes.append((checkpoint, state))
+        return checkpoint
+
+    # ---- complete --------------------------------------------------------------
+
+    def complete(
+        self,
+        query: str,
+        position: Mapping[str, Any],
+        sources: Sequence[int],
+        mode: CheckpointMode,
+        now: float | None = None,
+    ) -> Checkpoint:
+        """Spark reports the batch that ends at `position` done: prune the replay
+        entries it took in and complete the checkpoint (unaligned) or start aligning
+        (aligned). A position never begun (the FT layer restarted in between) is begun
+        now. Returns the checkpoint; its `commit_offsets` are the group offsets the
+        source may commit now: this checkpoint's, or for an aligning one the newest
+        completed checkpoint's (None if there is none)."""
+        now = time.time() if now is None else now
+        position = check_position(position)
+        checkpoint = self.begin(query, position, sources, mode, now)
+        q = self._queries[query]
+        if checkpoint.state is not CheckpointState.BEGUN:
+            return self._answer(q, checkpoint)
+        # Spark commits batches in order: the batches before this one are done too,
+        # also if their own commit never reached the FT layer.
+        for earlier in q.open.values():
+            if earlier.id <= checkpoint.id and earlier.state is CheckpointState.BEGUN:
+                earlier.done_at = now
+                earlier.state = CheckpointState.ALIGNING
+        replay = int(position.get("replay", 0))
+        if replay:
+            checkpoint.pruned = sum(self.ft.prune_replay(replay, s) for s in checkpoint.sources)
+        self._align(query, q, now)
+        return self._answer(q, checkpoint)
+
+    def poll(self, now: float | None = None) -> int:
+        """Complete the aligning checkpoints whose roots are done (the server calls
+        this on every tick); returns how many completed."""
+        now = time.time() if now is None else now
+        done = 0
+        for query, q in self._queries.items():
+            if any(c.state is CheckpointState.ALIGNING for c in q.open.values()):
+                done += self._align(query, q, now)
+        return done
+
+    def _align(self, query: str, q: _Query, now: float) -> int:
+        """Complete, in order, the open checkpoints that can complete."""
+        lowest: dict[str, dict[int, int]] | None = None
+        done = 0
+        for key, checkpoint in list(q.open.items()):
+            if checkpoint.state is not CheckpointState.ALIGNING:
+                break  # a later checkpoint completes only after the earlier ones
+            if not checkpoint.snapshot_written:
+                break  # its snapshot is still being written: the next poll sees it
+            if lowest is None:
+                topics = list(checkpoint.position.get("kafka", {}))
+                lowest = self.ft.lowest_pending_offsets(topics)
+            kafka = _kafka_of(checkpoint.position)
+            if checkpoint.mode is CheckpointMode.ALIGNED:
+                if not _nothing_pending_before(kafka, lowest):
+                    break
+                offsets = kafka
+            else:
+                offsets = _capped(kafka, lowest)
+            checkpoint.state = CheckpointState.COMPLETE
+            checkpoint.completed_at = now
+            checkpoint.alignment_wait_s = round(now - (checkpoint.done_at or now), 6)
+            checkpoint.commit_offsets = offsets
+            del q.open[key]
+            q.recent.append(checkpoint)
+            q.last_complete = checkpoint
+            q.completed += 1
+            done += 1
+            self._writes.append((checkpoint, None))
+        return done
+
+    def _answer(self, q: _Query, checkpoint: Checkpoint) -> Checkpoint:
+        if checkpoint.state is CheckpointState.COMPLETE or q.last_complete is None:
+            return checkpoint
+        # Aligning: the group may move to the newest completed checkpoint's offsets.
+        return dataclasses.replace(checkpoint, commit_offsets=q.last_complete.commit_offsets)
+
+    # ---- storage ---------------------------------------------------------------
+
+    def write_pending(self) -> int:
+        """Write the queued snapshots and checkpoint records to storage, all in one
+        transaction, and drop the snapshots and records past `retain`; returns how
+        many were written. May run outside the core's lock; writes keep queue order.
+        A failed write is logged and the checkpoints stay incomplete (an aligning one
+        never completes); the next checkpoint takes a new snapshot."""
+        with self._write_lock:
+            items: list[tuple[Checkpoint, dict[str, NDArray[Any]] | None]] = []
+            while self._writes:
+                items.append(self._writes.popleft())
+            if not items:
+                return 0
+            began = time.perf_counter()
+            puts: dict[str, bytes] = {}
+            snapshots: list[Checkpoint] = []
+            for checkpoint, state in items:
+                name = f"{checkpoint.query}/{checkpoint.id:012d}"
+                if state is not None:
+                    snapshot = _encode_snapshot(state, self.ft)
+                    puts[SNAPSHOT_PREFIX + name] = snapshot
+                    checkpoint.size_bytes = len(snapshot)
+                    snapshots.append(checkpoint)
+                puts[CHECKPOINT_PREFIX + name] = json.dumps(
+                    checkpoint.to_json(), sort_keys=True
+                ).encode()
+            try:
+                self.ft.storage.update_meta(puts, self._expired(items, puts))
+            except Exception as exc:
+                log.error(
+                    "could not write %d checkpoint records of %s: %s",
+                    len(items),
+                    sorted({c.query for c, _ in items}),
+                    exc,
+                )
+                return 0
+            write_s = round(time.perf_counter() - began, 6)
+            for checkpoint in snapshots:
+                checkpoint.write_s = write_s
+                checkpoint.snapshot_written = True
+            return len(items)
+
+    def _expired(
+        self, items: Sequence[tuple[Checkpoint, Any]], puts: Mapping[str, bytes]
+    ) -> list[str]:
+        """The meta keys past `retain` per query once `puts` are stored; the record of a
+        query's last completed checkpoint stays (a restart takes aligned offsets from it)."""
+        expired: list[str] = []
+        for query in {c.query for c, _ in items}:
+            prefix = f"{CHECKPOINT_PREFIX}{query}/"
+            keys = sorted(
+                set(self.ft.storage.meta_keys(prefix)) | {k for k in puts if k.startswith(prefix)}
+            )
+            last = self._queries[query].last_complete
+            keep = f"{prefix}{last.id:012d}" if last is not None else None
+            for key in keys[: max(0, len(keys) - self.retain)]:
+                if key != keep:
+                    expired.append(key)
+                    expired.append(SNAPSHOT_PREFIX + key[len(CHECKPOINT_PREFIX) :])
+        return [key for key in expired if key not in puts]
+
+    def _load(self) -> None:
+        """Pick up each query's stored checkpoint records (after a restart)."""
+        for key in self.ft.storage.meta_keys(CHECKPOINT_PREFIX):
+            raw = self.ft.storage.get_meta(key)
+            if raw is None:
+                continue
+            try:
+                checkpoint = Checkpoint.from_json(json.loads(raw.decode()))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable checkpoint record %r: %s", key, exc)
+                continue
+            q = self._queries.setdefault(checkpoint.query, _Query())
+            q.next_id = max(q.next_id, checkpoint.id + 1)
+            if checkpoint.state is CheckpointState.COMPLETE:
+                q.recent.append(checkpoint)
+                if q.last_complete is None or checkpoint.id > q.last_complete.id:
+                    q.last_complete = checkpoint
+
+    def _find_recent(self, q: _Query, key: str) -> Checkpoint | None:
+        for checkpoint in reversed(q.recent):
+            if position_key(checkpoint.position) == key:
+                return checkpoint
+        return None
+
+    # ---- status ----------------------------------------------------------------
+
+    def last_complete(self, query: str) -> Checkpoint | None:
+        q = self._queries.get(query)
+        return None if q is None else q.last_complete
+
+    def status(self) -> dict[str, Any]:
+        """Per query: counts, the open checkpoints and the recent completed ones."""
+        result: dict[str, Any] = {}
+        for query, q in sorted(self._queries.items()):
+            result[query] = {
+                "completed": q.completed,
+                "open": [c.to_json() for c in q.open.values()],
+                "recent": [c.to_json() for c in q.recent],
+                "last_complete_id": None if q.last_complete is None else q.last_complete.id,
+            }
+        return result
+
+
+# ---- snapshots ----------------------------------------------------------------------
+
+
+def _encode_snapshot(state: Mapping[str, NDArray[Any]], ft: FTLayer) -> bytes:
+    """The arrays as an uncompressed .npz, plus the topic names of the topic numbers."""
+    topics = np.unique(state["acker.topic"]) if len(state["acker.topic"]) else np.zeros(0)
+    names = ft.persistence.topic_names(topics.astype(np.uint32)) if len(topics) else []
+    arrays: dict[str, Any] = dict(state)
+    arrays["topics.number"] = topics.astype(np.uint32)
+    arrays["topics.name"] = np.array(names, dtype=str)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def decode_snapshot(raw: bytes) -> dict[str, NDArray[Any]]:
+    """The arrays of a stored snapshot (see FTLayer.state_snapshot)."""
+    with np.load(io.BytesIO(raw), allow_pickle=False) as found:
+        return {name: found[name] for name in found.files}
+
+
+# ---- positions ----------------------------------------------------------------------
+
+
+def check_query(query: object) -> str:
+    if (
+        not isinstance(query, str)
+        or not 0 < len(query) <= MAX_QUERY_CHARS
+        or not _QUERY_OK.match(query)
+    ):
+        raise ConfigError(
+            f"a checkpoint query name is 1 to {MAX_QUERY_CHARS} characters without '/' "
+            f"or control characters, got {query!r}"
+        )
+    return query
+
+
+def check_position(position: object) -> Position:
+    """A barrier position {"kafka": {topic: {partition: offset}}, "replay": n}, with
+    partitions as strings (JSON's way); ConfigError naming the problem otherwise."""
+    if not isinstance(position, Mapping):
+        raise ConfigError(f"a checkpoint position is a JSON object, got {position!r}")
+    kafka = position.get("kafka", {})
+    replay = position.get("replay", 0)
+    if not isinstance(kafka, Mapping) or isinstance(replay, bool) or not isinstance(replay, int):
+        raise ConfigError(f"bad checkpoint position {position!r}")
+    if replay < 0 or set(position) - {"kafka", "replay"}:
+        raise ConfigError(f"bad checkpoint position {position!r}")
+    clean: dict[str, dict[str, int]] = {}
+    for topic, partitions in kafka.items():
+        if not isinstance(topic, str) or not isinstance(partitions, Mapping):
+            raise ConfigError(f"bad checkpoint position for topic {topic!r}: {partitions!r}")
+        clean[topic] = {}
+        for p, offset in partitions.items():
+            try:
+                number = int(p)
+            except (TypeError, ValueError):
+                number = -1
+            if number < 0 or isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ConfigError(f"bad checkpoint offset {topic!r}/{p!r}: {offset!r}")
+            clean[topic][str(number)] = offset
+    return {"kafka": clean, "replay": replay}
+
+
+def position_key(position: Mapping[str, Any]) -> str:
+    return json.dumps(position, sort_keys=True, separators=(",", ":"))
+
+
+def _kafka_of(position: Mapping[str, Any]) -> dict[str, dict[int, int]]:
+    return {
+        topic: {int(p): int(o) for p, o in partitions.items()}
+        for topic, partitions in position.get("kafka", {}).items()
+    }
+
+
+def _nothing_pending_before(
+    kafka: Mapping[str, Mapping[int, int]], lowest: Mapping[str, Mapping[int, int]]
+) -> bool:
+    """No pending root has an offset below the barrier in a partition it covers."""
+    for topic, partitions in kafka.items():
+        pending = lowest.get(topic, {})
+        for p, barrier in partitions.items():
+            if p in pending and pending[p] < barrier:
+                return False
+    return True
+
+
+def _capped(
+    kafka: Mapping[str, Mapping[int, int]], lowest: Mapping[str, Mapping[int, int]]
+) -> dict[str, dict[int, int]]:
+    """min(barrier, lowest pending offset) per partition."""
+    return {
+        topic: {p: min(o, lowest.get(topic, {}).get(p, o)) for p, o in partitions.items()}
+        for topic, partitions in kafka.items()
+    }
+
+
+def _offsets_to_json(offsets: Mapping[str, Mapping[int, int]] | None) -> Any:
+    if offsets is None:
+        return None
+    return {t: {str(p): o for p, o in parts.items()} for t, parts in offsets.items()}
+
+
+def _offsets_from_json(data: Any) -> dict[str, dict[int, int]] | None:
+    if data is None:
+        return None
+    return {str(t): {int(p): int(o) for p, o in parts.items()} for t, parts in data.items()}

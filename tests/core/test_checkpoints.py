@@ -1,0 +1,310 @@
+"""Barrier checkpoints (ftlayer.checkpoints): snapshots, aligned and unaligned
+completion, pruning, group offsets, and what a restarted FT layer knows of them.
+
+Real LMDB on disk throughout; batches carry Kafka coordinates (topic "orders",
+partition i % 2, offset i) so positions mean what they mean in a Spark job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlayer.checkpoints import (
+    SNAPSHOT_PREFIX,
+    CheckpointCoordinator,
+    CheckpointMode,
+    CheckpointState,
+    decode_snapshot,
+)
+from ftlayer.core import FTLayer
+from ftlayer.errors import ConfigError
+from ftlayer.ids import new_ids
+from ftlayer.persistence import LmdbStorage
+from ftlayer.records import RecordBatch
+
+ALIGNED, UNALIGNED = CheckpointMode.ALIGNED, CheckpointMode.UNALIGNED
+SOURCES = [7]
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Iterator[LmdbStorage]:
+    with LmdbStorage(tmp_path / "ft") as store:
+        yield store
+
+
+def records(lo: int, hi: int) -> RecordBatch:
+    """Offsets lo..hi-1 of topic "orders", partition offset % 2, source 7."""
+    offsets = np.arange(lo, hi)
+    return RecordBatch.build(
+        new_ids(hi - lo),
+        [b"e%d" % o for o in offsets],
+        topics="orders",
+        partitions=offsets % 2,
+        offsets=offsets,
+        source_ids=7,
+    )
+
+
+def emit(ft: FTLayer, batch: RecordBatch) -> np.ndarray:
+    ids = new_ids(len(batch))
+    ft.persist(batch, ids)
+    return ids
+
+
+def position(p0: int, p1: int, replay: int = 0) -> dict[str, Any]:
+    return {"kafka": {"orders": {"0": p0, "1": p1}}, "replay": replay}
+
+
+def test_unaligned_completes_at_once_and_commits_the_lowest_pending_offset(
+    storage: LmdbStorage,
+) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    batch = records(0, 10)  # partition 0: offsets 0 2 4 6 8; partition 1: 1 3 5 7 9
+    ids = emit(ft, batch)
+    barrier = position(10, 11)
+    begun = cps.begin("q", barrier, SOURCES, UNALIGNED)
+    assert begun.state is CheckpointState.BEGUN and begun.pending_roots == 10
+    cps.write_pending()
+    done = np.flatnonzero(batch.offsets != 4)
+    ft.xor(batch.roots[done], ids[done])  # offset 4 stays in flight
+    completed = cps.complete("q", barrier, SOURCES, UNALIGNED)
+    assert completed.state is CheckpointState.COMPLETE
+    assert completed.commit_offsets == {"orders": {0: 4, 1: 11}}
+    assert completed.alignment_wait_s == 0.0
+
+
+def test_aligned_waits_until_every_root_before_the_barrier_is_complete(
+    storage: LmdbStorage,
+) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    first, second = records(0, 10), records(10, 20)
+    first_ids = emit(ft, first)
+    barrier1 = position(10, 11)
+    cps.begin("q", barrier1, SOURCES, ALIGNED)
+    cps.write_pending()
+    second_ids = emit(ft, second)  # the next batch: after the barrier
+    rest = np.flatnonzero(first.offsets != 4)
+    ft.xor(first.roots[rest], first_ids[rest])
+    ft.xor(second.roots, second_ids)
+    answer = cps.complete("q", barrier1, SOURCES, ALIGNED, now=100.0)
+    assert answer.state is CheckpointState.ALIGNING
+    assert answer.commit_offsets is None  # nothing completed before: nothing to commit
+    assert cps.poll(now=101.0) == 0
+    # Offset 4 fails: its replay keeps offset 4 and still holds the barrier.
+    ft.fail(first.roots[first.offsets == 4])
+    assert cps.poll(now=102.0) == 0
+    replay = ft.fetch_replay(0, ft.replay_cursor)
+    ft.xor(replay.records.roots, np.zeros(1, np.uint64) + 5)  # emitted (ack value 5)
+    assert cps.poll(now=103.0) == 0
+    ft.xor(replay.records.roots, np.zeros(1, np.uint64) + 5)  # and acked
+    assert cps.poll(now=104.5) == 1
+    done = cps.last_complete("q")
+    assert done is not None and done.state is CheckpointState.COMPLETE
+    assert done.commit_offsets == {"orders": {0: 10, 1: 11}}
+    assert done.alignment_wait_s == pytest.approx(4.5)
+
+
+def test_an_aligning_checkpoint_answers_with_the_last_completed_offsets(
+    storage: LmdbStorage,
+) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    a = records(0, 4)
+    emit_a = emit(ft, a)
+    cps.begin("q", position(4, 5), SOURCES, ALIGNED)
+    cps.write_pending()
+    ft.xor(a.roots, emit_a)
+    assert cps.complete("q", position(4, 5), SOURCES, ALIGNED).state is CheckpointState.COMPLETE
+    b = records(4, 8)
+    emit(ft, b)  # never acked
+    cps.begin("q", position(8, 9), SOURCES, ALIGNED)
+    cps.write_pending()
+    answer = cps.complete("q", position(8, 9), SOURCES, ALIGNED)
+    assert answer.state is CheckpointState.ALIGNING
+    assert answer.commit_offsets == {"orders": {0: 4, 1: 5}}
+
+
+def test_checkpoints_complete_in_order(storage: LmdbStorage) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    a = records(0, 2)
+    a_ids = emit(ft, a)
+    cps.begin("q", position(2, 3), SOURCES, ALIGNED)
+    cps.begin("q", position(2, 3, replay=0), SOURCES, ALIGNED)  # the same barrier
+    cps.begin("q", position(4, 5), SOURCES, ALIGNED)
+    cps.write_pending()
+    cps.complete("q", position(2, 3), SOURCES, ALIGNED)
+    cps.complete("q", position(4, 5), SOURCES, ALIGNED)
+    assert cps.last_complete("q") is None
+    ft.xor(a.roots, a_ids)
+    assert cps.poll() == 2
+    last = cps.last_complete("q")
+    assert last is not None and last.id == 2
+
+
+def test_a_commit_that_never_arrived_does_not_hold_later_checkpoints(
+    storage: LmdbStorage,
+) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    cps.begin("q", position(1, 1), SOURCES, UNALIGNED)
+    cps.begin("q", position(2, 2), SOURCES, UNALIGNED)
+    cps.write_pending()
+    # The FT layer was unreachable when Spark committed the first batch.
+    answer = cps.complete("q", position(2, 2), SOURCES, UNALIGNED)
+    assert answer.state is CheckpointState.COMPLETE and answer.id == 2
+    assert cps.status()["q"]["completed"] == 2 and cps.status()["q"]["open"] == []
+
+
+def test_complete_prunes_the_replays_the_batch_took_in(storage: LmdbStorage) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    batch = records(0, 6)
+    emit(ft, batch)
+    ft.fail(batch.roots[:3])
+    barrier = position(6, 7, replay=ft.replay_cursor)
+    cps.begin("q", barrier, SOURCES, UNALIGNED)
+    cps.write_pending()
+    completed = cps.complete("q", barrier, SOURCES, UNALIGNED)
+    assert completed.pruned == 3
+    assert ft.snapshot_stats().replay_queue == 0
+    assert ft.replay_start_of(7) == 3
+
+
+def test_the_snapshot_is_the_state_at_the_barrier(storage: LmdbStorage) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    batch = records(0, 8)
+    ids = emit(ft, batch)
+    ft.xor(batch.roots[:2], ids[:2])  # complete
+    ft.xor(batch.roots[2:4], np.array([11, 12], np.uint64))  # partly acked
+    ft.fail(batch.roots[4:5])  # queued for replay, retried once
+    roots, acks = ft.acker.items()
+    expected = dict(zip(roots.tolist(), acks.tolist(), strict=True))
+    cps.begin("q", position(8, 9, ft.replay_cursor), SOURCES, UNALIGNED)
+    ft.xor(batch.roots[5:8], ids[5:8])  # after the barrier: not in the snapshot
+    cps.write_pending()
+    keys = storage.meta_keys(SNAPSHOT_PREFIX)
+    assert keys == [f"{SNAPSHOT_PREFIX}q/{1:012d}"]
+    raw = storage.get_meta(keys[0])
+    assert raw is not None
+    snap = decode_snapshot(raw)
+    got = dict(zip(snap["acker.root"].tolist(), snap["acker.ack"].tolist(), strict=True))
+    assert got == expected and len(got) == 6
+    assert sorted(snap["acker.offset"].tolist()) == [2, 3, 4, 5, 6, 7]
+    assert snap["queue.replay_seq"].tolist() == [1]
+    assert snap["retries.count"].tolist() == [1]
+    assert snap["topics.name"].tolist() == ["orders"]
+
+
+def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
+    tmp_path: Path,
+) -> None:
+    with LmdbStorage(tmp_path / "ft") as storage:
+        ft = FTLayer(storage)
+        cps = CheckpointCoordinator(ft, retain=2)
+        for n in range(1, 6):
+            cps.begin("q", position(n, n), SOURCES, UNALIGNED)
+            cps.write_pending()
+            cps.complete("q", position(n, n), SOURCES, UNALIGNED)
+            cps.write_pending()
+        assert len(storage.meta_keys(SNAPSHOT_PREFIX)) == 2
+    with LmdbStorage(tmp_path / "ft") as storage:
+        cps = CheckpointCoordinator(FTLayer(storage), retain=2)
+        last = cps.last_complete("q")
+        assert last is not None and last.id == 5
+        assert last.commit_offsets == {"orders": {0: 5, 1: 5}}
+        again = cps.complete("q", position(5, 5), SOURCES, UNALIGNED)  # Spark commits again
+        assert again.id == 5 and again.state is CheckpointState.COMPLETE
+        assert cps.begin("q", position(6, 6), SOURCES, UNALIGNED).id == 6
+
+
+def test_a_position_never_begun_is_begun_at_completion(storage: LmdbStorage) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    answer = cps.complete("q", position(3, 3), SOURCES, UNALIGNED)
+    # Its snapshot is not written yet: it completes on the poll after the write.
+    assert answer.state is CheckpointState.ALIGNING
+    cps.write_pending()
+    assert cps.poll() == 1
+
+
+@pytest.mark.parametrize(
+    "query", ["", "a/b", "x" * 201, "tab\there", 5, None]
+)
+def test_bad_query_names_are_refused(storage: LmdbStorage, query: Any) -> None:
+    cps = CheckpointCoordinator(FTLayer(storage))
+    with pytest.raises(ConfigError, match="query name"):
+        cps.begin(query, position(1, 1), SOURCES, UNALIGNED)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [],
+        {"kafka": [], "replay": 0},
+        {"kafka": {}, "replay": -1},
+        {"kafka": {}, "replay": True},
+        {"kafka": {"t": {"x": 1}}, "replay": 0},
+        {"kafka": {"t": {"0": -1}}, "replay": 0},
+        {"kafka": {"t": {"0": 1.5}}, "replay": 0},
+        {"kafka": {}, "replay": 0, "extra": 1},
+    ],
+)
+def test_bad_positions_are_refused(storage: LmdbStorage, bad: Any) -> None:
+    cps = CheckpointCoordinator(FTLayer(storage))
+    with pytest.raises(ConfigError, match=r"position|offset"):
+        cps.begin("q", bad, SOURCES, UNALIGNED)
+    assert storage.meta_keys(SNAPSHOT_PREFIX) == []
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match="aligned"):
+        CheckpointMode.named("exactly")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    acked=st.sets(st.integers(0, 29)),
+    barrier=st.tuples(st.integers(0, 32), st.integers(0, 32)),
+)
+def test_aligned_offsets_never_pass_a_pending_root(
+    tmp_path_factory: pytest.TempPathFactory,
+    n: int,
+    acked: set[int],
+    barrier: tuple[int, int],
+) -> None:
+    """Property: a completed aligned checkpoint's offsets never pass a pending root,
+    and an unaligned one's never pass one either (nor the barrier)."""
+    with LmdbStorage(tmp_path_factory.mktemp("ft")) as storage:
+        ft = FTLayer(storage)
+        cps = CheckpointCoordinator(ft)
+        batch = records(0, n)
+        ids = emit(ft, batch)
+        done = np.array(sorted(i for i in acked if i < n), dtype=np.intp)
+        ft.xor(batch.roots[done], ids[done])
+        pending = {(int(p), int(o)) for p, o in zip(batch.partitions, batch.offsets, strict=True)}
+        pending -= {(int(batch.partitions[i]), int(batch.offsets[i])) for i in done}
+        for mode, query in ((ALIGNED, "a"), (UNALIGNED, "u")):
+            where = position(*barrier)
+            cps.begin(query, where, SOURCES, mode)
+            cps.write_pending()
+            answer = cps.complete(query, where, SOURCES, mode)
+            if answer.state is CheckpointState.COMPLETE:
+                assert answer.commit_offsets is not None
+                for p, committed in answer.commit_offsets["orders"].items():
+                    assert committed <= barrier[p]
+                    assert all(o >= committed for q, o in pending if q == p)
+            else:
+                assert mode is ALIGNED
+                assert any(o < barrier[p] for p, o in pending)
