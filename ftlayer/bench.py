@@ -444,3 +444,169 @@ def _server_bench_client(
         results.put((phase, repr(exc)))
         barrier.abort()
         raise
+
+
+CHECKPOINT_TARGET_RATIO = 0.95
+_CHECKPOINT_QUERY = "bench"
+
+
+def bench_checkpoint(
+    batches: int = 40,
+    batch: int = 20_000,
+    rounds: int = 3,
+    payload_bytes: int = 100,
+    pending_points: tuple[int, ...] = (0, 10_000, 100_000, 1_000_000),
+    directory: str | None = None,
+) -> dict[str, Any]:
+    """Throughput with a checkpoint at every micro-batch against none, and checkpoint
+    time against the number of pending roots, through a real `ftlayer serve` process.
+
+    One client (this process) plays a micro-batch job: batch i persists `batch`
+    records (topic "bench", partition 0, consecutive offsets) and the sink completes
+    batch i - 1 (one batch in flight, as a pipeline has). With checkpoints, batch i is
+    preceded by CHECKPOINT_BEGIN of its end position (what ftkafka's partitions()
+    sends) and followed by CHECKPOINT_COMPLETE of batch i - 1's (Spark's commit(end),
+    one batch late). Rounds alternate without/with checkpoints (`rounds` of each, on
+    one server), so drift of the machine hits both; the ratio is records/s with over
+    records/s without.
+
+    Then, for each count in `pending_points`, roots that never complete are added until
+    that many are pending and 5 checkpoints are taken: the client's round trip of
+    CHECKPOINT_BEGIN (the server replies after the copy; a writer thread writes the
+    snapshot), the time until CHECKPOINT_COMPLETE reports it complete (written), the
+    server's time under its lock (the array copy: the only part that stops events), its
+    write time and the snapshot's size, as medians.
+    """
+    from ftlayer.client import FTClient
+    from ftlayer.integration.ftprocess import FTServerProcess
+
+    if rounds < 1 or batches < 2 or batch < 1:
+        raise ValueError(
+            f"need rounds >= 1, batches >= 2, batch >= 1; got {rounds}, {batches}, {batch}"
+        )
+    payload = os.urandom(payload_bytes)
+    with tempfile.TemporaryDirectory(dir=directory, prefix="ftlayer-bench-checkpoint-") as tmp:
+        server = FTServerProcess(Path(tmp) / "data", "--timeout-s", "3600").start()
+        try:
+            with FTClient(server.address, name="bench-checkpoint") as client:
+                offset = 0
+                seconds = {False: 0.0, True: 0.0}
+                for _ in range(rounds):
+                    for checkpoints in (False, True):
+                        gc.collect()
+                        began = time.perf_counter()
+                        offset = _checkpoint_bench_round(
+                            client, batches, batch, payload, offset, checkpoints
+                        )
+                        seconds[checkpoints] += time.perf_counter() - began
+                status = client.status()
+                if status["pending"] or status["completed"] != 2 * rounds * batches * batch:
+                    raise AssertionError(
+                        f"checkpoint bench: {status['completed']} completed and "
+                        f"{status['pending']} pending, expected "
+                        f"{2 * rounds * batches * batch} and 0"
+                    )
+                completed_checkpoints = status["checkpoints"][_CHECKPOINT_QUERY]["completed"]
+                by_pending = _checkpoint_times(client, pending_points, offset)
+        finally:
+            server.stop()
+    records = rounds * batches * batch
+    without, with_ = records / seconds[False], records / seconds[True]
+    ratio = with_ / without
+    return {
+        "bench": "checkpoint",
+        "batches_per_round": batches,
+        "batch": batch,
+        "rounds": rounds,
+        "payload_bytes": payload_bytes,
+        "records_per_s_without_checkpoints": round(without),
+        "records_per_s_with_checkpoints": round(with_),
+        "ratio_with_vs_without": round(ratio, 3),
+        "checkpoints_completed": completed_checkpoints,
+        "checkpoint_time_by_pending": by_pending,
+        "target": {"ratio_with_vs_without": CHECKPOINT_TARGET_RATIO},
+        "meets_target": ratio >= CHECKPOINT_TARGET_RATIO,
+        "machine": _machine(),
+    }
+
+
+def _checkpoint_bench_round(
+    client: Any, batches: int, batch: int, payload: bytes, offset: int, checkpoints: bool
+) -> int:
+    """One round of the micro-batch job; returns the next offset."""
+    in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
+    previous: dict[str, Any] | None = None
+    payloads = [payload] * batch
+    for _ in range(batches):
+        end = {"kafka": {"bench": {"0": offset + batch}}, "replay": 0}
+        if checkpoints:
+            _bench_checkpoint_call(client, True, end)
+        roots, ids = new_ids(batch), new_ids(batch)
+        offsets = np.arange(offset, offset + batch, dtype=np.int64)
+        client.persist(
+            RecordBatch.build(roots, payloads, topics="bench", partitions=0, offsets=offsets), ids
+        )
+        if in_flight is not None:
+            client.xor(*in_flight)
+        if checkpoints and previous is not None:
+            _bench_checkpoint_call(client, False, previous)
+        in_flight, previous, offset = (roots, ids), end, offset + batch
+    if in_flight is not None:
+        client.xor(*in_flight)
+    if checkpoints and previous is not None:
+        _bench_checkpoint_call(client, False, previous)
+    return offset
+
+
+def _bench_checkpoint_call(client: Any, begin: bool, position: dict[str, Any]) -> dict[str, Any]:
+    answer: dict[str, Any] = client.checkpoint(
+        begin=begin, query=_CHECKPOINT_QUERY, position=position, sources=[0], mode="unaligned"
+    )
+    return answer
+
+
+def _checkpoint_times(
+    client: Any, pending_points: tuple[int, ...], offset: int
+) -> list[dict[str, Any]]:
+    """Median checkpoint figures at each pending count (roots that never complete)."""
+    found: list[dict[str, Any]] = []
+    pending = 0
+    for target in sorted(pending_points):
+        while pending < target:
+            n = min(65_536, target - pending)
+            offsets = np.arange(offset, offset + n, dtype=np.int64)
+            client.persist(
+                RecordBatch.build(
+                    new_ids(n), [b"x"] * n, topics="stuck", partitions=0, offsets=offsets
+                )
+            )
+            pending, offset = pending + n, offset + n
+        rtts, durations, copies, writes, sizes = [], [], [], [], []
+        for _ in range(5):
+            position = {"kafka": {"bench": {"0": offset}}, "replay": 0}
+            offset += 1  # a new barrier each time
+            began = time.perf_counter()
+            begun = _bench_checkpoint_call(client, True, position)
+            rtts.append(time.perf_counter() - began)
+            done = _bench_checkpoint_call(client, False, position)
+            while done["state"] != "complete":  # its snapshot is still being written
+                time.sleep(0.001)
+                done = _bench_checkpoint_call(client, False, position)
+            durations.append(time.perf_counter() - began)
+            copies.append(begun["copy_s"])
+            writes.append(done["write_s"])
+            sizes.append(done["size_bytes"])
+        found.append(
+            {
+                "pending_roots": pending,
+                "begin_round_trip_ms": round(1000 * float(np.median(rtts)), 2),
+                "until_complete_ms": round(1000 * float(np.median(durations)), 2),
+                "copy_under_lock_ms": round(1000 * float(np.median(copies)), 3),
+                "write_ms": round(1000 * float(np.median(writes)), 2),
+                "snapshot_bytes": int(np.median(sizes)),
+                "bytes_per_pending_root": round(float(np.median(sizes)) / pending, 1)
+                if pending
+                else None,
+            }
+        )
+    return found

@@ -29,10 +29,14 @@ offsets the source may commit, by the query's mode:
   completion is the checkpoint's alignment wait.
 
 A checkpoint also completes only once its snapshot is written. The newest `retain`
-snapshots of each query stay in LMDB (meta keys "snapshot/<query>/<id>"); the record
-of every checkpoint ("checkpoint/<query>/<id>", JSON) is kept for the newest
-`retain` too, so a restarted FT layer goes on numbering and knows the last completed
-position of each query. Savepoints (ftlayer.savepoint) copy the whole store.
+snapshots of each query stay in LMDB (meta keys "snapshot/<query>/<id>"; the server
+keeps them in an LMDB environment of their own, `<data dir>/checkpoints`, written
+without fsync, so they never queue behind the records' transactions: a snapshot lost
+to an OS crash loses no record). The record of each completed checkpoint
+("checkpoint/<query>/<id>", JSON: position, figures, group offsets) goes to the FT
+layer's own store, durably, for the newest `retain` completed checkpoints, so a
+restarted FT layer goes on numbering and knows each query's last completed position.
+Savepoints (ftlayer.savepoint) copy the FT layer's store.
 
 Not thread-safe: the caller serializes begin, complete and poll with the core they
 belong to; `write_pending` may run in another thread (LmdbStorage is thread-safe).
@@ -42,10 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import io
 import json
 import logging
 import re
+import struct
 import threading
 import time
 from collections import deque
@@ -58,6 +62,7 @@ from numpy.typing import NDArray
 
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
+from ftlayer.persistence.base import PersistenceStorage
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +192,16 @@ class _Query:
 class CheckpointCoordinator:
     """Begins, completes and stores the checkpoints of every query of one FT layer."""
 
-    def __init__(self, ft: FTLayer, *, retain: int = 3) -> None:
+    def __init__(
+        self, ft: FTLayer, *, retain: int = 3, snapshots: PersistenceStorage | None = None
+    ) -> None:
         if isinstance(retain, bool) or retain < 1:
             raise ConfigError(f"retain needs at least 1 checkpoint, got {retain!r}")
         self.ft = ft
         self.retain = retain
+        self.snapshots = ft.storage if snapshots is None else snapshots
+        """Where snapshots go (meta entries): the FT layer's storage, or a store of
+        their own, so their writes do not queue behind the records' transactions."""
         self._queries: dict[str, _Query] = {}
         self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]] | None]] = deque()
         self._write_lock = threading.Lock()
@@ -331,11 +341,12 @@ class CheckpointCoordinator:
     # ---- storage ---------------------------------------------------------------
 
     def write_pending(self) -> int:
-        """Write the queued snapshots and checkpoint records to storage, all in one
-        transaction, and drop the snapshots and records past `retain`; returns how
-        many were written. May run outside the core's lock; writes keep queue order.
-        A failed write is logged and the checkpoints stay incomplete (an aligning one
-        never completes); the next checkpoint takes a new snapshot."""
+        """Write the queued snapshots (to `snapshots`) and the records of completed
+        checkpoints (to the FT layer's storage), each store in one transaction, and
+        drop what is past `retain`; returns how many checkpoints were written. May run
+        outside the core's lock; writes keep queue order. A failed write is logged and
+        its checkpoints stay incomplete (an aligning one never completes); the next
+        checkpoint takes a new snapshot."""
         with self._write_lock:
             items: list[tuple[Checkpoint, dict[str, NDArray[Any]] | None]] = []
             while self._writes:
@@ -343,51 +354,52 @@ class CheckpointCoordinator:
             if not items:
                 return 0
             began = time.perf_counter()
-            puts: dict[str, bytes] = {}
-            snapshots: list[Checkpoint] = []
+            snapshots: dict[str, bytes] = {}
+            records: dict[str, bytes] = {}
+            written: list[Checkpoint] = []
             for checkpoint, state in items:
                 name = f"{checkpoint.query}/{checkpoint.id:012d}"
                 if state is not None:
-                    snapshot = _encode_snapshot(state, self.ft)
-                    puts[SNAPSHOT_PREFIX + name] = snapshot
+                    snapshot = _encode_snapshot(state)
+                    snapshots[SNAPSHOT_PREFIX + name] = snapshot
                     checkpoint.size_bytes = len(snapshot)
-                    snapshots.append(checkpoint)
-                puts[CHECKPOINT_PREFIX + name] = json.dumps(
-                    checkpoint.to_json(), sort_keys=True
-                ).encode()
+                    written.append(checkpoint)
+                else:  # completed: its record
+                    records[CHECKPOINT_PREFIX + name] = json.dumps(
+                        checkpoint.to_json(), sort_keys=True
+                    ).encode()
             try:
-                self.ft.storage.update_meta(puts, self._expired(items, puts))
+                if snapshots:
+                    self.snapshots.update_meta(
+                        snapshots, self._expired(self.snapshots, SNAPSHOT_PREFIX, snapshots)
+                    )
+                if records:
+                    self.ft.storage.update_meta(
+                        records, self._expired(self.ft.storage, CHECKPOINT_PREFIX, records)
+                    )
             except Exception as exc:
                 log.error(
-                    "could not write %d checkpoint records of %s: %s",
+                    "could not write %d checkpoints of %s: %s",
                     len(items),
                     sorted({c.query for c, _ in items}),
                     exc,
                 )
                 return 0
             write_s = round(time.perf_counter() - began, 6)
-            for checkpoint in snapshots:
+            for checkpoint in written:
                 checkpoint.write_s = write_s
                 checkpoint.snapshot_written = True
             return len(items)
 
     def _expired(
-        self, items: Sequence[tuple[Checkpoint, Any]], puts: Mapping[str, bytes]
+        self, store: PersistenceStorage, prefix: str, puts: Mapping[str, bytes]
     ) -> list[str]:
-        """The meta keys past `retain` per query once `puts` are stored; the record of a
-        query's last completed checkpoint stays (a restart takes aligned offsets from it)."""
+        """The keys under `prefix` past `retain` per query once `puts` are stored."""
         expired: list[str] = []
-        for query in {c.query for c, _ in items}:
-            prefix = f"{CHECKPOINT_PREFIX}{query}/"
-            keys = sorted(
-                set(self.ft.storage.meta_keys(prefix)) | {k for k in puts if k.startswith(prefix)}
-            )
-            last = self._queries[query].last_complete
-            keep = f"{prefix}{last.id:012d}" if last is not None else None
-            for key in keys[: max(0, len(keys) - self.retain)]:
-                if key != keep:
-                    expired.append(key)
-                    expired.append(SNAPSHOT_PREFIX + key[len(CHECKPOINT_PREFIX) :])
+        for query in {key[len(prefix) :].rsplit("/", 1)[0] for key in puts}:
+            under = f"{prefix}{query}/"
+            keys = set(store.meta_keys(under)) | {k for k in puts if k.startswith(under)}
+            expired.extend(sorted(keys)[: max(0, len(keys) - self.retain)])
         return [key for key in expired if key not in puts]
 
     def _load(self) -> None:
@@ -436,22 +448,43 @@ class CheckpointCoordinator:
 # ---- snapshots ----------------------------------------------------------------------
 
 
-def _encode_snapshot(state: Mapping[str, NDArray[Any]], ft: FTLayer) -> bytes:
-    """The arrays as an uncompressed .npz, plus the topic names of the topic numbers."""
-    topics = np.unique(state["acker.topic"]) if len(state["acker.topic"]) else np.zeros(0)
-    names = ft.persistence.topic_names(topics.astype(np.uint32)) if len(topics) else []
-    arrays: dict[str, Any] = dict(state)
-    arrays["topics.number"] = topics.astype(np.uint32)
-    arrays["topics.name"] = np.array(names, dtype=str)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+_SNAPSHOT_MAGIC = b"FTSNAP1\n"
+_HEADER_LEN = struct.Struct("<I")
+
+
+def _encode_snapshot(state: Mapping[str, NDArray[Any]]) -> bytes:
+    """The arrays as one blob: magic, u32 header length, a JSON header (per array its
+    name, dtype and length), then each array's bytes. One copy per array."""
+    arrays = {name: np.ascontiguousarray(array) for name, array in state.items()}
+    header = json.dumps(
+        [[name, array.dtype.str, len(array)] for name, array in arrays.items()]
+    ).encode()
+    parts = [_SNAPSHOT_MAGIC, _HEADER_LEN.pack(len(header)), header]
+    parts.extend(array.tobytes() for array in arrays.values())
+    return b"".join(parts)
 
 
 def decode_snapshot(raw: bytes) -> dict[str, NDArray[Any]]:
-    """The arrays of a stored snapshot (see FTLayer.state_snapshot)."""
-    with np.load(io.BytesIO(raw), allow_pickle=False) as found:
-        return {name: found[name] for name in found.files}
+    """The arrays of a stored snapshot (see FTLayer.state_snapshot); ConfigError if
+    `raw` is not one."""
+    view = memoryview(raw)
+    start = len(_SNAPSHOT_MAGIC) + _HEADER_LEN.size
+    if bytes(view[: len(_SNAPSHOT_MAGIC)]) != _SNAPSHOT_MAGIC or len(view) < start:
+        raise ConfigError("not an ftlayer checkpoint snapshot")
+    (size,) = _HEADER_LEN.unpack_from(view, len(_SNAPSHOT_MAGIC))
+    try:
+        header = json.loads(bytes(view[start : start + size]))
+        offset = start + size
+        found: dict[str, NDArray[Any]] = {}
+        for name, dtype, n in header:
+            array = np.frombuffer(view, dtype=np.dtype(dtype), count=n, offset=offset)
+            found[name] = array.copy()
+            offset += array.nbytes
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"a damaged checkpoint snapshot: {exc}") from None
+    if offset != len(view):
+        raise ConfigError("a damaged checkpoint snapshot: trailing bytes")
+    return found
 
 
 # ---- positions ----------------------------------------------------------------------

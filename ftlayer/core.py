@@ -567,12 +567,9 @@ class FTLayer:
         result: dict[str, dict[int, int]] = {}
         if not len(keys):
             return result
-        order = np.argsort(keys, kind="stable")
-        keys, offsets = keys[order], offsets[order]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        lowest = np.minimum.reduceat(offsets, starts)
-        names = self.persistence.topic_names((keys[starts] >> np.uint64(32)).astype(np.uint32))
-        partitions = (keys[starts] & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        groups, lowest = _min_per_key(keys, offsets)
+        names = self.persistence.topic_names((groups >> np.uint64(32)).astype(np.uint32))
+        partitions = (groups & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
         for name, partition, offset in zip(
             names, partitions.tolist(), lowest.tolist(), strict=True
         ):
@@ -600,14 +597,13 @@ class FTLayer:
 
     def state_snapshot(self) -> dict[str, NDArray[Any]]:
         """Copies of the state a checkpoint holds: every pending root with its ack value
-        and locator ("acker.*"), the replay queue ("queue.*") and the retry counts
-        ("retries.*"). O(pending) array copies and no storage access, so a caller that
-        serializes this core (the server's lock) holds it only for the copy; writing
-        the snapshot can happen elsewhere (ftlayer.checkpoints)."""
-        state = {
-            f"acker.{name}": column
-            for name, column in self.acker.snapshot(*LOCATOR_COLUMNS).items()
-        }
+        and the storage seq of its record ("acker.*"), the replay queue ("queue.*") and
+        the retry counts ("retries.*"). O(pending) array copies and no storage
+        access, so a caller that serializes this core (the server's lock) holds it
+        only for the copy; writing the snapshot can happen elsewhere
+        (ftlayer.checkpoints)."""
+        # The Kafka coordinates are in the stored record (by seq): not copied again.
+        state = {f"acker.{name}": column for name, column in self.acker.snapshot("seq").items()}
         state.update({f"queue.{name}": column for name, column in self._queue.columns().items()})
         state["retries.root"] = np.fromiter(self._retries.keys(), np.uint64, len(self._retries))
         state["retries.count"] = np.fromiter(self._retries.values(), np.int64, len(self._retries))
@@ -629,6 +625,35 @@ class FTLayer:
         self.stats.replay_queue = len(self._queue)
         self.stats.replay_cursor = self.replay_cursor
         return self.stats
+
+
+_DENSE_CELLS = 1 << 20
+
+
+def _min_per_key(
+    keys: NDArray[np.uint64], values: NDArray[np.int64]
+) -> tuple[NDArray[np.uint64], NDArray[np.int64]]:
+    """(distinct keys, the minimum value of each), for keys topic << 32 | partition.
+    Topic numbers are dense and partitions small, so a table indexed by (topic,
+    partition) and np.minimum.at do it in O(n) (the checkpoint of every micro-batch
+    asks this); a sort when the table would be large."""
+    topics = (keys >> np.uint64(32)).astype(np.int64)
+    partitions = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    width = int(partitions.max()) + 1
+    cells = (int(topics.max()) + 1) * width
+    if cells <= _DENSE_CELLS:
+        empty = np.iinfo(np.int64).max
+        table = np.full(cells, empty, dtype=np.int64)
+        np.minimum.at(table, topics * width + partitions, values)
+        present = np.flatnonzero(table != empty)
+        found = ((present // width).astype(np.uint64) << np.uint64(32)) | (present % width).astype(
+            np.uint64
+        )
+        return found, table[present]
+    order = np.argsort(keys, kind="stable")
+    keys, values = keys[order], values[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    return keys[starts], np.minimum.reduceat(values, starts)
 
 
 def _source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:

@@ -184,6 +184,7 @@ class FTServer:
         self._storage: LmdbStorage | None = None
         self._ft: FTLayer | None = None
         self._checkpoints: CheckpointCoordinator | None = None
+        self._checkpoints_queued = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._connections: dict[int, _Connection] = {}
@@ -205,15 +206,21 @@ class FTServer:
         if self._listener is not None:
             raise ConfigError("the server is already started")
         storage = LmdbStorage(self.data_dir)
+        snapshots: LmdbStorage | None = None
         try:
             self._ft = FTLayer(
                 storage, timeout_s=self.timeout_s, buckets=self.buckets, defer_deletes=True
             )
-            self._checkpoints = CheckpointCoordinator(self._ft)
+            # Checkpoint snapshots: an LMDB environment of their own, without fsync (a
+            # snapshot lost to an OS crash loses no record; see ftlayer.checkpoints).
+            snapshots = LmdbStorage(os.path.join(self.data_dir, "checkpoints"), sync=False)
+            self._checkpoints = CheckpointCoordinator(self._ft, snapshots=snapshots)
             self._listener = _listen(self.host, self.port)
         except BaseException:
             self._ft = self._checkpoints = None
             storage.close()
+            if snapshots is not None:
+                snapshots.close()
             raise
         self._storage = storage
         self._listener.settimeout(_POLL_S)
@@ -229,6 +236,7 @@ class FTServer:
             (self._accept_loop, "accept"),
             (self._tick_loop, "ticker"),
             (self._delete_loop, "deleter"),
+            (self._checkpoint_write_loop, "checkpoint-writer"),
         ):
             thread = threading.Thread(target=target, name=f"ftlayer-{name}", daemon=True)
             thread.start()
@@ -255,6 +263,7 @@ class FTServer:
                     log.error("could not delete completed records (replayed at restart): %s", exc)
             if self._checkpoints is not None:
                 self._checkpoints.write_pending()
+                self._checkpoints.snapshots.close()
             if self._storage is not None:
                 self._storage.close()
             self._ft = self._checkpoints = None
@@ -314,13 +323,12 @@ class FTServer:
                 before = ft.stats.failed["timeout"]
                 try:
                     rotations = ft.tick()
-                    if self._checkpoints is not None:
-                        self._checkpoints.poll()
+                    if self._checkpoints is not None and self._checkpoints.poll():
+                        self._checkpoints_queued.set()
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
                     continue
                 timed_out = ft.stats.failed["timeout"] - before
-            self._write_checkpoints()
             if timed_out:
                 log.info(
                     "rotation (%d) timed out %d roots: queued for replay", rotations, timed_out
@@ -493,8 +501,9 @@ class FTServer:
             else:
                 status = self._status(ft)
         if isinstance(message, CheckpointRequest):
-            # The snapshot is written outside the core lock: events go on meanwhile.
-            self._write_checkpoints()
+            # The checkpoint writer thread writes the snapshot, outside the core lock
+            # and after this reply: events and the client go on meanwhile.
+            self._checkpoints_queued.set()
             return encode_checkpoint_reply(rid, checkpoint)
         if isinstance(message, FetchReplay):
             return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
@@ -507,11 +516,19 @@ class FTServer:
         act = self._checkpoints.begin if message.begin else self._checkpoints.complete
         return act(message.query, message.position, message.sources, mode)
 
-    def _write_checkpoints(self) -> None:
-        """Write queued checkpoint snapshots and records (outside the core lock)."""
-        checkpoints = self._checkpoints
-        if checkpoints is not None:
+    def _checkpoint_write_loop(self) -> None:
+        """Write queued checkpoint snapshots and records, outside the core lock."""
+        while not self._stopping.is_set():
+            if not self._checkpoints_queued.wait(_POLL_S):
+                continue
+            self._checkpoints_queued.clear()
+            checkpoints = self._checkpoints
+            if checkpoints is None:
+                return
             checkpoints.write_pending()
+            with self._lock:  # a checkpoint completed by its commit before the write
+                if self._checkpoints is not None and self._checkpoints.poll():
+                    self._checkpoints_queued.set()
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
