@@ -12,6 +12,9 @@
     ftlayer bench server  [--records N] [--events E] [--clients C] [--dir D] [--json]
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
                            [--json]
+    ftlayer savepoint create  --data-dir DIR --dir SAVEPOINTS [--name NAME] [--json]
+    ftlayer savepoint list    --dir SAVEPOINTS [--json]
+    ftlayer savepoint restore NAME --dir SAVEPOINTS --data-dir NEWDIR [--partitions N] [--json]
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
@@ -132,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
+    _add_savepoint_parser(commands)
 
     bench = commands.add_parser("bench", help="run a benchmark against its baseline")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -162,6 +166,21 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     server.add_argument("--json", action="store_true", help="print one JSON object last")
 
+    checkpoint = benches.add_parser(
+        "checkpoint",
+        help="records/s with a checkpoint every batch vs none; checkpoint time vs pending",
+    )
+    checkpoint.add_argument("--batches", type=_positive_int, default=40, help="per round")
+    checkpoint.add_argument("--batch", type=_positive_int, default=20_000, help="records")
+    checkpoint.add_argument("--rounds", type=_positive_int, default=3, help="alternating pairs")
+    checkpoint.add_argument(
+        "--pending",
+        default="0,10000,100000,1000000",
+        help="comma-separated pending-root counts to time checkpoints at",
+    )
+    checkpoint.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
+    checkpoint.add_argument("--json", action="store_true", help="print one JSON object last")
+
     pipeline = benches.add_parser(
         "pipeline", help="the demo pipeline on Spark: FT on vs off, replays vs task retries"
     )
@@ -171,6 +190,16 @@ def _parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--rounds", type=_positive_int, default=2, help="alternating pairs")
     pipeline.add_argument("--json", action="store_true", help="print one JSON object last")
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 0:
+        raise ConfigError(f"--pending takes comma-separated counts >= 0, got {text!r}")
+    return counts
 
 
 def _print_table(title: str, rows: dict[str, Any]) -> None:
@@ -232,8 +261,45 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
+    checkpoints = status.pop("checkpoints", {})
     _print_table(f"ftlayer status {args.server}", status)
+    _print_checkpoints(checkpoints)
     return 0
+
+
+_CHECKPOINT_COLUMNS = (
+    ("id", "id"),
+    ("state", "state"),
+    ("mode", "mode"),
+    ("pending roots", "pending_roots"),
+    ("size (bytes)", "size_bytes"),
+    ("copy (ms)", "copy_s"),
+    ("write (ms)", "write_s"),
+    ("alignment wait (ms)", "alignment_wait_s"),
+    ("duration (ms)", "duration_s"),
+)
+
+
+def _print_checkpoints(checkpoints: dict[str, Any], last: int = 5) -> None:
+    """Per query, its open checkpoints and its last completed ones, one row each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    for query, found in checkpoints.items():
+        table = Table(title=f"checkpoints of {query!r}: {found['completed']:,} completed")
+        for header, _ in _CHECKPOINT_COLUMNS:
+            table.add_column(header, justify="right")
+        for checkpoint in [*found["recent"][-last:], *found["open"]]:
+            table.add_row(*(_cell(name, checkpoint.get(name)) for _, name in _CHECKPOINT_COLUMNS))
+        Console().print(table)
+
+
+def _cell(name: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if name.endswith("_s"):
+        return f"{1000 * float(value):,.1f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -286,6 +352,106 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_savepoint_parser(commands: Any) -> None:
+    savepoint = commands.add_parser(
+        "savepoint", help="create, list and restore savepoints of an FT layer's state"
+    )
+    actions = savepoint.add_subparsers(dest="savepoint", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="save the data dir of a stopped server")
+    create.add_argument("--data-dir", required=True, help="the stopped server's data dir")
+    create.add_argument("--dir", required=True, help="the savepoints directory")
+    create.add_argument("--name", default=None, help="default: savepoint-<UTC time>-<random>")
+    create.add_argument("--json", action="store_true", help="print one JSON object last")
+    listing = actions.add_parser("list", help="list the savepoints in a directory")
+    listing.add_argument("--dir", required=True, help="the savepoints directory")
+    listing.add_argument("--json", action="store_true", help="print one JSON object last")
+    restore = actions.add_parser("restore", help="restore a savepoint into a new data dir")
+    restore.add_argument("name", help="the savepoint's name")
+    restore.add_argument("--dir", required=True, help="the savepoints directory")
+    restore.add_argument("--data-dir", required=True, help="the new data dir (new or empty)")
+    restore.add_argument(
+        "--partitions", default=None, help="replay every source into N partitions (rescale)"
+    )
+    restore.add_argument("--json", action="store_true", help="print one JSON object last")
+
+
+def _savepoint(args: argparse.Namespace) -> int:
+    from ftlayer import savepoint
+
+    if args.savepoint == "create":
+        created = savepoint.create_savepoint_from_data_dir(args.data_dir, args.dir, args.name)
+        if args.json:
+            print(json.dumps(created.as_dict(), sort_keys=True))
+        else:
+            print(
+                f"savepoint {created.name} created in {created.path}: "
+                f"{created.stored_records:,} stored records"
+            )
+            for sid, spec in created.sources.items():
+                print(f"source {sid}: {spec['partitioner']}, {spec['num_partitions']} partitions")
+            for query, position in created.positions.items():
+                print(f"query {query}: position {json.dumps(position, sort_keys=True)}")
+        return 0
+    if args.savepoint == "list":
+        found = savepoint.list_savepoints(args.dir)
+        if args.json:
+            print(json.dumps({"savepoints": [s.as_dict() for s in found]}, sort_keys=True))
+        else:
+            _print_savepoints(args.dir, found)
+        return 0
+    partitions = None if args.partitions is None else _partitions_option(args.partitions)
+    result = savepoint.restore_savepoint(args.dir, args.name, args.data_dir, partitions=partitions)
+    if args.json:
+        print(json.dumps(result.as_dict(), sort_keys=True))
+        return 0
+    print(
+        f"restored savepoint {args.name} into {result.data_dir}: {result.stored_records:,} "
+        f"stored records, replayed when `ftlayer serve --data-dir {result.data_dir}` starts"
+    )
+    for sid, spec in result.sources.items():
+        counts = result.replays.get(sid, {})
+        spread = ", ".join(f"{p}: {n:,}" for p, n in counts.items()) or "none"
+        print(
+            f"source {sid} ({spec['partitioner']}, {spec['num_partitions']} partitions): "
+            f"replays per partition: {spread}"
+        )
+    for query, offsets in result.starting_offsets.items():
+        text = json.dumps(offsets, separators=(",", ":"))
+        print(f"query {query}: start the new query with startingOffsets '{text}'")
+    return 0
+
+
+def _partitions_option(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise ConfigError(f"--partitions must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"--partitions must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _print_savepoints(directory: str, found: Sequence[Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not found:
+        print(f"no savepoints in {directory}")
+        return
+    table = Table(title=f"savepoints in {directory}")
+    table.add_column("name")
+    table.add_column("created", no_wrap=True)
+    table.add_column("stored records", justify="right")
+    table.add_column("sources")
+    for s in found:
+        sources = ", ".join(
+            f"{sid} {spec.get('partitioner')}/{spec.get('num_partitions')}"
+            for sid, spec in s.sources.items()
+        )
+        table.add_row(s.name, s.created_at, f"{s.stored_records:,}", sources or "none")
+    Console().print(table)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -298,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "savepoint":
+            return _savepoint(args)
         from ftlayer import bench
 
         if args.bench == "acker":
@@ -310,6 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 partitions=args.partitions,
                 fail_rate=args.fail_rate,
                 rounds=args.rounds,
+            )
+        elif args.bench == "checkpoint":
+            result = bench.bench_checkpoint(
+                batches=args.batches,
+                batch=args.batch,
+                rounds=args.rounds,
+                pending_points=_counts(args.pending),
+                directory=args.dir,
             )
         elif args.bench == "server":
             result = bench.bench_server(

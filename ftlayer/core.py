@@ -55,8 +55,10 @@ from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch
 from ftlayer.rotating import validate_timeout
 
-_REPLAY_SEQ_META = "next_replay_seq"
-_SOURCES_META = "sources"
+REPLAY_SEQ_META_KEY = "next_replay_seq"
+"""Meta key of the next replay seq (decimal text): never reused, also across restarts."""
+SOURCES_META_KEY = "sources"
+"""Meta key of the source registrations: JSON {source id: partitioner spec}."""
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
 CompletionListener = Callable[[Completed], None]
@@ -257,7 +259,7 @@ class FTLayer:
         )
         self._registered: dict[str, dict[str, Any]] = {}
         self._sources: dict[int, SourceConfig] = {}
-        stored_sources = storage.get_meta(_SOURCES_META)
+        stored_sources = storage.get_meta(SOURCES_META_KEY)
         if stored_sources:
             self._registered = json.loads(stored_sources.decode())
             for key, spec in self._registered.items():
@@ -271,7 +273,7 @@ class FTLayer:
         self._retries: dict[int, int] = {}
         self._listeners: list[CompletionListener] = []
         self.stats = FTStats()
-        meta = storage.get_meta(_REPLAY_SEQ_META)
+        meta = storage.get_meta(REPLAY_SEQ_META_KEY)
         self._next_replay_seq = int(meta.decode()) if meta else 1
         self.stats.replay_cursor = self._next_replay_seq - 1
         self._cursor_at_start = self.stats.replay_cursor_at_start = self._next_replay_seq - 1
@@ -309,7 +311,7 @@ class FTLayer:
         }
         config = _source_from_spec(spec)
         registered = {**self._registered, str(source_id): spec}
-        self.storage.put_meta(_SOURCES_META, json.dumps(registered, sort_keys=True).encode())
+        self.storage.put_meta(SOURCES_META_KEY, json.dumps(registered, sort_keys=True).encode())
         self._registered = registered
         self._sources[source_id] = config
         return config
@@ -471,7 +473,7 @@ class FTLayer:
         # Step 2. The replay seq counter is stored before any record uses a seq from it.
         new_roots = new_ids(n)
         replay_seqs = np.arange(self._next_replay_seq, self._next_replay_seq + n, dtype=np.uint64)
-        self.storage.put_meta(_REPLAY_SEQ_META, str(self._next_replay_seq + n).encode())
+        self.storage.put_meta(REPLAY_SEQ_META_KEY, str(self._next_replay_seq + n).encode())
         self._next_replay_seq += n
         self.persistence.retag(seqs, new_roots, replay_seqs)
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.

@@ -26,6 +26,19 @@ each partition. Nothing but a per-partition count comes back to the driver.
    is what failed), they are left to time out, which also replays them.
 5. Unpersist.
 
+The idempotent mode (`key=[columns]`), for exactly-once output where the sink allows
+it. A *content key* names an output row: the same when the row is produced again, by
+a replay or by a batch Spark runs again after a restart, and different for different
+rows. Source coordinates (topic, partition, offset) plus an output index, or an event
+id, are such keys; the ft_root and ft_id columns are not (a replay gets new ones).
+`fn` then gets one row per key in the batch (`dropDuplicates` on the key), and must write idempotently on the key: an upsert or an
+insert-if-absent (a database's primary key, a document id, a compacted topic's key).
+Every row of the batch is acked after `fn` returned, the dropped duplicates too (a
+duplicate left unacked would time out and be replayed for ever). So a record written
+and then replayed, because its ack was lost, its tree failed elsewhere, or the query
+restarted before the batch was committed, is written again under the same key: the
+sink's table holds each output once.
+
 Acks on the executors vs. on the driver: collecting the ids with `toArrow()` and
 sending them from the driver moves 16 bytes per row into the driver and sends every
 event through one client; a job over the cached FT columns sends them from where the
@@ -58,7 +71,7 @@ lets its errors propagate; the Kafka sink only writes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast, get_args
 
@@ -183,23 +196,31 @@ class FTForeachBatch:
         fn: Callable[[DataFrame, int], object],
         settings: FTSettings,
         on_error: SinkOnError = "fail-and-raise",
+        key: Sequence[str] | None = None,
     ) -> None:
         self.fn = fn
         self.settings = settings
         self.on_error = _check_on_error(on_error)
+        self.key = _check_key(key)
         self.last_result: SinkResult | None = None
 
     def __call__(self, df: DataFrame, epoch_id: int) -> None:
         ft_columns = _check_ft_columns(df, self.settings)
+        missing = [column for column in self.key if column not in df.columns]
+        if missing:
+            raise ConfigError(
+                f"the sink's content key names columns {missing} that its DataFrame "
+                f"does not have (it has {df.columns})"
+            )
         if not self.settings.enabled:
-            self.fn(df, epoch_id)
+            self.fn(self._deduplicated(df), epoch_id)
             return
         # Step 1: one computation of the batch for fn and for the acks.
         batch = df.persist()
         try:
             try:
-                # Step 2: the user's write.
-                self.fn(batch.drop(*ft_columns), epoch_id)
+                # Step 2: the user's write (one row per content key, with a key).
+                self.fn(self._deduplicated(batch.drop(*ft_columns)), epoch_id)
             except Exception as exc:
                 # Step 4: its failure fails every root of the batch.
                 self._fail_all(batch, epoch_id, exc)
@@ -213,6 +234,9 @@ class FTForeachBatch:
         finally:
             # Step 5.
             batch.unpersist()
+
+    def _deduplicated(self, df: DataFrame) -> DataFrame:
+        return df.dropDuplicates(list(self.key)) if self.key else df
 
     def _fail_all(self, batch: DataFrame, epoch_id: int, exc: Exception) -> None:
         try:
@@ -233,10 +257,20 @@ def ft_foreach_batch(
     settings: FTSettings,
     *,
     on_error: SinkOnError = "fail-and-raise",
+    key: Sequence[str] | None = None,
 ) -> FTForeachBatch:
     """Wrap `fn(batch_df, epoch_id)` for `writeStream.foreachBatch`: see the module
-    docstring for when rows are acked and failed."""
-    return FTForeachBatch(fn, settings, on_error)
+    docstring for when rows are acked and failed. With `key` (the idempotent mode),
+    `fn` gets one row per content key, and must write idempotently on that key."""
+    return FTForeachBatch(fn, settings, on_error, key)
+
+
+def _check_key(key: Sequence[str] | None) -> tuple[str, ...]:
+    if key is None:
+        return ()
+    if isinstance(key, str) or not key or not all(isinstance(k, str) and k for k in key):
+        raise ConfigError(f"key must be a non-empty list of column names, got {key!r}")
+    return tuple(key)
 
 
 # ---- the Kafka sink ----------------------------------------------------------------------

@@ -277,15 +277,19 @@ class LmdbStorage(PersistenceStorage):
 
     def copy_to(self, path: str | os.PathLike[str], *, compact: bool = True) -> None:
         """Write a consistent copy of the whole environment (records and meta) to the
-        empty or new directory `path`. LMDB copies from one read transaction, so
-        writers go on meanwhile and the copy is the state at its start."""
+        empty or new directory `path`: the state at the start of the copy (LMDB
+        copies from one read transaction). Writes of this process wait for it."""
         env = self._live_env()
         target = os.fspath(path)
         os.makedirs(target, exist_ok=True)
         if os.listdir(target):
             raise StorageError(f"cannot copy LMDB storage into {target}: it is not empty")
         try:
-            env.copy(target, compact=compact)
+            # Under the lock: a write of this process that fills the map would resize
+            # it, which LMDB forbids while the copy's read transaction is open. Writers
+            # of this process wait for the copy; other processes' do not.
+            with self._lock:
+                env.copy(target, compact=compact)
         except lmdb.Error as exc:
             raise StorageError(
                 f"could not copy LMDB storage at {self._path} to {target}: {exc}"
@@ -363,6 +367,15 @@ class LmdbStorage(PersistenceStorage):
                     env.set_mapsize(0)
                 except lmdb.Error as exc:
                     raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+
+
+def is_open_in_process(path: str | os.PathLike[str]) -> bool:
+    """Whether an LmdbStorage of this process has the environment at `path` open."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return (stat.st_dev, stat.st_ino) in _open_stores
 
 
 def _keys(seqs: NDArray[np.uint64]) -> list[bytes]:

@@ -225,7 +225,9 @@ def test_checkpoint_requests_and_reply_round_trip() -> None:
             )
         )
         assert request.kind == kind
-        assert p.decode(request) == p.CheckpointRequest(begin, "orders", position, [4, 2], "aligned")
+        assert p.decode(request) == p.CheckpointRequest(
+            begin, "orders", position, [4, 2], "aligned"
+        )
     reply = {"id": 3, "state": "complete", "commit_offsets": {"orders": {"0": 5}}}
     assert p.decode(frame(p.encode_checkpoint_reply(9, reply))) == p.CheckpointReply(reply)
     with pytest.raises(p.BadRequest, match="mode"):

@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from serverproc import Server, StartServer, read_address, serve_command
 
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
 from ftlayer.handlers import Anchors, Persister, TaskHandler
+from ftlayer.ids import new_ids
 from ftlayer.integration.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.protocol import (
@@ -32,6 +34,7 @@ from ftlayer.protocol import (
     decode_error,
     encode_status_request,
 )
+from ftlayer.records import RecordBatch
 from ftlayer.server import FTServer
 
 PAYLOADS = [f"record-{i}".encode() * (i + 1) for i in range(10)]
@@ -320,3 +323,58 @@ def test_a_full_disk_is_a_clear_error_and_loses_nothing_confirmed(
     with start_server(data_dir).client() as client:
         replay = client.fetch_replay(0, 2**63)
     assert sorted(bytes(p) for p in replay.records.payloads) == sorted(confirmed)
+
+
+def test_checkpoints_over_the_wire_survive_a_restart(start_server: StartServer) -> None:
+    """CHECKPOINT_BEGIN / COMPLETE against a real server: the snapshot lands in its own
+    LMDB environment, aligned completion waits for the pending record, bad requests
+    are refused, and a restarted server knows the last completed checkpoint."""
+    server = start_server()
+
+    def position(offset: int) -> dict[str, Any]:
+        return {"kafka": {"events": {"0": offset}}, "replay": 0}
+
+    def call(client: FTClient, begin: bool, offset: int) -> dict[str, Any]:
+        return client.checkpoint(
+            begin=begin, query="job", position=position(offset), sources=[5], mode="aligned"
+        )
+
+    with server.client() as client:
+        first = RecordBatch.build(
+            new_ids(4), PAYLOADS[:4], topics="events", partitions=0, offsets=np.arange(4)
+        )
+        client.persist(first, new_ids(4))
+        begun = call(client, True, 4)
+        assert (begun["id"], begun["state"], begun["pending_roots"]) == (1, "begun", 4)
+        answer = call(client, False, 4)
+        assert answer["state"] == "aligning" and answer["commit_offsets"] is None
+        time.sleep(0.6)  # more than a tick: still aligning, the records are pending
+        assert call(client, False, 4)["state"] == "aligning"
+        client.fail(first.roots)
+        replay = client.fetch_replay(0, 2**63)
+        client.xor(replay.records.roots, np.full(4, 9, np.uint64))
+        client.xor(replay.records.roots, np.full(4, 9, np.uint64))  # complete
+        deadline = time.monotonic() + 10
+        while call(client, False, 4)["state"] != "complete":
+            assert time.monotonic() < deadline, "the aligned checkpoint never completed"
+            time.sleep(0.05)
+        done = call(client, False, 4)
+        assert done["commit_offsets"] == {"events": {"0": 4}}
+        assert done["alignment_wait_s"] > 0 and done["size_bytes"] > 0
+        with pytest.raises(RequestRejected, match="query name"):
+            client.checkpoint(begin=True, query="a/b", position=position(1), sources=[5])
+        with pytest.raises(RequestRejected, match="checkpoint offset"):
+            client.checkpoint(
+                begin=True, query="job", position={"kafka": {"e": {"0": -3}}}, sources=[5]
+            )
+        status = client.status()["checkpoints"]["job"]
+        assert status["completed"] == 1 and status["last_complete_id"] == 1
+    assert (Path(server.data_dir) / "checkpoints" / "data.mdb").exists()
+    server.kill()
+
+    with start_server(server.data_dir).client() as client:
+        status = client.status()["checkpoints"]["job"]
+        assert status["last_complete_id"] == 1
+        assert call(client, True, 8)["id"] == 2
+        answer = call(client, False, 8)
+        assert answer["id"] == 2
