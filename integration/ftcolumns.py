@@ -17,6 +17,7 @@ across tasks).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,6 +30,28 @@ from ftlayer.errors import ConfigError
 ROOT_COLUMN: Final = "ft_root"
 ID_COLUMN: Final = "ft_id"
 FT_COLUMNS: Final = (ROOT_COLUMN, ID_COLUMN)
+LOOP_HEADER: Final = "ftlayer-anchor"
+"""The Kafka header of a record a loop sink fed back into a source's topic: its tree's
+root and the id of the record in transit, 8 bytes each, big-endian."""
+
+
+def loop_header(root: int, record_id: int) -> bytes:
+    return root.to_bytes(8, "big") + record_id.to_bytes(8, "big")
+
+
+def read_loop_headers(
+    headers: Sequence[Sequence[tuple[str, bytes]] | None],
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """(roots, ids) from each record's LOOP_HEADER; 0 and 0 for records without one (or
+    with a header that is not 16 bytes: not ours, so the record starts a new tree)."""
+    roots = np.zeros(len(headers), dtype=np.uint64)
+    ids = np.zeros(len(headers), dtype=np.uint64)
+    for i, found in enumerate(headers):
+        for key, value in found or ():
+            if key == LOOP_HEADER and value is not None and len(value) == 16:
+                roots[i] = int.from_bytes(value[:8], "big")
+                ids[i] = int.from_bytes(value[8:], "big")
+    return roots, ids
 
 
 def to_signed(ids: ArrayLike) -> NDArray[np.int64]:

@@ -31,8 +31,9 @@ it. A *content key* names an output row: the same when the row is produced again
 a replay or by a batch Spark runs again after a restart, and different for different
 rows. Source coordinates (topic, partition, offset) plus an output index, or an event
 id, are such keys; the ft_root and ft_id columns are not (a replay gets new ones).
-`fn` then gets one row per key in the batch (`dropDuplicates` on the key), and must write idempotently on the key: an upsert or an
-insert-if-absent (a database's primary key, a document id, a compacted topic's key).
+`fn` then gets one row per key in the batch (`dropDuplicates` on the key), and must
+write idempotently on the key: an upsert or an insert-if-absent (a database's primary
+key, a document id, a compacted topic's key).
 Every row of the batch is acked after `fn` returned, the dropped duplicates too (a
 duplicate left unacked would time out and be replayed for ever). So a record written
 and then replayed, because its ack was lost, its tree failed elsewhere, or the query
@@ -64,6 +65,20 @@ rows twice); the sink reports them on the driver: with "fail-and-raise" it raise
 partial-write rule holds when FT is off, except that a failed write always raises,
 since nothing could replay the record.
 
+Loops (`ft_kafka_sink(..., loop=True)`, after FLIP-16): the sink writes into a topic
+that a source of the same pipeline reads, and the records' trees go on across the
+loop instead of completing. Each record gets a fresh in-transit id and the Kafka
+header `ftlayer-anchor` (LOOP_HEADER: its root and that id). Once the broker confirmed
+the write, one XOR event per row acks the row and anchors the record in transit; the
+`ftkafka` source that reads it back persists nothing, acks the in-transit id and
+emits the record under the same root with a fresh id. So a tree is tracked across
+iterations and completes only when its last iteration is acked; a record in transit
+at a barrier keeps its root pending, so it belongs to that checkpoint. A failed write
+fails the row's root, and a failure anywhere in a later iteration replays the
+original source record, which runs the loop again: state updated along the loop must
+be idempotent on a content key (e.g. record id and iteration). Rows with several
+anchors (from an aggregate) are refused (ConfigError).
+
 FT off: `ft_foreach_batch` calls `fn` directly (no cache, no job, no connection) and
 lets its errors propagate; the Kafka sink only writes.
 """
@@ -85,9 +100,10 @@ from pyspark.sql.types import BinaryType, StringType
 
 from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.handlers import TaskHandler, XorHandler
+from ftlayer.ids import new_ids
 
-from .ftcolumns import FT_COLUMNS, FTSettings
-from .tasks import ft_columns_of, read_anchors
+from .ftcolumns import FT_COLUMNS, LOOP_HEADER, FTSettings, loop_header
+from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors
 
 __all__ = [
     "DEFAULT_PRODUCER_CONFIG",
@@ -291,13 +307,15 @@ def _send_all(
     keys: list[bytes | None],
     values: list[bytes | None],
     wait_s: float,
+    headers: list[list[tuple[str, bytes]]] | None = None,
 ) -> tuple[NDArray[np.bool_], BaseException | None]:
     """Send every row, flush, and return which writes the broker confirmed."""
     futures: list[Any] = []
     error: BaseException | None = None
-    for key, value in zip(keys, values, strict=True):
+    for i, (key, value) in enumerate(zip(keys, values, strict=True)):
         try:
-            futures.append(producer.send(topic, key=key, value=value))
+            extra = {} if headers is None else {"headers": headers[i]}
+            futures.append(producer.send(topic, key=key, value=value, **extra))
         except KafkaTimeoutError as exc:
             error = exc  # no metadata or no buffer space: every further send waits as long
             break
@@ -325,6 +343,7 @@ def _kafka_partition(
     key_column: str | None,
     value_column: str,
     config: Mapping[str, Any],
+    loop: bool = False,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     wait_s = config["delivery_timeout_ms"] / 1000 + _FLUSH_MARGIN_S
 
@@ -341,13 +360,26 @@ def _kafka_partition(
                     if producer is None:
                         producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
                     keys, values = _as_bytes(batch, key_column), _as_bytes(batch, value_column)
-                    confirmed, error = _send_all(producer, topic, keys, values, wait_s)
+                    anchors = read_anchors(batch) if loop else None
+                    in_transit = new_ids(n) if anchors is not None else None
+                    headers = None
+                    if anchors is not None and in_transit is not None:
+                        headers = [
+                            [(LOOP_HEADER, loop_header(root, child))]
+                            for root, child in zip(
+                                anchors.roots.tolist(), in_transit.tolist(), strict=True
+                            )
+                        ]
+                    confirmed, error = _send_all(producer, topic, keys, values, wait_s, headers)
                 except KafkaError as exc:  # no producer: the broker cannot be reached
                     confirmed, error = np.zeros(n, dtype=np.bool_), exc
+                    anchors = in_transit = None
                 first_error = first_error or error
                 ok = int(confirmed.sum())
                 written, failed = written + ok, failed + n - ok
-                if handler is not None:
+                if loop and channel is not None:
+                    _loop_events(channel, read_anchors(batch), in_transit, confirmed)
+                elif handler is not None:
                     handler.process(
                         read_anchors(batch), _NO_PARENTS, None if ok == n else ~confirmed
                     )
@@ -368,6 +400,21 @@ def _kafka_partition(
     return run
 
 
+def _loop_events(
+    channel: Any,
+    anchors: Any,
+    in_transit: NDArray[np.uint64] | None,
+    confirmed: NDArray[np.bool_],
+) -> None:
+    """Loop mode: a row whose write was confirmed is acked and its record in transit
+    anchored in one event per row, (root, row id ^ in-transit id): the tree goes on
+    through Kafka. A row whose write failed has its root failed (replayed)."""
+    if in_transit is not None and confirmed.any():
+        channel.xor(anchors.roots[confirmed], anchors.ids[confirmed] ^ in_transit[confirmed])
+    if not confirmed.all():
+        channel.fail(anchors.roots[~confirmed])
+
+
 class FTKafkaSink:
     """A foreachBatch function writing rows to a Kafka topic (module docstring)."""
 
@@ -381,7 +428,11 @@ class FTKafkaSink:
         value_column: str = "value",
         on_error: SinkOnError = "fail-and-raise",
         producer_config: Mapping[str, Any] | None = None,
+        loop: bool = False,
     ) -> None:
+        if loop and not settings.enabled:
+            raise ConfigError("a loop sink needs FT on: its records carry their tree's root")
+        self.loop = loop
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.settings = settings
@@ -399,6 +450,12 @@ class FTKafkaSink:
             if not isinstance(types.get(column), BinaryType | StringType):
                 found = types[column].simpleString() if column in types else "missing"
                 raise ConfigError(f"Kafka sink column {column!r} must be binary or string: {found}")
+        if self.loop and EXTRA_ANCHORS_COLUMN in df.columns:
+            raise ConfigError(
+                f"a loop sink writes rows with one anchor, but this DataFrame has "
+                f"{EXTRA_ANCHORS_COLUMN} (multi-anchored rows, from an aggregate): loop "
+                "the records before aggregating them"
+            )
         run = _kafka_partition(
             self.settings,
             self.bootstrap_servers,
@@ -406,6 +463,7 @@ class FTKafkaSink:
             self.key_column,
             self.value_column,
             self.producer_config,
+            self.loop,
         )
         summary = df.select(*data_columns, *ft_columns).mapInArrow(run, _SUMMARY_SCHEMA).collect()
         written = sum(int(row.written) for row in summary)
@@ -433,9 +491,12 @@ def ft_kafka_sink(
     value_column: str = "value",
     on_error: SinkOnError = "fail-and-raise",
     producer_config: Mapping[str, Any] | None = None,
+    loop: bool = False,
 ) -> FTKafkaSink:
     """A foreachBatch function writing `key_column`/`value_column` to `topic`; rows are
-    acked once the broker confirmed them, failed (replayed) otherwise."""
+    acked once the broker confirmed them, failed (replayed) otherwise. With
+    `loop=True` the topic is one a source of the pipeline reads: each record carries
+    its tree's root in a Kafka header and its tree goes on (module docstring)."""
     return FTKafkaSink(
         bootstrap_servers,
         topic,
@@ -444,4 +505,5 @@ def ft_kafka_sink(
         value_column=value_column,
         on_error=on_error,
         producer_config=producer_config,
+        loop=loop,
     )

@@ -49,6 +49,10 @@ partition, offset, key, value and timestamp, under a new root.
    yield it as a pyarrow.RecordBatch. Each record is stored with a compact payload
    (`encode_payloads`: key or null, value or null, timestamp), its Kafka coordinates,
    and its key hash (Kafka's murmur2; `portable_hash` under `spark-hash`).
+   A record that a loop sink fed back (Kafka header `ftlayer-anchor`, see
+   integration.sinks) is not persisted: its tree's source record is. It is emitted
+   under the root in its header with a fresh id, and one XOR event acks the id it was
+   in transit under and anchors the fresh one, so the tree goes on.
 3. FT on: fetch this partition's replays, send each one's emission XOR event
    (`Persister.emit_replays`), rebuild their rows from the payloads, yield them.
 4. Flush the channel.
@@ -180,13 +184,14 @@ from pyspark.sql.types import (
 from ftlayer.client import ConnectionLost, FTClient, read_token_file
 from ftlayer.errors import ConfigError, FTLayerError, PartitioningError
 from ftlayer.handlers import Persister
+from ftlayer.ids import new_ids
 from ftlayer.partitioners import (
     create_partitioner,
     kafka_key_hashes,
     spark_key_hashes,
 )
 
-from .ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed
+from .ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, read_loop_headers, to_signed
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -1281,6 +1286,15 @@ def _new_consumer(bootstrap: str, config: Mapping[str, Any]) -> Any:
 KeyHashes = Callable[[Sequence[bytes | None]], tuple[NDArray[np.int64], NDArray[np.bool_]]]
 
 
+_Chunk = tuple[
+    list[bytes | None],
+    list[bytes | None],
+    NDArray[np.int64],
+    NDArray[np.int64],
+    list[list[tuple[str, bytes]]],
+]
+
+
 def _read_partition(
     options: SourceOptions, schema: StructType, part: FTKafkaPartition
 ) -> Iterator[Any]:
@@ -1292,12 +1306,34 @@ def _read_partition(
         _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
     )
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded.
-    for keys, values, offsets, timestamps in _read_kafka(options, part):
+    for keys, values, offsets, timestamps, headers in _read_kafka(options, part):
         anchors = None
-        if persister is not None:
-            payloads = encode_payloads(keys, values, timestamps)
-            hashes, has_key = key_hashes(keys)
-            anchors = _persist(persister, part, payloads, offsets, hashes, has_key)
+        if persister is not None and channel is not None:
+            loop_roots, loop_ids = read_loop_headers(headers)
+            fresh = loop_roots == 0
+            anchors = (np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64))
+            if fresh.any():
+                rows = np.flatnonzero(fresh)
+                if len(rows) < len(keys):
+                    keys_f = [keys[i] for i in rows.tolist()]
+                    payloads = encode_payloads(
+                        keys_f, [values[i] for i in rows.tolist()], timestamps[rows]
+                    )
+                else:
+                    keys_f, payloads = keys, encode_payloads(keys, values, timestamps)
+                hashes, has_key = key_hashes(keys_f)
+                persisted = _persist(persister, part, payloads, offsets[rows], hashes, has_key)
+                anchors[0][rows], anchors[1][rows] = persisted
+            if not fresh.all():
+                # Records a loop fed back (step 2): no new tree; the in-transit id is
+                # acked and the record continues under its root with a fresh id.
+                looped = ~fresh
+                ids = new_ids(int(looped.sum()))
+                channel.xor(loop_roots[looped], loop_ids[looped] ^ ids)
+                anchors[0][looped], anchors[1][looped] = (
+                    to_signed(loop_roots[looped]),
+                    to_signed(ids),
+                )
         n = len(keys)
         yield _arrow_batch(
             arrow_schema,
@@ -1392,11 +1428,9 @@ def _arrow_batch(
     return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)
 
 
-def _read_kafka(
-    options: SourceOptions, part: FTKafkaPartition
-) -> Iterator[tuple[list[bytes | None], list[bytes | None], NDArray[np.int64], NDArray[np.int64]]]:
+def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Iterator[_Chunk]:
     """Kafka [start, end) of one partition, in polled chunks of (keys, values, offsets,
-    timestamps in ms). SourceError if no record arrives for pollTimeoutMs."""
+    timestamps in ms, headers). SourceError if no record arrives for pollTimeoutMs."""
     if part.end <= part.start:
         return
     timeout_ms = int(options.poll_timeout_s * 1000)
@@ -1436,7 +1470,7 @@ def _read_kafka(
                 values = [r.value for r in records]
                 offsets = np.fromiter((r.offset for r in records), np.int64, len(records))
                 stamps = np.fromiter((r.timestamp for r in records), np.int64, len(records))
-                yield keys, values, offsets, stamps
+                yield keys, values, offsets, stamps, [r.headers for r in records]
             elif time.monotonic() - last_progress > options.poll_timeout_s:
                 raise SourceError(
                     f"reading {where} from Kafka at {options.bootstrap}: nothing arrived "
