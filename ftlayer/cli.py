@@ -271,12 +271,12 @@ _CHECKPOINT_COLUMNS = (
     ("id", "id"),
     ("state", "state"),
     ("mode", "mode"),
-    ("pending roots", "pending_roots"),
-    ("size (bytes)", "size_bytes"),
-    ("copy (ms)", "copy_s"),
-    ("write (ms)", "write_s"),
-    ("alignment wait (ms)", "alignment_wait_s"),
-    ("duration (ms)", "duration_s"),
+    ("pending", "pending_roots"),
+    ("bytes", "size_bytes"),
+    ("copy ms", "copy_s"),
+    ("write ms", "write_s"),
+    ("align ms", "alignment_wait_s"),
+    ("total ms", "duration_s"),
 )
 
 
@@ -286,12 +286,17 @@ def _print_checkpoints(checkpoints: dict[str, Any], last: int = 5) -> None:
     from rich.table import Table
 
     for query, found in checkpoints.items():
-        table = Table(title=f"checkpoints of {query!r}: {found['completed']:,} completed")
+        table = Table(
+            title=f"checkpoints of {query!r}: {found['completed']:,} completed "
+            "(align: alignment wait; total: barrier to completion)"
+        )
         for header, _ in _CHECKPOINT_COLUMNS:
             table.add_column(header, justify="right")
         for checkpoint in [*found["recent"][-last:], *found["open"]]:
             table.add_row(*(_cell(name, checkpoint.get(name)) for _, name in _CHECKPOINT_COLUMNS))
-        Console().print(table)
+        console = Console()
+        console.width = max(console.width, 110)  # nine columns: keep them readable
+        console.print(table)
 
 
 def _cell(name: str, value: Any) -> str:
