@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
 import socket
 import ssl
 import threading
@@ -164,6 +165,18 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigError(f"server address must be HOST:PORT, got {address!r}")
     return host, int(port_text)
+
+
+def _closed_while_idle(sock: socket.socket) -> bool:
+    """Whether an idle connection (no request outstanding) became readable: the server
+    sends nothing unasked, so that is its close (EOF, a reset) or a stream gone wrong.
+    Checked before each request, so the first call after a server restart reconnects
+    instead of failing with ConnectionLost: nothing of it was sent on the dead socket."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 class FTClient:
@@ -335,6 +348,8 @@ class FTClient:
         with self._lock:
             attempts = 2 if retry else 1
             for attempt in range(attempts):
+                if self._sock is not None and _closed_while_idle(self._sock):
+                    self._drop()  # the server went away (say, restarted) since the last call
                 if self._sock is None:
                     self._connect_with_backoff()  # nothing of the request is sent yet
                 try:

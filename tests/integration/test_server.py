@@ -265,6 +265,32 @@ def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
         client.status()
 
 
+def test_a_client_idle_across_a_restart_persists_and_xors_at_its_next_call(
+    start_server: StartServer,
+) -> None:
+    """A Python worker's connection, idle while the FT layer was killed and restarted,
+    is not used blindly: the next persist (not idempotent, so never resent) and XOR
+    reconnect first instead of failing with ConnectionLost."""
+    server = start_server()
+    port = server.address.rsplit(":", 1)[1]
+    with FTClient(server.address) as client:
+        persist(client, PAYLOADS[:2])
+        server.kill()
+        restarted = start_server(server.data_dir, "--port", port)
+        time.sleep(0.2)  # the kernel has seen the old server's sockets close
+        anchors = Persister(client).persist(PAYLOADS[2:5], topics="t", partitions=0, offsets=None)
+        restarted.kill()
+        restarted = start_server(server.data_dir, "--port", port)
+        time.sleep(0.2)
+        client.xor(anchors.roots, anchors.ids)
+        status = client.status()
+    # After the second restart: the 2 + 3 records were recovered under new roots; the
+    # XOR for their old roots arrived and was dropped as late; no call broke.
+    assert status["failed"]["recovery"] == 5
+    assert status["late_events"] == 3
+    restarted.kill()
+
+
 def test_a_replay_larger_than_a_frame_comes_back_in_pages(tmp_path: Path) -> None:
     # A 64 KiB frame limit and 10 KB payloads: about six records fit one REPLAY frame.
     payloads = [bytes([i]) * 10_000 for i in range(30)]
