@@ -186,7 +186,6 @@ class _Query:
     recent: deque[Checkpoint] = field(default_factory=lambda: deque(maxlen=_RECENT))
     last_complete: Checkpoint | None = None
     completed: int = 0
-    stored_ids: deque[int] = field(default_factory=deque)
 
 
 class CheckpointCoordinator:

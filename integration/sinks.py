@@ -356,12 +356,12 @@ def _kafka_partition(
         try:
             for batch in batches:
                 n = batch.num_rows
+                anchors = read_anchors(batch) if channel is not None else None
+                in_transit = new_ids(n) if loop else None  # loop mode: ids of records sent
                 try:
                     if producer is None:
                         producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
                     keys, values = _as_bytes(batch, key_column), _as_bytes(batch, value_column)
-                    anchors = read_anchors(batch) if loop else None
-                    in_transit = new_ids(n) if anchors is not None else None
                     headers = None
                     if anchors is not None and in_transit is not None:
                         headers = [
@@ -373,16 +373,13 @@ def _kafka_partition(
                     confirmed, error = _send_all(producer, topic, keys, values, wait_s, headers)
                 except KafkaError as exc:  # no producer: the broker cannot be reached
                     confirmed, error = np.zeros(n, dtype=np.bool_), exc
-                    anchors = in_transit = None
                 first_error = first_error or error
                 ok = int(confirmed.sum())
                 written, failed = written + ok, failed + n - ok
-                if loop and channel is not None:
-                    _loop_events(channel, read_anchors(batch), in_transit, confirmed)
-                elif handler is not None:
-                    handler.process(
-                        read_anchors(batch), _NO_PARENTS, None if ok == n else ~confirmed
-                    )
+                if anchors is not None and in_transit is not None:
+                    _loop_events(channel, anchors, in_transit, confirmed)
+                elif anchors is not None and handler is not None:
+                    handler.process(anchors, _NO_PARENTS, None if ok == n else ~confirmed)
         finally:
             if producer is not None:
                 producer.close(timeout=0)  # flushed already; what is left has failed
@@ -403,13 +400,13 @@ def _kafka_partition(
 def _loop_events(
     channel: Any,
     anchors: Any,
-    in_transit: NDArray[np.uint64] | None,
+    in_transit: NDArray[np.uint64],
     confirmed: NDArray[np.bool_],
 ) -> None:
     """Loop mode: a row whose write was confirmed is acked and its record in transit
     anchored in one event per row, (root, row id ^ in-transit id): the tree goes on
     through Kafka. A row whose write failed has its root failed (replayed)."""
-    if in_transit is not None and confirmed.any():
+    if confirmed.any():
         channel.xor(anchors.roots[confirmed], anchors.ids[confirmed] ^ in_transit[confirmed])
     if not confirmed.all():
         channel.fail(anchors.roots[~confirmed])

@@ -181,7 +181,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ftlayer.client import ConnectionLost, FTClient, read_token_file
+from ftlayer.client import BatchingChannel, ConnectionLost, FTClient, read_token_file
 from ftlayer.errors import ConfigError, FTLayerError, PartitioningError
 from ftlayer.handlers import Persister
 from ftlayer.ids import new_ids
@@ -1310,29 +1310,21 @@ def _read_partition(
         anchors = None
         if persister is not None and channel is not None:
             loop_roots, loop_ids = read_loop_headers(headers)
-            fresh = loop_roots == 0
-            anchors = (np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64))
-            if fresh.any():
-                rows = np.flatnonzero(fresh)
-                if len(rows) < len(keys):
-                    keys_f = [keys[i] for i in rows.tolist()]
-                    payloads = encode_payloads(
-                        keys_f, [values[i] for i in rows.tolist()], timestamps[rows]
-                    )
-                else:
-                    keys_f, payloads = keys, encode_payloads(keys, values, timestamps)
-                hashes, has_key = key_hashes(keys_f)
-                persisted = _persist(persister, part, payloads, offsets[rows], hashes, has_key)
-                anchors[0][rows], anchors[1][rows] = persisted
-            if not fresh.all():
-                # Records a loop fed back (step 2): no new tree; the in-transit id is
-                # acked and the record continues under its root with a fresh id.
-                looped = ~fresh
-                ids = new_ids(int(looped.sum()))
-                channel.xor(loop_roots[looped], loop_ids[looped] ^ ids)
-                anchors[0][looped], anchors[1][looped] = (
-                    to_signed(loop_roots[looped]),
-                    to_signed(ids),
+            if not loop_roots.any():  # the usual chunk: every record starts a tree
+                payloads = encode_payloads(keys, values, timestamps)
+                anchors = _persist(persister, part, payloads, offsets, *key_hashes(keys))
+            else:
+                anchors = _persist_or_continue(
+                    persister,
+                    channel,
+                    part,
+                    key_hashes,
+                    keys,
+                    values,
+                    offsets,
+                    timestamps,
+                    loop_roots,
+                    loop_ids,
                 )
         n = len(keys)
         yield _arrow_batch(
@@ -1368,6 +1360,36 @@ def _read_partition(
             )
     # Step 4: the emission events of the replays (and anything else buffered) go now.
     channel.flush()
+
+
+def _persist_or_continue(
+    persister: Persister,
+    channel: BatchingChannel,
+    part: FTKafkaPartition,
+    key_hashes: KeyHashes,
+    keys: list[bytes | None],
+    values: list[bytes | None],
+    offsets: NDArray[np.int64],
+    timestamps: NDArray[np.int64],
+    loop_roots: NDArray[np.uint64],
+    loop_ids: NDArray[np.uint64],
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The (ft_root, ft_id) columns of a chunk holding records a loop fed back (step 2):
+    the others are persisted as new trees; a looped record starts none: one XOR event
+    acks the id it was in transit under and anchors a fresh id under its root."""
+    roots, ids = np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64)
+    fresh = np.flatnonzero(loop_roots == 0)
+    if len(fresh):
+        keys_f = [keys[i] for i in fresh.tolist()]
+        payloads = encode_payloads(keys_f, [values[i] for i in fresh.tolist()], timestamps[fresh])
+        roots[fresh], ids[fresh] = _persist(
+            persister, part, payloads, offsets[fresh], *key_hashes(keys_f)
+        )
+    looped = np.flatnonzero(loop_roots)
+    new = new_ids(len(looped))
+    channel.xor(loop_roots[looped], loop_ids[looped] ^ new)
+    roots[looped], ids[looped] = to_signed(loop_roots[looped]), to_signed(new)
+    return roots, ids
 
 
 def _spark_key_hashes(keys: Sequence[bytes | None]) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
