@@ -79,12 +79,23 @@ class AckerTable:
     """Pending roots and their ack values; see the module docstring for the contract."""
 
     def __init__(
-        self, capacity: int = 1024, columns: Mapping[str, DTypeLike] | None = None
+        self,
+        capacity: int = 1024,
+        columns: Mapping[str, DTypeLike] | None = None,
+        *,
+        track_live: bool = False,
     ) -> None:
+        """`track_live`: enumerate pending roots (roots, items, snapshot, live_columns)
+        in O(pending) rather than O(capacity), for 6 bytes more per slot (U64Map)."""
         if columns and "ack" in columns:
             raise ValueError("the column name 'ack' is the table's own")
         self._owned = list(columns or {})
-        self._map = U64Map({"ack": np.uint64, **(columns or {})}, capacity, key_name="root")
+        self._map = U64Map(
+            {"ack": np.uint64, **(columns or {})},
+            capacity,
+            key_name="root",
+            track_live=track_live,
+        )
         self.completed_total = 0
         self.dropped_events_total = 0
 

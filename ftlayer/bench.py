@@ -451,9 +451,9 @@ _CHECKPOINT_QUERY = "bench"
 
 
 def bench_checkpoint(
-    batches: int = 40,
+    batches: int = 10,
     batch: int = 20_000,
-    rounds: int = 3,
+    rounds: int = 12,
     payload_bytes: int = 100,
     pending_points: tuple[int, ...] = (0, 10_000, 100_000, 1_000_000),
     directory: str | None = None,
@@ -466,9 +466,10 @@ def bench_checkpoint(
     batch i - 1 (one batch in flight, as a pipeline has). With checkpoints, batch i is
     preceded by CHECKPOINT_BEGIN of its end position (what ftkafka's partitions()
     sends) and followed by CHECKPOINT_COMPLETE of batch i - 1's (Spark's commit(end),
-    one batch late). Rounds alternate without/with checkpoints (`rounds` of each, on
-    one server), so drift of the machine hits both; the ratio is records/s with over
-    records/s without.
+    one batch late). `rounds` pairs of rounds, one without and one with checkpoints,
+    run on one server in the order AB BA AB ..., short, so drift of the machine hits
+    both alike; the ratio is records/s with over records/s without, over all rounds.
+    The spread of the pairs' own ratios shows how steady the machine was.
 
     Then, for each count in `pending_points`, roots that never complete are added until
     that many are pending and 5 checkpoints are taken: the client's round trip of
@@ -491,14 +492,18 @@ def bench_checkpoint(
             with FTClient(server.address, name="bench-checkpoint") as client:
                 offset = 0
                 seconds = {False: 0.0, True: 0.0}
-                for _ in range(rounds):
-                    for checkpoints in (False, True):
+                pair_ratios: list[float] = []
+                for pair in range(rounds):
+                    took: dict[bool, float] = {}
+                    for checkpoints in (False, True) if pair % 2 == 0 else (True, False):
                         gc.collect()
                         began = time.perf_counter()
                         offset = _checkpoint_bench_round(
                             client, batches, batch, payload, offset, checkpoints
                         )
-                        seconds[checkpoints] += time.perf_counter() - began
+                        took[checkpoints] = time.perf_counter() - began
+                        seconds[checkpoints] += took[checkpoints]
+                    pair_ratios.append(took[False] / took[True])
                 status = client.status()
                 if status["pending"] or status["completed"] != 2 * rounds * batches * batch:
                     raise AssertionError(
@@ -522,6 +527,11 @@ def bench_checkpoint(
         "records_per_s_without_checkpoints": round(without),
         "records_per_s_with_checkpoints": round(with_),
         "ratio_with_vs_without": round(ratio, 3),
+        "pair_ratios": {
+            "min": round(min(pair_ratios), 3),
+            "median": round(float(np.median(pair_ratios)), 3),
+            "max": round(max(pair_ratios), 3),
+        },
         "checkpoints_completed": completed_checkpoints,
         "checkpoint_time_by_pending": by_pending,
         "target": {"ratio_with_vs_without": CHECKPOINT_TARGET_RATIO},

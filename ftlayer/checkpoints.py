@@ -9,11 +9,14 @@ source name (`ft.sourceName`, by default its topics).
 
 Begin: the FT layer takes a snapshot of its state, pending roots with their ack
 values and locators, the replay queue and the retry counts (`FTLayer.state_snapshot`):
-array copies under the core's lock, O(pending), with no storage access. Writing the
-snapshot to LMDB happens afterwards and elsewhere (the server's checkpoint writer
-thread), so event processing does not wait for it: this is the asynchronous phase of
-an asynchronous barrier snapshot. The stored records need no copy: they are already
-in LMDB, and the snapshot names them by their storage seqs.
+array copies under the core's lock, O(pending), with no storage access. The copy is
+lazy: the barrier only marks the state as owed, and the copy is taken before the next
+change to it (`FTLayer.add_change_hook`) or by the writer, whichever comes first, so
+it is the state at the barrier and the reply to CHECKPOINT_BEGIN does not wait for
+it. Writing the snapshot to LMDB happens afterwards and elsewhere (the server's
+checkpoint writer thread), so event processing does not wait for it: this is the
+asynchronous phase of an asynchronous barrier snapshot. The stored records need no
+copy: they are already in LMDB, and the snapshot names them by their storage seqs.
 
 Complete: Spark will never run batch n again. The FT layer prunes the replay queue
 entries batch n took in (replay seq <= S_n's cursor) and decides the consumer-group
@@ -34,16 +37,22 @@ keeps them in an LMDB environment of their own, `<data dir>/checkpoints`, writte
 without fsync, so they never queue behind the records' transactions: a snapshot lost
 to an OS crash loses no record). The record of each completed checkpoint
 ("checkpoint/<query>/<id>", JSON: position, figures, group offsets) goes to the FT
-layer's own store, durably, for the newest `retain` completed checkpoints, so a
-restarted FT layer goes on numbering and knows each query's last completed position.
+layer's own store for the newest `retain` completed checkpoints, so a restarted FT
+layer goes on numbering and knows each query's last completed position. Records are
+staged (PersistenceStorage.stage_meta): they commit with the store's next write (a
+persist, the deletes of completed records) or the server's next tick, never with an
+fsync of their own; one lost to a crash before that only makes the restarted FT
+layer know an older position (a savepoint starts further back: duplicates, no loss).
 Savepoints (ftlayer.savepoint) copy the FT layer's store.
 
 Not thread-safe: the caller serializes begin, complete and poll with the core they
-belong to; `write_pending` may run in another thread (LmdbStorage is thread-safe).
+belong to (`lock`, which `write_pending` takes for the copy it owes; the server's
+lock); `write_pending` may run in another thread (LmdbStorage is thread-safe).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -186,23 +195,34 @@ class _Query:
     recent: deque[Checkpoint] = field(default_factory=lambda: deque(maxlen=_RECENT))
     last_complete: Checkpoint | None = None
     completed: int = 0
+    stored: deque[int] = field(default_factory=deque)  # ids with a stored record, ascending
 
 
 class CheckpointCoordinator:
     """Begins, completes and stores the checkpoints of every query of one FT layer."""
 
     def __init__(
-        self, ft: FTLayer, *, retain: int = 3, snapshots: PersistenceStorage | None = None
+        self,
+        ft: FTLayer,
+        *,
+        retain: int = 3,
+        snapshots: PersistenceStorage | None = None,
+        lock: contextlib.AbstractContextManager[Any] | None = None,
     ) -> None:
         if isinstance(retain, bool) or retain < 1:
             raise ConfigError(f"retain needs at least 1 checkpoint, got {retain!r}")
         self.ft = ft
+        self._core_lock = contextlib.nullcontext() if lock is None else lock
+        """Serializes this coordinator with the core (reentrant if the caller of
+        write_pending may hold it)."""
+        self._uncopied: list[Checkpoint] = []
+        ft.add_change_hook(self.copy_pending)
         self.retain = retain
         self.snapshots = ft.storage if snapshots is None else snapshots
         """Where snapshots go (meta entries): the FT layer's storage, or a store of
         their own, so their writes do not queue behind the records' transactions."""
         self._queries: dict[str, _Query] = {}
-        self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]] | None]] = deque()
+        self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]]]] = deque()
         self._write_lock = threading.Lock()
         self._load()
 
@@ -216,9 +236,10 @@ class CheckpointCoordinator:
         mode: CheckpointMode,
         now: float | None = None,
     ) -> Checkpoint:
-        """Barrier `position` of `query`: snapshot the state (array copies) and queue
-        the snapshot for writing. Idempotent: a position already begun (Spark plans a
-        batch again after a restart) returns its checkpoint."""
+        """Barrier `position` of `query`: the state is owed a snapshot, copied before
+        its next change (`copy_pending`) and then queued for writing. Idempotent: a
+        position already begun (Spark plans a batch again after a restart) returns its
+        checkpoint."""
         check_query(query)
         position = check_position(position)
         q = self._queries.setdefault(query, _Query())
@@ -226,9 +247,6 @@ class CheckpointCoordinator:
         found = q.open.get(key) or self._find_recent(q, key)
         if found is not None:
             return found
-        began = time.perf_counter()
-        state = self.ft.state_snapshot()
-        copy_s = time.perf_counter() - began
         checkpoint = Checkpoint(
             query=query,
             id=q.next_id,
@@ -236,9 +254,8 @@ class CheckpointCoordinator:
             position=position,
             sources=tuple(sorted({int(s) for s in sources})),
             begun_at=time.time() if now is None else now,
-            pending_roots=len(state["acker.root"]),
-            replay_queue=len(state["queue.replay_seq"]),
-            copy_s=round(copy_s, 6),
+            pending_roots=len(self.ft),
+            replay_queue=self.ft.queued_replays,
         )
         q.next_id += 1
         q.open[key] = checkpoint
@@ -253,8 +270,28 @@ class CheckpointCoordinator:
                 dropped.id,
                 dropped.state.value,
             )
-        self._writes.append((checkpoint, state))
+        self._uncopied.append(checkpoint)
         return checkpoint
+
+    @property
+    def has_writes(self) -> bool:
+        """Whether a snapshot is owed or waits to be written (`write_pending`)."""
+        return bool(self._uncopied or self._writes)
+
+    def copy_pending(self) -> None:
+        """Copy the state for the checkpoints begun since the last copy (one copy
+        serves them all: nothing changed in between) and queue it for writing. Runs
+        before every change to the core (its change hook) and in `write_pending`;
+        the caller holds the core's lock."""
+        if not self._uncopied:
+            return
+        began = time.perf_counter()
+        state = self.ft.state_snapshot()
+        copy_s = round(time.perf_counter() - began, 6)
+        for checkpoint in self._uncopied:
+            checkpoint.copy_s = copy_s
+            self._writes.append((checkpoint, state))
+        self._uncopied.clear()
 
     # ---- complete --------------------------------------------------------------
 
@@ -328,7 +365,7 @@ class CheckpointCoordinator:
             q.last_complete = checkpoint
             q.completed += 1
             done += 1
-            self._writes.append((checkpoint, None))
+            self._store_record(query, q, checkpoint)
         return done
 
     def _answer(self, q: _Query, checkpoint: Checkpoint) -> Checkpoint:
@@ -340,55 +377,58 @@ class CheckpointCoordinator:
     # ---- storage ---------------------------------------------------------------
 
     def write_pending(self) -> int:
-        """Write the queued snapshots (to `snapshots`) and the records of completed
-        checkpoints (to the FT layer's storage), each store in one transaction, and
-        drop what is past `retain`; returns how many checkpoints were written. May run
-        outside the core's lock; writes keep queue order. A failed write is logged and
-        its checkpoints stay incomplete (an aligning one never completes); the next
-        checkpoint takes a new snapshot."""
+        """Write the queued snapshots to `snapshots` in one transaction and drop those
+        past `retain`; returns how many were written. Takes the snapshot still owed
+        first (under `lock`); the write runs outside it, in queue order. A failed
+        write is logged and its checkpoints stay incomplete (an aligning one never
+        completes); the next checkpoint takes a new snapshot."""
+        with self._core_lock:
+            self.copy_pending()
         with self._write_lock:
-            items: list[tuple[Checkpoint, dict[str, NDArray[Any]] | None]] = []
+            items: list[tuple[Checkpoint, dict[str, NDArray[Any]]]] = []
             while self._writes:
                 items.append(self._writes.popleft())
             if not items:
                 return 0
             began = time.perf_counter()
             snapshots: dict[str, bytes] = {}
-            records: dict[str, bytes] = {}
-            written: list[Checkpoint] = []
             for checkpoint, state in items:
-                name = f"{checkpoint.query}/{checkpoint.id:012d}"
-                if state is not None:
-                    snapshot = _encode_snapshot(state)
-                    snapshots[SNAPSHOT_PREFIX + name] = snapshot
-                    checkpoint.size_bytes = len(snapshot)
-                    written.append(checkpoint)
-                else:  # completed: its record
-                    records[CHECKPOINT_PREFIX + name] = json.dumps(
-                        checkpoint.to_json(), sort_keys=True
-                    ).encode()
+                snapshot = _encode_snapshot(state)
+                snapshots[f"{SNAPSHOT_PREFIX}{checkpoint.query}/{checkpoint.id:012d}"] = snapshot
+                checkpoint.size_bytes = len(snapshot)
             try:
-                if snapshots:
-                    self.snapshots.update_meta(
-                        snapshots, self._expired(self.snapshots, SNAPSHOT_PREFIX, snapshots)
-                    )
-                if records:
-                    self.ft.storage.update_meta(
-                        records, self._expired(self.ft.storage, CHECKPOINT_PREFIX, records)
-                    )
+                self.snapshots.update_meta(
+                    snapshots, self._expired(self.snapshots, SNAPSHOT_PREFIX, snapshots)
+                )
             except Exception as exc:
                 log.error(
-                    "could not write %d checkpoints of %s: %s",
+                    "could not write %d checkpoint snapshots of %s: %s",
                     len(items),
                     sorted({c.query for c, _ in items}),
                     exc,
                 )
                 return 0
             write_s = round(time.perf_counter() - began, 6)
-            for checkpoint in written:
+            for checkpoint, _state in items:
                 checkpoint.write_s = write_s
                 checkpoint.snapshot_written = True
             return len(items)
+
+    def _store_record(self, query: str, q: _Query, checkpoint: Checkpoint) -> None:
+        """Stage a completed checkpoint's record in the FT layer's store (committed
+        with its next write, see PersistenceStorage.stage_meta) and drop the records
+        past `retain`. A failure is logged: the record is bookkeeping, no record of
+        data depends on it."""
+        q.stored.append(checkpoint.id)
+        expired: list[str] = []
+        while len(q.stored) > self.retain:
+            expired.append(f"{CHECKPOINT_PREFIX}{query}/{q.stored.popleft():012d}")
+        key = f"{CHECKPOINT_PREFIX}{query}/{checkpoint.id:012d}"
+        record = json.dumps(checkpoint.to_json(), sort_keys=True).encode()
+        try:
+            self.ft.storage.stage_meta({key: record}, expired)
+        except Exception as exc:
+            log.error("could not store the record of checkpoint %s: %s", key, exc)
 
     def _expired(
         self, store: PersistenceStorage, prefix: str, puts: Mapping[str, bytes]
@@ -414,6 +454,7 @@ class CheckpointCoordinator:
                 continue
             q = self._queries.setdefault(checkpoint.query, _Query())
             q.next_id = max(q.next_id, checkpoint.id + 1)
+            q.stored.append(checkpoint.id)  # meta_keys come in key order: id order
             if checkpoint.state is CheckpointState.COMPLETE:
                 q.recent.append(checkpoint)
                 if q.last_complete is None or checkpoint.id > q.last_complete.id:

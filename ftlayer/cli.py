@@ -170,9 +170,9 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoint",
         help="records/s with a checkpoint every batch vs none; checkpoint time vs pending",
     )
-    checkpoint.add_argument("--batches", type=_positive_int, default=40, help="per round")
+    checkpoint.add_argument("--batches", type=_positive_int, default=10, help="per round")
     checkpoint.add_argument("--batch", type=_positive_int, default=20_000, help="records")
-    checkpoint.add_argument("--rounds", type=_positive_int, default=3, help="alternating pairs")
+    checkpoint.add_argument("--rounds", type=_positive_int, default=12, help="pairs of rounds")
     checkpoint.add_argument(
         "--pending",
         default="0,10000,100000,1000000",

@@ -248,7 +248,8 @@ class FTLayer:
     ) -> None:
         self._clock = clock
         self.storage = storage
-        self.acker = AckerTable(columns=LOCATOR_COLUMNS)
+        # Checkpoints enumerate the pending roots every micro-batch: O(pending).
+        self.acker = AckerTable(columns=LOCATOR_COLUMNS, track_live=True)
         self.persistence = TimeoutPersistenceLayer(
             storage,
             timeout_s=timeout_s,
@@ -272,6 +273,7 @@ class FTLayer:
         )
         self._retries: dict[int, int] = {}
         self._listeners: list[CompletionListener] = []
+        self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
         meta = storage.get_meta(REPLAY_SEQ_META_KEY)
         self._next_replay_seq = int(meta.decode()) if meta else 1
@@ -316,6 +318,17 @@ class FTLayer:
         self._sources[source_id] = config
         return config
 
+    def add_change_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` before every change to the state `state_snapshot` copies (persist,
+        xor, fail, tick, prune_replay), so a snapshot can be copied lazily: a
+        checkpoint barrier copies nothing at once, and the copy taken before the next
+        change is still the state at the barrier (ftlayer.checkpoints)."""
+        self._change_hooks.append(hook)
+
+    def _changing(self) -> None:
+        for hook in self._change_hooks:
+            hook()
+
     def add_completion_listener(self, listener: CompletionListener) -> None:
         self._listeners.append(listener)
 
@@ -338,6 +351,11 @@ class FTLayer:
     def __len__(self) -> int:
         return len(self.acker)
 
+    @property
+    def queued_replays(self) -> int:
+        """Entries in the replay queue (not pruned yet)."""
+        return len(self._queue)
+
     # ---- persist ---------------------------------------------------------------
 
     def persist(self, batch: RecordBatch, initial_values: ArrayLike | None = None) -> None:
@@ -348,6 +366,7 @@ class FTLayer:
         Raises, with nothing stored, on a reserved or repeated root, or a record its
         source's replay partitioner could not route (no key for a hash partitioner).
         """
+        self._changing()
         self._check_routable(batch)
         # Step 1: the acker validates the roots (reserved, repeated, already pending).
         slots = self.acker.add(batch.roots, initial_values, **self.persistence.locators(batch))
@@ -375,6 +394,7 @@ class FTLayer:
 
     def xor(self, roots: ArrayLike, values: ArrayLike) -> XorResult:
         """Apply XOR events; completes the roots whose ack value returns to 0."""
+        self._changing()
         result = self.acker.xor(roots, values)
         self.stats.xor_events += len(np.asarray(roots))
         if len(result.dropped):
@@ -429,6 +449,7 @@ class FTLayer:
 
         If queueing raises (say, the storage refuses the write), the roots stay pending
         and will time out: a failure can be retried, never lost."""
+        self._changing()
         keys = np.unique(np.ascontiguousarray(roots, dtype=np.uint64))
         pending, seqs = self.acker.lookup("seq", keys)
         if not bool(pending.all()):
@@ -440,6 +461,7 @@ class FTLayer:
     def tick(self, now: float | None = None) -> int:
         """Fail the roots whose timeout passed by `now` (default: the clock); returns
         the number of bucket rotations done."""
+        self._changing()
         return self.persistence.tick(self._clock() if now is None else now)
 
     def _on_timeout(self, roots: NDArray[np.uint64]) -> None:
@@ -556,26 +578,21 @@ class FTLayer:
         then commit up to what its source has read; otherwise never past this offset.
         Records persisted without an offset (negative) are ignored."""
         cols = self.acker.live_columns("topic", "partition", "offset")
+        topic, partition = cols["topic"], cols["partition"]
         offsets = cols["offset"].astype(np.int64, copy=False)
         keep = offsets >= 0
         if topics is not None:
             wanted = self.persistence.topic_numbers(topics)
-            keep &= np.isin(cols["topic"], wanted)
-        topic_nums = cols["topic"][keep].astype(np.uint64)
-        keys = (topic_nums << np.uint64(32)) | cols["partition"][keep].astype(np.uint32).astype(
-            np.uint64
-        )
-        offsets = offsets[keep]
+            keep &= topic == wanted[0] if len(wanted) == 1 else np.isin(topic, wanted)
+        if not bool(keep.all()):
+            topic, partition, offsets = topic[keep], partition[keep], offsets[keep]
         result: dict[str, dict[int, int]] = {}
-        if not len(keys):
+        if not len(offsets):
             return result
-        groups, lowest = _min_per_key(keys, offsets)
-        names = self.persistence.topic_names((groups >> np.uint64(32)).astype(np.uint32))
-        partitions = (groups & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
-        for name, partition, offset in zip(
-            names, partitions.tolist(), lowest.tolist(), strict=True
-        ):
-            result.setdefault(name, {})[partition] = offset
+        topic_nums, partitions, lowest = _min_per_partition(topic, partition, offsets)
+        names = self.persistence.topic_names(topic_nums.astype(np.uint32))
+        for name, p, offset in zip(names, partitions.tolist(), lowest.tolist(), strict=True):
+            result.setdefault(name, {})[p] = offset
         return result
 
     def prune_replay(self, upto: int, source_id: int | None = None) -> int:
@@ -583,6 +600,7 @@ class FTLayer:
         source: the batches that took them in are checkpointed and never run again.
         Returns how many entries were dropped. Their roots stay pending: a replay that
         fails again is queued again under a new replay seq."""
+        self._changing()
         dropped = self._queue.prune(upto, source_id)
         key = "*" if source_id is None else str(source_id)
         self.stats.replay_pruned[key] = max(self.stats.replay_pruned.get(key, 0), upto)
@@ -624,7 +642,7 @@ class FTLayer:
     def snapshot_stats(self) -> FTStats:
         """The counters, with pending and queue length filled in."""
         self.stats.pending = len(self.acker)
-        self.stats.replay_queue = len(self._queue)
+        self.stats.replay_queue = self.queued_replays
         self.stats.replay_cursor = self.replay_cursor
         return self.stats
 
@@ -632,30 +650,27 @@ class FTLayer:
 _DENSE_CELLS = 1 << 20
 
 
-def _min_per_key(
-    keys: NDArray[np.uint64], values: NDArray[np.int64]
-) -> tuple[NDArray[np.uint64], NDArray[np.int64]]:
-    """(distinct keys, the minimum value of each), for keys topic << 32 | partition.
+def _min_per_partition(
+    topics: NDArray[Any], partitions: NDArray[Any], values: NDArray[np.int64]
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """(topic, partition, the minimum value) of each distinct (topic, partition).
     Topic numbers are dense and partitions small, so a table indexed by (topic,
     partition) and np.minimum.at do it in O(n) (the checkpoint of every micro-batch
-    asks this); a sort when the table would be large."""
-    topics = (keys >> np.uint64(32)).astype(np.int64)
-    partitions = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    width = int(partitions.max()) + 1
-    cells = (int(topics.max()) + 1) * width
-    if cells <= _DENSE_CELLS:
+    asks this); a sort when the table would be large (or a partition is negative)."""
+    t = topics.astype(np.int64, copy=False)
+    p = partitions.astype(np.int64, copy=False)
+    width = int(p.max()) + 1
+    cells = (int(t.max()) + 1) * width
+    if int(p.min()) >= 0 and cells <= _DENSE_CELLS:
         empty = np.iinfo(np.int64).max
         table = np.full(cells, empty, dtype=np.int64)
-        np.minimum.at(table, topics * width + partitions, values)
+        np.minimum.at(table, t * width + p, values)
         present = np.flatnonzero(table != empty)
-        found = ((present // width).astype(np.uint64) << np.uint64(32)) | (present % width).astype(
-            np.uint64
-        )
-        return found, table[present]
-    order = np.argsort(keys, kind="stable")
-    keys, values = keys[order], values[order]
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-    return keys[starts], np.minimum.reduceat(values, starts)
+        return present // width, present % width, table[present]
+    order = np.lexsort((p, t))
+    t, p, values = t[order], p[order], values[order]
+    starts = np.flatnonzero(np.r_[True, (t[1:] != t[:-1]) | (p[1:] != p[:-1])])
+    return t[starts], p[starts], np.minimum.reduceat(values, starts)
 
 
 def _source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:

@@ -27,11 +27,14 @@ format). The contract:
    waits for an LMDB commit. A completed record that a crash leaves undeleted is
    recovered and replayed after the restart (a duplicate, never a loss); stop()
    deletes what is left before closing the storage.
-7. Checkpoints (ftlayer.checkpoints): CHECKPOINT_BEGIN copies the state under the
-   lock and writes the snapshot to LMDB after releasing it, before the reply;
-   CHECKPOINT_COMPLETE prunes and completes (unaligned) or starts aligning (aligned);
-   the ticker completes aligning checkpoints once no root before their barrier is
-   pending. `status` shows every query's checkpoints.
+7. Checkpoints (ftlayer.checkpoints): CHECKPOINT_BEGIN marks the state owed a copy
+   and replies at once; the copy is taken under the lock before the next change to
+   the core or by the checkpoint-writer thread (woken after the reply), which writes
+   the snapshot to LMDB outside the lock. CHECKPOINT_COMPLETE prunes and completes
+   (unaligned) or starts aligning (aligned), staging the checkpoint's record in the
+   store (it commits with the next write, or the ticker flushes it); the ticker
+   completes aligning checkpoints once no root before their barrier is pending.
+   `status` shows every query's checkpoints.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table. With `tls_cert` and `tls_key` every
@@ -76,6 +79,7 @@ from ftlayer.protocol import (
     Frame,
     FrameReader,
     Hello,
+    Kind,
     LowestPending,
     Message,
     NotAuthenticated,
@@ -102,6 +106,8 @@ from ftlayer.protocol import (
 from ftlayer.rotating import rotation_interval
 
 log = logging.getLogger("ftlayer.server")
+
+_CHECKPOINT_KINDS = frozenset({Kind.CHECKPOINT_BEGIN, Kind.CHECKPOINT_COMPLETE})
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
@@ -179,7 +185,7 @@ class FTServer:
         self._handshake_timeout_s = handshake_timeout_s
         self._send_timeout_s = send_timeout_s
         self._delete_interval_s = delete_interval_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
         self._storage: LmdbStorage | None = None
         self._ft: FTLayer | None = None
@@ -214,7 +220,9 @@ class FTServer:
             # Checkpoint snapshots: an LMDB environment of their own, without fsync (a
             # snapshot lost to an OS crash loses no record; see ftlayer.checkpoints).
             snapshots = LmdbStorage(os.path.join(self.data_dir, "checkpoints"), sync=False)
-            self._checkpoints = CheckpointCoordinator(self._ft, snapshots=snapshots)
+            self._checkpoints = CheckpointCoordinator(
+                self._ft, snapshots=snapshots, lock=self._lock
+            )
             self._listener = _listen(self.host, self.port)
         except BaseException:
             self._ft = self._checkpoints = None
@@ -323,12 +331,18 @@ class FTServer:
                 before = ft.stats.failed["timeout"]
                 try:
                     rotations = ft.tick()
-                    if self._checkpoints is not None and self._checkpoints.poll():
-                        self._checkpoints_queued.set()
+                    if self._checkpoints is not None:
+                        self._checkpoints.poll()
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
                     continue
                 timed_out = ft.stats.failed["timeout"] - before
+                storage = self._storage
+            if storage is not None:
+                try:  # checkpoint records staged since the last write (ftlayer.checkpoints)
+                    storage.flush_meta()
+                except StorageError as exc:
+                    log.error("could not write staged checkpoint records: %s", exc)
             if timed_out:
                 log.info(
                     "rotation (%d) timed out %d roots: queued for replay", rotations, timed_out
@@ -406,6 +420,12 @@ class FTServer:
             for frame in frames:
                 reply, close = self._handle(conn, frame)
                 self._send(conn, reply)
+                checkpoints = self._checkpoints
+                if frame.kind in _CHECKPOINT_KINDS and checkpoints and checkpoints.has_writes:
+                    # The checkpoint writer copies the state owed (unless the next
+                    # change did), writes the snapshot and completes what it can, all
+                    # after this reply: the client goes on meanwhile.
+                    self._checkpoints_queued.set()
                 if close:
                     return "handshake failed"
         return "server stopping"
@@ -501,9 +521,6 @@ class FTServer:
             else:
                 status = self._status(ft)
         if isinstance(message, CheckpointRequest):
-            # The checkpoint writer thread writes the snapshot, outside the core lock
-            # and after this reply: events and the client go on meanwhile.
-            self._checkpoints_queued.set()
             return encode_checkpoint_reply(rid, checkpoint)
         if isinstance(message, FetchReplay):
             return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
@@ -525,10 +542,10 @@ class FTServer:
             checkpoints = self._checkpoints
             if checkpoints is None:
                 return
-            checkpoints.write_pending()
-            with self._lock:  # a checkpoint completed by its commit before the write
-                if self._checkpoints is not None and self._checkpoints.poll():
-                    self._checkpoints_queued.set()
+            if checkpoints.write_pending():
+                with self._lock:  # a checkpoint completed by its commit before the write
+                    if self._checkpoints is not None:
+                        self._checkpoints.poll()
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""

@@ -18,6 +18,12 @@ Invariants:
 Costs, n = ids in a batch: find, insert, delete are O(n) expected, in a few numpy
 passes each (probing rounds shrink geometrically at load 1/2). Memory: 8 bytes for the
 key plus the column widths, per slot; at most twice that per live key.
+
+live_slots() scans the whole table, O(capacity), unless the map is made with
+track_live: then it keeps the live slots as a dense list (4 + 2 bytes more per slot),
+maintained in O(n) per insert and delete, and enumerates them in O(live). A table
+that churns is up to 8 times larger than its live keys, so an owner that enumerates
+often (the FT layer's checkpoints, every micro-batch) tracks.
 Not thread-safe: one thread owns a map.
 """
 
@@ -44,11 +50,17 @@ class U64Map:
     """uint64 id -> named fixed-width columns; see the module docstring."""
 
     def __init__(
-        self, columns: Mapping[str, DTypeLike], capacity: int = 1024, *, key_name: str = "id"
+        self,
+        columns: Mapping[str, DTypeLike],
+        capacity: int = 1024,
+        *,
+        key_name: str = "id",
+        track_live: bool = False,
     ) -> None:
         self.key_name = key_name
         self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
         self._live = 0
+        self._track = track_live
         self._alloc(capacity_for(capacity))
 
     def _alloc(self, cap: int) -> None:
@@ -59,6 +71,12 @@ class U64Map:
         self._mask = cap - 1
         self._shift = np.uint64(64 - (cap.bit_length() - 1))
         self._deleted = 0
+        self._live_cache: NDArray[np.intp] | None = None
+        if self._track:
+            # The live slots as a dense list (first _live entries, in no order) and
+            # each live slot's place in it, so deletes swap-remove in O(deleted).
+            self._list: NDArray[np.int32] = np.zeros(cap // 2, dtype=np.int32)
+            self._pos: NDArray[np.int32] = np.zeros(cap, dtype=np.int32)
 
     def __len__(self) -> int:
         return self._live
@@ -72,10 +90,23 @@ class U64Map:
 
     def memory_bytes(self) -> int:
         """Bytes held by the map's arrays."""
-        return int(self.keys.nbytes + sum(c.nbytes for c in self.columns.values()))
+        tracking = self._list.nbytes + self._pos.nbytes if self._track else 0
+        return int(self.keys.nbytes + sum(c.nbytes for c in self.columns.values()) + tracking)
 
     def live_slots(self) -> NDArray[np.intp]:
-        return np.flatnonzero(self.keys > DELETED)
+        """The slots of every live key (read-only). With track_live, O(live) and in no
+        particular order; otherwise ascending, from a scan of the whole table,
+        O(capacity). Either is kept until the next insert or delete, so readers that
+        follow each other with no change between (a checkpoint's completion and the
+        next barrier's snapshot) share it."""
+        if self._live_cache is None:
+            if self._track:
+                live = np.sort(self._list[: self._live]).astype(np.intp)
+            else:
+                live = np.flatnonzero(self.keys > DELETED)
+            live.flags.writeable = False
+            self._live_cache = live
+        return self._live_cache
 
     # ---- lookup ----------------------------------------------------------------
 
@@ -135,6 +166,7 @@ class U64Map:
                 raise ValueError(f"{len(k)} keys but {len(np.asarray(column))} {name!r} values")
         if len(k) == 0:
             return np.zeros(0, dtype=np.intp)
+        self._live_cache = None
         if bool((k <= DELETED).any()):
             bad = int(k[k <= DELETED][0])
             raise ValueError(f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))")
@@ -157,14 +189,32 @@ class U64Map:
             raise ValueError(f"{self.key_name} {key:#x} is repeated in the batch")
         for name, column in self.columns.items():
             column[slots] = values.get(name, 0)
+        if self._track:
+            self._list[self._live : self._live + len(k)] = slots
+            self._pos[slots] = np.arange(self._live, self._live + len(k), dtype=np.int32)
         self._live += len(k)
         return slots
 
     def delete_slots(self, slots: NDArray[np.intp]) -> None:
         """Delete the keys at `slots` (distinct live slots, e.g. from find)."""
         self.keys[slots] = DELETED
+        if self._track and len(slots):
+            self._unlist(slots)
         self._live -= len(slots)
         self._deleted += len(slots)
+        self._live_cache = None
+
+    def _unlist(self, slots: NDArray[np.intp]) -> None:
+        """Swap-remove `slots` from the live list: the entries past the new end that
+        stay live move into the holes the removed ones leave before it."""
+        end = self._live - len(slots)
+        places = self._pos[slots]
+        gone_tail = np.zeros(len(slots), dtype=np.bool_)
+        gone_tail[places[places >= end] - end] = True
+        movers = self._list[end + np.flatnonzero(~gone_tail)]
+        holes = places[places < end]
+        self._list[holes] = movers
+        self._pos[movers] = holes
 
     def _place(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
         """Claim an empty slot for each key (capacity reserved). Deleted slots are not
@@ -211,3 +261,6 @@ class U64Map:
         slots = self._place(keys)
         for name, column in columns.items():
             self.columns[name][slots] = column
+        if self._track:
+            self._list[: len(slots)] = slots
+            self._pos[slots] = np.arange(len(slots), dtype=np.int32)

@@ -187,6 +187,17 @@ class PersistenceStorage(ABC):
     def meta_keys(self, prefix: str = "") -> list[str]:
         """The meta keys that start with `prefix`, in byte order of their UTF-8 form."""
 
+    def stage_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+        """Like `update_meta`, but a storage may commit these with its next write
+        (records, deletes or meta) rather than in a transaction of their own: not
+        durable until then (or `flush_meta`), though readable at once. For small
+        bookkeeping written often (checkpoint records), so it never costs a sync of
+        its own. This default commits at once."""
+        self.update_meta(puts, deletes)
+
+    def flush_meta(self) -> None:  # noqa: B027 (a no-op where nothing is staged)
+        """Commit what `stage_meta` left staged, now."""
+
     @property
     @abstractmethod
     def next_seq(self) -> int:

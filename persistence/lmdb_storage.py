@@ -29,10 +29,13 @@ doubled, and the whole transaction retried, so every operation stays all-or-noth
 
 Durability: with `sync=True` (the default) every commit is on disk when the call returns.
 With `sync=False` a commit is atomic but may be lost to an OS crash until `sync()`.
+Meta entries written with `stage_meta` ride on the next transaction instead of a commit
+(and sync) of their own: durable once any later write commits, or `flush_meta`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -74,6 +77,7 @@ _MAX_DBS: Final = 3
 _DATA_FILE: Final = "data.mdb"
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 # LMDB corrupts an environment opened twice in one process. py-lmdb refuses the second
 # open, but our read-only probe would report that as "not an LMDB environment"; tracking
@@ -107,6 +111,10 @@ class LmdbStorage(PersistenceStorage):
         # deleter thread deletes while its core persists), and LMDB allows a map
         # resize only while this process has no transaction open.
         self._lock = threading.RLock()
+        # stage_meta: meta writes (None: a delete) waiting for the next transaction,
+        # under a lock of their own, so staging never waits for a transaction.
+        self._staged: dict[bytes, bytes | None] = {}
+        self._staged_lock = threading.Lock()
         identity = _prepare_directory(self._path)
         try:
             env = lmdb.open(self._path, map_size=map_size, max_dbs=_MAX_DBS, sync=sync, subdir=True)
@@ -228,6 +236,9 @@ class LmdbStorage(PersistenceStorage):
     def get_meta(self, key: str) -> bytes | None:
         self._live_env()
         raw_key = encode_meta_key(key)
+        with self._staged_lock:
+            if raw_key in self._staged:
+                return self._staged[raw_key]
         return self._read(lambda txn: txn.get(raw_key), db=self._meta)
 
     def put_meta(self, key: str, value: bytes) -> None:
@@ -273,12 +284,39 @@ class LmdbStorage(PersistenceStorage):
                 found.append(bytes(key).decode())
             return found
 
-        return self._read(keys, db=self._meta)
+        stored = self._read(keys, db=self._meta)
+        with self._staged_lock:
+            staged = {k.decode(): v for k, v in self._staged.items() if k.startswith(raw)}
+        if not staged:
+            return stored
+        found = {key for key in stored if staged.get(key, b"") is not None}
+        found.update(key for key, value in staged.items() if value is not None)
+        return sorted(found, key=str.encode)
+
+    def stage_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+        """Committed with this store's next write transaction, whatever it writes (a
+        persist, a delete, a meta update, `flush_meta`); until then not durable, but
+        get_meta and meta_keys see them. Never waits for a transaction."""
+        self._live_env()
+        staged: dict[bytes, bytes | None] = {encode_meta_key(key): None for key in deletes}
+        for key, value in puts.items():
+            if not isinstance(value, bytes | bytearray | memoryview):
+                raise TypeError(f"meta values are bytes, got {type(value).__name__}")
+            staged[encode_meta_key(key)] = bytes(value)
+        with self._staged_lock:
+            self._staged.update(staged)
+
+    def flush_meta(self) -> None:
+        with self._staged_lock:
+            if not self._staged:
+                return
+        self._write(lambda txn: None, db=self._meta)
 
     def copy_to(self, path: str | os.PathLike[str], *, compact: bool = True) -> None:
         """Write a consistent copy of the whole environment (records and meta) to the
         empty or new directory `path`: the state at the start of the copy (LMDB
-        copies from one read transaction). Writes of this process wait for it."""
+        copies from one read transaction), staged meta entries included. Writes of
+        this process wait for it."""
         env = self._live_env()
         target = os.fspath(path)
         os.makedirs(target, exist_ok=True)
@@ -289,6 +327,7 @@ class LmdbStorage(PersistenceStorage):
             # it, which LMDB forbids while the copy's read transaction is open. Writers
             # of this process wait for the copy; other processes' do not.
             with self._lock:
+                self.flush_meta()  # staged meta entries belong in the copy
                 env.copy(target, compact=compact)
         except lmdb.Error as exc:
             raise StorageError(
@@ -314,7 +353,13 @@ class LmdbStorage(PersistenceStorage):
         self._live_env().sync(True)
 
     def close(self) -> None:
+        """Commits what stage_meta left staged (logged if that fails), then closes."""
         with self._lock:  # waits for a transaction of another thread to end
+            if self._env is not None:
+                try:
+                    self.flush_meta()
+                except StorageError as exc:
+                    log.error("closing %s: staged meta entries not written: %s", self._path, exc)
             env, self._env = self._env, None
             if env is None:
                 return
@@ -343,8 +388,18 @@ class LmdbStorage(PersistenceStorage):
             env = self._live_env()
             while True:
                 try:
+                    with self._staged_lock:
+                        staged = dict(self._staged)
                     with env.begin(db=db, write=True) as txn:
-                        return work(txn)
+                        result = work(txn)
+                        for key, value in staged.items():
+                            if value is None:
+                                txn.delete(key, db=self._meta)
+                            else:
+                                txn.put(key, value, db=self._meta)
+                    if staged:
+                        self._unstage(staged)
+                    return result
                 except lmdb.MapFullError:
                     env.set_mapsize(2 * env.info()["map_size"])
                 except lmdb.MapResizedError:
@@ -353,6 +408,13 @@ class LmdbStorage(PersistenceStorage):
                     raise StorageError(
                         f"LMDB storage at {self._path}: {exc}{_write_hint(exc, self._path)}"
                     ) from exc
+
+    def _unstage(self, committed: Mapping[bytes, bytes | None]) -> None:
+        """Forget the staged writes just committed, unless staged again since."""
+        with self._staged_lock:
+            for key, value in committed.items():
+                if key in self._staged and self._staged[key] is value:
+                    del self._staged[key]
 
     def _read(
         self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ftlayer.acker import AckerTable
 from ftlayer.ids import new_ids
+from ftlayer.u64map import DELETED, U64Map
 
 
 def _u64(values: list[int]) -> np.ndarray:
@@ -98,12 +99,14 @@ ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("track_live", [False, True])
 @settings(max_examples=300, deadline=None)
-@given(ops)
-def test_matches_a_dict_model(operations: list[tuple[str, list]]) -> None:  # type: ignore[type-arg]
+@given(operations=ops)
+def test_matches_a_dict_model(operations: list[tuple[str, list]], track_live: bool) -> None:  # type: ignore[type-arg]
     """Random add / xor / remove sequences behave exactly like the obvious dict model
-    (for batches with no root passing through 0 twice, the batch rule is this model's)."""
-    table = AckerTable(capacity=2)
+    (for batches with no root passing through 0 twice, the batch rule is this model's),
+    with the live roots tracked in a list or found by scanning the table."""
+    table = AckerTable(capacity=2, track_live=track_live)
     model: dict[int, int] = {}
     for op, arg in operations:
         if op == "add":
@@ -132,5 +135,39 @@ def test_matches_a_dict_model(operations: list[tuple[str, list]]) -> None:  # ty
             for r in arg:
                 model.pop(r, None)
         assert len(table) == len(model)
+        assert sorted(table.roots().tolist()) == sorted(model)
     keys, vals = table.items()
     assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(2, 400), max_size=40)), max_size=30))
+def test_tracked_live_slots_are_the_live_slots_of_the_table(
+    steps: list[tuple[bool, list[int]]],
+) -> None:
+    """A map that tracks its live slots lists exactly the slots a scan of the table
+    finds, through inserts, deletes, growth and rebuilds, and their keys are the
+    ones inserted and not deleted."""
+    table = U64Map({"v": np.uint64}, capacity=2, track_live=True)
+    model: set[int] = set()
+    for insert, keys in steps:
+        if insert:
+            fresh = [k for k in dict.fromkeys(keys) if k not in model]
+            table.insert(_u64(fresh), v=_u64(fresh))
+            model.update(fresh)
+        else:
+            slots = table.find(_u64(sorted(set(keys))))
+            table.delete_slots(slots[slots >= 0])
+            model.difference_update(keys)
+        live = table.live_slots()
+        assert sorted(live.tolist()) == np.flatnonzero(table.keys > DELETED).tolist()
+        assert sorted(table.keys[live].tolist()) == sorted(model)
+        assert (table.columns["v"][live] == table.keys[live]).all()
+
+
+def test_tracking_live_roots_costs_six_bytes_per_slot() -> None:
+    plain, tracked = AckerTable(), AckerTable(track_live=True)
+    for table in (plain, tracked):
+        table.add(new_ids(100_000))
+    assert tracked.capacity == plain.capacity
+    assert tracked.memory_bytes() - plain.memory_bytes() == 6 * plain.capacity

@@ -206,6 +206,67 @@ def test_the_snapshot_is_the_state_at_the_barrier(storage: LmdbStorage) -> None:
     assert snap["retries.count"].tolist() == [1]
 
 
+def _normal(state: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+    """A snapshot's arrays in a canonical order, for comparing."""
+    order = np.argsort(state["acker.root"])
+    found = {name: state[name][order].tolist() for name in ("acker.root", "acker.ack")}
+    columns = [state[n].tolist() for n in sorted(state) if n.startswith("queue.")]
+    found["queue"] = sorted(zip(*columns, strict=True))
+    retries = zip(state["retries.root"].tolist(), state["retries.count"].tolist(), strict=True)
+    found["retries"] = sorted(retries)
+    return found
+
+
+def _snapshot_state(storage: LmdbStorage, checkpoint_id: int, query: str = "q") -> dict[str, Any]:
+    raw = storage.get_meta(f"{SNAPSHOT_PREFIX}{query}/{checkpoint_id:012d}")
+    assert raw is not None
+    return _normal(decode_snapshot(raw))
+
+
+CHANGES = {
+    "persist": lambda ft, batch, ids: emit(ft, records(100, 104)),
+    "xor": lambda ft, batch, ids: ft.xor(batch.roots[:3], ids[:3]),
+    "fail": lambda ft, batch, ids: ft.fail(batch.roots[3:5]),
+    "tick": lambda ft, batch, ids: [ft.tick(now=1e6 * k) for k in range(1, 5)],  # time out
+    "prune_replay": lambda ft, batch, ids: ft.prune_replay(ft.replay_cursor),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_the_copy_owed_at_a_barrier_is_taken_before_any_change(
+    storage: LmdbStorage, change: str
+) -> None:
+    """The barrier copies nothing at once (its reply does not wait for the copy); the
+    first change after it, whatever it is, takes the copy first, so the snapshot is
+    the state at the barrier."""
+    ft = FTLayer(storage, timeout_s=30.0)
+    cps = CheckpointCoordinator(ft)
+    batch = records(0, 8)
+    ids = emit(ft, batch)
+    ft.fail(batch.roots[6:8])  # a replay queue and retry counts to copy
+    ft.xor(batch.roots[:1], np.array([5], np.uint64))  # a changed ack value
+    at_barrier = _normal(ft.state_snapshot())
+    begun = cps.begin("q", position(8, 9, ft.replay_cursor), SOURCES, UNALIGNED)
+    CHANGES[change](ft, batch, ids)
+    assert _normal(ft.state_snapshot()) != at_barrier  # the change changed the state
+    cps.write_pending()
+    assert _snapshot_state(storage, begun.id) == at_barrier
+    assert begun.pending_roots == len(at_barrier["acker.root"]) == 8
+
+
+def test_checkpoints_begun_with_no_change_between_share_one_copy(storage: LmdbStorage) -> None:
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft)
+    emit(ft, records(0, 4))
+    first = cps.begin("q", position(4, 5), SOURCES, UNALIGNED)
+    second = cps.begin("other", position(4, 5), SOURCES, ALIGNED)
+    emit(ft, records(4, 6))
+    cps.write_pending()
+    assert _snapshot_state(storage, first.id) == _snapshot_state(storage, second.id, "other")
+    assert len(_snapshot_state(storage, first.id)["acker.root"]) == 4
+    assert first.copy_s == second.copy_s
+
+
 def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
     tmp_path: Path,
 ) -> None:

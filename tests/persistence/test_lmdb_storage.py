@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -69,6 +71,66 @@ def test_a_copy_holds_the_records_and_meta_and_opens_as_a_store(tmp_path: Path) 
         assert len(copy) == 40
         assert copy.get_meta("sources") == b"{}"
         assert list(copy.get(seqs[10:]).roots) == list(range(11, 51))
+
+
+_READ_META = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=3)
+with env.begin() as txn:
+    value = txn.get(sys.argv[2].encode(), db=env.open_db(b"meta", txn=txn, create=False))
+print("-" if value is None else value.decode())
+"""
+
+
+def _committed_meta(path: Path, key: str) -> bytes | None:
+    """What another process reads of meta key `key`: the committed value."""
+    out = subprocess.run(
+        [sys.executable, "-c", _READ_META, str(path), key],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return None if out == "-" else out.encode()
+
+
+def test_staged_meta_is_readable_at_once_and_commits_with_the_next_write(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "store"
+    with LmdbStorage(path) as storage:
+        storage.put_meta("checkpoint/q/1", b"one")
+        storage.stage_meta({"checkpoint/q/2": b"two"}, ["checkpoint/q/1"])
+        # Readable at once, through this store ...
+        assert storage.get_meta("checkpoint/q/2") == b"two"
+        assert storage.get_meta("checkpoint/q/1") is None
+        assert storage.meta_keys("checkpoint/") == ["checkpoint/q/2"]
+        # ... but not committed: no transaction (and no fsync) of its own.
+        assert _committed_meta(path, "checkpoint/q/2") is None
+        assert _committed_meta(path, "checkpoint/q/1") == b"one"
+        storage.put(batch_of(3))  # the next write carries it
+        assert _committed_meta(path, "checkpoint/q/2") == b"two"
+        assert _committed_meta(path, "checkpoint/q/1") is None
+        storage.stage_meta({"checkpoint/q/3": b"three"})
+        storage.flush_meta()
+        assert _committed_meta(path, "checkpoint/q/3") == b"three"
+        storage.stage_meta({"checkpoint/q/4": b"four"})
+    # close() commits what is still staged.
+    assert _committed_meta(path, "checkpoint/q/4") == b"four"
+    with LmdbStorage(path) as storage:
+        assert storage.meta_keys("checkpoint/") == [f"checkpoint/q/{i}" for i in (2, 3, 4)]
+
+
+def test_a_failed_write_keeps_staged_meta_staged(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with LmdbStorage(path) as storage:
+        storage.put(batch_of(2))
+        storage.stage_meta({"checkpoint/q/1": b"one"})
+        storage._next_seq = 1  # as if another writer had taken seqs: the next put fails
+        with pytest.raises(StorageError, match="already taken"):
+            storage.put(batch_of(2))
+        assert _committed_meta(path, "checkpoint/q/1") is None
+        assert storage.get_meta("checkpoint/q/1") == b"one"
+    assert _committed_meta(path, "checkpoint/q/1") == b"one"
 
 
 def test_next_seq_is_the_last_key_plus_one_if_that_is_higher(tmp_path: Path) -> None:
