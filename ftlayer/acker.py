@@ -40,7 +40,7 @@ Not thread-safe: one thread owns a table (the FT-layer core serializes access).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,9 +84,11 @@ class AckerTable:
         columns: Mapping[str, DTypeLike] | None = None,
         *,
         track_live: bool = False,
+        mirror: Sequence[str] = (),
     ) -> None:
         """`track_live`: enumerate pending roots (roots, items, snapshot, live_columns)
-        in O(pending) rather than O(capacity), for 6 bytes more per slot (U64Map)."""
+        in O(pending) rather than O(capacity), for 6 bytes more per slot; `mirror`:
+        owner columns live_columns reads with one sequential copy (U64Map)."""
         if columns and "ack" in columns:
             raise ValueError("the column name 'ack' is the table's own")
         self._owned = list(columns or {})
@@ -95,6 +97,7 @@ class AckerTable:
             capacity,
             key_name="root",
             track_live=track_live,
+            mirror=mirror,
         )
         self.completed_total = 0
         self.dropped_events_total = 0
@@ -136,7 +139,10 @@ class AckerTable:
         return found
 
     def live_columns(self, *names: str) -> dict[str, NDArray[Any]]:
-        """The named owner columns of every pending root (copies, in slot order)."""
+        """The named owner columns of every pending root (copies, in one order)."""
+        mirrored = self._map.live_mirrored(*names)
+        if mirrored is not None:
+            return mirrored
         live = self._map.live_slots()
         return {name: self._map.columns[name][live] for name in names}
 
@@ -155,7 +161,7 @@ class AckerTable:
 
     def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
         """Set an owner's column for roots just added (slots from add)."""
-        self._map.columns[name][slots] = values
+        self._map.set_column(name, slots, values)
 
     def lookup(self, name: str, roots: ArrayLike) -> tuple[NDArray[np.bool_], NDArray[Any]]:
         """(pending mask, column `name` of the pending ones) for a batch of roots."""

@@ -41,8 +41,10 @@ layer's own store for the newest `retain` completed checkpoints, so a restarted 
 layer goes on numbering and knows each query's last completed position. Records are
 staged (PersistenceStorage.stage_meta): they commit with the store's next write (a
 persist, the deletes of completed records) or the server's next tick, never with an
-fsync of their own; one lost to a crash before that only makes the restarted FT
-layer know an older position (a savepoint starts further back: duplicates, no loss).
+fsync of their own. The writer also commits them, right away and without fsync, to
+the store of snapshots, so a killed process loses none; an OS crash may lose the
+newest, which only makes the restarted FT layer know an older position (a savepoint
+starts further back: duplicates, no loss).
 Savepoints (ftlayer.savepoint) copy the FT layer's store.
 
 Not thread-safe: the caller serializes begin, complete and poll with the core they
@@ -131,6 +133,12 @@ class Checkpoint:
     """The consumer-group offsets this checkpoint allows (set at completion)."""
     pruned: int = 0
     snapshot_written: bool = False
+    key: str = ""
+    """position_key(position), kept: the lookup of a barrier begun before."""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = position_key(self.position)
 
     @property
     def duration_s(self) -> float | None:
@@ -223,6 +231,7 @@ class CheckpointCoordinator:
         their own, so their writes do not queue behind the records' transactions."""
         self._queries: dict[str, _Query] = {}
         self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]]]] = deque()
+        self._record_writes: deque[tuple[dict[str, bytes], list[str]]] = deque()
         self._write_lock = threading.Lock()
         self._load()
 
@@ -276,7 +285,7 @@ class CheckpointCoordinator:
     @property
     def has_writes(self) -> bool:
         """Whether a snapshot is owed or waits to be written (`write_pending`)."""
-        return bool(self._uncopied or self._writes)
+        return bool(self._uncopied or self._writes or self._record_writes)
 
     def copy_pending(self) -> None:
         """Copy the state for the checkpoints begun since the last copy (one copy
@@ -378,17 +387,24 @@ class CheckpointCoordinator:
 
     def write_pending(self) -> int:
         """Write the queued snapshots to `snapshots` in one transaction and drop those
-        past `retain`; returns how many were written. Takes the snapshot still owed
-        first (under `lock`); the write runs outside it, in queue order. A failed
-        write is logged and its checkpoints stay incomplete (an aligning one never
-        completes); the next checkpoint takes a new snapshot."""
+        past `retain`, with the records of checkpoints completed since (see
+        `_store_record`); returns how many snapshots were written. Takes the snapshot
+        still owed first (under `lock`); the write runs outside it, in queue order. A
+        failed write is logged and its checkpoints stay incomplete (an aligning one
+        never completes); the next checkpoint takes a new snapshot."""
         with self._core_lock:
             self.copy_pending()
         with self._write_lock:
             items: list[tuple[Checkpoint, dict[str, NDArray[Any]]]] = []
             while self._writes:
                 items.append(self._writes.popleft())
-            if not items:
+            records: dict[str, bytes] = {}
+            dropped: list[str] = []
+            while self._record_writes:
+                puts, expired = self._record_writes.popleft()
+                records.update(puts)
+                dropped.extend(expired)
+            if not items and not records:
                 return 0
             began = time.perf_counter()
             snapshots: dict[str, bytes] = {}
@@ -397,9 +413,14 @@ class CheckpointCoordinator:
                 snapshots[f"{SNAPSHOT_PREFIX}{checkpoint.query}/{checkpoint.id:012d}"] = snapshot
                 checkpoint.size_bytes = len(snapshot)
             try:
-                self.snapshots.update_meta(
-                    snapshots, self._expired(self.snapshots, SNAPSHOT_PREFIX, snapshots)
-                )
+                expired = self._expired(self.snapshots, SNAPSHOT_PREFIX, snapshots)
+                if self.snapshots is not self.ft.storage:
+                    # The store of snapshots keeps the records too: committed now, without
+                    # an fsync, they survive the process being killed before the FT
+                    # layer's store commits its staged copy.
+                    snapshots.update(records)
+                    expired.extend(key for key in dropped if key not in records)
+                self.snapshots.update_meta(snapshots, expired)
             except Exception as exc:
                 log.error(
                     "could not write %d checkpoint snapshots of %s: %s",
@@ -429,6 +450,7 @@ class CheckpointCoordinator:
             self.ft.storage.stage_meta({key: record}, expired)
         except Exception as exc:
             log.error("could not store the record of checkpoint %s: %s", key, exc)
+        self._record_writes.append(({key: record}, expired))
 
     def _expired(
         self, store: PersistenceStorage, prefix: str, puts: Mapping[str, bytes]
@@ -442,11 +464,17 @@ class CheckpointCoordinator:
         return [key for key in expired if key not in puts]
 
     def _load(self) -> None:
-        """Pick up each query's stored checkpoint records (after a restart)."""
-        for key in self.ft.storage.meta_keys(CHECKPOINT_PREFIX):
-            raw = self.ft.storage.get_meta(key)
-            if raw is None:
-                continue
+        """Pick up each query's stored checkpoint records (after a restart), from the
+        FT layer's store and the store of snapshots (which has the newest if the
+        process was killed before the FT layer's store committed it)."""
+        found: dict[str, bytes] = {}
+        for store in (self.ft.storage, self.snapshots):
+            for key in store.meta_keys(CHECKPOINT_PREFIX):
+                raw = store.get_meta(key)
+                if raw is not None:
+                    found.setdefault(key, raw)
+        for key in sorted(found):
+            raw = found[key]
             try:
                 checkpoint = Checkpoint.from_json(json.loads(raw.decode()))
             except (ValueError, KeyError, TypeError) as exc:
@@ -462,7 +490,7 @@ class CheckpointCoordinator:
 
     def _find_recent(self, q: _Query, key: str) -> Checkpoint | None:
         for checkpoint in reversed(q.recent):
-            if position_key(checkpoint.position) == key:
+            if checkpoint.key == key:
                 return checkpoint
         return None
 

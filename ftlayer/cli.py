@@ -13,6 +13,8 @@
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
                            [--json]
     ftlayer savepoint create  --data-dir DIR --dir SAVEPOINTS [--name NAME] [--json]
+    ftlayer savepoint create  --server HOST:PORT [--token-file F] [--tls-ca CA]
+                              --dir SAVEPOINTS [--name NAME] [--json]
     ftlayer savepoint list    --dir SAVEPOINTS [--json]
     ftlayer savepoint restore NAME --dir SAVEPOINTS --data-dir NEWDIR [--partitions N] [--json]
     ftlayer version
@@ -23,7 +25,9 @@ once it listens, then serves until SIGTERM or SIGINT and exits 0. A token file h
 the token's bytes (one trailing newline is ignored); serving on a non-loopback host
 needs one. `demo` runs the main job on an embedded broker, an FT-layer process and
 local Spark (ftlayer.integration.demo) and exits 0 only if nothing was lost and every
-produced record completed; 1 otherwise.
+produced record completed; 1 otherwise. `savepoint create` saves the data dir of a
+stopped server (`--data-dir`) or has a running server save its own store
+(`--server`; then --dir is an absolute path on the server's host).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -38,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ftlayer import __version__
-from ftlayer.client import read_token_file
+from ftlayer.client import FTClient, read_token_file
 from ftlayer.errors import ConfigError, FTLayerError
 
 
@@ -172,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     checkpoint.add_argument("--batches", type=_positive_int, default=10, help="per round")
     checkpoint.add_argument("--batch", type=_positive_int, default=20_000, help="records")
-    checkpoint.add_argument("--rounds", type=_positive_int, default=12, help="pairs of rounds")
+    checkpoint.add_argument("--rounds", type=_positive_int, default=30, help="pairs of rounds")
     checkpoint.add_argument(
         "--pending",
         default="0,10000,100000,1000000",
@@ -247,14 +252,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from ftlayer.client import FTClient
-
+def _client(args: argparse.Namespace, reconnect_s: float) -> FTClient:
+    """An FTClient of `--server`, with `--token-file` and `--tls-ca`."""
     token = None if args.token_file is None else read_token_file(args.token_file)
+    return FTClient(args.server, token=token, tls=args.tls_ca or False, reconnect_s=reconnect_s)
+
+
+def _status(args: argparse.Namespace) -> int:
     try:
-        with FTClient(
-            args.server, token=token, tls=args.tls_ca or False, reconnect_s=args.wait_s
-        ) as client:
+        with _client(args, args.wait_s) as client:
             status = client.status()
     except OSError as exc:
         raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None
@@ -362,9 +368,19 @@ def _add_savepoint_parser(commands: Any) -> None:
         "savepoint", help="create, list and restore savepoints of an FT layer's state"
     )
     actions = savepoint.add_subparsers(dest="savepoint", required=True, metavar="ACTION")
-    create = actions.add_parser("create", help="save the data dir of a stopped server")
-    create.add_argument("--data-dir", required=True, help="the stopped server's data dir")
-    create.add_argument("--dir", required=True, help="the savepoints directory")
+    create = actions.add_parser(
+        "create", help="save a stopped server's data dir, or have a running server save"
+    )
+    source = create.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-dir", help="the data dir of a stopped server")
+    source.add_argument("--server", help="HOST:PORT of a running server: it writes the savepoint")
+    create.add_argument("--token-file", default=None, help="with --server: the auth token file")
+    create.add_argument("--tls-ca", default=None, help="with --server: TLS, trusting this CA file")
+    create.add_argument(
+        "--dir",
+        required=True,
+        help="the savepoints directory (with --server: an absolute path on the server's host)",
+    )
     create.add_argument("--name", default=None, help="default: savepoint-<UTC time>-<random>")
     create.add_argument("--json", action="store_true", help="print one JSON object last")
     listing = actions.add_parser("list", help="list the savepoints in a directory")
@@ -384,18 +400,19 @@ def _savepoint(args: argparse.Namespace) -> int:
     from ftlayer import savepoint
 
     if args.savepoint == "create":
-        created = savepoint.create_savepoint_from_data_dir(args.data_dir, args.dir, args.name)
-        if args.json:
-            print(json.dumps(created.as_dict(), sort_keys=True))
+        if args.server is not None:
+            created = _savepoint_online(args)
         else:
-            print(
-                f"savepoint {created.name} created in {created.path}: "
-                f"{created.stored_records:,} stored records"
-            )
-            for sid, spec in created.sources.items():
-                print(f"source {sid}: {spec['partitioner']}, {spec['num_partitions']} partitions")
-            for query, position in created.positions.items():
-                print(f"query {query}: position {json.dumps(position, sort_keys=True)}")
+            for flag in ("token_file", "tls_ca"):
+                if getattr(args, flag) is not None:
+                    raise ConfigError(f"--{flag.replace('_', '-')} goes with --server only")
+            created = savepoint.create_savepoint_from_data_dir(
+                args.data_dir, args.dir, args.name
+            ).as_dict()
+        if args.json:
+            print(json.dumps(created, sort_keys=True))
+        else:
+            _print_created(created)
         return 0
     if args.savepoint == "list":
         found = savepoint.list_savepoints(args.dir)
@@ -424,6 +441,36 @@ def _savepoint(args: argparse.Namespace) -> int:
         text = json.dumps(offsets, separators=(",", ":"))
         print(f"query {query}: start the new query with startingOffsets '{text}'")
     return 0
+
+
+_SAVEPOINT_WAIT_S = 2.0
+"""How long `savepoint create --server` retries a refused connection (as `status`)."""
+
+
+def _savepoint_online(args: argparse.Namespace) -> dict[str, Any]:
+    """SAVEPOINT to the running server at --server; the savepoint it created."""
+    if not os.path.isabs(args.dir):
+        raise ConfigError(
+            f"with --server, --dir is a directory on the server's host and must be an "
+            f"absolute path, got {args.dir!r}"
+        )
+    try:
+        with _client(args, _SAVEPOINT_WAIT_S) as client:
+            return client.savepoint(args.dir, args.name)
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None
+
+
+def _print_created(created: dict[str, Any]) -> None:
+    """The summary of a created savepoint (Savepoint.as_dict)."""
+    print(
+        f"savepoint {created['name']} created in {created['path']}: "
+        f"{created['stored_records']:,} stored records"
+    )
+    for sid, spec in created["sources"].items():
+        print(f"source {sid}: {spec['partitioner']}, {spec['num_partitions']} partitions")
+    for query, position in created["positions"].items():
+        print(f"query {query}: position {json.dumps(position, sort_keys=True)}")
 
 
 def _partitions_option(text: str) -> int:

@@ -14,9 +14,9 @@ XorHandler and TaskHandler work over it exactly as over an in-process FTLayer.
   every call may wait this way. Then ConnectionLost.
 - A connection that breaks after a request was sent is retried once (reconnecting as
   above) for the idempotent calls only (status, fetch_replay, register_source,
-  lowest_pending_offsets). persist, xor and fail raise ConnectionLost instead: the
-  request may or may not have been applied, and only the caller knows whether to
-  resend. The next call reconnects.
+  lowest_pending_offsets, prune_replay, checkpoint). persist, xor, fail and savepoint
+  raise ConnectionLost instead: the request may or may not have been applied, and only
+  the caller knows whether to resend. The next call reconnects.
 - An ERROR reply raises: the matching ProtocolError subclass for codes 1-9,
   ServerStorageError for 101, RequestRejected (a ValueError) for 102, ServerError
   otherwise; each carries the server's message.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import select
 import socket
@@ -67,6 +68,7 @@ from ftlayer.protocol import (
     decode_offsets,
     decode_ok,
     decode_replay,
+    decode_savepoint_created,
     decode_status_reply,
     decode_welcome,
     encode_auth,
@@ -78,6 +80,7 @@ from ftlayer.protocol import (
     encode_persist,
     encode_prune_replay,
     encode_register_source,
+    encode_savepoint,
     encode_status_request,
     encode_xor,
     new_nonce,
@@ -86,6 +89,9 @@ from ftlayer.records import RecordBatch
 
 T = TypeVar("T")
 
+SAVEPOINT_TIMEOUT_S: Final = 3600.0
+"""How long FTClient.savepoint waits for its reply by default: the server copies the
+whole store before it answers."""
 _FIRST_BACKOFF_S: Final = 0.05
 _MAX_BACKOFF_S: Final = 1.0
 _RECV_BYTES: Final = 1 << 20
@@ -240,6 +246,37 @@ class FTClient:
         )
         return decode_ok(frame).count
 
+    def savepoint(
+        self, directory: str, name: str | None = None, *, timeout_s: float = SAVEPOINT_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """Have the server write a savepoint of its store into `directory`, an absolute
+        path on the server's host (ftlayer.savepoint; `name` None: the default name).
+        Returns the savepoint created (Savepoint.as_dict: the manifest and "path").
+
+        The server copies the whole store before it replies; this waits up to
+        `timeout_s` for that. RequestRejected for a bad or existing name, a directory
+        that is a file, or a savepoint already being written; ServerStorageError if the
+        server could not write it (disk full, no permission); BadRequest for a relative
+        `directory`. Not idempotent (a second request with the same name is refused, one
+        without a name makes a second savepoint), so a connection that breaks after the
+        request was sent is not retried: ConnectionLost, and the savepoint may or may
+        not exist."""
+        if not 0 < timeout_s < math.inf:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        which = f"savepoint {name!r}" if name is not None else "the savepoint"
+        frame = self._call(
+            lambda rid: encode_savepoint(rid, directory, name),
+            Kind.SAVEPOINT_CREATED,
+            retry=False,
+            timeout_s=timeout_s,
+            if_lost=(
+                f"{which} may or may not have been created in {directory} (the server may "
+                f"still be writing it): check with `ftlayer savepoint list --dir {directory}` "
+                "on the server's host before you ask again"
+            ),
+        )
+        return decode_savepoint_created(frame).savepoint
+
     # ---- idempotent calls --------------------------------------------------------
 
     def register_source(
@@ -344,7 +381,18 @@ class FTClient:
 
     # ---- plumbing ----------------------------------------------------------------
 
-    def _call(self, encode: Callable[[int], bytes], expect: Kind, *, retry: bool) -> Frame:
+    def _call(
+        self,
+        encode: Callable[[int], bytes],
+        expect: Kind,
+        *,
+        retry: bool,
+        timeout_s: float | None = None,
+        if_lost: str = "",
+    ) -> Frame:
+        """Send one request and return its reply. `timeout_s`: how long to wait for
+        this reply (None: `request_timeout`); `if_lost`: what ConnectionLost adds when
+        the connection broke after the request was sent."""
         with self._lock:
             attempts = 2 if retry else 1
             for attempt in range(attempts):
@@ -353,15 +401,31 @@ class FTClient:
                 if self._sock is None:
                     self._connect_with_backoff()  # nothing of the request is sent yet
                 try:
-                    return self._request(encode, expect)
+                    if timeout_s is None:
+                        return self._request(encode, expect)
+                    return self._request_within(encode, expect, timeout_s)
                 except OSError as exc:
                     self._drop()
                     if attempt + 1 < attempts:
                         continue  # idempotent: reconnect (with backoff) and send again
                     raise ConnectionLost(
-                        f"the connection to the FT-layer server at {self.address} broke: {exc}"
+                        f"the connection to the FT-layer server at {self.address} "
+                        f"{_broke(exc, timeout_s or self._request_timeout)}"
+                        f"{'; ' + if_lost if if_lost else ''}"
                     ) from exc
             raise AssertionError("unreachable")
+
+    def _request_within(
+        self, encode: Callable[[int], bytes], expect: Kind, timeout_s: float
+    ) -> Frame:
+        """`_request` with its own reply timeout; the connection's own is restored."""
+        assert self._sock is not None
+        self._sock.settimeout(timeout_s)
+        try:
+            return self._request(encode, expect)
+        finally:
+            if self._sock is not None:  # still connected: not dropped by an error
+                self._sock.settimeout(self._request_timeout)
 
     def _connect_with_backoff(self) -> None:
         """Connect and handshake, retrying refused or broken attempts with exponential
@@ -752,6 +816,12 @@ def close_shared_channels() -> None:
 
 
 atexit.register(close_shared_channels)
+
+
+def _broke(exc: OSError, timeout_s: float | None) -> str:
+    if isinstance(exc, TimeoutError) and timeout_s is not None:
+        return f"broke: timed out after {timeout_s:g} s"
+    return f"broke: {exc}"
 
 
 def _error_for(code: int, message: str) -> FTLayerError:

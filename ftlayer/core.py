@@ -248,8 +248,11 @@ class FTLayer:
     ) -> None:
         self._clock = clock
         self.storage = storage
-        # Checkpoints enumerate the pending roots every micro-batch: O(pending).
-        self.acker = AckerTable(columns=LOCATOR_COLUMNS, track_live=True)
+        # Checkpoints enumerate the pending roots every micro-batch: O(pending), and
+        # the lowest pending offsets read the Kafka coordinates sequentially.
+        self.acker = AckerTable(
+            columns=LOCATOR_COLUMNS, track_live=True, mirror=("topic", "partition", "offset")
+        )
         self.persistence = TimeoutPersistenceLayer(
             storage,
             timeout_s=timeout_s,

@@ -38,6 +38,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
 |      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
 | 0x21 | CHECKPOINT_COMPLETE | the same JSON object                                        |
+| 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
+|      |                     | host), "name": str or null}                                 |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -47,6 +49,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x93 | OFFSETS             | utf-8 JSON {topic: {partition: lowest pending offset}}      |
 | 0x94 | CHECKPOINT          | utf-8 JSON object: the checkpoint (id, state, figures,      |
 |      |                     | "commit_offsets"), the reply to both checkpoint requests   |
+| 0x95 | SAVEPOINT_CREATED   | utf-8 JSON object: the savepoint created (its manifest and  |
+|      |                     | "path", ftlayer.savepoint.Savepoint.as_dict)               |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
@@ -136,6 +140,7 @@ class Kind(enum.IntEnum):
     PRUNE_REPLAY = 0x17
     CHECKPOINT_BEGIN = 0x20
     CHECKPOINT_COMPLETE = 0x21
+    SAVEPOINT = 0x22
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -143,6 +148,7 @@ class Kind(enum.IntEnum):
     STATUS_REPLY = 0x92
     OFFSETS = 0x93
     CHECKPOINT = 0x94
+    SAVEPOINT_CREATED = 0x95
     ERROR = 0xFF
 
 
@@ -347,6 +353,23 @@ class CheckpointReply:
 
 
 @dataclass(frozen=True, slots=True)
+class SavepointRequest:
+    """SAVEPOINT: write a savepoint of the running server's store into `directory` (a
+    path on the server's host) under `name` (None: the default name; see
+    ftlayer.savepoint.create_savepoint)."""
+
+    directory: str
+    name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SavepointCreated:
+    """The savepoint created, as JSON (Savepoint.as_dict: its manifest and "path")."""
+
+    savepoint: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     pass
 
@@ -384,6 +407,8 @@ Message = (
     | Offsets
     | CheckpointRequest
     | CheckpointReply
+    | SavepointRequest
+    | SavepointCreated
     | StatusRequest
     | StatusReply
     | Ok
@@ -1177,6 +1202,56 @@ def decode_checkpoint_reply(message: Frame | bytes) -> CheckpointReply:
     return CheckpointReply(body)
 
 
+def encode_savepoint(request_id: int, directory: str, name: str | None = None) -> bytes:
+    """SAVEPOINT into the savepoints directory `directory` on the server's host."""
+    body = {"dir": directory, "name": name}
+    _check_savepoint(body)
+    return encode_frame(Kind.SAVEPOINT, request_id, json.dumps(body, sort_keys=True).encode())
+
+
+def decode_savepoint(message: Frame | bytes) -> SavepointRequest:
+    body = _json(_body(message, Kind.SAVEPOINT).rest(), Kind.SAVEPOINT)
+    _check_savepoint(body)
+    return SavepointRequest(body["dir"], body["name"])
+
+
+def _check_savepoint(body: Any) -> None:
+    """The shape of a SAVEPOINT request. The directory must be absolute: a relative one
+    would name a place under the server's working directory, which the client cannot
+    know. The name is the server's to check (ftlayer.savepoint)."""
+    if (
+        not isinstance(body, dict)
+        or set(body) != {"dir", "name"}
+        or not isinstance(body["dir"], str)
+        or not (body["name"] is None or isinstance(body["name"], str))
+    ):
+        raise BadRequest(
+            f'SAVEPOINT body must be a JSON object {{"dir": str, "name": str or null}}, '
+            f"got {body!r}"[:600]
+        )
+    directory = body["dir"]
+    if not directory.startswith("/") or "\0" in directory:
+        raise BadRequest(
+            "SAVEPOINT dir must be an absolute path on the server's host (a relative one "
+            f"would depend on the server's working directory), got {directory!r}"[:600]
+        )
+
+
+def encode_savepoint_created(request_id: int, savepoint: Mapping[str, Any]) -> bytes:
+    try:
+        text = json.dumps(dict(savepoint), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"savepoint is not a JSON object: {exc}") from None
+    return encode_frame(Kind.SAVEPOINT_CREATED, request_id, text.encode())
+
+
+def decode_savepoint_created(message: Frame | bytes) -> SavepointCreated:
+    body = _json(_body(message, Kind.SAVEPOINT_CREATED).rest(), Kind.SAVEPOINT_CREATED)
+    if not isinstance(body, dict):
+        raise MalformedFrame(f"SAVEPOINT_CREATED body is JSON {type(body).__name__}, not an object")
+    return SavepointCreated(body)
+
+
 def _json(raw: bytes, kind: Kind) -> Any:
     text = _utf8(raw, kind, "body")
     try:
@@ -1280,8 +1355,10 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.PRUNE_REPLAY: decode_prune_replay,
     Kind.CHECKPOINT_BEGIN: decode_checkpoint_begin,
     Kind.CHECKPOINT_COMPLETE: decode_checkpoint_complete,
+    Kind.SAVEPOINT: decode_savepoint,
     Kind.OFFSETS: decode_offsets,
     Kind.CHECKPOINT: decode_checkpoint_reply,
+    Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,
     Kind.WELCOME: decode_welcome,
     Kind.OK: decode_ok,

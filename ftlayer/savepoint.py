@@ -34,6 +34,9 @@ Creating one (`create_savepoint`, on an open `LmdbStorage`):
    (an interrupted create leaves only a hidden `.partial` directory, which `list`
    ignores).
 
+A running `ftlayer serve` calls `create_savepoint` on its own store when a client sends
+SAVEPOINT (`ftlayer savepoint create --server`, FTClient.savepoint), after it deleted
+its completed records (ftlayer.server, step 8).
 `create_savepoint_from_data_dir` does the same for the data dir of a stopped server.
 It refuses a data dir that another process has open: a running `ftlayer serve` keeps
 persisting and completing records, so a copy taken behind its back would not match
@@ -199,17 +202,25 @@ def create_savepoint(
     the module docstring); `name` defaults to `savepoint-<UTC time>-<random>`.
 
     Only reads `storage` (one LMDB read transaction), so a running server may call it
-    while it serves. ConfigError for a bad name or one that exists."""
+    while it serves. ConfigError for a bad name or one that exists, or a savepoints
+    directory that is a file; StorageError if the copy or a file cannot be written
+    (disk full, no permission); a failed create leaves no savepoint behind (its
+    staging directory is removed)."""
     root = Path(savepoints_dir)
     name = _default_name() if name is None else name
     _check_name(name)
     # Step 1.
     final = root / name
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"the savepoints directory {root} exists and is not a directory")
     if final.exists():
         raise ConfigError(f"a savepoint named {name!r} already exists in {root}")
-    root.mkdir(parents=True, exist_ok=True)
     staging = root / f".{name}.partial-{secrets.token_hex(4)}"
-    staging.mkdir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:
+        raise _write_error(name, root, exc) from None
     try:
         # Step 2.
         storage.copy_to(staging / DATA, compact=True)
@@ -245,11 +256,27 @@ def create_savepoint(
             raise ConfigError(
                 f"a savepoint named {name!r} already exists in {root} ({exc.strerror})"
             ) from None
-        _fsync(root)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):  # disk full, no permission: say where
+            raise _write_error(name, root, exc) from None
         raise
+    try:
+        _fsync(root)
+    except OSError as exc:
+        raise StorageError(
+            f"savepoint {name!r} was written to {final}, but {root} could not be synced "
+            f"({exc.strerror or exc}): an OS crash may still lose it"
+        ) from None
     return savepoint
+
+
+def _write_error(name: str, root: Path, exc: OSError) -> StorageError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return StorageError(
+        f"could not write savepoint {name!r} in {root}: {exc.strerror or exc}{where}; "
+        "no savepoint was created"
+    )
 
 
 def create_savepoint_from_data_dir(

@@ -22,10 +22,11 @@ format). The contract:
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
    shortest rotation interval of any timeout in use (sources may register their own),
    so a root times out at most that late.
-6. Completed records are deleted from LMDB by a deleter thread, every
-   `delete_interval_s`, in one transaction, outside the core lock: an XOR batch never
-   waits for an LMDB commit. A completed record that a crash leaves undeleted is
-   recovered and replayed after the restart (a duplicate, never a loss); stop()
+6. Completed records are deleted from LMDB in the next PERSIST's transaction (one
+   commit and fsync for both); when no PERSIST comes, a deleter thread deletes them
+   after `delete_interval_s`, in one transaction, outside the core lock. An XOR batch
+   never waits for an LMDB commit. A completed record that a crash leaves undeleted
+   is recovered and replayed after the restart (a duplicate, never a loss); stop()
    deletes what is left before closing the storage.
 7. Checkpoints (ftlayer.checkpoints): CHECKPOINT_BEGIN marks the state owed a copy
    and replies at once; the copy is taken under the lock before the next change to
@@ -35,6 +36,14 @@ format). The contract:
    store (it commits with the next write, or the ticker flushes it); the ticker
    completes aligning checkpoints once no root before their barrier is pending.
    `status` shows every query's checkpoints.
+8. Savepoints (ftlayer.savepoint): SAVEPOINT first deletes the completed records not
+   deleted yet, under the lock (FTLayer.flush_deletes), so the store holds exactly the
+   records whose trees are not complete; then, outside the lock, it copies the store
+   (one LMDB read transaction: the store at one instant) into the requested directory
+   on this host and replies with the savepoint's manifest. Every request goes on
+   meanwhile, writes included (LmdbStorage.copy_to; only a write that must grow the
+   LMDB map waits for the copy to end). One savepoint at a time: a SAVEPOINT that
+   arrives while one is being written is refused (ERROR 102) rather than queued.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table. With `tls_cert` and `tls_key` every
@@ -87,6 +96,7 @@ from ftlayer.protocol import (
     ProtocolError,
     PruneReplay,
     RegisterSource,
+    SavepointRequest,
     StatusRequest,
     UnexpectedKind,
     Xor,
@@ -99,15 +109,17 @@ from ftlayer.protocol import (
     encode_offsets,
     encode_ok,
     encode_replay,
+    encode_savepoint_created,
     encode_status_reply,
     encode_welcome,
     new_nonce,
 )
 from ftlayer.rotating import rotation_interval
+from ftlayer.savepoint import Savepoint, create_savepoint
 
 log = logging.getLogger("ftlayer.server")
 
-_CHECKPOINT_KINDS = frozenset({Kind.CHECKPOINT_BEGIN, Kind.CHECKPOINT_COMPLETE})
+_STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
@@ -120,6 +132,7 @@ _DATA_REQUESTS: Final = (
     PruneReplay,
     LowestPending,
     CheckpointRequest,
+    SavepointRequest,
     StatusRequest,
 )
 
@@ -191,6 +204,8 @@ class FTServer:
         self._ft: FTLayer | None = None
         self._checkpoints: CheckpointCoordinator | None = None
         self._checkpoints_queued = threading.Event()
+        self._savepoint_lock = threading.Lock()  # one savepoint at a time
+        self._savepoint_started = 0.0
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._connections: dict[int, _Connection] = {}
@@ -339,8 +354,8 @@ class FTServer:
                 timed_out = ft.stats.failed["timeout"] - before
                 storage = self._storage
             if storage is not None:
-                try:  # checkpoint records staged since the last write (ftlayer.checkpoints)
-                    storage.flush_meta()
+                try:  # checkpoint records staged and no write since (ftlayer.checkpoints)
+                    storage.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
                 except StorageError as exc:
                     log.error("could not write staged checkpoint records: %s", exc)
             if timed_out:
@@ -349,20 +364,23 @@ class FTServer:
                 )
 
     def _delete_loop(self) -> None:
+        """Completed records are deleted by the next PERSIST's transaction (one commit
+        and fsync for both, see PersistenceLayer.persist); this thread stages what
+        completed since, and deletes it in a transaction of its own only if no write
+        carried it within `delete_interval_s` (an idle stream)."""
         while not self._stopping.wait(self._delete_interval_s):
             with self._lock:
                 if self._ft is None or self._storage is None:
                     return
-                seqs, storage = self._ft.take_deletes(), self._storage
-            if not len(seqs):
-                continue
+                storage = self._storage
+                # Staged under the lock: a savepoint's copy then sees every delete.
+                storage.stage_deletes(self._ft.take_deletes())
             try:
-                storage.delete(seqs)  # outside the core lock: XOR batches go on meanwhile
+                storage.flush_staged(older_than_s=self._delete_interval_s)
             except StorageError as exc:
                 log.error(
-                    "could not delete %d completed records; they stay stored and are "
-                    "replayed after the next restart (duplicates, not losses): %s",
-                    len(seqs),
+                    "could not delete completed records; they stay staged, and stored: "
+                    "a restart replays them (duplicates, not losses): %s",
                     exc,
                 )
 
@@ -421,10 +439,12 @@ class FTServer:
                 reply, close = self._handle(conn, frame)
                 self._send(conn, reply)
                 checkpoints = self._checkpoints
-                if frame.kind in _CHECKPOINT_KINDS and checkpoints and checkpoints.has_writes:
+                if frame.kind == Kind.CHECKPOINT_BEGIN and checkpoints and checkpoints.has_writes:
                     # The checkpoint writer copies the state owed (unless the next
                     # change did), writes the snapshot and completes what it can, all
-                    # after this reply: the client goes on meanwhile.
+                    # after this reply: the client goes on meanwhile. (Not after a
+                    # COMPLETE: its record waits for the next BEGIN's write, which in a
+                    # Spark job comes right after, rather than contend with it.)
                     self._checkpoints_queued.set()
                 if close:
                     return "handshake failed"
@@ -487,6 +507,8 @@ class FTServer:
         raise UnexpectedKind(f"expected {expected} in the handshake, got {_name(message)}")
 
     def _execute(self, rid: int, message: Message) -> bytes:
+        if isinstance(message, SavepointRequest):  # takes the core lock only briefly
+            return encode_savepoint_created(rid, self._savepoint(message).as_dict())
         with self._lock:
             ft = self._ft
             if ft is None:
@@ -533,15 +555,48 @@ class FTServer:
         act = self._checkpoints.begin if message.begin else self._checkpoints.complete
         return act(message.query, message.position, message.sources, mode)
 
+    def _savepoint(self, message: SavepointRequest) -> Savepoint:
+        """Step 8 of the module docstring. Called without the core lock: the copy runs
+        while events go on."""
+        if not self._savepoint_lock.acquire(blocking=False):
+            running_s = time.monotonic() - self._savepoint_started
+            raise ConfigError(
+                f"another savepoint of this server is being written (for {running_s:.1f} s); "
+                "it takes one at a time: send SAVEPOINT again once that one is done"
+            )
+        try:
+            self._savepoint_started = time.monotonic()
+            with self._lock:
+                ft, storage = self._ft, self._storage
+                if ft is None or storage is None:
+                    raise StorageError("the server is stopping")
+                # Completed records leave the store first: a restore replays only
+                # records whose trees are not complete.
+                ft.flush_deletes()
+            saved = create_savepoint(storage, message.directory, message.name)
+        finally:
+            self._savepoint_lock.release()
+        log.info(
+            "savepoint %s written to %s: %d stored records, %d bytes",
+            saved.name,
+            saved.path,
+            saved.stored_records,
+            saved.data_bytes,
+        )
+        return saved
+
     def _checkpoint_write_loop(self) -> None:
-        """Write queued checkpoint snapshots and records, outside the core lock."""
+        """Write queued checkpoint snapshots and records, outside the core lock: woken
+        after a CHECKPOINT_BEGIN's reply; the records of checkpoints completed since
+        go with that write, or, on an idle stream, within _POLL_S."""
         while not self._stopping.is_set():
-            if not self._checkpoints_queued.wait(_POLL_S):
-                continue
+            woken = self._checkpoints_queued.wait(_POLL_S)
             self._checkpoints_queued.clear()
             checkpoints = self._checkpoints
             if checkpoints is None:
                 return
+            if not woken and not checkpoints.has_writes:
+                continue
             if checkpoints.write_pending():
                 with self._lock:  # a checkpoint completed by its commit before the write
                     if self._checkpoints is not None:
@@ -555,7 +610,7 @@ class FTServer:
             connections = len(self._connections)
         status.update(
             stored_records=len(self._storage),
-            deletes_pending=ft.persistence.marked,
+            deletes_pending=ft.persistence.marked + self._storage.staged_deletes,
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),

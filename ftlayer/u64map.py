@@ -23,13 +23,15 @@ live_slots() scans the whole table, O(capacity), unless the map is made with
 track_live: then it keeps the live slots as a dense list (4 + 2 bytes more per slot),
 maintained in O(n) per insert and delete, and enumerates them in O(live). A table
 that churns is up to 8 times larger than its live keys, so an owner that enumerates
-often (the FT layer's checkpoints, every micro-batch) tracks.
+often (the FT layer's checkpoints, every micro-batch) tracks. Columns named in
+`mirror` are also kept in list order (their width per half slot), so reading them for
+every live key is one sequential copy instead of a gather across the table.
 Not thread-safe: one thread owns a map.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -56,11 +58,16 @@ class U64Map:
         *,
         key_name: str = "id",
         track_live: bool = False,
+        mirror: Sequence[str] = (),
     ) -> None:
         self.key_name = key_name
         self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
+        unknown = set(mirror) - set(self._dtypes)
+        if unknown or (mirror and not track_live):
+            raise ValueError(f"mirror needs track_live and known columns, got {list(mirror)}")
         self._live = 0
         self._track = track_live
+        self._mirrored = tuple(mirror)
         self._alloc(capacity_for(capacity))
 
     def _alloc(self, cap: int) -> None:
@@ -77,6 +84,11 @@ class U64Map:
             # each live slot's place in it, so deletes swap-remove in O(deleted).
             self._list: NDArray[np.int32] = np.zeros(cap // 2, dtype=np.int32)
             self._pos: NDArray[np.int32] = np.zeros(cap, dtype=np.int32)
+            # Mirrored columns: a second copy in list order, so reading them for every
+            # live key is a sequential pass instead of a gather from the whole table.
+            self._dense: dict[str, NDArray[np.generic]] = {
+                name: np.zeros(cap // 2, dtype=self._dtypes[name]) for name in self._mirrored
+            }
 
     def __len__(self) -> int:
         return self._live
@@ -90,7 +102,10 @@ class U64Map:
 
     def memory_bytes(self) -> int:
         """Bytes held by the map's arrays."""
-        tracking = self._list.nbytes + self._pos.nbytes if self._track else 0
+        tracking = 0
+        if self._track:
+            tracking = self._list.nbytes + self._pos.nbytes
+            tracking += sum(d.nbytes for d in self._dense.values())
         return int(self.keys.nbytes + sum(c.nbytes for c in self.columns.values()) + tracking)
 
     def live_slots(self) -> NDArray[np.intp]:
@@ -107,6 +122,19 @@ class U64Map:
             live.flags.writeable = False
             self._live_cache = live
         return self._live_cache
+
+    def live_mirrored(self, *names: str) -> dict[str, NDArray[np.generic]] | None:
+        """Copies of mirrored columns for every live key, in one (unspecified) order,
+        O(live) sequential copies; None unless every name is mirrored."""
+        if not names or not set(names) <= set(self._mirrored):
+            return None
+        return {name: self._dense[name][: self._live].copy() for name in names}
+
+    def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
+        """Set column `name` at live `slots` (its mirror too)."""
+        self.columns[name][slots] = values
+        if name in self._mirrored:
+            self._dense[name][self._pos[slots]] = values
 
     # ---- lookup ----------------------------------------------------------------
 
@@ -190,8 +218,11 @@ class U64Map:
         for name, column in self.columns.items():
             column[slots] = values.get(name, 0)
         if self._track:
-            self._list[self._live : self._live + len(k)] = slots
-            self._pos[slots] = np.arange(self._live, self._live + len(k), dtype=np.int32)
+            end = self._live + len(k)
+            self._list[self._live : end] = slots
+            self._pos[slots] = np.arange(self._live, end, dtype=np.int32)
+            for name in self._mirrored:
+                self._dense[name][self._live : end] = values.get(name, 0)
         self._live += len(k)
         return slots
 
@@ -211,10 +242,13 @@ class U64Map:
         places = self._pos[slots]
         gone_tail = np.zeros(len(slots), dtype=np.bool_)
         gone_tail[places[places >= end] - end] = True
-        movers = self._list[end + np.flatnonzero(~gone_tail)]
+        moving = end + np.flatnonzero(~gone_tail)
+        movers = self._list[moving]
         holes = places[places < end]
         self._list[holes] = movers
         self._pos[movers] = holes
+        for dense in self._dense.values():
+            dense[holes] = dense[moving]
 
     def _place(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
         """Claim an empty slot for each key (capacity reserved). Deleted slots are not
@@ -251,9 +285,13 @@ class U64Map:
         cap = len(self.keys)
         if self._live + self._deleted + n <= cap * _MAX_LOAD:
             return
-        live = self.live_slots()
+        # A tracked map keeps its list order, which its mirrors share.
+        live = self._list[: self._live].astype(np.intp) if self._track else self.live_slots()
         keys = self.keys[live]
         columns = {name: column[live] for name, column in self.columns.items()}
+        dense = (
+            {name: d[: self._live].copy() for name, d in self._dense.items()} if self._track else {}
+        )
         new_cap = max(cap, capacity_for(self._live + n))
         if self._deleted and (self._live + n) * 4 > new_cap:
             new_cap *= 2
@@ -264,3 +302,5 @@ class U64Map:
         if self._track:
             self._list[: len(slots)] = slots
             self._pos[slots] = np.arange(len(slots), dtype=np.int32)
+            for name, values in dense.items():
+                self._dense[name][: len(values)] = values

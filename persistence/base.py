@@ -190,13 +190,27 @@ class PersistenceStorage(ABC):
     def stage_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
         """Like `update_meta`, but a storage may commit these with its next write
         (records, deletes or meta) rather than in a transaction of their own: not
-        durable until then (or `flush_meta`), though readable at once. For small
+        durable until then (or `flush_staged`), though readable at once. For small
         bookkeeping written often (checkpoint records), so it never costs a sync of
         its own. This default commits at once."""
         self.update_meta(puts, deletes)
 
-    def flush_meta(self) -> None:  # noqa: B027 (a no-op where nothing is staged)
-        """Commit what `stage_meta` left staged, now."""
+    def stage_deletes(self, seqs: Seqs) -> None:
+        """Like `delete`, but a storage may carry out these deletes with its next write
+        (say, the next `put`) rather than in a transaction of their own. For records
+        whose trees completed: until then they stay stored, and a crash before it
+        replays them after the restart (duplicates, never a loss). This default
+        deletes at once."""
+        self.delete(seqs)
+
+    @property
+    def staged_deletes(self) -> int:
+        """Records staged for deletion and not deleted yet (0 where none are staged)."""
+        return 0
+
+    def flush_staged(self, older_than_s: float = 0.0) -> None:  # noqa: B027 (no-op default)
+        """Commit what `stage_meta` and `stage_deletes` left staged, now; with
+        `older_than_s`, only if something has waited that long (no write carried it)."""
 
     @property
     @abstractmethod

@@ -7,14 +7,16 @@ partition, topic number). The locator lives as extra columns of the acker table
 (LOCATOR_COLUMNS), so one vectorized lookup per batch serves both the XOR bookkeeping
 and this layer, and neither completion nor deletion reads the storage back.
 
-- persist(batch): store the batch in one storage transaction; returns the seqs.
+- persist(batch): store the batch in one storage transaction; returns the seqs. With
+  `defer_deletes=True`, the deletes of the records marked since the last persist go
+  in the same transaction (`stage_deletes`): one commit, one fsync.
 - locators(batch): the locator columns for the batch (the seq column is set after
   the storage confirmed the put).
 - complete(roots, locators): delete the records (one storage transaction) and return
   the roots with their Kafka coordinates. With `defer_deletes=True` the records are
-  only marked for deletion, and `flush_deletes()` deletes every marked record in one
-  transaction: a server calls it from another thread, so completions never wait for
-  LMDB. A marked record that a crash leaves in storage is recovered and replayed: a
+  only marked for deletion: the next persist deletes them, or `flush_deletes()` /
+  `take_marked()` (a server's deleter thread, when no persist comes), so completions
+  never wait for LMDB. A marked record that a crash leaves in storage is recovered and replayed: a
   duplicate, never a loss, since only completed records are ever marked.
 - retag(seqs, new_roots, replay_seqs): stored records are now tracked under new roots
   and queued for replay (one storage transaction).
@@ -65,7 +67,11 @@ class PersistenceLayer:
         self._topic_numbers: dict[str, int] = {}
 
     def persist(self, batch: RecordBatch) -> NDArray[np.uint64]:
-        """Store the batch durably; returns the storage seqs."""
+        """Store the batch durably; returns the storage seqs. With defer_deletes, the
+        records marked for deletion go with it (`stage_deletes`: the LMDB store deletes
+        them in the batch's transaction, one commit and one fsync for both)."""
+        if self._marked:
+            self.storage.stage_deletes(self.take_marked())
         return self.storage.put(batch)
 
     def locators(self, batch: RecordBatch) -> dict[str, NDArray[Any]]:

@@ -29,8 +29,9 @@ doubled, and the whole transaction retried, so every operation stays all-or-noth
 
 Durability: with `sync=True` (the default) every commit is on disk when the call returns.
 With `sync=False` a commit is atomic but may be lost to an OS crash until `sync()`.
-Meta entries written with `stage_meta` ride on the next transaction instead of a commit
-(and sync) of their own: durable once any later write commits, or `flush_meta`.
+Meta entries and deletes staged with `stage_meta` and `stage_deletes` ride on the next
+transaction instead of a commit (and sync) of their own: done once any later write
+commits, or `flush_staged`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
@@ -114,7 +116,14 @@ class LmdbStorage(PersistenceStorage):
         # stage_meta: meta writes (None: a delete) waiting for the next transaction,
         # under a lock of their own, so staging never waits for a transaction.
         self._staged: dict[bytes, bytes | None] = {}
+        self._staged_deletes: list[NDArray[np.uint64]] = []  # seqs (stage_deletes)
+        self._staged_since: float | None = None  # monotonic time of the oldest staged
         self._staged_lock = threading.Lock()
+        # Copies in progress (copy_to): they run outside _lock, so writes go on, and a
+        # map resize, which LMDB forbids while a transaction of this process is open
+        # (a copy holds a read transaction), waits for them.
+        self._copies = 0
+        self._copies_done = threading.Condition()
         identity = _prepare_directory(self._path)
         try:
             env = lmdb.open(self._path, map_size=map_size, max_dbs=_MAX_DBS, sync=sync, subdir=True)
@@ -295,7 +304,7 @@ class LmdbStorage(PersistenceStorage):
 
     def stage_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
         """Committed with this store's next write transaction, whatever it writes (a
-        persist, a delete, a meta update, `flush_meta`); until then not durable, but
+        persist, a delete, a meta update, `flush_staged`); until then not durable, but
         get_meta and meta_keys see them. Never waits for a transaction."""
         self._live_env()
         staged: dict[bytes, bytes | None] = {encode_meta_key(key): None for key in deletes}
@@ -305,30 +314,60 @@ class LmdbStorage(PersistenceStorage):
             staged[encode_meta_key(key)] = bytes(value)
         with self._staged_lock:
             self._staged.update(staged)
+            if self._staged_since is None:
+                self._staged_since = time.monotonic()
 
-    def flush_meta(self) -> None:
+    def stage_deletes(self, seqs: Seqs) -> None:
+        """Carried out by this store's next write transaction, whatever it writes (a
+        put, above all: a record batch and the deletes of the records completed since
+        the last one share one commit and one fsync), or `flush_staged`. Never waits
+        for a transaction."""
+        self._live_env()
+        found = as_seqs(seqs)
+        if not len(found):
+            return
         with self._staged_lock:
-            if not self._staged:
-                return
+            self._staged_deletes.append(found)
+            if self._staged_since is None:
+                self._staged_since = time.monotonic()
+
+    @property
+    def staged_deletes(self) -> int:
+        with self._staged_lock:
+            return sum(len(seqs) for seqs in self._staged_deletes)
+
+    def flush_staged(self, older_than_s: float = 0.0) -> None:
+        with self._staged_lock:
+            since = self._staged_since
+        if since is None or time.monotonic() - since < older_than_s:
+            return
         self._write(lambda txn: None, db=self._meta)
 
     def copy_to(self, path: str | os.PathLike[str], *, compact: bool = True) -> None:
         """Write a consistent copy of the whole environment (records and meta) to the
         empty or new directory `path`: the state at the start of the copy (LMDB
-        copies from one read transaction), staged meta entries included. Writes of
-        this process wait for it."""
+        copies from one read transaction), staged meta entries and deletes included.
+        Writes of this process go on meanwhile; only one that must grow the map
+        waits for the copy to end."""
         env = self._live_env()
         target = os.fspath(path)
         os.makedirs(target, exist_ok=True)
         if os.listdir(target):
             raise StorageError(f"cannot copy LMDB storage into {target}: it is not empty")
         try:
-            # Under the lock: a write of this process that fills the map would resize
-            # it, which LMDB forbids while the copy's read transaction is open. Writers
-            # of this process wait for the copy; other processes' do not.
+            # Counted under the lock, so no resize is under way; a write of this process
+            # that fills the map waits for the count to drop (_wait_for_copies), since
+            # LMDB forbids a resize while the copy's read transaction is open.
             with self._lock:
-                self.flush_meta()  # staged meta entries belong in the copy
-                env.copy(target, compact=compact)
+                self.flush_staged()  # staged meta entries and deletes belong in the copy
+                with self._copies_done:
+                    self._copies += 1
+            try:
+                env.copy(target, compact=compact)  # py-lmdb releases the GIL meanwhile
+            finally:
+                with self._copies_done:
+                    self._copies -= 1
+                    self._copies_done.notify_all()
         except lmdb.Error as exc:
             raise StorageError(
                 f"could not copy LMDB storage at {self._path} to {target}: {exc}"
@@ -353,13 +392,14 @@ class LmdbStorage(PersistenceStorage):
         self._live_env().sync(True)
 
     def close(self) -> None:
-        """Commits what stage_meta left staged (logged if that fails), then closes."""
+        """Commits what is staged (logged if that fails), then closes."""
         with self._lock:  # waits for a transaction of another thread to end
             if self._env is not None:
                 try:
-                    self.flush_meta()
+                    self.flush_staged()
                 except StorageError as exc:
-                    log.error("closing %s: staged meta entries not written: %s", self._path, exc)
+                    log.error("closing %s: staged writes not committed: %s", self._path, exc)
+                self._wait_for_copies()
             env, self._env = self._env, None
             if env is None:
                 return
@@ -390,6 +430,7 @@ class LmdbStorage(PersistenceStorage):
                 try:
                     with self._staged_lock:
                         staged = dict(self._staged)
+                        deletes = list(self._staged_deletes)
                     with env.begin(db=db, write=True) as txn:
                         result = work(txn)
                         for key, value in staged.items():
@@ -397,24 +438,41 @@ class LmdbStorage(PersistenceStorage):
                                 txn.delete(key, db=self._meta)
                             else:
                                 txn.put(key, value, db=self._meta)
-                    if staged:
-                        self._unstage(staged)
+                        if deletes:
+                            seqs = np.sort(np.concatenate(deletes))
+                            remove = partial(txn.delete, db=self._records)
+                            sum(map(remove, _keys(seqs)))
+                    if staged or deletes:
+                        self._unstage(staged, deletes)
                     return result
                 except lmdb.MapFullError:
+                    self._wait_for_copies()
                     env.set_mapsize(2 * env.info()["map_size"])
                 except lmdb.MapResizedError:
+                    self._wait_for_copies()
                     env.set_mapsize(0)  # another process grew the map: adopt its size
                 except lmdb.Error as exc:
                     raise StorageError(
                         f"LMDB storage at {self._path}: {exc}{_write_hint(exc, self._path)}"
                     ) from exc
 
-    def _unstage(self, committed: Mapping[bytes, bytes | None]) -> None:
+    def _wait_for_copies(self) -> None:
+        """Until no copy_to is running (called under _lock, before a map resize)."""
+        with self._copies_done:
+            self._copies_done.wait_for(lambda: self._copies == 0)
+
+    def _unstage(
+        self, committed: Mapping[bytes, bytes | None], deletes: Sequence[NDArray[np.uint64]]
+    ) -> None:
         """Forget the staged writes just committed, unless staged again since."""
         with self._staged_lock:
             for key, value in committed.items():
                 if key in self._staged and self._staged[key] is value:
                     del self._staged[key]
+            done = {id(seqs) for seqs in deletes}
+            self._staged_deletes = [s for s in self._staged_deletes if id(s) not in done]
+            if not self._staged and not self._staged_deletes:
+                self._staged_since = None
 
     def _read(
         self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
@@ -426,6 +484,7 @@ class LmdbStorage(PersistenceStorage):
                     with env.begin(db=db) as txn:
                         return work(txn)
                 except lmdb.MapResizedError:
+                    self._wait_for_copies()
                     env.set_mapsize(0)
                 except lmdb.Error as exc:
                     raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc

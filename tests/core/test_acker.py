@@ -147,13 +147,15 @@ def test_tracked_live_slots_are_the_live_slots_of_the_table(
 ) -> None:
     """A map that tracks its live slots lists exactly the slots a scan of the table
     finds, through inserts, deletes, growth and rebuilds, and their keys are the
-    ones inserted and not deleted."""
-    table = U64Map({"v": np.uint64}, capacity=2, track_live=True)
+    ones inserted and not deleted; a mirrored column holds the same values as the
+    column, also after set_column."""
+    table = U64Map({"v": np.uint64, "w": np.int64}, capacity=2, track_live=True, mirror=["w"])
     model: set[int] = set()
     for insert, keys in steps:
         if insert:
             fresh = [k for k in dict.fromkeys(keys) if k not in model]
-            table.insert(_u64(fresh), v=_u64(fresh))
+            slots = table.insert(_u64(fresh), v=_u64(fresh))
+            table.set_column("w", slots, -np.array(fresh, dtype=np.int64))
             model.update(fresh)
         else:
             slots = table.find(_u64(sorted(set(keys))))
@@ -163,6 +165,17 @@ def test_tracked_live_slots_are_the_live_slots_of_the_table(
         assert sorted(live.tolist()) == np.flatnonzero(table.keys > DELETED).tolist()
         assert sorted(table.keys[live].tolist()) == sorted(model)
         assert (table.columns["v"][live] == table.keys[live]).all()
+        mirrored = table.live_mirrored("w")
+        assert mirrored is not None
+        assert sorted((-mirrored["w"]).tolist()) == sorted(model)
+        assert table.live_mirrored("v") is None  # not mirrored: read through the slots
+
+
+def test_mirroring_needs_tracking_and_known_columns() -> None:
+    with pytest.raises(ValueError, match="mirror"):
+        U64Map({"v": np.uint64}, mirror=["v"])
+    with pytest.raises(ValueError, match="mirror"):
+        U64Map({"v": np.uint64}, track_live=True, mirror=["nope"])
 
 
 def test_tracking_live_roots_costs_six_bytes_per_slot() -> None:

@@ -353,6 +353,26 @@ def test_deferred_deletes_leave_completed_records_until_flushed(tmp_path: Path) 
         storage.close()
 
 
+def test_deferred_deletes_ride_on_the_next_persist(tmp_path: Path) -> None:
+    """The records completed since the last persist are deleted in the next persist's
+    transaction (one commit for both), and only completed ones."""
+    with LmdbStorage(tmp_path / "db") as storage:
+        ft = FTLayer(storage, defer_deletes=True)
+        first = _records(6)
+        ids = _emit(ft, first)
+        ft.xor(first.roots[:4], ids[:4])
+        assert len(storage) == 6 and ft.persistence.marked == 4
+        second = RecordBatch.build(new_ids(3), [b"later"] * 3, topics="orders")
+        ft.persist(second)
+        assert ft.persistence.marked == 0
+        assert len(storage) == 2 + 3  # the 4 completed went with the persist
+        pending = ft.fetch_replay(0, 2**63)  # nothing failed: no replays
+        assert len(pending) == 0
+        ft.fail(np.concatenate([first.roots[4:], second.roots]))
+        replayed = ft.fetch_replay(0, 2**63)
+        assert sorted(replayed.records.payloads) == sorted(first.payloads[4:] + [b"later"] * 3)
+
+
 def test_lowest_pending_offsets_never_pass_an_incomplete_record(
     storage: PersistenceStorage,
 ) -> None:

@@ -234,6 +234,39 @@ def test_checkpoint_requests_and_reply_round_trip() -> None:
         p.encode_checkpoint_request(1, begin=True, query="q", position={}, sources=[], mode="x")
 
 
+def test_savepoint_request_and_reply_round_trip() -> None:
+    request = frame(p.encode_savepoint(4, "/var/lib/ftlayer/savepoints", "nightly"))
+    assert request.kind == p.Kind.SAVEPOINT
+    assert p.decode(request) == p.SavepointRequest("/var/lib/ftlayer/savepoints", "nightly")
+    unnamed = p.decode(frame(p.encode_savepoint(5, "/sp/ü")))
+    assert unnamed == p.SavepointRequest("/sp/ü", None)
+    created = {
+        "name": "nightly",
+        "path": "/var/lib/ftlayer/savepoints/nightly",
+        "stored_records": 12,
+        "positions": {"orders": {"kafka": {"orders": {"0": 5}}, "replay": 0}},
+    }
+    reply = frame(p.encode_savepoint_created(4, created))
+    assert reply.kind == p.Kind.SAVEPOINT_CREATED
+    assert p.decode(reply) == p.SavepointCreated(created)
+
+
+@pytest.mark.parametrize(
+    ("directory", "name", "match"),
+    [
+        ("savepoints", None, "absolute path on the server's host"),
+        ("", "x", "absolute path"),
+        ("/sp\0x", None, "absolute path"),
+        ("/sp", 7, "str or null"),
+    ],
+)
+def test_savepoint_encoder_refuses_what_the_server_cannot_take(
+    directory: str, name: object, match: str
+) -> None:
+    with pytest.raises(p.BadRequest, match=match):
+        p.encode_savepoint(1, directory, name)  # type: ignore[arg-type]
+
+
 def test_lowest_pending_and_offsets_round_trip() -> None:
     assert p.decode(frame(p.encode_lowest_pending(3))) == p.LowestPending(None)
     assert p.decode(frame(p.encode_lowest_pending(3, ["a", "b"]))) == p.LowestPending(["a", "b"])
@@ -633,6 +666,45 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
         p.MalformedFrame,
         "not an object",
     ),
+    ("savepoint empty", reframe(p.Kind.SAVEPOINT, b""), p.MalformedFrame, "not JSON"),
+    ("savepoint not utf-8", reframe(p.Kind.SAVEPOINT, b"\xff{}"), p.MalformedFrame, "utf-8"),
+    ("savepoint a list", reframe(p.Kind.SAVEPOINT, b'["/sp"]'), p.BadRequest, '"dir": str'),
+    (
+        "savepoint without name",
+        reframe(p.Kind.SAVEPOINT, b'{"dir":"/sp"}'),
+        p.BadRequest,
+        "str or null",
+    ),
+    (
+        "savepoint extra key",
+        reframe(p.Kind.SAVEPOINT, b'{"dir":"/sp","name":null,"force":true}'),
+        p.BadRequest,
+        "str or null",
+    ),
+    (
+        "savepoint dir not a str",
+        reframe(p.Kind.SAVEPOINT, b'{"dir":["/sp"],"name":null}'),
+        p.BadRequest,
+        '"dir": str',
+    ),
+    (
+        "savepoint relative dir",
+        reframe(p.Kind.SAVEPOINT, b'{"dir":"sp","name":null}'),
+        p.BadRequest,
+        "absolute path",
+    ),
+    (
+        "savepoint created not an object",
+        reframe(p.Kind.SAVEPOINT_CREATED, b"[1]"),
+        p.MalformedFrame,
+        "not an object",
+    ),
+    (
+        "savepoint created not JSON",
+        reframe(p.Kind.SAVEPOINT_CREATED, b"{nope"),
+        p.MalformedFrame,
+        "not JSON",
+    ),
 ]
 
 
@@ -760,6 +832,8 @@ def _valid_frames() -> list[bytes]:
         p.encode_status_reply(14, {"a": [1, 2]}),
         p.encode_ok(15, 1),
         p.encode_error(16, 1, "bad"),
+        p.encode_savepoint(17, "/sp", "nightly"),
+        p.encode_savepoint_created(18, {"name": "nightly", "stored_records": 3}),
     ]
 
 

@@ -414,6 +414,17 @@ def test_an_existing_name_is_refused_and_the_savepoint_kept(job: Job, tmp_path: 
     assert [p.name for p in (tmp_path / "sp").iterdir()] == ["daily"]  # no staging left
 
 
+def test_a_savepoints_dir_that_is_a_file_is_a_clear_error(job: Job, tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "sp"
+    not_a_dir.write_text("notes\n")
+    with pytest.raises(ConfigError, match=r"savepoints directory .*/sp exists and is not a dir"):
+        create_savepoint(job.storage, not_a_dir, "daily")
+    with pytest.raises(StorageError, match=r"could not write savepoint 'daily' .*Not a directory"):
+        create_savepoint(job.storage, not_a_dir / "below", "daily")
+    assert not_a_dir.read_text() == "notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "sp"]  # nothing else made
+
+
 @pytest.mark.parametrize("name", ["", "../escape", ".hidden", "a/b", "x" * 129, "sp 1"])
 def test_bad_names_are_refused(job: Job, tmp_path: Path, name: str) -> None:
     with pytest.raises(ConfigError, match="bad savepoint name"):

@@ -27,3 +27,22 @@ def test_bench_server_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert result[key] > 0, key
     assert set(result["targets"]) == {"xor_updates_per_s", "records_per_s"}
     assert isinstance(result["meets_targets"], bool)
+
+
+def test_bench_checkpoint_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "checkpoint", "--rounds", "2", "--batches", "3", "--batch", "500"]
+    assert main([*args, "--pending", "0,1000", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bench"] == "checkpoint"
+    # Every batch of the rounds with checkpoints was checkpointed and completed.
+    assert result["checkpoints_completed"] == 2 * 3
+    assert result["records_per_s_with_checkpoints"] > 0
+    assert result["records_per_s_without_checkpoints"] > 0
+    spread = result["pair_ratios"]
+    assert spread["pairs"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
+    low, high = spread["geometric_mean_95ci"]
+    assert 0 < low <= high
+    by_pending = {row["pending_roots"]: row for row in result["checkpoint_time_by_pending"]}
+    assert sorted(by_pending) == [0, 1000]
+    assert 24 <= by_pending[1000]["bytes_per_pending_root"] < 25  # root, ack, seq + header
+    assert isinstance(result["meets_target"], bool)

@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import lmdb
@@ -73,6 +74,33 @@ def test_a_copy_holds_the_records_and_meta_and_opens_as_a_store(tmp_path: Path) 
         assert list(copy.get(seqs[10:]).roots) == list(range(11, 51))
 
 
+def test_a_copy_taken_while_another_thread_writes_is_consistent(tmp_path: Path) -> None:
+    """A copy holds one consistent state (whole batches) while another thread keeps
+    writing and growing the map (a resize waits for a running copy to end)."""
+    with LmdbStorage(tmp_path / "live", map_size=1 << 20) as storage:
+        storage.put(batch_of(20_000))
+        copies: list[BaseException | None] = []
+
+        def copy() -> None:
+            try:
+                storage.copy_to(tmp_path / "copy")
+                copies.append(None)
+            except BaseException as exc:  # reported below
+                copies.append(exc)
+
+        thread = threading.Thread(target=copy)
+        thread.start()
+        for i in range(40):
+            storage.put(batch_of(2_000, start=20_000 + 2_000 * i))
+        thread.join()
+        assert copies == [None]
+        assert len(storage) == 100_000
+    with LmdbStorage(tmp_path / "copy") as copy_store:
+        held = len(copy_store)
+        assert 20_000 <= held <= 100_000 and held % 2_000 == 0
+        assert copy_store.next_seq == held + 1
+
+
 _READ_META = """
 import sys, lmdb
 env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=3)
@@ -111,13 +139,33 @@ def test_staged_meta_is_readable_at_once_and_commits_with_the_next_write(
         assert _committed_meta(path, "checkpoint/q/2") == b"two"
         assert _committed_meta(path, "checkpoint/q/1") is None
         storage.stage_meta({"checkpoint/q/3": b"three"})
-        storage.flush_meta()
+        storage.flush_staged()
         assert _committed_meta(path, "checkpoint/q/3") == b"three"
         storage.stage_meta({"checkpoint/q/4": b"four"})
     # close() commits what is still staged.
     assert _committed_meta(path, "checkpoint/q/4") == b"four"
     with LmdbStorage(path) as storage:
         assert storage.meta_keys("checkpoint/") == [f"checkpoint/q/{i}" for i in (2, 3, 4)]
+
+
+def test_staged_deletes_ride_on_the_next_put(tmp_path: Path) -> None:
+    with LmdbStorage(tmp_path / "store") as storage:
+        seqs = storage.put(batch_of(10))
+        storage.stage_deletes(seqs[:4])
+        assert len(storage) == 10  # not deleted yet: no transaction of their own
+        storage.flush_staged(older_than_s=3600)  # nothing has waited that long
+        assert len(storage) == 10
+        more = storage.put(batch_of(5, start=10))
+        assert len(storage) == 11  # the put deleted them in its transaction
+        assert storage.get(seqs[4:]).roots.tolist() == list(range(5, 11))
+        with pytest.raises(StorageError):
+            storage.get(seqs[:1])
+        storage.stage_deletes(more)
+        storage.flush_staged()
+        assert len(storage) == 6
+        storage.stage_deletes(seqs[4:6])
+    with LmdbStorage(tmp_path / "store") as storage:  # close() carried them out
+        assert len(storage) == 4
 
 
 def test_a_failed_write_keeps_staged_meta_staged(tmp_path: Path) -> None:
