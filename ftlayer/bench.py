@@ -465,18 +465,21 @@ def bench_checkpoint(
     records (topic "bench", partition 0, consecutive offsets) and the sink completes
     batch i - 1 (one batch in flight, as a pipeline has). With checkpoints, batch i is
     preceded by CHECKPOINT_BEGIN of its end position (what ftkafka's partitions()
-    sends) and followed by CHECKPOINT_COMPLETE of batch i - 1's (Spark's commit(end),
-    one batch late). `rounds` pairs of rounds, one without and one with checkpoints,
-    run on one server in the order AB BA AB ..., short, so drift of the machine hits
-    both alike; the ratio is records/s with over records/s without, over all rounds.
-    The spread of the pairs' own ratios shows how steady the machine was.
+    sends), which also completes the last batch found complete (Spark's commit(end)
+    of the batch before, which ftkafka sends with the next BEGIN: Spark plans the
+    next batch right after it): one request per batch, as in a Spark job. `rounds`
+    pairs of rounds, one without and one with checkpoints, run on one server in the
+    order AB BA AB ..., short, so drift of the machine hits both alike; the ratio is
+    records/s with over records/s without, over all rounds. The spread of the pairs'
+    own ratios shows how steady the machine was.
 
     Then, for each count in `pending_points`, roots that never complete are added until
     that many are pending and 5 checkpoints are taken: the client's round trip of
-    CHECKPOINT_BEGIN (the server replies after the copy; a writer thread writes the
-    snapshot), the time until CHECKPOINT_COMPLETE reports it complete (written), the
-    server's time under its lock (the array copy: the only part that stops events), its
-    write time and the snapshot's size, as medians.
+    CHECKPOINT_BEGIN (the server replies at once; the copy is taken before the core's
+    next change or by the writer thread, which then writes the snapshot), the time
+    until CHECKPOINT_COMPLETE reports it complete (written), the copy's time under the
+    server's lock (the only part that stops events), the write time and the
+    snapshot's size, as medians.
     """
     from ftlayer.client import FTClient
     from ftlayer.integration.ftprocess import FTServerProcess
@@ -561,11 +564,13 @@ def _checkpoint_bench_round(
     """One round of the micro-batch job; returns the next offset."""
     in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
     previous: dict[str, Any] | None = None
+    done: dict[str, Any] | None = None  # Spark's commit of a batch, sent with the next BEGIN
     payloads = [payload] * batch
     for _ in range(batches):
         end = {"kafka": {"bench": {"0": offset + batch}}, "replay": 0}
         if checkpoints:
-            _bench_checkpoint_call(client, True, end)
+            _bench_checkpoint_call(client, True, end, complete=done)
+            done = None
         roots, ids = new_ids(batch), new_ids(batch)
         offsets = np.arange(offset, offset + batch, dtype=np.int64)
         client.persist(
@@ -573,8 +578,7 @@ def _checkpoint_bench_round(
         )
         if in_flight is not None:
             client.xor(*in_flight)
-        if checkpoints and previous is not None:
-            _bench_checkpoint_call(client, False, previous)
+            done = previous  # that batch is complete: ftkafka's commit(end) defers to here
         in_flight, previous, offset = (roots, ids), end, offset + batch
     if in_flight is not None:
         client.xor(*in_flight)
@@ -583,9 +587,19 @@ def _checkpoint_bench_round(
     return offset
 
 
-def _bench_checkpoint_call(client: Any, begin: bool, position: dict[str, Any]) -> dict[str, Any]:
+def _bench_checkpoint_call(
+    client: Any,
+    begin: bool,
+    position: dict[str, Any],
+    complete: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     answer: dict[str, Any] = client.checkpoint(
-        begin=begin, query=_CHECKPOINT_QUERY, position=position, sources=[0], mode="unaligned"
+        begin=begin,
+        query=_CHECKPOINT_QUERY,
+        position=position,
+        sources=[0],
+        mode="unaligned",
+        complete=complete,
     )
     return answer
 
@@ -611,14 +625,14 @@ def _checkpoint_times(
             position = {"kafka": {"bench": {"0": offset}}, "replay": 0}
             offset += 1  # a new barrier each time
             began = time.perf_counter()
-            begun = _bench_checkpoint_call(client, True, position)
+            _bench_checkpoint_call(client, True, position)
             rtts.append(time.perf_counter() - began)
             done = _bench_checkpoint_call(client, False, position)
             while done["state"] != "complete":  # its snapshot is still being written
                 time.sleep(0.001)
                 done = _bench_checkpoint_call(client, False, position)
             durations.append(time.perf_counter() - began)
-            copies.append(begun["copy_s"])
+            copies.append(done["copy_s"])  # taken after the reply to BEGIN (lazily)
             writes.append(done["write_s"])
             sizes.append(done["size_bytes"])
         found.append(

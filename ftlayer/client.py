@@ -342,16 +342,27 @@ class FTClient:
         position: Mapping[str, Any],
         sources: Sequence[int],
         mode: str = "unaligned",
+        complete: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """CHECKPOINT_BEGIN (begin=True: barrier `position` of `query`) or
         CHECKPOINT_COMPLETE (Spark finished the batch that ends there); returns the
         checkpoint as JSON (ftlayer.checkpoints.Checkpoint.to_json), with
-        "commit_offsets" {topic: {partition (str): offset}} or None. Both are
-        idempotent, so they are resent after a reconnect."""
+        "commit_offsets" {topic: {partition (str): offset}} or None. A BEGIN with
+        `complete` completes that earlier barrier first, in the same round trip; the
+        reply then also has "completed": that checkpoint. All are idempotent, so they
+        are resent after a reconnect."""
+        if complete is not None and not begin:
+            raise ValueError("complete= goes with a CHECKPOINT_BEGIN (begin=True)")
 
         def request(rid: int) -> bytes:
             return encode_checkpoint_request(
-                rid, begin=begin, query=query, position=position, sources=sources, mode=mode
+                rid,
+                begin=begin,
+                query=query,
+                position=position,
+                sources=sources,
+                mode=mode,
+                complete=complete,
             )
 
         frame = self._call(request, Kind.CHECKPOINT, retry=True)

@@ -37,7 +37,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
 |      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
 |      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
-| 0x21 | CHECKPOINT_COMPLETE | the same JSON object                                        |
+|      |                     | [, "complete": position: completed first, one round trip]   |
+| 0x21 | CHECKPOINT_COMPLETE | the same JSON object (without "complete")                   |
 | 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
 |      |                     | host), "name": str or null}                                 |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
@@ -48,7 +49,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
 | 0x93 | OFFSETS             | utf-8 JSON {topic: {partition: lowest pending offset}}      |
 | 0x94 | CHECKPOINT          | utf-8 JSON object: the checkpoint (id, state, figures,      |
-|      |                     | "commit_offsets"), the reply to both checkpoint requests   |
+|      |                     | "commit_offsets"), the reply to both checkpoint requests;   |
+|      |                     | with "complete", also "completed": that checkpoint          |
 | 0x95 | SAVEPOINT_CREATED   | utf-8 JSON object: the savepoint created (its manifest and  |
 |      |                     | "path", ftlayer.savepoint.Savepoint.as_dict)               |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
@@ -343,6 +345,10 @@ class CheckpointRequest:
     position: dict[str, Any]
     sources: list[int]
     mode: str
+    complete: dict[str, Any] | None = None
+    """CHECKPOINT_BEGIN only: a barrier of the same query to complete first (Spark's
+    commit of the batch before, which comes right before the next batch is planned):
+    one round trip for both."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1139,10 +1145,19 @@ def encode_checkpoint_request(
     position: Mapping[str, Any],
     sources: Sequence[int],
     mode: str,
+    complete: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """CHECKPOINT_BEGIN (begin=True) or CHECKPOINT_COMPLETE."""
+    """CHECKPOINT_BEGIN (begin=True; with `complete`, that barrier is completed
+    first) or CHECKPOINT_COMPLETE."""
     kind = Kind.CHECKPOINT_BEGIN if begin else Kind.CHECKPOINT_COMPLETE
-    body = {"query": query, "position": dict(position), "sources": list(sources), "mode": mode}
+    body: dict[str, Any] = {
+        "query": query,
+        "position": dict(position),
+        "sources": list(sources),
+        "mode": mode,
+    }
+    if complete is not None:
+        body["complete"] = dict(complete)
     _check_checkpoint(body, kind)
     return encode_frame(kind, request_id, json.dumps(body, sort_keys=True).encode())
 
@@ -1156,6 +1171,7 @@ def _decode_checkpoint_request(message: Frame | bytes, kind: Kind) -> Checkpoint
         body["position"],
         list(body["sources"]),
         body["mode"],
+        body.get("complete"),
     )
 
 
@@ -1169,9 +1185,13 @@ def decode_checkpoint_complete(message: Frame | bytes) -> CheckpointRequest:
 
 def _check_checkpoint(body: Any, kind: Kind) -> None:
     """The shape of a checkpoint request; the values are the coordinator's to check."""
+    keys = {"query", "position", "sources", "mode"}
+    if kind is Kind.CHECKPOINT_BEGIN and isinstance(body, dict) and "complete" in body:
+        keys.add("complete")
     if (
         not isinstance(body, dict)
-        or set(body) != {"query", "position", "sources", "mode"}
+        or set(body) != keys
+        or not isinstance(body.get("complete", {}), dict)
         or not isinstance(body["query"], str)
         or not isinstance(body["position"], dict)
         or not isinstance(body["sources"], list)
@@ -1181,9 +1201,10 @@ def _check_checkpoint(body: Any, kind: Kind) -> None:
         )
         or body["mode"] not in _CHECKPOINT_MODES
     ):
+        extra = ', "complete": object (optional)' if kind is Kind.CHECKPOINT_BEGIN else ""
         raise BadRequest(
             f'{kind.name} body must be a JSON object {{"query": str, "position": object, '
-            f'"sources": [u32], "mode": "aligned" or "unaligned"}}, got {body!r}'[:600]
+            f'"sources": [u32], "mode": "aligned" or "unaligned"{extra}}}, got {body!r}'[:600]
         )
 
 

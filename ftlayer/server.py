@@ -72,7 +72,7 @@ from typing import Any, Final, Self
 import numpy as np
 
 from ftlayer import __version__
-from ftlayer.checkpoints import Checkpoint, CheckpointCoordinator, CheckpointMode
+from ftlayer.checkpoints import CheckpointCoordinator, CheckpointMode
 from ftlayer.core import FTLayer, ReplayRecords
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
@@ -535,7 +535,7 @@ class FTServer:
             if isinstance(message, LowestPending):
                 return encode_offsets(rid, ft.lowest_pending_offsets(message.topics))
             if isinstance(message, CheckpointRequest):
-                checkpoint = self._checkpoint(message).to_json()
+                checkpoint = self._checkpoint(message)
             elif isinstance(message, FetchReplay):
                 replay = ft.fetch_replay(
                     message.lo, message.hi, source_id=message.source_id, partition=message.partition
@@ -548,12 +548,21 @@ class FTServer:
             return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
         return encode_status_reply(rid, status, max_frame=self.max_frame)
 
-    def _checkpoint(self, message: CheckpointRequest) -> Checkpoint:
-        """Called under the lock."""
-        assert self._checkpoints is not None
+    def _checkpoint(self, message: CheckpointRequest) -> dict[str, Any]:
+        """Called under the lock: the reply's JSON."""
+        checkpoints = self._checkpoints
+        assert checkpoints is not None
         mode = CheckpointMode.named(message.mode)
-        act = self._checkpoints.begin if message.begin else self._checkpoints.complete
-        return act(message.query, message.position, message.sources, mode)
+        query, sources = message.query, message.sources
+        if not message.begin:
+            return checkpoints.complete(query, message.position, sources, mode).to_json()
+        completed = None
+        if message.complete is not None:  # the batch before, done: one round trip
+            completed = checkpoints.complete(query, message.complete, sources, mode).to_json()
+        reply = checkpoints.begin(query, message.position, sources, mode).to_json()
+        if completed is not None:
+            reply["completed"] = completed
+        return reply
 
     def _savepoint(self, message: SavepointRequest) -> Savepoint:
         """Step 8 of the module docstring. Called without the core lock: the copy runs

@@ -743,6 +743,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: Offset | None = None
         self._target: Offset | None = None
         self._available: Offset | None = None
+        self._deferred_commit: Offset | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the configuration travels to executors, never driver connections.
@@ -779,6 +780,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         driver = self._driver_side()
+        self._complete_deferred()  # only if no batch was planned after the last commit
         available = driver.available(start)
         if self._target is not None:
             available = _cap(available, self._target, start)
@@ -806,8 +808,13 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
                 )
         if self.options.ft_on and "replay" in end:
-            # Spark logged `end` before planning the batch: it is barrier n.
-            self._driver_side().checkpoint(end, begin=True)
+            # Spark logged `end` before planning the batch: it is barrier n. The commit
+            # of batch n - 1, which Spark made just before, goes in the same request.
+            driver = self._driver_side()
+            done, self._deferred_commit = self._deferred_commit, None
+            answer = driver.checkpoint(end, begin=True, complete=done)
+            if done is not None:
+                self._commit_group(driver, _commit_offsets((answer or {}).get("completed")))
         return parts if busy else []
 
     def commit(self, end: Offset) -> None:
@@ -815,18 +822,33 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # runs again. The FT layer completes (or starts aligning) its checkpoint,
         # drops the replay queue entries the batch took in (per source: other queries'
         # entries stay) and answers the group offsets the checkpoint allows (never past
-        # an incomplete record); with kafka.group.id they are committed.
-        driver = self._driver_side()
-        offsets: dict[str, dict[int, int]] | None = _kafka_part(end)
+        # an incomplete record); with kafka.group.id they are committed. Spark plans
+        # the next batch right after this call (partitions()), so with FT on the
+        # completion rides on that batch's CHECKPOINT_BEGIN: one round trip for both.
         if self.options.ft_on and "replay" in end:
-            offsets = driver.checkpoint(end, begin=False)
+            self._deferred_commit = end
+            return
+        self._commit_group(self._driver_side(), _kafka_part(end))
+
+    def _complete_deferred(self) -> None:
+        """Complete a deferred commit on its own (no batch was planned after it)."""
+        done, self._deferred_commit = self._deferred_commit, None
+        if done is not None:
+            driver = self._driver_side()
+            self._commit_group(driver, _commit_offsets(driver.checkpoint(done, begin=False)))
+
+    def _commit_group(self, driver: _Driver, offsets: dict[str, dict[int, int]] | None) -> None:
         if self.options.group_id is not None and offsets:
             driver.commit_group(offsets)
 
     def stop(self) -> None:
         if self._driver is not None:
-            self._driver.close()
-            self._driver = None
+            try:
+                self._complete_deferred()
+            finally:
+                if self._driver is not None:
+                    self._driver.close()
+                self._driver = None
 
     # ---- executors: read ----------------------------------------------------------
 
@@ -834,6 +856,14 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if not isinstance(partition, FTKafkaPartition):
             raise TypeError(f"ftkafka cannot read {partition!r}")
         return _read_partition(self.options, self.schema, partition)
+
+
+def _commit_offsets(answer: Mapping[str, Any] | None) -> dict[str, dict[int, int]] | None:
+    """The group offsets a checkpoint answer allows, or None."""
+    offsets = None if answer is None else answer.get("commit_offsets")
+    if offsets is None:
+        return None
+    return {t: {int(p): int(o) for p, o in parts.items()} for t, parts in offsets.items()}
 
 
 def _kafka_part(offset: Offset) -> KafkaOffsets:
@@ -1022,34 +1052,37 @@ class _Driver:
 
     # ---- replay queue ----
 
-    def checkpoint(self, end: Offset, *, begin: bool) -> dict[str, dict[int, int]] | None:
-        """CHECKPOINT_BEGIN (barrier `end`) or CHECKPOINT_COMPLETE (its batch is done).
-        Completion returns the group offsets the checkpoint allows: the lowest pending
-        offsets capped at `end` (unaligned), `end` once aligned, the last aligned
-        checkpoint's while aligning, or None. A failure is logged and left: the next
-        batch's checkpoint covers this one (the FT layer completes checkpoints in
-        order, and a later commit finishes the batches before it)."""
-        position = _offset(_kafka_part(end), int(end.get("replay", 0)))
+    def checkpoint(
+        self, end: Offset, *, begin: bool, complete: Offset | None = None
+    ) -> dict[str, Any] | None:
+        """CHECKPOINT_BEGIN (barrier `end`; with `complete`, that barrier's batch is
+        done and completes first, in the same request) or CHECKPOINT_COMPLETE (its
+        batch is done); the FT layer's answer. A completion's "commit_offsets" are the
+        group offsets the checkpoint allows: the lowest pending offsets capped at its
+        barrier (unaligned), the barrier once aligned, the last aligned checkpoint's
+        while aligning, or None. A failure is logged and gives None: the next batch's
+        checkpoint covers this one (the FT layer completes checkpoints in order, and a
+        later commit finishes the batches before it)."""
+
+        def position_of(offset: Offset) -> dict[str, Any]:
+            return _offset(_kafka_part(offset), int(offset.get("replay", 0)))
 
         def call(client: FTClient) -> dict[str, Any]:
             return client.checkpoint(
                 begin=begin,
                 query=self.options.checkpoint_query,
-                position=position,
+                position=position_of(end),
                 sources=sorted(set(self.source_ids.values())),
                 mode=self.options.checkpoint_mode,
+                complete=None if complete is None else position_of(complete),
             )
 
         what = "begin the checkpoint" if begin else "complete the checkpoint"
         try:
-            answer = self._ft_call(f"{what} of {self.options.checkpoint_query!r}", call)
+            return self._ft_call(f"{what} of {self.options.checkpoint_query!r}", call)
         except SourceError as exc:
             log.warning("%s (covered by the next batch's checkpoint)", exc)
             return None
-        offsets = answer.get("commit_offsets")
-        if offsets is None:
-            return None
-        return {t: {int(p): int(o) for p, o in parts.items()} for t, parts in offsets.items()}
 
     # ---- consumer-group offsets ----
 

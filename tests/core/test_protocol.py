@@ -5,6 +5,7 @@ through FrameReader + decode, the handshake digest, and one trip through a real 
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 from collections.abc import Callable
 
@@ -232,6 +233,33 @@ def test_checkpoint_requests_and_reply_round_trip() -> None:
     assert p.decode(frame(p.encode_checkpoint_reply(9, reply))) == p.CheckpointReply(reply)
     with pytest.raises(p.BadRequest, match="mode"):
         p.encode_checkpoint_request(1, begin=True, query="q", position={}, sources=[], mode="x")
+
+
+def test_a_begin_can_complete_the_batch_before_in_the_same_request() -> None:
+    before = {"kafka": {"orders": {"0": 3}}, "replay": 1}
+    position = {"kafka": {"orders": {"0": 5}}, "replay": 3}
+    request = frame(
+        p.encode_checkpoint_request(
+            2,
+            begin=True,
+            query="q",
+            position=position,
+            sources=[1],
+            mode="unaligned",
+            complete=before,
+        )
+    )
+    assert p.decode(request) == p.CheckpointRequest(
+        True, "q", position, [1], "unaligned", complete=before
+    )
+    # Only a BEGIN carries one, and it is a position object.
+    complete_body = {"query": "q", "position": position, "sources": [1], "mode": "unaligned"}
+    for kind, body in (
+        (p.Kind.CHECKPOINT_COMPLETE, {**complete_body, "complete": before}),
+        (p.Kind.CHECKPOINT_BEGIN, {**complete_body, "complete": [3]}),
+    ):
+        with pytest.raises(p.BadRequest, match=kind.name):
+            p.decode(frame(p.encode_frame(kind, 1, json.dumps(body).encode())))
 
 
 def test_savepoint_request_and_reply_round_trip() -> None:

@@ -408,3 +408,33 @@ def test_checkpoints_over_the_wire_survive_a_restart(start_server: StartServer) 
         assert call(client, True, 8)["id"] == 2
         answer = call(client, False, 8)
         assert answer["id"] == 2
+
+
+def test_a_begin_completes_the_batch_before_in_one_round_trip(start_server: StartServer) -> None:
+    """What ftkafka sends at each batch: BEGIN of barrier n that completes barrier n - 1
+    (Spark's commit, made just before it plans batch n) in the same request."""
+    server = start_server()
+
+    def position(offset: int) -> dict[str, Any]:
+        return {"kafka": {"events": {"0": offset}}, "replay": 0}
+
+    with server.client() as client:
+        ids = new_ids(4)
+        batch = RecordBatch.build(
+            new_ids(4), PAYLOADS[:4], topics="events", partitions=0, offsets=np.arange(4)
+        )
+        first = client.checkpoint(begin=True, query="job", position=position(4), sources=[5])
+        client.persist(batch, ids)
+        client.xor(batch.roots[:2], ids[:2])  # offsets 2 and 3 still pending
+        second = client.checkpoint(
+            begin=True, query="job", position=position(9), sources=[5], complete=position(4)
+        )
+        assert (second["id"], second["state"]) == (first["id"] + 1, "begun")
+        completed = second["completed"]
+        assert (completed["id"], completed["state"]) == (first["id"], "complete")
+        assert completed["commit_offsets"] == {"events": {"0": 2}}  # the lowest pending
+        with pytest.raises(ValueError, match="BEGIN"):
+            client.checkpoint(
+                begin=False, query="job", position=position(9), sources=[5], complete=position(4)
+            )
+        assert client.status()["checkpoints"]["job"]["completed"] == 1
