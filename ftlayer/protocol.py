@@ -1208,19 +1208,28 @@ def _check_checkpoint(body: Any, kind: Kind) -> None:
         )
 
 
-def encode_checkpoint_reply(request_id: int, checkpoint: Mapping[str, Any]) -> bytes:
+def _encode_object(kind: Kind, request_id: int, value: Mapping[str, Any], what: str) -> bytes:
+    """A reply whose body is one JSON object."""
     try:
-        text = json.dumps(dict(checkpoint), sort_keys=True, allow_nan=False)
+        text = json.dumps(dict(value), sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise BadRequest(f"checkpoint is not a JSON object: {exc}") from None
-    return encode_frame(Kind.CHECKPOINT, request_id, text.encode())
+        raise BadRequest(f"{what} is not a JSON object: {exc}") from None
+    return encode_frame(kind, request_id, text.encode())
+
+
+def _decode_object(message: Frame | bytes, kind: Kind) -> dict[str, Any]:
+    body = _json(_body(message, kind).rest(), kind)
+    if not isinstance(body, dict):
+        raise MalformedFrame(f"{kind.name} body is JSON {type(body).__name__}, not an object")
+    return body
+
+
+def encode_checkpoint_reply(request_id: int, checkpoint: Mapping[str, Any]) -> bytes:
+    return _encode_object(Kind.CHECKPOINT, request_id, checkpoint, "checkpoint")
 
 
 def decode_checkpoint_reply(message: Frame | bytes) -> CheckpointReply:
-    body = _json(_body(message, Kind.CHECKPOINT).rest(), Kind.CHECKPOINT)
-    if not isinstance(body, dict):
-        raise MalformedFrame(f"CHECKPOINT body is JSON {type(body).__name__}, not an object")
-    return CheckpointReply(body)
+    return CheckpointReply(_decode_object(message, Kind.CHECKPOINT))
 
 
 def encode_savepoint(request_id: int, directory: str, name: str | None = None) -> bytes:
@@ -1259,18 +1268,11 @@ def _check_savepoint(body: Any) -> None:
 
 
 def encode_savepoint_created(request_id: int, savepoint: Mapping[str, Any]) -> bytes:
-    try:
-        text = json.dumps(dict(savepoint), sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(f"savepoint is not a JSON object: {exc}") from None
-    return encode_frame(Kind.SAVEPOINT_CREATED, request_id, text.encode())
+    return _encode_object(Kind.SAVEPOINT_CREATED, request_id, savepoint, "savepoint")
 
 
 def decode_savepoint_created(message: Frame | bytes) -> SavepointCreated:
-    body = _json(_body(message, Kind.SAVEPOINT_CREATED).rest(), Kind.SAVEPOINT_CREATED)
-    if not isinstance(body, dict):
-        raise MalformedFrame(f"SAVEPOINT_CREATED body is JSON {type(body).__name__}, not an object")
-    return SavepointCreated(body)
+    return SavepointCreated(_decode_object(message, Kind.SAVEPOINT_CREATED))
 
 
 def _json(raw: bytes, kind: Kind) -> Any:
