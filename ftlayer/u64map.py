@@ -289,9 +289,8 @@ class U64Map:
         live = self._list[: self._live].astype(np.intp) if self._track else self.live_slots()
         keys = self.keys[live]
         columns = {name: column[live] for name, column in self.columns.items()}
-        dense = (
-            {name: d[: self._live].copy() for name, d in self._dense.items()} if self._track else {}
-        )
+        # Views of the old arrays: _alloc makes new ones, so no copy is needed.
+        dense = {name: d[: self._live] for name, d in self._dense.items()} if self._track else {}
         new_cap = max(cap, capacity_for(self._live + n))
         if self._deleted and (self._live + n) * 4 > new_cap:
             new_cap *= 2

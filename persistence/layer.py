@@ -16,8 +16,9 @@ and this layer, and neither completion nor deletion reads the storage back.
   the roots with their Kafka coordinates. With `defer_deletes=True` the records are
   only marked for deletion: the next persist deletes them, or `flush_deletes()` /
   `take_marked()` (a server's deleter thread, when no persist comes), so completions
-  never wait for LMDB. A marked record that a crash leaves in storage is recovered and replayed: a
-  duplicate, never a loss, since only completed records are ever marked.
+  never wait for LMDB. A marked record that a crash leaves in storage is recovered
+  and replayed: a duplicate, never a loss, since only completed records are ever
+  marked.
 - retag(seqs, new_roots, replay_seqs): stored records are now tracked under new roots
   and queued for replay (one storage transaction).
 """
