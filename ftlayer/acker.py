@@ -88,7 +88,8 @@ class AckerTable:
     ) -> None:
         """`track_live`: enumerate pending roots (roots, items, snapshot, live_columns)
         in O(pending) rather than O(capacity), for 6 bytes more per slot; `mirror`:
-        owner columns live_columns reads with one sequential copy (U64Map)."""
+        owner columns (or "root") that live_columns and snapshot read with one
+        sequential copy (U64Map)."""
         if columns and "ack" in columns:
             raise ValueError("the column name 'ack' is the table's own")
         self._owned = list(columns or {})
@@ -132,19 +133,12 @@ class AckerTable:
 
     def snapshot(self, *names: str) -> dict[str, NDArray[Any]]:
         """Every pending root ("root"), its ack value ("ack") and the named owner
-        columns, as copies in one slot order: a consistent picture for checkpoints."""
-        live = self._map.live_slots()
-        found = {"root": self._map.keys[live], "ack": self._map.columns["ack"][live]}
-        found.update({name: self._map.columns[name][live] for name in names})
-        return found
+        columns, as copies in one order: a consistent picture for checkpoints."""
+        return self._map.live_view("root", "ack", *names)
 
     def live_columns(self, *names: str) -> dict[str, NDArray[Any]]:
         """The named owner columns of every pending root (copies, in one order)."""
-        mirrored = self._map.live_mirrored(*names)
-        if mirrored is not None:
-            return mirrored
-        live = self._map.live_slots()
-        return {name: self._map.columns[name][live] for name in names}
+        return self._map.live_view(*names)
 
     def add(
         self, roots: ArrayLike, values: ArrayLike | None = None, **columns: ArrayLike

@@ -453,7 +453,7 @@ _CHECKPOINT_QUERY = "bench"
 def bench_checkpoint(
     batches: int = 10,
     batch: int = 20_000,
-    rounds: int = 30,
+    rounds: int = 60,
     payload_bytes: int = 100,
     pending_points: tuple[int, ...] = (0, 10_000, 100_000, 1_000_000),
     directory: str | None = None,
@@ -496,17 +496,20 @@ def bench_checkpoint(
                 offset = 0
                 seconds = {False: 0.0, True: 0.0}
                 pair_ratios: list[float] = []
+                done: dict[str, Any] | None = None  # the last checkpointed batch, complete
                 for pair in range(rounds):
                     took: dict[bool, float] = {}
                     for checkpoints in (False, True) if pair % 2 == 0 else (True, False):
                         gc.collect()
                         began = time.perf_counter()
-                        offset = _checkpoint_bench_round(
-                            client, batches, batch, payload, offset, checkpoints
+                        offset, done = _checkpoint_bench_round(
+                            client, batches, batch, payload, offset, checkpoints, done
                         )
                         took[checkpoints] = time.perf_counter() - began
                         seconds[checkpoints] += took[checkpoints]
                     pair_ratios.append(took[False] / took[True])
+                if done is not None:
+                    _bench_checkpoint_call(client, False, done)
                 status = client.status()
                 if status["pending"] or status["completed"] != 2 * rounds * batches * batch:
                     raise AssertionError(
@@ -559,12 +562,20 @@ def _spread(ratios: list[float]) -> dict[str, Any]:
 
 
 def _checkpoint_bench_round(
-    client: Any, batches: int, batch: int, payload: bytes, offset: int, checkpoints: bool
-) -> int:
-    """One round of the micro-batch job; returns the next offset."""
+    client: Any,
+    batches: int,
+    batch: int,
+    payload: bytes,
+    offset: int,
+    checkpoints: bool,
+    done: dict[str, Any] | None,
+) -> tuple[int, dict[str, Any] | None]:
+    """One round of the micro-batch job. `done` is the position of the last
+    checkpointed batch, done but not reported complete yet: Spark's commit of a batch
+    goes with the next BEGIN, in the next checkpointed round if this one has none.
+    Returns the next offset and the `done` for the next round."""
     in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
     previous: dict[str, Any] | None = None
-    done: dict[str, Any] | None = None  # Spark's commit of a batch, sent with the next BEGIN
     payloads = [payload] * batch
     for _ in range(batches):
         end = {"kafka": {"bench": {"0": offset + batch}}, "replay": 0}
@@ -578,13 +589,14 @@ def _checkpoint_bench_round(
         )
         if in_flight is not None:
             client.xor(*in_flight)
-            done = previous  # that batch is complete: ftkafka's commit(end) defers to here
+            if checkpoints:  # that batch is complete: ftkafka's commit(end) defers to here
+                done = previous
         in_flight, previous, offset = (roots, ids), end, offset + batch
     if in_flight is not None:
         client.xor(*in_flight)
-    if checkpoints and previous is not None:
-        _bench_checkpoint_call(client, False, previous)
-    return offset
+        if checkpoints:
+            done = previous
+    return offset, done
 
 
 def _bench_checkpoint_call(

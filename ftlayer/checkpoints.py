@@ -73,7 +73,7 @@ from numpy.typing import NDArray
 
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
-from ftlayer.persistence.base import PersistenceStorage
+from ftlayer.persistence.base import MetaValue, PersistenceStorage
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,7 @@ class _Query:
     last_complete: Checkpoint | None = None
     completed: int = 0
     stored: deque[int] = field(default_factory=deque)  # ids with a stored record, ascending
+    snapshots: deque[int] = field(default_factory=deque)  # ids with a stored snapshot, ascending
 
 
 class CheckpointCoordinator:
@@ -407,13 +408,13 @@ class CheckpointCoordinator:
             if not items and not records:
                 return 0
             began = time.perf_counter()
-            snapshots: dict[str, bytes] = {}
+            snapshots: dict[str, MetaValue] = {}
             for checkpoint, state in items:
                 snapshot = _encode_snapshot(state)
-                snapshots[f"{SNAPSHOT_PREFIX}{checkpoint.query}/{checkpoint.id:012d}"] = snapshot
+                snapshots[_snapshot_key(checkpoint.query, checkpoint.id)] = snapshot
                 checkpoint.size_bytes = len(snapshot)
+            expired = self._expire_snapshots(items)
             try:
-                expired = self._expired(self.snapshots, SNAPSHOT_PREFIX, snapshots)
                 if self.snapshots is not self.ft.storage:
                     # The store of snapshots keeps the records too: committed now, without
                     # an fsync, they survive the process being killed before the FT
@@ -452,21 +453,24 @@ class CheckpointCoordinator:
             log.error("could not store the record of checkpoint %s: %s", key, exc)
         self._record_writes.append(({key: record}, expired))
 
-    def _expired(
-        self, store: PersistenceStorage, prefix: str, puts: Mapping[str, bytes]
-    ) -> list[str]:
-        """The keys under `prefix` past `retain` per query once `puts` are stored."""
+    def _expire_snapshots(self, items: Sequence[tuple[Checkpoint, Any]]) -> list[str]:
+        """Count the snapshots of `items` as stored and return the keys of those past
+        `retain` per query (tracked in memory: no read of the store per write). A
+        failed write leaves keys counted that were never stored; deleting a missing key
+        is harmless and a later write brings the count back to `retain`."""
         expired: list[str] = []
-        for query in {key[len(prefix) :].rsplit("/", 1)[0] for key in puts}:
-            under = f"{prefix}{query}/"
-            keys = set(store.meta_keys(under)) | {k for k in puts if k.startswith(under)}
-            expired.extend(sorted(keys)[: max(0, len(keys) - self.retain)])
-        return [key for key in expired if key not in puts]
+        for checkpoint, _state in items:
+            ids = self._queries[checkpoint.query].snapshots
+            ids.append(checkpoint.id)
+            while len(ids) > self.retain:
+                expired.append(_snapshot_key(checkpoint.query, ids.popleft()))
+        return expired
 
     def _load(self) -> None:
         """Pick up each query's stored checkpoint records (after a restart), from the
         FT layer's store and the store of snapshots (which has the newest if the
         process was killed before the FT layer's store committed it)."""
+        self._load_snapshot_ids()
         found: dict[str, bytes] = {}
         for store in (self.ft.storage, self.snapshots):
             for key in store.meta_keys(CHECKPOINT_PREFIX):
@@ -487,6 +491,12 @@ class CheckpointCoordinator:
                 q.recent.append(checkpoint)
                 if q.last_complete is None or checkpoint.id > q.last_complete.id:
                     q.last_complete = checkpoint
+
+    def _load_snapshot_ids(self) -> None:
+        for key in self.snapshots.meta_keys(SNAPSHOT_PREFIX):
+            query, _, number = key[len(SNAPSHOT_PREFIX) :].rpartition("/")
+            if query and number.isdigit():  # key order: id order per query
+                self._queries.setdefault(query, _Query()).snapshots.append(int(number))
 
     def _find_recent(self, q: _Query, key: str) -> Checkpoint | None:
         for checkpoint in reversed(q.recent):
@@ -520,16 +530,25 @@ _SNAPSHOT_MAGIC = b"FTSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
 
 
-def _encode_snapshot(state: Mapping[str, NDArray[Any]]) -> bytes:
+def _snapshot_key(query: str, checkpoint_id: int) -> str:
+    return f"{SNAPSHOT_PREFIX}{query}/{checkpoint_id:012d}"
+
+
+def _encode_snapshot(state: Mapping[str, NDArray[Any]]) -> bytearray:
     """The arrays as one blob: magic, u32 header length, a JSON header (per array its
-    name, dtype and length), then each array's bytes. One copy per array."""
-    arrays = {name: np.ascontiguousarray(array) for name, array in state.items()}
+    name, dtype and length), then each array's bytes. One copy of each array, into
+    the blob."""
     header = json.dumps(
-        [[name, array.dtype.str, len(array)] for name, array in arrays.items()]
+        [[name, array.dtype.str, len(array)] for name, array in state.items()]
     ).encode()
-    parts = [_SNAPSHOT_MAGIC, _HEADER_LEN.pack(len(header)), header]
-    parts.extend(array.tobytes() for array in arrays.values())
-    return b"".join(parts)
+    offset = len(_SNAPSHOT_MAGIC) + _HEADER_LEN.size + len(header)
+    blob = bytearray(offset + sum(array.nbytes for array in state.values()))
+    blob[:offset] = _SNAPSHOT_MAGIC + _HEADER_LEN.pack(len(header)) + header
+    for array in state.values():
+        if array.nbytes:
+            np.frombuffer(blob, dtype=array.dtype, count=len(array), offset=offset)[:] = array
+            offset += array.nbytes
+    return blob
 
 
 def decode_snapshot(raw: bytes) -> dict[str, NDArray[Any]]:

@@ -177,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     checkpoint.add_argument("--batches", type=_positive_int, default=10, help="per round")
     checkpoint.add_argument("--batch", type=_positive_int, default=20_000, help="records")
-    checkpoint.add_argument("--rounds", type=_positive_int, default=30, help="pairs of rounds")
+    checkpoint.add_argument("--rounds", type=_positive_int, default=60, help="pairs of rounds")
     checkpoint.add_argument(
         "--pending",
         default="0,10000,100000,1000000",

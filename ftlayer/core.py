@@ -39,7 +39,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from cachetools import TTLCache
@@ -248,10 +248,13 @@ class FTLayer:
     ) -> None:
         self._clock = clock
         self.storage = storage
-        # Checkpoints enumerate the pending roots every micro-batch: O(pending), and
-        # the lowest pending offsets read the Kafka coordinates sequentially.
+        # Checkpoints enumerate the pending roots every micro-batch: O(pending), with
+        # sequential copies of what they read but the ack values (the snapshot) and of
+        # the Kafka coordinates (the lowest pending offsets).
         self.acker = AckerTable(
-            columns=LOCATOR_COLUMNS, track_live=True, mirror=("topic", "partition", "offset")
+            columns=LOCATOR_COLUMNS,
+            track_live=True,
+            mirror=("root", "seq", "topic", "partition", "offset"),
         )
         self.persistence = TimeoutPersistenceLayer(
             storage,
@@ -651,6 +654,7 @@ class FTLayer:
 
 
 _DENSE_CELLS = 1 << 20
+_EMPTY_CELL: Final = int(np.iinfo(np.int64).max)
 
 
 def _min_per_partition(
@@ -665,10 +669,9 @@ def _min_per_partition(
     width = int(p.max()) + 1
     cells = (int(t.max()) + 1) * width
     if int(p.min()) >= 0 and cells <= _DENSE_CELLS:
-        empty = np.iinfo(np.int64).max
-        table = np.full(cells, empty, dtype=np.int64)
+        table = np.full(cells, _EMPTY_CELL, dtype=np.int64)
         np.minimum.at(table, t * width + p, values)
-        present = np.flatnonzero(table != empty)
+        present = np.flatnonzero(table != _EMPTY_CELL)
         return present // width, present % width, table[present]
     order = np.lexsort((p, t))
     t, p, values = t[order], p[order], values[order]

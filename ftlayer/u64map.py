@@ -24,8 +24,9 @@ track_live: then it keeps the live slots as a dense list (4 + 2 bytes more per s
 maintained in O(n) per insert and delete, and enumerates them in O(live). A table
 that churns is up to 8 times larger than its live keys, so an owner that enumerates
 often (the FT layer's checkpoints, every micro-batch) tracks. Columns named in
-`mirror` are also kept in list order (their width per half slot), so reading them for
-every live key is one sequential copy instead of a gather across the table.
+`mirror` (and the keys, if `key_name` is named) are also kept in list order (their
+width per half slot), so reading them for every live key (live_view) is one
+sequential copy instead of a gather across the table.
 Not thread-safe: one thread owns a map.
 """
 
@@ -62,9 +63,11 @@ class U64Map:
     ) -> None:
         self.key_name = key_name
         self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
-        unknown = set(mirror) - set(self._dtypes)
+        unknown = set(mirror) - set(self._dtypes) - {key_name}
         if unknown or (mirror and not track_live):
-            raise ValueError(f"mirror needs track_live and known columns, got {list(mirror)}")
+            raise ValueError(
+                f"mirror needs track_live and known columns (or {key_name!r}), got {list(mirror)}"
+            )
         self._live = 0
         self._track = track_live
         self._mirrored = tuple(mirror)
@@ -87,7 +90,8 @@ class U64Map:
             # Mirrored columns: a second copy in list order, so reading them for every
             # live key is a sequential pass instead of a gather from the whole table.
             self._dense: dict[str, NDArray[np.generic]] = {
-                name: np.zeros(cap // 2, dtype=self._dtypes[name]) for name in self._mirrored
+                name: np.zeros(cap // 2, dtype=self._dtypes.get(name, np.uint64))
+                for name in self._mirrored
             }
 
     def __len__(self) -> int:
@@ -123,12 +127,26 @@ class U64Map:
             self._live_cache = live
         return self._live_cache
 
-    def live_mirrored(self, *names: str) -> dict[str, NDArray[np.generic]] | None:
-        """Copies of mirrored columns for every live key, in one (unspecified) order,
-        O(live) sequential copies; None unless every name is mirrored."""
-        if not names or not set(names) <= set(self._mirrored):
-            return None
-        return {name: self._dense[name][: self._live].copy() for name in names}
+    def live_view(self, *names: str) -> dict[str, NDArray[np.generic]]:
+        """Copies of the named columns (`key_name`: the keys) for every live key, in
+        one (unspecified) order: mirrored ones by a sequential copy, the others by a
+        gather through the live slots (in list order if tracked)."""
+        if not self._track:
+            live = self.live_slots()
+            return {name: self._column(name)[live] for name in names}
+        found: dict[str, NDArray[np.generic]] = {}
+        slots: NDArray[np.int32] | None = None
+        for name in names:
+            if name in self._dense:
+                found[name] = self._dense[name][: self._live].copy()
+                continue
+            if slots is None:
+                slots = self._list[: self._live]
+            found[name] = self._column(name)[slots]
+        return found
+
+    def _column(self, name: str) -> NDArray[np.generic]:
+        return self.keys if name == self.key_name else self.columns[name]
 
     def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
         """Set column `name` at live `slots` (its mirror too)."""
@@ -222,7 +240,9 @@ class U64Map:
             self._list[self._live : end] = slots
             self._pos[slots] = np.arange(self._live, end, dtype=np.int32)
             for name in self._mirrored:
-                self._dense[name][self._live : end] = values.get(name, 0)
+                self._dense[name][self._live : end] = (
+                    k if name == self.key_name else values.get(name, 0)
+                )
         self._live += len(k)
         return slots
 

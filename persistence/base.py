@@ -78,6 +78,9 @@ HEADER: Final = np.dtype(
 )
 """The packed record header (43 bytes); see the layout table in the module docstring."""
 
+MetaValue = bytes | bytearray | memoryview
+"""What a meta value may be given as (it is stored as bytes)."""
+
 HEADER_SIZE: Final = HEADER.itemsize
 MAX_TOPIC_BYTES: Final = 0xFFFF
 MAX_META_KEY_BYTES: Final = 511
@@ -179,7 +182,7 @@ class PersistenceStorage(ABC):
         """Remove meta key `key`; True if it was there."""
 
     @abstractmethod
-    def update_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+    def update_meta(self, puts: Mapping[str, MetaValue], deletes: Sequence[str] = ()) -> None:
         """Store `puts` and remove `deletes` (absent keys are ignored) in one
         transaction: all of it happens, or (on an error) none of it."""
 

@@ -55,6 +55,7 @@ from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
 from ftlayer.records import RecordBatch
 
 from .base import (
+    MetaValue,
     PersistenceStorage,
     Seqs,
     as_seqs,
@@ -262,7 +263,7 @@ class LmdbStorage(PersistenceStorage):
         raw_key = encode_meta_key(key)
         return bool(self._write(lambda txn: txn.delete(raw_key), db=self._meta))
 
-    def update_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+    def update_meta(self, puts: Mapping[str, MetaValue], deletes: Sequence[str] = ()) -> None:
         self._live_env()
         raw_puts = [(encode_meta_key(key), value) for key, value in puts.items()]
         raw_deletes = [encode_meta_key(key) for key in deletes]

@@ -23,6 +23,7 @@ from ftlayer.errors import StorageError
 from ftlayer.records import RecordBatch
 
 from .base import (
+    MetaValue,
     PersistenceStorage,
     Seqs,
     as_seqs,
@@ -127,7 +128,7 @@ class MemoryStorage(PersistenceStorage):
         self._check_open()
         return self._meta.pop(encode_meta_key(key), None) is not None
 
-    def update_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
+    def update_meta(self, puts: Mapping[str, MetaValue], deletes: Sequence[str] = ()) -> None:
         self._check_open()
         raw_puts = {encode_meta_key(key): value for key, value in puts.items()}
         raw_deletes = [encode_meta_key(key) for key in deletes]

@@ -147,9 +147,9 @@ def test_tracked_live_slots_are_the_live_slots_of_the_table(
 ) -> None:
     """A map that tracks its live slots lists exactly the slots a scan of the table
     finds, through inserts, deletes, growth and rebuilds, and their keys are the
-    ones inserted and not deleted; a mirrored column holds the same values as the
-    column, also after set_column."""
-    table = U64Map({"v": np.uint64, "w": np.int64}, capacity=2, track_live=True, mirror=["w"])
+    ones inserted and not deleted; live_view gives every live key once with its own
+    values, mirrored (the keys, a column also after set_column) or not."""
+    table = U64Map({"v": np.uint64, "w": np.int64}, capacity=2, track_live=True, mirror=["w", "id"])
     model: set[int] = set()
     for insert, keys in steps:
         if insert:
@@ -165,10 +165,10 @@ def test_tracked_live_slots_are_the_live_slots_of_the_table(
         assert sorted(live.tolist()) == np.flatnonzero(table.keys > DELETED).tolist()
         assert sorted(table.keys[live].tolist()) == sorted(model)
         assert (table.columns["v"][live] == table.keys[live]).all()
-        mirrored = table.live_mirrored("w")
-        assert mirrored is not None
-        assert sorted((-mirrored["w"]).tolist()) == sorted(model)
-        assert table.live_mirrored("v") is None  # not mirrored: read through the slots
+        view = table.live_view("id", "v", "w")  # mirrored, gathered, mirrored
+        assert sorted(view["id"].tolist()) == sorted(model)
+        assert (view["v"] == view["id"]).all()
+        assert (-view["w"] == view["id"].astype(np.int64)).all()
 
 
 def test_mirroring_needs_tracking_and_known_columns() -> None:

@@ -287,6 +287,11 @@ def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
         again = cps.complete("q", position(5, 5), SOURCES, UNALIGNED)  # Spark commits again
         assert again.id == 5 and again.state is CheckpointState.COMPLETE
         assert cps.begin("q", position(6, 6), SOURCES, UNALIGNED).id == 6
+        cps.write_pending()
+        # The snapshots stored before the restart count towards `retain`.
+        assert storage.meta_keys(SNAPSHOT_PREFIX) == [
+            f"{SNAPSHOT_PREFIX}q/{n:012d}" for n in (5, 6)
+        ]
 
 
 def test_a_position_never_begun_is_begun_at_completion(storage: LmdbStorage) -> None:
