@@ -136,9 +136,10 @@ class AckerTable:
         columns, as copies in one order: a consistent picture for checkpoints."""
         return self._map.live_view("root", "ack", *names)
 
-    def live_columns(self, *names: str) -> dict[str, NDArray[Any]]:
-        """The named owner columns of every pending root (copies, in one order)."""
-        return self._map.live_view(*names)
+    def live_columns(self, *names: str, copy: bool = True) -> dict[str, NDArray[Any]]:
+        """The named owner columns of every pending root, in one order: copies, or
+        with `copy=False` possibly read-only views valid until the table changes."""
+        return self._map.live_view(*names, copy=copy)
 
     def add(
         self, roots: ArrayLike, values: ArrayLike | None = None, **columns: ArrayLike

@@ -250,8 +250,17 @@ class CheckpointCoordinator:
         its next change (`copy_pending`) and then queued for writing. Idempotent: a
         position already begun (Spark plans a batch again after a restart) returns its
         checkpoint."""
-        check_query(query)
-        position = check_position(position)
+        return self._begin(check_query(query), check_position(position), sources, mode, now)
+
+    def _begin(
+        self,
+        query: str,
+        position: Position,
+        sources: Sequence[int],
+        mode: CheckpointMode,
+        now: float | None,
+    ) -> Checkpoint:
+        """`begin` of a checked query and position."""
         q = self._queries.setdefault(query, _Query())
         key = position_key(position)
         found = q.open.get(key) or self._find_recent(q, key)
@@ -262,6 +271,7 @@ class CheckpointCoordinator:
             id=q.next_id,
             mode=mode,
             position=position,
+            key=key,
             sources=tuple(sorted({int(s) for s in sources})),
             begun_at=time.time() if now is None else now,
             pending_roots=len(self.ft),
@@ -321,7 +331,7 @@ class CheckpointCoordinator:
         completed checkpoint's (None if there is none)."""
         now = time.time() if now is None else now
         position = check_position(position)
-        checkpoint = self.begin(query, position, sources, mode, now)
+        checkpoint = self._begin(check_query(query), position, sources, mode, now)
         q = self._queries[query]
         if checkpoint.state is not CheckpointState.BEGUN:
             return self._answer(q, checkpoint)

@@ -583,7 +583,7 @@ class FTLayer:
         given. A partition with nothing pending is absent: a Kafka consumer group may
         then commit up to what its source has read; otherwise never past this offset.
         Records persisted without an offset (negative) are ignored."""
-        cols = self.acker.live_columns("topic", "partition", "offset")
+        cols = self.acker.live_columns("topic", "partition", "offset", copy=False)
         topic, partition = cols["topic"], cols["partition"]
         offsets = cols["offset"].astype(np.int64, copy=False)
         keep = offsets >= 0
@@ -664,15 +664,21 @@ def _min_per_partition(
     Topic numbers are dense and partitions small, so a table indexed by (topic,
     partition) and np.minimum.at do it in O(n) (the checkpoint of every micro-batch
     asks this); a sort when the table would be large (or a partition is negative)."""
-    t = topics.astype(np.int64, copy=False)
-    p = partitions.astype(np.int64, copy=False)
-    width = int(p.max()) + 1
-    cells = (int(t.max()) + 1) * width
-    if int(p.min()) >= 0 and cells <= _DENSE_CELLS:
+    t_lo, t_hi = int(topics.min()), int(topics.max())
+    width = int(partitions.max()) + 1
+    cells = (t_hi + 1) * width
+    if int(partitions.min()) >= 0 and cells <= _DENSE_CELLS:
+        if t_lo == t_hi:  # one topic (a checkpoint asks for its query's): by partition
+            table = np.full(width, _EMPTY_CELL, dtype=np.int64)
+            np.minimum.at(table, partitions, values)
+            present = np.flatnonzero(table != _EMPTY_CELL)
+            return np.full(len(present), t_lo, dtype=np.int64), present, table[present]
         table = np.full(cells, _EMPTY_CELL, dtype=np.int64)
-        np.minimum.at(table, t * width + p, values)
+        np.minimum.at(table, topics.astype(np.intp) * width + partitions, values)
         present = np.flatnonzero(table != _EMPTY_CELL)
         return present // width, present % width, table[present]
+    t = topics.astype(np.int64, copy=False)
+    p = partitions.astype(np.int64, copy=False)
     order = np.lexsort((p, t))
     t, p, values = t[order], p[order], values[order]
     starts = np.flatnonzero(np.r_[True, (t[1:] != t[:-1]) | (p[1:] != p[:-1])])

@@ -319,6 +319,8 @@ class FTServer:
             except OSError:
                 break  # the listener was closed by stop()
             peer = f"{peer_address[0]}:{peer_address[1]}"
+            with contextlib.suppress(OSError):  # small replies go out at once
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock, peer)
             thread = threading.Thread(
                 target=self._serve, args=(conn,), name=f"ftlayer-conn-{peer}", daemon=True

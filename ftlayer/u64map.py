@@ -127,9 +127,10 @@ class U64Map:
             self._live_cache = live
         return self._live_cache
 
-    def live_view(self, *names: str) -> dict[str, NDArray[np.generic]]:
+    def live_view(self, *names: str, copy: bool = True) -> dict[str, NDArray[np.generic]]:
         """Copies of the named columns (`key_name`: the keys) for every live key, in
-        one (unspecified) order: mirrored ones by a sequential copy, the others by a
+        one (unspecified) order: mirrored ones by a sequential copy (`copy=False`:
+        read-only views, valid until the next insert or delete), the others by a
         gather through the live slots (in list order if tracked)."""
         if not self._track:
             live = self.live_slots()
@@ -138,7 +139,13 @@ class U64Map:
         slots: NDArray[np.int32] | None = None
         for name in names:
             if name in self._dense:
-                found[name] = self._dense[name][: self._live].copy()
+                dense = self._dense[name][: self._live]
+                if copy:
+                    dense = dense.copy()
+                else:
+                    dense = dense.view()
+                    dense.flags.writeable = False
+                found[name] = dense
                 continue
             if slots is None:
                 slots = self._list[: self._live]

@@ -169,6 +169,9 @@ def test_tracked_live_slots_are_the_live_slots_of_the_table(
         assert sorted(view["id"].tolist()) == sorted(model)
         assert (view["v"] == view["id"]).all()
         assert (-view["w"] == view["id"].astype(np.int64)).all()
+        views = table.live_view("id", "w", copy=False)
+        assert not views["w"].flags.writeable
+        assert (views["id"] == view["id"]).all() and (views["w"] == view["w"]).all()
 
 
 def test_mirroring_needs_tracking_and_known_columns() -> None:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ftlayer.core import FailCause, FTLayer, SourceConfig
+from ftlayer.core import FailCause, FTLayer, SourceConfig, _min_per_partition
 from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
 from ftlayer.ids import new_ids
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
@@ -395,6 +397,33 @@ def test_lowest_pending_offsets_never_pass_an_incomplete_record(
     assert ft.lowest_pending_offsets(["clicks", "unknown"]) == {"clicks": {0: 7}}
     ft.xor(orders.roots[[4, 8]], ids[[4, 8]])
     assert 0 not in ft.lowest_pending_offsets()["orders"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.one_of(st.integers(0, 40), st.integers(0, 2**31 - 1)),  # small, or sorted
+            st.integers(0, 2**62),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_min_per_partition_is_the_minimum_of_each_topic_and_partition(
+    rows: list[tuple[int, int, int]],
+) -> None:
+    """Against a dict: one topic or several, a dense table or (huge partitions) a sort."""
+    topics, partitions, values = (np.array(c) for c in zip(*rows, strict=True))
+    found = _min_per_partition(
+        topics.astype(np.uint32), partitions.astype(np.int32), values.astype(np.int64)
+    )
+    model: dict[tuple[int, int], int] = {}
+    for t, p, v in rows:
+        model[t, p] = min(v, model.get((t, p), v))
+    got = {(int(t), int(p)): int(v) for t, p, v in zip(*found, strict=True)}
+    assert got == model and len(found[0]) == len(model)
 
 
 def test_a_source_with_its_own_timeout_times_out_on_its_own_clock(tmp_path: Path) -> None:
