@@ -45,6 +45,26 @@ def _machine() -> dict[str, Any]:
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "numpy": np.__version__}
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks since boot from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice: within user]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _steal_percent(before: tuple[int, int] | None) -> float | None:
+    """The share of CPU time the hypervisor took from this VM since `before`: on a
+    shared machine, runs with much steal measure the neighbours as well."""
+    after = _cpu_times()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 1)
+
+
 def _timed(fn: Callable[[], object]) -> float:
     gc.collect()
     start = time.perf_counter()
@@ -471,7 +491,9 @@ def bench_checkpoint(
     pairs of rounds, one without and one with checkpoints, run on one server in the
     order AB BA AB ..., short, so drift of the machine hits both alike; the ratio is
     records/s with over records/s without, over all rounds. The spread of the pairs'
-    own ratios shows how steady the machine was.
+    own ratios shows how steady the machine was, and `cpu_steal_percent` how much CPU
+    a hypervisor took meanwhile (Linux; the per-batch cost of checkpoints is mostly
+    latency, which grows with it).
 
     Then, for each count in `pending_points`, roots that never complete are added until
     that many are pending and 5 checkpoints are taken: the client's round trip of
@@ -497,6 +519,7 @@ def bench_checkpoint(
                 seconds = {False: 0.0, True: 0.0}
                 pair_ratios: list[float] = []
                 done: dict[str, Any] | None = None  # the last checkpointed batch, complete
+                cpu_before = _cpu_times()
                 for pair in range(rounds):
                     took: dict[bool, float] = {}
                     for checkpoints in (False, True) if pair % 2 == 0 else (True, False):
@@ -508,6 +531,7 @@ def bench_checkpoint(
                         took[checkpoints] = time.perf_counter() - began
                         seconds[checkpoints] += took[checkpoints]
                     pair_ratios.append(took[False] / took[True])
+                steal = _steal_percent(cpu_before)
                 if done is not None:
                     _bench_checkpoint_call(client, False, done)
                 status = client.status()
@@ -534,6 +558,7 @@ def bench_checkpoint(
         "records_per_s_with_checkpoints": round(with_),
         "ratio_with_vs_without": round(ratio, 3),
         "pair_ratios": _spread(pair_ratios),
+        "cpu_steal_percent": steal,
         "checkpoints_completed": completed_checkpoints,
         "checkpoint_time_by_pending": by_pending,
         "target": {"ratio_with_vs_without": CHECKPOINT_TARGET_RATIO},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,9 @@ def test_bench_checkpoint_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert spread["pairs"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
     low, high = spread["geometric_mean_95ci"]
     assert 0 < low <= high
+    steal = result["cpu_steal_percent"]
+    assert (steal is None) is (not Path("/proc/stat").exists())
+    assert steal is None or 0 <= steal <= 100
     by_pending = {row["pending_roots"]: row for row in result["checkpoint_time_by_pending"]}
     assert sorted(by_pending) == [0, 1000]
     assert 24 <= by_pending[1000]["bytes_per_pending_root"] < 25  # root, ack, seq + header
