@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint/"
 SNAPSHOT_PREFIX = "snapshot/"
+SNAPSHOT_DIR = "checkpoints"
+"""The LMDB environment of snapshots (and copies of the checkpoint records) inside a
+server's data dir."""
 MAX_QUERY_CHARS = 200
 _QUERY_OK = re.compile(r"^[^\x00-\x1f/]+$")
 _RECENT = 20  # checkpoint records kept in memory per query, for status

@@ -87,7 +87,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer import __version__
-from ftlayer.checkpoints import CHECKPOINT_PREFIX, SNAPSHOT_PREFIX, CheckpointState
+from ftlayer.checkpoints import (
+    CHECKPOINT_PREFIX,
+    SNAPSHOT_DIR,
+    SNAPSHOT_PREFIX,
+    CheckpointState,
+)
 from ftlayer.core import REPLAY_SEQ_META_KEY, SOURCES_META_KEY, SourceConfig
 from ftlayer.errors import ConfigError, FTLayerError, NotAnLmdbEnvironment, StorageError
 from ftlayer.partitioners import KeyGroupPartitioner
@@ -196,10 +201,17 @@ class RestoreResult:
 
 
 def create_savepoint(
-    storage: LmdbStorage, savepoints_dir: str | os.PathLike[str], name: str | None = None
+    storage: LmdbStorage,
+    savepoints_dir: str | os.PathLike[str],
+    name: str | None = None,
+    *,
+    checkpoint_records: LmdbStorage | None = None,
 ) -> Savepoint:
     """Write a savepoint of the open `storage` to `<savepoints_dir>/<name>` (steps in
-    the module docstring); `name` defaults to `savepoint-<UTC time>-<random>`.
+    the module docstring); `name` defaults to `savepoint-<UTC time>-<random>`. The
+    positions come from the checkpoint records in `storage` and, if given, in
+    `checkpoint_records` (a stopped server's snapshot store, which may hold newer
+    ones: see `create_savepoint_from_data_dir`).
 
     Only reads `storage` (one LMDB read transaction), so a running server may call it
     while it serves. ConfigError for a bad name or one that exists, or a savepoints
@@ -229,7 +241,7 @@ def create_savepoint(
             stored = len(copy)
             sources = _registrations(copy)
             next_replay_seq = _next_replay_seq(copy)
-            positions = _newest_positions(copy)
+            positions = _newest_positions(copy, checkpoint_records)
         (staging / DATA / _LOCK_FILE).unlink(missing_ok=True)  # opening the copy made it
         savepoint = Savepoint(
             name=name,
@@ -285,13 +297,19 @@ def create_savepoint_from_data_dir(
     name: str | None = None,
 ) -> Savepoint:
     """`create_savepoint` on the data dir of a stopped FT-layer server (see
-    `open_stopped_store` for what is refused)."""
+    `open_stopped_store` for what is refused). The positions also come from the
+    checkpoint records in its snapshot store (`<data dir>/checkpoints`): a server
+    killed before its main store committed the newest record has it only there."""
     if name is not None:  # checked before the store is opened, too
         _check_name(name)
         if (Path(savepoints_dir) / name).exists():
             raise ConfigError(f"a savepoint named {name!r} already exists in {savepoints_dir}")
     with open_stopped_store(data_dir) as storage:
-        return create_savepoint(storage, savepoints_dir, name)
+        snapshots = Path(data_dir) / SNAPSHOT_DIR
+        if not (snapshots / _DATA_FILE).is_file():
+            return create_savepoint(storage, savepoints_dir, name)
+        with LmdbStorage(snapshots, sync=False) as records:
+            return create_savepoint(storage, savepoints_dir, name, checkpoint_records=records)
 
 
 def open_stopped_store(data_dir: str | os.PathLike[str]) -> LmdbStorage:
@@ -547,16 +565,21 @@ def _targets(
 # ---- positions and starting offsets ------------------------------------------------
 
 
-def _newest_positions(storage: LmdbStorage) -> dict[str, Any]:
-    """Per query, the position of its newest complete checkpoint.
+def _newest_positions(*stores: LmdbStorage | None) -> dict[str, Any]:
+    """Per query, the position of its newest complete checkpoint in any of `stores`.
 
     Checkpoint records are `checkpoint/<query>/<id>` with a JSON object value
     (ftlayer.checkpoints.Checkpoint.to_json). Newest means the highest id: the value's
     int `id`, else the key's last part. Records that are not complete (`state` other
     than "complete") or have no `position` are skipped, as are unreadable ones."""
     newest: dict[str, tuple[tuple[int, str], Any]] = {}
-    for key in storage.meta_keys(CHECKPOINT_PREFIX):
-        raw = storage.get_meta(key)
+    found = (
+        (key, store.get_meta(key))
+        for store in stores
+        if store is not None
+        for key in store.meta_keys(CHECKPOINT_PREFIX)
+    )
+    for key, raw in found:
         try:
             value = json.loads(raw.decode()) if raw is not None else None
         except (UnicodeDecodeError, ValueError):

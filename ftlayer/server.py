@@ -72,7 +72,7 @@ from typing import Any, Final, Self
 import numpy as np
 
 from ftlayer import __version__
-from ftlayer.checkpoints import CheckpointCoordinator, CheckpointMode
+from ftlayer.checkpoints import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
 from ftlayer.core import FTLayer, ReplayRecords
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
@@ -234,7 +234,7 @@ class FTServer:
             )
             # Checkpoint snapshots: an LMDB environment of their own, without fsync (a
             # snapshot lost to an OS crash loses no record; see ftlayer.checkpoints).
-            snapshots = LmdbStorage(os.path.join(self.data_dir, "checkpoints"), sync=False)
+            snapshots = LmdbStorage(os.path.join(self.data_dir, SNAPSHOT_DIR), sync=False)
             self._checkpoints = CheckpointCoordinator(
                 self._ft, snapshots=snapshots, lock=self._lock
             )

@@ -360,6 +360,27 @@ def test_a_stopped_servers_data_dir_is_saved(job: Job, tmp_path: Path) -> None:
         assert len(reopened) == stored
 
 
+def test_a_stopped_servers_newest_checkpoint_record_may_be_in_its_snapshot_store(
+    job: Job, tmp_path: Path
+) -> None:
+    """A server killed after the checkpoint writer stored a record in
+    `<data dir>/checkpoints` but before its main store committed the staged copy:
+    the savepoint's position is the newer one."""
+    path = Path(job.storage.path)
+
+    def record(checkpoint_id: int, offset: int) -> dict[str, bytes]:
+        position = {"kafka": {"orders": {"0": offset}}, "replay": 0}
+        value = {"query": "q", "id": checkpoint_id, "state": "complete", "position": position}
+        return {f"checkpoint/q/{checkpoint_id:012d}": json.dumps(value).encode()}
+
+    job.storage.update_meta(record(1, 10))
+    job.close()
+    with LmdbStorage(path / "checkpoints", sync=False) as snapshots:
+        snapshots.update_meta({**record(1, 10), **record(2, 25)})
+    created = create_savepoint_from_data_dir(path, tmp_path / "sp", "after-kill")
+    assert created.positions == {"q": {"kafka": {"orders": {"0": 25}}, "replay": 0}}
+
+
 def test_a_store_open_in_this_process_is_refused_and_keeps_its_lock(
     job: Job, tmp_path: Path
 ) -> None:
