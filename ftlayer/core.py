@@ -666,17 +666,15 @@ def _min_per_partition(
     asks this); a sort when the table would be large (or a partition is negative)."""
     t_lo, t_hi = int(topics.min()), int(topics.max())
     width = int(partitions.max()) + 1
-    cells = (t_hi + 1) * width
+    cells = (t_hi - t_lo + 1) * width
     if int(partitions.min()) >= 0 and cells <= _DENSE_CELLS:
-        if t_lo == t_hi:  # one topic (a checkpoint asks for its query's): by partition
-            table = np.full(width, _EMPTY_CELL, dtype=np.int64)
-            np.minimum.at(table, partitions, values)
-            present = np.flatnonzero(table != _EMPTY_CELL)
-            return np.full(len(present), t_lo, dtype=np.int64), present, table[present]
+        # Cells from the lowest topic on; with one topic (a checkpoint asks for its
+        # query's) the partition alone is the cell.
+        cell = partitions if t_lo == t_hi else (topics.astype(np.intp) - t_lo) * width + partitions
         table = np.full(cells, _EMPTY_CELL, dtype=np.int64)
-        np.minimum.at(table, topics.astype(np.intp) * width + partitions, values)
+        np.minimum.at(table, cell, values)
         present = np.flatnonzero(table != _EMPTY_CELL)
-        return present // width, present % width, table[present]
+        return present // width + t_lo, present % width, table[present]
     t = topics.astype(np.int64, copy=False)
     p = partitions.astype(np.int64, copy=False)
     order = np.lexsort((p, t))
