@@ -424,7 +424,7 @@ class CheckpointCoordinator:
             snapshots: dict[str, MetaValue] = {}
             for checkpoint, state in items:
                 snapshot = _encode_snapshot(state)
-                snapshots[_snapshot_key(checkpoint.query, checkpoint.id)] = snapshot
+                snapshots[_entry_key(SNAPSHOT_PREFIX, checkpoint.query, checkpoint.id)] = snapshot
                 checkpoint.size_bytes = len(snapshot)
             expired = self._expire_snapshots(items)
             try:
@@ -457,8 +457,8 @@ class CheckpointCoordinator:
         q.stored.append(checkpoint.id)
         expired: list[str] = []
         while len(q.stored) > self.retain:
-            expired.append(f"{CHECKPOINT_PREFIX}{query}/{q.stored.popleft():012d}")
-        key = f"{CHECKPOINT_PREFIX}{query}/{checkpoint.id:012d}"
+            expired.append(_entry_key(CHECKPOINT_PREFIX, query, q.stored.popleft()))
+        key = _entry_key(CHECKPOINT_PREFIX, query, checkpoint.id)
         record = json.dumps(checkpoint.to_json(), sort_keys=True).encode()
         try:
             self.ft.storage.stage_meta({key: record}, expired)
@@ -476,7 +476,7 @@ class CheckpointCoordinator:
             ids = self._queries[checkpoint.query].snapshots
             ids.append(checkpoint.id)
             while len(ids) > self.retain:
-                expired.append(_snapshot_key(checkpoint.query, ids.popleft()))
+                expired.append(_entry_key(SNAPSHOT_PREFIX, checkpoint.query, ids.popleft()))
         return expired
 
     def _load(self) -> None:
@@ -543,8 +543,9 @@ _SNAPSHOT_MAGIC = b"FTSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
 
 
-def _snapshot_key(query: str, checkpoint_id: int) -> str:
-    return f"{SNAPSHOT_PREFIX}{query}/{checkpoint_id:012d}"
+def _entry_key(prefix: str, query: str, checkpoint_id: int) -> str:
+    """The meta key of a checkpoint's record or snapshot: `<prefix><query>/<id>`."""
+    return f"{prefix}{query}/{checkpoint_id:012d}"
 
 
 def _encode_snapshot(state: Mapping[str, NDArray[Any]]) -> bytearray:
