@@ -41,7 +41,6 @@ from typing import Any, Final, Self, TypeVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ftlayer.core import ReplayRecords
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.protocol import (
     DEFAULT_MAX_FRAME,
@@ -85,7 +84,7 @@ from ftlayer.protocol import (
     encode_xor,
     new_nonce,
 )
-from ftlayer.records import RecordBatch
+from ftlayer.records import RecordBatch, ReplayRecords
 
 T = TypeVar("T")
 

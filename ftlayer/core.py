@@ -52,7 +52,7 @@ from ftlayer.partitioners import ReplayPartitioner, create_partitioner
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
-from ftlayer.records import RecordBatch
+from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.rotating import validate_timeout
 
 REPLAY_SEQ_META_KEY = "next_replay_seq"
@@ -94,35 +94,6 @@ class SourceConfig:
         **options: object,
     ) -> SourceConfig:
         return cls(create_partitioner(partitioner, **options), num_partitions, timeout_s)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayRecords:
-    """Replayed records fetched from the queue: each row re-enters `partitions[i]`."""
-
-    replay_seqs: NDArray[np.uint64]
-    partitions: NDArray[np.int32]
-    records: RecordBatch
-    """The stored records, with `roots` set to the root ids they are now tracked under."""
-
-    def __len__(self) -> int:
-        return len(self.replay_seqs)
-
-    def take(self, index: NDArray[np.intp]) -> ReplayRecords:
-        return ReplayRecords(
-            self.replay_seqs[index], self.partitions[index], self.records.take(index)
-        )
-
-    @classmethod
-    def concat(cls, pages: Sequence[ReplayRecords]) -> ReplayRecords:
-        """The rows of `pages`, one after the other (pages of one fetch)."""
-        if len(pages) == 1:
-            return pages[0]
-        return cls(
-            np.concatenate([p.replay_seqs for p in pages] or [_EMPTY_U64]),
-            np.concatenate([p.partitions for p in pages] or [np.zeros(0, np.int32)]),
-            RecordBatch.concat([p.records for p in pages]),
-        )
 
 
 @dataclass(slots=True)

@@ -94,9 +94,8 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ftlayer.core import ReplayRecords
 from ftlayer.errors import ConfigError, FTLayerError
-from ftlayer.records import RecordBatch
+from ftlayer.records import RecordBatch, ReplayRecords
 
 PROTOCOL_VERSION: Final = 1
 SUPPORTED_VERSIONS: Final = frozenset({PROTOCOL_VERSION})

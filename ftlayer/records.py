@@ -151,6 +151,35 @@ class RecordBatch:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayRecords:
+    """Replayed records fetched from the queue: each row re-enters `partitions[i]`."""
+
+    replay_seqs: NDArray[np.uint64]
+    partitions: NDArray[np.int32]
+    records: RecordBatch
+    """The stored records, with `roots` set to the root ids they are now tracked under."""
+
+    def __len__(self) -> int:
+        return len(self.replay_seqs)
+
+    def take(self, index: NDArray[np.intp]) -> ReplayRecords:
+        return ReplayRecords(
+            self.replay_seqs[index], self.partitions[index], self.records.take(index)
+        )
+
+    @classmethod
+    def concat(cls, pages: Sequence[ReplayRecords]) -> ReplayRecords:
+        """The rows of `pages`, one after the other (pages of one fetch)."""
+        if len(pages) == 1:
+            return pages[0]
+        return cls(
+            np.concatenate([p.replay_seqs for p in pages] or [np.zeros(0, np.uint64)]),
+            np.concatenate([p.partitions for p in pages] or [np.zeros(0, np.int32)]),
+            RecordBatch.concat([p.records for p in pages]),
+        )
+
+
 def _column(value: ArrayLike, n: int) -> NDArray[np.int64]:
     """A column of n integers from a sequence, or a scalar repeated n times."""
     column = np.asarray(value, dtype=np.int64)

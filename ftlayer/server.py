@@ -73,7 +73,7 @@ import numpy as np
 
 from ftlayer import __version__
 from ftlayer.checkpoints import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
-from ftlayer.core import FTLayer, ReplayRecords
+from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.protocol import (
@@ -114,6 +114,7 @@ from ftlayer.protocol import (
     encode_welcome,
     new_nonce,
 )
+from ftlayer.records import ReplayRecords
 from ftlayer.rotating import rotation_interval
 from ftlayer.savepoint import Savepoint, create_savepoint
 

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from ftlayer import protocol as p
-from ftlayer.core import FTLayer, ReplayRecords
+from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.ids import new_ids
 from ftlayer.persistence import MemoryStorage
-from ftlayer.records import RecordBatch
+from ftlayer.records import RecordBatch, ReplayRecords
 
 U64_MAX = 2**64 - 1
 I64 = st.integers(-(2**63), 2**63 - 1)

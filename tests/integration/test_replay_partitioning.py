@@ -26,7 +26,7 @@ import pytest
 from numpy.typing import NDArray
 from pyspark.sql import SparkSession
 
-from ftlayer.core import FailCause, FTLayer, ReplayRecords, SourceConfig
+from ftlayer.core import FailCause, FTLayer, SourceConfig
 from ftlayer.errors import PartitioningError
 from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.integration.kafka import KafkaRecord, produce, read_all
@@ -39,6 +39,7 @@ from ftlayer.partitioners import (
     spark_key_hash,
 )
 from ftlayer.persistence import LmdbStorage
+from ftlayer.records import ReplayRecords
 
 MakeTopic = Callable[..., str]
 
