@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Spark's Python workers must hash str keys like the driver does (portable_hash).
 export PYTHONHASHSEED := 0
 
-.PHONY: test demo lint typecheck unit bench clean
+.PHONY: test demo lint typecheck unit bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench: $(STAMP)
 	$(BIN)/ftlayer bench acker
 	$(BIN)/ftlayer bench persist
 	$(BIN)/ftlayer bench server
+
+# Tables in the docs that are generated from the code (a test fails when they drift).
+docs: $(STAMP)
+	$(BIN)/python -m ftlayer.integration.options docs/user-guide.md
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -74,6 +74,13 @@ from numpy.typing import NDArray
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import MetaValue, PersistenceStorage
+from ftlayer.position import (
+    KafkaOffsets,
+    Position,
+    PositionError,
+    offsets_from_json,
+    offsets_to_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +93,6 @@ MAX_QUERY_CHARS = 200
 _QUERY_OK = re.compile(r"^[^\x00-\x1f/]+$")
 _RECENT = 20  # checkpoint records kept in memory per query, for status
 _MAX_OPEN = 1000  # open (begun or aligning) checkpoints per query before the oldest go
-
-Position = dict[str, Any]
-"""{"kafka": {topic: {partition (str): offset}}, "replay": replay cursor}."""
 
 
 class CheckpointMode(enum.Enum):
@@ -132,16 +136,16 @@ class Checkpoint:
     done_at: float | None = None
     completed_at: float | None = None
     alignment_wait_s: float | None = None
-    commit_offsets: dict[str, dict[int, int]] | None = None
+    commit_offsets: KafkaOffsets | None = None
     """The consumer-group offsets this checkpoint allows (set at completion)."""
     pruned: int = 0
     snapshot_written: bool = False
     key: str = ""
-    """position_key(position), kept: the lookup of a barrier begun before."""
+    """position.key(), kept: the lookup of a barrier begun before."""
 
     def __post_init__(self) -> None:
         if not self.key:
-            self.key = position_key(self.position)
+            self.key = self.position.key()
 
     @property
     def duration_s(self) -> float | None:
@@ -156,7 +160,7 @@ class Checkpoint:
             "id": self.id,
             "mode": self.mode.value,
             "state": self.state.value,
-            "position": self.position,
+            "position": self.position.to_json(),
             "sources": list(self.sources),
             "begun_at": self.begun_at,
             "done_at": self.done_at,
@@ -169,7 +173,9 @@ class Checkpoint:
             "write_s": self.write_s,
             "size_bytes": self.size_bytes,
             "pruned": self.pruned,
-            "commit_offsets": _offsets_to_json(self.commit_offsets),
+            "commit_offsets": (
+                None if self.commit_offsets is None else offsets_to_json(self.commit_offsets)
+            ),
         }
 
     @classmethod
@@ -178,7 +184,7 @@ class Checkpoint:
             query=str(data["query"]),
             id=int(data["id"]),
             mode=CheckpointMode.named(str(data["mode"])),
-            position=check_position(data["position"]),
+            position=Position.parse(data["position"], need_replay=True),
             sources=tuple(int(s) for s in data["sources"]),
             state=CheckpointState(data["state"]),
             begun_at=float(data["begun_at"]),
@@ -190,7 +196,7 @@ class Checkpoint:
             done_at=data.get("done_at"),
             completed_at=data.get("completed_at"),
             alignment_wait_s=data.get("alignment_wait_s"),
-            commit_offsets=_offsets_from_json(data.get("commit_offsets")),
+            commit_offsets=_commit_offsets_of(data.get("commit_offsets")),
             pruned=int(data.get("pruned", 0)),
         )
         checkpoint.snapshot_written = True
@@ -244,7 +250,7 @@ class CheckpointCoordinator:
     def begin(
         self,
         query: str,
-        position: Mapping[str, Any],
+        position: Position | Mapping[str, Any],
         sources: Sequence[int],
         mode: CheckpointMode,
         now: float | None = None,
@@ -265,7 +271,7 @@ class CheckpointCoordinator:
     ) -> Checkpoint:
         """`begin` of a checked query and position."""
         q = self._queries.setdefault(query, _Query())
-        key = position_key(position)
+        key = position.key()
         found = q.open.get(key) or self._find_recent(q, key)
         if found is not None:
             return found
@@ -321,7 +327,7 @@ class CheckpointCoordinator:
     def complete(
         self,
         query: str,
-        position: Mapping[str, Any],
+        position: Position | Mapping[str, Any],
         sources: Sequence[int],
         mode: CheckpointMode,
         now: float | None = None,
@@ -344,7 +350,7 @@ class CheckpointCoordinator:
             if earlier.id <= checkpoint.id and earlier.state is CheckpointState.BEGUN:
                 earlier.done_at = now
                 earlier.state = CheckpointState.ALIGNING
-        replay = int(position.get("replay", 0))
+        replay = position.replay or 0
         if replay:
             checkpoint.pruned = sum(self.ft.prune_replay(replay, s) for s in checkpoint.sources)
         self._align(query, q, now)
@@ -370,13 +376,13 @@ class CheckpointCoordinator:
             if not checkpoint.snapshot_written:
                 break  # its snapshot is still being written: the next poll sees it
             if lowest is None:
-                topics = list(checkpoint.position.get("kafka", {}))
+                topics = list(checkpoint.position.kafka)
                 lowest = self.ft.lowest_pending_offsets(topics)
-            kafka = _kafka_of(checkpoint.position)
+            kafka = checkpoint.position.kafka
             if checkpoint.mode is CheckpointMode.ALIGNED:
                 if not _nothing_pending_before(kafka, lowest):
                     break
-                offsets = kafka
+                offsets = checkpoint.position.offsets()
             else:
                 offsets = _capped(kafka, lowest)
             checkpoint.state = CheckpointState.COMPLETE
@@ -605,41 +611,13 @@ def check_query(query: object) -> str:
 
 
 def check_position(position: object) -> Position:
-    """A barrier position {"kafka": {topic: {partition: offset}}, "replay": n}, with
-    partitions as strings (JSON's way); ConfigError naming the problem otherwise."""
-    if not isinstance(position, Mapping):
-        raise ConfigError(f"a checkpoint position is a JSON object, got {position!r}")
-    kafka = position.get("kafka", {})
-    replay = position.get("replay", 0)
-    if not isinstance(kafka, Mapping) or isinstance(replay, bool) or not isinstance(replay, int):
-        raise ConfigError(f"bad checkpoint position {position!r}")
-    if replay < 0 or set(position) - {"kafka", "replay"}:
-        raise ConfigError(f"bad checkpoint position {position!r}")
-    clean: dict[str, dict[str, int]] = {}
-    for topic, partitions in kafka.items():
-        if not isinstance(topic, str) or not isinstance(partitions, Mapping):
-            raise ConfigError(f"bad checkpoint position for topic {topic!r}: {partitions!r}")
-        clean[topic] = {}
-        for p, offset in partitions.items():
-            try:
-                number = int(p)
-            except (TypeError, ValueError):
-                number = -1
-            if number < 0 or isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-                raise ConfigError(f"bad checkpoint offset {topic!r}/{p!r}: {offset!r}")
-            clean[topic][str(number)] = offset
-    return {"kafka": clean, "replay": replay}
-
-
-def position_key(position: Mapping[str, Any]) -> str:
-    return json.dumps(position, sort_keys=True, separators=(",", ":"))
-
-
-def _kafka_of(position: Mapping[str, Any]) -> dict[str, dict[int, int]]:
-    return {
-        topic: {int(p): int(o) for p, o in partitions.items()}
-        for topic, partitions in position.get("kafka", {}).items()
-    }
+    """A barrier position (the JSON form of ftlayer.position, "replay" included);
+    PositionError (a ConfigError) naming the problem otherwise."""
+    if isinstance(position, Position):
+        if position.replay is None:
+            raise PositionError(f"a barrier position needs a replay cursor, got {position!r}")
+        return position
+    return Position.parse(position, need_replay=True)
 
 
 def _nothing_pending_before(
@@ -664,13 +642,5 @@ def _capped(
     }
 
 
-def _offsets_to_json(offsets: Mapping[str, Mapping[int, int]] | None) -> Any:
-    if offsets is None:
-        return None
-    return {t: {str(p): o for p, o in parts.items()} for t, parts in offsets.items()}
-
-
-def _offsets_from_json(data: Any) -> dict[str, dict[int, int]] | None:
-    if data is None:
-        return None
-    return {str(t): {int(p): int(o) for p, o in parts.items()} for t, parts in data.items()}
+def _commit_offsets_of(data: object) -> KafkaOffsets | None:
+    return None if data is None else offsets_from_json(data)

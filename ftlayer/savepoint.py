@@ -99,6 +99,7 @@ from ftlayer.partitioners import KeyGroupPartitioner
 from ftlayer.partitioners.key_groups import check_max_parallelism
 from ftlayer.persistence import LmdbStorage
 from ftlayer.persistence import lmdb_storage as _lmdb_storage
+from ftlayer.position import EARLIEST, KafkaOffsets, Position, PositionError
 from ftlayer.records import RecordBatch
 
 __all__ = [
@@ -119,8 +120,6 @@ log = logging.getLogger("ftlayer.savepoint")
 FORMAT: Final = 1
 MANIFEST: Final = "manifest.json"
 DATA: Final = "data"
-EARLIEST: Final = -2
-"""The startingOffsets value for a partition the savepoint has no position of."""
 
 _DATA_FILE: Final = "data.mdb"
 _LOCK_FILE: Final = "lock.mdb"
@@ -603,29 +602,22 @@ def _checkpoint_number(value: Mapping[str, Any], checkpoint: str) -> int:
     return int(checkpoint) if checkpoint.isdigit() else -1
 
 
-def kafka_offsets_of(position: Any) -> dict[str, dict[int, int]] | None:
+def kafka_offsets_of(position: Any) -> KafkaOffsets | None:
     """The Kafka offsets in a checkpoint position, {topic: {partition: offset}}, or None
-    if it holds none. Accepts the ftkafka offset ({"kafka": {...}, "replay": n}), as an
-    object or as its JSON text, and a bare {topic: {partition: offset}}."""
+    if it holds none or is not one. Accepts a position (ftlayer.position's JSON form) as
+    an object or as its text, and bare Kafka offsets {topic: {partition: offset}}."""
     if isinstance(position, str):
         try:
             position = json.loads(position)
         except ValueError:
             return None
-    if not isinstance(position, dict):
+    if isinstance(position, dict) and "kafka" not in position:
+        position = {"kafka": position}
+    try:
+        offsets = Position.parse(position).offsets()
+    except PositionError:
         return None
-    kafka = position.get("kafka", position)
-    if not isinstance(kafka, dict) or not kafka:
-        return None
-    offsets: dict[str, dict[int, int]] = {}
-    for topic, per_partition in kafka.items():
-        if not isinstance(per_partition, dict):
-            return None
-        try:
-            offsets[str(topic)] = {int(p): int(o) for p, o in per_partition.items()}
-        except (TypeError, ValueError):
-            return None
-    return offsets
+    return offsets or None
 
 
 def _starting_offsets(position: Any, partitions: int | None) -> dict[str, dict[str, int]] | None:

@@ -84,62 +84,8 @@ are partitions); it also caps the number of replay seqs a batch takes in.
 
 ## Options
 
-Kafka (names as in Spark's Kafka source where they overlap):
-
-- `kafka.bootstrap.servers` (required): the brokers.
-- `subscribe` (required): comma-separated topics.
-- `startingOffsets` (default `earliest`): `earliest`, `latest`, or JSON such as
-  `{"t":{"0":23,"1":-2}}` giving every partition of every topic an offset, -2 for
-  earliest or -1 for latest. Only for a new query: a restarted one goes on from its
-  checkpoint.
-- `maxOffsetsPerTrigger` (default: none): at most this many Kafka records, and replay
-  seqs, per batch.
-- `kafkaConsumer.pollTimeoutMs` (default 120000): an executor fails if no record of its
-  range arrives for this long.
-- `fetchOffset.numRetries` (default 3) and `fetchOffset.retryIntervalMs` (default 100,
-  doubling): retries of a failed driver call to Kafka; each attempt is bounded by
-  `kafka.request.timeout.ms` and `kafka.bootstrap.timeout.ms` (1500 on the driver).
-- `kafka.group.id` (default: none): a consumer group whose committed offsets the
-  source moves when Spark reports a batch done (`commit(end)`, one batch late): per
-  partition min(the batch's end, the lowest offset of a record still pending in the FT
-  layer), so a committed offset never passes an incomplete record (and never moves
-  back). Reading never uses the group (assign/seek). With FT off: the batch's end.
-  A failed commit is logged and retried at the next batch.
-- `kafka.*`: passed to kafka-python's consumer, dots turned into underscores
-  (`kafka.security.protocol`, `kafka.sasl.mechanism`, `kafka.check.crcs`, ...).
-
-FT layer:
-
-- `ft.address`: HOST:PORT of the FT-layer server; setting it turns FT on.
-- `ft.enabled` (default: true when ft.address is set): `false` turns FT off.
-- `ft.token` or `ft.tokenFile`: the server's auth token, or a file holding it (read on
-  the driver).
-- `ft.partitioner` (default `forward`): the replay partitioner of every topic's source:
-  forward, kafka-hash, spark-hash, rebalance, broadcast, global or key-group; its
-  options as `ft.partitioner.<name>` (`ft.partitioner.max_parallelism`). kafka-hash
-  and key-group replay by the key's murmur2 hash, spark-hash by its portable_hash;
-  kafka-hash and key-group refuse keyless records (their task fails, naming why).
-- `ft.sourceName` (default: the subscribed topics joined by ",", without spaces or
-  repeats, in the order given): names the sources, so that two
-  queries reading one topic keep their records apart. Set it for a query whose
-  subscription may change: the default changes with it, and replays queued under the
-  old source ids would not be fetched again.
-- `ft.connectTimeoutMs` (default 2000) and `ft.reconnectTimeoutMs` (default 5000): the
-  driver's connection to the FT layer; refused connections are retried with backoff
-  for the latter.
-- `ft.tlsCa`: connect with TLS, trusting this PEM file (on the driver and executors).
-- `ft.timeoutMs` (default: the server's `--timeout-s`): the tree timeout of this
-  query's records, registered with each topic's source: a tree not complete between T
-  and T * (1 + 1/(n-1)) after its persist (or requeue) fails and is replayed. It must
-  exceed the slowest tree, micro-batch latency included. A value the server refuses
-  (below what its n buckets allow) fails the query's first offset call.
-
-- `ft.checkpointMode` (default `unaligned`): how the FT layer's checkpoint of each
-  micro-batch boundary completes (ftlayer.checkpoints). `unaligned`: at once when
-  Spark reports the batch done; the group offsets (kafka.group.id) move to the lowest
-  offset still pending in each partition. `aligned`: once no record from before the
-  boundary is pending; the group offsets then move to the boundary.
-
+Declared once, with their types, defaults and meaning, in `ftlayer.integration.options`
+(`OPTIONS`; docs/user-guide.md section 3.1 shows the same table).
 Every bad option raises ConfigError naming the option and the value, on the driver:
 option syntax at `load()` (in `schema()`), what needs the broker (a topic or partition
 that does not exist) when the query starts, before any batch.
@@ -149,12 +95,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
@@ -181,17 +124,18 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ftlayer.client import BatchingChannel, ConnectionLost, FTClient, read_token_file
-from ftlayer.errors import ConfigError, FTLayerError, PartitioningError
+from ftlayer.client import BatchingChannel, ConnectionLost, FTClient
+from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.handlers import Persister
 from ftlayer.ids import new_ids
 from ftlayer.partitioners import (
-    create_partitioner,
     kafka_key_hashes,
     spark_key_hashes,
 )
+from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position, offsets_from_json
 
-from .ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, read_loop_headers, to_signed
+from .ftcolumns import ID_COLUMN, ROOT_COLUMN, read_loop_headers, to_signed
+from .options import SourceOptions, parse_options
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -201,19 +145,14 @@ __all__ = [
     "FTKafkaPartition",
     "FTKafkaStreamReader",
     "SourceError",
-    "SourceOptions",
     "decode_payloads",
     "encode_payloads",
-    "parse_options",
     "register",
-    "source_id",
     "source_schema",
 ]
 
 T = TypeVar("T")
 
-EARLIEST: Final = -2
-LATEST: Final = -1
 # An executor reads one partition, so one partition's fetch may use most of the fetch.
 _FETCH_MAX_BYTES: Final = 32 * 1024 * 1024
 _PARTITION_FETCH_MAX_BYTES: Final = 16 * 1024 * 1024
@@ -231,326 +170,10 @@ _SECURITY: Final = frozenset(
     k for k in KafkaConsumer.DEFAULT_CONFIG if k.startswith(("ssl_", "sasl_", "security_"))
 )
 
-_KAFKA_PREFIX: Final = "kafka."
-_PARTITIONER_PREFIX: Final = "ft.partitioner."
-# kafka-python settings this source owns, or that take objects an option cannot give.
-_KAFKA_OWN_OPTIONS: Final = frozenset({"kafka.bootstrap.servers", "kafka.group.id"})
-_KAFKA_RESERVED: Final = frozenset(
-    {
-        "bootstrap_servers",
-        "group_id",
-        "group_instance_id",
-        "key_deserializer",
-        "value_deserializer",
-        "enable_auto_commit",
-        "auto_commit_interval_ms",
-        "default_offset_commit_callback",
-        "partition_assignment_strategy",
-        "socket_options",
-        "metric_reporters",
-        "selector",
-        "kafka_client",
-        "ssl_context",
-        "sasl_oauth_token_provider",
-        "api_version",
-        "consumer_timeout_ms",
-    }
-)
-_KAFKA_INT_WITHOUT_DEFAULT: Final = frozenset({"receive_buffer_bytes", "send_buffer_bytes"})
-
 
 class SourceError(FTLayerError):
     """The ftkafka source cannot reach Kafka or the FT layer (after its retries), cannot
     read an offset range in time, or found Kafka or the FT layer behind its offsets."""
-
-
-# ---- options ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SourceOptions:
-    """The parsed options of one ftkafka source (see "Options" in the module docstring)."""
-
-    bootstrap: str
-    topics: tuple[str, ...]
-    starting: str | dict[str, dict[int, int]]
-    """'earliest', 'latest', or per topic and partition an offset, -2 or -1."""
-    max_offsets_per_trigger: int | None
-    ft: FTSettings
-    partitioner: str
-    partitioner_options: dict[str, int]
-    source_name: str
-    kafka_config: dict[str, Any] = field(default_factory=dict)
-    poll_timeout_s: float = 120.0
-    kafka_retries: int = 3
-    kafka_retry_interval_s: float = 0.1
-    ft_connect_timeout_s: float = 2.0
-    ft_reconnect_timeout_s: float = 5.0
-    group_id: str | None = None
-    """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
-    timeout_s: float | None = None
-    """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
-    checkpoint_mode: str = "unaligned"
-    """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoints)."""
-
-    @property
-    def checkpoint_query(self) -> str:
-        """The query name the FT layer files this source's checkpoints under."""
-        name = "".join(c if c.isprintable() and c != "/" else "_" for c in self.source_name)
-        return name[:200] or "_"
-
-    @property
-    def ft_on(self) -> bool:
-        return self.ft.enabled
-
-    def source_ids(self) -> dict[str, int]:
-        return {topic: source_id(self.source_name, topic) for topic in self.topics}
-
-
-def source_id(source_name: str, topic: str) -> int:
-    """The u32 source id of `topic` read under `source_name`: stable across runs and
-    processes (crc32, not hash(), which is seeded per process)."""
-    return zlib.crc32(f"{source_name}\x00{topic}".encode())
-
-
-class _Options:
-    """The user's options, looked up case-insensitively (as Spark passes them) and
-    named in errors as the documentation spells them."""
-
-    def __init__(self, options: Mapping[str, str]) -> None:
-        self.raw = {str(k).lower(): str(v) for k, v in options.items()}
-
-    def text(self, name: str, default: str | None = None) -> str | None:
-        return self.raw.get(name.lower(), default)
-
-    def integer(self, name: str, default: int, minimum: int) -> int:
-        raw = self.raw.get(name.lower())
-        if raw is None:
-            return default
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            raise ConfigError(f"option {name} must be an integer, got {raw!r}") from None
-        if value < minimum:
-            raise ConfigError(f"option {name} must be at least {minimum}, got {raw!r}")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        raw = self.raw.get(name.lower())
-        if raw is None:
-            return default
-        if raw.strip().lower() not in ("true", "false"):
-            raise ConfigError(f"option {name} must be true or false, got {raw!r}")
-        return raw.strip().lower() == "true"
-
-
-_KNOWN_OPTIONS: Final = {
-    name.lower(): name
-    for name in (
-        "kafka.bootstrap.servers",
-        "subscribe",
-        "startingOffsets",
-        "maxOffsetsPerTrigger",
-        "kafkaConsumer.pollTimeoutMs",
-        "fetchOffset.numRetries",
-        "fetchOffset.retryIntervalMs",
-        "ft.address",
-        "ft.enabled",
-        "ft.token",
-        "ft.tokenFile",
-        "ft.tlsCa",
-        "ft.partitioner",
-        "ft.sourceName",
-        "ft.connectTimeoutMs",
-        "ft.reconnectTimeoutMs",
-        "ft.timeoutMs",
-        "ft.checkpointMode",
-        "kafka.group.id",
-    )
-}
-_UNSUPPORTED: Final = {
-    "subscribepattern": "subscribe with a comma-separated list of topics",
-    "assign": "subscribe with a comma-separated list of topics",
-    "endingoffsets": "a streaming query (ftkafka has no batch reads)",
-}
-
-
-def _parse_starting(raw: str) -> str | dict[str, dict[int, int]]:
-    text = raw.strip()
-    if text.lower() in ("earliest", "latest"):
-        return text.lower()
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"option startingOffsets must be earliest, latest or JSON like "
-            f'{{"topic":{{"0":23,"1":-2}}}}, got {raw!r} ({exc})'
-        ) from None
-    if not isinstance(parsed, dict) or not parsed:
-        raise ConfigError(
-            f"option startingOffsets JSON must be a non-empty object of topics, got {raw!r}"
-        )
-    starting: dict[str, dict[int, int]] = {}
-    for topic, partitions in parsed.items():
-        if not isinstance(partitions, dict) or not partitions:
-            raise ConfigError(
-                f"option startingOffsets: topic {topic!r} needs an object of partitions "
-                f"and offsets, got {partitions!r}"
-            )
-        offsets: dict[int, int] = {}
-        for key, offset in partitions.items():
-            if not key.isdigit():
-                raise ConfigError(
-                    f"option startingOffsets: topic {topic!r} has partition {key!r}, "
-                    "which is not a partition number"
-                )
-            if isinstance(offset, bool) or not isinstance(offset, int) or offset < EARLIEST:
-                raise ConfigError(
-                    f"option startingOffsets: topic {topic!r} partition {key} has offset "
-                    f"{offset!r}; use an offset >= 0, -2 (earliest) or -1 (latest)"
-                )
-            offsets[int(key)] = offset
-        starting[topic] = offsets
-    return starting
-
-
-def _kafka_config(options: _Options) -> dict[str, Any]:
-    """kafka.* options as kafka-python consumer settings (kafka.request.timeout.ms ->
-    request_timeout_ms), typed by kafka-python's defaults."""
-    defaults: dict[str, Any] = KafkaConsumer.DEFAULT_CONFIG
-    config: dict[str, Any] = {}
-    for name, raw in options.raw.items():
-        if not name.startswith(_KAFKA_PREFIX) or name in _KAFKA_OWN_OPTIONS:
-            continue
-        setting = name.removeprefix(_KAFKA_PREFIX).replace(".", "_")
-        if setting in _KAFKA_RESERVED or setting not in defaults:
-            raise ConfigError(
-                f"option {name} is not a Kafka consumer setting ftkafka passes on "
-                f"(as kafka-python's {setting!r})"
-            )
-        default = defaults[setting]
-        if isinstance(default, bool):
-            config[setting] = options.boolean(name, default)
-        elif isinstance(default, int) or setting in _KAFKA_INT_WITHOUT_DEFAULT:
-            config[setting] = options.integer(name, 0, 0)
-        else:
-            config[setting] = raw
-    return config
-
-
-def _read_token(options: _Options) -> bytes | None:
-    token, token_file = options.text("ft.token"), options.text("ft.tokenFile")
-    if token is not None and token_file is not None:
-        raise ConfigError("give option ft.token or option ft.tokenFile, not both")
-    if token is not None:
-        if not token:
-            raise ConfigError("option ft.token is empty")
-        return token.encode()
-    if token_file is None:
-        return None
-    try:
-        return read_token_file(token_file)
-    except ConfigError as exc:
-        raise ConfigError(f"option ft.tokenFile: {exc}") from None
-
-
-def _ft_settings(options: _Options) -> FTSettings:
-    address = options.text("ft.address")
-    enabled = options.boolean("ft.enabled", address is not None)
-    if enabled and not address:
-        raise ConfigError("option ft.enabled is true but option ft.address is not set")
-    if not enabled:
-        return FTSettings(enabled=False)
-    try:
-        return FTSettings(
-            address=address,
-            token=_read_token(options),
-            tls_ca=options.text("ft.tlsCa"),
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"option ft.address={address!r}: {exc}") from None
-
-
-def _partitioner(options: _Options) -> tuple[str, dict[str, int]]:
-    name = (options.text("ft.partitioner") or "forward").strip()
-    partitioner_options = {
-        key.removeprefix(_PARTITIONER_PREFIX): options.integer(key, 0, 0)
-        for key in options.raw
-        if key.startswith(_PARTITIONER_PREFIX)
-    }
-    try:
-        create_partitioner(name, **partitioner_options)
-    except (ConfigError, PartitioningError) as exc:
-        raise ConfigError(f"option ft.partitioner={name!r}: {exc}") from None
-    return name, partitioner_options
-
-
-def parse_options(options: Mapping[str, str]) -> SourceOptions:
-    """Check and parse the options of an ftkafka source; ConfigError naming the option
-    and the value for anything wrong. Needs neither Kafka nor the FT layer."""
-    opts = _Options(options)
-    for name, instead in _UNSUPPORTED.items():
-        if name in opts.raw:
-            raise ConfigError(f"option {name} is not supported by ftkafka; use {instead}")
-    for name in opts.raw:
-        if name not in _KNOWN_OPTIONS and not name.startswith((_KAFKA_PREFIX, _PARTITIONER_PREFIX)):
-            raise ConfigError(f"unknown option {name!r} for the ftkafka source")
-    bootstrap = (opts.text("kafka.bootstrap.servers") or "").strip()
-    if not bootstrap:
-        raise ConfigError("option kafka.bootstrap.servers is required (HOST:PORT,...)")
-    subscribe = opts.text("subscribe") or ""
-    topics = tuple(dict.fromkeys(t.strip() for t in subscribe.split(",") if t.strip()))
-    if not topics:
-        raise ConfigError(f"option subscribe needs at least one topic, got {subscribe!r}")
-    starting = _parse_starting(opts.text("startingOffsets", "earliest") or "")
-    if isinstance(starting, dict) and set(starting) - set(topics):
-        raise ConfigError(
-            f"option startingOffsets names topics {sorted(set(starting) - set(topics))} "
-            f"that option subscribe ({subscribe!r}) does not"
-        )
-    max_offsets = opts.integer("maxOffsetsPerTrigger", 0, 1) or None
-    partitioner, partitioner_options = _partitioner(opts)
-    return SourceOptions(
-        bootstrap=bootstrap,
-        topics=topics,
-        starting=starting,
-        max_offsets_per_trigger=max_offsets,
-        ft=_ft_settings(opts),
-        partitioner=partitioner,
-        partitioner_options=partitioner_options,
-        source_name=(opts.text("ft.sourceName") or ",".join(topics)).strip(),
-        kafka_config=_kafka_config(opts),
-        poll_timeout_s=opts.integer("kafkaConsumer.pollTimeoutMs", 120_000, 1) / 1000,
-        kafka_retries=opts.integer("fetchOffset.numRetries", 3, 0),
-        kafka_retry_interval_s=opts.integer("fetchOffset.retryIntervalMs", 100, 0) / 1000,
-        ft_connect_timeout_s=opts.integer("ft.connectTimeoutMs", 2000, 1) / 1000,
-        ft_reconnect_timeout_s=opts.integer("ft.reconnectTimeoutMs", 5000, 0) / 1000,
-        group_id=_group_id(opts),
-        timeout_s=_timeout(opts),
-        checkpoint_mode=_checkpoint_mode(opts),
-    )
-
-
-def _checkpoint_mode(options: _Options) -> str:
-    raw = (options.text("ft.checkpointMode") or "unaligned").strip().lower()
-    if raw not in ("aligned", "unaligned"):
-        raise ConfigError(f"option ft.checkpointMode must be aligned or unaligned, got {raw!r}")
-    return raw
-
-
-def _timeout(options: _Options) -> float | None:
-    if options.text("ft.timeoutMs") is None:
-        return None
-    return options.integer("ft.timeoutMs", 0, 1) / 1000
-
-
-def _group_id(options: _Options) -> str | None:
-    raw = options.text("kafka.group.id")
-    if raw is None:
-        return None
-    if not raw.strip():
-        raise ConfigError("option kafka.group.id is empty")
-    return raw.strip()
 
 
 def source_schema(ft_on: bool) -> StructType:
@@ -724,7 +347,7 @@ def register(spark: SparkSession) -> None:
 
 
 Offset = dict[str, Any]
-KafkaOffsets = dict[str, dict[int, int]]
+"""A position (ftlayer.position) in its JSON form, as Spark's offset log holds it."""
 
 
 class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -743,7 +366,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: Offset | None = None
         self._target: Offset | None = None
         self._available: Offset | None = None
-        self._deferred_commit: Offset | None = None
+        self._deferred_commit: Position | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the configuration travels to executors, never driver connections.
@@ -792,27 +415,26 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._available
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[FTKafkaPartition]:
-        start_kafka, end_kafka = _kafka_part(start), _kafka_part(end)
-        replay_hi = int(end.get("replay", 0))
-        replay_lo = int(start.get("replay", replay_hi))
+        first, barrier = Position.parse(start), Position.parse(end)
+        replay_hi = barrier.replay or 0
+        replay_lo = replay_hi if first.replay is None else first.replay
         parts: list[FTKafkaPartition] = []
         busy = replay_hi > replay_lo
         for topic in self.options.topics:
-            ends = end_kafka.get(topic, {})
-            starts = start_kafka.get(topic, {})
+            ends = barrier.kafka.get(topic, {})
             for p in sorted(ends):
                 hi = ends[p]
-                lo = starts.get(p, hi)  # a partition new in this batch starts empty
+                lo = first.offset(topic, p, hi)  # a partition new in this batch starts empty
                 busy |= hi > lo
                 parts.append(
                     FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
                 )
-        if self.options.ft_on and "replay" in end:
+        if self.options.ft_on and barrier.replay is not None:
             # Spark logged `end` before planning the batch: it is barrier n. The commit
             # of batch n - 1, which Spark made just before, goes in the same request.
             driver = self._driver_side()
             done, self._deferred_commit = self._deferred_commit, None
-            answer = driver.checkpoint(end, begin=True, complete=done)
+            answer = driver.checkpoint(barrier, begin=True, complete=done)
             if done is not None:
                 self._commit_group(driver, _commit_offsets((answer or {}).get("completed")))
         return parts if busy else []
@@ -825,10 +447,11 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # an incomplete record); with kafka.group.id they are committed. Spark plans
         # the next batch right after this call (partitions()), so with FT on the
         # completion rides on that batch's CHECKPOINT_BEGIN: one round trip for both.
-        if self.options.ft_on and "replay" in end:
-            self._deferred_commit = end
+        position = Position.parse(end)
+        if self.options.ft_on and position.replay is not None:
+            self._deferred_commit = position
             return
-        self._commit_group(self._driver_side(), _kafka_part(end))
+        self._commit_group(self._driver_side(), position.offsets())
 
     def _complete_deferred(self) -> None:
         """Complete a deferred commit on its own (no batch was planned after it)."""
@@ -837,7 +460,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             driver = self._driver_side()
             self._commit_group(driver, _commit_offsets(driver.checkpoint(done, begin=False)))
 
-    def _commit_group(self, driver: _Driver, offsets: dict[str, dict[int, int]] | None) -> None:
+    def _commit_group(self, driver: _Driver, offsets: KafkaOffsets | None) -> None:
         if self.options.group_id is not None and offsets:
             driver.commit_group(offsets)
 
@@ -858,50 +481,28 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _read_partition(self.options, self.schema, partition)
 
 
-def _commit_offsets(answer: Mapping[str, Any] | None) -> dict[str, dict[int, int]] | None:
+def _commit_offsets(answer: Mapping[str, Any] | None) -> KafkaOffsets | None:
     """The group offsets a checkpoint answer allows, or None."""
     offsets = None if answer is None else answer.get("commit_offsets")
-    if offsets is None:
-        return None
-    return {t: {int(p): int(o) for p, o in parts.items()} for t, parts in offsets.items()}
-
-
-def _kafka_part(offset: Offset) -> KafkaOffsets:
-    return {
-        topic: {int(p): int(o) for p, o in partitions.items()}
-        for topic, partitions in offset.get("kafka", {}).items()
-    }
-
-
-def _offset(kafka: KafkaOffsets, replay: int | None) -> Offset:
-    """The JSON form: string partition keys; topics and partitions sorted, so that an
-    unchanged position gives the same JSON (Spark then runs no batch)."""
-    offset: Offset = {
-        "kafka": {
-            topic: {str(p): kafka[topic][p] for p in sorted(kafka[topic])}
-            for topic in sorted(kafka)
-        }
-    }
-    if replay is not None:
-        offset["replay"] = replay
-    return offset
+    return None if offsets is None else offsets_from_json(offsets)
 
 
 def _cap(available: Offset, target: Offset, start: Offset) -> Offset:
     """`available` no further than `target` (Trigger.AvailableNow's fixed end), and
     never behind `start`: Spark fixes the target before it asks for the initial offset,
     so with startingOffsets=latest the start may already be past the target."""
-    kafka, goal, begin = _kafka_part(available), _kafka_part(target), _kafka_part(start)
+    now, goal, begin = Position.parse(available), Position.parse(target), Position.parse(start)
+    kafka = now.offsets()
     for topic, partitions in kafka.items():
         for p, end in partitions.items():
             # A partition the target does not know appeared later: it sits at its
             # earliest offset (see _Driver.available), with nothing to read.
-            capped = min(end, goal.get(topic, {}).get(p, end))
-            partitions[p] = max(capped, begin.get(topic, {}).get(p, capped))
-    replay = available.get("replay")
-    if replay is not None and "replay" in target:
-        replay = max(min(int(replay), int(target["replay"])), int(start.get("replay", 0)))
-    return _offset(kafka, replay)
+            capped = min(end, goal.offset(topic, p, end))
+            partitions[p] = max(capped, begin.offset(topic, p, capped))
+    replay = now.replay
+    if replay is not None and goal.replay is not None:
+        replay = max(min(replay, goal.replay), begin.replay or 0)
+    return Position(kafka, replay).to_json()
 
 
 # ---- the driver's connections ------------------------------------------------------------
@@ -949,7 +550,7 @@ class _Driver:
         else:
             assert isinstance(starting, dict)
             kafka = self._specific_offsets(starting, tps)
-        return _offset(kafka, self._replay_start() if self.options.ft_on else None)
+        return Position(kafka, self._replay_start() if self.options.ft_on else None).to_json()
 
     def _specific_offsets(
         self, starting: dict[str, dict[int, int]], tps: list[TopicPartition]
@@ -994,7 +595,8 @@ class _Driver:
         counts = self._kafka(
             "read the topics' metadata", lambda: self._topic_partitions(check_exist=False)
         )
-        known = _kafka_part(start) if start is not None else {}
+        first = None if start is None else Position.parse(start)
+        known = {} if first is None else first.kafka
         tps = [TopicPartition(t, p) for t in self.options.topics for p in range(counts[t])]
         ends = self._kafka("read the end offsets", lambda: self._ends(tps))
         new = [tp for tp in tps if tp.partition not in known.get(tp.topic, {})]
@@ -1016,24 +618,23 @@ class _Driver:
         replay = None
         if self.options.ft_on:
             replay = self._replay_cursor()
-            previous = None if start is None else start.get("replay")
-            if previous is not None and replay < int(previous):
+            previous = None if first is None else first.replay
+            if previous is not None and replay < previous:
                 raise SourceError(
                     f"the FT layer at {self.options.ft.address} has replay cursor {replay}, "
                     f"behind this query's {previous}: it is not the FT layer this query "
                     "ran with (its data directory was lost or replaced)"
                 )
-        return _offset(ends, replay)
+        return Position(ends, replay).to_json()
 
     def limited(self, start: Offset, available: Offset, max_rows: int | None) -> Offset:
         """`available`, cut to at most `max_rows` Kafka records split over partitions
         in proportion to their backlog (Spark's KafkaMicroBatchStream.rateLimit), and
         at most `max_rows` replay seqs."""
-        ends = _kafka_part(available)
-        replay = available.get("replay")
+        now, first = Position.parse(available), Position.parse(start)
         if max_rows is None:
-            return _offset(ends, replay)
-        starts = _kafka_part(start)
+            return now.to_json()
+        ends, starts, replay = now.offsets(), first.kafka, now.replay
         sizes = {
             (t, p): end - starts[t][p]
             for t, partitions in ends.items()
@@ -1046,14 +647,14 @@ class _Driver:
                 share = max_rows * (size / total)
                 share_rows = int(np.ceil(share)) if share < 1 else int(share)
                 ends[t][p] = min(ends[t][p], starts[t][p] + share_rows)
-        if replay is not None and "replay" in start:
-            replay = min(int(replay), int(start["replay"]) + max_rows)
-        return _offset(ends, replay)
+        if replay is not None and first.replay is not None:
+            replay = min(replay, first.replay + max_rows)
+        return Position(ends, replay).to_json()
 
     # ---- replay queue ----
 
     def checkpoint(
-        self, end: Offset, *, begin: bool, complete: Offset | None = None
+        self, end: Position, *, begin: bool, complete: Position | None = None
     ) -> dict[str, Any] | None:
         """CHECKPOINT_BEGIN (barrier `end`; with `complete`, that barrier's batch is
         done and completes first, in the same request) or CHECKPOINT_COMPLETE (its
@@ -1064,17 +665,14 @@ class _Driver:
         checkpoint covers this one (the FT layer completes checkpoints in order, and a
         later commit finishes the batches before it)."""
 
-        def position_of(offset: Offset) -> dict[str, Any]:
-            return _offset(_kafka_part(offset), int(offset.get("replay", 0)))
-
         def call(client: FTClient) -> dict[str, Any]:
             return client.checkpoint(
                 begin=begin,
                 query=self.options.checkpoint_query,
-                position=position_of(end),
+                position=end.to_json(),
                 sources=sorted(set(self.source_ids.values())),
                 mode=self.options.checkpoint_mode,
-                complete=None if complete is None else position_of(complete),
+                complete=None if complete is None else complete.to_json(),
             )
 
         what = "begin the checkpoint" if begin else "complete the checkpoint"

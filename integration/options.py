@@ -1,0 +1,553 @@
+"""The options of the `ftkafka` source, each declared once.
+
+`OPTIONS` lists every option with its name (as the user writes it; Spark passes names
+lower-cased, so lookups ignore case), type, default, minimum and meaning. From that one
+table come the parser (`parse_options`, which checks every option and raises
+ConfigError naming the option and the value), and the option table of
+docs/user-guide.md section 3.1 (`markdown_table`; `make docs` writes it, and a test
+fails when the guide and this table differ).
+
+Names follow Spark's own Kafka source where they overlap (kafka.bootstrap.servers,
+subscribe, startingOffsets, maxOffsetsPerTrigger, kafka.*); ftlayer's own options are
+under `ft.`. Parsing needs neither Kafka nor the FT layer: what needs the broker (a
+topic that does not exist) is checked when the query starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from kafka import KafkaConsumer
+
+from ftlayer.client import read_token_file
+from ftlayer.errors import ConfigError, PartitioningError
+from ftlayer.partitioners import PARTITIONER_NAMES, create_partitioner
+from ftlayer.position import EARLIEST
+
+from .ftcolumns import FTSettings
+
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "SourceOptions",
+    "markdown_table",
+    "parse_options",
+    "source_id",
+    "write_markdown_table",
+]
+
+OptionType = Literal["text", "integer", "boolean", "choice", "prefix"]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One option: how it is written, read and documented."""
+
+    name: str
+    """As documented; a name ending in "*" or "<option>" stands for a prefix."""
+    type: OptionType
+    doc: str
+    """Markdown: the meaning, as the user guide's table shows it."""
+    default: str | int | bool | None = None
+    shown_default: str | None = None
+    """The table's default column when it is not `default` itself (e.g. "required")."""
+    minimum: int | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The lower-cased name (or prefix) Spark passes."""
+        return self.prefix.lower() if self.type == "prefix" else self.name.lower()
+
+    @property
+    def prefix(self) -> str:
+        return self.name.split("*")[0].split("<")[0]
+
+    def default_cell(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.default is None:
+            return "none"
+        if isinstance(self.default, bool):
+            return f"`{str(self.default).lower()}`"
+        return f"`{self.default}`"
+
+
+def _ms(name: str, default: int | None, minimum: int, doc: str, shown: str | None = None) -> Option:
+    return Option(name, "integer", doc, default, shown, minimum)
+
+
+OPTIONS: Final[tuple[Option, ...]] = (
+    Option(
+        "kafka.bootstrap.servers", "text", "the brokers, `HOST:PORT,...`", shown_default="required"
+    ),
+    Option("subscribe", "text", "comma-separated topics", shown_default="required"),
+    Option(
+        "startingOffsets",
+        "text",
+        "`earliest`, `latest`, or JSON giving every partition of every topic an offset, "
+        'e.g. `{"orders":{"0":23,"1":-2}}` (-2 earliest, -1 latest). Only for a new query: '
+        "a restarted one goes on from its checkpoint.",
+        "earliest",
+    ),
+    Option(
+        "maxOffsetsPerTrigger",
+        "integer",
+        "at most this many Kafka records per batch, split over partitions in proportion to "
+        "their backlog (a partition with a backlog gets at least one), and at most this many "
+        "replay seqs",
+        minimum=1,
+    ),
+    _ms(
+        "kafkaConsumer.pollTimeoutMs",
+        120_000,
+        1,
+        "an executor fails its task with `SourceError` if no record of its range arrives for "
+        "this long",
+    ),
+    Option(
+        "fetchOffset.numRetries",
+        "integer",
+        "retries of a failed driver call to Kafka",
+        3,
+        minimum=0,
+    ),
+    _ms(
+        "fetchOffset.retryIntervalMs",
+        100,
+        0,
+        "the first wait between those retries; it doubles",
+    ),
+    Option(
+        "kafka.group.id",
+        "text",
+        "a consumer group whose committed offsets the source moves when Spark reports a batch "
+        "done (section 6.4). Reading never uses the group.",
+    ),
+    Option(
+        "kafka.*",
+        "prefix",
+        "passed to kafka-python's consumer with dots turned into underscores "
+        "(`kafka.security.protocol`, `kafka.sasl.mechanism`, `kafka.request.timeout.ms`, ...). "
+        "A name kafka-python does not know, or one the source sets itself (deserializers, "
+        "auto commit, `api_version`, ...), is refused.",
+        shown_default="",
+    ),
+    Option(
+        "ft.address",
+        "text",
+        "`HOST:PORT` of the FT-layer server; setting it turns FT on",
+    ),
+    Option(
+        "ft.enabled",
+        "boolean",
+        "`false` turns FT off: no FT columns, no connection, no FT cost",
+        shown_default="true when `ft.address` is set",
+    ),
+    Option("ft.token", "text", "the server's token, as text"),
+    Option(
+        "ft.tokenFile",
+        "text",
+        "a file holding the token, read on the driver only (the token travels to executors "
+        "inside the tasks); give this or `ft.token`, not both",
+    ),
+    Option(
+        "ft.tlsCa",
+        "text",
+        "connect with TLS, trusting the CA certificates in this PEM file; the driver and every "
+        "executor open it, so the path must exist on all of them",
+    ),
+    Option(
+        "ft.partitioner",
+        "choice",
+        "the replay partitioner of every subscribed topic: "
+        + ", ".join(f"`{p}`" for p in PARTITIONER_NAMES[:-1])
+        + f" or `{PARTITIONER_NAMES[-1]}` (section 4.7)",
+        "forward",
+        choices=PARTITIONER_NAMES,
+    ),
+    Option(
+        "ft.partitioner.<option>",
+        "prefix",
+        "an integer option of the partitioner: `ft.partitioner.max_parallelism` for "
+        "`key-group` (default 128), `ft.partitioner.start` for `rebalance` (default 0)",
+        shown_default="",
+    ),
+    Option(
+        "ft.sourceName",
+        "text",
+        "names the FT-layer sources of this query; one source per topic, with id "
+        "crc32(name, topic) (section 4.6)",
+        shown_default="the subscribed topics joined by `,` (no spaces, no repeats)",
+    ),
+    _ms("ft.connectTimeoutMs", 2000, 1, "the driver's TCP connect timeout to the FT layer"),
+    _ms(
+        "ft.reconnectTimeoutMs",
+        5000,
+        0,
+        "how long the driver retries a refused or broken connection to the FT layer, with "
+        "backoff, before the query fails with `SourceError`",
+    ),
+    _ms(
+        "ft.timeoutMs",
+        None,
+        1,
+        "this query's own tree timeout: a tree not complete between T and "
+        "T·(1+1/(n\N{MINUS SIGN}1)) after its persist or requeue "
+        "fails and is replayed (section 4.5)",
+        shown="the server's `--timeout-s`",
+    ),
+    Option(
+        "ft.checkpointMode",
+        "choice",
+        "how the FT layer's checkpoint of each batch boundary completes (section 6.6): "
+        "`unaligned` at once when Spark reports the batch done, group offsets at the lowest "
+        "pending offset; `aligned` once no record from before the boundary is pending, group "
+        "offsets then at the boundary",
+        "unaligned",
+        choices=("aligned", "unaligned"),
+    ),
+)
+
+_BY_KEY: Final = {option.key: option for option in OPTIONS if option.type != "prefix"}
+_PREFIXES: Final = tuple(option for option in OPTIONS if option.type == "prefix")
+_UNSUPPORTED: Final = {
+    "subscribepattern": "subscribe with a comma-separated list of topics",
+    "assign": "subscribe with a comma-separated list of topics",
+    "endingoffsets": "a streaming query (ftkafka has no batch reads)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    """The parsed options of one ftkafka source (see `OPTIONS`)."""
+
+    bootstrap: str
+    topics: tuple[str, ...]
+    starting: str | dict[str, dict[int, int]]
+    """'earliest', 'latest', or per topic and partition an offset, -2 or -1."""
+    max_offsets_per_trigger: int | None
+    ft: FTSettings
+    partitioner: str
+    partitioner_options: dict[str, int]
+    source_name: str
+    kafka_config: dict[str, Any] = field(default_factory=dict)
+    poll_timeout_s: float = 120.0
+    kafka_retries: int = 3
+    kafka_retry_interval_s: float = 0.1
+    ft_connect_timeout_s: float = 2.0
+    ft_reconnect_timeout_s: float = 5.0
+    group_id: str | None = None
+    """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
+    timeout_s: float | None = None
+    """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
+    checkpoint_mode: str = "unaligned"
+    """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoints)."""
+
+    @property
+    def checkpoint_query(self) -> str:
+        """The query name the FT layer files this source's checkpoints under."""
+        name = "".join(c if c.isprintable() and c != "/" else "_" for c in self.source_name)
+        return name[:200] or "_"
+
+    @property
+    def ft_on(self) -> bool:
+        return self.ft.enabled
+
+    def source_ids(self) -> dict[str, int]:
+        return {topic: source_id(self.source_name, topic) for topic in self.topics}
+
+
+def source_id(source_name: str, topic: str) -> int:
+    """The u32 source id of `topic` read under `source_name`: stable across runs and
+    processes (crc32, not hash(), which is seeded per process)."""
+    return zlib.crc32(f"{source_name}\x00{topic}".encode())
+
+
+class _Given:
+    """The user's options, looked up case-insensitively through their declarations."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.raw = {str(k).lower(): str(v) for k, v in options.items()}
+
+    def text(self, name: str) -> str | None:
+        option = _BY_KEY[name.lower()]
+        raw = self.raw.get(option.key)
+        return option.default if raw is None else raw  # type: ignore[return-value]
+
+    def integer(self, name: str) -> int | None:
+        option = _BY_KEY[name.lower()]
+        return _integer(option.name, self.raw.get(option.key), option.default, option.minimum)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        option = _BY_KEY[name.lower()]
+        return _boolean(option.name, self.raw.get(option.key), default)
+
+    def choice(self, name: str) -> str:
+        option = _BY_KEY[name.lower()]
+        raw = self.raw.get(option.key)
+        value = str(option.default) if raw is None else raw.strip()
+        for choice in option.choices:
+            if value.lower() == choice:
+                return choice
+        *others, last = option.choices
+        raise ConfigError(f"option {option.name}={raw!r}: use {', '.join(others)} or {last}")
+
+    def prefixed(self, prefix: str) -> dict[str, str]:
+        """{name: value} of every given option under `prefix` (lower-cased names)."""
+        low = prefix.lower()
+        return {name: raw for name, raw in self.raw.items() if name.startswith(low)}
+
+
+def _integer(name: str, raw: str | None, default: object, minimum: int | None) -> int | None:
+    if raw is None:
+        return default if isinstance(default, int) else None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"option {name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"option {name} must be at least {minimum}, got {raw!r}")
+    return value
+
+
+def _boolean(name: str, raw: str | None, default: bool) -> bool:
+    if raw is None:
+        return default
+    if raw.strip().lower() not in ("true", "false"):
+        raise ConfigError(f"option {name} must be true or false, got {raw!r}")
+    return raw.strip().lower() == "true"
+
+
+def parse_options(options: Mapping[str, str]) -> SourceOptions:
+    """Check and parse the options of an ftkafka source; ConfigError naming the option
+    and the value for anything wrong. Needs neither Kafka nor the FT layer."""
+    given = _Given(options)
+    for name, instead in _UNSUPPORTED.items():
+        if name in given.raw:
+            raise ConfigError(f"option {name} is not supported by ftkafka; use {instead}")
+    for name in given.raw:
+        if name not in _BY_KEY and not any(name.startswith(p.key) for p in _PREFIXES):
+            raise ConfigError(f"unknown option {name!r} for the ftkafka source")
+    bootstrap = (given.text("kafka.bootstrap.servers") or "").strip()
+    if not bootstrap:
+        raise ConfigError("option kafka.bootstrap.servers is required (HOST:PORT,...)")
+    subscribe = given.text("subscribe") or ""
+    topics = tuple(dict.fromkeys(t.strip() for t in subscribe.split(",") if t.strip()))
+    if not topics:
+        raise ConfigError(f"option subscribe needs at least one topic, got {subscribe!r}")
+    starting = _parse_starting(given.text("startingOffsets") or "")
+    if isinstance(starting, dict) and set(starting) - set(topics):
+        raise ConfigError(
+            f"option startingOffsets names topics {sorted(set(starting) - set(topics))} "
+            f"that option subscribe ({subscribe!r}) does not"
+        )
+    partitioner, partitioner_options = _partitioner(given)
+    timeout_ms = given.integer("ft.timeoutMs")
+    return SourceOptions(
+        bootstrap=bootstrap,
+        topics=topics,
+        starting=starting,
+        max_offsets_per_trigger=given.integer("maxOffsetsPerTrigger"),
+        ft=_ft_settings(given),
+        partitioner=partitioner,
+        partitioner_options=partitioner_options,
+        source_name=(given.text("ft.sourceName") or ",".join(topics)).strip(),
+        kafka_config=_kafka_config(given),
+        poll_timeout_s=_required(given.integer("kafkaConsumer.pollTimeoutMs")) / 1000,
+        kafka_retries=_required(given.integer("fetchOffset.numRetries")),
+        kafka_retry_interval_s=_required(given.integer("fetchOffset.retryIntervalMs")) / 1000,
+        ft_connect_timeout_s=_required(given.integer("ft.connectTimeoutMs")) / 1000,
+        ft_reconnect_timeout_s=_required(given.integer("ft.reconnectTimeoutMs")) / 1000,
+        group_id=_group_id(given),
+        timeout_s=None if timeout_ms is None else timeout_ms / 1000,
+        checkpoint_mode=given.choice("ft.checkpointMode"),
+    )
+
+
+def _required(value: int | None) -> int:
+    assert value is not None, "an option with a default"
+    return value
+
+
+def _parse_starting(raw: str) -> str | dict[str, dict[int, int]]:
+    text = raw.strip()
+    if text.lower() in ("earliest", "latest"):
+        return text.lower()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"option startingOffsets must be earliest, latest or JSON like "
+            f'{{"topic":{{"0":23,"1":-2}}}}, got {raw!r} ({exc})'
+        ) from None
+    if not isinstance(parsed, dict) or not parsed:
+        raise ConfigError(
+            f"option startingOffsets JSON must be a non-empty object of topics, got {raw!r}"
+        )
+    starting: dict[str, dict[int, int]] = {}
+    for topic, partitions in parsed.items():
+        if not isinstance(partitions, dict) or not partitions:
+            raise ConfigError(
+                f"option startingOffsets: topic {topic!r} needs an object of partitions "
+                f"and offsets, got {partitions!r}"
+            )
+        offsets: dict[int, int] = {}
+        for key, offset in partitions.items():
+            if not key.isdigit():
+                raise ConfigError(
+                    f"option startingOffsets: topic {topic!r} has partition {key!r}, "
+                    "which is not a partition number"
+                )
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < EARLIEST:
+                raise ConfigError(
+                    f"option startingOffsets: topic {topic!r} partition {key} has offset "
+                    f"{offset!r}; use an offset >= 0, -2 (earliest) or -1 (latest)"
+                )
+            offsets[int(key)] = offset
+        starting[topic] = offsets
+    return starting
+
+
+_KAFKA_PREFIX: Final = "kafka."
+_PARTITIONER_PREFIX: Final = "ft.partitioner."
+# kafka-python settings this source owns, or that take objects an option cannot give.
+_KAFKA_OWN_OPTIONS: Final = frozenset({"kafka.bootstrap.servers", "kafka.group.id"})
+_KAFKA_RESERVED: Final = frozenset(
+    {
+        "bootstrap_servers",
+        "group_id",
+        "group_instance_id",
+        "key_deserializer",
+        "value_deserializer",
+        "enable_auto_commit",
+        "auto_commit_interval_ms",
+        "default_offset_commit_callback",
+        "partition_assignment_strategy",
+        "socket_options",
+        "metric_reporters",
+        "selector",
+        "kafka_client",
+        "ssl_context",
+        "sasl_oauth_token_provider",
+        "api_version",
+        "consumer_timeout_ms",
+    }
+)
+_KAFKA_INT_WITHOUT_DEFAULT: Final = frozenset({"receive_buffer_bytes", "send_buffer_bytes"})
+
+
+def _kafka_config(given: _Given) -> dict[str, Any]:
+    """kafka.* options as kafka-python consumer settings (kafka.request.timeout.ms ->
+    request_timeout_ms), typed by kafka-python's defaults."""
+    defaults: dict[str, Any] = KafkaConsumer.DEFAULT_CONFIG
+    config: dict[str, Any] = {}
+    for name, raw in given.prefixed(_KAFKA_PREFIX).items():
+        if name in _KAFKA_OWN_OPTIONS:
+            continue
+        setting = name.removeprefix(_KAFKA_PREFIX).replace(".", "_")
+        if setting in _KAFKA_RESERVED or setting not in defaults:
+            raise ConfigError(
+                f"option {name} is not a Kafka consumer setting ftkafka passes on "
+                f"(as kafka-python's {setting!r})"
+            )
+        default = defaults[setting]
+        if isinstance(default, bool):
+            config[setting] = _boolean(name, raw, default)
+        elif isinstance(default, int) or setting in _KAFKA_INT_WITHOUT_DEFAULT:
+            config[setting] = _integer(name, raw, 0, 0)
+        else:
+            config[setting] = raw
+    return config
+
+
+def _read_token(given: _Given) -> bytes | None:
+    token, token_file = given.text("ft.token"), given.text("ft.tokenFile")
+    if token is not None and token_file is not None:
+        raise ConfigError("give option ft.token or option ft.tokenFile, not both")
+    if token is not None:
+        if not token:
+            raise ConfigError("option ft.token is empty")
+        return token.encode()
+    if token_file is None:
+        return None
+    try:
+        return read_token_file(token_file)
+    except ConfigError as exc:
+        raise ConfigError(f"option ft.tokenFile: {exc}") from None
+
+
+def _ft_settings(given: _Given) -> FTSettings:
+    address = given.text("ft.address")
+    enabled = given.boolean("ft.enabled", address is not None)
+    if enabled and not address:
+        raise ConfigError("option ft.enabled is true but option ft.address is not set")
+    if not enabled:
+        return FTSettings(enabled=False)
+    token = _read_token(given)
+    try:
+        return FTSettings(address=address, token=token, tls_ca=given.text("ft.tlsCa"))
+    except ConfigError as exc:
+        raise ConfigError(f"option ft.address={address!r}: {exc}") from None
+
+
+def _partitioner(given: _Given) -> tuple[str, dict[str, int]]:
+    name = given.choice("ft.partitioner")
+    partitioner_options = {
+        key.removeprefix(_PARTITIONER_PREFIX): _required(_integer(key, raw, 0, 0))
+        for key, raw in given.prefixed(_PARTITIONER_PREFIX).items()
+    }
+    try:
+        create_partitioner(name, **partitioner_options)
+    except (ConfigError, PartitioningError) as exc:
+        raise ConfigError(f"option ft.partitioner={name!r}: {exc}") from None
+    return name, partitioner_options
+
+
+def _group_id(given: _Given) -> str | None:
+    raw = given.text("kafka.group.id")
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ConfigError("option kafka.group.id is empty")
+    return raw.strip()
+
+
+# ---- the user guide's table ------------------------------------------------------------
+
+_TABLE_BEGIN: Final = "<!-- ftkafka options: `make docs` writes this table from OPTIONS -->"
+_TABLE_END: Final = "<!-- end of ftkafka options -->"
+
+
+def markdown_table() -> str:
+    """The option table of docs/user-guide.md section 3.1."""
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    lines += [
+        f"| `{o.name}` | {o.default_cell()} | {o.doc} |".replace("|  |", "| |") for o in OPTIONS
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown_table(guide: Path, *, check: bool = False) -> bool:
+    """Put `markdown_table()` between the guide's markers; returns whether the guide
+    changed (with `check`, nothing is written). ConfigError if the markers are missing."""
+    text = guide.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(_TABLE_BEGIN) + r"\n.*?" + re.escape(_TABLE_END), re.S)
+    if not pattern.search(text):
+        raise ConfigError(f"{guide} has no generated option table ({_TABLE_BEGIN!r} ... )")
+    new = pattern.sub(lambda _m: f"{_TABLE_BEGIN}\n{markdown_table()}{_TABLE_END}", text)
+    if new != text and not check:
+        guide.write_text(new, encoding="utf-8")
+    return new != text
+
+
+if __name__ == "__main__":  # `make docs`: python -m ftlayer.integration.options GUIDE
+    import sys
+
+    write_markdown_table(Path(sys.argv[1]))

@@ -1,0 +1,75 @@
+"""Position: one JSON form, one parser, one formatter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ftlayer.position import Position, PositionError, offsets_from_json, offsets_to_json
+
+offsets = st.dictionaries(
+    st.text(min_size=1, max_size=8),
+    st.dictionaries(st.integers(0, 1000), st.integers(0, 2**62), max_size=6),
+    max_size=4,
+)
+positions = st.builds(Position, offsets, st.none() | st.integers(0, 2**62))
+
+
+@given(positions)
+def test_a_position_survives_its_json_text(position: Position) -> None:
+    text = json.dumps(position.to_json())
+    assert Position.parse(json.loads(text)) == position
+
+
+@given(offsets, st.integers(0, 10), st.randoms())
+def test_equal_positions_have_equal_keys_whatever_the_order(
+    kafka: dict[str, dict[int, int]], replay: int, rnd: object
+) -> None:
+    shuffled_topics = list(kafka.items())
+    rnd.shuffle(shuffled_topics)  # type: ignore[attr-defined]
+    shuffled = {t: dict(reversed(list(parts.items()))) for t, parts in shuffled_topics}
+    assert Position(kafka, replay).key() == Position(shuffled, replay).key()
+
+
+def test_partitions_are_strings_in_numeric_order() -> None:
+    position = Position({"t": {10: 5, 2: 7}}, 3)
+    assert json.dumps(position.to_json()) == '{"kafka": {"t": {"2": 7, "10": 5}}, "replay": 3}'
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ([], "JSON object"),
+        ({"replay": 1}, 'needs "kafka"'),
+        ({"kafka": {}, "replay": 1, "extra": 0}, "extra"),
+        ({"kafka": {"t": {"0": -1}}}, "below 0"),
+        ({"kafka": {"t": {"x": 1}}}, "partition 'x'"),
+        ({"kafka": {"t": {"-1": 1}}}, "partition '-1'"),
+        ({"kafka": {"t": {"0": True}}}, "True"),
+        ({"kafka": {"t": {"0": 1.5}}}, "1.5"),
+        ({"kafka": {"t": []}}, "topic 't'"),
+        ({"kafka": {}, "replay": -1}, "replay"),
+        ({"kafka": {}, "replay": None}, "replay"),
+        ({"kafka": {}, "replay": "3"}, "replay"),
+    ],
+)
+def test_a_malformed_position_is_refused_naming_the_problem(data: object, words: str) -> None:
+    with pytest.raises(PositionError, match=words.replace("(", r"\(")):
+        Position.parse(data)
+
+
+def test_a_barrier_needs_its_replay_cursor() -> None:
+    assert Position.parse({"kafka": {}}).replay is None
+    with pytest.raises(PositionError, match="replay cursor"):
+        Position.parse({"kafka": {}}, need_replay=True)
+
+
+def test_offsets_and_their_json() -> None:
+    kafka = {"b": {1: 4, 0: 3}, "a": {0: 0}}
+    assert offsets_from_json(offsets_to_json(kafka)) == kafka
+    assert list(offsets_to_json(kafka)) == ["a", "b"]
+    with pytest.raises(PositionError):
+        offsets_from_json({"a": {"0": -2}})
