@@ -32,3 +32,8 @@ class FailException(Exception):
 
     Only that record's tree fails; the rest of the micro-batch goes on.
     """
+
+
+class SourceError(FTLayerError):
+    """The ftkafka source cannot reach Kafka or the FT layer (after its retries), cannot
+    read an offset range in time, or found Kafka or the FT layer behind its offsets."""

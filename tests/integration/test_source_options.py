@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ftlayer.errors import ConfigError
-from ftlayer.integration.options import (
+from ftlayer.integration.source.options import (
     OPTIONS,
     Option,
     markdown_table,

@@ -27,10 +27,9 @@ from kafka import KafkaConsumer
 
 from ftlayer.client import read_token_file
 from ftlayer.errors import ConfigError, PartitioningError
+from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.partitioners import PARTITIONER_NAMES, create_partitioner
 from ftlayer.position import EARLIEST
-
-from .ftcolumns import FTSettings
 
 __all__ = [
     "OPTIONS",
@@ -547,7 +546,7 @@ def write_markdown_table(guide: Path, *, check: bool = False) -> bool:
     return new != text
 
 
-if __name__ == "__main__":  # `make docs`: python -m ftlayer.integration.options GUIDE
+if __name__ == "__main__":  # `make docs`: python -m ftlayer.integration.source.options GUIDE
     import sys
 
     write_markdown_table(Path(sys.argv[1]))

@@ -1,0 +1,331 @@
+"""`ftkafka`: a PySpark streaming source that reads Kafka and persists every record in
+the FT layer before Spark sees it, then feeds failed records back in as replays.
+
+Usage::
+
+    from ftlayer.integration.source import register
+    register(spark)
+    df = (spark.readStream.format("ftkafka")
+          .option("kafka.bootstrap.servers", "host:9092")
+          .option("subscribe", "orders,payments")
+          .option("ft.address", "ft-host:7070")
+          .load())
+
+Rows: key (binary), value (binary), topic (string), partition (int), offset (long),
+timestamp (timestamp), and with FT on `ft_root` and `ft_id` (LongType: the u64 root
+and record id of the row's anchor, as int64 bits; see `ftlayer.integration.ftcolumns`).
+With FT off there are no FT columns, no FT-layer connection and no FT cost.
+
+## Offsets, batches and input partitions
+
+An offset is a JSON dict::
+
+    {"kafka": {"orders": {"0": 120, "1": 98}, "payments": {"0": 7}}, "replay": 42}
+
+`kafka` holds, per subscribed topic and partition, the Kafka offset of the next record;
+`replay` (FT on only) is the replay cursor of the query's sources (the highest replay
+seq of their records, `FTLayer.replay_cursor_of`; other queries' failures do not move
+it), the highest replay seq the query has taken in. Micro-batch n with start offset S
+and end offset E covers the Kafka records [S, E) of every partition and the replays
+with S.replay < seq <= E.replay.
+Every offset is fixed on the driver before the batch runs and is written to Spark's
+offset log, so a batch that Spark runs again reads the same ranges.
+
+A batch has one input partition per (topic, Kafka partition), always listed, in the
+order of `subscribe` and then by partition; for one topic the Spark input partition
+index is the Kafka partition. The input partition of (topic, p) reads Kafka [S, E) of
+(topic, p), then the replays its topic's replay partitioner routed to partition p:
+`fetch_replay(S.replay, E.replay, source_id, p)`. A replayed record thus re-enters in
+a later batch, in the input partition its partitioner chose, with its original topic,
+partition, offset, key, value and timestamp, under a new root.
+
+## What read() does, per input partition (on an executor)
+
+1. Read Kafka [start, end) of the partition with kafka-python (assign/seek, large fetch
+   sizes). If no record arrives for `kafkaConsumer.pollTimeoutMs`, fail with
+   SourceError naming the partition and how far it got: never a hang.
+2. FT on: persist each polled chunk through this process's shared BatchingChannel
+   (`Persister.persist`, which returns only once the FT layer confirmed), and only then
+   yield it as a pyarrow.RecordBatch. Each record is stored with a compact payload
+   (`encode_payloads`: key or null, value or null, timestamp), its Kafka coordinates,
+   and its key hash (Kafka's murmur2; `portable_hash` under `spark-hash`).
+   A record that a loop sink fed back (Kafka header `ftlayer-anchor`, see
+   integration.sinks) is not persisted: its tree's source record is. It is emitted
+   under the root in its header with a fresh id, and one XOR event acks the id it was
+   in transit under and anchors the fresh one, so the tree goes on.
+3. FT on: fetch this partition's replays, send each one's emission XOR event
+   (`Persister.emit_replays`), rebuild their rows from the payloads, yield them.
+4. Flush the channel.
+
+Each run of read() persists under fresh random root ids. A batch that Spark runs again
+(an uncommitted batch after a restart, a retried task) therefore persists its records a
+second time under other roots: the first run's trees complete or time out and are
+replayed. A replay emitted twice adds a second child to its root, which then completes
+only once both copies are acked. Duplicates, never a loss, never an early completion
+(docs/guarantees.md, "Spark re-runs a batch").
+
+## The driver side
+
+The reader in the driver process resolves offsets. On its first call it checks every
+subscribed topic exists (ConfigError otherwise), registers each topic's source with the
+FT layer (`register_source(source_id, ft.partitioner, partition count)`; the source id
+is `source_id(ft.sourceName, topic)`), and fixes the initial offset once: Spark asks
+for it more than once. End offsets come from the high watermark of a Fetch, not from
+ListOffsets(latest), which Tansu answers short of the end. The replay cursor comes from
+the FT layer's status (`replay_cursors`, per source). A partition added to a topic
+while the query runs enters one batch later, from its earliest offset. Calls to Kafka
+and the FT layer are retried with doubling backoff and then fail with SourceError: an
+unreachable broker or FT layer is an error within seconds, not a hang.
+
+`maxOffsetsPerTrigger` caps the Kafka records of a batch, split over partitions in
+proportion to their backlog as Spark's Kafka source does (a partition with a backlog
+gets at least one record, so a batch may exceed the cap by fewer records than there
+are partitions); it also caps the number of replay seqs a batch takes in.
+
+## Options
+
+Declared once, with their types, defaults and meaning, in `ftlayer.integration.options`
+(`OPTIONS`; docs/user-guide.md section 3.1 shows the same table).
+Every bad option raises ConfigError naming the option and the value, on the driver:
+option syntax at `load()` (in `schema()`), what needs the broker (a topic or partition
+that does not exist) when the query starts, before any batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from ftlayer.errors import ConfigError, SourceError
+from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN
+from ftlayer.position import KafkaOffsets, Position, offsets_from_json
+
+from .driver import Offset, SourceDriver
+from .options import SourceOptions, parse_options
+from .reader import FTKafkaPartition, read_partition
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = [
+    "FTKafkaDataSource",
+    "FTKafkaPartition",
+    "FTKafkaStreamReader",
+    "SourceError",
+    "register",
+    "source_schema",
+]
+
+
+def source_schema(ft_on: bool) -> StructType:
+    """The rows of an ftkafka source: the Kafka record, and its anchor with FT on."""
+    fields = [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+    ]
+    if ft_on:
+        fields += [StructField(ROOT_COLUMN, LongType()), StructField(ID_COLUMN, LongType())]
+    return StructType(fields)
+
+
+class FTKafkaDataSource(DataSource):
+    """`spark.readStream.format("ftkafka")`; see the module docstring."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "ftkafka"
+
+    def schema(self) -> StructType:
+        # Spark calls this at load(): every option is checked here, before any query.
+        return source_schema(parse_options(self.options).ft_on)
+
+    def streamReader(self, schema: StructType) -> FTKafkaStreamReader:
+        options = parse_options(self.options)
+        expected = source_schema(options.ft_on)
+        if schema != expected:
+            raise ConfigError(
+                f"ftkafka's schema is fixed by its options: {expected.simpleString()}, "
+                f"got {schema.simpleString()}"
+            )
+        return FTKafkaStreamReader(options, schema)
+
+
+def register(spark: SparkSession) -> None:
+    """Make `spark.readStream.format("ftkafka")` available in this session."""
+    spark.dataSource.register(FTKafkaDataSource)
+
+
+class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """The stream reader. Spark makes one in the driver's source process (offsets,
+    partitions, commit) and one in a planner process that is pickled to executors
+    (read); the constructor therefore connects to nothing."""
+
+    def __init__(self, options: SourceOptions, schema: StructType) -> None:
+        self._configure(options, schema)
+
+    def _configure(self, options: SourceOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+        self.source_ids = options.source_ids()
+        self._driver: SourceDriver | None = None
+        self._initial: Offset | None = None
+        self._target: Offset | None = None
+        self._available: Offset | None = None
+        self._deferred_commit: Position | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the configuration travels to executors, never driver connections.
+        return {"options": self.options, "schema": self.schema}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._configure(state["options"], state["schema"])
+
+    # ---- driver: offsets ----------------------------------------------------------
+
+    def _driver_side(self) -> SourceDriver:
+        if self._driver is None:
+            driver = SourceDriver(self.options, self.source_ids)
+            try:
+                driver.start()
+            except BaseException:
+                driver.close()
+                raise
+            self._driver = driver
+        return self._driver
+
+    def initialOffset(self) -> Offset:
+        # Spark asks more than once; "latest" must not move between the answers.
+        if self._initial is None:
+            self._initial = self._driver_side().initial_offset()
+        return self._initial
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        limit = self.options.max_offsets_per_trigger
+        return ReadAllAvailable() if limit is None else ReadMaxRows(limit)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._driver_side().available(None)
+
+    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        driver = self._driver_side()
+        self._complete_deferred()  # only if no batch was planned after the last commit
+        available = driver.available(start)
+        if self._target is not None:
+            available = _cap(available, self._target, start)
+        self._available = available
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return driver.limited(start, available, max_rows)
+
+    def reportLatestOffset(self) -> Offset | None:
+        return self._available
+
+    def partitions(self, start: Offset, end: Offset) -> Sequence[FTKafkaPartition]:
+        first, barrier = Position.parse(start), Position.parse(end)
+        replay_hi = barrier.replay or 0
+        replay_lo = replay_hi if first.replay is None else first.replay
+        parts: list[FTKafkaPartition] = []
+        busy = replay_hi > replay_lo
+        for topic in self.options.topics:
+            ends = barrier.kafka.get(topic, {})
+            for p in sorted(ends):
+                hi = ends[p]
+                lo = first.offset(topic, p, hi)  # a partition new in this batch starts empty
+                busy |= hi > lo
+                parts.append(
+                    FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
+                )
+        if self.options.ft_on and barrier.replay is not None:
+            # Spark logged `end` before planning the batch: it is barrier n. The commit
+            # of batch n - 1, which Spark made just before, goes in the same request.
+            driver = self._driver_side()
+            done, self._deferred_commit = self._deferred_commit, None
+            answer = driver.checkpoint(barrier, begin=True, complete=done)
+            if done is not None:
+                self._commit_group(driver, _commit_offsets((answer or {}).get("completed")))
+        return parts if busy else []
+
+    def commit(self, end: Offset) -> None:
+        # Spark calls this once batch `end` is done, one batch late: the batch never
+        # runs again. The FT layer completes (or starts aligning) its checkpoint,
+        # drops the replay queue entries the batch took in (per source: other queries'
+        # entries stay) and answers the group offsets the checkpoint allows (never past
+        # an incomplete record); with kafka.group.id they are committed. Spark plans
+        # the next batch right after this call (partitions()), so with FT on the
+        # completion rides on that batch's CHECKPOINT_BEGIN: one round trip for both.
+        position = Position.parse(end)
+        if self.options.ft_on and position.replay is not None:
+            self._deferred_commit = position
+            return
+        self._commit_group(self._driver_side(), position.offsets())
+
+    def _complete_deferred(self) -> None:
+        """Complete a deferred commit on its own (no batch was planned after it)."""
+        done, self._deferred_commit = self._deferred_commit, None
+        if done is not None:
+            driver = self._driver_side()
+            self._commit_group(driver, _commit_offsets(driver.checkpoint(done, begin=False)))
+
+    def _commit_group(self, driver: SourceDriver, offsets: KafkaOffsets | None) -> None:
+        if self.options.group_id is not None and offsets:
+            driver.commit_group(offsets)
+
+    def stop(self) -> None:
+        if self._driver is not None:
+            try:
+                self._complete_deferred()
+            finally:
+                if self._driver is not None:
+                    self._driver.close()
+                self._driver = None
+
+    # ---- executors: read ----------------------------------------------------------
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        if not isinstance(partition, FTKafkaPartition):
+            raise TypeError(f"ftkafka cannot read {partition!r}")
+        return read_partition(self.options, self.schema, partition)
+
+
+def _commit_offsets(answer: Mapping[str, Any] | None) -> KafkaOffsets | None:
+    """The group offsets a checkpoint answer allows, or None."""
+    offsets = None if answer is None else answer.get("commit_offsets")
+    return None if offsets is None else offsets_from_json(offsets)
+
+
+def _cap(available: Offset, target: Offset, start: Offset) -> Offset:
+    """`available` no further than `target` (Trigger.AvailableNow's fixed end), and
+    never behind `start`: Spark fixes the target before it asks for the initial offset,
+    so with startingOffsets=latest the start may already be past the target."""
+    now, goal, begin = Position.parse(available), Position.parse(target), Position.parse(start)
+    kafka = now.offsets()
+    for topic, partitions in kafka.items():
+        for p, end in partitions.items():
+            # A partition the target does not know appeared later: it sits at its
+            # earliest offset (see SourceDriver.available), with nothing to read.
+            capped = min(end, goal.offset(topic, p, end))
+            partitions[p] = max(capped, begin.offset(topic, p, capped))
+    replay = now.replay
+    if replay is not None and goal.replay is not None:
+        replay = max(min(replay, goal.replay), begin.replay or 0)
+    return Position(kafka, replay).to_json()

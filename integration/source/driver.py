@@ -1,0 +1,440 @@
+"""The driver side of the ftkafka source: its Kafka consumer and FT-layer client.
+
+`SourceDriver` lives in the driver's source process and answers what Spark asks of the
+source between batches: the initial position, the end of what is readable now, a
+position capped by maxOffsetsPerTrigger, the barrier checkpoints (CHECKPOINT_BEGIN /
+COMPLETE), and the consumer-group commits. Every call to Kafka and to the FT layer is
+retried with doubling backoff and then fails with SourceError naming what and where:
+an unreachable broker or FT layer is an error within seconds, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import numpy as np
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from ftlayer.client import ConnectionLost, FTClient
+from ftlayer.errors import ConfigError, SourceError
+from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
+
+from .options import SourceOptions
+from .reader import POLL_SECONDS, new_consumer
+
+if TYPE_CHECKING:
+    pass
+
+
+T = TypeVar("T")
+
+Offset = dict[str, Any]
+"""A position (ftlayer.position) in its JSON form, as Spark's offset log holds it."""
+
+log = logging.getLogger("ftlayer.source")
+
+# Driver-side Kafka calls: each attempt is bounded by this unless kafka.* says otherwise.
+_DRIVER_TIMEOUT_MS: Final = 1500
+# Connection settings the group-commit consumer shares with the reading consumers.
+_SECURITY: Final = frozenset(
+    k for k in KafkaConsumer.DEFAULT_CONFIG if k.startswith(("ssl_", "sasl_", "security_"))
+)
+
+
+class SourceDriver:
+    """The driver's Kafka consumer and FT-layer client, with retries."""
+
+    def __init__(self, options: SourceOptions, source_ids: Mapping[str, int]) -> None:
+        self.options = options
+        self.source_ids = source_ids
+        self._consumer: Any = None
+        self._ft: FTClient | None = None
+        self._partition_counts: dict[str, int] = {}
+        self._group: Any = None
+        self._committed: dict[tuple[str, int], int] = {}
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        """Check the topics exist; with FT on, register their sources."""
+        self._partition_counts = self._kafka(
+            "read the topics' metadata", lambda: self._topic_partitions(check_exist=True)
+        )
+        if self.options.ft_on:
+            self._register_sources()
+
+    def close(self) -> None:
+        self._drop_consumer()
+        self._drop_group_client()
+        if self._ft is not None:
+            self._ft.close()
+            self._ft = None
+
+    # ---- offsets ----
+
+    def initial_offset(self) -> Offset:
+        starting = self.options.starting
+        counts = self._partition_counts
+        tps = [TopicPartition(t, p) for t in self.options.topics for p in range(counts[t])]
+        if starting == "earliest":
+            kafka = self._kafka("read the earliest offsets", lambda: self._earliest(tps))
+        elif starting == "latest":
+            kafka = self._kafka("read the end offsets", lambda: self._ends(tps))
+        else:
+            assert isinstance(starting, dict)
+            kafka = self._specific_offsets(starting, tps)
+        return Position(kafka, self._replay_start() if self.options.ft_on else None).to_json()
+
+    def _specific_offsets(
+        self, starting: dict[str, dict[int, int]], tps: list[TopicPartition]
+    ) -> KafkaOffsets:
+        counts = self._partition_counts
+        for topic in self.options.topics:
+            wanted = set(range(counts[topic]))
+            given = set(starting.get(topic, {}))
+            if given - wanted:
+                raise ConfigError(
+                    f"option startingOffsets: topic {topic!r} has no partition "
+                    f"{sorted(given - wanted)}; it has partitions 0-{counts[topic] - 1}"
+                )
+            if wanted - given:
+                raise ConfigError(
+                    f"option startingOffsets must give every partition of topic {topic!r} "
+                    f"(-2 earliest, -1 latest); missing: {sorted(wanted - given)}"
+                )
+        earliest = self._kafka("read the earliest offsets", lambda: self._earliest(tps))
+        ends = self._kafka("read the end offsets", lambda: self._ends(tps))
+        kafka: KafkaOffsets = {}
+        for topic in self.options.topics:
+            kafka[topic] = {}
+            for p, offset in starting[topic].items():
+                lo, hi = earliest[topic][p], ends[topic][p]
+                if offset == EARLIEST:
+                    offset = lo
+                elif offset == LATEST:
+                    offset = hi
+                elif not lo <= offset <= hi:
+                    raise ConfigError(
+                        f"option startingOffsets: offset {offset} of {topic}-{p} is outside "
+                        f"the records Kafka holds, [{lo}, {hi}]"
+                    )
+                kafka[topic][p] = offset
+        return kafka
+
+    def available(self, start: Offset | None) -> Offset:
+        """The end of everything readable now: the high watermark of every partition
+        (a partition new since `start` at its earliest offset: it enters one batch
+        later, from there) and the FT layer's replay cursor."""
+        counts = self._kafka(
+            "read the topics' metadata", lambda: self._topic_partitions(check_exist=False)
+        )
+        first = None if start is None else Position.parse(start)
+        known = {} if first is None else first.kafka
+        tps = [TopicPartition(t, p) for t in self.options.topics for p in range(counts[t])]
+        ends = self._kafka("read the end offsets", lambda: self._ends(tps))
+        new = [tp for tp in tps if tp.partition not in known.get(tp.topic, {})]
+        if start is not None and new:
+            earliest = self._kafka("read the earliest offsets", lambda: self._earliest(new))
+            for tp in new:
+                ends[tp.topic][tp.partition] = earliest[tp.topic][tp.partition]
+        for topic, partitions in known.items():
+            for p, offset in partitions.items():
+                end = ends.get(topic, {}).get(p)
+                if end is not None and end < offset:
+                    raise SourceError(
+                        f"Kafka's end of {topic}-{p} is {end}, behind this query's offset "
+                        f"{offset}: the topic was deleted or truncated, records may be lost"
+                    )
+        if self.options.ft_on and counts != self._partition_counts:
+            self._partition_counts = counts
+            self._register_sources()
+        replay = None
+        if self.options.ft_on:
+            replay = self._replay_cursor()
+            previous = None if first is None else first.replay
+            if previous is not None and replay < previous:
+                raise SourceError(
+                    f"the FT layer at {self.options.ft.address} has replay cursor {replay}, "
+                    f"behind this query's {previous}: it is not the FT layer this query "
+                    "ran with (its data directory was lost or replaced)"
+                )
+        return Position(ends, replay).to_json()
+
+    def limited(self, start: Offset, available: Offset, max_rows: int | None) -> Offset:
+        """`available`, cut to at most `max_rows` Kafka records split over partitions
+        in proportion to their backlog (Spark's KafkaMicroBatchStream.rateLimit), and
+        at most `max_rows` replay seqs."""
+        now, first = Position.parse(available), Position.parse(start)
+        if max_rows is None:
+            return now.to_json()
+        ends, starts, replay = now.offsets(), first.kafka, now.replay
+        sizes = {
+            (t, p): end - starts[t][p]
+            for t, partitions in ends.items()
+            for p, end in partitions.items()
+            if p in starts.get(t, {}) and end > starts[t][p]
+        }
+        total = sum(sizes.values())
+        if total > 0:
+            for (t, p), size in sizes.items():
+                share = max_rows * (size / total)
+                share_rows = int(np.ceil(share)) if share < 1 else int(share)
+                ends[t][p] = min(ends[t][p], starts[t][p] + share_rows)
+        if replay is not None and first.replay is not None:
+            replay = min(replay, first.replay + max_rows)
+        return Position(ends, replay).to_json()
+
+    # ---- replay queue ----
+
+    def checkpoint(
+        self, end: Position, *, begin: bool, complete: Position | None = None
+    ) -> dict[str, Any] | None:
+        """CHECKPOINT_BEGIN (barrier `end`; with `complete`, that barrier's batch is
+        done and completes first, in the same request) or CHECKPOINT_COMPLETE (its
+        batch is done); the FT layer's answer. A completion's "commit_offsets" are the
+        group offsets the checkpoint allows: the lowest pending offsets capped at its
+        barrier (unaligned), the barrier once aligned, the last aligned checkpoint's
+        while aligning, or None. A failure is logged and gives None: the next batch's
+        checkpoint covers this one (the FT layer completes checkpoints in order, and a
+        later commit finishes the batches before it)."""
+
+        def call(client: FTClient) -> dict[str, Any]:
+            return client.checkpoint(
+                begin=begin,
+                query=self.options.checkpoint_query,
+                position=end.to_json(),
+                sources=sorted(set(self.source_ids.values())),
+                mode=self.options.checkpoint_mode,
+                complete=None if complete is None else complete.to_json(),
+            )
+
+        what = "begin the checkpoint" if begin else "complete the checkpoint"
+        try:
+            return self._ft_call(f"{what} of {self.options.checkpoint_query!r}", call)
+        except SourceError as exc:
+            log.warning("%s (covered by the next batch's checkpoint)", exc)
+            return None
+
+    # ---- consumer-group offsets ----
+
+    def commit_group(self, target: Mapping[str, Mapping[int, int]]) -> dict[str, dict[int, int]]:
+        """Commit these group offsets where they move forward; returns what it
+        committed. A committed offset never moves back. A failed commit is logged and
+        retried at the next one: the query's progress is in Spark's checkpoint, the
+        group offsets only mirror it."""
+        commits = {
+            TopicPartition(t, p): offset
+            for t, partitions in target.items()
+            for p, offset in partitions.items()
+            if offset > self._committed.get((t, p), -1)
+        }
+        if not commits:
+            return {}
+        try:
+            self._group_client().commit(
+                offsets={tp: OffsetAndMetadata(o, "", -1) for tp, o in commits.items()}
+            )
+        except (KafkaError, OSError) as exc:
+            log.warning(
+                "could not commit offsets of group %r (retried at the next batch): %r",
+                self.options.group_id,
+                exc,
+            )
+            self._drop_group_client()
+            return {}
+        for tp, offset in commits.items():
+            self._committed[(tp.topic, tp.partition)] = offset
+        return _by_topic(commits)
+
+    def _group_client(self) -> Any:
+        if self._group is None:
+            self._group = KafkaConsumer(
+                bootstrap_servers=self.options.bootstrap,
+                group_id=self.options.group_id,
+                enable_auto_commit=False,
+                request_timeout_ms=_DRIVER_TIMEOUT_MS * 4,
+                **{k: v for k, v in self.options.kafka_config.items() if k in _SECURITY},
+            )
+        return self._group
+
+    def _drop_group_client(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.close(autocommit=False)
+
+    # ---- Kafka ----
+
+    def _kafka(self, what: str, call: Callable[[], T]) -> T:
+        retries, delay = self.options.kafka_retries, self.options.kafka_retry_interval_s
+        began = time.monotonic()
+        for attempt in range(retries + 1):
+            try:
+                return call()
+            except (KafkaError, OSError, _NoFetchResponse) as exc:
+                self._drop_consumer()
+                if attempt == retries:
+                    raise SourceError(
+                        f"could not {what} from Kafka at {self.options.bootstrap} "
+                        f"(kafka.bootstrap.servers): {retries + 1} attempts in "
+                        f"{time.monotonic() - began:.1f} s, the last failed with {exc!r}"
+                    ) from exc
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _client(self) -> Any:
+        if self._consumer is None:
+            config: dict[str, Any] = {
+                "bootstrap_timeout_ms": _DRIVER_TIMEOUT_MS,
+                "request_timeout_ms": _DRIVER_TIMEOUT_MS,
+                "fetch_max_wait_ms": 20,
+                "metadata_max_age_ms": 10_000,
+                "max_partition_fetch_bytes": 1024 * 1024,
+                "fetch_max_bytes": 1024 * 1024,
+                **self.options.kafka_config,
+            }
+            self._consumer = new_consumer(self.options.bootstrap, config)
+        return self._consumer
+
+    def _drop_consumer(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):  # a broken consumer is gone either way
+                consumer.close(autocommit=False)
+
+    def _topic_partitions(self, check_exist: bool) -> dict[str, int]:
+        """The partition count of every topic. `check_exist` asks the broker for all
+        topics (a metadata request; at start); otherwise the consumer's metadata cache
+        answers, refreshed every metadata_max_age_ms (10 s: new partitions show up)."""
+        consumer = self._client()
+        if check_exist:
+            existing: set[str] = consumer.topics()
+            missing = [t for t in self.options.topics if t not in existing]
+            if missing:
+                shown = sorted(existing)[:20]
+                raise ConfigError(
+                    f"option subscribe: topic(s) {missing} do not exist on "
+                    f"{self.options.bootstrap}; it has {len(existing)} topic(s), e.g. {shown}"
+                )
+        counts: dict[str, int] = {}
+        for topic in self.options.topics:
+            partitions = sorted(consumer.partitions_for_topic(topic) or ())
+            if not partitions or partitions != list(range(len(partitions))):
+                raise SourceError(
+                    f"topic {topic!r} on {self.options.bootstrap} has partitions {partitions}: "
+                    "deleted while the query runs?"
+                )
+            counts[topic] = len(partitions)
+        return counts
+
+    def _earliest(self, tps: list[TopicPartition]) -> KafkaOffsets:
+        found = self._client().beginning_offsets(tps, timeout_ms=self._timeout_ms())
+        return _by_topic(found)
+
+    def _ends(self, tps: list[TopicPartition]) -> KafkaOffsets:
+        """High watermarks from a Fetch. ListOffsets(latest) gives a lower bound (exact
+        on Kafka, the last batch's base offset + 1 on Tansu); seeking there, one fetch
+        per partition returns at most that batch, and the high watermark."""
+        consumer = self._client()
+        consumer.unsubscribe()  # fresh partition states: no stale high watermark
+        consumer.assign(tps)
+        for tp, offset in consumer.end_offsets(tps, timeout_ms=self._timeout_ms()).items():
+            consumer.seek(tp, offset)
+        deadline = time.monotonic() + self._timeout_ms() / 1000
+        marks: dict[TopicPartition, int] = {}
+        while len(marks) < len(tps):
+            if time.monotonic() > deadline:
+                missing = sorted(f"{tp.topic}-{tp.partition}" for tp in tps if tp not in marks)
+                raise _NoFetchResponse(f"no fetch response for {missing}")
+            consumer.poll(timeout_ms=int(POLL_SECONDS * 1000))
+            for tp in tps:
+                mark = consumer.highwater(tp)
+                if mark is not None and tp not in marks:
+                    marks[tp] = int(mark)
+                    consumer.pause(tp)
+        return _by_topic(marks)
+
+    def _timeout_ms(self) -> int:
+        return int(self.options.kafka_config.get("request_timeout_ms", _DRIVER_TIMEOUT_MS))
+
+    # ---- FT layer ----
+
+    def _ft_call(self, what: str, call: Callable[[FTClient], T]) -> T:
+        """A call to the FT layer. The client retries refused connections with backoff
+        for ft.reconnectTimeoutMs (a restarting server is waited for), then fails."""
+        ft = self.options.ft
+        if self._ft is None:
+            self._ft = FTClient(
+                ft.address or "",
+                token=ft.token,
+                connect_timeout=self.options.ft_connect_timeout_s,
+                request_timeout=30.0,
+                name="ftkafka-driver",
+                tls=ft.tls_ca or False,
+                reconnect_s=self.options.ft_reconnect_timeout_s,
+            )
+        began = time.monotonic()
+        try:
+            return call(self._ft)
+        except (ConnectionLost, OSError) as exc:
+            self._ft.close()
+            self._ft = None
+            raise SourceError(
+                f"could not {what}: the FT layer at {ft.address} (option ft.address) did not "
+                f"answer within {time.monotonic() - began:.1f} s: {exc}"
+            ) from exc
+
+    def _register_sources(self) -> None:
+        options = self.options
+        for topic in options.topics:
+
+            def register(client: FTClient, topic: str = topic) -> None:
+                client.register_source(
+                    self.source_ids[topic],
+                    options.partitioner,
+                    self._partition_counts[topic],
+                    options.partitioner_options,
+                    options.timeout_s,
+                )
+
+            self._ft_call(f"register the source of topic {topic!r}", register)
+
+    def _replay_start(self) -> int:
+        """A new query's replay cursor: where its sources' replay queue entries were
+        pruned to (FTLayer.replay_start_of), so its first batch takes in every queued
+        replay of its sources, such as those recovered after an FT-layer restart or
+        restored from a savepoint."""
+        status = self._ft_call("read the replay cursor", lambda client: client.status())
+        pruned = status.get("replay_pruned", {})
+        return max(
+            max(int(pruned.get("*", 0)), int(pruned.get(str(sid), 0)))
+            for sid in self.source_ids.values()
+        )
+
+    def _replay_cursor(self) -> int:
+        """The highest replay seq of this query's sources (see FTLayer.replay_cursor_of):
+        other queries' failures do not move it, so they cause no empty batches here."""
+        status = self._ft_call("read the replay cursor", lambda client: client.status())
+        cursors = status.get("replay_cursors", {})
+        at_start = int(status.get("replay_cursor_at_start", status["replay_cursor"]))
+        return max(int(cursors.get(str(sid), at_start)) for sid in self.source_ids.values())
+
+
+class _NoFetchResponse(Exception):
+    """A driver fetch for high watermarks got no answer in time (retried)."""
+
+
+def _by_topic(found: Mapping[Any, Any]) -> KafkaOffsets:
+    offsets: KafkaOffsets = {}
+    for tp, offset in found.items():
+        if offset is None:
+            raise _NoFetchResponse(f"no offset for {tp.topic}-{tp.partition}")
+        offsets.setdefault(tp.topic, {})[tp.partition] = int(offset)
+    return offsets

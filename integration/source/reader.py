@@ -1,0 +1,316 @@
+"""The executor side of the ftkafka source: read() of one input partition.
+
+`FTKafkaPartition` is what the driver plans and Spark ships to an executor: Kafka
+[start, end) of one (topic, partition) and the replays its source's partitioner routed
+there with replay_lo < seq <= replay_hi. `read_partition` reads the Kafka range, persists
+every polled chunk in the FT layer before it yields it, then yields the partition's
+replays (the steps are in ftlayer.integration.source's docstring, "What read() does").
+Nothing here imports the FT layer's core or storage: an executor talks to the FT layer
+through its process's shared BatchingChannel only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import pyarrow as pa
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+from numpy.typing import NDArray
+from pyspark.sql.datasource import InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import (
+    StructType,
+)
+
+from ftlayer.client import BatchingChannel
+from ftlayer.errors import SourceError
+from ftlayer.handlers import Persister
+from ftlayer.ids import new_ids
+from ftlayer.integration.ftcolumns import read_loop_headers, to_signed
+from ftlayer.partitioners import (
+    kafka_key_hashes,
+    spark_key_hashes,
+)
+
+from .options import SourceOptions
+from .payloads import decode_payloads, encode_payloads
+
+if TYPE_CHECKING:
+    pass
+
+
+# An executor reads one partition, so one partition's fetch may use most of the fetch.
+_FETCH_MAX_BYTES: Final = 32 * 1024 * 1024
+_PARTITION_FETCH_MAX_BYTES: Final = 16 * 1024 * 1024
+_MAX_POLL_RECORDS: Final = 50_000
+# kafka-python's poll() returns early only with records; poll in short slices.
+POLL_SECONDS: Final = 0.05
+# A PERSIST frame is at most 64 MiB: persist in chunks well below that.
+_PERSIST_CHUNK_BYTES: Final = 16 * 1024 * 1024
+
+
+class FTKafkaPartition(InputPartition):
+    """One input partition of a batch: Kafka [start, end) of (topic, partition), and the
+    replays of its source routed to `partition` with replay_lo < seq <= replay_hi."""
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        source_id: int,
+        replay_lo: int,
+        replay_hi: int,
+    ) -> None:
+        super().__init__((topic, partition))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+        self.source_id = source_id
+        self.replay_lo = replay_lo
+        self.replay_hi = replay_hi
+
+    def __repr__(self) -> str:
+        return (
+            f"FTKafkaPartition({self.topic}-{self.partition} [{self.start}, {self.end}) "
+            f"replay ({self.replay_lo}, {self.replay_hi}])"
+        )
+
+
+KeyHashes = Callable[[Sequence[bytes | None]], tuple[NDArray[np.int64], NDArray[np.bool_]]]
+
+
+_Chunk = tuple[
+    list[bytes | None],
+    list[bytes | None],
+    NDArray[np.int64],
+    NDArray[np.int64],
+    list[list[tuple[str, bytes]]],
+]
+
+
+def read_partition(
+    options: SourceOptions, schema: StructType, part: FTKafkaPartition
+) -> Iterator[Any]:
+    """read() of one input partition: see "What read() does" in the module docstring."""
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    channel = options.ft.channel() if options.ft_on else None
+    persister = None if channel is None else Persister(channel, source_id=part.source_id)
+    key_hashes: KeyHashes = (
+        _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
+    )
+    # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded.
+    for keys, values, offsets, timestamps, headers in _read_kafka(options, part):
+        anchors = None
+        if persister is not None and channel is not None:
+            loop_roots, loop_ids = read_loop_headers(headers)
+            if not loop_roots.any():  # the usual chunk: every record starts a tree
+                payloads = encode_payloads(keys, values, timestamps)
+                anchors = _persist(persister, part, payloads, offsets, *key_hashes(keys))
+            else:
+                anchors = _persist_or_continue(
+                    persister,
+                    channel,
+                    part,
+                    key_hashes,
+                    keys,
+                    values,
+                    offsets,
+                    timestamps,
+                    loop_roots,
+                    loop_ids,
+                )
+        n = len(keys)
+        yield _arrow_batch(
+            arrow_schema,
+            pa.array(keys, type=pa.binary()),
+            pa.array(values, type=pa.binary()),
+            [part.topic] * n,
+            np.full(n, part.partition, dtype=np.int32),
+            offsets,
+            timestamps,
+            anchors,
+        )
+    if channel is None or persister is None:
+        return
+    # Step 3: this partition's replays, emitted again under their replay roots.
+    if part.replay_hi > part.replay_lo:
+        replay = channel.fetch_replay(
+            part.replay_lo, part.replay_hi, part.source_id, part.partition
+        )
+        if len(replay):
+            records = replay.records
+            emitted = persister.emit_replays(records.roots)
+            keys_r, values_r, timestamps_r = decode_payloads(records.payloads)
+            yield _arrow_batch(
+                arrow_schema,
+                keys_r,
+                values_r,
+                records.topics,
+                records.partitions,
+                records.offsets,
+                timestamps_r,
+                (to_signed(emitted.roots), to_signed(emitted.ids)),
+            )
+    # Step 4: the emission events of the replays (and anything else buffered) go now.
+    channel.flush()
+
+
+def _persist_or_continue(
+    persister: Persister,
+    channel: BatchingChannel,
+    part: FTKafkaPartition,
+    key_hashes: KeyHashes,
+    keys: list[bytes | None],
+    values: list[bytes | None],
+    offsets: NDArray[np.int64],
+    timestamps: NDArray[np.int64],
+    loop_roots: NDArray[np.uint64],
+    loop_ids: NDArray[np.uint64],
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The (ft_root, ft_id) columns of a chunk holding records a loop fed back (step 2):
+    the others are persisted as new trees; a looped record starts none: one XOR event
+    acks the id it was in transit under and anchors a fresh id under its root."""
+    roots, ids = np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64)
+    fresh = np.flatnonzero(loop_roots == 0)
+    if len(fresh):
+        keys_f = [keys[i] for i in fresh.tolist()]
+        payloads = encode_payloads(keys_f, [values[i] for i in fresh.tolist()], timestamps[fresh])
+        roots[fresh], ids[fresh] = _persist(
+            persister, part, payloads, offsets[fresh], *key_hashes(keys_f)
+        )
+    looped = np.flatnonzero(loop_roots)
+    new = new_ids(len(looped))
+    channel.xor(loop_roots[looped], loop_ids[looped] ^ new)
+    roots[looped], ids[looped] = to_signed(loop_roots[looped]), to_signed(new)
+    return roots, ids
+
+
+def _spark_key_hashes(keys: Sequence[bytes | None]) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
+    """spark-hash replays by portable_hash of the key, for which None is a key too."""
+    return spark_key_hashes(keys), np.ones(len(keys), dtype=np.bool_)
+
+
+def _persist(
+    persister: Persister,
+    part: FTKafkaPartition,
+    payloads: list[bytes],
+    offsets: NDArray[np.int64],
+    hashes: NDArray[np.int64],
+    has_key: NDArray[np.bool_],
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Persist one polled chunk in PERSIST frames of about 16 MiB of payloads (a frame
+    holds at most 64 MiB); returns the (ft_root, ft_id) columns once the FT layer
+    confirmed every frame."""
+    sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
+    frame_of = np.cumsum(sizes) // _PERSIST_CHUNK_BYTES
+    bounds = [0, *(np.flatnonzero(np.diff(frame_of)) + 1).tolist(), len(payloads)]
+    roots: list[NDArray[np.uint64]] = []
+    ids: list[NDArray[np.uint64]] = []
+    for lo, hi in itertools.pairwise(bounds):
+        anchors = persister.persist(
+            payloads[lo:hi],
+            topics=part.topic,
+            partitions=part.partition,
+            offsets=offsets[lo:hi],
+            key_hashes=hashes[lo:hi],
+            has_key=has_key[lo:hi],
+        )
+        roots.append(anchors.roots)
+        ids.append(anchors.ids)
+    return to_signed(np.concatenate(roots)), to_signed(np.concatenate(ids))
+
+
+def _arrow_batch(
+    arrow_schema: Any,
+    keys: Any,
+    values: Any,
+    topics: Any,
+    partitions: Any,
+    offsets: Any,
+    timestamps_ms: NDArray[np.int64],
+    anchors: tuple[Any, Any] | None,
+) -> Any:
+    columns = [
+        keys,
+        values,
+        pa.array(topics, type=pa.string()),
+        pa.array(np.asarray(partitions, dtype=np.int32), type=pa.int32()),
+        pa.array(np.asarray(offsets, dtype=np.int64), type=pa.int64()),
+        pa.array(timestamps_ms * 1000, type=pa.timestamp("us", tz="UTC")),
+    ]
+    if anchors is not None:
+        columns += [pa.array(anchors[0], type=pa.int64()), pa.array(anchors[1], type=pa.int64())]
+    return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)
+
+
+def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Iterator[_Chunk]:
+    """Kafka [start, end) of one partition, in polled chunks of (keys, values, offsets,
+    timestamps in ms, headers). SourceError if no record arrives for pollTimeoutMs."""
+    if part.end <= part.start:
+        return
+    timeout_ms = int(options.poll_timeout_s * 1000)
+    config: dict[str, Any] = {
+        "bootstrap_timeout_ms": min(timeout_ms, 30_000),
+        "fetch_max_bytes": _FETCH_MAX_BYTES,
+        "max_partition_fetch_bytes": _PARTITION_FETCH_MAX_BYTES,
+        "max_poll_records": _MAX_POLL_RECORDS,
+        "fetch_max_wait_ms": 100,
+        **options.kafka_config,
+    }
+    where = f"{part.topic}-{part.partition} [{part.start}, {part.end})"
+    try:
+        consumer = new_consumer(options.bootstrap, config)
+    except KafkaError as exc:
+        raise SourceError(
+            f"cannot reach Kafka at {options.bootstrap} to read {where}: {exc!r}"
+        ) from exc
+    try:
+        tp = TopicPartition(part.topic, part.partition)
+        consumer.assign([tp])
+        consumer.seek(tp, part.start)
+        position = part.start
+        last_progress = time.monotonic()
+        while position < part.end:
+            polled = consumer.poll(timeout_ms=int(POLL_SECONDS * 1000))
+            records = [r for r in polled.get(tp, ()) if r.offset < part.end]
+            # Offsets may have gaps (compaction, transaction markers): go by position.
+            new_position = int(consumer.position(tp))
+            if records or new_position > position:
+                last_progress = time.monotonic()
+            position = max(position, new_position)
+            if records:
+                if records[0].offset < part.start:  # paranoid: seek must not go back
+                    raise SourceError(f"Kafka returned offset {records[0].offset} for {where}")
+                keys = [r.key for r in records]
+                values = [r.value for r in records]
+                offsets = np.fromiter((r.offset for r in records), np.int64, len(records))
+                stamps = np.fromiter((r.timestamp for r in records), np.int64, len(records))
+                yield keys, values, offsets, stamps, [r.headers for r in records]
+            elif time.monotonic() - last_progress > options.poll_timeout_s:
+                raise SourceError(
+                    f"reading {where} from Kafka at {options.bootstrap}: nothing arrived "
+                    f"for {options.poll_timeout_s:.1f} s (kafkaConsumer.pollTimeoutMs) at "
+                    f"offset {position}"
+                )
+    except KafkaError as exc:
+        raise SourceError(f"reading {where} from Kafka at {options.bootstrap}: {exc!r}") from exc
+    finally:
+        consumer.close(autocommit=False)
+
+
+def new_consumer(bootstrap: str, config: Mapping[str, Any]) -> Any:
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        allow_auto_create_topics=False,
+        **{"client_id": "ftkafka", **config},
+    )
