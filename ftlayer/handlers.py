@@ -365,6 +365,11 @@ class NoFTTaskHandler:
     def process(self, inputs: object, parents: object, failed: object = None) -> None:
         return None
 
+    def process_grouped(
+        self, inputs: object, groups: object, n_groups: int, failed: object = None
+    ) -> None:
+        return None
+
     def flush(self) -> None:
         return None
 

@@ -106,7 +106,7 @@ from pyspark.sql.types import (
 from pyspark.sql.types import Row as SparkRow
 
 from ftlayer.errors import ConfigError, FailException, FTLayerError
-from ftlayer.handlers import Anchors, TaskHandler, XorHandler
+from ftlayer.handlers import Anchors, NoFTTaskHandler, TaskHandler, XorHandler
 
 from .ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed, to_unsigned
 
@@ -525,66 +525,84 @@ def _payload_of(batch: Any) -> Any:
     return batch.select(names)
 
 
-def _ft_partition(
-    settings: FTSettings, step: _Step, out_schema: Any, multi: bool, what: str
-) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """A mapInArrow function: run `step` per batch, anchor its outputs, flush at the end."""
+def _task_handler(settings: FTSettings) -> tuple[TaskHandler | NoFTTaskHandler, Callable[[], None]]:
+    """The FT switch of every runner below: this task's handler, and what ends the task
+    (its events flushed, then the channel's). With FT off the handler anchors nothing and
+    sends nothing, and there is no channel."""
+    if not settings.enabled:
+        return NoFTTaskHandler(), _nothing
+    channel = settings.channel()
+    handler = TaskHandler(XorHandler(channel))
 
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
-        channel = settings.channel()
-        handler = TaskHandler(XorHandler(channel))
-        failures = _Failures()
-        for batch in batches:
-            inputs = read_anchors(batch)
-            rows, parents, failed = step(_payload_of(batch), failures)
-            outputs = handler.process(inputs, parents, failed)
-            if rows.num_rows:
-                columns = [*rows.columns, *anchor_columns(outputs, multi)]
-                yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+    def finish() -> None:
         handler.flush()
         channel.flush()
-        _log_failures(failures, what, ft=True)
 
-    return run
+    return handler, finish
 
 
-def _plain_partition(step: _Step, what: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """FT off: run `step` per batch; failed records are dropped."""
+def _nothing() -> None:
+    return None
+
+
+_NO_ANCHORS: Final = Anchors.single(np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+
+
+def _inputs(batch: Any, ft: bool) -> Anchors:
+    """The anchors of a batch's rows; with FT off there are no FT columns, and the null
+    handler reads no anchors."""
+    return read_anchors(batch) if ft else _NO_ANCHORS
+
+
+def _map_partition(
+    settings: FTSettings, step: _Step, out_schema: Any, multi: bool, what: str
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """A mapInArrow function: run `step` per batch, anchor its outputs (FT on), flush at
+    the end. With FT off failed records are dropped."""
+    ft = settings.enabled
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
+        handler, finish = _task_handler(settings)
         failures = _Failures()
         for batch in batches:
-            rows, _, _ = step(batch, failures)
+            inputs = _inputs(batch, ft)
+            rows, parents, failed = step(_payload_of(batch) if ft else batch, failures)
+            outputs = handler.process(inputs, parents, failed)
             if rows.num_rows:
-                yield rows
-        _log_failures(failures, what, ft=False)
+                if outputs is None:
+                    yield rows
+                else:
+                    columns = [*rows.columns, *anchor_columns(outputs, multi)]
+                    yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+        finish()
+        _log_failures(failures, what, ft=ft)
 
     return run
 
 
-def _ft_filter_partition(
+def _filter_partition(
     settings: FTSettings,
     decide: Callable[[Any, _Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
     what: str,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """A filter keeps its input's schema: kept rows get new ids in place."""
+    """A filter keeps its input's schema: kept rows get new ids in place (FT on)."""
+    ft = settings.enabled
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
-        channel = settings.channel()
-        handler = TaskHandler(XorHandler(channel))
+        handler, finish = _task_handler(settings)
         failures = _Failures()
         for batch in batches:
-            inputs = read_anchors(batch)
-            keep, failed = decide(_payload_of(batch), failures)
+            inputs = _inputs(batch, ft)
+            keep, failed = decide(_payload_of(batch) if ft else batch, failures)
             if failed is not None:
                 keep &= ~failed
             parents = np.flatnonzero(keep)
             outputs = handler.process(inputs, parents, failed)
             if len(parents):
-                yield _with_anchors(batch.take(pa.array(parents)), outputs)
-        handler.flush()
-        channel.flush()
-        _log_failures(failures, what, ft=True)
+                kept = batch.take(pa.array(parents))
+                yield kept if outputs is None else _with_anchors(kept, outputs)
+        finish()
+        _log_failures(failures, what, ft=ft)
 
     return run
 
@@ -598,23 +616,6 @@ def _with_anchors(batch: Any, anchors: Anchors) -> Any:
         column = column.cast(batch.schema.field(index).type)
         batch = batch.set_column(index, batch.schema.field(index), column)
     return batch
-
-
-def _plain_filter_partition(
-    decide: Callable[[Any, _Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
-    what: str,
-) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
-        failures = _Failures()
-        for batch in batches:
-            keep, failed = decide(batch, failures)
-            if failed is not None:
-                keep &= ~failed
-            if keep.any():
-                yield batch.filter(pa.array(keep))
-        _log_failures(failures, what, ft=False)
-
-    return run
 
 
 # ---- aggregation -------------------------------------------------------------------------
@@ -733,7 +734,7 @@ def _aggregate_groups(
     return out_rows, groups, counts, failed
 
 
-def _ft_aggregate_partition(
+def _aggregate_partition(
     settings: FTSettings,
     by: Sequence[str],
     fn: Callable[[GroupKey, Any], Any],
@@ -743,26 +744,34 @@ def _ft_aggregate_partition(
     *,
     local_sort: bool = False,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    def emit(rows: Any, handler: TaskHandler, failures: _Failures) -> Iterator[Any]:
+    """Groups of rows sorted by key (sorted here with `local_sort`), fn per group, every
+    output multi-anchored to its group's inputs (FT on); with FT off a failed group emits
+    nothing."""
+    ft = settings.enabled
+
+    def emit(
+        rows: Any, handler: TaskHandler | NoFTTaskHandler, failures: _Failures
+    ) -> Iterator[Any]:
         out, groups, counts, failed = _aggregate_groups(
             rows, by, fn, payload_schema, on_error, failures
         )
-        inputs = read_anchors(rows)
         combined = handler.process_grouped(
-            inputs, groups, len(counts), failed if failed.any() else None
+            _inputs(rows, ft), groups, len(counts), failed if failed.any() else None
         )
-        if not np.array_equal(counts, np.ones_like(counts)):
+        if combined is not None and not np.array_equal(counts, np.ones_like(counts)):
             # Not one output per group: each output is a child of its group's combined
             # anchors; a group without outputs acks them (its inputs are done).
             parents = np.repeat(np.arange(len(counts), dtype=np.intp), counts)
             combined = handler.process(combined, parents)
         if out.num_rows:
-            columns = [*out.columns, *anchor_columns(combined, multi=True)]
-            yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+            if combined is None:
+                yield out
+            else:
+                columns = [*out.columns, *anchor_columns(combined, multi=True)]
+                yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
-        channel = settings.channel()
-        handler = TaskHandler(XorHandler(channel))
+        handler, finish = _task_handler(settings)
         failures = _Failures()
         grouper = _Grouper(by, [])
         for batch in _sorted_by(batches, by) if local_sort else batches:
@@ -772,9 +781,8 @@ def _ft_aggregate_partition(
         rest = grouper.finish()
         if rest is not None:
             yield from emit(rest, handler, failures)
-        handler.flush()
-        channel.flush()
-        _log_failures(failures, "aggregate", ft=True)
+        finish()
+        _log_failures(failures, "aggregate", ft=ft)
 
     return run
 
@@ -787,23 +795,6 @@ def _sorted_by(batches: Iterator[Any], by: Sequence[str]) -> Iterator[Any]:
         return iter(())
     table = pa.Table.from_batches(collected).sort_by([(k, "ascending") for k in by])
     return iter(table.combine_chunks().to_batches())
-
-
-def _plain_aggregate_partition(
-    by: Sequence[str], group_fn: Callable[[GroupKey, Any], Any]
-) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """FT off on a stream: sort the partition by the keys, call group_fn per group."""
-
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
-        for batch in _sorted_by(batches, by):
-            keys = [batch.column(k) for k in by]
-            starts = np.flatnonzero(np.concatenate([[True], _key_changes(keys)]))
-            ends = [*starts[1:].tolist(), batch.num_rows]
-            for start, end in zip(starts.tolist(), ends, strict=True):
-                key = tuple(column[start] for column in keys)
-                yield from group_fn(key, batch.slice(start, end - start)).to_batches()
-
-    return run
 
 
 def _plain_group_fn(
@@ -967,12 +958,9 @@ class FTTasks:
             shuffled = df.repartition(*keys)
         if not local_sort:
             shuffled = shuffled.sortWithinPartitions(*keys)
-        if not self.ft:
-            plain = _plain_aggregate_partition(keys, _plain_group_fn(fn, payload_schema, mode))
-            return shuffled.mapInArrow(plain, payload_struct)
-        out_struct = _with_ft_fields(payload_struct, multi=True)
+        out_struct = _with_ft_fields(payload_struct, multi=True) if self.ft else payload_struct
         out_schema = self._arrow(df, out_struct)
-        run = _ft_aggregate_partition(
+        run = _aggregate_partition(
             self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
         )
         return shuffled.mapInArrow(run, out_struct)
@@ -1001,11 +989,9 @@ class FTTasks:
     def _mapped(self, df: DataFrame, step: _Step, schema: Schema, what: str) -> DataFrame:
         payload_struct = _struct(df, schema)
         self._check_ft_columns(df)
-        if not self.ft:
-            return df.mapInArrow(_plain_partition(step, what), payload_struct)
         multi = EXTRA_ANCHORS_COLUMN in df.columns
-        out_struct = _with_ft_fields(payload_struct, multi)
-        run = _ft_partition(self.settings, step, self._arrow(df, out_struct), multi, what)
+        out_struct = _with_ft_fields(payload_struct, multi) if self.ft else payload_struct
+        run = _map_partition(self.settings, step, self._arrow(df, out_struct), multi, what)
         return df.mapInArrow(run, out_struct)
 
     def _filter(
@@ -1015,9 +1001,7 @@ class FTTasks:
         what: str,
     ) -> DataFrame:
         self._check_ft_columns(df)
-        if not self.ft:
-            return df.mapInArrow(_plain_filter_partition(decide, what), df.schema)
-        return df.mapInArrow(_ft_filter_partition(self.settings, decide, what), df.schema)
+        return df.mapInArrow(_filter_partition(self.settings, decide, what), df.schema)
 
     def _check_ft_columns(self, df: DataFrame) -> None:
         present = ft_columns_of(df.columns)
