@@ -170,13 +170,15 @@ def _killer(
     on_kill: Callable[[str], None] | None = None,
 ) -> Callable[[], int]:
     """Start a thread that SIGKILLs a running Python worker `times` times, at random
-    moments spread over about `seconds`, calling `on_kill` with one line per kill;
-    returns a function giving how many it killed."""
+    moments spread over about `seconds` from the moment the first worker runs, calling
+    `on_kill` with one line per kill; returns a function giving how many it killed."""
     killed = [0]
     rng = random.Random(seed)
 
     def run() -> None:
         moments = sorted(rng.uniform(0.1, 1.0) * seconds for _ in range(times))
+        while not stop.is_set() and not _python_workers():
+            stop.wait(0.05)
         start = time.monotonic()
         for moment in moments:
             while not stop.is_set():
@@ -278,7 +280,7 @@ def run_demo(
             )
             stop_killer = threading.Event()
             killed = (
-                _killer(kill_workers, 20.0, stop_killer, seed, on_kill) if kill_workers else None
+                _killer(kill_workers, 5.0, stop_killer, seed, on_kill) if kill_workers else None
             )
             try:
                 status = _wait_until_settled(
