@@ -347,20 +347,25 @@ def _demo(args: argparse.Namespace) -> int:
             kill_workers=args.kill_workers,
             workdir=args.workdir,
             on_progress=lambda progress: live.update(view(progress)),
+            on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),
         )
+    if not console.is_terminal:
+        console.line()  # rich ends its last frame without a newline when not on a terminal
     summary = result.as_dict()
-    if args.json:
-        print(json.dumps(summary, sort_keys=True))
-    else:
-        _print_table("ftlayer demo: summary", summary)
     if not result.ok:
-        print(
+        console.print(
             f"ftlayer demo: FAILED: lost {result.lost}, completed {result.completed} of "
             f"{result.produced}, {result.pending_at_end} trees still pending",
-            file=sys.stderr,
+            soft_wrap=True,
         )
-        return 1
-    return 0
+    console.print(f"ftlayer demo: Spark's log is in {result.extra['spark_log']}", soft_wrap=True)
+    console.file.flush()
+    # Last, and alone on its line of stdout, even when stderr is the same file.
+    if args.json:
+        print(json.dumps(summary, sort_keys=True), flush=True)
+    else:
+        _print_table("ftlayer demo: summary", summary)
+    return 0 if result.ok else 1
 
 
 def _add_savepoint_parser(commands: Any) -> None:

@@ -110,6 +110,12 @@ _PROTOCOL_ERRORS: Final[dict[int, type[ProtocolError]]] = {
 }
 
 
+_TOKEN_HINT: Final = (
+    "give the token of the server's --token-file, with the source option ft.tokenFile "
+    "(or ft.token), or with --token-file of the ftlayer command"
+)
+
+
 class ServerError(FTLayerError):
     """The server answered ERROR with a code of 100 or more; `code` is that code."""
 
@@ -526,16 +532,23 @@ class FTClient:
             challenge = decode_challenge(hello)
             if challenge.auth_required and self._token is None:
                 raise NotAuthenticated(
-                    f"the FT-layer server at {self.address} requires a token; none was given"
+                    f"the FT-layer server at {self.address} requires a token; none was "
+                    f"given: {_TOKEN_HINT}"
                 )
             digest = (
                 bytes(DIGEST_SIZE)
                 if self._token is None
                 else auth_digest(self._token, challenge.server_nonce, client_nonce)
             )
-            welcome = decode_welcome(
-                self._request(lambda rid: encode_auth(rid, digest), Kind.WELCOME)
-            )
+            try:
+                welcome = decode_welcome(
+                    self._request(lambda rid: encode_auth(rid, digest), Kind.WELCOME)
+                )
+            except AuthFailed as exc:
+                raise AuthFailed(
+                    f"the FT-layer server at {self.address} refused the token ({exc}): "
+                    f"{_TOKEN_HINT}"
+                ) from None
         except BaseException:
             self._drop()
             raise

@@ -18,7 +18,9 @@ Structured Streaming pipeline on them, every step wrapped by ftlayer:
 
 With `kill_workers` K, a thread SIGKILLs a running PySpark Python worker K times at
 random moments: Spark retries the task, and ftlayer replays whatever the dead worker
-left incomplete.
+left incomplete. Each kill is reported once through `on_kill`; Spark's own log (ERROR
+lines, with the stack traces of the killed tasks) goes to a file, `spark_log` in the
+result, never to the terminal.
 
 While it runs it shows produced, completed, pending and replayed counts. At the end it
 reads the output topic back and checks every event against what the pipeline must
@@ -160,28 +162,50 @@ def _python_workers() -> list[int]:
     return [pid for pid, parent in daemons.items() if parent in daemons]
 
 
-def _killer(times: int, seconds: float, stop: threading.Event, seed: int) -> Callable[[], int]:
+def _killer(
+    times: int,
+    seconds: float,
+    stop: threading.Event,
+    seed: int,
+    on_kill: Callable[[str], None] | None = None,
+) -> Callable[[], int]:
     """Start a thread that SIGKILLs a running Python worker `times` times, at random
-    moments spread over about `seconds`; returns a function giving how many it killed."""
+    moments spread over about `seconds` from the moment the first worker runs, calling
+    `on_kill` with one line per kill; returns a function giving how many it killed."""
     killed = [0]
     rng = random.Random(seed)
 
     def run() -> None:
         moments = sorted(rng.uniform(0.1, 1.0) * seconds for _ in range(times))
+        while not stop.is_set() and not _python_workers():
+            stop.wait(0.05)
         start = time.monotonic()
         for moment in moments:
             while not stop.is_set():
                 if time.monotonic() - start >= moment:
                     workers = _python_workers()
                     if workers:
+                        pid = rng.choice(workers)
                         with contextlib.suppress(ProcessLookupError):
-                            os.kill(rng.choice(workers), signal.SIGKILL)
+                            os.kill(pid, signal.SIGKILL)
                             killed[0] += 1
+                            if on_kill is not None:
+                                on_kill(f"killed Python worker {pid} ({killed[0]} of {times})")
                         break
                 stop.wait(0.05)
 
     threading.Thread(target=run, name="ftlayer-demo-killer", daemon=True).start()
     return lambda: killed[0]
+
+
+def _spark_log(workdir: str | None) -> Path:
+    """Where Spark's log goes: in the workdir, or a kept file in the temp directory (the
+    demo's own temporary workdir is removed at its end)."""
+    if workdir is not None:
+        return Path(workdir) / "spark.log"
+    fd, name = tempfile.mkstemp(prefix="ftlayer-demo-spark-", suffix=".log")
+    os.close(fd)
+    return Path(name)
 
 
 @contextlib.contextmanager
@@ -207,6 +231,7 @@ def run_demo(
     seed: int = 0,
     workdir: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_kill: Callable[[str], None] | None = None,
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts."""
     from ftlayer.integration.sinks import ft_kafka_sink
@@ -219,6 +244,7 @@ def run_demo(
             "need records >= 1, partitions >= 1, kill_workers >= 0 and 0 <= fail_rate <= 1"
         )
     started = time.monotonic()
+    spark_log = _spark_log(workdir)
     with _workdir(workdir) as work, TansuBroker(log_path=work / "broker.log") as broker:
         bootstrap = broker.bootstrap
         source_topic, sink_topic = "demo-events", "demo-enriched"
@@ -229,7 +255,7 @@ def run_demo(
         flaky_dir.mkdir()
         with FTServerProcess(work / "ft", "--timeout-s", str(ft_timeout_s)) as server:
             settings = FTSettings(server.address)
-            spark = local_spark(master="local[2,8]", app_name="ftlayer-demo")
+            spark = local_spark(master="local[2,8]", app_name="ftlayer-demo", log_file=spark_log)
             register(spark)
             tasks = FTTasks(settings)
             source = (
@@ -253,7 +279,9 @@ def run_demo(
                 .start()
             )
             stop_killer = threading.Event()
-            killed = _killer(kill_workers, 20.0, stop_killer, seed) if kill_workers else None
+            killed = (
+                _killer(kill_workers, 5.0, stop_killer, seed, on_kill) if kill_workers else None
+            )
             try:
                 status = _wait_until_settled(
                     query, server.address, source_topic, records, deadline_s, on_progress
@@ -261,6 +289,7 @@ def run_demo(
             finally:
                 stop_killer.set()
                 stop_when_idle(query)
+                spark.stop()
             outputs = read_all(bootstrap, sink_topic, timeout=120)
     seconds = time.monotonic() - started
     expected = {i for i in range(records) if passes_filter(i)}
@@ -284,7 +313,12 @@ def run_demo(
         trees_completed=int(status["completed"]),
         workers_killed=killed() if killed else 0,
         pending_at_end=pending,
-        extra={"partitions": partitions, "fail_rate": fail_rate, "kill_workers": kill_workers},
+        extra={
+            "partitions": partitions,
+            "fail_rate": fail_rate,
+            "kill_workers": kill_workers,
+            "spark_log": str(spark_log),
+        },
     )
 
 

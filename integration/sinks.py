@@ -43,17 +43,14 @@ sink's table holds each output once.
 Acks on the executors vs. on the driver: collecting the ids with `toArrow()` and
 sending them from the driver moves 16 bytes per row into the driver and sends every
 event through one client; a job over the cached FT columns sends them from where the
-rows are. Measured on this 2-core machine (local[2], 1 M cached rows, 6 alternating
-runs each while other Spark jobs ran): executors best 0.89 s, median 1.3 s; driver
-best 0.96 s, median 1.2 s. Equal within the noise: both are dominated by sending
-1 M XOR events. The executor path is used: it keeps ids off the driver and spreads
-over a cluster.
+rows are. Both are dominated by sending one XOR event per row. The executor path is
+used: it keeps ids off the driver and spreads over a cluster.
 
 `ft_kafka_sink(bootstrap_servers, topic, settings)`: writes the `key` (optional) and
 `value` columns (binary or string) with a kafka-python producer tuned for throughput
-(acks=all, linger 5 ms, 1 MB batches), one per partition: it takes 4 ms to create
-against Tansu, and a producer shared across tasks would carry a fatal error (a fenced
-idempotent producer, say) into every later batch. One job per micro-batch. Per Arrow
+(acks=all, linger 5 ms, 1 MB batches), one per partition: creating one is cheap next
+to a partition's writes, and a producer shared across tasks would carry a fatal error
+(a fenced idempotent producer, say) into every later batch. One job per micro-batch. Per Arrow
 batch every row is sent, the producer flushed, and each row's future checked: a row
 is acked only if the broker confirmed its write; a row whose write failed (send
 raised, the broker answered an error, or the delivery timeout expired) has its roots

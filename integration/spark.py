@@ -16,8 +16,9 @@ instead of a py4j stack trace, and then builds the session with:
   string keys without it, and the hash partitioners must agree across workers. The
   calling process's own str and bytes hashes stay random unless it was started with
   PYTHONHASHSEED set, so never compare its `portable_hash` of such keys with a worker's;
-- no UI, no console progress bar, log4j at ERROR, few shuffle partitions, Arrow on,
-  UTC session time zone, the Python fault handler on (a worker crash shows a traceback).
+- no UI, no console progress bar, log4j at ERROR (to stderr, or to `log_file`), few
+  shuffle partitions, Arrow on, UTC session time zone, the Python fault handler on (a
+  worker crash shows a traceback).
 
 A JVM can host one SparkContext: if a session already runs in this process,
 getOrCreate returns it and Spark ignores the static settings given here.
@@ -57,6 +58,18 @@ appender.console.name = console
 appender.console.target = SYSTEM_ERR
 appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = %d{HH:mm:ss.SSS} %p %c{1}: %m%n%ex
+"""
+# The same, into a file instead of stderr (`local_spark(log_file=...)`).
+_LOG4J2_FILE = """\
+rootLogger.level = error
+logger.gateway.name = org.apache.spark.api.python.PythonGatewayServer
+logger.gateway.level = error
+rootLogger.appenderRef.file.ref = file
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {path}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{{HH:mm:ss.SSS}} %p %c{{1}}: %m%n%ex
 """
 
 
@@ -106,14 +119,16 @@ def find_java() -> tuple[Path, int]:
     return java, major
 
 
-def _log4j2_config() -> Path:
-    """The quiet log4j2 configuration as a file (content-addressed, shared by sessions)."""
-    digest = hashlib.sha256(_LOG4J2.encode()).hexdigest()[:12]
+def _log4j2_config(log_file: Path | None = None) -> Path:
+    """The quiet log4j2 configuration as a file (content-addressed, shared by sessions):
+    to stderr, or appending to `log_file`."""
+    text = _LOG4J2 if log_file is None else _LOG4J2_FILE.format(path=log_file.resolve())
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"ftlayer-log4j2-{digest}.properties"
     if not path.is_file():
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ftlayer-log4j2-")
         with os.fdopen(fd, "w") as out:
-            out.write(_LOG4J2)
+            out.write(text)
         os.replace(tmp, path)
     return path
 
@@ -124,12 +139,16 @@ def local_spark(
     conf: Mapping[str, str] | None = None,
     shuffle_partitions: int = 4,
     fast_start: bool = False,
+    log_file: str | os.PathLike[str] | None = None,
 ) -> SparkSession:
     """Build (or get) a local SparkSession for ftlayer; `conf` entries override the defaults.
 
-    `fast_start` limits the JVM to its C1 JIT compiler: start-up and the first jobs take
-    about 30 % less time on two busy cores, and long CPU-bound runs get slower. Right
-    for tests and short demos, wrong for benchmarks.
+    `log_file`: Spark's log (ERROR and above, with the stack traces of failed tasks)
+    goes to this file instead of stderr.
+
+    `fast_start` limits the JVM to its C1 JIT compiler: start-up and the first jobs are
+    quicker, and long CPU-bound runs slower. Right for tests and short demos, wrong for
+    benchmarks.
 
     Raises `SparkSetupError` if Java is missing or too old, or the JVM does not start.
     """
@@ -137,7 +156,8 @@ def local_spark(
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     hash_seed = os.environ.setdefault("PYTHONHASHSEED", "0")
-    java_options = f"-Dlog4j2.configurationFile=file:{_log4j2_config()}"
+    log_path = None if log_file is None else Path(log_file)
+    java_options = f"-Dlog4j2.configurationFile=file:{_log4j2_config(log_path)}"
     if fast_start:
         java_options += " -XX:TieredStopAtLevel=1"
     settings: dict[str, str] = {

@@ -1,8 +1,10 @@
 """`ftlayer demo`, as `make demo` runs it, on a small number of events.
 
 A subprocess, as a user runs it: its own Tansu broker, FT-layer process and Spark JVM.
-It must exit 0, print one JSON object as its last line, and report what the issue
-asks for: nothing lost and every produced event completed.
+It must exit 0 and report what the issue asks for: nothing lost and every produced
+event completed. Its stdout and stderr go to one file, as with `make demo ... > log
+2>&1`: the JSON object must still be alone on the last line, each worker kill shows
+as one line, and Spark's stack traces stay in the Spark log the summary names.
 """
 
 from __future__ import annotations
@@ -31,13 +33,24 @@ REQUIRED = (
 def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "ftlayer.cli", "demo", "--records", "3000"]
-    command += ["--fail-rate", "0.02", "--partitions", "3", "--workdir", str(tmp_path), "--json"]
-    done = subprocess.run(command, capture_output=True, env=env, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
-    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    command += ["--fail-rate", "0.02", "--partitions", "3", "--kill-workers", "1"]
+    command += ["--workdir", str(tmp_path / "work"), "--json"]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        done = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600, check=False
+        )
+    text = log.read_text(errors="replace")
+    assert done.returncode == 0, text[-3000:]
+    result = json.loads(text.rstrip("\n").splitlines()[-1])
     assert set(REQUIRED) <= result.keys()
     assert result["produced"] == result["completed"] == 3000
     assert result["lost"] == 0 and result["pending_at_end"] == 0
     # 2% of the events fail on first sight: each is replayed once and then written.
     assert result["replayed"] >= result["failed_explicit"] > 0
     assert result["outputs_at_sink"] == result["expected_outputs"] + result["duplicates_at_sink"]
+    # One line per kill; Spark's log (stack traces of killed tasks) in the named file.
+    assert text.count("ftlayer demo: killed Python worker") == result["workers_killed"]
+    assert Path(result["spark_log"]).is_file()
+    assert f"Spark's log is in {result['spark_log']}" in text
+    assert "\tat org.apache.spark" not in text and "Traceback" not in text

@@ -1,0 +1,102 @@
+"""The walkthrough of docs/user-guide.md section 2, run as printed.
+
+The guide marks its walkthrough with HTML comments before fenced blocks:
+`<!-- walkthrough -->` before a shell block to run, and
+`<!-- walkthrough: save as NAME -->` before a file to save. This test joins them, in
+the guide's order, into one bash script and runs it as a user would: from the
+repository root, in one shell, with a HOME of its own (the guide works in
+`~/orders-job`). The only change is the ports: the guide's 9092 (Kafka) and 7070 (the
+FT layer) become free ports, so runs never collide. Everything is real: the Tansu
+broker and the `ftlayer serve` process the guide starts, and its job on local Spark.
+When the guide drifts from the code, this test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ftlayer.integration.broker import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+GUIDE = REPO / "docs" / "user-guide.md"
+_BLOCK = re.compile(
+    r"<!-- walkthrough(?:: save as (?P<name>[\w.-]+))? -->\n```(?P<lang>\w+)\n(?P<body>.*?)^```$",
+    re.DOTALL | re.MULTILINE,
+)
+ORDERS = 2000  # the guide produces orders 0..999, starts the job, then 1000..1999
+
+
+def walkthrough_script(guide: str) -> str:
+    """The guide's walkthrough blocks as one bash script, files written where saved."""
+    parts = ["set -e", f"cd {REPO}"]
+    blocks = list(_BLOCK.finditer(guide))
+    assert blocks, "the guide marks no walkthrough blocks"
+    for block in blocks:
+        name, body = block["name"], block["body"]
+        if name is None:
+            assert block["lang"] == "sh", f"a walkthrough block to run must be sh: {body[:80]}"
+            parts.append(body)
+        else:
+            assert "GUIDE_EOF" not in body
+            parts.append(f"cat > {name} <<'GUIDE_EOF'\n{body}GUIDE_EOF")
+    return "\n".join(parts)
+
+
+def test_every_walkthrough_block_is_found() -> None:
+    """A block whose marker the pattern misses would silently drop out of the run."""
+    guide = GUIDE.read_text()
+    assert len(_BLOCK.findall(guide)) == guide.count("<!-- walkthrough")
+    assert {m["name"] for m in _BLOCK.finditer(guide)} >= {
+        "job.py",
+        "produce_orders.py",
+        "check_totals.py",
+    }
+
+
+@pytest.mark.integration
+def test_the_guide_job_runs_as_printed_and_its_totals_are_exact(tmp_path: Path) -> None:
+    kafka_port, ft_port = free_port(), free_port()
+    script = walkthrough_script(GUIDE.read_text())
+    script = script.replace(":9092", f":{kafka_port}").replace(":7070", f":{ft_port}")
+    script = script.replace("--port 7070", f"--port {ft_port}")
+    assert "9092" not in script and "7070" not in script
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHASHSEED")}
+    env["HOME"] = str(home)
+    # The guide activates .venv itself; start from a PATH without it, as a new user does.
+    venv_bin = str(REPO / ".venv" / "bin")
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # its process group holds everything the guide starts
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        # The guide stops what it started; on a failure, stop the rest here.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = out.decode(errors="replace")
+    job_dir = home / "orders-job"
+    job_log = (job_dir / "job.log").read_text(errors="replace") if job_dir.is_dir() else ""
+    assert proc.returncode == 0, f"{text[-4000:]}\n--- job.log ---\n{job_log[-4000:]}"
+    assert "every user's totals are exact" in text
+    # The status the guide prints at the end: every order persisted, the failed tier
+    # lookups replayed, no tree timed out.
+    status = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+    assert status["persisted"] == ORDERS
+    assert status["failed"]["explicit"] > 0 and status["failed"]["timeout"] == 0
+    assert "Traceback" not in job_log
