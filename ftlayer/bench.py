@@ -504,7 +504,7 @@ def bench_checkpoint(
     snapshot's size, as medians.
     """
     from ftlayer.client import FTClient
-    from ftlayer.integration.ftprocess import FTServerProcess
+    from ftlayer.integration.harness.ftprocess import FTServerProcess
 
     if rounds < 1 or batches < 2 or batch < 1:
         raise ValueError(

@@ -24,7 +24,7 @@ its last line instead, as does `status`. `serve` prints "ftlayer serving on HOST
 once it listens, then serves until SIGTERM or SIGINT and exits 0. A token file holds
 the token's bytes (one trailing newline is ignored); serving on a non-loopback host
 needs one. `demo` runs the main job on an embedded broker, an FT-layer process and
-local Spark (ftlayer.integration.demo) and exits 0 only if nothing was lost and every
+local Spark (ftlayer.integration.harness.demo) and exits 0 only if nothing was lost and every
 produced record completed; 1 otherwise. `savepoint create` saves the data dir of a
 stopped server (`--data-dir`) or has a running server save its own store
 (`--server`; then --dir is an absolute path on the server's host).
@@ -318,7 +318,7 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    from ftlayer.integration.demo import run_demo
+    from ftlayer.integration.harness.demo import run_demo
 
     console = Console(stderr=True)
 
@@ -528,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.bench == "acker":
             result = bench.bench_acker(roots=args.roots, depth=args.depth, batch=args.batch)
         elif args.bench == "pipeline":
-            from ftlayer.integration.benchpipe import bench_pipeline
+            from ftlayer.integration.harness.benchpipe import bench_pipeline
 
             result = bench_pipeline(
                 records=args.records,

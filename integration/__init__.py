@@ -1,1 +1,42 @@
-"""PySpark and Kafka integration: the Kafka stream source, task wrappers, sinks, Kafka helpers."""
+"""ftlayer for PySpark: the whole user API in one import.
+
+    from ftlayer.integration import FTSettings, FTTasks, ft_kafka_sink, register
+
+    settings = FTSettings("ft-host:7070", token=token)      # enabled=False: FT off
+    register(spark)                                          # spark.readStream.format("ftkafka")
+    orders = spark.readStream.format("ftkafka").options(**source_options).load()
+    tasks = FTTasks(settings)
+    parsed = tasks.map(orders, parse, schema)                # FailException fails one record
+    query = ft_kafka_sink(parsed, "broker:9092", "out", settings).start()
+
+Three rooms, each with its contract in its own docstring: the `ftkafka` source
+(`ftlayer.integration.source`: persists every record before Spark sees it and feeds
+failed records back in), the task wrappers (`ftlayer.integration.tasks`: anchor every
+output and send the XOR events) and the sinks (`ftlayer.integration.sinks`: ack a
+record once its write is confirmed). What tests, the demo and the benches run against
+(embedded broker, Kafka helpers, the server as a child process) is
+`ftlayer.integration.harness`, which none of these import.
+"""
+
+from ftlayer.errors import ConfigError, FailException, SourceError
+
+from .ftcolumns import FTSettings
+from .sinks import SinkError, ft_foreach_batch, ft_kafka_sink
+from .source import register
+from .spark import local_spark
+from .tasks import FTTasks, OutputSchemaError, TaskOutput
+
+__all__ = [
+    "ConfigError",
+    "FTSettings",
+    "FTTasks",
+    "FailException",
+    "OutputSchemaError",
+    "SinkError",
+    "SourceError",
+    "TaskOutput",
+    "ft_foreach_batch",
+    "ft_kafka_sink",
+    "local_spark",
+    "register",
+]

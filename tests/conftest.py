@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from pyspark.sql import SparkSession
 
-from ftlayer.integration.broker import TansuBroker
-from ftlayer.integration.kafka import create_topic
+from ftlayer.integration.harness.broker import TansuBroker
+from ftlayer.integration.harness.kafka import create_topic
 from ftlayer.integration.spark import SparkSetupError, local_spark
 
 MakeTopic = Callable[..., str]

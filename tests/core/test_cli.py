@@ -46,7 +46,7 @@ def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFi
 def test_status_of_an_unreachable_server_is_a_clear_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from ftlayer.integration.broker import free_port
+    from ftlayer.integration.harness.broker import free_port
 
     address = f"127.0.0.1:{free_port()}"
     assert main(["status", "--server", address, "--wait-s", "0.2"]) == 2

@@ -26,9 +26,15 @@ from typing import Any
 from pyspark.find_spark_home import _find_spark_home
 
 from ftlayer.client import FTClient
-from ftlayer.integration.demo import ENRICHED_SCHEMA, PARSED_SCHEMA, keep, make_enrich, parse
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.kafka import wait_until
+from ftlayer.integration.harness.demo import (
+    ENRICHED_SCHEMA,
+    PARSED_SCHEMA,
+    keep,
+    make_enrich,
+    parse,
+)
+from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.integration.sinks import ft_kafka_sink
 from ftlayer.integration.source import register
 from ftlayer.integration.spark import local_spark

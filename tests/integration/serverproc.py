@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftlayer.client import FTClient
-from ftlayer.integration.ftprocess import read_serving_address, serve_command
+from ftlayer.integration.harness.ftprocess import read_serving_address, serve_command
 
 __all__ = ["Server", "StartServer", "read_address", "serve_command"]
 

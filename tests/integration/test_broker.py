@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftlayer.integration.broker import BrokerError, TansuBroker, free_port
-from ftlayer.integration.kafka import cluster_info
+from ftlayer.integration.harness.broker import BrokerError, TansuBroker, free_port
+from ftlayer.integration.harness.kafka import cluster_info
 
 pytestmark = pytest.mark.integration
 

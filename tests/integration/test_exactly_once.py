@@ -33,9 +33,15 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from serverproc import StartServer
 
-from ftlayer.integration.demo import ENRICHED_SCHEMA, PARSED_SCHEMA, event, make_enrich, parse
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.kafka import produce
+from ftlayer.integration.harness.demo import (
+    ENRICHED_SCHEMA,
+    PARSED_SCHEMA,
+    event,
+    make_enrich,
+    parse,
+)
+from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.sinks import ft_foreach_batch
 from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks

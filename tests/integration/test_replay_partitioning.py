@@ -29,7 +29,7 @@ from pyspark.sql import SparkSession
 from ftlayer.core import FailCause, FTLayer, SourceConfig
 from ftlayer.errors import PartitioningError
 from ftlayer.handlers import Anchors, Persister, TaskHandler
-from ftlayer.integration.kafka import KafkaRecord, produce, read_all
+from ftlayer.integration.harness.kafka import KafkaRecord, produce, read_all
 from ftlayer.partitioners import (
     DEFAULT_MAX_PARALLELISM,
     assign_key_groups,

@@ -25,7 +25,7 @@ from serverproc import StartServer
 
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
 from ftlayer.ids import new_ids
-from ftlayer.integration.kafka import wait_until
+from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import (
     DEFAULT_MAX_PARALLELISM,
     assign_key_groups,

@@ -36,9 +36,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from serverproc import Server, StartServer
 
-from ftlayer.integration.broker import TansuBroker
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.kafka import create_topic, produce, wait_until
+from ftlayer.integration.harness.broker import TansuBroker
+from ftlayer.integration.harness.kafka import create_topic, produce, wait_until
 from ftlayer.integration.sinks import settle
 from ftlayer.integration.source import register
 from ftlayer.partitioners import (

@@ -22,7 +22,7 @@ from serverproc import Server, StartServer, read_address, serve_command
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
 from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.ids import new_ids
-from ftlayer.integration.kafka import wait_until
+from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.protocol import (
     AuthFailed,

@@ -35,7 +35,7 @@ from serverproc import read_address, serve_command
 
 from ftlayer.client import FTClient
 from ftlayer.ids import new_ids
-from ftlayer.integration.kafka import wait_until
+from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.protocol import (
     DEFAULT_MAX_FRAME,
     MAX_CLIENT_NONCE,

@@ -21,9 +21,9 @@ from serverproc import Server
 
 from ftlayer.client import FTClient
 from ftlayer.handlers import Persister
-from ftlayer.integration.broker import TansuBroker
 from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed
-from ftlayer.integration.kafka import create_topic, read_all
+from ftlayer.integration.harness.broker import TansuBroker
+from ftlayer.integration.harness.kafka import create_topic, read_all
 from ftlayer.integration.sinks import SinkError, ft_foreach_batch, ft_kafka_sink
 from ftlayer.integration.tasks import FTTasks
 

@@ -18,7 +18,7 @@ from kafka.partitioner import murmur2
 from pyspark.rdd import portable_hash
 from pyspark.sql import SparkSession
 
-from ftlayer.integration.kafka import (
+from ftlayer.integration.harness.kafka import (
     KafkaHelperError,
     create_topic,
     end_offsets,

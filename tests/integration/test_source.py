@@ -36,9 +36,9 @@ from pyspark.sql.types import LongType
 from serverproc import Server, StartServer
 
 from ftlayer.errors import ConfigError
-from ftlayer.integration.broker import free_port
 from ftlayer.integration.ftcolumns import FT_COLUMNS, to_unsigned
-from ftlayer.integration.kafka import produce, read_all, wait_until
+from ftlayer.integration.harness.broker import free_port
+from ftlayer.integration.harness.kafka import produce, read_all, wait_until
 from ftlayer.integration.source import (
     FTKafkaDataSource,
     FTKafkaPartition,

@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession
 from serverproc import StartServer
 
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.kafka import produce
+from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.sinks import ft_foreach_batch
 from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks

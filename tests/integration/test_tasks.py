@@ -29,7 +29,7 @@ from ftlayer.client import FTClient
 from ftlayer.errors import FailException
 from ftlayer.handlers import Anchors, Persister
 from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed
-from ftlayer.integration.kafka import wait_until
+from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.integration.sinks import ft_foreach_batch
 from ftlayer.integration.tasks import (
     EXTRA_ANCHORS_COLUMN,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ftlayer.integration.broker import free_port
+from ftlayer.integration.harness.broker import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "user-guide.md"

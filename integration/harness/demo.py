@@ -50,10 +50,10 @@ from typing import Any
 
 from ftlayer.client import FTClient
 from ftlayer.errors import FailException, FTLayerError
-from ftlayer.integration.broker import TansuBroker
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.ftprocess import FTServerProcess
-from ftlayer.integration.kafka import create_topic, produce, read_all
+from ftlayer.integration.harness.broker import TansuBroker
+from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.integration.harness.kafka import create_topic, produce, read_all
 
 __all__ = ["DemoResult", "run_demo"]
 

@@ -33,8 +33,9 @@ from typing import Any
 
 from ftlayer.client import FTClient
 from ftlayer.errors import FailException
-from ftlayer.integration.broker import TansuBroker
-from ftlayer.integration.demo import (
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.broker import TansuBroker
+from ftlayer.integration.harness.demo import (
     ENRICHED_SCHEMA,
     PARSED_SCHEMA,
     event,
@@ -45,9 +46,8 @@ from ftlayer.integration.demo import (
     passes_filter,
     stop_when_idle,
 )
-from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.ftprocess import FTServerProcess
-from ftlayer.integration.kafka import create_topic, end_offsets, produce
+from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.integration.harness.kafka import create_topic, end_offsets, produce
 
 __all__ = ["bench_pipeline"]
 
