@@ -1,12 +1,12 @@
 """ftlayer for PySpark: the whole user API in one import.
 
-    from ftlayer.integration import FTSettings, FTTasks, ft_kafka_sink, register
+    from ftlayer.integration import FTTasks, ft_kafka_sink, parse_options, register
 
-    settings = FTSettings("ft-host:7070", token=token)      # enabled=False: FT off
-    register(spark)                                          # spark.readStream.format("ftkafka")
+    register(spark)  # spark.readStream.format("ftkafka")
     orders = spark.readStream.format("ftkafka").options(**source_options).load()
+    settings = parse_options(source_options).ft  # or FTSettings(address, token=...)
     tasks = FTTasks(settings)
-    parsed = tasks.map(orders, parse, schema)                # FailException fails one record
+    parsed = tasks.map(orders, parse, schema)  # a FailException fails one record
     query = ft_kafka_sink(parsed, "broker:9092", "out", settings).start()
 
 Three rooms, each with its contract in its own docstring: the `ftkafka` source
@@ -22,7 +22,7 @@ from ftlayer.errors import ConfigError, FailException, SourceError
 
 from .ftcolumns import FTSettings
 from .sinks import SinkError, ft_foreach_batch, ft_kafka_sink
-from .source import register
+from .source import parse_options, register
 from .spark import local_spark
 from .tasks import FTTasks, OutputSchemaError, TaskOutput
 
@@ -38,5 +38,6 @@ __all__ = [
     "ft_foreach_batch",
     "ft_kafka_sink",
     "local_spark",
+    "parse_options",
     "register",
 ]

@@ -129,6 +129,7 @@ __all__ = [
     "FTKafkaPartition",
     "FTKafkaStreamReader",
     "SourceError",
+    "parse_options",
     "register",
     "source_schema",
 ]

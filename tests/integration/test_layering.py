@@ -54,3 +54,12 @@ def test_the_server_side_is_what_the_check_looks_for() -> None:
     # The check above can fail: importing the server does load what it looks for.
     loaded = _modules_after_import("ftlayer.server")
     assert {"lmdb", "ftlayer.core", "ftlayer.persistence"} <= loaded
+
+
+def test_the_user_api_is_one_import() -> None:
+    import ftlayer.integration as api
+
+    for name in api.__all__:
+        assert getattr(api, name) is not None, name
+    assert {"register", "FTSettings", "FTTasks", "FailException"} <= set(api.__all__)
+    assert {"ft_foreach_batch", "ft_kafka_sink", "parse_options"} <= set(api.__all__)
