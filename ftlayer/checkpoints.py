@@ -617,7 +617,7 @@ def check_position(position: object) -> Position:
         if position.replay is None:
             raise PositionError(f"a barrier position needs a replay cursor, got {position!r}")
         return position
-    return Position.parse(position, need_replay=True)
+    return Position.parse(position, need_replay=True, what="checkpoint")
 
 
 def _nothing_pending_before(

@@ -582,7 +582,11 @@ class BatchingChannel:
       loss).
     - Thread-safe: one lock guards the buffer and is held while flushing, so events
       leave in the order they were added and a persist never overtakes them.
+    - It is the one event buffer on its path: a TaskHandler over it hands events on at
+      once (`buffers_events`) instead of buffering them again.
     """
+
+    buffers_events: Final = True
 
     def __init__(
         self,

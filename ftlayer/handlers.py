@@ -14,7 +14,13 @@ it was derived from, each under that input's root.
   event per input pair, as Storm does: the pair's record id XOR the ids of every edge
   leaving that input. Inputs that failed (FailException) send a fail for their roots
   instead, and must have no outputs. A terminal task (a sink) is a task with no outputs.
-- XorHandler: buffers XOR and fail events and sends them in batches.
+- XorHandler: buffers XOR and fail events and sends them in batches, for a channel
+  that does not buffer (an FTLayer in this process, a bare FTClient).
+
+Events are buffered once on every path: a handler over a channel that buffers them
+itself (`buffers_events`: the BatchingChannel every executor uses, bounded, flushed by
+size and time) hands each batch's events on at once; over any other channel it keeps
+them in an XorHandler until flush().
 
 With FT off, NoFTPersister and NoFTTaskHandler do nothing at all; the wrappers of the
 integration package do not even build anchors then.
@@ -55,6 +61,11 @@ class FTChannel(Protocol):
     def xor(self, roots: ArrayLike, values: ArrayLike) -> object: ...
 
     def fail(self, roots: ArrayLike) -> object: ...
+
+
+def buffers_events(channel: object) -> bool:
+    """Whether `channel` buffers XOR and fail events itself (BatchingChannel does)."""
+    return bool(getattr(channel, "buffers_events", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +164,7 @@ class XorHandler:
     def buffered(self) -> int:
         return self._buffered
 
-    def add(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
+    def xor(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
         if len(roots):
             self._roots.append(roots)
             self._values.append(values)
@@ -257,8 +268,12 @@ class _RecordScope:
 class TaskHandler:
     """Task side: anchoring and combined XOR events for batches of inputs."""
 
-    def __init__(self, xor: XorHandler | FTChannel) -> None:
-        self.xor = xor if isinstance(xor, XorHandler) else XorHandler(xor)
+    def __init__(self, channel: XorHandler | FTChannel) -> None:
+        self._events: XorHandler | FTChannel = (
+            channel
+            if isinstance(channel, XorHandler) or buffers_events(channel)
+            else XorHandler(channel)
+        )
 
     def process(
         self,
@@ -318,9 +333,9 @@ class TaskHandler:
             if bool(failed_mask[edge_parent].any()):
                 raise ValueError("a failed input cannot have outputs")
             ok = ~failed_mask[pair_input]
-            self.xor.fail(np.unique(inputs.roots[~ok]))
+            self._events.fail(np.unique(inputs.roots[~ok]))
             event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
-        self.xor.add(event_roots, values)
+        self._events.xor(event_roots, values)
         # Anchoring: each output gets, per edge into it, the edge id under every root
         # of the edge's input.
         if single:
@@ -349,14 +364,17 @@ class TaskHandler:
         try:
             yield scope
         except FailException:
-            self.xor.fail(np.array(sorted({r for r, _ in scope.pairs}), dtype=np.uint64))
+            self._events.fail(np.array(sorted({r for r, _ in scope.pairs}), dtype=np.uint64))
             return
         roots = np.array([r for r, _ in scope.pairs], dtype=np.uint64)
         ids = np.array([i for _, i in scope.pairs], dtype=np.uint64)
-        self.xor.add(roots, ids ^ scope.edges)
+        self._events.xor(roots, ids ^ scope.edges)
 
     def flush(self) -> None:
-        self.xor.flush()
+        """Send the events this handler buffers (none over a channel that buffers them:
+        that channel flushes by size and time, and its owner flushes it at the end)."""
+        if isinstance(self._events, XorHandler):
+            self._events.flush()
 
 
 class NoFTTaskHandler:

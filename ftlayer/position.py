@@ -67,24 +67,28 @@ class Position:
     replay: int | None = None
 
     @classmethod
-    def parse(cls, data: object, *, need_replay: bool = False) -> Position:
+    def parse(cls, data: object, *, need_replay: bool = False, what: str = "") -> Position:
         """The position of its JSON form (an object, not text); PositionError naming
         what is wrong for anything else, including a missing "replay" when
-        `need_replay` (a barrier of the FT layer always has one)."""
+        `need_replay` (a barrier of the FT layer always has one). `what` names the
+        position's use in messages ("checkpoint": "bad checkpoint offset of ...")."""
+        what = f"{what} " if what else ""
         if not isinstance(data, Mapping):
-            raise PositionError(f"a position is a JSON object, got {data!r}")
+            raise PositionError(f"a {what}position is a JSON object, got {data!r}")
         extra = sorted(str(k) for k in set(data) - {"kafka", "replay"})
         if extra:
-            raise PositionError(f'a position has only "kafka" and "replay", got also {extra}')
+            raise PositionError(f'a {what}position has only "kafka" and "replay", got also {extra}')
         if "kafka" not in data:
-            raise PositionError(f'a position needs "kafka", got {data!r}')
+            raise PositionError(f'a {what}position needs "kafka", got {data!r}')
         replay = data.get("replay")
         if replay is None:
             if need_replay or "replay" in data:
-                raise PositionError(f'a position needs "replay" (the replay cursor), got {data!r}')
+                raise PositionError(
+                    f'a {what}position needs "replay" (the replay cursor), got {data!r}'
+                )
         elif isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
-            raise PositionError(f'a position\'s "replay" is an integer >= 0, got {replay!r}')
-        return cls(_offsets(data["kafka"]), replay)
+            raise PositionError(f'a {what}position\'s "replay" is an integer >= 0, got {replay!r}')
+        return cls(_offsets(data["kafka"], what), replay)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form: partitions as strings, topics and partitions sorted."""
@@ -115,10 +119,10 @@ def offsets_to_json(offsets: Mapping[str, Mapping[int, int]]) -> dict[str, dict[
 
 def offsets_from_json(data: object) -> KafkaOffsets:
     """Kafka offsets of their JSON form; PositionError for anything else."""
-    return _offsets(data)
+    return _offsets(data, "")
 
 
-def _offsets(data: object) -> KafkaOffsets:
+def _offsets(data: object, what: str) -> KafkaOffsets:
     if not isinstance(data, Mapping):
         raise PositionError(
             f"Kafka offsets are an object {{topic: {{partition: offset}}}}, got {data!r}"
@@ -126,14 +130,14 @@ def _offsets(data: object) -> KafkaOffsets:
     offsets: KafkaOffsets = {}
     for topic, partitions in data.items():
         if not isinstance(topic, str) or not topic or not isinstance(partitions, Mapping):
-            raise PositionError(f"bad offsets of topic {topic!r}: {partitions!r}")
+            raise PositionError(f"bad {what}offsets of topic {topic!r}: {partitions!r}")
         per_partition: dict[int, int] = {}
         for p, offset in partitions.items():
             number = _partition_number(p)
             if number is None or isinstance(offset, bool) or not isinstance(offset, int):
-                raise PositionError(f"bad offset of {topic!r} partition {p!r}: {offset!r}")
+                raise PositionError(f"bad {what}offset of {topic!r} partition {p!r}: {offset!r}")
             if offset < 0:
-                raise PositionError(f"offset of {topic}-{number} is {offset}, below 0")
+                raise PositionError(f"bad {what}offset of {topic}-{number}: {offset} is below 0")
             per_partition[number] = offset
         offsets[topic] = per_partition
     return offsets

@@ -96,7 +96,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql.types import BinaryType, StringType
 
 from ftlayer.errors import ConfigError, FTLayerError
-from ftlayer.handlers import TaskHandler, XorHandler
+from ftlayer.handlers import TaskHandler
 from ftlayer.ids import new_ids
 
 from .ftcolumns import FT_COLUMNS, LOOP_HEADER, FTSettings, loop_header
@@ -177,14 +177,13 @@ def _settle_partition(settings: FTSettings, ack: bool) -> Callable[[Iterator[Any
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         channel = settings.channel()
-        handler = TaskHandler(XorHandler(channel))
+        handler = TaskHandler(channel)
         rows = 0
         for batch in batches:
             anchors = read_anchors(batch)
             failed = None if ack else np.ones(len(anchors), dtype=np.bool_)
             handler.process(anchors, _NO_PARENTS, failed)
             rows += len(anchors)
-        handler.flush()
         channel.flush()
         yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], type=pa.int64())})
 
@@ -346,7 +345,7 @@ def _kafka_partition(
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         channel = settings.channel() if settings.enabled else None
-        handler = TaskHandler(XorHandler(channel)) if channel is not None else None
+        handler = TaskHandler(channel) if channel is not None else None
         producer: Any = None
         written = failed = 0
         first_error: BaseException | None = None
@@ -380,8 +379,7 @@ def _kafka_partition(
         finally:
             if producer is not None:
                 producer.close(timeout=0)  # flushed already; what is left has failed
-        if handler is not None and channel is not None:
-            handler.flush()
+        if channel is not None:
             channel.flush()
         yield pa.RecordBatch.from_pydict(
             {

@@ -106,7 +106,7 @@ from pyspark.sql.types import (
 from pyspark.sql.types import Row as SparkRow
 
 from ftlayer.errors import ConfigError, FailException, FTLayerError
-from ftlayer.handlers import Anchors, NoFTTaskHandler, TaskHandler, XorHandler
+from ftlayer.handlers import Anchors, NoFTTaskHandler, TaskHandler
 
 from .ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed, to_unsigned
 
@@ -527,22 +527,13 @@ def _payload_of(batch: Any) -> Any:
 
 def _task_handler(settings: FTSettings) -> tuple[TaskHandler | NoFTTaskHandler, Callable[[], None]]:
     """The FT switch of every runner below: this task's handler, and what ends the task
-    (its events flushed, then the channel's). With FT off the handler anchors nothing and
-    sends nothing, and there is no channel."""
+    (the events of this process's channel sent). With FT off the handler anchors nothing
+    and sends nothing, and there is no channel."""
     if not settings.enabled:
-        return NoFTTaskHandler(), _nothing
+        handler = NoFTTaskHandler()
+        return handler, handler.flush
     channel = settings.channel()
-    handler = TaskHandler(XorHandler(channel))
-
-    def finish() -> None:
-        handler.flush()
-        channel.flush()
-
-    return handler, finish
-
-
-def _nothing() -> None:
-    return None
+    return TaskHandler(channel), channel.flush
 
 
 _NO_ANCHORS: Final = Anchors.single(np.zeros(0, np.uint64), np.zeros(0, np.uint64))

@@ -180,10 +180,30 @@ def test_xor_handler_flushes_on_size() -> None:
     channel = CountingChannel(ft)
     buffer = XorHandler(channel, flush_events=10)
     roots = np.arange(2, 9, dtype=np.uint64)
-    buffer.add(roots, roots)
+    buffer.xor(roots, roots)
     assert channel.xor_calls == [] and buffer.buffered == 7
-    buffer.add(roots, roots)
+    buffer.xor(roots, roots)
     assert channel.xor_calls == [14] and buffer.buffered == 0
+
+
+class BufferingChannel(CountingChannel):
+    """A channel that buffers events itself, as BatchingChannel does."""
+
+    buffers_events = True
+
+
+def test_events_are_buffered_once_a_channel_that_buffers_gets_them_at_once() -> None:
+    ft = FTLayer(MemoryStorage())
+    inputs = _source(ft, 6)
+    own = CountingChannel(ft)
+    TaskHandler(own).process(inputs.take([0, 1, 2]), np.zeros(0, dtype=np.intp))
+    assert own.xor_calls == [], "over a plain channel the handler buffers until flush()"
+    buffering = BufferingChannel(ft)
+    sink = TaskHandler(buffering)
+    sink.process(inputs.take([3, 4, 5]), np.zeros(0, dtype=np.intp))
+    assert buffering.xor_calls == [3], "a channel that buffers gets the events at once"
+    sink.flush()
+    assert buffering.xor_calls == [3], "and the handler holds nothing more to flush"
 
 
 def test_an_aggregate_of_one_tree_acks_once_per_root() -> None:
