@@ -605,16 +605,19 @@ def check_query(query: object) -> str:
 
 
 def check_position(position: object) -> Position:
-    """A barrier position {"kafka": {topic: {partition: offset}}, "replay": n}, with
-    partitions as strings (JSON's way); ConfigError naming the problem otherwise."""
-    if not isinstance(position, Mapping):
-        raise ConfigError(f"a checkpoint position is a JSON object, got {position!r}")
-    kafka = position.get("kafka", {})
-    replay = position.get("replay", 0)
+    """A barrier position {"kafka": {topic: {partition: offset}}, "replay": n}, both
+    keys required, with partitions as strings (JSON's way); ConfigError naming the
+    problem otherwise."""
+    if not isinstance(position, Mapping) or set(position) != {"kafka", "replay"}:
+        raise ConfigError(
+            'a checkpoint position is a JSON object with exactly the keys "kafka" and '
+            f'"replay", got {position!r}'[:600]
+        )
+    kafka, replay = position["kafka"], position["replay"]
     if not isinstance(kafka, Mapping) or isinstance(replay, bool) or not isinstance(replay, int):
-        raise ConfigError(f"bad checkpoint position {position!r}")
-    if replay < 0 or set(position) - {"kafka", "replay"}:
-        raise ConfigError(f"bad checkpoint position {position!r}")
+        raise ConfigError(f"bad checkpoint position {position!r}"[:600])
+    if replay < 0:
+        raise ConfigError(f"bad checkpoint position {position!r}"[:600])
     clean: dict[str, dict[str, int]] = {}
     for topic, partitions in kafka.items():
         if not isinstance(topic, str) or not isinstance(partitions, Mapping):
