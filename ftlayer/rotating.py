@@ -41,7 +41,9 @@ ExpiryCallback = Callable[[dict[K, V]], None]
 def validate_timeout(timeout_s: float, buckets: int) -> None:
     """Raise ConfigError unless 0 < timeout_s < inf and buckets >= 2."""
     if not 0 < timeout_s < math.inf:  # also rejects NaN
-        raise ConfigError(f"timeout must be a finite positive number of seconds, got {timeout_s!r}")
+        raise ConfigError(
+            f"timeout must be a positive, finite number of seconds, got {timeout_s!r}"
+        )
     if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 2:
         raise ConfigError(f"rotating timeouts need at least 2 buckets, got {buckets!r}")
 

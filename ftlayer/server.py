@@ -679,6 +679,7 @@ class FTServer:
             deletes_pending=ft.persistence.marked + self._storage.staged_deletes,
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
+            max_connections=self.max_connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),
             checkpoints={} if self._checkpoints is None else self._checkpoints.status(),
             timeout_s=self.timeout_s,

@@ -282,6 +282,7 @@ def test_a_storage_failure_leaves_no_pending_root(storage: PersistenceStorage) -
     [
         ({"timeout_s": 0}, "timeout must be a positive"),
         ({"timeout_s": -5.0}, "timeout must be a positive"),
+        ({"timeout_s": float("inf")}, "timeout must be a positive, finite"),
         ({"buckets": 1}, "at least 2 buckets"),
     ],
 )
@@ -325,6 +326,16 @@ def test_a_bad_registration_changes_nothing(storage: PersistenceStorage) -> None
         config = layer.source_config(3)
         assert config is not None
         assert (config.partitioner.name, config.num_partitions) == ("forward", 2)
+
+
+def test_a_key_group_source_with_more_partitions_than_key_groups_persists_nothing() -> None:
+    """Such a record could never be replayed: refused when persisted, not when it fails."""
+    ft = FTLayer(
+        MemoryStorage(), default_source=SourceConfig.named("key-group", 8, max_parallelism=4)
+    )
+    with pytest.raises(ConfigError, match="exceeds max_parallelism"):
+        ft.persist(_records(2))
+    assert len(ft) == 0 and len(ft.storage) == 0
 
 
 def test_unknown_partitioner_is_refused() -> None:

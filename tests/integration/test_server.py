@@ -6,6 +6,7 @@ is stopped by the fixture's finalizer even when a test fails.
 
 from __future__ import annotations
 
+import re
 import resource
 import signal
 import socket
@@ -631,3 +632,13 @@ def test_connections_over_the_limit_are_refused_and_clients_retry(tmp_path: Path
         with FTClient(f"{host}:{port}", reconnect_s=10) as client:
             assert client.status()["connections"] == 2
         second.close()
+
+
+def test_status_has_exactly_the_fields_the_spec_lists(start_server: StartServer) -> None:
+    spec = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    section = spec[spec.index("### 6.2 STATUS_REPLY") : spec.index("### 6.3 ERROR")]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE))
+    with start_server().client() as client:
+        status = client.status()
+    assert set(status) == documented
+    assert set(status["failed"]) == {"explicit", "timeout", "recovery"}
