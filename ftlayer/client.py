@@ -219,7 +219,6 @@ class FTClient:
         self._reader = FrameReader(max_frame)
         self._frames: deque[Frame] = deque()
         self._next_id = 1
-        self.session_id: int | None = None
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
 
@@ -526,19 +525,15 @@ class FTClient:
                 if self._token is None
                 else auth_digest(self._token, challenge.server_nonce, client_nonce)
             )
-            welcome = decode_welcome(
-                self._request(lambda rid: encode_auth(rid, digest), Kind.WELCOME)
-            )
+            decode_welcome(self._request(lambda rid: encode_auth(rid, digest), Kind.WELCOME))
         except BaseException:
             self._drop()
             raise
-        self.session_id = welcome.session_id
 
     def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
-        self.session_id = None
 
 
 class BatchingChannel:
