@@ -12,11 +12,12 @@ Every message is one frame::
 
 L counts kind + request id + body, so 5 <= L <= max_frame (64 MiB by default, a
 parameter of the reader and of the encoders of variable-size messages). A shorter L is
-`MalformedFrame`, a longer one `FrameTooLarge`, rejected as soon as the four length
-bytes arrive, before any of the body is buffered; the frames completed before it are
-still returned. The client picks request ids (1, 2,
-3, ...); every reply echoes the id of its request; id 0 in a reply means "no request"
-(an error about the stream itself). Integers inside bodies are little-endian.
+`MalformedFrame`, a longer one `FrameTooLarge`, found as soon as the four length
+bytes arrive, before any of the body is buffered; `FrameReader` still returns the
+frames completed before it and keeps the error in `.error`. The client picks request
+ids (1, 2, 3, ..., never 0); every reply echoes the id of its request; id 0 in a reply
+means "no request" (an error about the stream itself). Integers inside bodies are
+little-endian.
 
 Kinds: requests (client to server) are below 0x80, replies have the high bit set.
 
@@ -63,6 +64,10 @@ partitions i32[n], offsets i64[n], topic index u16[n]; a topic table (u16 count,
 per topic u16 length + utf-8); payload lengths u32[n]; the payloads, concatenated.
 Columns are decoded with `np.frombuffer`: the only Python objects built per record
 are its payload bytes (sliced from the body) and a reference to its topic's str.
+
+`kind_of(frame)` gives a frame's `Kind` (UnknownKind otherwise), so a server can
+refuse a kind in the wrong place before it decodes the body; `decode(frame)` decodes
+any kind.
 
 Handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME, always four frames. When CHALLENGE
 says no auth is required the client still sends AUTH (32 zero bytes will do) and the

@@ -332,10 +332,6 @@ class FTServer:
     ) -> None:
         self.stop()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until stop() was called (or timeout); True if it was."""
-        return self._stopping.wait(timeout)
-
     # ---- threads -----------------------------------------------------------------
 
     def _accept_loop(self) -> None:
