@@ -22,8 +22,9 @@ XorHandler and TaskHandler work over it exactly as over an in-process FTLayer.
 - A server at its connection limit answers ERROR 103 (ServerBusy); connecting treats
   that as a refused attempt and retries it with the same backoff.
 - An ERROR reply raises: the matching ProtocolError subclass for codes 1-9,
-  ServerStorageError for 101, RequestRejected (a ValueError) for 102, ServerError
-  otherwise; each carries the server's message.
+  ServerStorageError for 101, RequestRejected (a ValueError) for 102, ServerBusy for
+  103 (retried while connecting, see above), ServerError otherwise; each carries the
+  server's message.
 """
 
 from __future__ import annotations
