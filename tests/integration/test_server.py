@@ -642,3 +642,19 @@ def test_status_has_exactly_the_fields_the_spec_lists(start_server: StartServer)
         status = client.status()
     assert set(status) == documented
     assert set(status["failed"]) == {"explicit", "timeout", "recovery"}
+
+
+def test_every_request_kind_is_served_by_its_own_handler(start_server: StartServer) -> None:
+    """Each request kind of section 2 reaches a handler of its own: with an empty
+    body, none is unknown to the server and only STATUS answers with a status."""
+    server = start_server()
+    kinds = [k for k in Kind if k < 0x80 and k not in (Kind.HELLO, Kind.AUTH)]
+    with _welcomed(server.address) as raw:
+        raw.sendall(b"".join(encode_frame(k, 10 + i, b"") for i, k in enumerate(kinds)))
+        replies = _read_frames(raw, len(kinds))
+    for kind, reply in zip(kinds, replies, strict=True):
+        if kind == Kind.STATUS:
+            assert reply.kind == Kind.STATUS_REPLY
+        else:
+            assert reply.kind == Kind.ERROR, (kind, reply)
+            assert decode_error(reply).code in (ErrorCode.MALFORMED_FRAME, ErrorCode.BAD_REQUEST)
