@@ -430,7 +430,9 @@ class FTClient:
         """Connect and handshake, retrying refused or broken attempts with exponential
         backoff (50 ms doubling to 1 s) for up to `reconnect_s`: a restarting server is
         waited for. A TLS error (an untrusted certificate, a plain-TCP server) is not
-        retried; neither are authentication errors (ProtocolError)."""
+        retried, but a TLS connection the server cut during its handshake (a server at
+        its connection limit, or restarting) is; authentication errors (ProtocolError)
+        are not."""
         deadline = time.monotonic() + self._reconnect_s
         delay, tries = _FIRST_BACKOFF_S, 0
         while True:
@@ -438,14 +440,13 @@ class FTClient:
             try:
                 self._connect()
                 return
-            except ssl.SSLError as exc:
-                self._drop()
-                raise ConnectionLost(
-                    f"the TLS connection to the FT-layer server at {self.address} could not "
-                    f"be opened: {exc}"
-                ) from exc
             except (OSError, ServerBusy) as exc:
                 self._drop()
+                if isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError):
+                    raise ConnectionLost(
+                        f"the TLS connection to the FT-layer server at {self.address} could "
+                        f"not be opened: {exc}"
+                    ) from exc
                 if time.monotonic() + delay > deadline:
                     raise ConnectionLost(
                         f"the connection to the FT-layer server at {self.address} could not "

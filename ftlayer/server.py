@@ -357,7 +357,7 @@ class FTServer:
                     self._threads = [t for t in self._threads if t.is_alive()]
                     self._threads.append(thread)
             if full:
-                _refuse(sock, peer, self.max_connections)
+                _refuse(sock, peer, self.max_connections, tls=self._tls is not None)
             else:
                 thread.start()
 
@@ -741,14 +741,17 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def _refuse(sock: socket.socket, peer: str, limit: int) -> None:
-    """Tell a connection over the limit so (ERROR 103, request id 0) and close it."""
+def _refuse(sock: socket.socket, peer: str, limit: int, *, tls: bool) -> None:
+    """Tell a connection over the limit so (ERROR 103, request id 0) and close it. A
+    TLS connection is only closed: plain bytes would break its TLS handshake, and a
+    handshake would cost a thread; its client sees the TLS handshake cut (EOF)."""
     log.warning("%s: refused: already %d connections (--max-connections)", peer, limit)
-    with contextlib.suppress(OSError):
-        sock.settimeout(1.0)
-        message = f"the server has its maximum of {limit} connections: try again later"
-        sock.sendall(encode_error(0, ErrorCode.BUSY, message))
-        sock.shutdown(socket.SHUT_WR)
+    if not tls:
+        with contextlib.suppress(OSError):
+            sock.settimeout(1.0)
+            message = f"the server has its maximum of {limit} connections: try again later"
+            sock.sendall(encode_error(0, ErrorCode.BUSY, message))
+            sock.shutdown(socket.SHUT_WR)
     sock.close()
 
 
