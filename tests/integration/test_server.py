@@ -658,3 +658,13 @@ def test_every_request_kind_is_served_by_its_own_handler(start_server: StartServ
         else:
             assert reply.kind == Kind.ERROR, (kind, reply)
             assert decode_error(reply).code in (ErrorCode.MALFORMED_FRAME, ErrorCode.BAD_REQUEST)
+
+
+def test_serve_takes_the_limits_from_its_options(start_server: StartServer) -> None:
+    server = start_server(
+        None, "--max-connections", "3", "--idle-timeout-s", "0.5", "--frame-timeout-s", "5"
+    )
+    with server.client() as client:
+        assert client.status()["max_connections"] == 3
+    with _welcomed(server.address) as idle:
+        assert _closed_within(idle, 5)
