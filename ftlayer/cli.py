@@ -2,7 +2,8 @@
 
     ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T]
                    [--buckets N] [--token-file F] [--tls-cert C --tls-key K]
-                   [--delete-interval-s S]
+                   [--delete-interval-s S] [--handshake-timeout-s S] [--frame-timeout-s S]
+                   [--idle-timeout-s S] [--max-connections N]
     ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--wait-s S] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
                    [--workdir D] [--json]
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -62,8 +64,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {value}")
     return value
 
 
@@ -112,6 +114,30 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--token-file", default=None, help="file holding the auth token")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--handshake-timeout-s",
+        type=_positive_float,
+        default=10.0,
+        help="a connection's handshake (TLS included) must end within this (default 10)",
+    )
+    serve.add_argument(
+        "--frame-timeout-s",
+        type=_positive_float,
+        default=30.0,
+        help="a frame must be received whole within this of its first byte (default 30)",
+    )
+    serve.add_argument(
+        "--idle-timeout-s",
+        type=_positive_float,
+        default=600.0,
+        help="close a connection that sent nothing for this long (default 600)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=1024,
+        help="connections served at once; more get ERROR 103 (default 1024)",
+    )
     serve.add_argument(
         "--delete-interval-s",
         type=_positive_float,
@@ -237,6 +263,10 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         buckets=args.buckets,
         token=token,
+        handshake_timeout_s=args.handshake_timeout_s,
+        frame_timeout_s=args.frame_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
+        max_connections=args.max_connections,
         delete_interval_s=args.delete_interval_s,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

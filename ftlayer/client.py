@@ -14,12 +14,17 @@ XorHandler and TaskHandler work over it exactly as over an in-process FTLayer.
   every call may wait this way. Then ConnectionLost.
 - A connection that breaks after a request was sent is retried once (reconnecting as
   above) for the idempotent calls only (status, fetch_replay, register_source,
-  lowest_pending_offsets, prune_replay, checkpoint). persist, xor, fail and savepoint
+  checkpoint). persist, xor, fail and savepoint
   raise ConnectionLost instead: the request may or may not have been applied, and only
   the caller knows whether to resend. The next call reconnects.
+- A connection the server closed while it was idle (its idle limit, a restart) is
+  noticed before the next request is sent, and replaced: that request is not lost.
+- A server at its connection limit answers ERROR 103 (ServerBusy); connecting treats
+  that as a refused attempt and retries it with the same backoff.
 - An ERROR reply raises: the matching ProtocolError subclass for codes 1-9,
-  ServerStorageError for 101, RequestRejected (a ValueError) for 102, ServerError
-  otherwise; each carries the server's message.
+  ServerStorageError for 101, RequestRejected (a ValueError) for 102, ServerBusy for
+  103 (retried while connecting, see above), ServerError otherwise; each carries the
+  server's message.
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ from ftlayer.protocol import (
     MalformedFrame,
     NotAuthenticated,
     ProtocolError,
-    ReservedKind,
     UnexpectedKind,
     UnknownKind,
     UnsupportedVersion,
@@ -64,7 +68,6 @@ from ftlayer.protocol import (
     decode_challenge,
     decode_checkpoint_reply,
     decode_error,
-    decode_offsets,
     decode_ok,
     decode_replay,
     decode_savepoint_created,
@@ -75,9 +78,7 @@ from ftlayer.protocol import (
     encode_fail,
     encode_fetch_replay,
     encode_hello,
-    encode_lowest_pending,
     encode_persist,
-    encode_prune_replay,
     encode_register_source,
     encode_savepoint,
     encode_status_request,
@@ -104,7 +105,6 @@ _PROTOCOL_ERRORS: Final[dict[int, type[ProtocolError]]] = {
         AuthFailed,
         NotAuthenticated,
         BadRequest,
-        ReservedKind,
         UnexpectedKind,
     )
 }
@@ -131,6 +131,10 @@ class ServerStorageError(ServerError, StorageError):
 class RequestRejected(ServerError, ValueError):
     """ERROR 102: the core refused the request (reserved or repeated root, a record its
     partitioner cannot route); nothing was applied."""
+
+
+class ServerBusy(ServerError):
+    """ERROR 103: the server is at its connection limit; connecting retries it."""
 
 
 class ConnectionLost(FTLayerError):
@@ -221,7 +225,6 @@ class FTClient:
         self._reader = FrameReader(max_frame)
         self._frames: deque[Frame] = deque()
         self._next_id = 1
-        self.session_id: int | None = None
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
 
@@ -323,21 +326,6 @@ class FTClient:
             if not len(page) or int(page.replay_seqs[-1]) >= hi:
                 return ReplayRecords.concat(pages)
             lo = int(page.replay_seqs[-1])
-
-    def prune_replay(self, upto: int, source_id: int | None = None) -> int:
-        """`FTLayer.prune_replay` on the server; returns how many entries it dropped."""
-        frame = self._call(
-            lambda rid: encode_prune_replay(rid, upto, source_id), Kind.OK, retry=True
-        )
-        return decode_ok(frame).count
-
-    def lowest_pending_offsets(
-        self, topics: Sequence[str] | None = None
-    ) -> dict[str, dict[int, int]]:
-        """`FTLayer.lowest_pending_offsets` on the server: {topic: {partition: offset}}
-        of the lowest pending Kafka offset; partitions with nothing pending are absent."""
-        frame = self._call(lambda rid: encode_lowest_pending(rid, topics), Kind.OFFSETS, retry=True)
-        return decode_offsets(frame).offsets
 
     def checkpoint(
         self,
@@ -447,7 +435,9 @@ class FTClient:
         """Connect and handshake, retrying refused or broken attempts with exponential
         backoff (50 ms doubling to 1 s) for up to `reconnect_s`: a restarting server is
         waited for. A TLS error (an untrusted certificate, a plain-TCP server) is not
-        retried; neither are authentication errors (ProtocolError)."""
+        retried, but a TLS connection the server cut during its handshake (a server at
+        its connection limit, or restarting) is; authentication errors (ProtocolError)
+        are not."""
         deadline = time.monotonic() + self._reconnect_s
         delay, tries = _FIRST_BACKOFF_S, 0
         while True:
@@ -455,14 +445,13 @@ class FTClient:
             try:
                 self._connect()
                 return
-            except ssl.SSLError as exc:
+            except (OSError, ServerBusy) as exc:
                 self._drop()
-                raise ConnectionLost(
-                    f"the TLS connection to the FT-layer server at {self.address} could not "
-                    f"be opened: {exc}"
-                ) from exc
-            except OSError as exc:
-                self._drop()
+                if isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError):
+                    raise ConnectionLost(
+                        f"the TLS connection to the FT-layer server at {self.address} could "
+                        f"not be opened: {exc}"
+                    ) from exc
                 if time.monotonic() + delay > deadline:
                     raise ConnectionLost(
                         f"the connection to the FT-layer server at {self.address} could not "
@@ -511,6 +500,10 @@ class FTClient:
             except ProtocolError:
                 self._drop()
                 raise
+            error = self._reader.error
+            if error is not None and not self._frames:
+                self._drop()
+                raise error
         return self._frames.popleft()
 
     def _connect(self) -> None:
@@ -541,9 +534,7 @@ class FTClient:
                 else auth_digest(self._token, challenge.server_nonce, client_nonce)
             )
             try:
-                welcome = decode_welcome(
-                    self._request(lambda rid: encode_auth(rid, digest), Kind.WELCOME)
-                )
+                decode_welcome(self._request(lambda rid: encode_auth(rid, digest), Kind.WELCOME))
             except AuthFailed as exc:
                 raise AuthFailed(
                     f"the FT-layer server at {self.address} refused the token ({exc}): "
@@ -552,13 +543,11 @@ class FTClient:
         except BaseException:
             self._drop()
             raise
-        self.session_id = welcome.session_id
 
     def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
-        self.session_id = None
 
 
 class BatchingChannel:
@@ -690,13 +679,6 @@ class BatchingChannel:
     ) -> None:
         """`FTClient.register_source`."""
         self.client.register_source(source_id, partitioner, num_partitions, options, timeout_s)
-
-    def lowest_pending_offsets(
-        self, topics: Sequence[str] | None = None
-    ) -> dict[str, dict[int, int]]:
-        """`FTClient.lowest_pending_offsets`: flushes first, so this process's acks count."""
-        self.flush()
-        return self.client.lowest_pending_offsets(topics)
 
     def status(self) -> dict[str, Any]:
         """`FTClient.status`: flushes first, so the counters include this process's events."""
@@ -859,4 +841,6 @@ def _error_for(code: int, message: str) -> FTLayerError:
         return ServerStorageError(code, message)
     if code == ErrorCode.REJECTED:
         return RequestRejected(code, message)
+    if code == ErrorCode.BUSY:
+        return ServerBusy(code, message)
     return ServerError(code, message)

@@ -22,8 +22,13 @@ pending in exactly one of two ways:
    (Persister.emit_replays).
 
 Events for roots that are not pending are dropped: "late" when the root failed
-recently (a TTL set of retired roots remembers them), "unknown" otherwise. They never
-create pending entries that could not complete.
+recently (RetiredRoots remembers failed roots for 2T by default), "unknown" otherwise.
+They never create pending entries that could not complete. Persisting a root that is
+pending or remembered as failed is refused (ConfigError, nothing stored): late events
+of the old tree would corrupt the new one. A completed root is not remembered (that
+would cost memory per completed record); persisting it again starts a new tree, and
+the completed tree's timeout entry cannot touch it (persistence/timeout.py matches
+entries to trees by storage seq).
 
 Nothing is lost: a record leaves storage only when its tree completed. A failure
 between persist and emit, a lost event, a lost fail, a crashed task or a crashed FT
@@ -37,12 +42,12 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
-from cachetools import TTLCache
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acker import AckerTable, XorResult
@@ -53,7 +58,7 @@ from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch, ReplayRecords
-from ftlayer.rotating import validate_timeout
+from ftlayer.rotating import rotation_interval, validate_timeout
 
 REPLAY_SEQ_META_KEY = "next_replay_seq"
 """Meta key of the next replay seq (decimal text): never reused, also across restarts."""
@@ -202,6 +207,52 @@ class ReplayQueue:
         return int(len(keep) - np.count_nonzero(keep))
 
 
+class RetiredRoots:
+    """Roots that failed recently, as a set that forgets them.
+
+    A root added at time t is known until at least t + ttl_s and at most
+    t + ttl_s * (1 + 1/(n-1)) (n generations rotated every ttl_s / (n-1), as the
+    rotating buckets of ftlayer.rotating; rotation happens on any call, by the time
+    passed). Each generation is one sorted uint64 array, 8 bytes per root.
+    Costs, k = roots in a call, m = roots known: add O(k log k + m) (a merge into the
+    newest generation); known O(k log m) (a binary search per generation), and O(1)
+    when nothing is known, the usual case on the persist path.
+    """
+
+    def __init__(self, ttl_s: float, *, generations: int = 3, start: float = 0.0) -> None:
+        self._interval = rotation_interval(ttl_s, generations)
+        self._generations: deque[NDArray[np.uint64]] = deque(
+            [_EMPTY_U64] * generations, maxlen=generations
+        )
+        self._rotated_at = start
+
+    def __len__(self) -> int:
+        return sum(len(generation) for generation in self._generations)
+
+    def rotate(self, now: float) -> None:
+        """Drop the generations that expired by `now`."""
+        steps = int((now - self._rotated_at) // self._interval)
+        if steps > 0:
+            self._rotated_at += steps * self._interval
+            for _ in range(min(steps, len(self._generations))):
+                self._generations.append(_EMPTY_U64)  # the oldest falls off the left
+
+    def add(self, roots: NDArray[np.uint64], now: float) -> None:
+        self.rotate(now)
+        newest = np.concatenate([self._generations[-1], np.sort(roots)])
+        self._generations[-1] = np.sort(newest, kind="stable")  # merges the two runs
+
+    def known(self, roots: NDArray[np.uint64], now: float) -> NDArray[np.bool_]:
+        """Which of `roots` are known (a mask aligned with them)."""
+        self.rotate(now)
+        found = np.zeros(len(roots), dtype=np.bool_)
+        for generation in self._generations:
+            if len(generation):
+                at = np.minimum(np.searchsorted(generation, roots), len(generation) - 1)
+                found |= generation[at] == roots
+        return found
+
+
 class FTLayer:
     """The in-process FT-layer core; see the module docstring for the contract."""
 
@@ -245,9 +296,7 @@ class FTLayer:
         self._sources.update(sources or {})
         self._default_source = default_source
         self._queue = ReplayQueue()
-        self._retired: TTLCache[int, bool] = TTLCache(
-            maxsize=1 << 20, ttl=retired_ttl_s or 2 * timeout_s, timer=clock
-        )
+        self._retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self._retries: dict[int, int] = {}
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
@@ -340,11 +389,15 @@ class FTLayer:
 
         `initial_values` are the roots' first ack values: the XOR of the record ids the
         source emits for each record (0, the default, when it sends those as events).
-        Raises, with nothing stored, on a reserved or repeated root, or a record its
-        source's replay partitioner could not route (no key for a hash partitioner).
+        Raises, with nothing stored, on a reserved root (0 or 1), a root repeated in the
+        batch, pending or failed within the retired TTL (ValueError, ConfigError), or a
+        record its source's replay partitioner could not route (no key for a hash
+        partitioner).
         """
         self._changing()
         self._check_routable(batch)
+        if len(self._retired):
+            self._check_not_retired(batch.roots)
         # Step 1: the acker validates the roots (reserved, repeated, already pending).
         slots = self.acker.add(batch.roots, initial_values, **self.persistence.locators(batch))
         # Step 2: the storage confirms the records are durable; on any error the roots
@@ -356,8 +409,18 @@ class FTLayer:
             raise
         # Step 3: the roots know their records, and their timeout starts.
         self.acker.set_column("seq", slots, seqs)
-        self._track(batch.roots, batch.source_ids)
+        self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
+
+    def _check_not_retired(self, roots: NDArray[np.uint64]) -> None:
+        retired = self._retired.known(roots, self._clock())
+        if bool(retired.any()):
+            root = int(roots[int(np.argmax(retired))])
+            raise ConfigError(
+                f"repeated root {root:#x}: it failed recently and late events of its old "
+                f"tree could still arrive ({int(retired.sum())} such roots in the batch); "
+                "persist every record under a fresh random root"
+            )
 
     def _check_routable(self, batch: RecordBatch) -> None:
         for source_id in _sources_of(batch):
@@ -414,8 +477,9 @@ class FTLayer:
         return len(one.completed) == 1
 
     def _count_dropped(self, roots: NDArray[np.uint64]) -> None:
-        retired = self._retired
-        late = sum(1 for r in roots.tolist() if r in retired)
+        late = 0
+        if len(self._retired):
+            late = int(np.count_nonzero(self._retired.known(roots, self._clock())))
         self.stats.late_events += late
         self.stats.unknown_events += len(roots) - late
 
@@ -439,18 +503,25 @@ class FTLayer:
         """Fail the roots whose timeout passed by `now` (default: the clock); returns
         the number of bucket rotations done."""
         self._changing()
-        return self.persistence.tick(self._clock() if now is None else now)
+        now = self._clock() if now is None else now
+        self._retired.rotate(now)
+        return self.persistence.tick(now)
 
-    def _on_timeout(self, roots: NDArray[np.uint64]) -> None:
-        pending, seqs = self.acker.lookup("seq", roots)  # completed meanwhile: skipped
-        if not bool(pending.any()):
+    def _on_timeout(self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
+        # Only the tree the entry was made for: a root completed or failed meanwhile is
+        # not pending, and one persisted again since has another record (seq).
+        pending, current = self.acker.lookup("seq", roots)
+        same = pending.copy()
+        same[pending] = current == seqs[pending]
+        if not bool(same.any()):
             return
+        roots, seqs = roots[same], seqs[same]
         try:
-            self._requeue(roots[pending], seqs, FailCause.TIMEOUT)
+            self._requeue(roots, seqs, FailCause.TIMEOUT)
         except BaseException:
             # The batch left the rotating buckets: time its roots again, or a storage
             # error here would leave them pending with no timeout at all.
-            self.persistence.track(roots[pending])
+            self.persistence.track(roots, seqs)
             raise
 
     def _requeue(
@@ -478,7 +549,7 @@ class FTLayer:
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
         self.acker.remove(old_roots)
         self.acker.add(new_roots, None, seq=seqs, **self.persistence.locators(batch))
-        self._track(new_roots, batch.source_ids)
+        self._track(new_roots, seqs, batch.source_ids)
         # Step 4.
         self._queue.append(
             replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
@@ -487,22 +558,28 @@ class FTLayer:
         queued_sources = batch.source_ids[index]
         for source_id in _source_list(queued_sources):
             cursors[str(source_id)] = int(replay_seqs[index][queued_sources == source_id].max())
-        for root in old_roots.tolist():
-            self._retired[root] = True
+        self._retired.add(old_roots, self._clock())
         for old, new in zip(old_roots.tolist(), new_roots.tolist(), strict=True):
             self._retries[new] = self._retries.pop(old, 0) + 1
         self.stats.failed[cause.value] += n
         self.stats.replay_cursor = self.replay_cursor
 
-    def _track(self, roots: NDArray[np.uint64], source_ids: NDArray[Any]) -> None:
-        """Start the timeouts of roots that became pending now, each with its source's
-        timeout (the FT layer's for sources without their own)."""
+    def _track(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], source_ids: NDArray[Any]
+    ) -> None:
+        """Start the timeouts of roots that became pending now (their records' storage
+        seqs aligned), each with its source's timeout (the FT layer's for sources
+        without their own)."""
         now = self._clock()
         sources = _source_list(source_ids)
         for source_id in sources:
             config = self.source_config(source_id)
-            of_source = roots if len(sources) == 1 else roots[source_ids == source_id]
-            self.persistence.track(of_source, None if config is None else config.timeout_s, now)
+            timeout = None if config is None else config.timeout_s
+            if len(sources) == 1:
+                self.persistence.track(roots, seqs, timeout, now)
+            else:
+                rows = source_ids == source_id
+                self.persistence.track(roots[rows], seqs[rows], timeout, now)
 
     def _route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
         """(record index, target partition) pairs, by each record's source partitioner;

@@ -74,17 +74,17 @@ class Position:
         position's use in messages ("checkpoint": "bad checkpoint offset of ...")."""
         what = f"{what} " if what else ""
         if not isinstance(data, Mapping):
-            raise PositionError(f"a {what}position is a JSON object, got {data!r}")
+            raise PositionError(f"a {what}position is a JSON object, got {_shown(data)}")
         extra = sorted(str(k) for k in set(data) - {"kafka", "replay"})
         if extra:
             raise PositionError(f'a {what}position has only "kafka" and "replay", got also {extra}')
         if "kafka" not in data:
-            raise PositionError(f'a {what}position needs "kafka", got {data!r}')
+            raise PositionError(f'a {what}position needs "kafka", got {_shown(data)}')
         replay = data.get("replay")
         if replay is None:
             if need_replay or "replay" in data:
                 raise PositionError(
-                    f'a {what}position needs "replay" (the replay cursor), got {data!r}'
+                    f'a {what}position needs "replay" (the replay cursor), got {_shown(data)}'
                 )
         elif isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
             raise PositionError(f'a {what}position\'s "replay" is an integer >= 0, got {replay!r}')
@@ -125,17 +125,19 @@ def offsets_from_json(data: object) -> KafkaOffsets:
 def _offsets(data: object, what: str) -> KafkaOffsets:
     if not isinstance(data, Mapping):
         raise PositionError(
-            f"Kafka offsets are an object {{topic: {{partition: offset}}}}, got {data!r}"
+            f"Kafka offsets are an object {{topic: {{partition: offset}}}}, got {_shown(data)}"
         )
     offsets: KafkaOffsets = {}
     for topic, partitions in data.items():
         if not isinstance(topic, str) or not topic or not isinstance(partitions, Mapping):
-            raise PositionError(f"bad {what}offsets of topic {topic!r}: {partitions!r}")
+            raise PositionError(f"bad {what}offsets of topic {topic!r}: {_shown(partitions)}")
         per_partition: dict[int, int] = {}
         for p, offset in partitions.items():
             number = _partition_number(p)
             if number is None or isinstance(offset, bool) or not isinstance(offset, int):
-                raise PositionError(f"bad {what}offset of {topic!r} partition {p!r}: {offset!r}")
+                raise PositionError(
+                    f"bad {what}offset of {topic!r} partition {p!r}: {_shown(offset)}"
+                )
             if offset < 0:
                 raise PositionError(f"bad {what}offset of {topic}-{number}: {offset} is below 0")
             per_partition[number] = offset
@@ -151,3 +153,9 @@ def _partition_number(p: object) -> int | None:
     if isinstance(p, str) and p.isdigit() and p.isascii():
         return int(p)
     return None
+
+
+def _shown(value: object) -> str:
+    """A value as an error message shows it: a huge one cut short."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}..."

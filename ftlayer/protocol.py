@@ -12,10 +12,12 @@ Every message is one frame::
 
 L counts kind + request id + body, so 5 <= L <= max_frame (64 MiB by default, a
 parameter of the reader and of the encoders of variable-size messages). A shorter L is
-`MalformedFrame`, a longer one `FrameTooLarge`, rejected as soon as the four length
-bytes arrive, before any of the body is buffered. The client picks request ids (1, 2,
-3, ...); every reply echoes the id of its request; id 0 in a reply means "no request"
-(an error about the stream itself). Integers inside bodies are little-endian.
+`MalformedFrame`, a longer one `FrameTooLarge`, found as soon as the four length
+bytes arrive, before any of the body is buffered; `FrameReader` still returns the
+frames completed before it and keeps the error in `.error`. The client picks request
+ids (1, 2, 3, ..., never 0); every reply echoes the id of its request; id 0 in a reply
+means "no request" (an error about the stream itself). Integers inside bodies are
+little-endian.
 
 Kinds: requests (client to server) are below 0x80, replies have the high bit set.
 
@@ -31,9 +33,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
 | 0x14 | STATUS              | empty                                                       |
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
-|      |                     | "num_partitions": int, "options": object[, "timeout_s"]}    |
-| 0x16 | LOWEST_PENDING      | utf-8 JSON list of topic names, or empty (every topic)      |
-| 0x17 | PRUNE_REPLAY        | upto u64, source id i64 (-1 = every source)                 |
+|      |                     | "num_partitions": int, "options": object[, "timeout_s":     |
+|      |                     | a finite positive number]}                                  |
 | 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
 |      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
 |      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
@@ -47,7 +48,6 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x91 | REPLAY              | u32 n, replay seqs u64[n], target partitions i32[n],        |
 |      |                     | record columns without initial values (below)               |
 | 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
-| 0x93 | OFFSETS             | utf-8 JSON {topic: {partition: lowest pending offset}}      |
 | 0x94 | CHECKPOINT          | utf-8 JSON object: the checkpoint (id, state, figures,      |
 |      |                     | "commit_offsets"), the reply to both checkpoint requests;   |
 |      |                     | with "complete", also "completed": that checkpoint          |
@@ -55,12 +55,19 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | "path", ftlayer.savepoint.Savepoint.as_dict)               |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
+Retired kinds, never reused: 0x16 (LOWEST_PENDING), 0x17 (PRUNE_REPLAY), 0x93 (OFFSETS);
+they decode as unknown kinds.
+
 Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
 u64[n], initial u64[n], source ids u32[n], key hashes i64[n], has_key u8[n] (0 or 1),
 partitions i32[n], offsets i64[n], topic index u16[n]; a topic table (u16 count, then
 per topic u16 length + utf-8); payload lengths u32[n]; the payloads, concatenated.
 Columns are decoded with `np.frombuffer`: the only Python objects built per record
 are its payload bytes (sliced from the body) and a reference to its topic's str.
+
+`kind_of(frame)` gives a frame's `Kind` (UnknownKind otherwise), so a server can
+refuse a kind in the wrong place before it decodes the body; `decode(frame)` decodes
+any kind.
 
 Handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME, always four frames. When CHALLENGE
 says no auth is required the client still sends AUTH (32 zero bytes will do) and the
@@ -85,6 +92,7 @@ import enum
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -121,7 +129,6 @@ _U8: Final = struct.Struct("<B")
 _CHALLENGE: Final = struct.Struct(f"<B{NONCE_SIZE}s")
 _WELCOME: Final = struct.Struct("<HQ")
 _FETCH: Final = struct.Struct("<QQqi")
-_PRUNE: Final = struct.Struct("<Qq")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
 
@@ -137,8 +144,6 @@ class Kind(enum.IntEnum):
     FETCH_REPLAY = 0x13
     STATUS = 0x14
     REGISTER_SOURCE = 0x15
-    LOWEST_PENDING = 0x16
-    PRUNE_REPLAY = 0x17
     CHECKPOINT_BEGIN = 0x20
     CHECKPOINT_COMPLETE = 0x21
     SAVEPOINT = 0x22
@@ -147,14 +152,14 @@ class Kind(enum.IntEnum):
     OK = 0x90
     REPLAY = 0x91
     STATUS_REPLY = 0x92
-    OFFSETS = 0x93
     CHECKPOINT = 0x94
     SAVEPOINT_CREATED = 0x95
     ERROR = 0xFF
 
 
-RESERVED_KINDS: Final[frozenset[Kind]] = frozenset()
-"""Kinds a later version will use; decoding one raises `ReservedKind` (none now)."""
+REQUEST_KINDS: Final = frozenset(k for k in Kind if k < 0x80)
+"""The kinds a client may send; the others (high bit set) are replies."""
+HANDSHAKE_KINDS: Final = frozenset({Kind.HELLO, Kind.AUTH})
 
 
 class ErrorCode(enum.IntEnum):
@@ -167,11 +172,11 @@ class ErrorCode(enum.IntEnum):
     AUTH_FAILED = 5
     NOT_AUTHENTICATED = 6
     BAD_REQUEST = 7
-    RESERVED_KIND = 8
     UNEXPECTED_KIND = 9
     INTERNAL = 100
     STORAGE = 101
     REJECTED = 102
+    BUSY = 103
 
 
 # ---- errors --------------------------------------------------------------------------
@@ -223,12 +228,6 @@ class BadRequest(ProtocolError):
     """The bytes fit the layout, but a value is outside its documented range."""
 
     code = ErrorCode.BAD_REQUEST
-
-
-class ReservedKind(ProtocolError):
-    """The kind is reserved for a later version (RESERVED_KINDS)."""
-
-    code = ErrorCode.RESERVED_KIND
 
 
 class UnexpectedKind(ProtocolError):
@@ -313,28 +312,6 @@ class RegisterSource:
 
 
 @dataclass(frozen=True, slots=True)
-class PruneReplay:
-    """`FTLayer.prune_replay(upto, source_id)`; None = every source."""
-
-    upto: int
-    source_id: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class LowestPending:
-    """`FTLayer.lowest_pending_offsets(topics)`; None = every topic."""
-
-    topics: list[str] | None
-
-
-@dataclass(frozen=True, slots=True)
-class Offsets:
-    """{topic: {partition: lowest pending Kafka offset}}."""
-
-    offsets: dict[str, dict[int, int]]
-
-
-@dataclass(frozen=True, slots=True)
 class CheckpointRequest:
     """CHECKPOINT_BEGIN (`begin`) or CHECKPOINT_COMPLETE of barrier `position` of
     `query` (see ftlayer.checkpoints)."""
@@ -407,9 +384,6 @@ Message = (
     | Fail
     | FetchReplay
     | RegisterSource
-    | PruneReplay
-    | LowestPending
-    | Offsets
     | CheckpointRequest
     | CheckpointReply
     | SavepointRequest
@@ -473,17 +447,20 @@ class FrameReader:
     """Splits a byte stream into frames, whatever the chunks it arrives in.
 
     `feed` returns every frame the stream now completes. A length prefix below 5 or
-    above max_frame raises at once (MalformedFrame, FrameTooLarge), before the body is
-    buffered; frames completed earlier in the same chunk are dropped with it. The
-    stream cannot be resynchronized after that, so the reader stays failed: every
-    later `feed` raises the same error. Unknown kinds are not the reader's concern.
+    above max_frame breaks the stream as soon as its four bytes arrive, before the
+    body is buffered: `feed` still returns the frames completed before it, and sets
+    `error` (MalformedFrame, FrameTooLarge), the caller's to report after those
+    frames. The stream cannot be resynchronized after that, so the reader stays
+    failed: every later `feed` raises that error. Unknown kinds are not the reader's
+    concern.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         _check_max_frame(max_frame)
         self.max_frame = max_frame
         self._buffer = bytearray()
-        self._error: ProtocolError | None = None
+        self.error: ProtocolError | None = None
+        """Why the stream broke (a bad length prefix), or None."""
 
     @property
     def pending_bytes(self) -> int:
@@ -491,8 +468,8 @@ class FrameReader:
         return len(self._buffer)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        if self._error is not None:
-            raise type(self._error)(f"the stream failed earlier: {self._error}")
+        if self.error is not None:
+            raise type(self.error)(f"the stream failed earlier: {self.error}")
         buffer = self._buffer
         buffer += data
         frames: list[Frame] = []
@@ -511,24 +488,11 @@ class FrameReader:
                 frames.append(Frame(kind, request_id, body))
                 pos += _PREFIX.size + length
         if error is not None:
-            self._error = error
+            self.error = error
             buffer.clear()
-            raise error
-        if pos:
+        elif pos:
             del buffer[:pos]
         return frames
-
-
-def parse_frame(data: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
-    """Exactly one frame from `data` (MalformedFrame if it is more, less or not one)."""
-    reader = FrameReader(max_frame)
-    frames = reader.feed(data)
-    if len(frames) != 1 or reader.pending_bytes:
-        raise MalformedFrame(
-            f"expected exactly one frame in {len(data)} bytes, got {len(frames)} "
-            f"and {reader.pending_bytes} bytes left over"
-        )
-    return frames[0]
 
 
 # ---- body reading ----------------------------------------------------------------------
@@ -626,16 +590,10 @@ def auth_digest(token: bytes | str, server_nonce: bytes, client_nonce: bytes) ->
     return hmac.new(key, AUTH_CONTEXT + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def verify_auth(
-    token: bytes | str, server_nonce: bytes, client_nonce: bytes, digest: bytes
-) -> bool:
-    """True if `digest` proves `token` for these nonces (constant-time comparison)."""
-    return hmac.compare_digest(auth_digest(token, server_nonce, client_nonce), digest)
-
-
 def check_auth(token: bytes | str, server_nonce: bytes, client_nonce: bytes, digest: bytes) -> None:
-    """`verify_auth`, raising AuthFailed (which says nothing about the token) if false."""
-    if not verify_auth(token, server_nonce, client_nonce, digest):
+    """AuthFailed (which says nothing about the token) unless `digest` proves `token`
+    for these nonces; the comparison takes constant time."""
+    if not hmac.compare_digest(auth_digest(token, server_nonce, client_nonce), digest):
         raise AuthFailed("authentication failed: the AUTH digest does not match the token")
 
 
@@ -1056,11 +1014,11 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
         and isinstance(spec["partitioner"], str)
         and type(spec["num_partitions"]) is int
         and isinstance(spec["options"], dict)
-        and (timeout is None or (type(timeout) in (int, float) and timeout > 0))
+        and (timeout is None or _finite_positive(timeout))
     ):
         raise BadRequest(
             'REGISTER_SOURCE config must be a JSON object with a str "partitioner", an '
-            'int "num_partitions", an object "options" and optionally a positive number '
+            'int "num_partitions", an object "options" and optionally a finite positive number '
             f'"timeout_s", and nothing else; got {text[:200]!r}'
         )
     return RegisterSource(
@@ -1072,65 +1030,14 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
     )
 
 
-def encode_prune_replay(request_id: int, upto: int, source_id: int | None = None) -> bytes:
-    """PRUNE_REPLAY: forget replay queue entries with replay seq <= upto."""
-    sid = -1 if source_id is None else source_id
-    if not (0 <= upto < 2**64 and -1 <= sid <= MAX_U32) or isinstance(source_id, bool):
-        raise BadRequest(
-            f"PRUNE_REPLAY needs a u64 upto and a u32 source id (or None), got {upto}, {source_id}"
-        )
-    return encode_frame(Kind.PRUNE_REPLAY, request_id, _PRUNE.pack(upto, sid))
-
-
-def decode_prune_replay(message: Frame | bytes) -> PruneReplay:
-    body = _body(message, Kind.PRUNE_REPLAY)
-    upto, source_id = body.unpack(_PRUNE, "upto and source id")
-    body.done()
-    if not -1 <= source_id <= MAX_U32:
-        raise BadRequest(f"PRUNE_REPLAY source id {source_id} is out of range (-1 means any)")
-    return PruneReplay(upto, None if source_id == -1 else source_id)
-
-
-def encode_lowest_pending(request_id: int, topics: Sequence[str] | None = None) -> bytes:
-    """LOWEST_PENDING: a JSON list of topics, or an empty body for every topic."""
-    if topics is None:
-        return encode_frame(Kind.LOWEST_PENDING, request_id, b"")
-    if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
-        raise BadRequest(f"LOWEST_PENDING topics must be a list of str, got {topics!r}")
-    return encode_frame(Kind.LOWEST_PENDING, request_id, json.dumps(list(topics)).encode())
-
-
-def decode_lowest_pending(message: Frame | bytes) -> LowestPending:
-    body = _body(message, Kind.LOWEST_PENDING)
-    raw = body.rest()
-    if not raw:
-        return LowestPending(None)
-    topics = _json(raw, Kind.LOWEST_PENDING)
-    if not isinstance(topics, list) or not all(isinstance(t, str) for t in topics):
-        raise BadRequest("LOWEST_PENDING body must be a JSON list of topic names")
-    return LowestPending(topics)
-
-
-def encode_offsets(request_id: int, offsets: Mapping[str, Mapping[int, int]]) -> bytes:
-    """OFFSETS: the reply to LOWEST_PENDING; partitions are JSON object keys (strings)."""
-    wire = {topic: {str(p): int(o) for p, o in parts.items()} for topic, parts in offsets.items()}
-    return encode_frame(Kind.OFFSETS, request_id, json.dumps(wire, sort_keys=True).encode())
-
-
-def decode_offsets(message: Frame | bytes) -> Offsets:
-    body = _body(message, Kind.OFFSETS)
-    wire = _json(body.rest(), Kind.OFFSETS)
+def _finite_positive(value: Any) -> bool:
+    """A JSON number (not a bool) that is above 0 and finite as a float."""
+    if type(value) not in (int, float):
+        return False
     try:
-        if not isinstance(wire, dict):
-            raise TypeError("not an object")
-        offsets = {
-            str(topic): {int(p): int(o) for p, o in parts.items()} for topic, parts in wire.items()
-        }
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise BadRequest(
-            f"OFFSETS body must be {{topic: {{partition: offset}}}} in JSON: {exc}"
-        ) from None
-    return Offsets(offsets)
+        return 0 < float(value) < math.inf
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 _CHECKPOINT_MODES: Final = ("aligned", "unaligned")
@@ -1355,13 +1262,15 @@ def decode_error(message: Frame | bytes) -> ErrorReply:
 
 
 def decode(frame: Frame) -> Message:
-    """The message in `frame`, by its kind; UnknownKind or ReservedKind otherwise."""
+    """The message in `frame`, by its kind; UnknownKind for a kind not in `Kind`."""
+    return _DECODERS[kind_of(frame)](frame)
+
+
+def kind_of(frame: Frame) -> Kind:
+    """The frame's `Kind`; UnknownKind if it has none (retired kinds included)."""
     if frame.kind not in Kind._value2member_map_:
         raise UnknownKind(f"unknown frame kind 0x{frame.kind:02x} (request id {frame.request_id})")
-    kind = Kind(frame.kind)
-    if kind in RESERVED_KINDS:
-        raise ReservedKind(f"{kind.name} is reserved for a later version")
-    return _DECODERS[kind](frame)
+    return Kind(frame.kind)
 
 
 _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
@@ -1373,12 +1282,9 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.FETCH_REPLAY: decode_fetch_replay,
     Kind.STATUS: decode_status_request,
     Kind.REGISTER_SOURCE: decode_register_source,
-    Kind.LOWEST_PENDING: decode_lowest_pending,
-    Kind.PRUNE_REPLAY: decode_prune_replay,
     Kind.CHECKPOINT_BEGIN: decode_checkpoint_begin,
     Kind.CHECKPOINT_COMPLETE: decode_checkpoint_complete,
     Kind.SAVEPOINT: decode_savepoint,
-    Kind.OFFSETS: decode_offsets,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

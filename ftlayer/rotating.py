@@ -25,6 +25,7 @@ lateness (see tick).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
@@ -38,9 +39,11 @@ ExpiryCallback = Callable[[dict[K, V]], None]
 
 
 def validate_timeout(timeout_s: float, buckets: int) -> None:
-    """Raise ConfigError unless timeout_s > 0 and buckets >= 2."""
-    if not timeout_s > 0:  # also rejects NaN
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
+    """Raise ConfigError unless 0 < timeout_s < inf and buckets >= 2."""
+    if not 0 < timeout_s < math.inf:  # also rejects NaN
+        raise ConfigError(
+            f"timeout must be a positive, finite number of seconds, got {timeout_s!r}"
+        )
     if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 2:
         raise ConfigError(f"rotating timeouts need at least 2 buckets, got {buckets!r}")
 

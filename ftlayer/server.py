@@ -3,22 +3,30 @@
 Sources and tasks reach the core through this process (docs/protocol.md is the wire
 format). The contract:
 
-1. One connection, one thread. The core is not thread-safe, so every call into it
-   (persist, xor, fail, fetch_replay, snapshot_stats, tick) runs under one lock; socket
-   I/O never does, so a slow or vanished client blocks only its own thread. Reads poll
-   with a short timeout (to notice stop()); sends time out after `send_timeout_s`;
-   the handshake must finish within `handshake_timeout_s`.
+1. One connection, one thread, at most `max_connections` of them (the next one gets
+   ERROR 103 with request id 0 and is closed). The core is not thread-safe, so every
+   call into it (persist, xor, fail, fetch_replay, snapshot_stats, tick) runs under
+   one lock; socket I/O never does, so a slow or vanished client blocks only its own
+   thread, and for a bounded time: the handshake (TLS included) must finish within
+   `handshake_timeout_s`, a frame whose first bytes arrived must be complete within
+   `frame_timeout_s`, a welcomed connection with no frame started is closed after
+   `idle_timeout_s` without a byte, and a send must finish within `send_timeout_s`.
+   Reads poll with a short timeout (to notice stop() and those deadlines).
 2. Handshake: HELLO -> CHALLENGE (fresh server nonce) -> AUTH (checked with
-   check_auth when a token is set) -> WELCOME. Any other frame before WELCOME gets an
-   ERROR (not authenticated for a data request) and the connection is closed.
+   check_auth when a token is set) -> WELCOME. Until WELCOME, a frame of any other
+   kind is refused by its kind before its body is decoded (ERROR 6 for a data
+   request, 9 otherwise), and any error is answered and then the connection is closed.
 3. PERSIST is answered OK only after FTLayer.persist returned, that is, after the
    storage committed the records: OK means "confirmed persisted".
-4. Errors: a bad frame length breaks the stream (ERROR with request id 0, then close).
-   A frame with a good length but an unknown kind or a bad body leaves the stream in
-   step (docs/protocol.md, section 1): ERROR with that request id, and serving goes on.
-   Core errors map to ERROR 101 (StorageError) or 102 (ValueError, ConfigError,
-   PartitioningError: nothing applied); anything else is 100 and is logged with its
-   traceback. Other connections are never affected.
+4. Requests are answered one by one, in the order they arrive. A bad frame length
+   breaks the stream: every complete frame before it is answered first, then ERROR
+   with request id 0, then close. After WELCOME, a frame with a good length but a bad
+   kind or body leaves the stream in step (docs/protocol.md, section 1): ERROR with
+   that request id (an unknown kind is 3, a reply kind or a second HELLO 9, checked
+   before the body is decoded), and serving goes on. A request is dispatched by the
+   table in `_request_handlers`. Core errors map to ERROR 101 (StorageError) or 102
+   (ValueError, ConfigError, PartitioningError: nothing applied); anything else is
+   100 and is logged with its traceback. Other connections are never affected.
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
    shortest rotation interval of any timeout in use (sources may register their own),
    so a root times out at most that late.
@@ -66,6 +74,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -78,40 +87,41 @@ from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.protocol import (
     DEFAULT_MAX_FRAME,
+    HANDSHAKE_KINDS,
     NONCE_SIZE,
     PROTOCOL_VERSION,
-    Auth,
+    REQUEST_KINDS,
     CheckpointRequest,
     ErrorCode,
-    Fail,
-    FetchReplay,
     Frame,
     FrameReader,
-    Hello,
     Kind,
-    LowestPending,
-    Message,
     NotAuthenticated,
-    Persist,
     ProtocolError,
-    PruneReplay,
-    RegisterSource,
     SavepointRequest,
-    StatusRequest,
     UnexpectedKind,
-    Xor,
+    UnknownKind,
     check_auth,
-    decode,
+    decode_auth,
+    decode_checkpoint_begin,
+    decode_checkpoint_complete,
+    decode_fail,
+    decode_fetch_replay,
+    decode_hello,
+    decode_persist,
+    decode_register_source,
+    decode_savepoint,
+    decode_status_request,
+    decode_xor,
     encode_challenge,
     encode_checkpoint_reply,
     encode_error,
-    encode_error_for,
-    encode_offsets,
     encode_ok,
     encode_replay,
     encode_savepoint_created,
     encode_status_reply,
     encode_welcome,
+    kind_of,
     new_nonce,
 )
 from ftlayer.records import ReplayRecords
@@ -124,21 +134,12 @@ _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an i
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
-_DATA_REQUESTS: Final = (
-    Persist,
-    Xor,
-    Fail,
-    FetchReplay,
-    RegisterSource,
-    PruneReplay,
-    LowestPending,
-    CheckpointRequest,
-    SavepointRequest,
-    StatusRequest,
-)
+
+Handler = Callable[[int, Frame], bytes]
+"""A request's handler: (request id, frame) -> the reply frame; raises to refuse."""
 
 
-def is_loopback(host: str) -> bool:
+def _is_loopback(host: str) -> bool:
     """True for a loopback address or "localhost" (names are not resolved otherwise)."""
     if host == "localhost":
         return True
@@ -158,6 +159,7 @@ class _Connection:
         self.server_nonce = new_nonce(NONCE_SIZE)
         self.client_nonce: bytes | None = None
         self.welcomed = False
+        self.opened_at = time.monotonic()
 
 
 class FTServer:
@@ -174,20 +176,33 @@ class FTServer:
         max_frame: int = DEFAULT_MAX_FRAME,
         *,
         handshake_timeout_s: float = 10.0,
+        frame_timeout_s: float = 30.0,
+        idle_timeout_s: float = 600.0,
         send_timeout_s: float = 30.0,
+        max_connections: int = 1024,
         delete_interval_s: float = 0.2,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
-        if token is None and not is_loopback(host):
+        if token is None and not _is_loopback(host):
             raise ConfigError(
                 f"refusing to serve on non-loopback host {host!r} without a token: "
                 "anyone who can reach it could ack or fail records (use --token-file)"
             )
+        for name, value in (
+            ("handshake_timeout_s", handshake_timeout_s),
+            ("frame_timeout_s", frame_timeout_s),
+            ("idle_timeout_s", idle_timeout_s),
+            ("send_timeout_s", send_timeout_s),
+        ):
+            if not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(max_connections, bool) or max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, got {max_connections!r}")
         self._tls = _tls_context(tls_cert, tls_key)
-        self.interval_s = min(0.5, rotation_interval(timeout_s, buckets) / 10)
+        self._interval_s = min(0.5, rotation_interval(timeout_s, buckets) / 10)
         FrameReader(max_frame)  # validates max_frame before anything is opened
         self.data_dir = os.fspath(data_dir)
         self.host = host
@@ -197,7 +212,10 @@ class FTServer:
         self.max_frame = max_frame
         self._token = token
         self._handshake_timeout_s = handshake_timeout_s
+        self._frame_timeout_s = frame_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._send_timeout_s = send_timeout_s
+        self.max_connections = max_connections
         self._delete_interval_s = delete_interval_s
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
@@ -212,6 +230,17 @@ class FTServer:
         self._connections: dict[int, _Connection] = {}
         self._connections_lock = threading.Lock()
         self._started_at = 0.0
+        self._request_handlers: dict[Kind, Handler] = {
+            Kind.PERSIST: self._persist,
+            Kind.XOR: self._xor,
+            Kind.FAIL: self._fail,
+            Kind.FETCH_REPLAY: self._fetch_replay,
+            Kind.STATUS: self._status_request,
+            Kind.REGISTER_SOURCE: self._register_source,
+            Kind.CHECKPOINT_BEGIN: self._checkpoint_request,
+            Kind.CHECKPOINT_COMPLETE: self._checkpoint_request,
+            Kind.SAVEPOINT: self._savepoint_request,
+        }
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -304,10 +333,6 @@ class FTServer:
     ) -> None:
         self.stop()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until stop() was called (or timeout); True if it was."""
-        return self._stopping.wait(timeout)
-
     # ---- threads -----------------------------------------------------------------
 
     def _accept_loop(self) -> None:
@@ -327,18 +352,23 @@ class FTServer:
                 target=self._serve, args=(conn,), name=f"ftlayer-conn-{peer}", daemon=True
             )
             with self._connections_lock:
-                self._connections[id(conn)] = conn
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(thread)
-            thread.start()
+                full = len(self._connections) >= self.max_connections
+                if not full:
+                    self._connections[id(conn)] = conn
+                    self._threads = [t for t in self._threads if t.is_alive()]
+                    self._threads.append(thread)
+            if full:
+                _refuse(sock, peer, self.max_connections, tls=self._tls is not None)
+            else:
+                thread.start()
 
     def _tick_interval(self) -> float:
         """min(0.5 s, the shortest rotation interval in use / 10): sources may register
         timeouts shorter than the server's own."""
         ft = self._ft
         if ft is None:
-            return self.interval_s
-        return min(self.interval_s, ft.persistence.shortest_rotation_interval_s / 10)
+            return self._interval_s
+        return min(self._interval_s, ft.persistence.shortest_rotation_interval_s / 10)
 
     def _tick_loop(self) -> None:
         while not self._stopping.wait(self._tick_interval()):
@@ -421,23 +451,25 @@ class FTServer:
     def _converse(self, conn: _Connection) -> str:
         """Serve one connection until it ends; returns why it ended."""
         reader = FrameReader(self.max_frame)
-        deadline = time.monotonic() + self._handshake_timeout_s
+        frame_started: float | None = None  # when the first bytes of a partial frame came
+        last_active = time.monotonic()  # the last byte received or reply sent
         while not self._stopping.is_set():
             conn.sock.settimeout(_POLL_S)
             try:
                 data = conn.sock.recv(_RECV_BYTES)
             except TimeoutError:
-                if not conn.welcomed and time.monotonic() > deadline:
-                    return "handshake timed out"
+                now = time.monotonic()
+                if not conn.welcomed and now - conn.opened_at > self._handshake_timeout_s:
+                    return f"handshake not done within {self._handshake_timeout_s:g} s"
+                if frame_started is not None and now - frame_started > self._frame_timeout_s:
+                    return f"a frame not complete within {self._frame_timeout_s:g} s"
+                idle = now - last_active > self._idle_timeout_s
+                if conn.welcomed and frame_started is None and idle:
+                    return f"idle for {self._idle_timeout_s:g} s"
                 continue
             if not data:
                 return "closed by the client"
-            try:
-                frames = reader.feed(data)
-            except ProtocolError as exc:
-                log.warning("%s: broken stream: %s", conn.peer, exc)
-                self._send(conn, encode_error_for(0, exc))
-                return f"broken stream ({exc.code.name})"
+            frames = reader.feed(data)
             for frame in frames:
                 reply, close = self._handle(conn, frame)
                 self._send(conn, reply)
@@ -450,7 +482,16 @@ class FTServer:
                     # Spark job comes right after, rather than contend with it.)
                     self._checkpoints_queued.set()
                 if close:
-                    return "handshake failed"
+                    return "refused before the handshake completed"
+            if reader.error is not None:
+                log.warning("%s: broken stream: %s", conn.peer, reader.error)
+                self._send(conn, encode_error(0, reader.error.code, str(reader.error)))
+                return f"broken stream ({reader.error.code.name})"
+            last_active = time.monotonic()
+            if not reader.pending_bytes:
+                frame_started = None
+            elif frame_started is None or frames:  # a new frame began in this chunk
+                frame_started = last_active
         return "server stopping"
 
     def _send(self, conn: _Connection, data: bytes) -> None:
@@ -460,28 +501,22 @@ class FTServer:
     # ---- requests ----------------------------------------------------------------
 
     def _handle(self, conn: _Connection, frame: Frame) -> tuple[bytes, bool]:
-        """(reply, close the connection after it) for one frame."""
+        """(reply, close the connection after it) for one frame. The kind is checked
+        before the body is decoded: only a request in its place gets decoded."""
         rid = frame.request_id
         try:
-            message = decode(frame)
-        except ProtocolError as exc:
-            log.warning("%s: request %d: %s", conn.peer, rid, exc)
-            return encode_error_for(rid, exc), not conn.welcomed
-        if not conn.welcomed:
-            try:
-                return self._handshake(conn, rid, message), False
-            except ProtocolError as exc:
-                log.warning("%s: handshake: %s", conn.peer, exc)
-                return encode_error_for(rid, exc), True
-        if not isinstance(message, _DATA_REQUESTS):
-            unexpected = UnexpectedKind(
-                f"{_name(message)} is not a request after the handshake (request id {rid})"
-            )
-            log.warning("%s: %s", conn.peer, unexpected)
-            return encode_error_for(rid, unexpected), False
-        try:
-            return self._execute(rid, message), False
-        except ProtocolError as exc:  # a reply the wire cannot carry (REPLAY too large)
+            kind = kind_of(frame)
+            if kind not in REQUEST_KINDS:
+                raise UnexpectedKind(f"{kind.name} is a reply kind, not a request")
+            if not conn.welcomed:
+                return self._handshake(conn, rid, kind, frame), False
+            if kind in HANDSHAKE_KINDS:
+                raise UnexpectedKind(f"{kind.name} after the handshake completed")
+            handler = self._request_handlers.get(kind)
+            if handler is None:
+                raise UnknownKind(f"{kind.name} is not served by this server")
+            return handler(rid, frame), False
+        except ProtocolError as exc:  # the frame, or a reply the wire cannot carry
             code, text = int(exc.code), str(exc)
         except StorageError as exc:
             code, text = int(ErrorCode.STORAGE), str(exc)
@@ -490,66 +525,82 @@ class FTServer:
         except Exception as exc:
             log.exception("%s: request %d failed", conn.peer, rid)
             code, text = int(ErrorCode.INTERNAL), f"internal server error: {exc!r}"
-        log.warning("%s: request %d (%s): error %d: %s", conn.peer, rid, _name(message), code, text)
-        return encode_error(rid, code, text), False
+        log.warning(
+            "%s: request %d (kind 0x%02x): error %d: %s", conn.peer, rid, frame.kind, code, text
+        )
+        return encode_error(rid, code, text), not conn.welcomed
 
-    def _handshake(self, conn: _Connection, rid: int, message: Message) -> bytes:
-        if isinstance(message, _DATA_REQUESTS):
+    def _handshake(self, conn: _Connection, rid: int, kind: Kind, frame: Frame) -> bytes:
+        if kind not in HANDSHAKE_KINDS:
             raise NotAuthenticated(
-                f"{_name(message)} before the handshake completed: send HELLO and AUTH first"
+                f"{kind.name} before the handshake completed: send HELLO and AUTH first"
             )
-        if conn.client_nonce is None and isinstance(message, Hello):
-            conn.client_nonce, conn.name = message.client_nonce, message.client_name
+        if kind == Kind.HELLO and conn.client_nonce is None:
+            hello = decode_hello(frame)
+            conn.client_nonce, conn.name = hello.client_nonce, hello.client_name
             return encode_challenge(rid, self._token is not None, conn.server_nonce)
-        if conn.client_nonce is not None and isinstance(message, Auth):
+        if kind == Kind.AUTH and conn.client_nonce is not None:
+            digest = decode_auth(frame).digest
             if self._token is not None:
-                check_auth(self._token, conn.server_nonce, conn.client_nonce, message.digest)
+                check_auth(self._token, conn.server_nonce, conn.client_nonce, digest)
             conn.welcomed = True
             return encode_welcome(rid, secrets.randbits(64), version=PROTOCOL_VERSION)
         expected = "AUTH" if conn.client_nonce is not None else "HELLO"
-        raise UnexpectedKind(f"expected {expected} in the handshake, got {_name(message)}")
+        raise UnexpectedKind(f"expected {expected} in the handshake, got {kind.name}")
 
-    def _execute(self, rid: int, message: Message) -> bytes:
-        if isinstance(message, SavepointRequest):  # takes the core lock only briefly
-            return encode_savepoint_created(rid, self._savepoint(message).as_dict())
+    @contextlib.contextmanager
+    def _core(self) -> Iterator[FTLayer]:
+        """The core, under the lock; StorageError once the server is stopping."""
         with self._lock:
-            ft = self._ft
-            if ft is None:
+            if self._ft is None:
                 raise StorageError("the server is stopping")
-            if isinstance(message, Persist):
-                ft.persist(message.batch, message.initial_values)
-                return encode_ok(rid, len(message.batch))
-            if isinstance(message, Xor):
-                ft.xor(message.roots, message.values)
-                return encode_ok(rid, len(message.roots))
-            if isinstance(message, Fail):
-                return encode_ok(rid, ft.fail(message.roots))
-            if isinstance(message, RegisterSource):
-                ft.register_source(
-                    message.source_id,
-                    message.partitioner,
-                    message.num_partitions,
-                    message.options,
-                    message.timeout_s,
-                )
-                return encode_ok(rid, 1)
-            if isinstance(message, PruneReplay):
-                return encode_ok(rid, ft.prune_replay(message.upto, message.source_id))
-            if isinstance(message, LowestPending):
-                return encode_offsets(rid, ft.lowest_pending_offsets(message.topics))
-            if isinstance(message, CheckpointRequest):
-                checkpoint = self._checkpoint(message)
-            elif isinstance(message, FetchReplay):
-                replay = ft.fetch_replay(
-                    message.lo, message.hi, source_id=message.source_id, partition=message.partition
-                )
-            else:
-                status = self._status(ft)
-        if isinstance(message, CheckpointRequest):
-            return encode_checkpoint_reply(rid, checkpoint)
-        if isinstance(message, FetchReplay):
-            return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
+            yield self._ft
+
+    def _persist(self, rid: int, frame: Frame) -> bytes:
+        message = decode_persist(frame)
+        with self._core() as ft:
+            ft.persist(message.batch, message.initial_values)
+        return encode_ok(rid, len(message.batch))
+
+    def _xor(self, rid: int, frame: Frame) -> bytes:
+        message = decode_xor(frame)
+        with self._core() as ft:
+            ft.xor(message.roots, message.values)
+        return encode_ok(rid, len(message.roots))
+
+    def _fail(self, rid: int, frame: Frame) -> bytes:
+        message = decode_fail(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.fail(message.roots))
+
+    def _fetch_replay(self, rid: int, frame: Frame) -> bytes:
+        m = decode_fetch_replay(frame)
+        with self._core() as ft:
+            replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
+        return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
+
+    def _status_request(self, rid: int, frame: Frame) -> bytes:
+        decode_status_request(frame)
+        with self._core() as ft:
+            status = self._status(ft)
         return encode_status_reply(rid, status, max_frame=self.max_frame)
+
+    def _register_source(self, rid: int, frame: Frame) -> bytes:
+        m = decode_register_source(frame)
+        with self._core() as ft:
+            ft.register_source(m.source_id, m.partitioner, m.num_partitions, m.options, m.timeout_s)
+        return encode_ok(rid, 1)
+
+    def _checkpoint_request(self, rid: int, frame: Frame) -> bytes:
+        begin = frame.kind == Kind.CHECKPOINT_BEGIN
+        message = (decode_checkpoint_begin if begin else decode_checkpoint_complete)(frame)
+        with self._core():
+            checkpoint = self._checkpoint(message)
+        return encode_checkpoint_reply(rid, checkpoint)
+
+    def _savepoint_request(self, rid: int, frame: Frame) -> bytes:
+        saved = self._savepoint(decode_savepoint(frame))  # takes the core lock only briefly
+        return encode_savepoint_created(rid, saved.as_dict())
 
     def _checkpoint(self, message: CheckpointRequest) -> dict[str, Any]:
         """Called under the lock: the reply's JSON."""
@@ -625,6 +676,7 @@ class FTServer:
             deletes_pending=ft.persistence.marked + self._storage.staged_deletes,
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
+            max_connections=self.max_connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),
             checkpoints={} if self._checkpoints is None else self._checkpoints.status(),
             timeout_s=self.timeout_s,
@@ -690,8 +742,18 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def _name(message: Message) -> str:
-    return type(message).__name__
+def _refuse(sock: socket.socket, peer: str, limit: int, *, tls: bool) -> None:
+    """Tell a connection over the limit so (ERROR 103, request id 0) and close it. A
+    TLS connection is only closed: plain bytes would break its TLS handshake, and a
+    handshake would cost a thread; its client sees the TLS handshake cut (EOF)."""
+    log.warning("%s: refused: already %d connections (--max-connections)", peer, limit)
+    if not tls:
+        with contextlib.suppress(OSError):
+            sock.settimeout(1.0)
+            message = f"the server has its maximum of {limit} connections: try again later"
+            sock.sendall(encode_error(0, ErrorCode.BUSY, message))
+            sock.shutdown(socket.SHUT_WR)
+    sock.close()
 
 
 def _shutdown(sock: socket.socket) -> None:

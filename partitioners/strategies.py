@@ -155,6 +155,12 @@ class KeyGroupPartitioner(SingleTargetPartitioner):
         check_max_parallelism(max_parallelism)
         self.max_parallelism = max_parallelism
 
+    def check_routable(self, batch: RecordBatch, num_partitions: int) -> None:
+        """Also ConfigError when num_partitions exceeds max_parallelism: a record
+        persisted then could never be replayed."""
+        super().check_routable(batch, num_partitions)
+        check_max_parallelism(self.max_parallelism, num_partitions)
+
     def _partition_of(self, batch: RecordBatch, num_partitions: int) -> NDArray[np.int32]:
         check_max_parallelism(self.max_parallelism, num_partitions)
         require_keys(batch, self.name)

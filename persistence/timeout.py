@@ -5,8 +5,11 @@ for replay) is one entry of a RotatingHashMap with n buckets, rotated every T / 
 seconds by tick(now). All roots of a batch start pending at the same moment, so one
 entry times them all: when it expires, between T and T * (1 + 1/(n-1)) after the batch
 (later only by as much as tick() is called late, never earlier), on_timeout receives
-the batch's roots; the FT layer fails those still pending, so their records are
-replayed under new roots. Roots that completed meanwhile are skipped there.
+the batch's roots with the storage seqs of their records; the FT layer fails those
+still pending with the same seq, so their records are replayed under new roots. Roots
+that completed or failed meanwhile are skipped there, and so is a root persisted again
+since (a new record, so a new seq): an entry only ever times out the tree it was made
+for, never a later tree of the same root.
 
 Timeouts are counted from persist (or from the moment a failed record was queued for
 replay), not from the last XOR event: like Storm's message timeout, T bounds how long a
@@ -28,8 +31,10 @@ from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import PersistenceLayer
 from ftlayer.rotating import RotatingHashMap, rotation_interval, validate_timeout
 
-#: Receives the roots of batches that timed out (some may have completed since).
-TimeoutCallback = Callable[[NDArray[np.uint64]], None]
+#: Receives the roots of batches that timed out and their records' storage seqs, aligned
+#: (some may have completed, failed or been persisted again since).
+TimeoutCallback = Callable[[NDArray[np.uint64], NDArray[np.uint64]], None]
+_Entry = tuple[NDArray[np.uint64], NDArray[np.uint64]]
 
 
 class TimeoutPersistenceLayer(PersistenceLayer):
@@ -51,16 +56,21 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         self.buckets = buckets
         self.rotation_interval_s = rotation_interval(timeout_s, buckets)
         self._on_timeout = on_timeout
-        self._by_timeout: dict[float, RotatingHashMap[int, NDArray[np.uint64]]] = {
+        self._by_timeout: dict[float, RotatingHashMap[int, _Entry]] = {
             timeout_s: RotatingHashMap(buckets, self._expired, timeout_s=timeout_s, start=start)
         }
         self._batch_number = 0
 
     def track(
-        self, roots: NDArray[np.uint64], timeout_s: float | None = None, now: float = 0.0
+        self,
+        roots: NDArray[np.uint64],
+        seqs: NDArray[np.uint64],
+        timeout_s: float | None = None,
+        now: float = 0.0,
     ) -> None:
-        """Start the timeout of roots that became pending now: the layer's T, or
-        `timeout_s` (then `now` starts its buckets' clock if they are new)."""
+        """Start the timeout of roots that became pending now, whose records have the
+        storage seqs `seqs` (aligned): the layer's T, or `timeout_s` (then `now` starts
+        its buckets' clock if they are new)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         batches = self._by_timeout.get(timeout)
         if batches is None:
@@ -68,7 +78,7 @@ class TimeoutPersistenceLayer(PersistenceLayer):
             batches = RotatingHashMap(self.buckets, self._expired, timeout_s=timeout, start=now)
             self._by_timeout[timeout] = batches
         self._batch_number += 1
-        batches.put(self._batch_number, roots)
+        batches.put(self._batch_number, (roots, seqs))
 
     def tick(self, now: float) -> int:
         """Rotate every timeout's buckets that are due by `now`, timing out the roots
@@ -80,5 +90,9 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         """The shortest rotation interval over every timeout in use (for tickers)."""
         return min(rotation_interval(t, self.buckets) for t in tuple(self._by_timeout))
 
-    def _expired(self, batches: dict[int, NDArray[np.uint64]]) -> None:
-        self._on_timeout(np.concatenate(list(batches.values())))
+    def _expired(self, batches: dict[int, _Entry]) -> None:
+        entries = list(batches.values())
+        self._on_timeout(
+            np.concatenate([roots for roots, _ in entries]),
+            np.concatenate([seqs for _, seqs in entries]),
+        )

@@ -322,6 +322,8 @@ def test_bad_query_names_are_refused(storage: LmdbStorage, query: Any) -> None:
         {"kafka": {"t": {"0": -1}}, "replay": 0},
         {"kafka": {"t": {"0": 1.5}}, "replay": 0},
         {"kafka": {}, "replay": 0, "extra": 1},
+        {"kafka": {"t": {"0": 1}}},
+        {"replay": 0},
     ],
 )
 def test_bad_positions_are_refused(storage: LmdbStorage, bad: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlayer.core import FailCause, FTLayer, SourceConfig, _min_per_partition
+from ftlayer.core import FailCause, FTLayer, RetiredRoots, SourceConfig, _min_per_partition
 from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
 from ftlayer.ids import new_ids
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
@@ -126,6 +126,60 @@ def test_timeout_fails_a_silent_tree_within_the_bound(storage: PersistenceStorag
     assert len(storage) == 1
 
 
+def test_a_completed_roots_old_timeout_never_fails_its_new_tree(
+    storage: PersistenceStorage,
+) -> None:
+    """A root persisted again after its tree completed is a new tree: the first tree's
+    timeout entry, still in the buckets, must not fail it before its own T."""
+    clock = Clock()
+    ft = FTLayer(storage, timeout_s=10, buckets=3, clock=clock)
+    first = _records(1)
+    ids = _emit(ft, first)
+    ft.xor(first.roots, ids)  # complete at t = 0
+    clock.now = 9.0
+    again = RecordBatch.build(first.roots, [b"again"], topics="orders", partitions=0, offsets=5)
+    _emit(ft, again)  # the same root, a new tree, at t = 9
+    for t in np.arange(9.5, 19.0, 0.5):  # the first tree's entry expires by t = 15
+        clock.now = float(t)
+        ft.tick()
+    assert ft.replay_cursor == 0 and int(first.roots[0]) in ft.acker
+    for t in np.arange(19.0, 25.0, 0.5):  # the new tree's own T: between 19 and 24
+        clock.now = float(t)
+        ft.tick()
+    assert ft.snapshot_stats().failed[FailCause.TIMEOUT.value] == 1
+    assert ft.fetch_replay(0, ft.replay_cursor).records.payloads == [b"again"]
+
+
+def test_a_root_that_failed_recently_cannot_be_persisted_again(
+    storage: PersistenceStorage,
+) -> None:
+    clock = Clock()
+    ft = FTLayer(storage, timeout_s=10, clock=clock)  # failed roots are known for 2T
+    batch = _records(3)
+    _emit(ft, batch)
+    assert ft.fail(batch.roots[[1]]) == 1
+    clock.now = 19.0
+    reuse = _records(2).with_roots(np.array([new_ids(1)[0], batch.roots[1]], np.uint64))
+    with pytest.raises(ConfigError, match="repeated root"):
+        ft.persist(reuse)
+    assert len(storage) == 3 and len(ft) == 3  # nothing stored, nothing pending
+    clock.now = 31.0  # past 2T * 1.5: forgotten
+    ft.persist(reuse)
+    assert len(ft) == 5
+
+
+def test_retired_roots_are_known_between_ttl_and_ttl_times_one_and_a_half() -> None:
+    retired = RetiredRoots(10.0, start=0.0)
+    roots = new_ids(1000)
+    retired.add(roots[:500], now=1.0)
+    retired.add(roots[500:], now=6.0)
+    assert retired.known(roots, now=14.9).all()  # each known for at least 10 s
+    assert not retired.known(new_ids(1000), now=14.9).any()
+    assert retired.known(roots, now=15.0)[500:].all()  # at most 15 s: the first half is gone
+    assert not retired.known(roots, now=15.0)[:500].any()
+    assert not retired.known(roots, now=20.0).any() and len(retired) == 0
+
+
 def test_fetch_replay_is_repeatable_until_the_replay_completes() -> None:
     ft = FTLayer(MemoryStorage(), default_source=SourceConfig.named("forward", 4))
     batch = _records(6)
@@ -228,6 +282,7 @@ def test_a_storage_failure_leaves_no_pending_root(storage: PersistenceStorage) -
     [
         ({"timeout_s": 0}, "timeout must be a positive"),
         ({"timeout_s": -5.0}, "timeout must be a positive"),
+        ({"timeout_s": float("inf")}, "timeout must be a positive, finite"),
         ({"buckets": 1}, "at least 2 buckets"),
     ],
 )
@@ -271,6 +326,16 @@ def test_a_bad_registration_changes_nothing(storage: PersistenceStorage) -> None
         config = layer.source_config(3)
         assert config is not None
         assert (config.partitioner.name, config.num_partitions) == ("forward", 2)
+
+
+def test_a_key_group_source_with_more_partitions_than_key_groups_persists_nothing() -> None:
+    """Such a record could never be replayed: refused when persisted, not when it fails."""
+    ft = FTLayer(
+        MemoryStorage(), default_source=SourceConfig.named("key-group", 8, max_parallelism=4)
+    )
+    with pytest.raises(ConfigError, match="exceeds max_parallelism"):
+        ft.persist(_records(2))
+    assert len(ft) == 0 and len(ft.storage) == 0
 
 
 def test_unknown_partitioner_is_refused() -> None:

@@ -6,6 +6,7 @@ is stopped by the fixture's finalizer even when a test fails.
 
 from __future__ import annotations
 
+import re
 import resource
 import signal
 import socket
@@ -32,7 +33,11 @@ from ftlayer.protocol import (
     Kind,
     NotAuthenticated,
     decode_error,
+    encode_auth,
+    encode_frame,
+    encode_hello,
     encode_status_request,
+    encode_xor,
 )
 from ftlayer.records import RecordBatch
 from ftlayer.server import FTServer
@@ -229,16 +234,27 @@ def test_a_registered_source_routes_replays_also_after_a_restart(
     assert set(replay.partitions.tolist()) == {0, 1, 2}
 
 
-def test_lowest_pending_offsets_follow_completions(start_server: StartServer) -> None:
+def test_retired_and_unknown_kinds_are_refused_and_the_connection_goes_on(
+    start_server: StartServer,
+) -> None:
+    """LOWEST_PENDING (0x16) and PRUNE_REPLAY (0x17) left the protocol: refused as
+    unknown kinds (ERROR 3) like any other, never answered with a STATUS."""
     server = start_server()
-    with server.client() as client:
-        anchors = Persister(client).persist(
-            PAYLOADS, topics="events", partitions=np.arange(10) % 2, offsets=np.arange(10)
+    with _welcomed(server.address) as raw:
+        raw.sendall(
+            encode_frame(0x16, 3, b'["events"]')
+            + encode_frame(0x17, 4, bytes(16))
+            + encode_frame(0x55, 5, b"")
+            + encode_status_request(6)
         )
-        assert client.lowest_pending_offsets() == {"events": {0: 0, 1: 1}}
-        sink(client, anchors.take([0, 1, 2, 5]))
-        assert client.lowest_pending_offsets(["events"]) == {"events": {0: 4, 1: 3}}
-        assert client.lowest_pending_offsets(["other"]) == {}
+        replies = _read_frames(raw, 4)
+    assert [(f.request_id, f.kind) for f in replies] == [
+        (3, Kind.ERROR),
+        (4, Kind.ERROR),
+        (5, Kind.ERROR),
+        (6, Kind.STATUS_REPLY),
+    ]
+    assert {decode_error(f).code for f in replies[:3]} == {ErrorCode.UNKNOWN_KIND}
 
 
 def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
@@ -391,7 +407,10 @@ def test_checkpoints_over_the_wire_survive_a_restart(start_server: StartServer) 
             client.checkpoint(begin=True, query="a/b", position=position(1), sources=[5])
         with pytest.raises(RequestRejected, match="checkpoint offset"):
             client.checkpoint(
-                begin=True, query="job", position={"kafka": {"e": {"0": -3}}}, sources=[5]
+                begin=True,
+                query="job",
+                position={"kafka": {"e": {"0": -3}}, "replay": 0},
+                sources=[5],
             )
         status = client.status()["checkpoints"]["job"]
         assert status["completed"] == 1 and status["last_complete_id"] == 1
@@ -438,3 +457,214 @@ def test_a_begin_completes_the_batch_before_in_one_round_trip(start_server: Star
                 begin=False, query="job", position=position(9), sources=[5], complete=position(4)
             )
         assert client.status()["checkpoints"]["job"]["completed"] == 1
+
+
+# ---- the wire, hardened: raw sockets against a real server -----------------------------
+
+
+def _welcomed(address: str | tuple[str, int]) -> socket.socket:
+    """A raw connection that completed the handshake with a server without a token."""
+    host_port = _host_port(address) if isinstance(address, str) else address
+    raw = socket.create_connection(host_port, timeout=10)
+    raw.sendall(encode_hello(1, bytes(16), "raw") + encode_auth(2, bytes(32)))
+    assert [f.kind for f in _read_frames(raw, 2)] == [Kind.CHALLENGE, Kind.WELCOME]
+    return raw
+
+
+def _read_frames(raw: socket.socket, n: int) -> list[Frame]:
+    """The next `n` frames the server sends on `raw` (its timeout is the deadline)."""
+    reader = FrameReader()
+    frames: list[Frame] = []
+    while len(frames) < n:
+        data = raw.recv(65536)
+        assert data, f"the server closed after {len(frames)} of {n} frames: {frames}"
+        frames += reader.feed(data)
+    assert len(frames) == n, frames
+    return frames
+
+
+def _closed_within(raw: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `raw` within `seconds` (it sends nothing meanwhile)."""
+    raw.settimeout(seconds)
+    try:
+        return raw.recv(65536) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_requests_before_a_bad_length_in_the_same_read_are_answered_first(
+    start_server: StartServer,
+) -> None:
+    server = start_server()
+    with server.client() as client:
+        anchors = persist(client, PAYLOADS[:2])
+    with _welcomed(server.address) as raw:
+        # One send: a STATUS, an XOR that completes record 0, then a length below 5.
+        xor = encode_xor(4, anchors.roots[:1], anchors.ids[:1])
+        raw.sendall(encode_status_request(3) + xor + b"\x00\x00\x00\x02" + b"junk")
+        replies = _read_frames(raw, 3)
+        assert _closed_within(raw, 5)
+    assert [(f.request_id, f.kind) for f in replies] == [
+        (3, Kind.STATUS_REPLY),
+        (4, Kind.OK),
+        (0, Kind.ERROR),
+    ]
+    assert decode_error(replies[2]).code == ErrorCode.MALFORMED_FRAME
+    with server.client() as client:
+        assert client.status()["completed"] == 1
+
+
+def test_a_reply_kind_or_a_second_hello_is_unexpected_whatever_its_body(
+    start_server: StartServer,
+) -> None:
+    server = start_server()
+    with _welcomed(server.address) as raw:
+        raw.sendall(
+            encode_frame(Kind.OK, 3, b"bad")  # a bad body for an OK
+            + encode_frame(Kind.CHECKPOINT, 4, b"{not json")
+            + encode_frame(Kind.ERROR, 5, b"\xff")
+            + encode_frame(Kind.HELLO, 6, b"not a hello")
+            + encode_status_request(7)
+        )
+        replies = _read_frames(raw, 5)
+    assert [decode_error(f).code for f in replies[:4]] == [ErrorCode.UNEXPECTED_KIND] * 4
+    assert [f.request_id for f in replies] == [3, 4, 5, 6, 7]
+    assert replies[4].kind == Kind.STATUS_REPLY
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([encode_frame(Kind.PERSIST, 1, b"\xff" * 64)], ErrorCode.NOT_AUTHENTICATED),
+        ([encode_frame(Kind.OK, 1, b"x")], ErrorCode.UNEXPECTED_KIND),
+        ([encode_frame(Kind.AUTH, 1, b"short")], ErrorCode.UNEXPECTED_KIND),  # before HELLO
+        ([encode_hello(1, bytes(16)), encode_hello(2, bytes(16))], ErrorCode.UNEXPECTED_KIND),
+        ([encode_frame(0x16, 1, b"")], ErrorCode.UNKNOWN_KIND),
+    ],
+    ids=["data request", "reply kind", "auth first", "hello twice", "retired kind"],
+)
+def test_frames_out_of_place_before_welcome_are_refused_by_kind_then_closed(
+    start_server: StartServer, frames: list[bytes], code: ErrorCode
+) -> None:
+    """Refused by kind before the body is decoded (a garbage PERSIST body is not
+    MALFORMED_FRAME but NOT_AUTHENTICATED), and an error before WELCOME closes."""
+    server = start_server()
+    with socket.create_connection(_host_port(server.address), timeout=10) as raw:
+        raw.sendall(b"".join(frames) + encode_status_request(9))
+        replies = _read_frames(raw, len(frames))
+        assert _closed_within(raw, 5)
+    assert decode_error(replies[-1]).code == code
+    assert replies[-1].request_id == len(frames)
+
+
+def test_a_checkpoint_position_needs_its_replay_cursor(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client, pytest.raises(RequestRejected, match='"replay"'):
+        client.checkpoint(begin=True, query="job", position={"kafka": {"e": {"0": 3}}}, sources=[5])
+
+
+@pytest.mark.parametrize("timeout", [b"Infinity", b"1e400", b"-1"])
+def test_a_source_timeout_must_be_finite_and_positive(
+    start_server: StartServer, timeout: bytes
+) -> None:
+    server = start_server()
+    config = b'{"num_partitions":1,"options":{},"partitioner":"forward","timeout_s":%s}'
+    with _welcomed(server.address) as raw:
+        raw.sendall(encode_frame(Kind.REGISTER_SOURCE, 3, bytes(4) + config % timeout))
+        (reply,) = _read_frames(raw, 1)
+    assert decode_error(reply).code == ErrorCode.BAD_REQUEST
+
+
+def test_a_recently_failed_root_cannot_be_persisted_again(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        batch = RecordBatch.build(new_ids(2), PAYLOADS[:2], topics="t", partitions=0, offsets=None)
+        client.persist(batch)
+        assert client.fail(batch.roots[:1]) == 1
+        again = RecordBatch.build(batch.roots[:1], [b"x"], topics="t", partitions=0, offsets=None)
+        with pytest.raises(RequestRejected, match="repeated root"):
+            client.persist(again)
+        status = client.status()
+    assert status["persisted"] == 2 and status["stored_records"] == 2
+
+
+def test_a_stalled_frame_and_an_idle_connection_are_closed_and_clients_reconnect(
+    tmp_path: Path,
+) -> None:
+    with FTServer(tmp_path / "data", frame_timeout_s=0.5, idle_timeout_s=1.0) as server:
+        host, port = server.address
+        with _welcomed(server.address) as stalled:
+            stalled.sendall(encode_status_request(3)[:6])  # half a frame, then nothing
+            assert _closed_within(stalled, 5)
+        with _welcomed(server.address) as idle:
+            assert _closed_within(idle, 5)
+        with FTClient(f"{host}:{port}") as client:
+            anchors = persist(client, PAYLOADS[:3])
+            # Wait until the server closed the idle client's connection: a second
+            # client sees only itself connected.
+            with FTClient(f"{host}:{port}") as other:
+                wait_until(lambda: other.status()["connections"] == 1, 10.0, "idle close")
+            hellos = client.requests_sent[Kind.HELLO]
+            sink(client, anchors)  # XOR, not idempotent: sent on a fresh connection
+            assert client.requests_sent[Kind.HELLO] == hellos + 1
+            assert client.status()["completed"] == 3
+
+
+def test_a_silent_connection_is_closed_after_the_handshake_timeout(tmp_path: Path) -> None:
+    with (
+        FTServer(tmp_path / "data", handshake_timeout_s=0.5) as server,
+        socket.create_connection(server.address, timeout=10) as silent,
+    ):
+        assert _closed_within(silent, 5)
+
+
+def test_connections_over_the_limit_are_refused_and_clients_retry(tmp_path: Path) -> None:
+    with FTServer(tmp_path / "data", max_connections=2) as server:
+        host, port = server.address
+        first, second = _welcomed(server.address), _welcomed(server.address)
+        with socket.create_connection(server.address, timeout=10) as third:
+            (refused,) = _read_frames(third, 1)
+            assert _closed_within(third, 5)
+        assert refused.request_id == 0 and decode_error(refused).code == ErrorCode.BUSY
+        threading.Timer(0.5, first.close).start()  # a place frees up while the client waits
+        with FTClient(f"{host}:{port}", reconnect_s=10) as client:
+            assert client.status()["connections"] == 2
+        second.close()
+
+
+def test_status_has_exactly_the_fields_the_spec_lists(start_server: StartServer) -> None:
+    spec = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    section = spec[spec.index("### 6.2 STATUS_REPLY") : spec.index("### 6.3 ERROR")]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE))
+    with start_server().client() as client:
+        status = client.status()
+    assert set(status) == documented
+    assert set(status["failed"]) == {"explicit", "timeout", "recovery"}
+
+
+def test_every_request_kind_is_served_by_its_own_handler(start_server: StartServer) -> None:
+    """Each request kind of section 2 reaches a handler of its own: with an empty
+    body, none is unknown to the server and only STATUS answers with a status."""
+    server = start_server()
+    kinds = [k for k in Kind if k < 0x80 and k not in (Kind.HELLO, Kind.AUTH)]
+    with _welcomed(server.address) as raw:
+        raw.sendall(b"".join(encode_frame(k, 10 + i, b"") for i, k in enumerate(kinds)))
+        replies = _read_frames(raw, len(kinds))
+    for kind, reply in zip(kinds, replies, strict=True):
+        if kind == Kind.STATUS:
+            assert reply.kind == Kind.STATUS_REPLY
+        else:
+            assert reply.kind == Kind.ERROR, (kind, reply)
+            assert decode_error(reply).code in (ErrorCode.MALFORMED_FRAME, ErrorCode.BAD_REQUEST)
+
+
+def test_serve_takes_the_limits_from_its_options(start_server: StartServer) -> None:
+    server = start_server(
+        None, "--max-connections", "3", "--idle-timeout-s", "0.5", "--frame-timeout-s", "5"
+    )
+    with server.client() as client:
+        assert client.status()["max_connections"] == 3
+    with _welcomed(server.address) as idle:
+        assert _closed_within(idle, 5)

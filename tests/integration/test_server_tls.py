@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,19 @@ def test_tls_needs_both_files_and_loadable_ones(pki: dict[str, Path], tmp_path: 
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.rsplit(":", 1)
     return host, int(port)
+
+
+def test_a_tls_client_waits_for_a_place_at_a_full_server(
+    pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """Over TLS the refusal is a cut handshake (no plain ERROR 103 can go first); the
+    client retries it with backoff like a refused connection."""
+    with FTServer(
+        tmp_path / "data", tls_cert=pki["cert"], tls_key=pki["key"], max_connections=1
+    ) as server:
+        address = "{}:{}".format(*server.address)
+        holder = FTClient(address, tls=str(pki["ca"]))
+        assert holder.status()["connections"] == 1
+        threading.Timer(0.5, holder.close).start()
+        with FTClient(address, tls=str(pki["ca"]), reconnect_s=10) as client:
+            assert client.status()["connections"] == 1
