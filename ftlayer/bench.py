@@ -27,10 +27,10 @@ import lmdb
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.acker import AckerTable
+from ftlayer.acking.acker import AckerTable
+from ftlayer.acking.handlers import FTChannel
+from ftlayer.acking.ids import new_ids
 from ftlayer.core import FTLayer
-from ftlayer.handlers import FTChannel
-from ftlayer.ids import new_ids
 from ftlayer.persistence.layer import LOCATOR_COLUMNS
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.records import RecordBatch

@@ -432,7 +432,7 @@ def _add_savepoint_parser(commands: Any) -> None:
 
 
 def _savepoint(args: argparse.Namespace) -> int:
-    from ftlayer import savepoint
+    from ftlayer.checkpoint import savepoint
 
     if args.savepoint == "create":
         if args.server is not None:

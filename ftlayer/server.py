@@ -36,7 +36,7 @@ format). The contract:
    never waits for an LMDB commit. A completed record that a crash leaves undeleted
    is recovered and replayed after the restart (a duplicate, never a loss); stop()
    deletes what is left before closing the storage.
-7. Checkpoints (ftlayer.checkpoints): CHECKPOINT_BEGIN marks the state owed a copy
+7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN marks the state owed a copy
    and replies at once; the copy is taken under the lock before the next change to
    the core or by the checkpoint-writer thread (woken after the reply), which writes
    the snapshot to LMDB outside the lock. CHECKPOINT_COMPLETE prunes and completes
@@ -44,7 +44,7 @@ format). The contract:
    store (it commits with the next write, or the ticker flushes it); the ticker
    completes aligning checkpoints once no root before their barrier is pending.
    `status` shows every query's checkpoints.
-8. Savepoints (ftlayer.savepoint): SAVEPOINT first deletes the completed records not
+8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed records not
    deleted yet, under the lock (FTLayer.flush_deletes), so the store holds exactly the
    records whose trees are not complete; then, outside the lock, it copies the store
    (one LMDB read transaction: the store at one instant) into the requested directory
@@ -81,11 +81,14 @@ from typing import Any, Final, Self
 import numpy as np
 
 from ftlayer import __version__
-from ftlayer.checkpoints import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
+from ftlayer.acking.rotating import rotation_interval
+from ftlayer.checkpoint import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
+from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
-from ftlayer.protocol import (
+from ftlayer.records import ReplayRecords
+from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_KINDS,
     NONCE_SIZE,
@@ -124,9 +127,6 @@ from ftlayer.protocol import (
     kind_of,
     new_nonce,
 )
-from ftlayer.records import ReplayRecords
-from ftlayer.rotating import rotation_interval
-from ftlayer.savepoint import Savepoint, create_savepoint
 
 log = logging.getLogger("ftlayer.server")
 
@@ -263,7 +263,7 @@ class FTServer:
                 storage, timeout_s=self.timeout_s, buckets=self.buckets, defer_deletes=True
             )
             # Checkpoint snapshots: an LMDB environment of their own, without fsync (a
-            # snapshot lost to an OS crash loses no record; see ftlayer.checkpoints).
+            # snapshot lost to an OS crash loses no record; see ftlayer.checkpoint).
             snapshots = LmdbStorage(os.path.join(self.data_dir, SNAPSHOT_DIR), sync=False)
             self._checkpoints = CheckpointCoordinator(
                 self._ft, snapshots=snapshots, lock=self._lock
@@ -387,7 +387,7 @@ class FTServer:
                 timed_out = ft.stats.failed["timeout"] - before
                 storage = self._storage
             if storage is not None:
-                try:  # checkpoint records staged and no write since (ftlayer.checkpoints)
+                try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
                     storage.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
                 except StorageError as exc:
                     log.error("could not write staged checkpoint records: %s", exc)

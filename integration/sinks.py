@@ -95,9 +95,9 @@ from numpy.typing import NDArray
 from pyspark.sql import DataFrame
 from pyspark.sql.types import BinaryType, StringType
 
+from ftlayer.acking.handlers import TaskHandler
+from ftlayer.acking.ids import new_ids
 from ftlayer.errors import ConfigError, FTLayerError
-from ftlayer.handlers import TaskHandler
-from ftlayer.ids import new_ids
 
 from .ftcolumns import FT_COLUMNS, LOOP_HEADER, FTSettings, loop_header
 from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors

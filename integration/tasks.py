@@ -105,8 +105,8 @@ from pyspark.sql.types import (
 )
 from pyspark.sql.types import Row as SparkRow
 
+from ftlayer.acking.handlers import Anchors, NoFTTaskHandler, TaskHandler
 from ftlayer.errors import ConfigError, FailException, FTLayerError
-from ftlayer.handlers import Anchors, NoFTTaskHandler, TaskHandler
 
 from .ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed, to_unsigned
 

@@ -27,9 +27,9 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.acking.rotating import RotatingHashMap, rotation_interval, validate_timeout
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import PersistenceLayer
-from ftlayer.rotating import RotatingHashMap, rotation_interval, validate_timeout
 
 #: Receives the roots of batches that timed out and their records' storage seqs, aligned
 #: (some may have completed, failed or been persisted again since).

@@ -247,7 +247,7 @@ class SourceOptions:
     timeout_s: float | None = None
     """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
     checkpoint_mode: str = "unaligned"
-    """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoints)."""
+    """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoint)."""
 
     @property
     def checkpoint_query(self) -> str:

@@ -27,10 +27,10 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from ftlayer.acking.handlers import Persister
+from ftlayer.acking.ids import new_ids
 from ftlayer.client import BatchingChannel
 from ftlayer.errors import SourceError
-from ftlayer.handlers import Persister
-from ftlayer.ids import new_ids
 from ftlayer.integration.ftcolumns import read_loop_headers, to_signed
 from ftlayer.partitioners import (
     kafka_key_hashes,

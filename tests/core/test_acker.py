@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlayer.acker import AckerTable
-from ftlayer.ids import new_ids
-from ftlayer.u64map import DELETED, U64Map
+from ftlayer.acking.acker import AckerTable
+from ftlayer.acking.ids import new_ids
+from ftlayer.acking.u64map import DELETED, U64Map
 
 
 def _u64(values: list[int]) -> np.ndarray:

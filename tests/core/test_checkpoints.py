@@ -1,4 +1,4 @@
-"""Barrier checkpoints (ftlayer.checkpoints): snapshots, aligned and unaligned
+"""Barrier checkpoints (ftlayer.checkpoint): snapshots, aligned and unaligned
 completion, pruning, group offsets, and what a restarted FT layer knows of them.
 
 Real LMDB on disk throughout; batches carry Kafka coordinates (topic "orders",
@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlayer.checkpoints import (
+from ftlayer.acking.ids import new_ids
+from ftlayer.checkpoint import (
     SNAPSHOT_PREFIX,
     CheckpointCoordinator,
     CheckpointMode,
@@ -25,7 +26,6 @@ from ftlayer.checkpoints import (
 )
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
-from ftlayer.ids import new_ids
 from ftlayer.persistence import LmdbStorage
 from ftlayer.records import RecordBatch
 

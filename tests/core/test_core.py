@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlayer.core import FailCause, FTLayer, RetiredRoots, SourceConfig, _min_per_partition
+from ftlayer.acking.ids import new_ids
+from ftlayer.core import FailCause, FTLayer, RetiredRoots, SourceConfig
+from ftlayer.core.layer import _min_per_partition
 from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
-from ftlayer.ids import new_ids
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch

@@ -6,9 +6,7 @@ import numpy as np
 import pytest
 from numpy.typing import ArrayLike
 
-from ftlayer.core import FTLayer
-from ftlayer.errors import FailException
-from ftlayer.handlers import (
+from ftlayer.acking.handlers import (
     Anchors,
     NoFTPersister,
     NoFTTaskHandler,
@@ -17,6 +15,8 @@ from ftlayer.handlers import (
     XorHandler,
     handlers,
 )
+from ftlayer.core import FTLayer
+from ftlayer.errors import FailException
 from ftlayer.persistence import MemoryStorage
 from ftlayer.records import RecordBatch
 

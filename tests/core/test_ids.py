@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from ftlayer.ids import MIN_ID, new_id, new_ids
+from ftlayer.acking.ids import MIN_ID, new_id, new_ids
 
 
 def test_ids_are_uint64_and_never_reserved() -> None:

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from kafka.partitioner.default import murmur2  # type: ignore[import-untyped]
 from numpy.typing import ArrayLike, NDArray
 
+from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.core import FTLayer, SourceConfig
-from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.partitioners import kafka_key_hashes
 from ftlayer.persistence import Completed, MemoryStorage
 from ftlayer.records import RecordBatch

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from ftlayer import protocol as p
+from ftlayer import wire as p
+from ftlayer.acking.ids import new_ids
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
-from ftlayer.ids import new_ids
 from ftlayer.persistence import MemoryStorage
 from ftlayer.records import RecordBatch, ReplayRecords
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ftlayer.acking.rotating import RotatingHashMap
 from ftlayer.errors import ConfigError
-from ftlayer.rotating import RotatingHashMap
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])

@@ -23,19 +23,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from ftlayer.checkpoints import CheckpointCoordinator, CheckpointMode
-from ftlayer.cli import main
-from ftlayer.core import FailCause, FTLayer
-from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
-from ftlayer.handlers import Persister
-from ftlayer.partitioners import (
-    DEFAULT_MAX_PARALLELISM,
-    assign_key_groups,
-    kafka_key_hashes,
-    key_group_partitions,
-)
-from ftlayer.persistence import LmdbStorage
-from ftlayer.savepoint import (
+from ftlayer.acking.handlers import Persister
+from ftlayer.checkpoint import CheckpointCoordinator, CheckpointMode
+from ftlayer.checkpoint.savepoint import (
     RestoreResult,
     create_savepoint,
     create_savepoint_from_data_dir,
@@ -45,6 +35,16 @@ from ftlayer.savepoint import (
     open_stopped_store,
     restore_savepoint,
 )
+from ftlayer.cli import main
+from ftlayer.core import FailCause, FTLayer
+from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
+from ftlayer.partitioners import (
+    DEFAULT_MAX_PARALLELISM,
+    assign_key_groups,
+    kafka_key_hashes,
+    key_group_partitions,
+)
+from ftlayer.persistence import LmdbStorage
 
 KEYED = 7  # a key-group source
 FORWARD = 9  # a forward source
@@ -227,7 +227,7 @@ def test_list_shows_only_whole_savepoints(
     (savepoints / "notes").mkdir()
     (savepoints / "broken").mkdir()
     (savepoints / "broken" / "manifest.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="ftlayer.savepoint"):
+    with caplog.at_level(logging.WARNING, logger="ftlayer.checkpoint.savepoint"):
         assert [s.name for s in list_savepoints(savepoints)] == ["good"]
     assert "broken" in caplog.text
     with pytest.raises(ConfigError, match="no savepoints directory"):
@@ -389,7 +389,7 @@ def test_a_store_open_in_this_process_is_refused_and_keeps_its_lock(
         create_savepoint_from_data_dir(path, tmp_path / "sp")
     # Another process still sees the store in use: the refusal released no lock of it.
     probe = (
-        "import sys\nfrom ftlayer.savepoint import open_stopped_store\n"
+        "import sys\nfrom ftlayer.checkpoint.savepoint import open_stopped_store\n"
         "try:\n    open_stopped_store(sys.argv[1])\nexcept Exception as e:\n    print(e)\n"
     )
     out = subprocess.run(

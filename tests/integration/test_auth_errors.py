@@ -14,7 +14,7 @@ import pytest
 from serverproc import StartServer
 
 from ftlayer.integration.source import FTKafkaDataSource
-from ftlayer.protocol import AuthFailed, NotAuthenticated
+from ftlayer.wire import AuthFailed, NotAuthenticated
 
 
 def _server_with_token(start_server: StartServer, tmp_path: Path) -> str:

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from serverproc import Server
 
+from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
+from ftlayer.acking.ids import new_ids
 from ftlayer.client import (
     BatchingChannel,
     ConnectionLost,
@@ -23,9 +25,7 @@ from ftlayer.client import (
     close_shared_channels,
     shared_channel,
 )
-from ftlayer.handlers import Anchors, Persister, TaskHandler
-from ftlayer.ids import new_ids
-from ftlayer.protocol import Kind
+from ftlayer.wire import Kind
 
 
 @pytest.fixture

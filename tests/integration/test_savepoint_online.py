@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 from serverproc import StartServer
 
+from ftlayer.acking.ids import new_ids
+from ftlayer.checkpoint.savepoint import list_savepoints, restore_savepoint
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
-from ftlayer.ids import new_ids
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import (
     DEFAULT_MAX_PARALLELISM,
@@ -32,9 +33,8 @@ from ftlayer.partitioners import (
     kafka_key_hashes,
     key_group_partitions,
 )
-from ftlayer.protocol import BadRequest, Kind
 from ftlayer.records import RecordBatch
-from ftlayer.savepoint import list_savepoints, restore_savepoint
+from ftlayer.wire import BadRequest, Kind
 
 SOURCE = 5
 N = 2  # partitions of the running job

@@ -20,12 +20,14 @@ import numpy as np
 import pytest
 from serverproc import Server, StartServer, read_address, serve_command
 
+from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
+from ftlayer.acking.ids import new_ids
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
-from ftlayer.handlers import Anchors, Persister, TaskHandler
-from ftlayer.ids import new_ids
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
-from ftlayer.protocol import (
+from ftlayer.records import RecordBatch
+from ftlayer.server import FTServer
+from ftlayer.wire import (
     AuthFailed,
     ErrorCode,
     Frame,
@@ -39,8 +41,6 @@ from ftlayer.protocol import (
     encode_status_request,
     encode_xor,
 )
-from ftlayer.records import RecordBatch
-from ftlayer.server import FTServer
 
 PAYLOADS = [f"record-{i}".encode() * (i + 1) for i in range(10)]
 

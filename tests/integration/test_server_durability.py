@@ -40,7 +40,7 @@ CLIENT_SCRIPT = """
 import sys
 import numpy as np
 from ftlayer.client import FTClient
-from ftlayer.handlers import Persister
+from ftlayer.acking.handlers import Persister
 
 address, client, log_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 n = int(sys.argv[4])

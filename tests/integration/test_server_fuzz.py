@@ -33,10 +33,11 @@ from typing import Any
 import pytest
 from serverproc import read_address, serve_command
 
+from ftlayer.acking.ids import new_ids
 from ftlayer.client import FTClient
-from ftlayer.ids import new_ids
 from ftlayer.integration.harness.kafka import wait_until
-from ftlayer.protocol import (
+from ftlayer.records import RecordBatch
+from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
     MAX_CLIENT_NONCE,
     MIN_CLIENT_NONCE,
@@ -60,7 +61,6 @@ from ftlayer.protocol import (
     encode_status_request,
     encode_xor,
 )
-from ftlayer.records import RecordBatch
 
 SEED = 20261121
 MIN_FRAMES = 10_000

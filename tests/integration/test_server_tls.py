@@ -18,11 +18,11 @@ import pytest
 import trustme
 from serverproc import Server, StartServer
 
+from ftlayer.acking.handlers import Persister, TaskHandler
 from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError
-from ftlayer.handlers import Persister, TaskHandler
-from ftlayer.protocol import encode_hello, new_nonce
 from ftlayer.server import FTServer
+from ftlayer.wire import encode_hello, new_nonce
 
 
 @pytest.fixture

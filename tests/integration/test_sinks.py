@@ -19,8 +19,8 @@ from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import Server
 
+from ftlayer.acking.handlers import Persister
 from ftlayer.client import FTClient
-from ftlayer.handlers import Persister
 from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.kafka import create_topic, read_all

@@ -25,9 +25,9 @@ from pyspark import TaskContext, cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import Server, StartServer
 
+from ftlayer.acking.handlers import Anchors, Persister
 from ftlayer.client import FTClient
 from ftlayer.errors import FailException
-from ftlayer.handlers import Anchors, Persister
 from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.integration.sinks import ft_foreach_batch

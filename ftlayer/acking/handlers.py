@@ -36,8 +36,8 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ftlayer.acking.ids import new_ids
 from ftlayer.errors import FailException
-from ftlayer.ids import new_ids
 from ftlayer.records import RecordBatch
 
 __all__ = [

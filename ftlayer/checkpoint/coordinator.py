@@ -45,7 +45,7 @@ fsync of their own. The writer also commits them, right away and without fsync, 
 the store of snapshots, so a killed process loses none; an OS crash may lose the
 newest, which only makes the restarted FT layer know an older position (a savepoint
 starts further back: duplicates, no loss).
-Savepoints (ftlayer.savepoint) copy the FT layer's store.
+Savepoints (ftlayer.checkpoint.savepoint) copy the FT layer's store.
 
 Not thread-safe: the caller serializes begin, complete and poll with the core they
 belong to (`lock`, which `write_pending` takes for the copy it owes; the server's

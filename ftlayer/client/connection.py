@@ -47,7 +47,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
-from ftlayer.protocol import (
+from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
     DIGEST_SIZE,
     MAX_U32,
@@ -85,7 +86,6 @@ from ftlayer.protocol import (
     encode_xor,
     new_nonce,
 )
-from ftlayer.records import RecordBatch, ReplayRecords
 
 T = TypeVar("T")
 
@@ -258,7 +258,7 @@ class FTClient:
         self, directory: str, name: str | None = None, *, timeout_s: float = SAVEPOINT_TIMEOUT_S
     ) -> dict[str, Any]:
         """Have the server write a savepoint of its store into `directory`, an absolute
-        path on the server's host (ftlayer.savepoint; `name` None: the default name).
+        path on the server's host (ftlayer.checkpoint.savepoint; `name` None: the default name).
         Returns the savepoint created (Savepoint.as_dict: the manifest and "path").
 
         The server copies the whole store before it replies; this waits up to
@@ -339,7 +339,7 @@ class FTClient:
     ) -> dict[str, Any]:
         """CHECKPOINT_BEGIN (begin=True: barrier `position` of `query`) or
         CHECKPOINT_COMPLETE (Spark finished the batch that ends there); returns the
-        checkpoint as JSON (ftlayer.checkpoints.Checkpoint.to_json), with
+        checkpoint as JSON (ftlayer.checkpoint.Checkpoint.to_json), with
         "commit_offsets" {topic: {partition (str): offset}} or None. A BEGIN with
         `complete` completes that earlier barrier first, in the same round trip; the
         reply then also has "completed": that checkpoint. All are idempotent, so they

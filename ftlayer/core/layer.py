@@ -39,218 +39,31 @@ Not thread-safe: one thread drives a core (the server serializes its clients).
 
 from __future__ import annotations
 
-import enum
 import json
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ftlayer.acker import AckerTable, XorResult
+from ftlayer.acking.acker import AckerTable, XorResult
+from ftlayer.acking.ids import new_ids
+from ftlayer.acking.rotating import validate_timeout
 from ftlayer.errors import ConfigError
-from ftlayer.ids import new_ids
-from ftlayer.partitioners import ReplayPartitioner, create_partitioner
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch, ReplayRecords
-from ftlayer.rotating import rotation_interval, validate_timeout
 
-REPLAY_SEQ_META_KEY = "next_replay_seq"
-"""Meta key of the next replay seq (decimal text): never reused, also across restarts."""
-SOURCES_META_KEY = "sources"
-"""Meta key of the source registrations: JSON {source id: partitioner spec}."""
+from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
+from .retired import RetiredRoots
+from .sources import SOURCES_META_KEY, SourceConfig, source_from_spec
+from .stats import FailCause, FTStats
+
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
 CompletionListener = Callable[[Completed], None]
-
-
-class FailCause(enum.Enum):
-    EXPLICIT = "explicit"
-    TIMEOUT = "timeout"
-    RECOVERY = "recovery"
-
-
-@dataclass(frozen=True, slots=True)
-class SourceConfig:
-    """How one source's records are replayed: its partitioner and partition count; and
-    its tree timeout, if it has its own (None: the FT layer's)."""
-
-    partitioner: ReplayPartitioner
-    num_partitions: int
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_partitions, bool) or self.num_partitions < 1:
-            raise ConfigError(f"a source needs at least 1 partition, got {self.num_partitions!r}")
-        if self.timeout_s is not None:
-            validate_timeout(self.timeout_s, 2)
-
-    @classmethod
-    def named(
-        cls,
-        partitioner: str,
-        num_partitions: int,
-        timeout_s: float | None = None,
-        **options: object,
-    ) -> SourceConfig:
-        return cls(create_partitioner(partitioner, **options), num_partitions, timeout_s)
-
-
-@dataclass(slots=True)
-class FTStats:
-    """Counters of one FT layer since it started (pending and queue are current)."""
-
-    persisted: int = 0
-    completed: int = 0
-    pending: int = 0
-    failed: dict[str, int] = field(default_factory=lambda: {c.value: 0 for c in FailCause})
-    replay_queue: int = 0
-    replay_cursor: int = 0
-    replay_cursors: dict[str, int] = field(default_factory=dict)
-    """Per source id (as a string, JSON's way): its highest replay seq. A source that
-    has none since the start reads `replay_cursor_at_start` (see replay_cursor_of)."""
-    replay_cursor_at_start: int = 0
-    replay_pruned: dict[str, int] = field(default_factory=dict)
-    """Per source id (as a string; "*" for a prune of every source): the replay seq its
-    queue entries were pruned up to. A new query of that source starts its replay
-    cursor there, so it takes every queued replay of its source that no finished batch
-    took in (those queued before it started, and those a restart recovered)."""
-    late_events: int = 0
-    unknown_events: int = 0
-    xor_events: int = 0
-
-
-class ReplayQueue:
-    """Failed records waiting to re-enter the pipeline, ordered by replay seq.
-
-    One entry per (record, target partition); a broadcast replay has several entries
-    with the same replay seq. Entries stay fetchable until pruned, so a micro-batch that
-    Spark runs again fetches the same replays again.
-    """
-
-    def __init__(self) -> None:
-        # Columns: replay seq, root, storage seq, source id, target partition; each a
-        # list of appended chunks, merged on read (appends are rare: failures).
-        self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [])
-        self._pruned_upto: dict[int | None, int] = {}  # per source id; None: every source
-
-    def append(
-        self,
-        replay_seqs: NDArray[np.uint64],
-        roots: NDArray[np.uint64],
-        seqs: NDArray[np.uint64],
-        source_ids: NDArray[np.uint32],
-        partitions: NDArray[np.int32],
-    ) -> None:
-        if len(replay_seqs):
-            chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
-            for column, chunk in zip(self._columns, chunks, strict=True):
-                column.append(chunk)
-
-    def columns(self) -> dict[str, NDArray[Any]]:
-        """Copies of every entry's columns, for checkpoints."""
-        names = ("replay_seq", "root", "seq", "source_id", "partition")
-        if not self._columns[0]:
-            return {name: np.zeros(0, dtype=np.uint64) for name in names}
-        return {name: column.copy() for name, column in zip(names, self._merged(), strict=True)}
-
-    def _merged(self) -> tuple[NDArray[Any], ...]:
-        for column in self._columns:
-            if len(column) > 1:
-                column[:] = [np.concatenate(column)]
-        return tuple(column[0] for column in self._columns)
-
-    def __len__(self) -> int:
-        return sum(len(chunk) for chunk in self._columns[0])
-
-    def select(
-        self, lo: int, hi: int, source_id: int | None, partition: int | None
-    ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.int32]]:
-        """Entries with lo < replay_seq <= hi: (replay_seqs, roots, seqs, partitions).
-
-        ConfigError if the range starts below the point the source (or every source)
-        was pruned to: those entries are gone, and a batch that needs them again means
-        the caller's position is older than a completed checkpoint of it."""
-        pruned = max(self._pruned_upto.get(None, 0), self._pruned_upto.get(source_id, 0))
-        if lo < pruned:
-            which = "" if source_id is None else f" of source {source_id}"
-            raise ConfigError(
-                f"replay range ({lo}, {hi}]{which} starts before its pruned point {pruned}"
-            )
-        if not self._columns[0]:
-            return _EMPTY_U64, _EMPTY_U64, _EMPTY_U64, np.zeros(0, dtype=np.int32)
-        rseq, roots, seqs, sources, parts = self._merged()
-        mask = (rseq > lo) & (rseq <= hi)
-        if source_id is not None:
-            mask &= sources == source_id
-        if partition is not None:
-            mask &= parts == partition
-        return rseq[mask], roots[mask], seqs[mask], parts[mask]
-
-    def prune(self, upto: int, source_id: int | None = None) -> int:
-        """Drop entries with replay_seq <= upto (of one source, or of every source);
-        returns how many were dropped."""
-        self._pruned_upto[source_id] = max(self._pruned_upto.get(source_id, 0), upto)
-        if not self._columns[0]:
-            return 0
-        rseq, _roots, _seqs, sources, _parts = self._merged()
-        keep = rseq > upto
-        if source_id is not None:
-            keep |= sources != source_id
-        for column in self._columns:
-            column[0] = column[0][keep]
-        return int(len(keep) - np.count_nonzero(keep))
-
-
-class RetiredRoots:
-    """Roots that failed recently, as a set that forgets them.
-
-    A root added at time t is known until at least t + ttl_s and at most
-    t + ttl_s * (1 + 1/(n-1)) (n generations rotated every ttl_s / (n-1), as the
-    rotating buckets of ftlayer.rotating; rotation happens on any call, by the time
-    passed). Each generation is one sorted uint64 array, 8 bytes per root.
-    Costs, k = roots in a call, m = roots known: add O(k log k + m) (a merge into the
-    newest generation); known O(k log m) (a binary search per generation), and O(1)
-    when nothing is known, the usual case on the persist path.
-    """
-
-    def __init__(self, ttl_s: float, *, generations: int = 3, start: float = 0.0) -> None:
-        self._interval = rotation_interval(ttl_s, generations)
-        self._generations: deque[NDArray[np.uint64]] = deque(
-            [_EMPTY_U64] * generations, maxlen=generations
-        )
-        self._rotated_at = start
-
-    def __len__(self) -> int:
-        return sum(len(generation) for generation in self._generations)
-
-    def rotate(self, now: float) -> None:
-        """Drop the generations that expired by `now`."""
-        steps = int((now - self._rotated_at) // self._interval)
-        if steps > 0:
-            self._rotated_at += steps * self._interval
-            for _ in range(min(steps, len(self._generations))):
-                self._generations.append(_EMPTY_U64)  # the oldest falls off the left
-
-    def add(self, roots: NDArray[np.uint64], now: float) -> None:
-        self.rotate(now)
-        newest = np.concatenate([self._generations[-1], np.sort(roots)])
-        self._generations[-1] = np.sort(newest, kind="stable")  # merges the two runs
-
-    def known(self, roots: NDArray[np.uint64], now: float) -> NDArray[np.bool_]:
-        """Which of `roots` are known (a mask aligned with them)."""
-        self.rotate(now)
-        found = np.zeros(len(roots), dtype=np.bool_)
-        for generation in self._generations:
-            if len(generation):
-                at = np.minimum(np.searchsorted(generation, roots), len(generation) - 1)
-                found |= generation[at] == roots
-        return found
 
 
 class FTLayer:
@@ -292,7 +105,7 @@ class FTLayer:
         if stored_sources:
             self._registered = json.loads(stored_sources.decode())
             for key, spec in self._registered.items():
-                self._sources[int(key)] = _source_from_spec(spec)
+                self._sources[int(key)] = source_from_spec(spec)
         self._sources.update(sources or {})
         self._default_source = default_source
         self._queue = ReplayQueue()
@@ -337,7 +150,7 @@ class FTLayer:
             "options": dict(options or {}),
             "timeout_s": timeout_s,
         }
-        config = _source_from_spec(spec)
+        config = source_from_spec(spec)
         registered = {**self._registered, str(source_id): spec}
         self.storage.put_meta(SOURCES_META_KEY, json.dumps(registered, sort_keys=True).encode())
         self._registered = registered
@@ -348,7 +161,7 @@ class FTLayer:
         """Call `hook()` before every change to the state `state_snapshot` copies (persist,
         xor, fail, tick, prune_replay), so a snapshot can be copied lazily: a
         checkpoint barrier copies nothing at once, and the copy taken before the next
-        change is still the state at the barrier (ftlayer.checkpoints)."""
+        change is still the state at the barrier (ftlayer.checkpoint)."""
         self._change_hooks.append(hook)
 
     def _changing(self) -> None:
@@ -675,7 +488,7 @@ class FTLayer:
         the retry counts ("retries.*"). O(pending) array copies and no storage
         access, so a caller that serializes this core (the server's lock) holds it
         only for the copy; writing the snapshot can happen elsewhere
-        (ftlayer.checkpoints)."""
+        (ftlayer.checkpoint)."""
         # The Kafka coordinates are in the stored record (by seq): not copied again.
         state = {f"acker.{name}": column for name, column in self.acker.snapshot("seq").items()}
         state.update({f"queue.{name}": column for name, column in self._queue.columns().items()})
@@ -729,18 +542,6 @@ def _min_per_partition(
     t, p, values = t[order], p[order], values[order]
     starts = np.flatnonzero(np.r_[True, (t[1:] != t[:-1]) | (p[1:] != p[:-1])])
     return t[starts], p[starts], np.minimum.reduceat(values, starts)
-
-
-def _source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
-    try:
-        return SourceConfig.named(
-            spec["partitioner"],
-            spec["num_partitions"],
-            spec.get("timeout_s"),
-            **dict(spec.get("options") or {}),
-        )
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"bad source config {dict(spec)!r}: {exc}") from None
 
 
 def _sources_of(batch: RecordBatch) -> list[int]:

@@ -6,7 +6,7 @@ whose tree is not complete (stored until completion), and the meta entries: the
 source registrations (`sources`: per source id its replay partitioner, partition count,
 options and tree timeout), the replay seq counter (`next_replay_seq`), and the barrier
 checkpoints of each query (`checkpoint/<query>/<id>` records and `snapshot/<query>/<id>`
-state snapshots, ftlayer.checkpoints). A savepoint is a directory::
+state snapshots, ftlayer.checkpoint). A savepoint is a directory::
 
     <savepoints dir>/<name>/manifest.json   what is in it (below), as JSON
     <savepoints dir>/<name>/data/data.mdb   a compacted LMDB copy of the whole store
@@ -87,7 +87,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer import __version__
-from ftlayer.checkpoints import (
+from ftlayer.checkpoint import (
     CHECKPOINT_PREFIX,
     SNAPSHOT_DIR,
     SNAPSHOT_PREFIX,
@@ -115,7 +115,7 @@ __all__ = [
     "restore_savepoint",
 ]
 
-log = logging.getLogger("ftlayer.savepoint")
+log = logging.getLogger("ftlayer.checkpoint.savepoint")
 
 FORMAT: Final = 1
 MANIFEST: Final = "manifest.json"
@@ -568,7 +568,7 @@ def _newest_positions(*stores: LmdbStorage | None) -> dict[str, Any]:
     """Per query, the position of its newest complete checkpoint in any of `stores`.
 
     Checkpoint records are `checkpoint/<query>/<id>` with a JSON object value
-    (ftlayer.checkpoints.Checkpoint.to_json). Newest means the highest id: the value's
+    (ftlayer.checkpoint.Checkpoint.to_json). Newest means the highest id: the value's
     int `id`, else the key's last part. Records that are not complete (`state` other
     than "complete") or have no `position` are skipped, as are unreadable ones."""
     newest: dict[str, tuple[tuple[int, str], Any]] = {}

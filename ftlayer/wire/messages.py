@@ -1,99 +1,11 @@
-"""The FT-layer wire protocol: frames, message bodies and the handshake, as pure functions.
-
-Sources and tasks talk to the FT-layer server over one byte stream (TCP or a Unix
-socket). This module turns messages into bytes and bytes back into messages; it opens no
-socket. docs/protocol.md documents every byte; this docstring is the summary.
-
-Frames
-------
-Every message is one frame::
-
-    u32 L (big-endian)  |  u8 kind  |  u32 request id (big-endian)  |  body (L - 5 bytes)
-
-L counts kind + request id + body, so 5 <= L <= max_frame (64 MiB by default, a
-parameter of the reader and of the encoders of variable-size messages). A shorter L is
-`MalformedFrame`, a longer one `FrameTooLarge`, found as soon as the four length
-bytes arrive, before any of the body is buffered; `FrameReader` still returns the
-frames completed before it and keeps the error in `.error`. The client picks request
-ids (1, 2, 3, ..., never 0); every reply echoes the id of its request; id 0 in a reply
-means "no request" (an error about the stream itself). Integers inside bodies are
-little-endian.
-
-Kinds: requests (client to server) are below 0x80, replies have the high bit set.
-
-| kind | name                | body                                                        |
-|------|---------------------|-------------------------------------------------------------|
-| 0x01 | HELLO               | b"FTLY", u16 version, u8 k, client nonce[k] (16 <= k <= 32), |
-|      |                     | u16 m, utf-8 client name[m]                                 |
-| 0x02 | AUTH                | 32-byte HMAC-SHA256(token, b"ftlayer-auth-v1" +             |
-|      |                     | server nonce + client nonce)                                |
-| 0x10 | PERSIST             | record columns with initial ack values (below)              |
-| 0x11 | XOR                 | u32 n, roots u64[n], values u64[n]                          |
-| 0x12 | FAIL                | u32 n, roots u64[n]                                         |
-| 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
-| 0x14 | STATUS              | empty                                                       |
-| 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
-|      |                     | "num_partitions": int, "options": object[, "timeout_s":     |
-|      |                     | a finite positive number]}                                  |
-| 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
-|      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
-|      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
-|      |                     | [, "complete": position: completed first, one round trip]   |
-| 0x21 | CHECKPOINT_COMPLETE | the same JSON object (without "complete")                   |
-| 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
-|      |                     | host), "name": str or null}                                 |
-| 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
-| 0x82 | WELCOME             | u16 version, u64 session id                                 |
-| 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
-| 0x91 | REPLAY              | u32 n, replay seqs u64[n], target partitions i32[n],        |
-|      |                     | record columns without initial values (below)               |
-| 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
-| 0x94 | CHECKPOINT          | utf-8 JSON object: the checkpoint (id, state, figures,      |
-|      |                     | "commit_offsets"), the reply to both checkpoint requests;   |
-|      |                     | with "complete", also "completed": that checkpoint          |
-| 0x95 | SAVEPOINT_CREATED   | utf-8 JSON object: the savepoint created (its manifest and  |
-|      |                     | "path", ftlayer.savepoint.Savepoint.as_dict)               |
-| 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
-
-Retired kinds, never reused: 0x16 (LOWEST_PENDING), 0x17 (PRUNE_REPLAY), 0x93 (OFFSETS);
-they decode as unknown kinds.
-
-Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
-u64[n], initial u64[n], source ids u32[n], key hashes i64[n], has_key u8[n] (0 or 1),
-partitions i32[n], offsets i64[n], topic index u16[n]; a topic table (u16 count, then
-per topic u16 length + utf-8); payload lengths u32[n]; the payloads, concatenated.
-Columns are decoded with `np.frombuffer`: the only Python objects built per record
-are its payload bytes (sliced from the body) and a reference to its topic's str.
-
-`kind_of(frame)` gives a frame's `Kind` (UnknownKind otherwise), so a server can
-refuse a kind in the wrong place before it decodes the body; `decode(frame)` decodes
-any kind.
-
-Handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME, always four frames. When CHALLENGE
-says no auth is required the client still sends AUTH (32 zero bytes will do) and the
-server does not check it. The token never crosses the wire: AUTH proves knowledge of
-it for this connection's two nonces, so a digest replayed on another connection fails.
-
-Errors
-------
-Every decoder checks lengths exactly and raises a `ProtocolError` subclass carrying
-its `ErrorCode` (the code an ERROR reply about it carries), and nothing else: no
-IndexError, struct.error or numpy error escapes, and no half-built batch is returned.
-`MalformedFrame` means the bytes do not fit the kind's layout (truncated, trailing
-bytes, declared counts that disagree with the byte length, invalid utf-8 or JSON);
-`BadRequest` means they fit, but a value is outside its documented range (topic index,
-has_key, nonce length, filter below -1, reserved flag bits). Encoders raise
-`BadRequest` for values the wire cannot carry and `FrameTooLarge` above max_frame.
-"""
+"""The message bodies after the handshake (PERSIST, XOR, FAIL, FETCH_REPLAY, REPLAY,
+REGISTER_SOURCE, the checkpoint and savepoint requests, STATUS, OK, ERROR): one type
+and one encoder/decoder pair per kind, and `decode`, one table from kind to decoder."""
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import hmac
 import json
 import math
-import secrets
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -102,175 +14,39 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.records import RecordBatch, ReplayRecords
 
-PROTOCOL_VERSION: Final = 1
-SUPPORTED_VERSIONS: Final = frozenset({PROTOCOL_VERSION})
-MAGIC: Final = b"FTLY"
-DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
-MAX_U32: Final = 0xFFFFFFFF
-NONCE_SIZE: Final = 32
-MIN_CLIENT_NONCE: Final = 16
-MAX_CLIENT_NONCE: Final = 32
-DIGEST_SIZE: Final = 32
-AUTH_CONTEXT: Final = b"ftlayer-auth-v1"
-AUTH_REQUIRED: Final = 0x01
-"""CHALLENGE flag bit 0: the server checks the AUTH digest."""
+from .auth import (
+    Auth,
+    Challenge,
+    Hello,
+    Welcome,
+    decode_auth,
+    decode_challenge,
+    decode_hello,
+    decode_welcome,
+)
+from .frames import (
+    _U16,
+    _U32,
+    DEFAULT_MAX_FRAME,
+    MAX_U32,
+    BadRequest,
+    Frame,
+    Kind,
+    MalformedFrame,
+    ProtocolError,
+    _Body,
+    _body,
+    _join_frame,
+    _utf8,
+    encode_frame,
+    kind_of,
+)
 
-_PREFIX: Final = struct.Struct(">I")
-_HEAD: Final = struct.Struct(">IBI")
-_HEAD_SIZE: Final = _HEAD.size  # 9: length, kind, request id
-_MIN_LENGTH: Final = 5  # kind + request id
-_U16: Final = struct.Struct("<H")
-_U32: Final = struct.Struct("<I")
-_HELLO_HEAD: Final = struct.Struct("<4sH")
-_U8: Final = struct.Struct("<B")
-_CHALLENGE: Final = struct.Struct(f"<B{NONCE_SIZE}s")
-_WELCOME: Final = struct.Struct("<HQ")
 _FETCH: Final = struct.Struct("<QQqi")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
-
-
-class Kind(enum.IntEnum):
-    """The u8 kind of a frame. Requests are below 0x80; replies have the high bit set."""
-
-    HELLO = 0x01
-    AUTH = 0x02
-    PERSIST = 0x10
-    XOR = 0x11
-    FAIL = 0x12
-    FETCH_REPLAY = 0x13
-    STATUS = 0x14
-    REGISTER_SOURCE = 0x15
-    CHECKPOINT_BEGIN = 0x20
-    CHECKPOINT_COMPLETE = 0x21
-    SAVEPOINT = 0x22
-    CHALLENGE = 0x81
-    WELCOME = 0x82
-    OK = 0x90
-    REPLAY = 0x91
-    STATUS_REPLY = 0x92
-    CHECKPOINT = 0x94
-    SAVEPOINT_CREATED = 0x95
-    ERROR = 0xFF
-
-
-REQUEST_KINDS: Final = frozenset(k for k in Kind if k < 0x80)
-"""The kinds a client may send; the others (high bit set) are replies."""
-HANDSHAKE_KINDS: Final = frozenset({Kind.HELLO, Kind.AUTH})
-
-
-class ErrorCode(enum.IntEnum):
-    """The u16 code of an ERROR reply. 1-99: the request or stream; 100+: the server."""
-
-    MALFORMED_FRAME = 1
-    FRAME_TOO_LARGE = 2
-    UNKNOWN_KIND = 3
-    UNSUPPORTED_VERSION = 4
-    AUTH_FAILED = 5
-    NOT_AUTHENTICATED = 6
-    BAD_REQUEST = 7
-    UNEXPECTED_KIND = 9
-    INTERNAL = 100
-    STORAGE = 101
-    REJECTED = 102
-    BUSY = 103
-
-
-# ---- errors --------------------------------------------------------------------------
-
-
-class ProtocolError(FTLayerError):
-    """Bytes that break the protocol, or a message it cannot carry; `code` names why."""
-
-    code: ErrorCode = ErrorCode.MALFORMED_FRAME
-
-
-class MalformedFrame(ProtocolError):
-    """The bytes do not fit the layout of their kind (lengths, utf-8, JSON)."""
-
-    code = ErrorCode.MALFORMED_FRAME
-
-
-class FrameTooLarge(ProtocolError):
-    """A frame's length is above max_frame (or a message would encode to one)."""
-
-    code = ErrorCode.FRAME_TOO_LARGE
-
-
-class UnknownKind(ProtocolError):
-    """A frame's kind is not in `Kind`."""
-
-    code = ErrorCode.UNKNOWN_KIND
-
-
-class UnsupportedVersion(ProtocolError):
-    """HELLO or WELCOME names a protocol version this side does not speak."""
-
-    code = ErrorCode.UNSUPPORTED_VERSION
-
-
-class AuthFailed(ProtocolError):
-    """The AUTH digest does not prove the token for this connection's nonces."""
-
-    code = ErrorCode.AUTH_FAILED
-
-
-class NotAuthenticated(ProtocolError):
-    """A data request arrived before the handshake completed."""
-
-    code = ErrorCode.NOT_AUTHENTICATED
-
-
-class BadRequest(ProtocolError):
-    """The bytes fit the layout, but a value is outside its documented range."""
-
-    code = ErrorCode.BAD_REQUEST
-
-
-class UnexpectedKind(ProtocolError):
-    """A valid kind where another was expected (a reply sent to the server, ...)."""
-
-    code = ErrorCode.UNEXPECTED_KIND
-
-
-# ---- messages --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One frame: its kind (any u8: unknown kinds are the decoder's to reject), the
-    request id, and the body."""
-
-    kind: int
-    request_id: int
-    body: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    version: int
-    client_nonce: bytes
-    client_name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Challenge:
-    auth_required: bool
-    server_nonce: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Auth:
-    digest: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Welcome:
-    version: int
-    session_id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +90,7 @@ class RegisterSource:
 @dataclass(frozen=True, slots=True)
 class CheckpointRequest:
     """CHECKPOINT_BEGIN (`begin`) or CHECKPOINT_COMPLETE of barrier `position` of
-    `query` (see ftlayer.checkpoints)."""
+    `query` (see ftlayer.checkpoint)."""
 
     begin: bool
     query: str
@@ -338,7 +114,7 @@ class CheckpointReply:
 class SavepointRequest:
     """SAVEPOINT: write a savepoint of the running server's store into `directory` (a
     path on the server's host) under `name` (None: the default name; see
-    ftlayer.savepoint.create_savepoint)."""
+    ftlayer.checkpoint.savepoint.create_savepoint)."""
 
     directory: str
     name: str | None
@@ -394,309 +170,6 @@ Message = (
     | ReplayRecords
     | ErrorReply
 )
-
-
-# ---- framing ---------------------------------------------------------------------------
-
-
-def _check_max_frame(max_frame: int) -> None:
-    if not _MIN_LENGTH <= max_frame <= MAX_U32:
-        raise ConfigError(f"max_frame must be {_MIN_LENGTH} to {MAX_U32}, got {max_frame}")
-
-
-def _length_error(length: int, max_frame: int) -> ProtocolError | None:
-    """The error a frame length prefix is, or None if it is within 5..max_frame."""
-    if length < _MIN_LENGTH:
-        return MalformedFrame(
-            f"frame length {length} is below {_MIN_LENGTH} (kind + request id): "
-            "the stream is out of step"
-        )
-    if length > max_frame:
-        return FrameTooLarge(f"frame length {length} is above max_frame {max_frame}")
-    return None
-
-
-def encode_frame(
-    kind: int, request_id: int, body: bytes, *, max_frame: int = DEFAULT_MAX_FRAME
-) -> bytes:
-    """One frame of any u8 kind; BadRequest for a kind or request id out of range,
-    FrameTooLarge if 5 + len(body) > max_frame."""
-    return _frame_head(kind, request_id, _MIN_LENGTH + len(body), max_frame) + body
-
-
-def _join_frame(kind: Kind, request_id: int, parts: list[bytes], max_frame: int) -> bytes:
-    """The frame whose body is b"".join(parts): size checked first, joined once."""
-    length = _MIN_LENGTH + sum(map(len, parts))
-    return b"".join([_frame_head(kind, request_id, length, max_frame), *parts])
-
-
-def _frame_head(kind: int, request_id: int, length: int, max_frame: int) -> bytes:
-    if not 0 <= kind <= 0xFF:
-        raise BadRequest(f"frame kind must be a u8, got {kind}")
-    if not 0 <= request_id <= MAX_U32:
-        raise BadRequest(f"request id must be a u32, got {request_id}")
-    if length > max_frame:
-        raise FrameTooLarge(
-            f"{_kind_name(kind)} frame would be {length} bytes, above max_frame "
-            f"{max_frame}: send a smaller batch"
-        )
-    return _HEAD.pack(length, kind, request_id)
-
-
-class FrameReader:
-    """Splits a byte stream into frames, whatever the chunks it arrives in.
-
-    `feed` returns every frame the stream now completes. A length prefix below 5 or
-    above max_frame breaks the stream as soon as its four bytes arrive, before the
-    body is buffered: `feed` still returns the frames completed before it, and sets
-    `error` (MalformedFrame, FrameTooLarge), the caller's to report after those
-    frames. The stream cannot be resynchronized after that, so the reader stays
-    failed: every later `feed` raises that error. Unknown kinds are not the reader's
-    concern.
-    """
-
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        _check_max_frame(max_frame)
-        self.max_frame = max_frame
-        self._buffer = bytearray()
-        self.error: ProtocolError | None = None
-        """Why the stream broke (a bad length prefix), or None."""
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes received that are not yet part of a returned frame."""
-        return len(self._buffer)
-
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        if self.error is not None:
-            raise type(self.error)(f"the stream failed earlier: {self.error}")
-        buffer = self._buffer
-        buffer += data
-        frames: list[Frame] = []
-        error: ProtocolError | None = None
-        pos = 0
-        end = len(buffer)
-        # One copy per frame body: slices of a memoryview, not of the bytearray.
-        with memoryview(buffer) as view:
-            while end - pos >= _PREFIX.size:
-                (length,) = _PREFIX.unpack_from(view, pos)
-                error = _length_error(length, self.max_frame)
-                if error is not None or end - pos - _PREFIX.size < length:
-                    break
-                _, kind, request_id = _HEAD.unpack_from(view, pos)
-                body = view[pos + _HEAD_SIZE : pos + _PREFIX.size + length].tobytes()
-                frames.append(Frame(kind, request_id, body))
-                pos += _PREFIX.size + length
-        if error is not None:
-            self.error = error
-            buffer.clear()
-        elif pos:
-            del buffer[:pos]
-        return frames
-
-
-# ---- body reading ----------------------------------------------------------------------
-
-
-class _Body:
-    """A cursor over one body; every read checks the bytes are there (MalformedFrame)."""
-
-    __slots__ = ("data", "kind", "pos")
-
-    def __init__(self, data: bytes, kind: Kind) -> None:
-        self.data = data
-        self.kind = kind
-        self.pos = 0
-
-    def _take(self, size: int, what: str) -> int:
-        start = self.pos
-        if size > len(self.data) - start:
-            raise MalformedFrame(
-                f"{self.kind.name} body is truncated: {what} needs {size} bytes at offset "
-                f"{start}, the body has {len(self.data)}"
-            )
-        self.pos = start + size
-        return start
-
-    def unpack(self, layout: struct.Struct, what: str) -> tuple[Any, ...]:
-        return layout.unpack_from(self.data, self._take(layout.size, what))
-
-    def u16(self, what: str) -> int:
-        value: int = self.unpack(_U16, what)[0]
-        return value
-
-    def u32(self, what: str) -> int:
-        value: int = self.unpack(_U32, what)[0]
-        return value
-
-    def raw(self, size: int, what: str) -> bytes:
-        start = self._take(size, what)
-        return self.data[start : start + size]
-
-    def array(self, dtype: str, count: int, what: str) -> NDArray[Any]:
-        """`count` little-endian items, copied into a native, writable array."""
-        item = np.dtype(dtype)
-        start = self._take(count * item.itemsize, what)
-        view = np.frombuffer(self.data, dtype=item, count=count, offset=start)
-        return view.astype(item.newbyteorder("="))
-
-    def text(self, size: int, what: str) -> str:
-        return _utf8(self.raw(size, what), self.kind, what)
-
-    def rest(self) -> bytes:
-        start = self.pos
-        self.pos = len(self.data)
-        return self.data[start:]
-
-    def done(self) -> None:
-        extra = len(self.data) - self.pos
-        if extra:
-            raise MalformedFrame(
-                f"{self.kind.name} body has {extra} trailing bytes after offset {self.pos}"
-            )
-
-
-def _utf8(raw: bytes, kind: Kind, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise MalformedFrame(f"{kind.name} {what} is not valid utf-8: {exc.reason}") from None
-
-
-def _body(message: Frame | bytes, kind: Kind) -> _Body:
-    """The body of `message` (a Frame, whose kind must be `kind`, or a bare body)."""
-    if isinstance(message, Frame):
-        if message.kind != kind:
-            raise UnexpectedKind(f"expected a {kind.name} frame, got {_kind_name(message.kind)}")
-        return _Body(message.body, kind)
-    return _Body(bytes(message), kind)
-
-
-def _kind_name(kind: int) -> str:
-    return Kind(kind).name if kind in Kind._value2member_map_ else f"kind 0x{kind:02x}"
-
-
-# ---- handshake -------------------------------------------------------------------------
-
-
-def new_nonce(size: int = NONCE_SIZE) -> bytes:
-    """A fresh random nonce (32 bytes for the server, 16 to 32 for the client)."""
-    return secrets.token_bytes(size)
-
-
-def auth_digest(token: bytes | str, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    """HMAC-SHA256(token, b"ftlayer-auth-v1" + server nonce + client nonce): 32 bytes."""
-    key = token.encode("utf-8") if isinstance(token, str) else token
-    return hmac.new(key, AUTH_CONTEXT + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
-def check_auth(token: bytes | str, server_nonce: bytes, client_nonce: bytes, digest: bytes) -> None:
-    """AuthFailed (which says nothing about the token) unless `digest` proves `token`
-    for these nonces; the comparison takes constant time."""
-    if not hmac.compare_digest(auth_digest(token, server_nonce, client_nonce), digest):
-        raise AuthFailed("authentication failed: the AUTH digest does not match the token")
-
-
-def encode_hello(
-    request_id: int,
-    client_nonce: bytes,
-    client_name: str = "",
-    *,
-    version: int = PROTOCOL_VERSION,
-) -> bytes:
-    if not MIN_CLIENT_NONCE <= len(client_nonce) <= MAX_CLIENT_NONCE:
-        raise BadRequest(
-            f"client nonce must be {MIN_CLIENT_NONCE} to {MAX_CLIENT_NONCE} bytes, "
-            f"got {len(client_nonce)}"
-        )
-    if not 0 <= version <= 0xFFFF:
-        raise BadRequest(f"protocol version must be a u16, got {version}")
-    name = client_name.encode("utf-8")
-    if len(name) > 0xFFFF:
-        raise BadRequest(f"client name is {len(name)} utf-8 bytes, at most 65535 fit")
-    body = b"".join(
-        [
-            _HELLO_HEAD.pack(MAGIC, version),
-            _U8.pack(len(client_nonce)),
-            client_nonce,
-            _U16.pack(len(name)),
-            name,
-        ]
-    )
-    return encode_frame(Kind.HELLO, request_id, body)
-
-
-def decode_hello(message: Frame | bytes) -> Hello:
-    """Magic and version are checked first, so a future layout after them cannot
-    confuse this version: a wrong version is UnsupportedVersion, whatever follows."""
-    body = _body(message, Kind.HELLO)
-    magic, version = body.unpack(_HELLO_HEAD, "magic and version")
-    if magic != MAGIC:
-        raise MalformedFrame(f"HELLO magic is {magic!r}, expected {MAGIC!r}: not an ftlayer client")
-    if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(
-            f"client speaks protocol version {version}; this side speaks "
-            f"{sorted(SUPPORTED_VERSIONS)}"
-        )
-    (nonce_size,) = body.unpack(_U8, "client nonce length")
-    if not MIN_CLIENT_NONCE <= nonce_size <= MAX_CLIENT_NONCE:
-        raise BadRequest(
-            f"HELLO client nonce is {nonce_size} bytes, must be "
-            f"{MIN_CLIENT_NONCE} to {MAX_CLIENT_NONCE}"
-        )
-    nonce = body.raw(nonce_size, "client nonce")
-    name = body.text(body.u16("client name length"), "client name")
-    body.done()
-    return Hello(version, nonce, name)
-
-
-def encode_challenge(request_id: int, auth_required: bool, server_nonce: bytes) -> bytes:
-    if len(server_nonce) != NONCE_SIZE:
-        raise BadRequest(f"server nonce must be {NONCE_SIZE} bytes, got {len(server_nonce)}")
-    flags = AUTH_REQUIRED if auth_required else 0
-    return encode_frame(Kind.CHALLENGE, request_id, _CHALLENGE.pack(flags, server_nonce))
-
-
-def decode_challenge(message: Frame | bytes) -> Challenge:
-    body = _body(message, Kind.CHALLENGE)
-    flags, nonce = body.unpack(_CHALLENGE, "flags and server nonce")
-    body.done()
-    if flags & ~AUTH_REQUIRED:
-        raise BadRequest(f"CHALLENGE flags 0x{flags:02x} set reserved bits (only bit 0 is defined)")
-    return Challenge(bool(flags & AUTH_REQUIRED), nonce)
-
-
-def encode_auth(request_id: int, digest: bytes) -> bytes:
-    if len(digest) != DIGEST_SIZE:
-        raise BadRequest(f"AUTH digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
-    return encode_frame(Kind.AUTH, request_id, digest)
-
-
-def decode_auth(message: Frame | bytes) -> Auth:
-    body = _body(message, Kind.AUTH)
-    digest = body.raw(DIGEST_SIZE, "digest")
-    body.done()
-    return Auth(digest)
-
-
-def encode_welcome(request_id: int, session_id: int, *, version: int = PROTOCOL_VERSION) -> bytes:
-    if not 0 <= session_id < 2**64 or not 0 <= version <= 0xFFFF:
-        raise BadRequest(
-            f"WELCOME needs a u16 version and a u64 session id, got {version}, {session_id}"
-        )
-    return encode_frame(Kind.WELCOME, request_id, _WELCOME.pack(version, session_id))
-
-
-def decode_welcome(message: Frame | bytes) -> Welcome:
-    body = _body(message, Kind.WELCOME)
-    version, session_id = body.unpack(_WELCOME, "version and session id")
-    body.done()
-    if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersion(
-            f"server speaks protocol version {version}; this side speaks "
-            f"{sorted(SUPPORTED_VERSIONS)}"
-        )
-    return Welcome(version, session_id)
 
 
 # ---- records (PERSIST and REPLAY) ------------------------------------------------------
@@ -1154,7 +627,7 @@ def decode_savepoint(message: Frame | bytes) -> SavepointRequest:
 def _check_savepoint(body: Any) -> None:
     """The shape of a SAVEPOINT request. The directory must be absolute: a relative one
     would name a place under the server's working directory, which the client cannot
-    know. The name is the server's to check (ftlayer.savepoint)."""
+    know. The name is the server's to check (ftlayer.checkpoint.savepoint)."""
     if (
         not isinstance(body, dict)
         or set(body) != {"dir", "name"}
@@ -1264,13 +737,6 @@ def decode_error(message: Frame | bytes) -> ErrorReply:
 def decode(frame: Frame) -> Message:
     """The message in `frame`, by its kind; UnknownKind for a kind not in `Kind`."""
     return _DECODERS[kind_of(frame)](frame)
-
-
-def kind_of(frame: Frame) -> Kind:
-    """The frame's `Kind`; UnknownKind if it has none (retired kinds included)."""
-    if frame.kind not in Kind._value2member_map_:
-        raise UnknownKind(f"unknown frame kind 0x{frame.kind:02x} (request id {frame.request_id})")
-    return Kind(frame.kind)
 
 
 _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from ftlayer.u64map import U64Map
+from ftlayer.acking.u64map import U64Map
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 

@@ -1,0 +1,31 @@
+"""Barrier checkpoints and savepoints: the `CheckpointCoordinator` (a snapshot of the FT
+layer at every micro-batch boundary, completion by mode, the group offsets a
+checkpoint allows) and savepoints (`ftlayer.checkpoint.savepoint`)."""
+
+from .coordinator import (
+    CHECKPOINT_PREFIX,
+    MAX_QUERY_CHARS,
+    SNAPSHOT_DIR,
+    SNAPSHOT_PREFIX,
+    Checkpoint,
+    CheckpointCoordinator,
+    CheckpointMode,
+    CheckpointState,
+    check_position,
+    check_query,
+    decode_snapshot,
+)
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "MAX_QUERY_CHARS",
+    "SNAPSHOT_DIR",
+    "SNAPSHOT_PREFIX",
+    "Checkpoint",
+    "CheckpointCoordinator",
+    "CheckpointMode",
+    "CheckpointState",
+    "check_position",
+    "check_query",
+    "decode_snapshot",
+]

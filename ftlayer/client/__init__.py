@@ -1,0 +1,36 @@
+"""How sources, tasks and tools reach the FT-layer server: `FTClient` (one blocking
+connection, lazy handshake, reconnect with backoff), `BatchingChannel` (the one event
+buffer of a process: bounded, flushed by size and time) and `shared_channel` (one per
+process and server)."""
+
+from .connection import (
+    SAVEPOINT_TIMEOUT_S,
+    BatchingChannel,
+    ConnectionLost,
+    FTClient,
+    RequestRejected,
+    ServerBusy,
+    ServerError,
+    ServerStorageError,
+    client_tls_context,
+    close_shared_channels,
+    parse_address,
+    read_token_file,
+    shared_channel,
+)
+
+__all__ = [
+    "SAVEPOINT_TIMEOUT_S",
+    "BatchingChannel",
+    "ConnectionLost",
+    "FTClient",
+    "RequestRejected",
+    "ServerBusy",
+    "ServerError",
+    "ServerStorageError",
+    "client_tls_context",
+    "close_shared_channels",
+    "parse_address",
+    "read_token_file",
+    "shared_channel",
+]

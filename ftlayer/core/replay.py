@@ -1,0 +1,106 @@
+"""The replay queue: failed records waiting to re-enter the pipeline.
+
+Each failed record gets a replay seq (1, 2, 3, ... never reused, also across restarts:
+the next one is kept in the store under REPLAY_SEQ_META_KEY) and one entry per target
+partition its replay partitioner chose. A micro-batch takes in the replays with
+S.replay < seq <= E.replay of its source and partition (ftlayer.position); entries stay
+fetchable until the batch's checkpoint prunes them, so a batch that Spark runs again
+fetches the same replays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.errors import ConfigError
+
+__all__ = ["REPLAY_SEQ_META_KEY", "ReplayQueue"]
+
+REPLAY_SEQ_META_KEY = "next_replay_seq"
+"""Meta key of the next replay seq (decimal text): never reused, also across restarts."""
+_EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
+
+class ReplayQueue:
+    """Failed records waiting to re-enter the pipeline, ordered by replay seq.
+
+    One entry per (record, target partition); a broadcast replay has several entries
+    with the same replay seq. Entries stay fetchable until pruned, so a micro-batch that
+    Spark runs again fetches the same replays again.
+    """
+
+    def __init__(self) -> None:
+        # Columns: replay seq, root, storage seq, source id, target partition; each a
+        # list of appended chunks, merged on read (appends are rare: failures).
+        self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [])
+        self._pruned_upto: dict[int | None, int] = {}  # per source id; None: every source
+
+    def append(
+        self,
+        replay_seqs: NDArray[np.uint64],
+        roots: NDArray[np.uint64],
+        seqs: NDArray[np.uint64],
+        source_ids: NDArray[np.uint32],
+        partitions: NDArray[np.int32],
+    ) -> None:
+        if len(replay_seqs):
+            chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
+            for column, chunk in zip(self._columns, chunks, strict=True):
+                column.append(chunk)
+
+    def columns(self) -> dict[str, NDArray[Any]]:
+        """Copies of every entry's columns, for checkpoints."""
+        names = ("replay_seq", "root", "seq", "source_id", "partition")
+        if not self._columns[0]:
+            return {name: np.zeros(0, dtype=np.uint64) for name in names}
+        return {name: column.copy() for name, column in zip(names, self._merged(), strict=True)}
+
+    def _merged(self) -> tuple[NDArray[Any], ...]:
+        for column in self._columns:
+            if len(column) > 1:
+                column[:] = [np.concatenate(column)]
+        return tuple(column[0] for column in self._columns)
+
+    def __len__(self) -> int:
+        return sum(len(chunk) for chunk in self._columns[0])
+
+    def select(
+        self, lo: int, hi: int, source_id: int | None, partition: int | None
+    ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.int32]]:
+        """Entries with lo < replay_seq <= hi: (replay_seqs, roots, seqs, partitions).
+
+        ConfigError if the range starts below the point the source (or every source)
+        was pruned to: those entries are gone, and a batch that needs them again means
+        the caller's position is older than a completed checkpoint of it."""
+        pruned = max(self._pruned_upto.get(None, 0), self._pruned_upto.get(source_id, 0))
+        if lo < pruned:
+            which = "" if source_id is None else f" of source {source_id}"
+            raise ConfigError(
+                f"replay range ({lo}, {hi}]{which} starts before its pruned point {pruned}"
+            )
+        if not self._columns[0]:
+            return _EMPTY_U64, _EMPTY_U64, _EMPTY_U64, np.zeros(0, dtype=np.int32)
+        rseq, roots, seqs, sources, parts = self._merged()
+        mask = (rseq > lo) & (rseq <= hi)
+        if source_id is not None:
+            mask &= sources == source_id
+        if partition is not None:
+            mask &= parts == partition
+        return rseq[mask], roots[mask], seqs[mask], parts[mask]
+
+    def prune(self, upto: int, source_id: int | None = None) -> int:
+        """Drop entries with replay_seq <= upto (of one source, or of every source);
+        returns how many were dropped."""
+        self._pruned_upto[source_id] = max(self._pruned_upto.get(source_id, 0), upto)
+        if not self._columns[0]:
+            return 0
+        rseq, _roots, _seqs, sources, _parts = self._merged()
+        keep = rseq > upto
+        if source_id is not None:
+            keep |= sources != source_id
+        for column in self._columns:
+            column[0] = column[0][keep]
+        return int(len(keep) - np.count_nonzero(keep))

@@ -1,0 +1,39 @@
+"""The FT layer's counters: what it persisted, completed and failed (by cause) since it
+started, and the state of its replay queue, as `ftlayer status` shows them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["FTStats", "FailCause"]
+
+
+class FailCause(enum.Enum):
+    EXPLICIT = "explicit"
+    TIMEOUT = "timeout"
+    RECOVERY = "recovery"
+
+
+@dataclass(slots=True)
+class FTStats:
+    """Counters of one FT layer since it started (pending and queue are current)."""
+
+    persisted: int = 0
+    completed: int = 0
+    pending: int = 0
+    failed: dict[str, int] = field(default_factory=lambda: {c.value: 0 for c in FailCause})
+    replay_queue: int = 0
+    replay_cursor: int = 0
+    replay_cursors: dict[str, int] = field(default_factory=dict)
+    """Per source id (as a string, JSON's way): its highest replay seq. A source that
+    has none since the start reads `replay_cursor_at_start` (see replay_cursor_of)."""
+    replay_cursor_at_start: int = 0
+    replay_pruned: dict[str, int] = field(default_factory=dict)
+    """Per source id (as a string; "*" for a prune of every source): the replay seq its
+    queue entries were pruned up to. A new query of that source starts its replay
+    cursor there, so it takes every queued replay of its source that no finished batch
+    took in (those queued before it started, and those a restart recovered)."""
+    late_events: int = 0
+    unknown_events: int = 0
+    xor_events: int = 0

@@ -1,0 +1,276 @@
+"""The FT-layer wire protocol: frames, message bodies and the handshake, as pure functions.
+
+`frames` (the frame codec, kinds, error codes, typed errors), `auth` (the handshake)
+and `messages` (one type and codec per kind; `decode`, the table from kind to decoder).
+
+Sources and tasks talk to the FT-layer server over one byte stream (TCP or a Unix
+socket). This module turns messages into bytes and bytes back into messages; it opens no
+socket. docs/protocol.md documents every byte; this docstring is the summary.
+
+Frames
+------
+Every message is one frame::
+
+    u32 L (big-endian)  |  u8 kind  |  u32 request id (big-endian)  |  body (L - 5 bytes)
+
+L counts kind + request id + body, so 5 <= L <= max_frame (64 MiB by default, a
+parameter of the reader and of the encoders of variable-size messages). A shorter L is
+`MalformedFrame`, a longer one `FrameTooLarge`, found as soon as the four length
+bytes arrive, before any of the body is buffered; `FrameReader` still returns the
+frames completed before it and keeps the error in `.error`. The client picks request
+ids (1, 2, 3, ..., never 0); every reply echoes the id of its request; id 0 in a reply
+means "no request" (an error about the stream itself). Integers inside bodies are
+little-endian.
+
+Kinds: requests (client to server) are below 0x80, replies have the high bit set.
+
+| kind | name                | body                                                        |
+|------|---------------------|-------------------------------------------------------------|
+| 0x01 | HELLO               | b"FTLY", u16 version, u8 k, client nonce[k] (16 <= k <= 32), |
+|      |                     | u16 m, utf-8 client name[m]                                 |
+| 0x02 | AUTH                | 32-byte HMAC-SHA256(token, b"ftlayer-auth-v1" +             |
+|      |                     | server nonce + client nonce)                                |
+| 0x10 | PERSIST             | record columns with initial ack values (below)              |
+| 0x11 | XOR                 | u32 n, roots u64[n], values u64[n]                          |
+| 0x12 | FAIL                | u32 n, roots u64[n]                                         |
+| 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
+| 0x14 | STATUS              | empty                                                       |
+| 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
+|      |                     | "num_partitions": int, "options": object[, "timeout_s":     |
+|      |                     | a finite positive number]}                                  |
+| 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
+|      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
+|      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
+|      |                     | [, "complete": position: completed first, one round trip]   |
+| 0x21 | CHECKPOINT_COMPLETE | the same JSON object (without "complete")                   |
+| 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
+|      |                     | host), "name": str or null}                                 |
+| 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
+| 0x82 | WELCOME             | u16 version, u64 session id                                 |
+| 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
+| 0x91 | REPLAY              | u32 n, replay seqs u64[n], target partitions i32[n],        |
+|      |                     | record columns without initial values (below)               |
+| 0x92 | STATUS_REPLY        | a utf-8 JSON object                                         |
+| 0x94 | CHECKPOINT          | utf-8 JSON object: the checkpoint (id, state, figures,      |
+|      |                     | "commit_offsets"), the reply to both checkpoint requests;   |
+|      |                     | with "complete", also "completed": that checkpoint          |
+| 0x95 | SAVEPOINT_CREATED   | utf-8 JSON object: the savepoint created (its manifest and  |
+|      |                     | "path", Savepoint.as_dict of ftlayer.checkpoint.savepoint)  |
+| 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
+
+Retired kinds, never reused: 0x16 (LOWEST_PENDING), 0x17 (PRUNE_REPLAY), 0x93 (OFFSETS);
+they decode as unknown kinds.
+
+Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
+u64[n], initial u64[n], source ids u32[n], key hashes i64[n], has_key u8[n] (0 or 1),
+partitions i32[n], offsets i64[n], topic index u16[n]; a topic table (u16 count, then
+per topic u16 length + utf-8); payload lengths u32[n]; the payloads, concatenated.
+Columns are decoded with `np.frombuffer`: the only Python objects built per record
+are its payload bytes (sliced from the body) and a reference to its topic's str.
+
+`kind_of(frame)` gives a frame's `Kind` (UnknownKind otherwise), so a server can
+refuse a kind in the wrong place before it decodes the body; `decode(frame)` decodes
+any kind.
+
+Handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME, always four frames. When CHALLENGE
+says no auth is required the client still sends AUTH (32 zero bytes will do) and the
+server does not check it. The token never crosses the wire: AUTH proves knowledge of
+it for this connection's two nonces, so a digest replayed on another connection fails.
+
+Errors
+------
+Every decoder checks lengths exactly and raises a `ProtocolError` subclass carrying
+its `ErrorCode` (the code an ERROR reply about it carries), and nothing else: no
+IndexError, struct.error or numpy error escapes, and no half-built batch is returned.
+`MalformedFrame` means the bytes do not fit the kind's layout (truncated, trailing
+bytes, declared counts that disagree with the byte length, invalid utf-8 or JSON);
+`BadRequest` means they fit, but a value is outside its documented range (topic index,
+has_key, nonce length, filter below -1, reserved flag bits). Encoders raise
+`BadRequest` for values the wire cannot carry and `FrameTooLarge` above max_frame.
+"""
+
+from .auth import (
+    AUTH_CONTEXT,
+    AUTH_REQUIRED,
+    DIGEST_SIZE,
+    MAX_CLIENT_NONCE,
+    MIN_CLIENT_NONCE,
+    NONCE_SIZE,
+    Auth,
+    Challenge,
+    Hello,
+    Welcome,
+    auth_digest,
+    check_auth,
+    decode_auth,
+    decode_challenge,
+    decode_hello,
+    decode_welcome,
+    encode_auth,
+    encode_challenge,
+    encode_hello,
+    encode_welcome,
+    new_nonce,
+)
+from .frames import (
+    DEFAULT_MAX_FRAME,
+    HANDSHAKE_KINDS,
+    MAGIC,
+    MAX_U32,
+    PROTOCOL_VERSION,
+    REQUEST_KINDS,
+    SUPPORTED_VERSIONS,
+    AuthFailed,
+    BadRequest,
+    ErrorCode,
+    Frame,
+    FrameReader,
+    FrameTooLarge,
+    Kind,
+    MalformedFrame,
+    NotAuthenticated,
+    ProtocolError,
+    UnexpectedKind,
+    UnknownKind,
+    UnsupportedVersion,
+    encode_frame,
+    kind_of,
+)
+from .messages import (
+    CheckpointReply,
+    CheckpointRequest,
+    ErrorReply,
+    Fail,
+    FetchReplay,
+    Message,
+    Ok,
+    Persist,
+    RegisterSource,
+    SavepointCreated,
+    SavepointRequest,
+    StatusReply,
+    StatusRequest,
+    Xor,
+    decode,
+    decode_checkpoint_begin,
+    decode_checkpoint_complete,
+    decode_checkpoint_reply,
+    decode_error,
+    decode_fail,
+    decode_fetch_replay,
+    decode_ok,
+    decode_persist,
+    decode_register_source,
+    decode_replay,
+    decode_savepoint,
+    decode_savepoint_created,
+    decode_status_reply,
+    decode_status_request,
+    decode_xor,
+    encode_checkpoint_reply,
+    encode_checkpoint_request,
+    encode_error,
+    encode_error_for,
+    encode_fail,
+    encode_fetch_replay,
+    encode_ok,
+    encode_persist,
+    encode_register_source,
+    encode_replay,
+    encode_savepoint,
+    encode_savepoint_created,
+    encode_status_reply,
+    encode_status_request,
+    encode_xor,
+)
+
+__all__ = [
+    "AUTH_CONTEXT",
+    "AUTH_REQUIRED",
+    "DEFAULT_MAX_FRAME",
+    "DIGEST_SIZE",
+    "HANDSHAKE_KINDS",
+    "MAGIC",
+    "MAX_CLIENT_NONCE",
+    "MAX_U32",
+    "MIN_CLIENT_NONCE",
+    "NONCE_SIZE",
+    "PROTOCOL_VERSION",
+    "REQUEST_KINDS",
+    "SUPPORTED_VERSIONS",
+    "Auth",
+    "AuthFailed",
+    "BadRequest",
+    "Challenge",
+    "CheckpointReply",
+    "CheckpointRequest",
+    "ErrorCode",
+    "ErrorReply",
+    "Fail",
+    "FetchReplay",
+    "Frame",
+    "FrameReader",
+    "FrameTooLarge",
+    "Hello",
+    "Kind",
+    "MalformedFrame",
+    "Message",
+    "NotAuthenticated",
+    "Ok",
+    "Persist",
+    "ProtocolError",
+    "RegisterSource",
+    "SavepointCreated",
+    "SavepointRequest",
+    "StatusReply",
+    "StatusRequest",
+    "UnexpectedKind",
+    "UnknownKind",
+    "UnsupportedVersion",
+    "Welcome",
+    "Xor",
+    "auth_digest",
+    "check_auth",
+    "decode",
+    "decode_auth",
+    "decode_challenge",
+    "decode_checkpoint_begin",
+    "decode_checkpoint_complete",
+    "decode_checkpoint_reply",
+    "decode_error",
+    "decode_fail",
+    "decode_fetch_replay",
+    "decode_hello",
+    "decode_ok",
+    "decode_persist",
+    "decode_register_source",
+    "decode_replay",
+    "decode_savepoint",
+    "decode_savepoint_created",
+    "decode_status_reply",
+    "decode_status_request",
+    "decode_welcome",
+    "decode_xor",
+    "encode_auth",
+    "encode_challenge",
+    "encode_checkpoint_reply",
+    "encode_checkpoint_request",
+    "encode_error",
+    "encode_error_for",
+    "encode_fail",
+    "encode_fetch_replay",
+    "encode_frame",
+    "encode_hello",
+    "encode_ok",
+    "encode_persist",
+    "encode_register_source",
+    "encode_replay",
+    "encode_savepoint",
+    "encode_savepoint_created",
+    "encode_status_reply",
+    "encode_status_request",
+    "encode_welcome",
+    "encode_xor",
+    "kind_of",
+    "new_nonce",
+]
