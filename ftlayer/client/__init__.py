@@ -1,11 +1,15 @@
 """How sources, tasks and tools reach the FT-layer server: `FTClient` (one blocking
-connection, lazy handshake, reconnect with backoff), `BatchingChannel` (the one event
-buffer of a process: bounded, flushed by size and time) and `shared_channel` (one per
-process and server)."""
+connection, lazy handshake, reconnect with backoff; `connection`), `BatchingChannel`
+(the one event buffer of a process: bounded, flushed by size and time) and
+`shared_channel` (one per process and server; `channel`)."""
 
+from .channel import (
+    BatchingChannel,
+    close_shared_channels,
+    shared_channel,
+)
 from .connection import (
     SAVEPOINT_TIMEOUT_S,
-    BatchingChannel,
     ConnectionLost,
     FTClient,
     RequestRejected,
@@ -13,10 +17,8 @@ from .connection import (
     ServerError,
     ServerStorageError,
     client_tls_context,
-    close_shared_channels,
     parse_address,
     read_token_file,
-    shared_channel,
 )
 
 __all__ = [
