@@ -294,11 +294,12 @@ def _status(args: argparse.Namespace) -> int:
             status = client.status()
     except OSError as exc:
         raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None
+    shown = status.to_json()
     if args.json:
-        print(json.dumps(status, sort_keys=True))
+        print(json.dumps(shown, sort_keys=True))
         return 0
-    checkpoints = status.pop("checkpoints", {})
-    _print_table(f"ftlayer status {args.server}", status)
+    checkpoints = shown.pop("checkpoints")
+    _print_table(f"ftlayer status {args.server}", shown)
     _print_checkpoints(checkpoints)
     return 0
 

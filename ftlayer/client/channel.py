@@ -18,6 +18,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.status import Status
 
 from .connection import FTClient
 
@@ -152,7 +153,7 @@ class BatchingChannel:
         """`FTClient.register_source`."""
         self.client.register_source(source_id, partitioner, num_partitions, options, timeout_s)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """`FTClient.status`: flushes first, so the counters include this process's events."""
         self.flush()
         return self.client.status()

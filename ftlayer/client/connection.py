@@ -46,6 +46,7 @@ from numpy.typing import ArrayLike
 
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.status import CheckpointReport, Status
 from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
     DIGEST_SIZE,
@@ -334,7 +335,7 @@ class FTClient:
         sources: Sequence[int],
         mode: str = "unaligned",
         complete: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointReport:
         """CHECKPOINT_BEGIN (begin=True: barrier `position` of `query`) or
         CHECKPOINT_COMPLETE (Spark finished the batch that ends there); returns the
         checkpoint as JSON (ftlayer.checkpoint.Checkpoint.to_json), with
@@ -357,12 +358,12 @@ class FTClient:
             )
 
         frame = self._call(request, Kind.CHECKPOINT, retry=True)
-        return decode_checkpoint_reply(frame).checkpoint
+        return CheckpointReport.from_json(decode_checkpoint_reply(frame).checkpoint)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""
         frame = self._call(encode_status_request, Kind.STATUS_REPLY, retry=True)
-        return decode_status_reply(frame).status
+        return Status.from_json(decode_status_reply(frame).status)
 
     # ---- lifecycle ---------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.harness.kafka import create_topic, produce, read_all
+from ftlayer.status import Status
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -295,10 +296,10 @@ def run_demo(
     expected = {i for i in range(records) if passes_filter(i)}
     found = [json.loads(r.value)["id"] for r in outputs if r.value is not None]
     distinct = set(found)
-    pending = int(status["pending"])
+    pending = status.pending
     accounted = len(distinct & expected) + (records - len(expected))
     missing = len(expected - distinct)
-    failed = status["failed"]
+    failed = status.failed
     return DemoResult(
         produced=records,
         completed=accounted if pending == 0 else max(0, accounted - pending),
@@ -310,7 +311,7 @@ def run_demo(
         seconds=round(seconds, 1),
         expected_outputs=len(expected),
         outputs_at_sink=len(found),
-        trees_completed=int(status["completed"]),
+        trees_completed=status.completed,
         workers_killed=killed() if killed else 0,
         pending_at_end=pending,
         extra={
@@ -329,7 +330,7 @@ def _wait_until_settled(
     records: int,
     deadline_s: float,
     on_progress: Callable[[dict[str, Any]], None] | None,
-) -> dict[str, Any]:
+) -> Status:
     """Poll until the query has read every produced record and the FT layer holds no
     pending tree (twice in a row), or the deadline; returns the last server status."""
     deadline = time.monotonic() + deadline_s
@@ -341,8 +342,8 @@ def _wait_until_settled(
             status = client.status()
             read = _records_read(query, topic)
             if on_progress is not None:
-                on_progress({"produced": records, "read": read, **status})
-            done = read >= records and status["pending"] == 0 and status["persisted"] > 0
+                on_progress({"produced": records, "read": read, **status.to_json()})
+            done = read >= records and status.pending == 0 and status.persisted > 0
             settled = settled + 1 if done else 0
             if settled >= 2 or time.monotonic() > deadline:
                 return status

@@ -93,7 +93,7 @@ that does not exist) when the query starts, before any batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -115,7 +115,7 @@ from pyspark.sql.types import (
 
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN
-from ftlayer.position import KafkaOffsets, Position, offsets_from_json
+from ftlayer.position import KafkaOffsets, Position
 
 from .driver import Offset, SourceDriver
 from .options import SourceOptions, parse_options
@@ -262,8 +262,8 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             driver = self._driver_side()
             done, self._deferred_commit = self._deferred_commit, None
             answer = driver.checkpoint(barrier, begin=True, complete=done)
-            if done is not None:
-                self._commit_group(driver, _commit_offsets((answer or {}).get("completed")))
+            if done is not None and answer is not None and answer.completed is not None:
+                self._commit_group(driver, answer.completed.commit_offsets)
         return parts if busy else []
 
     def commit(self, end: Offset) -> None:
@@ -285,7 +285,8 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         done, self._deferred_commit = self._deferred_commit, None
         if done is not None:
             driver = self._driver_side()
-            self._commit_group(driver, _commit_offsets(driver.checkpoint(done, begin=False)))
+            answer = driver.checkpoint(done, begin=False)
+            self._commit_group(driver, None if answer is None else answer.commit_offsets)
 
     def _commit_group(self, driver: SourceDriver, offsets: KafkaOffsets | None) -> None:
         if self.options.group_id is not None and offsets:
@@ -306,12 +307,6 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if not isinstance(partition, FTKafkaPartition):
             raise TypeError(f"ftkafka cannot read {partition!r}")
         return read_partition(self.options, self.schema, partition)
-
-
-def _commit_offsets(answer: Mapping[str, Any] | None) -> KafkaOffsets | None:
-    """The group offsets a checkpoint answer allows, or None."""
-    offsets = None if answer is None else answer.get("commit_offsets")
-    return None if offsets is None else offsets_from_json(offsets)
 
 
 def _cap(available: Offset, target: Offset, start: Offset) -> Offset:

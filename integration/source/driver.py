@@ -24,6 +24,7 @@ from kafka.structs import OffsetAndMetadata
 from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
+from ftlayer.status import CheckpointReport
 
 from .options import SourceOptions
 from .reader import POLL_SECONDS, new_consumer
@@ -194,17 +195,17 @@ class SourceDriver:
 
     def checkpoint(
         self, end: Position, *, begin: bool, complete: Position | None = None
-    ) -> dict[str, Any] | None:
+    ) -> CheckpointReport | None:
         """CHECKPOINT_BEGIN (barrier `end`; with `complete`, that barrier's batch is
         done and completes first, in the same request) or CHECKPOINT_COMPLETE (its
-        batch is done); the FT layer's answer. A completion's "commit_offsets" are the
+        batch is done); the FT layer's answer. A completion's `commit_offsets` are the
         group offsets the checkpoint allows: the lowest pending offsets capped at its
         barrier (unaligned), the barrier once aligned, the last aligned checkpoint's
         while aligning, or None. A failure is logged and gives None: the next batch's
         checkpoint covers this one (the FT layer completes checkpoints in order, and a
         later commit finishes the batches before it)."""
 
-        def call(client: FTClient) -> dict[str, Any]:
+        def call(client: FTClient) -> CheckpointReport:
             return client.checkpoint(
                 begin=begin,
                 query=self.options.checkpoint_query,
@@ -412,19 +413,13 @@ class SourceDriver:
         replay of its sources, such as those recovered after an FT-layer restart or
         restored from a savepoint."""
         status = self._ft_call("read the replay cursor", lambda client: client.status())
-        pruned = status.get("replay_pruned", {})
-        return max(
-            max(int(pruned.get("*", 0)), int(pruned.get(str(sid), 0)))
-            for sid in self.source_ids.values()
-        )
+        return status.replay_start_of(list(self.source_ids.values()))
 
     def _replay_cursor(self) -> int:
         """The highest replay seq of this query's sources (see FTLayer.replay_cursor_of):
         other queries' failures do not move it, so they cause no empty batches here."""
         status = self._ft_call("read the replay cursor", lambda client: client.status())
-        cursors = status.get("replay_cursors", {})
-        at_start = int(status.get("replay_cursor_at_start", status["replay_cursor"]))
-        return max(int(cursors.get(str(sid), at_start)) for sid in self.source_ids.values())
+        return status.replay_cursor_of(list(self.source_ids.values()))
 
 
 class _NoFetchResponse(Exception):

@@ -1,0 +1,278 @@
+"""What the FT layer reports across the wire, typed: `Status` (the STATUS reply) and
+`CheckpointReport` (one checkpoint, as a CHECKPOINT reply and STATUS carry it).
+
+Each has one parser (`from_json`, strict: every documented field, of its documented
+JSON type; StatusError naming the field otherwise) and one formatter (`to_json`); the
+JSON is docs/protocol.md's (sections 5.6 and 6.2). Code reads the fields by name, and
+the questions a source asks have typed answers (`Status.replay_cursor_of`,
+`Status.replay_start_of`, `CheckpointReport.commit_offsets`). Both are also read-only
+mappings of their JSON form, for scripts and the CLI's `--json`.
+
+Pure Python: an executor or a driver imports this without the FT layer's core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ftlayer.errors import FTLayerError
+from ftlayer.position import KafkaOffsets, Position, PositionError, offsets_from_json
+
+__all__ = ["CheckpointReport", "QueryCheckpoints", "Status", "StatusError"]
+
+
+class StatusError(FTLayerError):
+    """A STATUS or CHECKPOINT reply that is not of the documented form."""
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if name not in data:
+        raise StatusError(f"{what} has no {name!r}")
+    value = data[name]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise StatusError(f"{what}'s {name!r} is {value!r}, not {kind}")
+    return value
+
+
+def _optional(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    return None if data.get(name) is None else _field(data, name, kind, what)
+
+
+def _counts(data: Mapping[str, Any], name: str, what: str) -> dict[str, int]:
+    value = _field(data, name, dict, what)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        raise StatusError(f"{what}'s {name!r} holds a value that is not an integer: {value!r}")
+    return {str(k): int(v) for k, v in value.items()}
+
+
+_NUMBER = (int, float)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointReport(Mapping[str, Any]):
+    """One barrier's checkpoint as the FT layer reports it (times are UNIX seconds); also a
+    read-only mapping of its JSON form."""
+
+    query: str
+    id: int
+    mode: str
+    state: str
+    """"begun" (the batch runs), "aligning" (done; roots before the barrier pending),
+    "complete"."""
+    position: Position
+    sources: tuple[int, ...]
+    begun_at: float
+    done_at: float | None
+    completed_at: float | None
+    duration_s: float | None
+    alignment_wait_s: float | None
+    pending_roots: int
+    replay_queue: int
+    copy_s: float
+    write_s: float | None
+    size_bytes: int
+    pruned: int
+    commit_offsets: KafkaOffsets | None
+    """The consumer-group offsets this checkpoint allows (set at completion)."""
+    completed: CheckpointReport | None = None
+    """In a CHECKPOINT_BEGIN reply that completed the batch before: that checkpoint."""
+
+    @classmethod
+    def from_json(cls, data: object) -> CheckpointReport:
+        what = "a checkpoint"
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
+        try:
+            position = Position.parse(data.get("position"), need_replay=True, what="checkpoint")
+            offsets = data.get("commit_offsets")
+            commit_offsets = None if offsets is None else offsets_from_json(offsets)
+        except PositionError as exc:
+            raise StatusError(f"{what}: {exc}") from None
+        sources = _field(data, "sources", list, what)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in sources):
+            raise StatusError(f"{what}'s sources are not integers: {sources!r}")
+        completed = data.get("completed")
+        return cls(
+            query=_field(data, "query", str, what),
+            id=_field(data, "id", int, what),
+            mode=_field(data, "mode", str, what),
+            state=_field(data, "state", str, what),
+            position=position,
+            sources=tuple(sources),
+            begun_at=float(_field(data, "begun_at", _NUMBER, what)),
+            done_at=_optional(data, "done_at", _NUMBER, what),
+            completed_at=_optional(data, "completed_at", _NUMBER, what),
+            duration_s=_optional(data, "duration_s", _NUMBER, what),
+            alignment_wait_s=_optional(data, "alignment_wait_s", _NUMBER, what),
+            pending_roots=_field(data, "pending_roots", int, what),
+            replay_queue=_field(data, "replay_queue", int, what),
+            copy_s=float(_field(data, "copy_s", _NUMBER, what)),
+            write_s=_optional(data, "write_s", _NUMBER, what),
+            size_bytes=_field(data, "size_bytes", int, what),
+            pruned=_field(data, "pruned", int, what),
+            commit_offsets=commit_offsets,
+            completed=None if completed is None else cls.from_json(completed),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["position"] = self.position.to_json()
+        data["sources"] = list(self.sources)
+        if self.commit_offsets is not None:
+            data["commit_offsets"] = {
+                t: {str(p): o for p, o in sorted(parts.items())}
+                for t, parts in sorted(self.commit_offsets.items())
+            }
+        if self.completed is None:
+            del data["completed"]
+        else:
+            data["completed"] = self.completed.to_json()
+        return data
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_json()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_json())
+
+    def __len__(self) -> int:
+        return len(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class QueryCheckpoints:
+    """The checkpoints of one query (its source name) in a STATUS reply."""
+
+    completed: int
+    open: tuple[CheckpointReport, ...]
+    recent: tuple[CheckpointReport, ...]
+    last_complete_id: int | None
+
+    @classmethod
+    def from_json(cls, data: object, query: str) -> QueryCheckpoints:
+        what = f"the checkpoints of query {query!r}"
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} are a JSON object, got {data!r}"[:300])
+        return cls(
+            completed=_field(data, "completed", int, what),
+            open=tuple(CheckpointReport.from_json(c) for c in _field(data, "open", list, what)),
+            recent=tuple(CheckpointReport.from_json(c) for c in _field(data, "recent", list, what)),
+            last_complete_id=_optional(data, "last_complete_id", int, what),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "completed": self.completed,
+            "open": [c.to_json() for c in self.open],
+            "recent": [c.to_json() for c in self.recent],
+            "last_complete_id": self.last_complete_id,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Mapping[str, Any]):
+    """The STATUS reply: the FT layer's counters and state (docs/protocol.md, 6.2)."""
+
+    persisted: int
+    completed: int
+    pending: int
+    failed: Mapping[str, int]
+    """Failures by cause: explicit, timeout, recovery."""
+    replay_queue: int
+    replay_cursor: int
+    replay_cursors: Mapping[str, int]
+    """Per source id (a string): the highest replay seq of its records since the start."""
+    replay_cursor_at_start: int
+    replay_pruned: Mapping[str, int]
+    """Per source id (a string; "*": every source): where its queue rows were pruned to."""
+    late_events: int
+    unknown_events: int
+    xor_events: int
+    stored_records: int
+    deletes_pending: int
+    lmdb_size_bytes: int
+    connections: int
+    max_connections: int
+    uptime_s: float
+    checkpoints: Mapping[str, QueryCheckpoints]
+    """Per query (a source name)."""
+    timeout_s: float
+    buckets: int
+    version: str
+
+    @classmethod
+    def from_json(cls, data: object) -> Status:
+        what = "the STATUS reply"
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise StatusError(f"{what} has fields this client does not know: {extra}")
+        checkpoints = _field(data, "checkpoints", dict, what)
+        return cls(
+            persisted=_field(data, "persisted", int, what),
+            completed=_field(data, "completed", int, what),
+            pending=_field(data, "pending", int, what),
+            failed=_counts(data, "failed", what),
+            replay_queue=_field(data, "replay_queue", int, what),
+            replay_cursor=_field(data, "replay_cursor", int, what),
+            replay_cursors=_counts(data, "replay_cursors", what),
+            replay_cursor_at_start=_field(data, "replay_cursor_at_start", int, what),
+            replay_pruned=_counts(data, "replay_pruned", what),
+            late_events=_field(data, "late_events", int, what),
+            unknown_events=_field(data, "unknown_events", int, what),
+            xor_events=_field(data, "xor_events", int, what),
+            stored_records=_field(data, "stored_records", int, what),
+            deletes_pending=_field(data, "deletes_pending", int, what),
+            lmdb_size_bytes=_field(data, "lmdb_size_bytes", int, what),
+            connections=_field(data, "connections", int, what),
+            max_connections=_field(data, "max_connections", int, what),
+            uptime_s=float(_field(data, "uptime_s", _NUMBER, what)),
+            checkpoints={
+                str(q): QueryCheckpoints.from_json(c, str(q)) for q, c in checkpoints.items()
+            },
+            timeout_s=float(_field(data, "timeout_s", _NUMBER, what)),
+            buckets=_field(data, "buckets", int, what),
+            version=_field(data, "version", str, what),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("failed", "replay_cursors", "replay_pruned"):
+            data[name] = dict(data[name])
+        data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
+        return data
+
+    # ---- the questions a source asks ----------------------------------------------
+
+    def replay_cursor_of(self, source_ids: Sequence[int]) -> int:
+        """The highest replay seq of these sources' records (a source with none since
+        the server started reads `replay_cursor_at_start`): other sources' failures do
+        not move it, so they cause no empty batches."""
+        return max(
+            (self.replay_cursors.get(str(s), self.replay_cursor_at_start) for s in source_ids),
+            default=self.replay_cursor_at_start,
+        )
+
+    def replay_start_of(self, source_ids: Sequence[int]) -> int:
+        """A new query's replay cursor: where its sources' queue rows were pruned to, so
+        its first batch takes in every replay of its sources still queued."""
+        every = self.replay_pruned.get("*", 0)
+        return max(
+            (max(every, self.replay_pruned.get(str(s), 0)) for s in source_ids), default=every
+        )
+
+    # ---- a read-only mapping of the JSON form -----------------------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_json()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(f.name for f in dataclasses.fields(self))
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))

@@ -1,0 +1,113 @@
+"""Status and CheckpointReport: the typed replies, one parser each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ftlayer.position import Position
+from ftlayer.status import CheckpointReport, Status, StatusError
+
+
+def _checkpoint(**changes: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "query": "job",
+        "id": 3,
+        "mode": "unaligned",
+        "state": "complete",
+        "position": {"kafka": {"t": {"0": 10, "1": 4}}, "replay": 2},
+        "sources": [7],
+        "begun_at": 1.0,
+        "done_at": 2.0,
+        "completed_at": 2.5,
+        "duration_s": 1.5,
+        "alignment_wait_s": 0.5,
+        "pending_roots": 0,
+        "replay_queue": 0,
+        "copy_s": 0.001,
+        "write_s": None,
+        "size_bytes": 10,
+        "pruned": 1,
+        "commit_offsets": {"t": {"0": 9, "1": 4}},
+    }
+    data.update(changes)
+    return data
+
+
+def _status(**changes: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "persisted": 5,
+        "completed": 3,
+        "pending": 2,
+        "failed": {"explicit": 1, "timeout": 0, "recovery": 0},
+        "replay_queue": 1,
+        "replay_cursor": 9,
+        "replay_cursors": {"7": 4},
+        "replay_cursor_at_start": 2,
+        "replay_pruned": {"*": 1, "7": 3},
+        "late_events": 0,
+        "unknown_events": 0,
+        "xor_events": 8,
+        "stored_records": 2,
+        "deletes_pending": 0,
+        "lmdb_size_bytes": 4096,
+        "connections": 1,
+        "max_connections": 1024,
+        "uptime_s": 1.5,
+        "checkpoints": {
+            "job": {"completed": 1, "open": [], "recent": [_checkpoint()], "last_complete_id": 3}
+        },
+        "timeout_s": 30.0,
+        "buckets": 3,
+        "version": "0.1.0",
+    }
+    data.update(changes)
+    return data
+
+
+def test_a_status_survives_its_json_and_reads_as_its_json() -> None:
+    status = Status.from_json(_status())
+    assert Status.from_json(status.to_json()) == status
+    assert status.to_json() == _status()
+    assert status["failed"]["explicit"] == 1 and dict(status)["pending"] == 2
+    report = status.checkpoints["job"].recent[0]
+    assert report.position == Position({"t": {0: 10, 1: 4}}, 2)
+    assert report.commit_offsets == {"t": {0: 9, 1: 4}}
+
+
+def test_the_replay_cursor_of_a_query_is_its_sources_own() -> None:
+    status = Status.from_json(_status())
+    assert status.replay_cursor_of([7]) == 4  # not the global 9: others' failures
+    assert status.replay_cursor_of([8]) == 2  # no replay since the start
+    assert status.replay_cursor_of([7, 8]) == 4
+    assert status.replay_start_of([7]) == 3 and status.replay_start_of([8]) == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"pending": "2"}, "'pending'"),
+        ({"pending": True}, "'pending'"),
+        ({"failed": {"explicit": 1.5}}, "'failed'"),
+        ({"surprise": 1}, "surprise"),
+        ({"checkpoints": {"job": {"completed": 1}}}, "'open'"),
+    ],
+)
+def test_a_malformed_status_names_its_field(changes: dict[str, Any], words: str) -> None:
+    with pytest.raises(StatusError, match=words):
+        Status.from_json(_status(**changes))
+    missing = _status()
+    del missing["version"]
+    with pytest.raises(StatusError, match="'version'"):
+        Status.from_json(missing)
+
+
+def test_a_checkpoint_reply_carries_the_one_it_completed() -> None:
+    begun = _checkpoint(id=4, state="begun", completed_at=None, commit_offsets=None)
+    report = CheckpointReport.from_json({**begun, "completed": _checkpoint()})
+    assert report.commit_offsets is None and report.completed is not None
+    assert report.completed.commit_offsets == {"t": {0: 9, 1: 4}}
+    assert CheckpointReport.from_json(report.to_json()) == report
+    with pytest.raises(StatusError, match="replay"):
+        CheckpointReport.from_json(_checkpoint(position={"kafka": {}}))
