@@ -240,7 +240,7 @@ def _persist_through_ftlayer(
     ft = FTLayer(storage, timeout_s=3600)
 
     seconds = _timed(lambda: _persist_and_complete(ft, batches, offsets))
-    if len(storage) or ft.snapshot_stats().completed != sum(len(b) for b in batches):
+    if len(storage) or ft.current_stats().completed != sum(len(b) for b in batches):
         raise AssertionError("persist bench: not every record completed")
     storage.close()
     return seconds
@@ -499,7 +499,7 @@ def bench_checkpoint(
     that many are pending and 5 checkpoints are taken: the client's round trip of
     CHECKPOINT_BEGIN (the server replies at once; the copy is taken before the core's
     next change or by the writer thread, which then writes the snapshot), the time
-    until CHECKPOINT_COMPLETE reports it complete (written), the copy's time under the
+    until CHECKPOINT_DONE reports it complete (written), the copy's time under the
     server's lock (the only part that stops events), the write time and the
     snapshot's size, as medians.
     """

@@ -5,7 +5,7 @@ format). The contract:
 
 1. One connection, one thread, at most `max_connections` of them (the next one gets
    ERROR 103 with request id 0 and is closed). The core is not thread-safe, so every
-   call into it (persist, xor, fail, fetch_replay, snapshot_stats, tick) runs under
+   call into it (persist, xor, fail, fetch_replay, current_stats, tick) runs under
    one lock; socket I/O never does, so a slow or vanished client blocks only its own
    thread, and for a bounded time: the handshake (TLS included) must finish within
    `handshake_timeout_s`, a frame whose first bytes arrived must be complete within
@@ -39,7 +39,7 @@ format). The contract:
 7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN marks the state owed a copy
    and replies at once; the copy is taken under the lock before the next change to
    the core or by the checkpoint-writer thread (woken after the reply), which writes
-   the snapshot to LMDB outside the lock. CHECKPOINT_COMPLETE prunes and completes
+   the snapshot to LMDB outside the lock. CHECKPOINT_DONE prunes and completes
    (unaligned) or starts aligning (aligned), staging the checkpoint's record in the
    store (it commits with the next write, or the ticker flushes it); the ticker
    completes aligning checkpoints once no root before their barrier is pending.
@@ -107,7 +107,7 @@ from ftlayer.wire import (
     check_auth,
     decode_auth,
     decode_checkpoint_begin,
-    decode_checkpoint_complete,
+    decode_checkpoint_done,
     decode_fail,
     decode_fetch_replay,
     decode_hello,
@@ -238,7 +238,7 @@ class FTServer:
             Kind.STATUS: self._status_request,
             Kind.REGISTER_SOURCE: self._register_source,
             Kind.CHECKPOINT_BEGIN: self._checkpoint_request,
-            Kind.CHECKPOINT_COMPLETE: self._checkpoint_request,
+            Kind.CHECKPOINT_DONE: self._checkpoint_request,
             Kind.SAVEPOINT: self._savepoint_request,
         }
 
@@ -278,7 +278,7 @@ class FTServer:
         self._storage = storage
         self._listener.settimeout(_POLL_S)
         self._started_at = time.monotonic()
-        stats = self._ft.snapshot_stats()
+        stats = self._ft.current_stats()
         log.info(
             "serving %s on %s:%d (recovered %d pending records for replay)",
             self.data_dir,
@@ -593,7 +593,7 @@ class FTServer:
 
     def _checkpoint_request(self, rid: int, frame: Frame) -> bytes:
         begin = frame.kind == Kind.CHECKPOINT_BEGIN
-        message = (decode_checkpoint_begin if begin else decode_checkpoint_complete)(frame)
+        message = (decode_checkpoint_begin if begin else decode_checkpoint_done)(frame)
         with self._core():
             checkpoint = self._checkpoint(message)
         return encode_checkpoint_reply(rid, checkpoint)
@@ -609,10 +609,10 @@ class FTServer:
         mode = CheckpointMode.named(message.mode)
         query, sources = message.query, message.sources
         if not message.begin:
-            return checkpoints.complete(query, message.position, sources, mode).to_json()
+            return checkpoints.done(query, message.position, sources, mode).to_json()
         completed = None
         if message.complete is not None:  # the batch before, done: one round trip
-            completed = checkpoints.complete(query, message.complete, sources, mode).to_json()
+            completed = checkpoints.done(query, message.complete, sources, mode).to_json()
         reply = checkpoints.begin(query, message.position, sources, mode).to_json()
         if completed is not None:
             reply["completed"] = completed
@@ -667,7 +667,7 @@ class FTServer:
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
-        status = dataclasses.asdict(ft.snapshot_stats())
+        status = dataclasses.asdict(ft.current_stats())
         assert self._storage is not None
         with self._connections_lock:
             connections = len(self._connections)

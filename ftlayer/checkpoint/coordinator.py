@@ -4,7 +4,7 @@ Every micro-batch boundary is a barrier. Barrier n is batch n's end position S_n
 Kafka offsets per topic and partition and the replay cursor, which Spark writes to its
 offset log before the batch runs. The `ftkafka` source announces it when Spark plans
 the batch (CHECKPOINT_BEGIN) and reports the batch done through its commit(end), one
-batch late (CHECKPOINT_COMPLETE). A checkpoint belongs to a *query*: the ftkafka
+batch late (CHECKPOINT_DONE). A checkpoint belongs to a *query*: the ftkafka
 source name (`ft.sourceName`, by default its topics).
 
 Begin: the FT layer takes a snapshot of its state, pending roots with their ack
@@ -322,9 +322,9 @@ class CheckpointCoordinator:
             self._writes.append((checkpoint, state))
         self._uncopied.clear()
 
-    # ---- complete --------------------------------------------------------------
+    # ---- done (Spark finished the batch) -------------------------------------------
 
-    def complete(
+    def done(
         self,
         query: str,
         position: Position | Mapping[str, Any],

@@ -337,7 +337,7 @@ class FTClient:
         complete: Mapping[str, Any] | None = None,
     ) -> CheckpointReport:
         """CHECKPOINT_BEGIN (begin=True: barrier `position` of `query`) or
-        CHECKPOINT_COMPLETE (Spark finished the batch that ends there); returns the
+        CHECKPOINT_DONE (Spark finished the batch that ends there); returns the
         checkpoint as JSON (ftlayer.checkpoint.Checkpoint.to_json), with
         "commit_offsets" {topic: {partition (str): offset}} or None. A BEGIN with
         `complete` completes that earlier barrier first, in the same round trip; the

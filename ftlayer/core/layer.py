@@ -506,7 +506,7 @@ class FTLayer:
         for roots, seqs in found:
             self._requeue(roots, seqs, FailCause.RECOVERY)
 
-    def snapshot_stats(self) -> FTStats:
+    def current_stats(self) -> FTStats:
         """The counters, with pending and queue length filled in."""
         self.stats.pending = len(self.acker)
         self.stats.replay_queue = self.queued_replays

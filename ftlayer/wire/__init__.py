@@ -42,7 +42,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
 |      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
 |      |                     | [, "complete": position: completed first, one round trip]   |
-| 0x21 | CHECKPOINT_COMPLETE | the same JSON object (without "complete")                   |
+| 0x21 | CHECKPOINT_DONE | the same JSON object (without "complete")                   |
 | 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
 |      |                     | host), "name": str or null}                                 |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
@@ -153,7 +153,7 @@ from .messages import (
     Xor,
     decode,
     decode_checkpoint_begin,
-    decode_checkpoint_complete,
+    decode_checkpoint_done,
     decode_checkpoint_reply,
     decode_error,
     decode_fail,
@@ -235,7 +235,7 @@ __all__ = [
     "decode_auth",
     "decode_challenge",
     "decode_checkpoint_begin",
-    "decode_checkpoint_complete",
+    "decode_checkpoint_done",
     "decode_checkpoint_reply",
     "decode_error",
     "decode_fail",

@@ -89,7 +89,7 @@ class RegisterSource:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRequest:
-    """CHECKPOINT_BEGIN (`begin`) or CHECKPOINT_COMPLETE of barrier `position` of
+    """CHECKPOINT_BEGIN (`begin`) or CHECKPOINT_DONE of barrier `position` of
     `query` (see ftlayer.checkpoint)."""
 
     begin: bool
@@ -527,8 +527,8 @@ def encode_checkpoint_request(
     complete: Mapping[str, Any] | None = None,
 ) -> bytes:
     """CHECKPOINT_BEGIN (begin=True; with `complete`, that barrier is completed
-    first) or CHECKPOINT_COMPLETE."""
-    kind = Kind.CHECKPOINT_BEGIN if begin else Kind.CHECKPOINT_COMPLETE
+    first) or CHECKPOINT_DONE."""
+    kind = Kind.CHECKPOINT_BEGIN if begin else Kind.CHECKPOINT_DONE
     body: dict[str, Any] = {
         "query": query,
         "position": dict(position),
@@ -558,8 +558,8 @@ def decode_checkpoint_begin(message: Frame | bytes) -> CheckpointRequest:
     return _decode_checkpoint_request(message, Kind.CHECKPOINT_BEGIN)
 
 
-def decode_checkpoint_complete(message: Frame | bytes) -> CheckpointRequest:
-    return _decode_checkpoint_request(message, Kind.CHECKPOINT_COMPLETE)
+def decode_checkpoint_done(message: Frame | bytes) -> CheckpointRequest:
+    return _decode_checkpoint_request(message, Kind.CHECKPOINT_DONE)
 
 
 def _check_checkpoint(body: Any, kind: Kind) -> None:
@@ -674,7 +674,7 @@ def decode_status_request(message: Frame | bytes) -> StatusRequest:
 def encode_status_reply(
     request_id: int, status: Mapping[str, Any], *, max_frame: int = DEFAULT_MAX_FRAME
 ) -> bytes:
-    """STATUS_REPLY: `status` as a JSON object (e.g. dataclasses.asdict(snapshot_stats()))."""
+    """STATUS_REPLY: `status` as a JSON object (e.g. dataclasses.asdict(current_stats()))."""
     try:
         text = json.dumps(dict(status), separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -749,7 +749,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.STATUS: decode_status_request,
     Kind.REGISTER_SOURCE: decode_register_source,
     Kind.CHECKPOINT_BEGIN: decode_checkpoint_begin,
-    Kind.CHECKPOINT_COMPLETE: decode_checkpoint_complete,
+    Kind.CHECKPOINT_DONE: decode_checkpoint_done,
     Kind.SAVEPOINT: decode_savepoint,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,

@@ -197,7 +197,7 @@ class SourceDriver:
         self, end: Position, *, begin: bool, complete: Position | None = None
     ) -> CheckpointReport | None:
         """CHECKPOINT_BEGIN (barrier `end`; with `complete`, that barrier's batch is
-        done and completes first, in the same request) or CHECKPOINT_COMPLETE (its
+        done and completes first, in the same request) or CHECKPOINT_DONE (its
         batch is done); the FT layer's answer. A completion's `commit_offsets` are the
         group offsets the checkpoint allows: the lowest pending offsets capped at its
         barrier (unaligned), the barrier once aligned, the last aligned checkpoint's

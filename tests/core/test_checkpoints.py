@@ -75,7 +75,7 @@ def test_unaligned_completes_at_once_and_commits_the_lowest_pending_offset(
     cps.write_pending()
     done = np.flatnonzero(batch.offsets != 4)
     ft.xor(batch.roots[done], ids[done])  # offset 4 stays in flight
-    completed = cps.complete("q", barrier, SOURCES, UNALIGNED)
+    completed = cps.done("q", barrier, SOURCES, UNALIGNED)
     assert completed.state is CheckpointState.COMPLETE
     assert completed.commit_offsets == {"orders": {0: 4, 1: 11}}
     assert completed.alignment_wait_s == 0.0
@@ -95,7 +95,7 @@ def test_aligned_waits_until_every_root_before_the_barrier_is_complete(
     rest = np.flatnonzero(first.offsets != 4)
     ft.xor(first.roots[rest], first_ids[rest])
     ft.xor(second.roots, second_ids)
-    answer = cps.complete("q", barrier1, SOURCES, ALIGNED, now=100.0)
+    answer = cps.done("q", barrier1, SOURCES, ALIGNED, now=100.0)
     assert answer.state is CheckpointState.ALIGNING
     assert answer.commit_offsets is None  # nothing completed before: nothing to commit
     assert cps.poll(now=101.0) == 0
@@ -123,12 +123,12 @@ def test_an_aligning_checkpoint_answers_with_the_last_completed_offsets(
     cps.begin("q", position(4, 5), SOURCES, ALIGNED)
     cps.write_pending()
     ft.xor(a.roots, emit_a)
-    assert cps.complete("q", position(4, 5), SOURCES, ALIGNED).state is CheckpointState.COMPLETE
+    assert cps.done("q", position(4, 5), SOURCES, ALIGNED).state is CheckpointState.COMPLETE
     b = records(4, 8)
     emit(ft, b)  # never acked
     cps.begin("q", position(8, 9), SOURCES, ALIGNED)
     cps.write_pending()
-    answer = cps.complete("q", position(8, 9), SOURCES, ALIGNED)
+    answer = cps.done("q", position(8, 9), SOURCES, ALIGNED)
     assert answer.state is CheckpointState.ALIGNING
     assert answer.commit_offsets == {"orders": {0: 4, 1: 5}}
 
@@ -142,8 +142,8 @@ def test_checkpoints_complete_in_order(storage: LmdbStorage) -> None:
     cps.begin("q", position(2, 3, replay=0), SOURCES, ALIGNED)  # the same barrier
     cps.begin("q", position(4, 5), SOURCES, ALIGNED)
     cps.write_pending()
-    cps.complete("q", position(2, 3), SOURCES, ALIGNED)
-    cps.complete("q", position(4, 5), SOURCES, ALIGNED)
+    cps.done("q", position(2, 3), SOURCES, ALIGNED)
+    cps.done("q", position(4, 5), SOURCES, ALIGNED)
     assert cps.last_complete("q") is None
     ft.xor(a.roots, a_ids)
     assert cps.poll() == 2
@@ -160,7 +160,7 @@ def test_a_commit_that_never_arrived_does_not_hold_later_checkpoints(
     cps.begin("q", position(2, 2), SOURCES, UNALIGNED)
     cps.write_pending()
     # The FT layer was unreachable when Spark committed the first batch.
-    answer = cps.complete("q", position(2, 2), SOURCES, UNALIGNED)
+    answer = cps.done("q", position(2, 2), SOURCES, UNALIGNED)
     assert answer.state is CheckpointState.COMPLETE and answer.id == 2
     assert cps.status()["q"]["completed"] == 2 and cps.status()["q"]["open"] == []
 
@@ -174,9 +174,9 @@ def test_complete_prunes_the_replays_the_batch_took_in(storage: LmdbStorage) -> 
     barrier = position(6, 7, replay=ft.replay_cursor)
     cps.begin("q", barrier, SOURCES, UNALIGNED)
     cps.write_pending()
-    completed = cps.complete("q", barrier, SOURCES, UNALIGNED)
+    completed = cps.done("q", barrier, SOURCES, UNALIGNED)
     assert completed.pruned == 3
-    assert ft.snapshot_stats().replay_queue == 0
+    assert ft.current_stats().replay_queue == 0
     assert ft.replay_start_of(7) == 3
 
 
@@ -276,7 +276,7 @@ def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
         for n in range(1, 6):
             cps.begin("q", position(n, n), SOURCES, UNALIGNED)
             cps.write_pending()
-            cps.complete("q", position(n, n), SOURCES, UNALIGNED)
+            cps.done("q", position(n, n), SOURCES, UNALIGNED)
             cps.write_pending()
         assert len(storage.meta_keys(SNAPSHOT_PREFIX)) == 2
     with LmdbStorage(tmp_path / "ft") as storage:
@@ -284,7 +284,7 @@ def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
         last = cps.last_complete("q")
         assert last is not None and last.id == 5
         assert last.commit_offsets == {"orders": {0: 5, 1: 5}}
-        again = cps.complete("q", position(5, 5), SOURCES, UNALIGNED)  # Spark commits again
+        again = cps.done("q", position(5, 5), SOURCES, UNALIGNED)  # Spark commits again
         assert again.id == 5 and again.state is CheckpointState.COMPLETE
         assert cps.begin("q", position(6, 6), SOURCES, UNALIGNED).id == 6
         cps.write_pending()
@@ -297,7 +297,7 @@ def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
 def test_a_position_never_begun_is_begun_at_completion(storage: LmdbStorage) -> None:
     ft = FTLayer(storage)
     cps = CheckpointCoordinator(ft)
-    answer = cps.complete("q", position(3, 3), SOURCES, UNALIGNED)
+    answer = cps.done("q", position(3, 3), SOURCES, UNALIGNED)
     # Its snapshot is not written yet: it completes on the poll after the write.
     assert answer.state is CheckpointState.ALIGNING
     cps.write_pending()
@@ -365,7 +365,7 @@ def test_aligned_offsets_never_pass_a_pending_root(
             where = position(*barrier)
             cps.begin(query, where, SOURCES, mode)
             cps.write_pending()
-            answer = cps.complete(query, where, SOURCES, mode)
+            answer = cps.done(query, where, SOURCES, mode)
             if answer.state is CheckpointState.COMPLETE:
                 assert answer.commit_offsets is not None
                 for p, committed in answer.commit_offsets["orders"].items():

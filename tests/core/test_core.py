@@ -78,7 +78,7 @@ def test_tree_completes_and_its_record_is_deleted(storage: PersistenceStorage) -
     assert done == [(100, 0, "orders"), (101, 1, "orders"), (102, 2, "orders")]
     ft.xor(batch.roots[3:], child[3:])
     assert len(storage) == 0 and len(ft) == 0
-    stats = ft.snapshot_stats()
+    stats = ft.current_stats()
     assert (stats.persisted, stats.completed, stats.pending) == (5, 5, 0)
 
 
@@ -99,13 +99,13 @@ def test_explicit_fail_replays_the_same_bytes_under_a_new_root(
     # Late events of the failed tree are dropped and counted, never re-created.
     ft.xor(batch.roots[[1]], ids[[1]])
     assert int(batch.roots[1]) not in ft.acker
-    assert ft.snapshot_stats().late_events == 1
+    assert ft.current_stats().late_events == 1
     # The replayed record is emitted again under its new root and completes.
     emit_id = int(new_ids(1)[0])
     ft.xor_one(new_root, emit_id)
     assert ft.xor_one(new_root, emit_id) is True
     assert len(storage) == 3
-    assert ft.snapshot_stats().failed[FailCause.EXPLICIT.value] == 1
+    assert ft.current_stats().failed[FailCause.EXPLICIT.value] == 1
 
 
 def test_timeout_fails_a_silent_tree_within_the_bound(storage: PersistenceStorage) -> None:
@@ -123,7 +123,7 @@ def test_timeout_fails_a_silent_tree_within_the_bound(storage: PersistenceStorag
     assert 10.0 <= clock.now <= 15.5
     replay = ft.fetch_replay(0, ft.replay_cursor)
     assert replay.records.offsets.tolist() == [101]
-    assert ft.snapshot_stats().failed[FailCause.TIMEOUT.value] == 1
+    assert ft.current_stats().failed[FailCause.TIMEOUT.value] == 1
     assert len(storage) == 1
 
 
@@ -147,7 +147,7 @@ def test_a_completed_roots_old_timeout_never_fails_its_new_tree(
     for t in np.arange(19.0, 25.0, 0.5):  # the new tree's own T: between 19 and 24
         clock.now = float(t)
         ft.tick()
-    assert ft.snapshot_stats().failed[FailCause.TIMEOUT.value] == 1
+    assert ft.current_stats().failed[FailCause.TIMEOUT.value] == 1
     assert ft.fetch_replay(0, ft.replay_cursor).records.payloads == [b"again"]
 
 
@@ -213,14 +213,14 @@ def test_pruning_one_source_keeps_the_other_sources_replays() -> None:
     _emit(ft, b)
     ft.fail(a.roots[:2])  # replay seqs 1, 2 (source 0)
     ft.fail(b.roots[:2])  # replay seqs 3, 4 (source 9)
-    assert ft.snapshot_stats().replay_queue == 4
+    assert ft.current_stats().replay_queue == 4
     assert ft.prune_replay(4, source_id=0) == 2  # source 0's two; source 9's stay
-    assert ft.snapshot_stats().replay_queue == 2
+    assert ft.current_stats().replay_queue == 2
     assert len(ft.fetch_replay(0, 4, source_id=9)) == 2  # below 0's pruned point: fine
     with pytest.raises(ConfigError, match="of source 0 starts before its pruned point 4"):
         ft.fetch_replay(0, 4, source_id=0)
     assert ft.prune_replay(4) == 2  # every source
-    assert ft.snapshot_stats().replay_queue == 0
+    assert ft.current_stats().replay_queue == 0
 
 
 def test_broadcast_replays_to_every_partition() -> None:
@@ -246,7 +246,7 @@ def test_recovery_replays_every_record_pending_at_the_crash(tmp_path: Path) -> N
 
     store = LmdbStorage(tmp_path / "ft")
     recovered = FTLayer(store)
-    stats = recovered.snapshot_stats()
+    stats = recovered.current_stats()
     assert stats.failed[FailCause.RECOVERY.value] == 6 and stats.pending == 6
     replay = recovered.fetch_replay(cursor_before, recovered.replay_cursor)
     assert sorted(replay.records.offsets.tolist()) == list(range(104, 110))
@@ -275,7 +275,7 @@ def test_a_storage_failure_leaves_no_pending_root(storage: PersistenceStorage) -
     batch = _records(2)
     with pytest.raises(StorageError):
         ft.persist(batch)
-    assert len(ft) == 0 and ft.snapshot_stats().persisted == 0
+    assert len(ft) == 0 and ft.current_stats().persisted == 0
 
 
 @pytest.mark.parametrize(
@@ -539,7 +539,7 @@ def test_each_source_has_its_own_replay_cursor_that_never_goes_back(tmp_path: Pa
         assert (ft.replay_cursor_of(0), ft.replay_cursor_of(9)) == (3, 0)
         ft.fail(b.roots[:1])  # seq 4, source 9
         assert (ft.replay_cursor_of(0), ft.replay_cursor_of(9), ft.replay_cursor) == (3, 4, 4)
-        stats = ft.snapshot_stats()
+        stats = ft.current_stats()
         assert stats.replay_cursors == {"0": 3, "9": 4} and stats.replay_cursor_at_start == 0
     finally:
         storage.close()

@@ -55,15 +55,15 @@ def test_chain_completes_only_after_the_sink_acks() -> None:
         task = TaskHandler(ft)
         records = task.process(records, parents)
         task.flush()
-        assert ft.snapshot_stats().completed == 0
+        assert ft.current_stats().completed == 0
     # Outputs carry their input's root (anchoring), each with a fresh record id.
     assert records.roots.tolist() == inputs.roots.tolist()
     assert not set(records.ids.tolist()) & set(inputs.ids.tolist())
     sink = TaskHandler(ft)
     sink.process(records, np.zeros(0, dtype=np.intp))
-    assert ft.snapshot_stats().completed == 0  # the sink's acks are still buffered
+    assert ft.current_stats().completed == 0  # the sink's acks are still buffered
     sink.flush()
-    assert ft.snapshot_stats().completed == 4 and len(ft) == 0
+    assert ft.current_stats().completed == 4 and len(ft) == 0
 
 
 def _run_chain(ft: FTLayer, n: int, *, flush_map: bool) -> TaskHandler:
@@ -81,9 +81,9 @@ def _run_chain(ft: FTLayer, n: int, *, flush_map: bool) -> TaskHandler:
 def test_a_tree_is_incomplete_while_any_ack_is_outstanding() -> None:
     ft = FTLayer(MemoryStorage())
     map_task = _run_chain(ft, 3, flush_map=False)
-    assert ft.snapshot_stats().completed == 0 and len(ft) == 3
+    assert ft.current_stats().completed == 0 and len(ft) == 3
     map_task.flush()
-    assert ft.snapshot_stats().completed == 3 and len(ft) == 0
+    assert ft.current_stats().completed == 3 and len(ft) == 0
 
 
 def test_one_combined_event_per_input_and_root() -> None:
@@ -106,13 +106,13 @@ def test_multi_anchored_aggregate_holds_every_contributing_root() -> None:
     assert len(outputs) == 2
     assert outputs.pairs(0)[0][0] == int(inputs.roots[0])
     assert sorted(r for r, _ in outputs.pairs(0)) == sorted(inputs.roots[:4].tolist())
-    assert ft.snapshot_stats().completed == 0
+    assert ft.current_stats().completed == 0
     sink = TaskHandler(ft)
     sink.process(
         Anchors(outputs.offsets[:2], outputs.roots[:4], outputs.ids[:4]), np.zeros(0, np.intp)
     )
     sink.flush()
-    assert ft.snapshot_stats().completed == 4  # group 0's roots, and only those
+    assert ft.current_stats().completed == 4  # group 0's roots, and only those
     done = set(inputs.roots[:4].tolist())
     assert not done & set(ft.acker.roots().tolist())
 
@@ -127,7 +127,7 @@ def test_failed_inputs_fail_their_tree_only() -> None:
     sink = TaskHandler(ft)
     sink.process(out, np.zeros(0, np.intp))
     sink.flush()
-    stats = ft.snapshot_stats()
+    stats = ft.current_stats()
     assert stats.completed == 3 and stats.failed["explicit"] == 1
     assert ft.fetch_replay(0, ft.replay_cursor).records.payloads == [b"r1"]
     with pytest.raises(ValueError, match="failed input cannot have outputs"):
@@ -149,7 +149,7 @@ def test_anchor_scope_acks_fails_or_propagates() -> None:
     with sink.anchor(child):
         pass
     sink.flush()
-    stats = ft.snapshot_stats()
+    stats = ft.current_stats()
     assert stats.completed == 1 and stats.failed["explicit"] == 1
     assert int(inputs.roots[2]) in ft.acker  # unacked: it will time out and replay
 
@@ -222,7 +222,7 @@ def test_an_aggregate_of_one_tree_acks_once_per_root() -> None:
     sink.process(folded, np.zeros(0, dtype=np.intp))
     sink.flush()
     assert channel.xor_calls[-1] == 1  # the sink sends one combined event for that root
-    assert ft.snapshot_stats().completed == 1
+    assert ft.current_stats().completed == 1
 
 
 def _folded(ft: FTLayer, fan_out: int) -> tuple[int, Anchors]:
@@ -248,12 +248,12 @@ def test_a_map_after_an_aggregate_of_one_tree_keeps_the_root_pending(fan_out: in
     mapper = TaskHandler(ft)
     mapped = mapper.process(folded, [0])
     mapper.flush()
-    assert ft.snapshot_stats().completed == 0, "complete while the map's output is in flight"
+    assert ft.current_stats().completed == 0, "complete while the map's output is in flight"
     assert mapped.pairs(0) == [(root, int(mapped.ids[0]))]  # one pair per root
     sink = TaskHandler(ft)
     sink.process(mapped, np.zeros(0, dtype=np.intp))
     sink.flush()
-    assert ft.snapshot_stats().completed == 1
+    assert ft.current_stats().completed == 1
 
 
 @pytest.mark.parametrize("fan_out", [2, 3, 4])
@@ -266,10 +266,10 @@ def test_the_record_scope_after_an_aggregate_of_one_tree_keeps_the_root_pending(
     with mapper.anchor(folded.pairs(0)) as record:
         child = record.emit()
     mapper.flush()
-    assert ft.snapshot_stats().completed == 0, "complete while the map's output is in flight"
+    assert ft.current_stats().completed == 0, "complete while the map's output is in flight"
     assert len(child) == 1 and child[0][0] == root
     sink = TaskHandler(ft)
     with sink.anchor(child):
         pass
     sink.flush()
-    assert ft.snapshot_stats().completed == 1
+    assert ft.current_stats().completed == 1

@@ -198,7 +198,7 @@ def test_every_root_completes_once_or_is_replayed_never_early(data: st.DataObjec
     sink.process(reemitted, np.zeros(0, np.intp))
     sink.flush()
     assert len(ft) == 0 and len(ft.storage) == 0
-    assert ft.snapshot_stats().completed == n
+    assert ft.current_stats().completed == n
 
 
 @settings(max_examples=200, deadline=None)

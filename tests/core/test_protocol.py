@@ -225,7 +225,7 @@ def test_retired_kinds_are_unknown(kind: int) -> None:
 
 def test_checkpoint_requests_and_reply_round_trip() -> None:
     position = {"kafka": {"orders": {"0": 5, "1": 7}}, "replay": 3}
-    for begin, kind in ((True, p.Kind.CHECKPOINT_BEGIN), (False, p.Kind.CHECKPOINT_COMPLETE)):
+    for begin, kind in ((True, p.Kind.CHECKPOINT_BEGIN), (False, p.Kind.CHECKPOINT_DONE)):
         request = frame(
             p.encode_checkpoint_request(
                 9, begin=begin, query="orders", position=position, sources=[4, 2], mode="aligned"
@@ -261,7 +261,7 @@ def test_a_begin_can_complete_the_batch_before_in_the_same_request() -> None:
     # Only a BEGIN carries one, and it is a position object.
     complete_body = {"query": "q", "position": position, "sources": [1], "mode": "unaligned"}
     for kind, body in (
-        (p.Kind.CHECKPOINT_COMPLETE, {**complete_body, "complete": before}),
+        (p.Kind.CHECKPOINT_DONE, {**complete_body, "complete": before}),
         (p.Kind.CHECKPOINT_BEGIN, {**complete_body, "complete": [3]}),
     ):
         with pytest.raises(p.BadRequest, match=kind.name):
@@ -337,7 +337,7 @@ def test_persist_status_and_replay_through_a_real_ft_layer() -> None:
     assert list(got.records.payloads) == [b"payload-0", b"payload-1"]
     assert list(got.records.topics) == ["a", "b"]
     np.testing.assert_array_equal(got.records.roots, replay.records.roots)
-    status = dataclasses.asdict(ft.snapshot_stats())
+    status = dataclasses.asdict(ft.current_stats())
     assert p.decode_status_reply(frame(p.encode_status_reply(4, status))).status == status
 
 
@@ -670,7 +670,7 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
     ("checkpoint begin empty", reframe(p.Kind.CHECKPOINT_BEGIN, b""), p.MalformedFrame, "JSON"),
     (
         "checkpoint complete not an object",
-        reframe(p.Kind.CHECKPOINT_COMPLETE, b"[1]"),
+        reframe(p.Kind.CHECKPOINT_DONE, b"[1]"),
         p.BadRequest,
         "query",
     ),
@@ -686,7 +686,7 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
     (
         "checkpoint negative source",
         reframe(
-            p.Kind.CHECKPOINT_COMPLETE,
+            p.Kind.CHECKPOINT_DONE,
             b'{"query":"q","position":{},"sources":[-1],"mode":"aligned"}',
         ),
         p.BadRequest,

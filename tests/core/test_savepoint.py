@@ -245,7 +245,7 @@ def barrier(
     begun when Spark plans the batch, and completed (unaligned) when it is done."""
     position = {"kafka": offsets, "replay": 0}
     if done:
-        checkpoints.complete(query, position, [KEYED], CheckpointMode.UNALIGNED)
+        checkpoints.done(query, position, [KEYED], CheckpointMode.UNALIGNED)
     else:
         checkpoints.begin(query, position, [KEYED], CheckpointMode.UNALIGNED)
     checkpoints.write_pending()  # the snapshot; a complete checkpoint then completes
