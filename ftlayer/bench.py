@@ -6,6 +6,14 @@
 - persist: source records per second through persist -> complete -> delete on LMDB
   (FTLayer on LmdbStorage), against raw py-lmdb put + delete of the same payloads in the
   same batches. Targets: >= 250,000 records/s and >= 0.5x raw LMDB.
+- server: XOR updates and records per second through a real `ftlayer serve` over
+  loopback from client processes, against the in-process core on the same sizes.
+  Targets: >= 1,500,000 XOR updates/s and >= 150,000 records/s.
+- checkpoint: a micro-batch job's records per second with a checkpoint at every batch
+  against none, in paired rounds; checkpoint times against pending roots. Target:
+  >= 0.95x without.
+- pipeline (ftlayer.integration.harness.benchpipe): the demo pipeline on Spark, FT on
+  against FT off.
 
 Each returns a dict of figures; the CLI prints it as one JSON object on the last line.
 Figures are wall-clock rates on whatever else the machine is doing: compare the ratio,

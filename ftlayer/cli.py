@@ -11,6 +11,8 @@
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
     ftlayer bench server  [--records N] [--events E] [--clients C] [--dir D] [--json]
+    ftlayer bench checkpoint [--batches N] [--batch B] [--rounds R] [--pending P,...]
+                             [--dir D] [--json]
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
                            [--json]
     ftlayer savepoint create  --data-dir DIR --dir SAVEPOINTS [--name NAME] [--json]

@@ -184,6 +184,7 @@ def _settle_partition(settings: FTSettings, ack: bool) -> Callable[[Iterator[Any
             failed = None if ack else np.ones(len(anchors), dtype=np.bool_)
             handler.process(anchors, _NO_PARENTS, failed)
             rows += len(anchors)
+        handler.flush()
         channel.flush()
         yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], type=pa.int64())})
 
@@ -379,7 +380,8 @@ def _kafka_partition(
         finally:
             if producer is not None:
                 producer.close(timeout=0)  # flushed already; what is left has failed
-        if channel is not None:
+        if handler is not None and channel is not None:
+            handler.flush()
             channel.flush()
         yield pa.RecordBatch.from_pydict(
             {

@@ -73,11 +73,11 @@ function per group with no end-of-partition hook, this flushes at the end of eac
 partition like the other wrappers. A group function that returns several rows (or
 none) gets them anchored by a second `process` over the group's combined anchors.
 
-FT off (`FTSettings(enabled=False)`): the same user code runs through the plain path
-(mapInArrow, or groupBy().applyInArrow for aggregates) with no FT columns, no ids, no
-connection. A record whose code raises FailException, or any exception under
-`fail-record`, is dropped and logged: without the FT layer there is nothing to replay
-it from.
+FT off (`FTSettings(enabled=False)`): the same user code runs through the same
+runners with the null handler (NoFTTaskHandler: no FT columns, no ids, no connection);
+an aggregate of a static DataFrame uses Spark's own groupBy().applyInArrow. A record
+whose code raises FailException, or any exception under `fail-record`, is dropped and
+logged: without the FT layer there is nothing to replay it from.
 """
 
 from __future__ import annotations
@@ -527,13 +527,19 @@ def _payload_of(batch: Any) -> Any:
 
 def _task_handler(settings: FTSettings) -> tuple[TaskHandler | NoFTTaskHandler, Callable[[], None]]:
     """The FT switch of every runner below: this task's handler, and what ends the task
-    (the events of this process's channel sent). With FT off the handler anchors nothing
-    and sends nothing, and there is no channel."""
+    (the attempt's events handed to the process's channel, which then sends them). With
+    FT off the handler anchors nothing and sends nothing, and there is no channel."""
     if not settings.enabled:
-        handler = NoFTTaskHandler()
-        return handler, handler.flush
+        off = NoFTTaskHandler()
+        return off, off.flush
     channel = settings.channel()
-    return TaskHandler(channel), channel.flush
+    handler = TaskHandler(channel)
+
+    def finish() -> None:
+        handler.flush()
+        channel.flush()
+
+    return handler, finish
 
 
 _NO_ANCHORS: Final = Anchors.single(np.zeros(0, np.uint64), np.zeros(0, np.uint64))

@@ -31,7 +31,7 @@ form a connected graph over its ids; no proper subset of them XORs to 0 barring 
 the one-at-a-time rule would report; the root then times out and is replayed: a
 duplicate, never a loss.
 
-Layout: a U64Map (ftlayer/u64map.py): the uint64 ack value plus the owner's columns,
+Layout: a U64Map (ftlayer/acking/u64map.py): the uint64 ack value plus the owner's columns,
 at load factor at most 1/2. A bare table is 16 bytes a slot: 33.6 bytes per pending
 root at 1,000,000 roots. The FT layer's table, with the record locator, is 40 bytes a
 slot: 83.9 bytes per pending root at 1,000,000 (`ftlayer bench acker` reports both).

@@ -14,13 +14,11 @@ it was derived from, each under that input's root.
   event per input pair, as Storm does: the pair's record id XOR the ids of every edge
   leaving that input. Inputs that failed (FailException) send a fail for their roots
   instead, and must have no outputs. A terminal task (a sink) is a task with no outputs.
-- XorHandler: buffers XOR and fail events and sends them in batches, for a channel
-  that does not buffer (an FTLayer in this process, a bare FTClient).
+- XorHandler: holds a task attempt's XOR and fail events and sends them at its end.
 
-Events are buffered once on every path: a handler over a channel that buffers them
-itself (`buffers_events`: the BatchingChannel every executor uses, bounded, flushed by
-size and time) hands each batch's events on at once; over any other channel it keeps
-them in an XorHandler until flush().
+A task's handler holds the task attempt's events (XorHandler) until the partition
+ends; the process's BatchingChannel then batches the events of every task of the
+worker into few frames. Both hold them in an EventBuffer (ftlayer.acking.events).
 
 With FT off, NoFTPersister and NoFTTaskHandler do nothing at all; the wrappers of the
 integration package do not even build anchors then.
@@ -36,6 +34,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ftlayer.acking.events import EventBuffer
 from ftlayer.acking.ids import new_ids
 from ftlayer.errors import FailException
 from ftlayer.records import RecordBatch
@@ -61,11 +60,6 @@ class FTChannel(Protocol):
     def xor(self, roots: ArrayLike, values: ArrayLike) -> object: ...
 
     def fail(self, roots: ArrayLike) -> object: ...
-
-
-def buffers_events(channel: object) -> bool:
-    """Whether `channel` buffers XOR and fail events itself (BatchingChannel does)."""
-    return bool(getattr(channel, "buffers_events", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,41 +144,33 @@ def _pair_positions(
 
 
 class XorHandler:
-    """Buffers XOR events and fails; flushes when `flush_events` are buffered or on flush()."""
+    """A task attempt's events: held until flush() (the end of the task's partition) or
+    until `flush_events` are held, so an attempt that dies midway has usually sent
+    nothing (its trees then complete through the retry, not by timeout)."""
 
     def __init__(self, channel: FTChannel, *, flush_events: int = 65536) -> None:
         self._channel = channel
         self._flush_events = flush_events
-        self._roots: list[NDArray[np.uint64]] = []
-        self._values: list[NDArray[np.uint64]] = []
-        self._buffered = 0
-        self._fails: list[NDArray[np.uint64]] = []
+        self._buffer = EventBuffer()
 
     @property
     def buffered(self) -> int:
-        return self._buffered
+        return len(self._buffer)
 
     def xor(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
-        if len(roots):
-            self._roots.append(roots)
-            self._values.append(values)
-            self._buffered += len(roots)
-            if self._buffered >= self._flush_events:
-                self.flush()
+        self._buffer.add_xor(roots, values)
+        if len(self._buffer) >= self._flush_events:
+            self.flush()
 
     def fail(self, roots: NDArray[np.uint64]) -> None:
-        if len(roots):
-            self._fails.append(roots)
+        self._buffer.add_fail(roots)
 
     def flush(self) -> None:
-        """Send buffered fails, then buffered XOR events. Failing first means events
-        of a failed tree that arrive with them are counted as late, not unknown."""
-        if self._fails:
-            fails, self._fails = np.concatenate(self._fails), []
+        """Send the held fails, then the held XOR events (EventBuffer.drain's order)."""
+        fails, roots, values = self._buffer.drain()
+        if len(fails):
             self._channel.fail(fails)
-        if self._roots:
-            roots, values = np.concatenate(self._roots), np.concatenate(self._values)
-            self._roots, self._values, self._buffered = [], [], 0
+        if len(roots):
             self._channel.xor(roots, values)
 
 
@@ -269,11 +255,7 @@ class TaskHandler:
     """Task side: anchoring and combined XOR events for batches of inputs."""
 
     def __init__(self, channel: XorHandler | FTChannel) -> None:
-        self._events: XorHandler | FTChannel = (
-            channel
-            if isinstance(channel, XorHandler) or buffers_events(channel)
-            else XorHandler(channel)
-        )
+        self._events = channel if isinstance(channel, XorHandler) else XorHandler(channel)
 
     def process(
         self,
@@ -371,10 +353,8 @@ class TaskHandler:
         self._events.xor(roots, ids ^ scope.edges)
 
     def flush(self) -> None:
-        """Send the events this handler buffers (none over a channel that buffers them:
-        that channel flushes by size and time, and its owner flushes it at the end)."""
-        if isinstance(self._events, XorHandler):
-            self._events.flush()
+        """Send this task's events to its channel (at the end of its partition)."""
+        self._events.flush()
 
 
 class NoFTTaskHandler:

@@ -11,11 +11,12 @@ import threading
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Self
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ftlayer.acking.events import EventBuffer
 from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.status import Status
@@ -44,11 +45,9 @@ class BatchingChannel:
       loss).
     - Thread-safe: one lock guards the buffer and is held while flushing, so events
       leave in the order they were added and a persist never overtakes them.
-    - It is the one event buffer on its path: a TaskHandler over it hands events on at
-      once (`buffers_events`) instead of buffering them again.
+    - The events wait in an EventBuffer (ftlayer.acking.events), the same one a task's
+      XorHandler holds its attempt's events in until the task ends.
     """
-
-    buffers_events: Final = True
 
     def __init__(
         self,
@@ -67,10 +66,7 @@ class BatchingChannel:
         self.max_delay_s = max_delay_s
         self.max_buffered_events = max_buffered_events
         self._cond = threading.Condition(threading.Lock())
-        self._roots: list[NDArray[np.uint64]] = []
-        self._values: list[NDArray[np.uint64]] = []
-        self._fails: list[NDArray[np.uint64]] = []
-        self._buffered = 0
+        self._buffer = EventBuffer()
         self._oldest: float | None = None  # time.monotonic() of the oldest buffered event
         self._error: BaseException | None = None
         self._closed = False
@@ -89,7 +85,7 @@ class BatchingChannel:
     def buffered(self) -> int:
         """XOR events and failed roots waiting in the buffer."""
         with self._cond:
-            return self._buffered
+            return len(self._buffer)
 
     # ---- FTChannel ---------------------------------------------------------------
 
@@ -113,8 +109,7 @@ class BatchingChannel:
                 self._send_xor(r, v)
             elif len(r):
                 self._make_room(len(r))
-                self._roots.append(r)
-                self._values.append(v)
+                self._buffer.add_xor(r, v)
                 self._added(len(r))
         return len(r)
 
@@ -130,7 +125,7 @@ class BatchingChannel:
                 self.client.fail(r)
             elif len(r):
                 self._make_room(len(r))
-                self._fails.append(r)
+                self._buffer.add_fail(r)
                 self._added(len(r))
         return len(r)
 
@@ -182,7 +177,8 @@ class BatchingChannel:
                     raise
                 kept.add_note(f"and the final flush failed too: {exc!r}")
             finally:
-                self._drop_buffer()
+                self._buffer.drain()  # what the final flush could not send is dropped
+                self._oldest = None
                 self.client.close()
         self._flusher.join()
         if kept is not None:
@@ -209,35 +205,29 @@ class BatchingChannel:
             raise FTLayerError("the batching channel is closed")
 
     def _make_room(self, n: int) -> None:
-        if self._buffered + n > self.max_buffered_events:
+        if len(self._buffer) + n > self.max_buffered_events:
             self._flush_locked()
 
     def _added(self, n: int) -> None:
         if self._oldest is None:
             self._oldest = time.monotonic()
             self._cond.notify_all()
-        self._buffered += n
-        self.max_buffered_seen = max(self.max_buffered_seen, self._buffered)
-        if self._buffered >= self.max_events:
+        self.max_buffered_seen = max(self.max_buffered_seen, len(self._buffer))
+        if len(self._buffer) >= self.max_events:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        fails, roots, values = self._fails, self._roots, self._values
-        self._drop_buffer()
-        if fails:
-            self.client.fail(np.concatenate(fails))
-        if roots:
-            self._send_xor(np.concatenate(roots), np.concatenate(values))
+        fails, roots, values = self._buffer.drain()
+        self._oldest = None
+        if len(fails):
+            self.client.fail(fails)
+        if len(roots):
+            self._send_xor(roots, values)
 
     def _send_xor(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
         for lo in range(0, len(roots), self.max_events):
             hi = lo + self.max_events
             self.client.xor(roots[lo:hi], values[lo:hi])
-
-    def _drop_buffer(self) -> None:
-        self._roots, self._values, self._fails = [], [], []
-        self._buffered = 0
-        self._oldest = None
 
     def _flush_loop(self) -> None:
         with self._cond:

@@ -3,7 +3,7 @@
 One embedded Tansu broker, one FT-layer process (`ftlayer serve`) and one local Spark
 session (`local[2,64]`: two task threads; a failed task may be retried 63 times, which
 Spark's own handling of the failure runs below needs) serve every phase. The events
-are the demo's (`integration.demo.event`), produced once to an input topic; the
+are the demo's (`integration.harness.demo.event`), produced once to an input topic; the
 pipeline is the demo's (ftkafka source -> parse -> enrich -> filter -> Kafka sink),
 each phase writing to its own output topic and checkpoint.
 

@@ -84,9 +84,9 @@ are partitions); it also caps the number of replay seqs a batch takes in.
 
 ## Options
 
-Declared once, with their types, defaults and meaning, in `ftlayer.integration.options`
-(`OPTIONS`; docs/user-guide.md section 3.1 shows the same table).
-Every bad option raises ConfigError naming the option and the value, on the driver:
+Declared once, with their types, defaults and meaning, in `OPTIONS` of
+`ftlayer.integration.source.options` (docs/user-guide.md section 3.1 shows the same
+table). Every bad option raises ConfigError naming the option and the value, on the driver:
 option syntax at `load()` (in `schema()`), what needs the broker (a topic or partition
 that does not exist) when the query starts, before any batch.
 """

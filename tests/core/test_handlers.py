@@ -186,24 +186,16 @@ def test_xor_handler_flushes_on_size() -> None:
     assert channel.xor_calls == [14] and buffer.buffered == 0
 
 
-class BufferingChannel(CountingChannel):
-    """A channel that buffers events itself, as BatchingChannel does."""
-
-    buffers_events = True
-
-
-def test_events_are_buffered_once_a_channel_that_buffers_gets_them_at_once() -> None:
+def test_a_task_attempts_events_leave_only_when_it_ends() -> None:
     ft = FTLayer(MemoryStorage())
     inputs = _source(ft, 6)
-    own = CountingChannel(ft)
-    TaskHandler(own).process(inputs.take([0, 1, 2]), np.zeros(0, dtype=np.intp))
-    assert own.xor_calls == [], "over a plain channel the handler buffers until flush()"
-    buffering = BufferingChannel(ft)
-    sink = TaskHandler(buffering)
+    channel = CountingChannel(ft)
+    sink = TaskHandler(channel)
+    sink.process(inputs.take([0, 1, 2]), np.zeros(0, dtype=np.intp))
     sink.process(inputs.take([3, 4, 5]), np.zeros(0, dtype=np.intp))
-    assert buffering.xor_calls == [3], "a channel that buffers gets the events at once"
+    assert channel.xor_calls == [], "an attempt that dies here has sent nothing"
     sink.flush()
-    assert buffering.xor_calls == [3], "and the handler holds nothing more to flush"
+    assert channel.xor_calls == [6] and ft.current_stats().completed == 6
 
 
 def test_an_aggregate_of_one_tree_acks_once_per_root() -> None:
