@@ -5,7 +5,7 @@ the source registry. `ftlayer.core.layer` opens with the contract."""
 from .layer import CompletionListener, FTLayer
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
-from .sources import SOURCES_META_KEY, SourceConfig
+from .sources import SOURCES_META_KEY, SourceConfig, SourceRegistry
 from .stats import FailCause, FTStats
 
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "ReplayQueue",
     "RetiredRoots",
     "SourceConfig",
+    "SourceRegistry",
 ]

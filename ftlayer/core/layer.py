@@ -39,7 +39,6 @@ Not thread-safe: one thread drives a core (the server serializes its clients).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -58,7 +57,7 @@ from ftlayer.records import RecordBatch, ReplayRecords
 
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
-from .sources import SOURCES_META_KEY, SourceConfig, source_from_spec
+from .sources import SourceConfig, SourceRegistry
 from .stats import FailCause, FTStats
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
@@ -99,31 +98,20 @@ class FTLayer:
             start=clock(),
             defer_deletes=defer_deletes,
         )
-        self._registered: dict[str, dict[str, Any]] = {}
-        self._sources: dict[int, SourceConfig] = {}
-        stored_sources = storage.get_meta(SOURCES_META_KEY)
-        if stored_sources:
-            self._registered = json.loads(stored_sources.decode())
-            for key, spec in self._registered.items():
-                self._sources[int(key)] = source_from_spec(spec)
-        self._sources.update(sources or {})
-        self._default_source = default_source
-        self._queue = ReplayQueue()
+        self._sources = SourceRegistry(storage, sources, default_source)
+        meta = storage.get_meta(REPLAY_SEQ_META_KEY)
+        self._queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self._retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self._retries: dict[int, int] = {}
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
-        meta = storage.get_meta(REPLAY_SEQ_META_KEY)
-        self._next_replay_seq = int(meta.decode()) if meta else 1
-        self.stats.replay_cursor = self._next_replay_seq - 1
-        self._cursor_at_start = self.stats.replay_cursor_at_start = self._next_replay_seq - 1
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
 
     def source_config(self, source_id: int) -> SourceConfig | None:
-        return self._sources.get(source_id, self._default_source)
+        return self._sources.get(source_id)
 
     def register_source(
         self,
@@ -140,22 +128,9 @@ class FTLayer:
         `timeout_s` gives the source's trees their own timeout (None: the FT layer's);
         it applies to roots that start pending from now on.
         ConfigError (nothing changed) for an unknown partitioner or bad options."""
-        if isinstance(source_id, bool) or not 0 <= source_id <= 0xFFFFFFFF:
-            raise ConfigError(f"a source id is a u32, got {source_id!r}")
         if timeout_s is not None:
             validate_timeout(timeout_s, self.persistence.buckets)
-        spec: dict[str, Any] = {
-            "partitioner": partitioner,
-            "num_partitions": num_partitions,
-            "options": dict(options or {}),
-            "timeout_s": timeout_s,
-        }
-        config = source_from_spec(spec)
-        registered = {**self._registered, str(source_id): spec}
-        self.storage.put_meta(SOURCES_META_KEY, json.dumps(registered, sort_keys=True).encode())
-        self._registered = registered
-        self._sources[source_id] = config
-        return config
+        return self._sources.register(source_id, partitioner, num_partitions, options, timeout_s)
 
     def add_change_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` before every change to the state `state_snapshot` copies (persist,
@@ -174,14 +149,14 @@ class FTLayer:
     @property
     def replay_cursor(self) -> int:
         """The highest replay seq handed out so far (0 before the first failure)."""
-        return self._next_replay_seq - 1
+        return self._queue.cursor
 
     def replay_cursor_of(self, source_id: int) -> int:
         """The highest replay seq of `source_id`'s records; for a source with none since
         this FT layer started, the cursor at the start. Never behind a value it
         returned before (also across restarts), and a source's replays all have seqs
         at most this: a reader that takes in (its last cursor, this] misses none."""
-        return int(self.stats.replay_cursors.get(str(source_id), self._cursor_at_start))
+        return self._queue.cursor_of(source_id)
 
     def retries(self, root: int) -> int:
         """How many times the record now tracked under `root` has been replayed."""
@@ -355,9 +330,9 @@ class FTLayer:
         index, partitions = self._route(batch)
         # Step 2. The replay seq counter is stored before any record uses a seq from it.
         new_roots = new_ids(n)
-        replay_seqs = np.arange(self._next_replay_seq, self._next_replay_seq + n, dtype=np.uint64)
-        self.storage.put_meta(REPLAY_SEQ_META_KEY, str(self._next_replay_seq + n).encode())
-        self._next_replay_seq += n
+        replay_seqs = self._queue.reserve(
+            n, lambda next_seq: self.storage.put_meta(REPLAY_SEQ_META_KEY, str(next_seq).encode())
+        )
         self.persistence.retag(seqs, new_roots, replay_seqs)
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
         self.acker.remove(old_roots)
@@ -367,15 +342,10 @@ class FTLayer:
         self._queue.append(
             replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
         )
-        cursors = self.stats.replay_cursors
-        queued_sources = batch.source_ids[index]
-        for source_id in _source_list(queued_sources):
-            cursors[str(source_id)] = int(replay_seqs[index][queued_sources == source_id].max())
         self._retired.add(old_roots, self._clock())
         for old, new in zip(old_roots.tolist(), new_roots.tolist(), strict=True):
             self._retries[new] = self._retries.pop(old, 0) + 1
         self.stats.failed[cause.value] += n
-        self.stats.replay_cursor = self.replay_cursor
 
     def _track(
         self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], source_ids: NDArray[Any]
@@ -468,17 +438,13 @@ class FTLayer:
         Returns how many entries were dropped. Their roots stay pending: a replay that
         fails again is queued again under a new replay seq."""
         self._changing()
-        dropped = self._queue.prune(upto, source_id)
-        key = "*" if source_id is None else str(source_id)
-        self.stats.replay_pruned[key] = max(self.stats.replay_pruned.get(key, 0), upto)
-        return dropped
+        return self._queue.prune(upto, source_id)
 
     def replay_start_of(self, source_id: int) -> int:
         """Where a new query of `source_id` starts its replay cursor: the point its
         queue entries were pruned to (0 if never), so it takes in every queued replay
         of the source that no finished batch took in."""
-        pruned = self.stats.replay_pruned
-        return max(pruned.get("*", 0), pruned.get(str(source_id), 0))
+        return self._queue.start_of(source_id)
 
     # ---- checkpoints -------------------------------------------------------------
 
@@ -507,10 +473,14 @@ class FTLayer:
             self._requeue(roots, seqs, FailCause.RECOVERY)
 
     def current_stats(self) -> FTStats:
-        """The counters, with pending and queue length filled in."""
+        """The counters, with the current state filled in: pending roots, and the replay
+        queue's length and cursors."""
         self.stats.pending = len(self.acker)
         self.stats.replay_queue = self.queued_replays
-        self.stats.replay_cursor = self.replay_cursor
+        self.stats.replay_cursor = self._queue.cursor
+        self.stats.replay_cursors = self._queue.cursors()
+        self.stats.replay_cursor_at_start = self._queue.cursor_at_start
+        self.stats.replay_pruned = self._queue.pruned()
         return self.stats
 
 

@@ -10,6 +10,7 @@ fetches the same replays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,18 +26,62 @@ _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
 
 class ReplayQueue:
-    """Failed records waiting to re-enter the pipeline, ordered by replay seq.
+    """Failed records waiting to re-enter the pipeline, ordered by replay seq, with the
+    cursors a reader needs: the replay seqs handed out, each source's cursor and each
+    source's prune point.
 
     One entry per (record, target partition); a broadcast replay has several entries
     with the same replay seq. Entries stay fetchable until pruned, so a micro-batch that
     Spark runs again fetches the same replays again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, next_seq: int = 1) -> None:
         # Columns: replay seq, root, storage seq, source id, target partition; each a
         # list of appended chunks, merged on read (appends are rare: failures).
         self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [])
         self._pruned_upto: dict[int | None, int] = {}  # per source id; None: every source
+        self._next_seq = next_seq
+        self.cursor_at_start = next_seq - 1
+        """The cursor when this queue was made: the cursor of a source with none since."""
+        self._cursors: dict[int, int] = {}  # per source id: its highest replay seq
+
+    # ---- replay seqs and cursors ----------------------------------------------------
+
+    def reserve(self, n: int, store: Callable[[int], None]) -> NDArray[np.uint64]:
+        """The next `n` replay seqs. `store(next seq)` makes the counter durable first:
+        if it raises, no seq was handed out (a seq is never used twice, also across
+        restarts)."""
+        seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.uint64)
+        store(self._next_seq + n)
+        self._next_seq += n
+        return seqs
+
+    @property
+    def cursor(self) -> int:
+        """The highest replay seq handed out so far (0 before the first failure)."""
+        return self._next_seq - 1
+
+    def cursor_of(self, source_id: int) -> int:
+        """The highest replay seq of `source_id`'s records; for a source with none since
+        this queue was made, the cursor at its start. Never behind a value it returned
+        before (also across restarts), and a source's replays all have seqs at most
+        this: a reader that takes in (its last cursor, this] misses none."""
+        return self._cursors.get(source_id, self.cursor_at_start)
+
+    def cursors(self) -> dict[str, int]:
+        """Every source's cursor, by source id as a string (JSON's way)."""
+        return {str(s): c for s, c in self._cursors.items()}
+
+    def start_of(self, source_id: int) -> int:
+        """Where a new reader of `source_id` starts: the point its entries were pruned
+        to (0 if never), so it takes in every queued replay no finished batch took in."""
+        return max(self._pruned_upto.get(None, 0), self._pruned_upto.get(source_id, 0))
+
+    def pruned(self) -> dict[str, int]:
+        """Every prune point, by source id as a string ("*": every source)."""
+        return {("*" if s is None else str(s)): upto for s, upto in self._pruned_upto.items()}
+
+    # ---- entries ----------------------------------------------------------------------
 
     def append(
         self,
@@ -50,6 +95,9 @@ class ReplayQueue:
             chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
             for column, chunk in zip(self._columns, chunks, strict=True):
                 column.append(chunk)
+            for source_id in np.unique(source_ids).tolist():
+                newest = int(replay_seqs[source_ids == source_id].max())
+                self._cursors[source_id] = max(self._cursors.get(source_id, 0), newest)
 
     def columns(self) -> dict[str, NDArray[Any]]:
         """Copies of every entry's columns, for checkpoints."""
@@ -75,7 +123,7 @@ class ReplayQueue:
         ConfigError if the range starts below the point the source (or every source)
         was pruned to: those entries are gone, and a batch that needs them again means
         the caller's position is older than a completed checkpoint of it."""
-        pruned = max(self._pruned_upto.get(None, 0), self._pruned_upto.get(source_id, 0))
+        pruned = self._pruned_upto.get(None, 0) if source_id is None else self.start_of(source_id)
         if lo < pruned:
             which = "" if source_id is None else f" of source {source_id}"
             raise ConfigError(

@@ -4,6 +4,7 @@ in the store under SOURCES_META_KEY, so a restarted FT layer routes replays as b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 from ftlayer.acking.rotating import validate_timeout
 from ftlayer.errors import ConfigError
 from ftlayer.partitioners import ReplayPartitioner, create_partitioner
+from ftlayer.persistence.base import PersistenceStorage
 
-__all__ = ["SOURCES_META_KEY", "SourceConfig", "source_from_spec"]
+__all__ = ["SOURCES_META_KEY", "SourceConfig", "SourceRegistry", "source_from_spec"]
 
 SOURCES_META_KEY = "sources"
 """Meta key of the source registrations: JSON {source id: partitioner spec}."""
@@ -54,3 +56,55 @@ def source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
         )
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"bad source config {dict(spec)!r}: {exc}") from None
+
+
+class SourceRegistry:
+    """Every source's SourceConfig by source id, loaded from and stored in the storage's
+    meta entries (SOURCES_META_KEY), so a restarted FT layer routes its recovered
+    records as before (the registrations load before recovery); sources given in code
+    take precedence, and `default` serves a source nobody registered."""
+
+    def __init__(
+        self,
+        storage: PersistenceStorage,
+        sources: Mapping[int, SourceConfig] | None = None,
+        default: SourceConfig | None = None,
+    ) -> None:
+        self._storage = storage
+        self._default = default
+        self._specs: dict[str, dict[str, Any]] = {}
+        self._configs: dict[int, SourceConfig] = {}
+        stored = storage.get_meta(SOURCES_META_KEY)
+        if stored:
+            self._specs = json.loads(stored.decode())
+            for key, spec in self._specs.items():
+                self._configs[int(key)] = source_from_spec(spec)
+        self._configs.update(sources or {})
+
+    def get(self, source_id: int) -> SourceConfig | None:
+        return self._configs.get(source_id, self._default)
+
+    def register(
+        self,
+        source_id: int,
+        partitioner: str,
+        num_partitions: int,
+        options: Mapping[str, object] | None = None,
+        timeout_s: float | None = None,
+    ) -> SourceConfig:
+        """Register (or replace) `source_id`'s config and store every registration;
+        ConfigError, nothing changed, for a bad id, partitioner or option."""
+        if isinstance(source_id, bool) or not 0 <= source_id <= 0xFFFFFFFF:
+            raise ConfigError(f"a source id is a u32, got {source_id!r}")
+        spec: dict[str, Any] = {
+            "partitioner": partitioner,
+            "num_partitions": num_partitions,
+            "options": dict(options or {}),
+            "timeout_s": timeout_s,
+        }
+        config = source_from_spec(spec)
+        specs = {**self._specs, str(source_id): spec}
+        self._storage.put_meta(SOURCES_META_KEY, json.dumps(specs, sort_keys=True).encode())
+        self._specs = specs
+        self._configs[source_id] = config
+        return config
