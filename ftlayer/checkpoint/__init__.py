@@ -13,8 +13,8 @@ from .coordinator import (
     CheckpointState,
     check_position,
     check_query,
-    decode_snapshot,
 )
+from .snapshot import decode_snapshot, encode_snapshot
 
 __all__ = [
     "CHECKPOINT_PREFIX",
@@ -28,4 +28,5 @@ __all__ = [
     "check_position",
     "check_query",
     "decode_snapshot",
+    "encode_snapshot",
 ]

@@ -60,7 +60,6 @@ import enum
 import json
 import logging
 import re
-import struct
 import threading
 import time
 from collections import deque
@@ -68,9 +67,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.checkpoint.snapshot import encode_snapshot
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import MetaValue, PersistenceStorage
@@ -429,7 +428,7 @@ class CheckpointCoordinator:
             began = time.perf_counter()
             snapshots: dict[str, MetaValue] = {}
             for checkpoint, state in items:
-                snapshot = _encode_snapshot(state)
+                snapshot = encode_snapshot(state)
                 snapshots[_entry_key(SNAPSHOT_PREFIX, checkpoint.query, checkpoint.id)] = snapshot
                 checkpoint.size_bytes = len(snapshot)
             expired = self._expire_snapshots(items)
@@ -545,53 +544,9 @@ class CheckpointCoordinator:
 # ---- snapshots ----------------------------------------------------------------------
 
 
-_SNAPSHOT_MAGIC = b"FTSNAP1\n"
-_HEADER_LEN = struct.Struct("<I")
-
-
 def _entry_key(prefix: str, query: str, checkpoint_id: int) -> str:
     """The meta key of a checkpoint's record or snapshot: `<prefix><query>/<id>`."""
     return f"{prefix}{query}/{checkpoint_id:012d}"
-
-
-def _encode_snapshot(state: Mapping[str, NDArray[Any]]) -> bytearray:
-    """The arrays as one blob: magic, u32 header length, a JSON header (per array its
-    name, dtype and length), then each array's bytes. One copy of each array, into
-    the blob."""
-    header = json.dumps(
-        [[name, array.dtype.str, len(array)] for name, array in state.items()]
-    ).encode()
-    offset = len(_SNAPSHOT_MAGIC) + _HEADER_LEN.size + len(header)
-    blob = bytearray(offset + sum(array.nbytes for array in state.values()))
-    blob[:offset] = _SNAPSHOT_MAGIC + _HEADER_LEN.pack(len(header)) + header
-    for array in state.values():
-        if array.nbytes:
-            np.frombuffer(blob, dtype=array.dtype, count=len(array), offset=offset)[:] = array
-            offset += array.nbytes
-    return blob
-
-
-def decode_snapshot(raw: bytes) -> dict[str, NDArray[Any]]:
-    """The arrays of a stored snapshot (see FTLayer.state_snapshot); ConfigError if
-    `raw` is not one."""
-    view = memoryview(raw)
-    start = len(_SNAPSHOT_MAGIC) + _HEADER_LEN.size
-    if bytes(view[: len(_SNAPSHOT_MAGIC)]) != _SNAPSHOT_MAGIC or len(view) < start:
-        raise ConfigError("not an ftlayer checkpoint snapshot")
-    (size,) = _HEADER_LEN.unpack_from(view, len(_SNAPSHOT_MAGIC))
-    try:
-        header = json.loads(bytes(view[start : start + size]))
-        offset = start + size
-        found: dict[str, NDArray[Any]] = {}
-        for name, dtype, n in header:
-            array = np.frombuffer(view, dtype=np.dtype(dtype), count=n, offset=offset)
-            found[name] = array.copy()
-            offset += array.nbytes
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"a damaged checkpoint snapshot: {exc}") from None
-    if offset != len(view):
-        raise ConfigError("a damaged checkpoint snapshot: trailing bytes")
-    return found
 
 
 # ---- positions ----------------------------------------------------------------------

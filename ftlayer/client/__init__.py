@@ -1,6 +1,6 @@
 """How sources, tasks and tools reach the FT-layer server: `FTClient` (one blocking
 connection, lazy handshake, reconnect with backoff; `connection`), `BatchingChannel`
-(the one event buffer of a process: bounded, flushed by size and time) and
+(a process's batching of events: bounded, flushed by size and time) and
 `shared_channel` (one per process and server; `channel`)."""
 
 from .channel import (

@@ -1,6 +1,7 @@
-"""The one event buffer of a process: `BatchingChannel` over an FTClient, and
+"""A process's batching of events: `BatchingChannel` over an FTClient, and
 `shared_channel`, one per process and server, which every source, task and sink of a
-Python worker shares."""
+Python worker shares (a task's own events wait in its XorHandler until the task ends,
+then here, in an EventBuffer each)."""
 
 from __future__ import annotations
 
