@@ -77,7 +77,7 @@ def wait_settled(
             return bool(client.status()["pending"] == 0)
 
         wait_until(settled, timeout, "every record read and every tree complete", interval=0.25)
-        status: dict[str, Any] = client.status()
+        status: dict[str, Any] = client.status().to_json()
         return status
 
 
