@@ -1,0 +1,390 @@
+"""Task wrappers: map, flat_map, filter and per-key aggregation under fault tolerance.
+
+`FTTasks(settings)` wraps user code around DataFrames. Every wrapper runs on Arrow
+batches (`DataFrame.mapInArrow`); the FT work for a batch is a handful of numpy
+operations, never a Python object per record:
+
+1. Read the inputs' anchors from their FT columns (`read_anchors`).
+2. Run the user code. Per-record forms (`map`, `flat_map`, `filter`) call it once per
+   record with a dict of the payload columns; batch forms (`map_batches`,
+   `filter_batches`) call it once per Arrow batch. Either way the result is the output
+   rows plus `parents`, the index of the input each output row came from, and a
+   `failed` mask over the inputs.
+3. `TaskHandler.process(inputs, parents, failed)` draws a fresh id for every output,
+   gives it its anchors, and buffers one combined XOR event per input and root (the
+   input's id XOR its outputs' ids, as Storm does). Failed inputs send a fail for
+   their roots instead, and none of their outputs is emitted.
+4. The outputs leave with FT columns: their root and new id.
+5. At the end of the partition (the end of the mapInArrow iterator) the events go to
+   the process's shared `BatchingChannel` and are flushed, so a partition's events
+   are on their way when its task ends. Events are kept in the task until then (up to
+   65,536 of them), so a task that fails and is retried by Spark has usually sent
+   nothing: the retry completes the trees. When a partition is larger, or a retry
+   follows a partial flush, the first attempt's events leave the trees unbalanced:
+   they time out and are replayed (a duplicate, never a loss).
+
+Errors in user code, per record:
+
+- `FailException` fails only that record's tree: its roots fail and are replayed, its
+  outputs (if any) are dropped, the rest of the batch goes on.
+- Any other exception: `on_error="fail-record"` (default) treats it like a
+  FailException and logs it; `on_error="fail-task"` lets it propagate, so Spark fails
+  the task and retries it (`local[N,F]` and clusters retry F times), and the query
+  stops if every attempt fails.
+- In a batch form, an exception fails every record of the batch the same way; the
+  batch function can instead fail single records by returning a `TaskOutput` with a
+  `failed` mask.
+- Output rows that do not fit the declared schema (a missing column, a value of
+  another type) raise `OutputSchemaError`, naming the step, the column and the value,
+  and count as an exception of the user code: under fail-record only the records whose
+  output does not fit fail. A per-record function must return a dict (or a Row) with
+  every declared column: pyarrow would read a missing key as null. A float with a
+  fraction for an integer column does not fit either (pyarrow would truncate it).
+
+One computation, one consumer. Every computation of a wrapper draws fresh ids for
+its outputs and sends the events for its inputs, and every wrapper or sink that reads
+a row consumes its id. So an FT DataFrame must be computed once (`ft_foreach_batch`
+caches the micro-batch for that and `ft_kafka_sink` runs one job; persist a DataFrame
+yourself before two actions on it) and each
+row must reach exactly one consumer. To branch, persist the parent and route its rows
+with plain `where` predicates that send each row to exactly one branch. A row read by
+two wrappers, or computed twice, leaves its tree unbalanced: it times out and is
+replayed, and since the replay takes the same path, it is replayed again, for ever.
+A plain Spark `where` that drops rows does not ack them either: use `filter`.
+
+Multi-anchored rows. An aggregate derived from many inputs carries one anchor per
+input (its new id under each input's root; see `TaskHandler.process_grouped`). Such a
+row keeps `ft_root`/`ft_id` for its first anchor and holds the others in
+`ft_extra_anchors` (EXTRA_ANCHORS_COLUMN), an `array<struct<root: long, id: long>>`
+with the same signed-int64 bits as the FT columns. A row's anchors are therefore
+`[(ft_root, ft_id)] + ft_extra_anchors`; a null or empty list means the row has one
+anchor, so a single-anchored DataFrame unions with a multi-anchored one after adding
+`F.lit(None).cast(EXTRA_ANCHORS_TYPE)`. Every wrapper here and every sink reads it;
+a wrapper whose input has the column keeps it in its output (a map over aggregates
+gives rows anchored to every root of their aggregate). Dropping the column (a plain
+`select`) leaves the extra anchors unacked: their trees time out and are replayed.
+
+Aggregation (`aggregate`): rows are hash-partitioned by the group keys and sorted
+within partitions (what `groupBy().applyInArrow` does too), then one mapInArrow pass
+finds the groups, calls the user function once per group with the group's key and
+rows as a `pyarrow.Table`, and anchors each output row to every input of its group
+with one `process_grouped` call per Arrow batch. Unlike applyInArrow, which calls the
+function per group with no end-of-partition hook, this flushes at the end of each
+partition like the other wrappers. A group function that returns several rows (or
+none) gets them anchored by a second `process` over the group's combined anchors.
+
+FT off (`FTSettings(enabled=False)`): the same user code runs through the same
+runners with the null handler (NoFTTaskHandler: no FT columns, no ids, no connection);
+an aggregate of a static DataFrame uses Spark's own groupBy().applyInArrow. A record
+whose code raises FailException, or any exception under `fail-record`, is dropped and
+logged: without the FT layer there is nothing to replay it from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast, get_args
+
+import numpy as np
+from numpy.typing import NDArray
+from pyspark.sql import DataFrame
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    LongType,
+    MapType,
+    StructField,
+    StructType,
+)
+
+from ftlayer.errors import ConfigError
+from ftlayer.integration.ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings
+
+from .aggregate import aggregate_partition, plain_group_fn
+from .anchors import (
+    ALL_FT_COLUMNS,
+    EXTRA_ANCHORS_COLUMN,
+    EXTRA_ANCHORS_TYPE,
+    anchor_columns,
+    ft_columns_of,
+    read_anchors,
+)
+from .results import (
+    Failures,
+    GroupKey,
+    OnError,
+    OutputSchemaError,
+    Row,
+    Schema,
+    TaskOutput,
+    run_batch_fn,
+    run_batch_predicate,
+    run_predicate,
+    run_record_fn,
+)
+from .runners import Step, filter_partition, map_partition
+
+__all__ = [
+    "ALL_FT_COLUMNS",
+    "EXTRA_ANCHORS_COLUMN",
+    "EXTRA_ANCHORS_TYPE",
+    "FTTasks",
+    "OnError",
+    "OutputSchemaError",
+    "TaskOutput",
+    "anchor_columns",
+    "ft_columns_of",
+    "read_anchors",
+]
+
+
+# ---- the public API (driver side) ----------------------------------------------------------
+
+
+class FTTasks:
+    """Task wrappers for one FT layer; see the module docstring.
+
+    `on_error` is the default for every wrapper ("fail-record" or "fail-task"); each
+    method can override it. Schemas are StructType or DDL strings and name the
+    payload columns only: the wrappers add the FT columns.
+    """
+
+    def __init__(self, settings: FTSettings, *, on_error: OnError = "fail-record") -> None:
+        self.settings = settings
+        self.on_error = _check_on_error(on_error)
+
+    @property
+    def ft(self) -> bool:
+        return self.settings.enabled
+
+    # ---- per record ----
+
+    def map(
+        self,
+        df: DataFrame,
+        fn: Callable[[Row], Row],
+        schema: Schema,
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """One output row (a dict of `schema`'s columns) per input row (a dict)."""
+        return self._records(df, lambda row: (fn(row),), schema, on_error, _step("map", fn))
+
+    def flat_map(
+        self,
+        df: DataFrame,
+        fn: Callable[[Row], Iterable[Row]],
+        schema: Schema,
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """Zero or more output rows per input row; all of a record's outputs are emitted,
+        or (when it fails, even midway) none."""
+        return self._records(df, fn, schema, on_error, _step("flat_map", fn))
+
+    def filter(
+        self,
+        df: DataFrame,
+        predicate: Callable[[Row], bool],
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """Keep the rows the predicate is true for; a dropped row's tree is acked."""
+        mode = self._mode(on_error)
+
+        def decide(payload: Any, failures: Failures) -> Any:
+            return run_predicate(predicate, payload, mode, failures)
+
+        return self._filter(df, decide, "filter")
+
+    # ---- per batch ----
+
+    def map_batches(
+        self,
+        df: DataFrame,
+        fn: Callable[[Any], Any],
+        schema: Schema,
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """fn(pyarrow.RecordBatch of the payload columns) returns a RecordBatch or Table
+        with one row per input (a map), or a `TaskOutput` (anything else)."""
+        mode = self._mode(on_error)
+        payload_schema = self._payload_arrow(df, schema)
+
+        def step(payload: Any, failures: Failures) -> Any:
+            return run_batch_fn(fn, payload, payload_schema, mode, failures)
+
+        return self._mapped(df, step, schema, "map_batches")
+
+    def filter_batches(
+        self,
+        df: DataFrame,
+        predicate: Callable[[Any], Any],
+        *,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """predicate(pyarrow.RecordBatch) returns a boolean mask (numpy or pyarrow; null
+        drops the row)."""
+        mode = self._mode(on_error)
+
+        def decide(payload: Any, failures: Failures) -> Any:
+            return run_batch_predicate(predicate, payload, mode, failures)
+
+        return self._filter(df, decide, "filter_batches")
+
+    # ---- grouped ----
+
+    def aggregate(
+        self,
+        df: DataFrame,
+        by: str | Sequence[str],
+        fn: Callable[[GroupKey, Any], Any],
+        schema: Schema,
+        *,
+        num_partitions: int | None = None,
+        on_error: OnError | None = None,
+    ) -> DataFrame:
+        """Per-key aggregation within a micro-batch, multi-anchored.
+
+        fn(key, rows) gets the group key (a tuple of pyarrow scalars, as applyInArrow
+        passes it) and the group's rows (a pyarrow.Table of the payload columns) and
+        returns a Table or RecordBatch of `schema` (usually one row), or a `TaskOutput`
+        whose `failed` mask fails single inputs of the group. Every output row is
+        anchored to every (not failed) input of its group, so an input's tree completes
+        only when the aggregate's tree does. FailException (or any exception under
+        fail-record) fails every root of the group; other groups go on.
+        `num_partitions`: how many partitions the rows are hash-partitioned into by key
+        (default: spark.sql.shuffle.partitions).
+        """
+        mode = self._mode(on_error)
+        keys = [by] if isinstance(by, str) else list(by)
+        self._check_keys(df, keys)
+        payload_struct = _struct(df, schema)
+        payload_schema = self._payload_arrow(df, payload_struct)
+        self._check_ft_columns(df)
+        # Hash-partitioned by the keys: groupBy adds no second shuffle on top of it.
+        shuffled = df if num_partitions is None else df.repartition(num_partitions, *keys)
+        # A streaming DataFrame can be neither sorted nor grouped by applyInArrow (Spark
+        # refuses both outside stateful operators): each micro-batch partition is then
+        # sorted by the keys in the task itself, in memory.
+        local_sort = df.isStreaming
+        if not self.ft and not local_sort:
+            return shuffled.groupBy(*keys).applyInArrow(
+                plain_group_fn(fn, payload_schema, mode), payload_struct
+            )
+        if num_partitions is None:
+            shuffled = df.repartition(*keys)
+        if not local_sort:
+            shuffled = shuffled.sortWithinPartitions(*keys)
+        out_struct = _with_ft_fields(payload_struct, multi=True) if self.ft else payload_struct
+        out_schema = self._arrow(df, out_struct)
+        run = aggregate_partition(
+            self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
+        )
+        return shuffled.mapInArrow(run, out_struct)
+
+    # ---- plumbing ----
+
+    def _mode(self, on_error: OnError | None) -> OnError:
+        return self.on_error if on_error is None else _check_on_error(on_error)
+
+    def _records(
+        self,
+        df: DataFrame,
+        fn: Callable[[Row], Iterable[Row]],
+        schema: Schema,
+        on_error: OnError | None,
+        what: str,
+    ) -> DataFrame:
+        mode = self._mode(on_error)
+        payload_schema = self._payload_arrow(df, schema)
+
+        def step(payload: Any, failures: Failures) -> Any:
+            return run_record_fn(fn, payload, payload_schema, mode, failures, what)
+
+        return self._mapped(df, step, schema, what)
+
+    def _mapped(self, df: DataFrame, step: Step, schema: Schema, what: str) -> DataFrame:
+        payload_struct = _struct(df, schema)
+        self._check_ft_columns(df)
+        multi = EXTRA_ANCHORS_COLUMN in df.columns
+        out_struct = _with_ft_fields(payload_struct, multi) if self.ft else payload_struct
+        run = map_partition(self.settings, step, self._arrow(df, out_struct), multi, what)
+        return df.mapInArrow(run, out_struct)
+
+    def _filter(
+        self,
+        df: DataFrame,
+        decide: Callable[[Any, Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
+        what: str,
+    ) -> DataFrame:
+        self._check_ft_columns(df)
+        return df.mapInArrow(filter_partition(self.settings, decide, what), df.schema)
+
+    def _check_ft_columns(self, df: DataFrame) -> None:
+        present = ft_columns_of(df.columns)
+        if self.ft and not set(FT_COLUMNS) <= set(present):
+            raise ConfigError(
+                f"FT is on but the DataFrame has no {' / '.join(FT_COLUMNS)} columns "
+                f"(it has {df.columns}): is it read from an FT source with the same FTSettings?"
+            )
+        if not self.ft and present:
+            raise ConfigError(
+                f"FT is off but the DataFrame has FT columns {list(present)}: the source, "
+                "tasks and sinks of a pipeline must share one FTSettings"
+            )
+
+    def _check_keys(self, df: DataFrame, keys: Sequence[str]) -> None:
+        if not keys:
+            raise ConfigError("aggregate needs at least one group key column")
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        for key in keys:
+            if key in ALL_FT_COLUMNS or key not in fields:
+                raise ConfigError(f"aggregate: {key!r} is not a payload column of {df.columns}")
+            if isinstance(fields[key], ArrayType | MapType | StructType):
+                raise ConfigError(
+                    f"aggregate: group key {key!r} is {fields[key].simpleString()}; "
+                    "keys must be atomic (number, string, binary, date, ...)"
+                )
+
+    def _payload_arrow(self, df: DataFrame, schema: Schema) -> Any:
+        return self._arrow(df, _struct(df, schema))
+
+    @staticmethod
+    def _arrow(df: DataFrame, struct: StructType) -> Any:
+        timezone = df.sparkSession.conf.get("spark.sql.session.timeZone")
+        return to_arrow_schema(struct, timezone=timezone)
+
+
+def _step(kind: str, fn: Callable[..., Any]) -> str:
+    """A step as errors and logs name it: the wrapper and the user's function."""
+    return f"{kind}({getattr(fn, '__name__', type(fn).__name__)})"
+
+
+def _check_on_error(on_error: str) -> OnError:
+    if on_error not in get_args(OnError):
+        raise ConfigError(f"on_error must be one of {get_args(OnError)}, got {on_error!r}")
+    return cast(OnError, on_error)
+
+
+def _struct(df: DataFrame, schema: Schema) -> StructType:
+    struct = DataType.fromDDL(schema) if isinstance(schema, str) else schema
+    if not isinstance(struct, StructType):
+        raise ConfigError(f"an output schema must be a struct, got {struct!r}")
+    clash = [f.name for f in struct.fields if f.name in ALL_FT_COLUMNS]
+    if clash:
+        raise ConfigError(f"output schema must not declare the FT columns {clash}")
+    return struct
+
+
+def _with_ft_fields(struct: StructType, multi: bool) -> StructType:
+    fields = [
+        *struct.fields,
+        StructField(ROOT_COLUMN, LongType(), False),
+        StructField(ID_COLUMN, LongType(), False),
+    ]
+    if multi:
+        fields.append(StructField(EXTRA_ANCHORS_COLUMN, EXTRA_ANCHORS_TYPE, True))
+    return StructType(fields)

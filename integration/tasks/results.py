@@ -1,0 +1,333 @@
+"""User code's results as (rows, parents, failed): output rows, the index of the input
+each came from, and a failed mask over the inputs. Per-record and per-batch forms,
+predicates, the checks that refuse rows that do not fit the declared schema (or a float
+with a fraction in an integer column), and one log line per partition of failures."""
+
+from __future__ import annotations
+
+import logging
+import reprlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from numpy.typing import ArrayLike, NDArray
+from pyspark.sql.types import Row as SparkRow
+from pyspark.sql.types import (
+    StructType,
+)
+
+from ftlayer.errors import FailException, FTLayerError
+
+# One logger for every part of the task wrappers: its name is what users configure.
+log = logging.getLogger("ftlayer.integration.tasks")
+
+# What pyarrow raises when user rows do not fit the declared schema.
+_CONVERSION_ERRORS: Final = (pa.ArrowException, TypeError, ValueError, OverflowError)
+
+OnError = Literal["fail-record", "fail-task"]
+Row = dict[str, Any]
+Schema = StructType | str
+GroupKey = tuple[Any, ...]
+_NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
+
+
+class OutputSchemaError(FTLayerError, ValueError):
+    """User code returned rows that do not fit its declared output schema: a column is
+    missing, or holds a value of another type. The message names the column."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOutput:
+    """What a batch function returns when its output rows are not one per input.
+
+    `rows` (RecordBatch or Table, the declared schema's columns); `parents[j]` is the
+    index of the input row output j was derived from (a map: arange(n); a flat_map:
+    repeated indices); `failed` marks inputs whose trees fail (they must have no
+    output rows). In `aggregate`, `parents` must be None: every output row of a group
+    derives from all of the group's inputs, and `failed` is a mask over the group.
+    """
+
+    rows: Any
+    parents: ArrayLike | None = None
+    failed: ArrayLike | None = None
+
+
+# ---- results of user code, as (rows, parents, failed) ---------------------------------
+
+
+def conform(rows: Any, schema: Any) -> Any:
+    """User rows (RecordBatch or Table) as one RecordBatch of exactly `schema`."""
+    if isinstance(rows, pa.Table):
+        rows = single_batch(rows)
+    if not isinstance(rows, pa.RecordBatch):
+        raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(rows).__name__}")
+    missing = [name for name in schema.names if name not in rows.schema.names]
+    if missing:
+        raise OutputSchemaError(
+            f"output rows lack the declared column(s) {missing} (they have {rows.schema.names})"
+        )
+    rows = rows.select(schema.names)
+    try:
+        return rows.cast(schema)
+    except _CONVERSION_ERRORS as exc:
+        for field in schema:
+            column = rows.column(field.name)
+            try:
+                column.cast(field.type)
+            except _CONVERSION_ERRORS as column_exc:
+                raise OutputSchemaError(
+                    f"output column {field.name!r} is {column.type}, which does not cast "
+                    f"to the declared {field.type}: {column_exc}"
+                ) from exc
+        raise
+
+
+def single_batch(table: Any) -> Any:
+    """A Table as one RecordBatch (columns concatenated; empty keeps the schema)."""
+    batches = table.combine_chunks().to_batches()
+    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+
+
+def empty_batch(schema: Any) -> Any:
+    return pa.RecordBatch.from_pylist([], schema=schema)
+
+
+def as_bool_mask(value: Any, n: int, what: str) -> NDArray[np.bool_]:
+    """A boolean mask of length n from a numpy/pyarrow/list value; null counts as False."""
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks()
+    if isinstance(value, pa.Array):
+        value = pc.fill_null(value, False).to_numpy(zero_copy_only=False)
+    mask = np.asarray(value, dtype=np.bool_)
+    if mask.shape != (n,):
+        raise ValueError(f"{what}: expected {n} flags, got shape {mask.shape}")
+    return mask
+
+
+@dataclass(slots=True)
+class Failures:
+    """Records failed in one batch, for the log: how many, and the first exception."""
+
+    count: int = 0
+    first: BaseException | None = None
+
+    def add(self, exc: BaseException, count: int = 1) -> None:
+        self.count += count
+        if self.first is None and not isinstance(exc, FailException):
+            self.first = exc
+
+
+def _batch_result(
+    result: Any, n: int, schema: Any
+) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
+    """A batch function's result as (rows, parents, failed), checked."""
+    if isinstance(result, TaskOutput):
+        rows = conform(result.rows, schema)
+        parents = (
+            np.arange(rows.num_rows, dtype=np.intp)
+            if result.parents is None
+            else np.ascontiguousarray(result.parents, dtype=np.intp)
+        )
+        failed = (
+            None if result.failed is None else as_bool_mask(result.failed, n, "TaskOutput.failed")
+        )
+    else:
+        rows, parents, failed = conform(result, schema), np.arange(n, dtype=np.intp), None
+        if rows.num_rows != n:
+            raise ValueError(
+                f"{rows.num_rows} rows returned for {n} inputs; return "
+                "TaskOutput(rows, parents) when output rows are not one per input"
+            )
+    if len(parents) != rows.num_rows:
+        raise ValueError(f"{rows.num_rows} output rows but {len(parents)} parents")
+    if rows.num_rows and (int(parents.min()) < 0 or int(parents.max()) >= n):
+        raise ValueError(f"parents must index the {n} inputs")
+    if failed is not None and bool(failed[parents].any()):
+        raise ValueError("a failed input cannot have output rows")
+    return rows, parents, failed
+
+
+def run_batch_fn(
+    fn: Callable[[Any], Any],
+    payload: Any,
+    schema: Any,
+    on_error: OnError,
+    failures: Failures,
+) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
+    """map_batches: call fn on the whole batch; an exception fails every record."""
+    n = payload.num_rows
+    try:
+        rows, parents, failed = _batch_result(fn(payload), n, schema)
+    except FailException as exc:
+        failures.add(exc, n)
+    except Exception as exc:
+        if on_error == "fail-task":
+            raise
+        failures.add(exc, n)
+    else:
+        if failed is not None:
+            failures.count += int(failed.sum())
+        return rows, parents, failed
+    return empty_batch(schema), _NO_PARENTS, np.ones(n, dtype=np.bool_)
+
+
+def run_record_fn(
+    fn: Callable[[Row], Iterable[Row]],
+    payload: Any,
+    schema: Any,
+    on_error: OnError,
+    failures: Failures,
+    what: str,
+) -> tuple[Any, NDArray[np.intp], NDArray[np.bool_] | None]:
+    """map / flat_map: call fn per record (fn returns that record's output rows)."""
+    n = payload.num_rows
+    counts = np.zeros(n, dtype=np.int64)
+    failed = np.zeros(n, dtype=np.bool_)
+    outputs: list[Row] = []
+    for i, row in enumerate(payload.to_pylist()):
+        try:
+            produced = list(fn(row))
+        except FailException as exc:
+            failed[i] = True
+            failures.add(exc)
+            continue
+        except Exception as exc:
+            if on_error == "fail-task":
+                raise
+            failed[i] = True
+            failures.add(exc)
+            continue
+        outputs.extend(produced)
+        counts[i] = len(produced)
+    parents = np.repeat(np.arange(n, dtype=np.intp), counts)
+    names = schema.names
+    error: BaseException | None = None
+    try:
+        rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
+    except _CONVERSION_ERRORS as exc:
+        error = exc
+    # from_pylist reads a missing key (a typo, a tuple instead of a dict) as null, and
+    # truncates a float into an integer column (1.5 -> 1) without a word.
+    if (
+        error is None
+        and all(name in out for out in outputs for name in names)
+        and not _truncates(outputs, schema)
+    ):
+        return rows, parents, failed if failed.any() else None
+    # The slow path, only on error: find the outputs that do not fit the schema and
+    # fail their inputs, as if their code had raised.
+    misfits = {j: p for j, out in enumerate(outputs) if (p := _row_problem(out, schema))}
+    if not misfits:
+        raise error or AssertionError("every output fits, yet the batch does not")
+    first = OutputSchemaError(
+        f"{what}: an output row does not fit the declared schema: {next(iter(misfits.values()))}"
+    )
+    if on_error == "fail-task":
+        raise first from error
+    bad_inputs = sorted({int(parents[j]) for j in misfits})
+    failed[bad_inputs] = True
+    failures.add(first, len(bad_inputs))
+    keep = ~failed[parents]
+    outputs = [out for out, k in zip(outputs, keep.tolist(), strict=True) if k]
+    rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
+    return rows, parents[keep], failed
+
+
+def _has_fraction(value: Any) -> bool:
+    """A float that an integer column would truncate."""
+    return isinstance(value, float) and not value.is_integer()
+
+
+def _truncates(outputs: Sequence[Any], schema: Any) -> bool:
+    """True if an output puts a float with a fraction into an integer column."""
+    integers = [f.name for f in schema if pa.types.is_integer(f.type)]
+    return bool(integers) and any(
+        _has_fraction(out.get(name))
+        for out in outputs
+        if isinstance(out, Mapping)
+        for name in integers
+    )
+
+
+def _row_problem(row: Any, schema: Any) -> str | None:
+    """Why one output row of a per-record function does not fit `schema`, or None."""
+    if isinstance(row, SparkRow) and hasattr(row, "__fields__"):
+        row = row.asDict()
+    if not isinstance(row, Mapping):
+        return f"it is a {type(row).__name__}, not a dict of the columns {schema.names}"
+    missing = [name for name in schema.names if name not in row]
+    if missing:
+        return f"it lacks the declared column(s) {missing} (it has {list(row)})"
+    for field in schema:
+        value = row[field.name]
+        if pa.types.is_integer(field.type) and _has_fraction(value):
+            return (
+                f"column {field.name!r} ({field.type}) cannot hold {value!r}: it would be truncated"
+            )
+        try:
+            pa.array([value], type=field.type)
+        except _CONVERSION_ERRORS as exc:
+            return (
+                f"column {field.name!r} ({field.type}) cannot hold {reprlib.repr(value)} "
+                f"({type(value).__name__}): {exc}"
+            )
+    return None
+
+
+def run_predicate(
+    predicate: Callable[[Row], bool], payload: Any, on_error: OnError, failures: Failures
+) -> tuple[NDArray[np.bool_], NDArray[np.bool_] | None]:
+    """filter: call the predicate per record; returns (keep, failed)."""
+    n = payload.num_rows
+    keep = np.zeros(n, dtype=np.bool_)
+    failed = np.zeros(n, dtype=np.bool_)
+    for i, row in enumerate(payload.to_pylist()):
+        try:
+            keep[i] = bool(predicate(row))
+        except FailException as exc:
+            failed[i] = True
+            failures.add(exc)
+        except Exception as exc:
+            if on_error == "fail-task":
+                raise
+            failed[i] = True
+            failures.add(exc)
+    return keep, failed if failed.any() else None
+
+
+def run_batch_predicate(
+    predicate: Callable[[Any], Any], payload: Any, on_error: OnError, failures: Failures
+) -> tuple[NDArray[np.bool_], NDArray[np.bool_] | None]:
+    n = payload.num_rows
+    try:
+        return as_bool_mask(predicate(payload), n, "filter_batches predicate"), None
+    except FailException as exc:
+        failures.add(exc, n)
+    except Exception as exc:
+        if on_error == "fail-task":
+            raise
+        failures.add(exc, n)
+    return np.zeros(n, dtype=np.bool_), np.ones(n, dtype=np.bool_)
+
+
+def log_failures(failures: Failures, what: str, ft: bool) -> None:
+    if not failures.count:
+        return
+    fate = "their trees failed and will be replayed" if ft else "dropped (FT is off)"
+    if failures.first is None:  # FailException only: the user's own decision
+        # Under FT a replay follows; with FT off the records are gone: say so loudly.
+        level = logging.INFO if ft else logging.WARNING
+        log.log(level, "%s: %d records raised FailException, %s", what, failures.count, fate)
+        return
+    log.warning(
+        "%s: %d records failed in this partition, %s; first error: %r",
+        what,
+        failures.count,
+        fate,
+        failures.first,
+        exc_info=failures.first,
+    )
