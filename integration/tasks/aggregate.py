@@ -32,6 +32,7 @@ from .results import (
     empty_batch,
     log,
     log_failures,
+    log_with_time_and_level,
     single_batch,
 )
 from .runners import inputs_of, payload_of, task_handler
@@ -143,7 +144,7 @@ def _aggregate_groups(
             continue
         if group_failed is not None:
             failed[lo:hi] = group_failed
-            failures.count += int(group_failed.sum())
+            failures.add_count(int(group_failed.sum()))
             if group_failed.all():
                 continue  # no input is left to anchor the group's outputs to
         outputs.append(out)
@@ -190,6 +191,7 @@ def aggregate_partition(
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
+        log_with_time_and_level()
         failures = Failures()
         grouper = _Grouper(by, [])
         for batch in _sorted_by(batches, by) if local_sort else batches:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import reprlib
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -14,6 +16,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from cachetools import TTLCache
 from numpy.typing import ArrayLike, NDArray
 from pyspark.sql.types import Row as SparkRow
 from pyspark.sql.types import (
@@ -32,6 +35,13 @@ OnError = Literal["fail-record", "fail-task"]
 Row = dict[str, Any]
 Schema = StructType | str
 GroupKey = tuple[Any, ...]
+_MESSAGE_CHARS: Final = 300  # of an error's message, in the log and in its identity
+_TRACEBACK_TTL_S: Final = 600.0
+# Per (step, error type, message): when this process logged its traceback.
+_tracebacks_logged: TTLCache[tuple[str, str, str], str] = TTLCache(
+    maxsize=4096, ttl=_TRACEBACK_TTL_S
+)
+_traceback_lock = threading.Lock()
 _NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
 
 
@@ -108,17 +118,29 @@ def as_bool_mask(value: Any, n: int, what: str) -> NDArray[np.bool_]:
     return mask
 
 
-@dataclass(slots=True)
 class Failures:
-    """Records failed in one batch, for the log: how many, and the first exception."""
+    """The records one task partition failed, for the log: per distinct error (its type
+    and message) how many records it failed and the first exception; FailExceptions
+    (the user's own decision) apart, counted only."""
 
-    count: int = 0
-    first: BaseException | None = None
+    def __init__(self) -> None:
+        self.count = 0
+        self.explicit = 0
+        self.errors: dict[tuple[str, str], tuple[int, BaseException]] = {}
 
     def add(self, exc: BaseException, count: int = 1) -> None:
         self.count += count
-        if self.first is None and not isinstance(exc, FailException):
-            self.first = exc
+        if isinstance(exc, FailException):
+            self.explicit += count
+            return
+        key = (type(exc).__qualname__, str(exc)[:_MESSAGE_CHARS])
+        seen, first = self.errors.get(key, (0, exc))
+        self.errors[key] = (seen + count, first)
+
+    def add_count(self, count: int) -> None:
+        """Records failed by a mask the user code returned (TaskOutput.failed)."""
+        self.count += count
+        self.explicit += count
 
 
 def _batch_result(
@@ -170,7 +192,7 @@ def run_batch_fn(
         failures.add(exc, n)
     else:
         if failed is not None:
-            failures.count += int(failed.sum())
+            failures.add_count(int(failed.sum()))
         return rows, parents, failed
     return empty_batch(schema), _NO_PARENTS, np.ones(n, dtype=np.bool_)
 
@@ -314,20 +336,45 @@ def run_batch_predicate(
     return np.zeros(n, dtype=np.bool_), np.ones(n, dtype=np.bool_)
 
 
+def log_with_time_and_level() -> None:
+    """In a Python worker where nobody configured logging, give ftlayer's loggers a
+    stderr handler whose lines carry the time, level and logger name (Python's
+    last-resort handler prints the bare message). Idempotent; a configured root or
+    ftlayer logger is left alone."""
+    ftlayer_log = logging.getLogger("ftlayer")
+    if ftlayer_log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ftlayer_log.addHandler(handler)
+
+
 def log_failures(failures: Failures, what: str, ft: bool) -> None:
+    """One log line per distinct error of this partition, with its count; the traceback
+    only the first time this process sees that error of that step within
+    `_TRACEBACK_TTL_S` (a record failing again on every replay logs one line, not one
+    traceback, per partition). FailExceptions get one line in all."""
     if not failures.count:
         return
     fate = "their trees failed and will be replayed" if ft else "dropped (FT is off)"
-    if failures.first is None:  # FailException only: the user's own decision
+    if failures.explicit:
         # Under FT a replay follows; with FT off the records are gone: say so loudly.
         level = logging.INFO if ft else logging.WARNING
-        log.log(level, "%s: %d records raised FailException, %s", what, failures.count, fate)
-        return
-    log.warning(
-        "%s: %d records failed in this partition, %s; first error: %r",
-        what,
-        failures.count,
-        fate,
-        failures.first,
-        exc_info=failures.first,
-    )
+        log.log(level, "%s: %d records raised FailException, %s", what, failures.explicit, fate)
+    for (kind, message), (count, first) in failures.errors.items():
+        key = (what, kind, message)
+        with _traceback_lock:
+            logged_at = _tracebacks_logged.get(key)
+            if logged_at is None:
+                _tracebacks_logged[key] = time.strftime("%H:%M:%S")
+        if logged_at is None:
+            log.warning(
+                "%s: %d records failed with %s: %s; %s",
+                what, count, kind, message, fate,
+                exc_info=first,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "%s: %d records failed with %s: %s; %s (traceback logged at %s)",
+                what, count, kind, message, fate, logged_at,
+            )  # fmt: skip

@@ -21,7 +21,7 @@ from ftlayer.integration.ftcolumns import (
 )
 
 from .anchors import ALL_FT_COLUMNS, EXTRA_ANCHORS_COLUMN, anchor_columns, read_anchors
-from .results import Failures, log_failures
+from .results import Failures, log_failures, log_with_time_and_level
 
 # ---- the partition runners (run on executors) ------------------------------------------
 
@@ -69,6 +69,7 @@ def map_partition(
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
+        log_with_time_and_level()
         failures = Failures()
         for batch in batches:
             inputs = inputs_of(batch, ft)
@@ -96,6 +97,7 @@ def filter_partition(
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
+        log_with_time_and_level()
         failures = Failures()
         for batch in batches:
             inputs = inputs_of(batch, ft)
