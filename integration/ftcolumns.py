@@ -23,6 +23,7 @@ from typing import Final
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
 from ftlayer.client import BatchingChannel, parse_address, shared_channel
 from ftlayer.errors import ConfigError
@@ -30,6 +31,11 @@ from ftlayer.errors import ConfigError
 ROOT_COLUMN: Final = "ft_root"
 ID_COLUMN: Final = "ft_id"
 FT_COLUMNS: Final = (ROOT_COLUMN, ID_COLUMN)
+HEADERS_TYPE: Final = ArrayType(
+    StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+)
+"""A record's Kafka headers as a column (the ftkafka source under includeHeaders, what
+the Kafka sink writes): the type Spark's own Kafka source gives them."""
 LOOP_HEADER: Final = "ftlayer-anchor"
 """The Kafka header of a record a loop sink fed back into a source's topic: its tree's
 root and the id of the record in transit, 8 bytes each, big-endian."""

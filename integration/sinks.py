@@ -99,7 +99,7 @@ from ftlayer.acking.handlers import TaskHandler
 from ftlayer.acking.ids import new_ids
 from ftlayer.errors import ConfigError, FTLayerError
 
-from .ftcolumns import FT_COLUMNS, LOOP_HEADER, FTSettings, loop_header
+from .ftcolumns import FT_COLUMNS, HEADERS_TYPE, LOOP_HEADER, FTSettings, loop_header
 from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors
 
 __all__ = [
@@ -298,13 +298,22 @@ def _as_bytes(batch: Any, column: str | None) -> list[bytes | None]:
     return cast(list[bytes | None], values.to_pylist())
 
 
+def _headers(batch: Any, column: str) -> list[list[tuple[str, bytes | None]]]:
+    """Each row's Kafka headers from its headers column, without the loop header (a
+    loop sink sets its own)."""
+    return [
+        [(h["key"], h["value"]) for h in (row or ()) if h["key"] != LOOP_HEADER]
+        for row in batch.column(column).to_pylist()
+    ]
+
+
 def _send_all(
     producer: Any,
     topic: str,
     keys: list[bytes | None],
     values: list[bytes | None],
     wait_s: float,
-    headers: list[list[tuple[str, bytes]]] | None = None,
+    headers: list[list[tuple[str, bytes | None]]] | None = None,
 ) -> tuple[NDArray[np.bool_], BaseException | None]:
     """Send every row, flush, and return which writes the broker confirmed."""
     futures: list[Any] = []
@@ -341,6 +350,7 @@ def _kafka_partition(
     value_column: str,
     config: Mapping[str, Any],
     loop: bool = False,
+    headers_column: str | None = None,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     wait_s = config["delivery_timeout_ms"] / 1000 + _FLUSH_MARGIN_S
 
@@ -359,12 +369,13 @@ def _kafka_partition(
                     if producer is None:
                         producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
                     keys, values = _as_bytes(batch, key_column), _as_bytes(batch, value_column)
-                    headers = None
+                    headers = None if headers_column is None else _headers(batch, headers_column)
                     if anchors is not None and in_transit is not None:
+                        own = headers or [[] for _ in range(n)]
                         headers = [
-                            [(LOOP_HEADER, loop_header(root, child))]
-                            for root, child in zip(
-                                anchors.roots.tolist(), in_transit.tolist(), strict=True
+                            [*kept, (LOOP_HEADER, loop_header(root, child))]
+                            for kept, root, child in zip(
+                                own, anchors.roots.tolist(), in_transit.tolist(), strict=True
                             )
                         ]
                     confirmed, error = _send_all(producer, topic, keys, values, wait_s, headers)
@@ -423,6 +434,7 @@ class FTKafkaSink:
         on_error: SinkOnError = "fail-and-raise",
         producer_config: Mapping[str, Any] | None = None,
         loop: bool = False,
+        headers_column: str | None = "headers",
     ) -> None:
         if loop and not settings.enabled:
             raise ConfigError("a loop sink needs FT on: its records carry their tree's root")
@@ -432,6 +444,7 @@ class FTKafkaSink:
         self.settings = settings
         self.key_column = key_column
         self.value_column = value_column
+        self.headers_column = headers_column
         self.on_error = _check_on_error(on_error)
         self.producer_config = {**DEFAULT_PRODUCER_CONFIG, **(producer_config or {})}
         self.last_result: SinkResult | None = None
@@ -444,6 +457,14 @@ class FTKafkaSink:
             if not isinstance(types.get(column), BinaryType | StringType):
                 found = types[column].simpleString() if column in types else "missing"
                 raise ConfigError(f"Kafka sink column {column!r} must be binary or string: {found}")
+        headers_column = self.headers_column if self.headers_column in types else None
+        if headers_column is not None and types[headers_column] != HEADERS_TYPE:
+            raise ConfigError(
+                f"Kafka sink column {headers_column!r} must be {HEADERS_TYPE.simpleString()} "
+                f"(the ftkafka source's headers), got {types[headers_column].simpleString()}"
+            )
+        if headers_column is not None:
+            data_columns.append(headers_column)
         if self.loop and EXTRA_ANCHORS_COLUMN in df.columns:
             raise ConfigError(
                 f"a loop sink writes rows with one anchor, but this DataFrame has "
@@ -458,6 +479,7 @@ class FTKafkaSink:
             self.value_column,
             self.producer_config,
             self.loop,
+            headers_column,
         )
         summary = df.select(*data_columns, *ft_columns).mapInArrow(run, _SUMMARY_SCHEMA).collect()
         written = sum(int(row.written) for row in summary)
@@ -486,11 +508,14 @@ def ft_kafka_sink(
     on_error: SinkOnError = "fail-and-raise",
     producer_config: Mapping[str, Any] | None = None,
     loop: bool = False,
+    headers_column: str | None = "headers",
 ) -> FTKafkaSink:
     """A foreachBatch function writing `key_column`/`value_column` to `topic`; rows are
     acked once the broker confirmed them, failed (replayed) otherwise. With
     `loop=True` the topic is one a source of the pipeline reads: each record carries
-    its tree's root in a Kafka header and its tree goes on (module docstring)."""
+    its tree's root in a Kafka header and its tree goes on (module docstring). A
+    `headers_column` the DataFrame has (the ftkafka source's `headers` under
+    includeHeaders) is written as each record's Kafka headers."""
     return FTKafkaSink(
         bootstrap_servers,
         topic,
@@ -500,4 +525,5 @@ def ft_kafka_sink(
         on_error=on_error,
         producer_config=producer_config,
         loop=loop,
+        headers_column=headers_column,
     )

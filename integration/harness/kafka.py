@@ -64,6 +64,10 @@ class RecordPosition(NamedTuple):
     offset: int
 
 
+Headers = Sequence[tuple[str, bytes]]
+"""Kafka headers of one record: (key, value) pairs."""
+
+
 @dataclass(frozen=True, slots=True)
 class KafkaRecord:
     """One record read back from Kafka, with its coordinates; timestamp in epoch ms."""
@@ -159,11 +163,12 @@ def create_topic(bootstrap: str, name: str, partitions: int, timeout: float = 10
 def produce(
     bootstrap: str,
     topic: str,
-    records: Iterable[tuple[bytes | None, bytes]],
+    records: Iterable[tuple[bytes | None, bytes] | tuple[bytes | None, bytes, Headers]],
     timeout: float = 30.0,
     partition: int | None = None,
 ) -> list[RecordPosition]:
-    """Produce `(key, value)` records to `topic`; return each one's position, in input order.
+    """Produce `(key, value)` or `(key, value, headers)` records to `topic`; return each
+    one's position, in input order.
 
     With `partition`, every record goes to that partition.
 
@@ -186,8 +191,14 @@ def produce(
         raise KafkaHelperError(f"cannot reach Kafka at {bootstrap}: {exc!r}") from exc
     try:
         futures = [
-            producer.send(topic, key=key, value=value, partition=partition)
-            for key, value in records
+            producer.send(
+                topic,
+                key=record[0],
+                value=record[1],
+                partition=partition,
+                headers=list(record[2]) if len(record) > 2 else None,
+            )
+            for record in records
         ]
         producer.flush(timeout=max(0.0, deadline - time.monotonic()))
         positions = []

@@ -114,7 +114,7 @@ from pyspark.sql.types import (
 )
 
 from ftlayer.errors import ConfigError, SourceError
-from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN
+from ftlayer.integration.ftcolumns import HEADERS_TYPE, ID_COLUMN, ROOT_COLUMN
 from ftlayer.position import KafkaOffsets, Position
 
 from .driver import Offset, SourceDriver
@@ -135,8 +135,9 @@ __all__ = [
 ]
 
 
-def source_schema(ft_on: bool) -> StructType:
-    """The rows of an ftkafka source: the Kafka record, and its anchor with FT on."""
+def source_schema(ft_on: bool, include_headers: bool = False) -> StructType:
+    """The rows of an ftkafka source: the Kafka record (with its headers under
+    includeHeaders), and its anchor with FT on."""
     fields = [
         StructField("key", BinaryType()),
         StructField("value", BinaryType()),
@@ -145,6 +146,8 @@ def source_schema(ft_on: bool) -> StructType:
         StructField("offset", LongType()),
         StructField("timestamp", TimestampType()),
     ]
+    if include_headers:
+        fields.append(StructField("headers", HEADERS_TYPE))
     if ft_on:
         fields += [StructField(ROOT_COLUMN, LongType()), StructField(ID_COLUMN, LongType())]
     return StructType(fields)
@@ -159,11 +162,12 @@ class FTKafkaDataSource(DataSource):
 
     def schema(self) -> StructType:
         # Spark calls this at load(): every option is checked here, before any query.
-        return source_schema(parse_options(self.options).ft_on)
+        options = parse_options(self.options)
+        return source_schema(options.ft_on, options.include_headers)
 
     def streamReader(self, schema: StructType) -> FTKafkaStreamReader:
         options = parse_options(self.options)
-        expected = source_schema(options.ft_on)
+        expected = source_schema(options.ft_on, options.include_headers)
         if schema != expected:
             raise ConfigError(
                 f"ftkafka's schema is fixed by its options: {expected.simpleString()}, "

@@ -96,6 +96,14 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "earliest",
     ),
     Option(
+        "includeHeaders",
+        "boolean",
+        "`true` adds the `headers` column (array of key/value structs, as in Spark's Kafka "
+        "source) and keeps each record's headers with its payload in the FT layer, so a "
+        "replay carries them too (`ftlayer-anchor`, the loop header, is not shown)",
+        False,
+    ),
+    Option(
         "maxOffsetsPerTrigger",
         "integer",
         "at most this many Kafka records per batch, split over partitions in proportion to "
@@ -248,6 +256,8 @@ class SourceOptions:
     """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
     checkpoint_mode: str = "unaligned"
     """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoint)."""
+    include_headers: bool = False
+    """includeHeaders: a `headers` column, and headers kept with the payloads."""
 
     @property
     def checkpoint_query(self) -> str:
@@ -367,6 +377,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         group_id=_group_id(given),
         timeout_s=None if timeout_ms is None else timeout_ms / 1000,
         checkpoint_mode=given.choice("ft.checkpointMode"),
+        include_headers=given.boolean("includeHeaders", False),
     )
 
 
@@ -544,9 +555,3 @@ def write_markdown_table(guide: Path, *, check: bool = False) -> bool:
     if new != text and not check:
         guide.write_text(new, encoding="utf-8")
     return new != text
-
-
-if __name__ == "__main__":  # `make docs`: python -m ftlayer.integration.source.options GUIDE
-    import sys
-
-    write_markdown_table(Path(sys.argv[1]))

@@ -1,16 +1,30 @@
 """The payload codec: how the ftkafka source stores a Kafka record in the FT layer.
 
-A persisted payload is a 14-byte little-endian header (u8 format version 1, u8 flags:
-1 = key present, 2 = value present; i64 timestamp in epoch ms; u32 key length), then the
-key bytes, then the value bytes (the rest). The FT layer never reads it; the source
-decodes it when the record is replayed. Both directions work on whole chunks: one
-numpy header array and one join per chunk, pyarrow binary arrays on the way back.
+A persisted payload starts with a 14-byte little-endian header: u8 format version, u8
+flags (1 = key present, 2 = value present, 4 = Kafka headers present), i64 timestamp
+in epoch ms, u32 key length.
+
+- Version 1 (a record without Kafka headers): the header, the key bytes, then the
+  value bytes (the rest).
+- Version 2 (a record with Kafka headers; flag 4): the header, u32 length L and L bytes
+  of headers, then the key and value as in version 1. The headers: u16 count, then per
+  header u16 key length, the key (utf-8), u32 value length (0xFFFFFFFF: no value) and
+  the value bytes.
+
+A record without headers is always written as version 1, so a payload stored before
+headers were kept, and every payload of a source without includeHeaders, reads the
+same; an older ftkafka refuses a version 2 payload by its version instead of misreading
+it. The FT layer never reads a payload; the source decodes it when the record is
+replayed. Both directions work on whole chunks: one numpy header array and one join per
+chunk, pyarrow binary arrays on the way back; only records that have headers cost a
+Python step each.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -18,15 +32,24 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import SourceError
 
-if TYPE_CHECKING:
-    pass
+__all__ = ["HEADERS_ARROW", "Headers", "decode_payloads", "encode_payloads", "headers_array"]
 
+Headers = Sequence[tuple[str, bytes | None]]
+"""One record's Kafka headers: (key, value) pairs in order; a value may be None."""
+
+HEADERS_ARROW: Final = pa.list_(
+    pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())])
+)
+"""The `headers` column, as Spark's Kafka source has it: array<struct<key, value>>."""
 
 _HEADER: Final = np.dtype([("version", "u1"), ("flags", "u1"), ("ts", "<i8"), ("klen", "<u4")])
 _HEADER_SIZE: Final = _HEADER.itemsize
-_FORMAT_VERSION: Final = 1
 _KEY_PRESENT: Final = 1
 _VALUE_PRESENT: Final = 2
+_HEADERS_PRESENT: Final = 4
+_U16: Final = struct.Struct("<H")
+_U32: Final = struct.Struct("<I")
+_NO_VALUE: Final = 0xFFFFFFFF
 
 
 def _regions(total: int, starts: NDArray[np.int64], lengths: NDArray[np.int64]) -> Any:
@@ -39,36 +62,91 @@ def _regions(total: int, starts: NDArray[np.int64], lengths: NDArray[np.int64]) 
     return np.cumsum(marks[:-1], dtype=np.int8).astype(np.bool_)
 
 
+def _encode_headers(headers: Headers) -> bytes:
+    parts = [_U16.pack(len(headers))]
+    for key, value in headers:
+        raw = key.encode("utf-8")
+        parts += [_U16.pack(len(raw)), raw]
+        parts.append(_U32.pack(_NO_VALUE) if value is None else _U32.pack(len(value)) + value)
+    blob = b"".join(parts)
+    return _U32.pack(len(blob)) + blob
+
+
+def _decode_headers(raw: bytes) -> list[tuple[str, bytes | None]]:
+    def need(at: int, size: int) -> None:
+        if at + size > len(raw):
+            raise SourceError("a replayed payload's Kafka headers run past their length")
+
+    need(0, 2)
+    (count,) = _U16.unpack_from(raw, 0)
+    at = 2
+    found: list[tuple[str, bytes | None]] = []
+    for _ in range(count):
+        need(at, 2)
+        (klen,) = _U16.unpack_from(raw, at)
+        need(at + 2, klen + 4)
+        try:
+            key = raw[at + 2 : at + 2 + klen].decode("utf-8")
+        except UnicodeDecodeError:
+            raise SourceError("a replayed payload's Kafka header key is not utf-8") from None
+        (vlen,) = _U32.unpack_from(raw, at + 2 + klen)
+        at += 2 + klen + 4
+        if vlen == _NO_VALUE:
+            found.append((key, None))
+            continue
+        need(at, vlen)
+        found.append((key, raw[at : at + vlen]))
+        at += vlen
+    if at != len(raw):
+        raise SourceError("a replayed payload's Kafka headers have trailing bytes")
+    return found
+
+
 def encode_payloads(
-    keys: Sequence[bytes | None], values: Sequence[bytes | None], timestamps_ms: ArrayLike
+    keys: Sequence[bytes | None],
+    values: Sequence[bytes | None],
+    timestamps_ms: ArrayLike,
+    headers: Sequence[Headers] | None = None,
 ) -> list[bytes]:
     """The persisted payload of each record (None: no key, or no value; timestamps in
-    epoch ms). The headers are built as one numpy array and all payloads with one join;
-    the per-record Python steps are list comprehensions over what kafka-python returned."""
+    epoch ms; `headers`: each record's Kafka headers, or None to keep none). The
+    headers are built as one numpy array and all payloads with one join; the per-record
+    Python steps are list comprehensions over what kafka-python returned."""
     n = len(keys)
+    if n == 0:
+        return []
     key_bytes = [k or b"" for k in keys]
     value_bytes = [v or b"" for v in values]
+    extra = [b""] * n if headers is None else [_encode_headers(h) if h else b"" for h in headers]
     klen = np.fromiter(map(len, key_bytes), dtype=np.int64, count=n)
     vlen = np.fromiter(map(len, value_bytes), dtype=np.int64, count=n)
+    xlen = np.fromiter(map(len, extra), dtype=np.int64, count=n)
+    with_headers = (xlen > 0).astype(np.uint8)
     header = np.zeros(n, dtype=_HEADER)
-    header["version"] = _FORMAT_VERSION
+    header["version"] = 1 + with_headers
     header["flags"] = np.fromiter((k is not None for k in keys), np.uint8, n) * _KEY_PRESENT
     header["flags"] |= np.fromiter((v is not None for v in values), np.uint8, n) * _VALUE_PRESENT
+    header["flags"] |= with_headers * _HEADERS_PRESENT
     header["ts"] = timestamps_ms
     header["klen"] = klen
-    headers = header.tobytes()
-    parts: list[bytes] = [b""] * (3 * n)
-    parts[0::3] = [headers[i : i + _HEADER_SIZE] for i in range(0, n * _HEADER_SIZE, _HEADER_SIZE)]
-    parts[1::3] = key_bytes
-    parts[2::3] = value_bytes
+    heads = header.tobytes()
+    parts: list[bytes] = [b""] * (4 * n)
+    parts[0::4] = [heads[i : i + _HEADER_SIZE] for i in range(0, n * _HEADER_SIZE, _HEADER_SIZE)]
+    parts[1::4] = extra
+    parts[2::4] = key_bytes
+    parts[3::4] = value_bytes
     blob = b"".join(parts)
-    ends = np.cumsum(_HEADER_SIZE + klen + vlen).tolist()
+    ends = np.cumsum(_HEADER_SIZE + xlen + klen + vlen).tolist()
     return [blob[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def decode_payloads(payloads: Sequence[bytes]) -> tuple[Any, Any, NDArray[np.int64]]:
-    """(keys, values, timestamps_ms) from payloads made by `encode_payloads`: two
-    pyarrow binary arrays (null where the record had none) and an int64 array."""
+def decode_payloads(
+    payloads: Sequence[bytes],
+) -> tuple[Any, Any, NDArray[np.int64], list[list[tuple[str, bytes | None]]]]:
+    """(keys, values, timestamps_ms, headers) from payloads made by `encode_payloads`:
+    two pyarrow binary arrays (null where the record had none), an int64 array, and
+    each record's Kafka headers (empty where it kept none). SourceError for a payload
+    that is not one."""
     n = len(payloads)
     sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
     if n and int(sizes.min()) < _HEADER_SIZE:
@@ -76,24 +154,45 @@ def decode_payloads(payloads: Sequence[bytes]) -> tuple[Any, Any, NDArray[np.int
     ends = np.cumsum(sizes)
     starts = ends - sizes
     total = int(ends[-1]) if n else 0
-    blob = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+    joined = b"".join(payloads)
+    blob = np.frombuffer(joined, dtype=np.uint8)
     header_bytes = blob[_regions(total, starts, np.full(n, _HEADER_SIZE))]
     header = header_bytes.view(_HEADER) if n else np.zeros(0, dtype=_HEADER)
-    if n and bool((header["version"] != _FORMAT_VERSION).any()):
+    flags = header["flags"]
+    with_headers = (flags & _HEADERS_PRESENT) > 0
+    expected = np.where(with_headers, 2, 1)
+    if n and bool((header["version"] != expected).any()):
         raise SourceError(
             f"replayed payloads of format versions {sorted(set(header['version'].tolist()))}; "
-            f"this ftkafka reads version {_FORMAT_VERSION}"
+            "this ftkafka reads version 1, and version 2 with Kafka headers"
         )
+    xlen = np.zeros(n, dtype=np.int64)
+    headers: list[list[tuple[str, bytes | None]]] = [[] for _ in range(n)]
+    for i in np.flatnonzero(with_headers).tolist():
+        at = int(starts[i]) + _HEADER_SIZE
+        if at + 4 > int(ends[i]):
+            raise SourceError("a replayed payload's Kafka headers run past its end")
+        (length,) = _U32.unpack_from(joined, at)
+        if at + 4 + length > int(ends[i]):
+            raise SourceError("a replayed payload's Kafka headers run past its end")
+        headers[i] = _decode_headers(joined[at + 4 : at + 4 + length])
+        xlen[i] = 4 + length
     klen = header["klen"].astype(np.int64)
-    vlen = sizes - _HEADER_SIZE - klen
+    key_at = starts + _HEADER_SIZE + xlen
+    vlen = sizes - _HEADER_SIZE - xlen - klen
     if bool((vlen < 0).any()):
         raise SourceError("a replayed payload's key length runs past its end")
-    flags = header["flags"]
-    keys = _binary_array(blob[_regions(total, starts + _HEADER_SIZE, klen)], klen,
-                         (flags & _KEY_PRESENT) > 0)  # fmt: skip
-    values = _binary_array(blob[_regions(total, starts + _HEADER_SIZE + klen, vlen)], vlen,
+    keys = _binary_array(blob[_regions(total, key_at, klen)], klen, (flags & _KEY_PRESENT) > 0)
+    values = _binary_array(blob[_regions(total, key_at + klen, vlen)], vlen,
                            (flags & _VALUE_PRESENT) > 0)  # fmt: skip
-    return keys, values, header["ts"].astype(np.int64)
+    return keys, values, header["ts"].astype(np.int64), headers
+
+
+def headers_array(headers: Sequence[Headers]) -> Any:
+    """The `headers` column of these records (HEADERS_ARROW)."""
+    return pa.array(
+        [[{"key": k, "value": v} for k, v in record] for record in headers], type=HEADERS_ARROW
+    )
 
 
 def _binary_array(data: NDArray[np.uint8], lengths: NDArray[np.int64], valid: Any) -> Any:

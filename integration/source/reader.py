@@ -31,14 +31,14 @@ from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import BatchingChannel
 from ftlayer.errors import SourceError
-from ftlayer.integration.ftcolumns import read_loop_headers, to_signed
+from ftlayer.integration.ftcolumns import LOOP_HEADER, read_loop_headers, to_signed
 from ftlayer.partitioners import (
     kafka_key_hashes,
     spark_key_hashes,
 )
 
 from .options import SourceOptions
-from .payloads import decode_payloads, encode_payloads
+from .payloads import decode_payloads, encode_payloads, headers_array
 
 if TYPE_CHECKING:
     pass
@@ -108,11 +108,12 @@ def read_partition(
     )
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded.
     for keys, values, offsets, timestamps, headers in _read_kafka(options, part):
+        kept = _user_headers(headers) if options.include_headers else None
         anchors = None
         if persister is not None and channel is not None:
             loop_roots, loop_ids = read_loop_headers(headers)
             if not loop_roots.any():  # the usual chunk: every record starts a tree
-                payloads = encode_payloads(keys, values, timestamps)
+                payloads = encode_payloads(keys, values, timestamps, kept)
                 anchors = _persist(persister, part, payloads, offsets, *key_hashes(keys))
             else:
                 anchors = _persist_or_continue(
@@ -124,6 +125,7 @@ def read_partition(
                     values,
                     offsets,
                     timestamps,
+                    kept,
                     loop_roots,
                     loop_ids,
                 )
@@ -136,6 +138,7 @@ def read_partition(
             np.full(n, part.partition, dtype=np.int32),
             offsets,
             timestamps,
+            None if kept is None else headers_array(kept),
             anchors,
         )
     if channel is None or persister is None:
@@ -148,7 +151,7 @@ def read_partition(
         if len(replay):
             records = replay.records
             emitted = persister.emit_replays(records.roots)
-            keys_r, values_r, timestamps_r = decode_payloads(records.payloads)
+            keys_r, values_r, timestamps_r, headers_r = decode_payloads(records.payloads)
             yield _arrow_batch(
                 arrow_schema,
                 keys_r,
@@ -157,6 +160,7 @@ def read_partition(
                 records.partitions,
                 records.offsets,
                 timestamps_r,
+                headers_array(headers_r) if options.include_headers else None,
                 (to_signed(emitted.roots), to_signed(emitted.ids)),
             )
     # Step 4: the emission events of the replays (and anything else buffered) go now.
@@ -172,6 +176,7 @@ def _persist_or_continue(
     values: list[bytes | None],
     offsets: NDArray[np.int64],
     timestamps: NDArray[np.int64],
+    headers: list[list[tuple[str, bytes | None]]] | None,
     loop_roots: NDArray[np.uint64],
     loop_ids: NDArray[np.uint64],
 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
@@ -182,7 +187,12 @@ def _persist_or_continue(
     fresh = np.flatnonzero(loop_roots == 0)
     if len(fresh):
         keys_f = [keys[i] for i in fresh.tolist()]
-        payloads = encode_payloads(keys_f, [values[i] for i in fresh.tolist()], timestamps[fresh])
+        payloads = encode_payloads(
+            keys_f,
+            [values[i] for i in fresh.tolist()],
+            timestamps[fresh],
+            None if headers is None else [headers[i] for i in fresh.tolist()],
+        )
         roots[fresh], ids[fresh] = _persist(
             persister, part, payloads, offsets[fresh], *key_hashes(keys_f)
         )
@@ -236,6 +246,7 @@ def _arrow_batch(
     partitions: Any,
     offsets: Any,
     timestamps_ms: NDArray[np.int64],
+    headers: Any,
     anchors: tuple[Any, Any] | None,
 ) -> Any:
     columns = [
@@ -246,6 +257,8 @@ def _arrow_batch(
         pa.array(np.asarray(offsets, dtype=np.int64), type=pa.int64()),
         pa.array(timestamps_ms * 1000, type=pa.timestamp("us", tz="UTC")),
     ]
+    if headers is not None:
+        columns.append(headers)
     if anchors is not None:
         columns += [pa.array(anchors[0], type=pa.int64()), pa.array(anchors[1], type=pa.int64())]
     return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)
@@ -314,3 +327,11 @@ def new_consumer(bootstrap: str, config: Mapping[str, Any]) -> Any:
         allow_auto_create_topics=False,
         **{"client_id": "ftkafka", **config},
     )
+
+
+def _user_headers(
+    headers: Sequence[Sequence[tuple[str, bytes | None]] | None],
+) -> list[list[tuple[str, bytes | None]]]:
+    """Each record's Kafka headers as the `headers` column shows them and the payload
+    keeps them: in order, without the loop header (ftlayer's own, see ftcolumns)."""
+    return [[(k, v) for k, v in (found or ()) if k != LOOP_HEADER] for found in headers]

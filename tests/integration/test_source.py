@@ -39,11 +39,13 @@ from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FT_COLUMNS, to_unsigned
 from ftlayer.integration.harness.broker import free_port
 from ftlayer.integration.harness.kafka import produce, read_all, wait_until
+from ftlayer.integration.sinks import ft_kafka_sink
 from ftlayer.integration.source import (
     FTKafkaDataSource,
     FTKafkaPartition,
     FTKafkaStreamReader,
     SourceError,
+    parse_options,
     register,
     source_schema,
 )
@@ -302,6 +304,77 @@ def test_failed_records_come_back_in_a_later_batch_where_their_partitioner_route
     ack(ft_layer, second)
     seen = status(ft_layer)
     assert (seen["completed"], seen["pending"], seen["failed"]["explicit"]) == (220, 0, len(failed))
+
+
+def _headers_of(row: Mapping[str, Any]) -> list[tuple[str, bytes | None]]:
+    return [(h["key"], None if h["value"] is None else bytes(h["value"])) for h in row["headers"]]
+
+
+def test_kafka_headers_are_read_replayed_with_their_record_and_written_by_the_sink(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    ft_layer: Server,
+    tmp_path: Path,
+) -> None:
+    topic, out = make_topic(2), make_topic(2)
+    made = [
+        (
+            f"k{i}".encode(),
+            f"v{i}".encode(),
+            [] if i % 7 == 0 else [("trace", b"t%d" % i), ("e", b"")],
+        )
+        for i in range(60)
+    ]
+    produce(kafka_bootstrap, topic, made)
+    sent = {value: headers for _key, value, headers in made}
+    opts = ft_options(kafka_bootstrap, [topic], ft_layer, includeHeaders="true")
+    checkpoint = tmp_path / "checkpoint"
+    first, _ = run_available_now(spark, opts, checkpoint)
+    assert sorted(r["value"] for r in first) == sorted(sent)
+    assert all(_headers_of(r) == sent[r["value"]] for r in first)
+    failed = [r for r in first if r["offset"] % 4 == 0]
+    with ft_layer.client() as client:
+        client.fail(anchors(failed)[0])
+    ack(ft_layer, [r for r in first if r["offset"] % 4 != 0])
+
+    # The replays come back with their headers: the FT layer kept them with the payload.
+    second, _ = run_available_now(spark, opts, checkpoint)
+    assert sorted(r["value"] for r in second) == sorted(r["value"] for r in failed)
+    assert all(_headers_of(r) == sent[r["value"]] for r in second)
+    ack(ft_layer, second)
+
+    # The Kafka sink writes the headers column as each record's headers.
+    sink = ft_kafka_sink(kafka_bootstrap, out, parse_options(opts).ft)
+    query = (
+        spark.readStream.format("ftkafka")
+        .options(**{**opts, "ft.sourceName": "headers-to-sink"})
+        .load()
+        .select("key", "value", "headers", *FT_COLUMNS)
+        .writeStream.foreachBatch(sink)
+        .trigger(availableNow=True)
+        .option("checkpointLocation", str(tmp_path / "sink-checkpoint"))
+        .start()
+    )
+    try:
+        assert query.awaitTermination(QUERY_TIMEOUT_S), "the sink query did not finish"
+    finally:
+        query.stop()
+    written = {r.value: list(r.headers) for r in read_all(kafka_bootstrap, out)}
+    assert written == {value: [(k, v) for k, v in headers] for value, headers in sent.items()}
+    assert status(ft_layer)["pending"] == 0
+
+
+def test_without_include_headers_there_is_no_headers_column(
+    spark: SparkSession, kafka_bootstrap: str, make_topic: MakeTopic, tmp_path: Path
+) -> None:
+    topic = make_topic(1)
+    produce(kafka_bootstrap, topic, [(b"k", b"v", [("trace", b"t")])])
+    rows, _ = run_available_now(spark, options(kafka_bootstrap, [topic]), tmp_path / "cp")
+    assert len(rows) == 1 and "headers" not in rows[0]
+    opts = options(kafka_bootstrap, [topic], includeHeaders="true")
+    with_headers, _ = run_available_now(spark, opts, tmp_path / "cp-headers")
+    assert _headers_of(with_headers[0]) == [("trace", b"t")]
 
 
 def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(

@@ -1,0 +1,56 @@
+"""The payload codec of the ftkafka source: what a replay gets back is what was read,
+Kafka headers included; payloads stored before headers were kept still read."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ftlayer.errors import SourceError
+from ftlayer.integration.source.payloads import decode_payloads, encode_payloads
+
+maybe_bytes = st.none() | st.binary(max_size=20)
+header = st.tuples(st.text(max_size=8), maybe_bytes)
+record = st.tuples(maybe_bytes, maybe_bytes, st.integers(0, 2**62), st.lists(header, max_size=3))
+
+
+@given(st.lists(record, max_size=12), st.booleans())
+def test_a_replay_reads_back_what_was_read(records: list, keep_headers: bool) -> None:
+    keys = [r[0] for r in records]
+    values = [r[1] for r in records]
+    stamps = np.array([r[2] for r in records], dtype=np.int64)
+    headers = [r[3] for r in records]
+    payloads = encode_payloads(keys, values, stamps, headers if keep_headers else None)
+    got_keys, got_values, got_stamps, got_headers = decode_payloads(payloads)
+    assert got_keys.to_pylist() == keys and got_values.to_pylist() == values
+    assert got_stamps.tolist() == stamps.tolist()
+    assert got_headers == (headers if keep_headers else [[] for _ in records])
+    versions = {p[0] for p in payloads}
+    assert versions <= ({1, 2} if keep_headers else {1})  # no headers: the old format
+
+
+def test_a_payload_stored_before_headers_were_kept_still_reads() -> None:
+    # Version 1 as it was written: header, key, value; no room for headers.
+    old = struct.pack("<BBqI", 1, 3, 1234, 2) + b"k1" + b"value"
+    keys, values, stamps, headers = decode_payloads([old])
+    assert keys.to_pylist() == [b"k1"] and values.to_pylist() == [b"value"]
+    assert stamps.tolist() == [1234] and headers == [[]]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: p[:16],  # headers cut short
+        lambda p: bytes([1]) + p[1:],  # version 1 claiming headers
+        lambda p: bytes([3]) + p[1:],  # a version this ftkafka does not know
+        lambda p: p[:14] + struct.pack("<I", 9999) + p[18:],  # headers longer than the payload
+    ],
+)
+def test_a_damaged_payload_is_a_clear_error(damage: object) -> None:
+    good = encode_payloads([b"k"], [b"v"], np.array([1]), [[("h", b"x")]])[0]
+    with pytest.raises(SourceError, match=r"payload|version"):
+        decode_payloads([damage(good)])  # type: ignore[operator]
