@@ -117,24 +117,32 @@ def encode_payloads(
         return []
     key_bytes = [k or b"" for k in keys]
     value_bytes = [v or b"" for v in values]
-    extra = [b""] * n if headers is None else [_encode_headers(h) if h else b"" for h in headers]
     klen = np.fromiter(map(len, key_bytes), dtype=np.int64, count=n)
     vlen = np.fromiter(map(len, value_bytes), dtype=np.int64, count=n)
-    xlen = np.fromiter(map(len, extra), dtype=np.int64, count=n)
-    with_headers = (xlen > 0).astype(np.uint8)
     header = np.zeros(n, dtype=_HEADER)
-    header["version"] = 1 + with_headers
+    header["version"] = 1
     header["flags"] = np.fromiter((k is not None for k in keys), np.uint8, n) * _KEY_PRESENT
     header["flags"] |= np.fromiter((v is not None for v in values), np.uint8, n) * _VALUE_PRESENT
-    header["flags"] |= with_headers * _HEADERS_PRESENT
     header["ts"] = timestamps_ms
     header["klen"] = klen
+    if headers is None or not any(headers):  # the usual chunk: version 1, three parts each
+        width, xlen, extra = 3, np.zeros(n, dtype=np.int64), None
+    else:
+        extra = [_encode_headers(h) if h else b"" for h in headers]
+        xlen = np.fromiter(map(len, extra), dtype=np.int64, count=n)
+        with_headers = (xlen > 0).astype(np.uint8)
+        header["version"] += with_headers
+        header["flags"] |= with_headers * _HEADERS_PRESENT
+        width = 4
     heads = header.tobytes()
-    parts: list[bytes] = [b""] * (4 * n)
-    parts[0::4] = [heads[i : i + _HEADER_SIZE] for i in range(0, n * _HEADER_SIZE, _HEADER_SIZE)]
-    parts[1::4] = extra
-    parts[2::4] = key_bytes
-    parts[3::4] = value_bytes
+    parts: list[bytes] = [b""] * (width * n)
+    parts[0::width] = [
+        heads[i : i + _HEADER_SIZE] for i in range(0, n * _HEADER_SIZE, _HEADER_SIZE)
+    ]
+    if extra is not None:
+        parts[1::width] = extra
+    parts[width - 2 :: width] = key_bytes
+    parts[width - 1 :: width] = value_bytes
     blob = b"".join(parts)
     ends = np.cumsum(_HEADER_SIZE + xlen + klen + vlen).tolist()
     return [blob[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
