@@ -17,6 +17,8 @@ across tasks).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -38,26 +40,49 @@ HEADERS_TYPE: Final = ArrayType(
 the Kafka sink writes): the type Spark's own Kafka source gives them."""
 LOOP_HEADER: Final = "ftlayer-anchor"
 """The Kafka header of a record a loop sink fed back into a source's topic: its tree's
-root and the id of the record in transit, 8 bytes each, big-endian."""
+root and the id of the record in transit, 8 bytes each, big-endian, then a 16-byte tag,
+HMAC-SHA256 of both under the pipeline's loop key (FTSettings.loop_secret), cut short.
+A record whose header does not carry a good tag is not continued: it starts a tree of
+its own, as any source record."""
+_LOOP_CONTEXT: Final = b"ftlayer-anchor-v1"
+_TAG_SIZE: Final = 16
 
 
-def loop_header(root: int, record_id: int) -> bytes:
-    return root.to_bytes(8, "big") + record_id.to_bytes(8, "big")
+def _tag(secret: bytes, ids: bytes) -> bytes:
+    return hmac.new(secret, _LOOP_CONTEXT + ids, hashlib.sha256).digest()[:_TAG_SIZE]
+
+
+def loop_header(root: int, record_id: int, secret: bytes) -> bytes:
+    ids = root.to_bytes(8, "big") + record_id.to_bytes(8, "big")
+    return ids + _tag(secret, ids)
 
 
 def read_loop_headers(
-    headers: Sequence[Sequence[tuple[str, bytes]] | None],
-) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
-    """(roots, ids) from each record's LOOP_HEADER; 0 and 0 for records without one (or
-    with a header that is not 16 bytes: not ours, so the record starts a new tree)."""
+    headers: Sequence[Sequence[tuple[str, bytes | None]] | None], secret: bytes | None
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64], int]:
+    """(roots, ids, refused) from each record's LOOP_HEADER: 0 and 0 for records without
+    one, and for records whose header is not signed with `secret` (copied, forged, or
+    no key here): those start a new tree; `refused` counts them."""
     roots = np.zeros(len(headers), dtype=np.uint64)
     ids = np.zeros(len(headers), dtype=np.uint64)
+    refused = 0
     for i, found in enumerate(headers):
         for key, value in found or ():
-            if key == LOOP_HEADER and value is not None and len(value) == 16:
-                roots[i] = int.from_bytes(value[:8], "big")
-                ids[i] = int.from_bytes(value[8:], "big")
-    return roots, ids
+            if key != LOOP_HEADER:
+                continue
+            good = (
+                secret is not None
+                and value is not None
+                and len(value) == 16 + _TAG_SIZE
+                and hmac.compare_digest(value[16:], _tag(secret, value[:16]))
+            )
+            if not good:
+                refused += 1
+                continue
+            assert value is not None
+            roots[i] = int.from_bytes(value[:8], "big")
+            ids[i] = int.from_bytes(value[8:16], "big")
+    return roots, ids, refused
 
 
 def to_signed(ids: ArrayLike) -> NDArray[np.int64]:
@@ -83,6 +108,18 @@ class FTSettings:
     enabled: bool = True
     tls_ca: str | None = None
     """Connect with TLS, trusting the CA certificate(s) in this PEM file."""
+    loop_key: bytes | None = None
+    """The key loop headers are signed with; None: derived from `token`."""
+
+    @property
+    def loop_secret(self) -> bytes | None:
+        """The key of this pipeline's loop headers: `loop_key`, else one derived from the
+        token; None with neither (a loop sink then refuses to start)."""
+        if self.loop_key is not None:
+            return self.loop_key
+        if self.token is not None:
+            return hashlib.sha256(b"ftlayer-loop-key-v1\0" + self.token).digest()
+        return None
 
     def __post_init__(self) -> None:
         if self.enabled:

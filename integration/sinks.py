@@ -353,6 +353,7 @@ def _kafka_partition(
     headers_column: str | None = None,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     wait_s = config["delivery_timeout_ms"] / 1000 + _FLUSH_MARGIN_S
+    secret = settings.loop_secret or b""  # FTKafkaSink refuses a loop sink without one
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         channel = settings.channel() if settings.enabled else None
@@ -373,7 +374,7 @@ def _kafka_partition(
                     if anchors is not None and in_transit is not None:
                         own = headers or [[] for _ in range(n)]
                         headers = [
-                            [*kept, (LOOP_HEADER, loop_header(root, child))]
+                            [*kept, (LOOP_HEADER, loop_header(root, child, secret))]
                             for kept, root, child in zip(
                                 own, anchors.roots.tolist(), in_transit.tolist(), strict=True
                             )
@@ -438,6 +439,12 @@ class FTKafkaSink:
     ) -> None:
         if loop and not settings.enabled:
             raise ConfigError("a loop sink needs FT on: its records carry their tree's root")
+        if loop and settings.loop_secret is None:
+            raise ConfigError(
+                "a loop sink signs its loop headers with the pipeline's loop key: give the "
+                "FT layer's token (option ft.tokenFile) or a key (option ft.loopKeyFile or "
+                "FTSettings(loop_key=...))"
+            )
         self.loop = loop
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic

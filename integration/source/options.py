@@ -165,6 +165,19 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "inside the tasks); give this or `ft.token`, not both",
     ),
     Option(
+        "ft.loopKey",
+        "text",
+        "the key this pipeline's loop headers are signed with (section 3.4); by default one "
+        "derived from the token. A record whose `ftlayer-anchor` header is not signed with "
+        "it starts a tree of its own",
+        shown_default="derived from the token",
+    ),
+    Option(
+        "ft.loopKeyFile",
+        "text",
+        "a file holding that key, read on the driver; give this or `ft.loopKey`, not both",
+    ),
+    Option(
         "ft.tlsCa",
         "text",
         "connect with TLS, trusting the CA certificates in this PEM file; the driver and every "
@@ -478,19 +491,24 @@ def _kafka_config(given: _Given) -> dict[str, Any]:
 
 
 def _read_token(given: _Given) -> bytes | None:
-    token, token_file = given.text("ft.token"), given.text("ft.tokenFile")
-    if token is not None and token_file is not None:
-        raise ConfigError("give option ft.token or option ft.tokenFile, not both")
-    if token is not None:
-        if not token:
-            raise ConfigError("option ft.token is empty")
-        return token.encode()
-    if token_file is None:
+    return _read_secret(given, "ft.token", "ft.tokenFile")
+
+
+def _read_secret(given: _Given, name: str, file_name: str) -> bytes | None:
+    """A secret given as option `name` or in the file of option `file_name`."""
+    text, path = given.text(name), given.text(file_name)
+    if text is not None and path is not None:
+        raise ConfigError(f"give option {name} or option {file_name}, not both")
+    if text is not None:
+        if not text:
+            raise ConfigError(f"option {name} is empty")
+        return text.encode()
+    if path is None:
         return None
     try:
-        return read_token_file(token_file)
+        return read_token_file(path)
     except ConfigError as exc:
-        raise ConfigError(f"option ft.tokenFile: {exc}") from None
+        raise ConfigError(f"option {file_name}: {exc}") from None
 
 
 def _ft_settings(given: _Given) -> FTSettings:
@@ -501,8 +519,11 @@ def _ft_settings(given: _Given) -> FTSettings:
     if not enabled:
         return FTSettings(enabled=False)
     token = _read_token(given)
+    loop_key = _read_secret(given, "ft.loopKey", "ft.loopKeyFile")
     try:
-        return FTSettings(address=address, token=token, tls_ca=given.text("ft.tlsCa"))
+        return FTSettings(
+            address=address, token=token, tls_ca=given.text("ft.tlsCa"), loop_key=loop_key
+        )
     except ConfigError as exc:
         raise ConfigError(f"option ft.address={address!r}: {exc}") from None
 

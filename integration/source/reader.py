@@ -12,6 +12,7 @@ through its process's shared BatchingChannel only.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -43,6 +44,8 @@ from .payloads import decode_payloads, encode_payloads, headers_array
 if TYPE_CHECKING:
     pass
 
+
+log = logging.getLogger("ftlayer.source")
 
 # An executor reads one partition, so one partition's fetch may use most of the fetch.
 _FETCH_MAX_BYTES: Final = 32 * 1024 * 1024
@@ -111,7 +114,13 @@ def read_partition(
         kept = _user_headers(headers) if options.include_headers else None
         anchors = None
         if persister is not None and channel is not None:
-            loop_roots, loop_ids = read_loop_headers(headers)
+            loop_roots, loop_ids, refused = read_loop_headers(headers, options.ft.loop_secret)
+            if refused:
+                log.warning(
+                    "%d records of %s-%d carry an %s header that is not signed with this "
+                    "pipeline's loop key (copied or forged): each starts a tree of its own",
+                    refused, part.topic, part.partition, LOOP_HEADER,
+                )  # fmt: skip
             if not loop_roots.any():  # the usual chunk: every record starts a tree
                 payloads = encode_payloads(keys, values, timestamps, kept)
                 anchors = _persist(persister, part, payloads, offsets, *key_hashes(keys))

@@ -12,6 +12,7 @@ original record, which runs the whole loop again.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import sys
 import zlib
@@ -26,8 +27,8 @@ from pyspark.sql import functions as F
 from serverproc import StartServer
 
 from ftlayer.client import FTClient
-from ftlayer.errors import FailException
-from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.errors import ConfigError, FailException
+from ftlayer.integration.ftcolumns import LOOP_HEADER, FTSettings, loop_header
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import ft_kafka_sink, settle
 from ftlayer.integration.source import register
@@ -38,6 +39,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 MakeTopic = Callable[..., str]
 EVENTS = 200
 STEP_SCHEMA = "key binary, value binary, event long, n long"
+LOOP_KEY = "the pipeline's loop key"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,7 +92,7 @@ def test_a_loop_keeps_each_tree_across_iterations_and_updates_state_once(
     tmp_path: Path,
 ) -> None:
     server = start_server(None, "--timeout-s", "120")
-    settings = FTSettings(server.address)
+    settings = FTSettings(server.address, loop_key=LOOP_KEY.encode())
     topic = make_topic(2)
     produce(
         kafka_bootstrap,
@@ -114,6 +116,7 @@ def test_a_loop_keeps_each_tree_across_iterations_and_updates_state_once(
         .option("kafka.bootstrap.servers", kafka_bootstrap)
         .option("subscribe", topic)
         .option("ft.address", server.address)
+        .option("ft.loopKey", LOOP_KEY)
         .option("ft.checkpointMode", "aligned")
         .load()
     )
@@ -154,3 +157,71 @@ def test_a_loop_keeps_each_tree_across_iterations_and_updates_state_once(
     assert status["persisted"] == EVENTS
     assert status["completed"] == EVENTS
     assert status["unknown_events"] == 0
+
+
+def test_a_copied_or_forged_loop_header_starts_a_tree_of_its_own(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """Only a header signed with the pipeline's loop key continues a tree: a record that
+    carries any other `ftlayer-anchor` header is persisted and tracked like any source
+    record, so it is never processed untracked."""
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address, loop_key=LOOP_KEY.encode())
+    topic = make_topic(1)
+    signed_elsewhere = loop_header(7, 8, b"another pipeline's key")
+    produce(
+        kafka_bootstrap,
+        topic,
+        [
+            (b"a", b"plain", []),
+            (b"b", b"forged", [(LOOP_HEADER, os.urandom(32))]),
+            (b"c", b"old-format", [(LOOP_HEADER, (7).to_bytes(8, "big") * 2)]),
+            (b"d", b"copied", [(LOOP_HEADER, signed_elsewhere)]),
+        ],
+    )
+    seen: list[str] = []
+
+    def sink(batch: DataFrame, epoch_id: int) -> None:
+        batch.persist()  # two actions on one batch: read (and persist) the source once
+        seen.extend(bytes(row.value).decode() for row in batch.select("value").collect())
+        settle(batch, settings, ack=True)
+        batch.unpersist()
+
+    query = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("ft.address", server.address)
+        .option("ft.loopKey", LOOP_KEY)
+        .load()
+        .writeStream.foreachBatch(sink)
+        .trigger(availableNow=True)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .start()
+    )
+    try:
+        assert query.awaitTermination(120), "the query did not finish"
+    finally:
+        query.stop()
+    assert sorted(seen) == ["copied", "forged", "old-format", "plain"]
+    with FTClient(server.address) as client:
+        wait_until(
+            lambda: client.status()["stored_records"] == 0,
+            30,
+            f"acked records deleted: {client.status().to_json()}",
+        )
+        status = client.status()
+    # Every record was persisted as a source record and its tree completed.
+    assert (status["persisted"], status["completed"], status["pending"]) == (4, 4, 0)
+    assert status["unknown_events"] == 0
+
+
+def test_a_loop_sink_needs_a_key_to_sign_with(start_server: StartServer) -> None:
+    server = start_server(None)
+    with pytest.raises(ConfigError, match=r"ft\.loopKeyFile"):
+        ft_kafka_sink("127.0.0.1:1", "t", FTSettings(server.address), loop=True)
+    assert FTSettings(server.address, token=b"t").loop_secret is not None

@@ -37,7 +37,7 @@ def test_every_declared_option_is_accepted_and_nothing_else() -> None:
         value = option.choices[0] if option.choices else valid[option.type]
         if option.name in ("startingOffsets",):
             value = "latest"
-        if option.name == "ft.tokenFile":
+        if option.name.endswith("File"):  # ft.tokenFile, ft.loopKeyFile
             value = str(GUIDE)  # any readable, non-empty file
         parse_options({**BASE, option.name: value})
         parse_options({**BASE, option.name.upper(): value})  # Spark may change the case
