@@ -65,7 +65,10 @@ since nothing could replay the record.
 Loops (`ft_kafka_sink(..., loop=True)`, after FLIP-16): the sink writes into a topic
 that a source of the same pipeline reads, and the records' trees go on across the
 loop instead of completing. Each record gets a fresh in-transit id and the Kafka
-header `ftlayer-anchor` (LOOP_HEADER: its root and that id). Once the broker confirmed
+header `ftlayer-anchor` (LOOP_HEADER: its root and that id, signed with the pipeline's
+loop key, FTSettings.loop_secret; a header not signed with it starts a new tree at the
+source, so a copied or forged header never lets a record flow untracked). Once the
+broker confirmed
 the write, one XOR event per row acks the row and anchors the record in transit; the
 `ftkafka` source that reads it back persists nothing, acks the in-transit id and
 emits the record under the same root with a fresh id. So a tree is tracked across
