@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftlayer.errors import FTLayerError
-from ftlayer.position import KafkaOffsets, Position, PositionError, offsets_from_json
+from ftlayer.position import (
+    KafkaOffsets,
+    Position,
+    PositionError,
+    offsets_from_json,
+    offsets_to_json,
+)
 
 __all__ = ["CheckpointReport", "QueryCheckpoints", "Status", "StatusError"]
 
@@ -122,10 +128,7 @@ class CheckpointReport(Mapping[str, Any]):
         data["position"] = self.position.to_json()
         data["sources"] = list(self.sources)
         if self.commit_offsets is not None:
-            data["commit_offsets"] = {
-                t: {str(p): o for p, o in sorted(parts.items())}
-                for t, parts in sorted(self.commit_offsets.items())
-            }
+            data["commit_offsets"] = offsets_to_json(self.commit_offsets)
         if self.completed is None:
             del data["completed"]
         else:

@@ -76,7 +76,6 @@ from ftlayer.persistence.base import MetaValue, PersistenceStorage
 from ftlayer.position import (
     KafkaOffsets,
     Position,
-    PositionError,
     offsets_from_json,
     offsets_to_json,
 )
@@ -249,7 +248,7 @@ class CheckpointCoordinator:
     def begin(
         self,
         query: str,
-        position: Position | Mapping[str, Any],
+        position: Mapping[str, Any],
         sources: Sequence[int],
         mode: CheckpointMode,
         now: float | None = None,
@@ -326,7 +325,7 @@ class CheckpointCoordinator:
     def done(
         self,
         query: str,
-        position: Position | Mapping[str, Any],
+        position: Mapping[str, Any],
         sources: Sequence[int],
         mode: CheckpointMode,
         now: float | None = None,
@@ -338,8 +337,8 @@ class CheckpointCoordinator:
         source may commit now: this checkpoint's, or for an aligning one the newest
         completed checkpoint's (None if there is none)."""
         now = time.time() if now is None else now
-        position = check_position(position)
-        checkpoint = self._begin(check_query(query), position, sources, mode, now)
+        barrier = check_position(position)
+        checkpoint = self._begin(check_query(query), barrier, sources, mode, now)
         q = self._queries[query]
         if checkpoint.state is not CheckpointState.BEGUN:
             return self._answer(q, checkpoint)
@@ -349,7 +348,7 @@ class CheckpointCoordinator:
             if earlier.id <= checkpoint.id and earlier.state is CheckpointState.BEGUN:
                 earlier.done_at = now
                 earlier.state = CheckpointState.ALIGNING
-        replay = position.replay or 0
+        replay = barrier.replay or 0
         if replay:
             checkpoint.pruned = sum(self.ft.prune_replay(replay, s) for s in checkpoint.sources)
         self._align(query, q, now)
@@ -568,10 +567,6 @@ def check_query(query: object) -> str:
 def check_position(position: object) -> Position:
     """A barrier position (the JSON form of ftlayer.position, "replay" included);
     PositionError (a ConfigError) naming the problem otherwise."""
-    if isinstance(position, Position):
-        if position.replay is None:
-            raise PositionError(f"a barrier position needs a replay cursor, got {position!r}")
-        return position
     return Position.parse(position, need_replay=True, what="checkpoint")
 
 

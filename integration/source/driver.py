@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 from kafka import KafkaConsumer, TopicPartition
@@ -28,10 +28,6 @@ from ftlayer.status import CheckpointReport
 
 from .options import SourceOptions
 from .reader import POLL_SECONDS, new_consumer
-
-if TYPE_CHECKING:
-    pass
-
 
 T = TypeVar("T")
 

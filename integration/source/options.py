@@ -490,10 +490,6 @@ def _kafka_config(given: _Given) -> dict[str, Any]:
     return config
 
 
-def _read_token(given: _Given) -> bytes | None:
-    return _read_secret(given, "ft.token", "ft.tokenFile")
-
-
 def _read_secret(given: _Given, name: str, file_name: str) -> bytes | None:
     """A secret given as option `name` or in the file of option `file_name`."""
     text, path = given.text(name), given.text(file_name)
@@ -518,7 +514,7 @@ def _ft_settings(given: _Given) -> FTSettings:
         raise ConfigError("option ft.enabled is true but option ft.address is not set")
     if not enabled:
         return FTSettings(enabled=False)
-    token = _read_token(given)
+    token = _read_secret(given, "ft.token", "ft.tokenFile")
     loop_key = _read_secret(given, "ft.loopKey", "ft.loopKeyFile")
     try:
         return FTSettings(

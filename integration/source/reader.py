@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -24,9 +24,7 @@ from kafka.errors import KafkaError
 from numpy.typing import NDArray
 from pyspark.sql.datasource import InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import (
-    StructType,
-)
+from pyspark.sql.types import StructType
 
 from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
@@ -40,10 +38,6 @@ from ftlayer.partitioners import (
 
 from .options import SourceOptions
 from .payloads import decode_payloads, encode_payloads, headers_array
-
-if TYPE_CHECKING:
-    pass
-
 
 log = logging.getLogger("ftlayer.source")
 
@@ -106,6 +100,7 @@ def read_partition(
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
     channel = options.ft.channel() if options.ft_on else None
     persister = None if channel is None else Persister(channel, source_id=part.source_id)
+    loop_secret = options.ft.loop_secret  # derived once per partition, not per chunk
     key_hashes: KeyHashes = (
         _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
     )
@@ -114,7 +109,7 @@ def read_partition(
         kept = _user_headers(headers) if options.include_headers else None
         anchors = None
         if persister is not None and channel is not None:
-            loop_roots, loop_ids, refused = read_loop_headers(headers, options.ft.loop_secret)
+            loop_roots, loop_ids, refused = read_loop_headers(headers, loop_secret)
             if refused:
                 log.warning(
                     "%d records of %s-%d carry an %s header that is not signed with this "
