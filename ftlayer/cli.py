@@ -6,7 +6,7 @@
                    [--idle-timeout-s S] [--max-connections N]
     ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--wait-s S] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
-                   [--workdir D] [--json]
+                   [--poison-rate R] [--max-retries M] [--workdir D] [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
@@ -168,6 +168,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--partitions", type=_positive_int, default=4, help="topic partitions")
     demo.add_argument(
         "--kill-workers", type=_count, default=0, help="Python workers to SIGKILL meanwhile"
+    )
+    demo.add_argument(
+        "--poison-rate", type=_rate, default=0.0, help="share of events that always fail (0..1)"
+    )
+    demo.add_argument(
+        "--max-retries",
+        type=_count,
+        default=10,
+        help="ft.maxRetries: replays of a failed event before it is dead-lettered",
     )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -363,20 +372,23 @@ def _demo(args: argparse.Namespace) -> int:
 
     def view(progress: dict[str, Any]) -> Table:
         table = Table(title="ftlayer demo", show_header=True)
-        for name in ("produced", "read", "persisted", "completed", "pending", "replayed"):
+        names = ("produced", "read", "persisted", "completed", "pending", "replayed")
+        for name in (*names, "dead-lettered"):
             table.add_column(name, justify="right")
         replayed = sum(progress.get("failed", {}).values())
         table.add_row(
             *(f"{progress.get(k, 0):,}" for k in ("produced", "read", "persisted")),
             *(f"{progress.get(k, 0):,}" for k in ("completed", "pending")),
             f"{replayed:,}",
+            f"{progress.get('dead_lettered', 0):,}",
         )
         return table
 
     console.print(
         f"ftlayer demo: {args.records:,} events, {args.partitions} partitions, "
-        f"fail rate {args.fail_rate:g}, {args.kill_workers} worker kills; starting "
-        "Tansu, the FT layer and Spark ..."
+        f"fail rate {args.fail_rate:g}, poison rate {args.poison_rate:g} (max retries "
+        f"{args.max_retries}), {args.kill_workers} worker kills; starting Tansu, the FT "
+        "layer and Spark ..."
     )
     with Live(view({"produced": args.records}), console=console, refresh_per_second=4) as live:
         result = run_demo(
@@ -384,6 +396,8 @@ def _demo(args: argparse.Namespace) -> int:
             fail_rate=args.fail_rate,
             partitions=args.partitions,
             kill_workers=args.kill_workers,
+            poison_rate=args.poison_rate,
+            max_retries=args.max_retries,
             workdir=args.workdir,
             on_progress=lambda progress: live.update(view(progress)),
             on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),
@@ -394,7 +408,9 @@ def _demo(args: argparse.Namespace) -> int:
     if not result.ok:
         console.print(
             f"ftlayer demo: FAILED: lost {result.lost}, completed {result.completed} of "
-            f"{result.produced}, {result.pending_at_end} trees still pending",
+            f"{result.produced}, {result.pending_at_end} trees still pending, dead-lettered "
+            f"{result.extra.get('dead_lettered')} of {result.extra.get('poison_events')} "
+            f"poison events, group lag at the end {result.extra.get('group_lag_at_end')}",
             soft_wrap=True,
         )
     console.print(f"ftlayer demo: Spark's log is in {result.extra['spark_log']}", soft_wrap=True)

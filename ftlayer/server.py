@@ -615,7 +615,9 @@ class FTServer:
                 return encode_ok(rid, ft.requeue_dead_letters(where))
             if m.op in ("purge", "delivered"):
                 return encode_ok(rid, ft.purge_dead_letters(where, delivered=m.op == "delivered"))
-            limit = None if m.limit is None else m.limit + 1
+            # One more than asked, to know whether more match; never more than a reply
+            # can carry, whatever the store holds.
+            limit = min(m.limit or _MAX_LISTED_DEAD_LETTERS, _MAX_LISTED_DEAD_LETTERS) + 1
             letters, records = ft.dead_letters(where, limit)
         # At most `limit` of them, and no more than fit one frame (half of it for the
         # payloads leaves room for the JSON); "more" tells the caller to ask again.
@@ -729,6 +731,7 @@ _REPLAY_SLACK: Final = 64
 # A dead letter's bytes besides its payload: its record columns and a retry record of
 # up to 16 causes of up to 1,200 bytes each, as JSON.
 _DEAD_LETTER_ROW_BYTES: Final = _REPLAY_ROW_BYTES + 20_000
+_MAX_LISTED_DEAD_LETTERS: Final = 10_000
 
 
 def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:

@@ -670,23 +670,29 @@ class FTLayer:
         """The dead letters that match `where` (oldest first, at most `limit`): their
         storage seqs with their retry records, and their stored records (with root 0)."""
         where = where or DeadLetterFilter()
-        seqs = sorted(self._book.dead)
-        if where.seqs is not None:
-            seqs = [seq for seq in seqs if seq in where.seqs]
+        # The retry record decides all but the partition; the stored records are read
+        # a chunk at a time, only for letters that pass that far.
+        anywhere = dataclasses.replace(where, partition=None)
+        seqs = [
+            seq for seq in sorted(self._book.dead) if anywhere.matches(seq, self._book.dead[seq], 0)
+        ]
         chosen: list[tuple[int, RetryRecord]] = []
-        chosen_seqs: list[int] = []
-        if seqs:
-            batch = self.storage.get(np.array(seqs, dtype=np.uint64))
-            parts = batch.partitions.tolist()
-            for i, seq in enumerate(seqs):
-                record = self._book.dead[seq]
-                if where.matches(seq, record, parts[i]):
-                    chosen.append((seq, record))
-                    chosen_seqs.append(i)
-                    if limit is not None and len(chosen) >= limit:
-                        break
-            return chosen, batch.take(np.array(chosen_seqs, dtype=np.intp))
-        return chosen, self.storage.get(np.zeros(0, dtype=np.uint64))
+        batches: list[RecordBatch] = []
+        for start in range(0, len(seqs), _DEAD_LETTER_CHUNK):
+            chunk = seqs[start : start + _DEAD_LETTER_CHUNK]
+            batch = self.storage.get(np.array(chunk, dtype=np.uint64))
+            rows = np.arange(len(chunk), dtype=np.intp)
+            if where.partition is not None:
+                rows = np.flatnonzero(batch.partitions == where.partition)
+            if limit is not None:
+                rows = rows[: limit - len(chosen)]
+            chosen += [(chunk[i], self._book.dead[chunk[i]]) for i in rows.tolist()]
+            batches.append(batch.take(rows) if len(rows) < len(chunk) else batch)
+            if limit is not None and len(chosen) >= limit:
+                break
+        if not batches:
+            return chosen, self.storage.get(np.zeros(0, dtype=np.uint64))
+        return chosen, batches[0] if len(batches) == 1 else RecordBatch.concat(batches)
 
     def requeue_dead_letters(self, where: DeadLetterFilter) -> int:
         """Put the matching dead letters back for replay now (after a fix): each gets a
@@ -751,6 +757,7 @@ class FTLayer:
         return self.stats
 
 
+_DEAD_LETTER_CHUNK: Final = 1024
 _QUEUE: Final = 0
 _WAIT: Final = 1
 _DEAD: Final = 2

@@ -53,7 +53,8 @@ from ftlayer.errors import FailException, FTLayerError
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.ftprocess import FTServerProcess
-from ftlayer.integration.harness.kafka import create_topic, produce, read_all
+from ftlayer.integration.harness.kafka import create_topic, end_offsets, produce, read_all
+from ftlayer.integration.source.deadletters import history_of
 from ftlayer.status import Status
 
 __all__ = ["DemoResult", "run_demo"]
@@ -86,7 +87,16 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.completed == self.produced and self.pending_at_end == 0
+        base = self.lost == 0 and self.completed == self.produced and self.pending_at_end == 0
+        extra = self.extra
+        dead_ok = (
+            extra.get("dead_lettered", 0) == extra.get("poison_events", 0)
+            and not extra.get("dead_letters_unexpected", 0)
+            and not extra.get("dead_letters_wrong_attempts", 0)
+            and not extra.get("dead_letters_without_cause", 0)
+            and extra.get("group_lag_at_end", 0) == 0
+        )
+        return base and dead_ok
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -113,14 +123,24 @@ def is_flaky(event_id: int, fail_rate: float) -> bool:
     return zlib.crc32(event_id.to_bytes(8, "little")) % 1_000_000 < fail_rate * 1_000_000
 
 
+def is_poison(event_id: int, poison_rate: float) -> bool:
+    """Poison events fail every time (another hash than the flaky one's)."""
+    chosen = zlib.crc32(b"poison" + event_id.to_bytes(8, "little")) % 1_000_000
+    return chosen < poison_rate * 1_000_000
+
+
 def parse(row: dict[str, Any]) -> dict[str, Any]:
     data = json.loads(row["value"])
     return {"key": row["key"], "id": data["id"], "user": data["user"], "amount": data["amount"]}
 
 
-def make_enrich(flaky_dir: str, fail_rate: float) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def make_enrich(
+    flaky_dir: str, fail_rate: float, poison_rate: float = 0.0
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def enrich(row: dict[str, Any]) -> dict[str, Any]:
         event_id = row["id"]
+        if poison_rate and is_poison(event_id, poison_rate):
+            raise FailException(f"enrich: event {event_id} is poison (it fails every time)")
         if is_flaky(event_id, fail_rate):
             try:  # first sight, across processes: only one O_EXCL create succeeds
                 os.close(os.open(os.path.join(flaky_dir, str(event_id)), os.O_CREAT | os.O_EXCL))
@@ -233,6 +253,8 @@ def run_demo(
     workdir: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     on_kill: Callable[[str], None] | None = None,
+    poison_rate: float = 0.0,
+    max_retries: int = 10,
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts."""
     from ftlayer.integration.sinks import ft_kafka_sink
@@ -244,13 +266,17 @@ def run_demo(
         raise DemoError(
             "need records >= 1, partitions >= 1, kill_workers >= 0 and 0 <= fail_rate <= 1"
         )
+    if not 0 <= poison_rate <= 1 or max_retries < 0:
+        raise DemoError("need 0 <= poison_rate <= 1 and max_retries >= 0")
     started = time.monotonic()
     spark_log = _spark_log(workdir)
     with _workdir(workdir) as work, TansuBroker(log_path=work / "broker.log") as broker:
         bootstrap = broker.bootstrap
         source_topic, sink_topic = "demo-events", "demo-enriched"
+        dead_topic, group = "demo-dead-letters", "ftlayer-demo"
         create_topic(bootstrap, source_topic, partitions)
         create_topic(bootstrap, sink_topic, partitions)
+        create_topic(bootstrap, dead_topic, 1)
         produce(bootstrap, source_topic, (event(i, users) for i in range(records)), timeout=300)
         flaky_dir = work / "flaky"
         flaky_dir.mkdir()
@@ -266,10 +292,14 @@ def run_demo(
                 .option("maxOffsetsPerTrigger", str(max_per_trigger))
                 .option("ft.address", server.address)
                 .option("ft.partitioner", "kafka-hash")
+                .option("ft.maxRetries", str(max_retries))
+                .option("ft.deadLetterTopic", dead_topic)
+                .option("kafka.group.id", group)
                 .load()
             )
             parsed = tasks.map(source, parse, PARSED_SCHEMA)
-            enriched = tasks.map(parsed, make_enrich(str(flaky_dir), fail_rate), ENRICHED_SCHEMA)
+            enrich = make_enrich(str(flaky_dir), fail_rate, poison_rate)
+            enriched = tasks.map(parsed, enrich, ENRICHED_SCHEMA)
             kept = tasks.filter(enriched, keep)
             query = (
                 kept.writeStream.foreachBatch(
@@ -287,18 +317,26 @@ def run_demo(
                 status = _wait_until_settled(
                     query, server.address, source_topic, records, deadline_s, on_progress
                 )
+                # While the job runs: its group's committed offsets reach the end.
+                lag = _group_lag(bootstrap, group, source_topic, partitions, wait_s=30.0)
             finally:
                 stop_killer.set()
                 stop_when_idle(query)
                 spark.stop()
             outputs = read_all(bootstrap, sink_topic, timeout=120)
+            dead = read_all(bootstrap, dead_topic, timeout=120)
     seconds = time.monotonic() - started
-    expected = {i for i in range(records) if passes_filter(i)}
+    poison = {i for i in range(records) if poison_rate and is_poison(i, poison_rate)}
+    expected = {i for i in range(records) if passes_filter(i)} - poison
     found = [json.loads(r.value)["id"] for r in outputs if r.value is not None]
     distinct = set(found)
+    letters = _dead_letters(dead)
     pending = status.pending
-    accounted = len(distinct & expected) + (records - len(expected))
-    missing = len(expected - distinct)
+    dead_ids = set(letters)
+    accounted = (
+        len(distinct & expected) + (records - len(expected) - len(poison)) + len(dead_ids & poison)
+    )
+    missing = len(expected - distinct) + len(poison - dead_ids)
     failed = status.failed
     return DemoResult(
         produced=records,
@@ -319,8 +357,51 @@ def run_demo(
             "fail_rate": fail_rate,
             "kill_workers": kill_workers,
             "spark_log": str(spark_log),
+            "poison_rate": poison_rate,
+            "poison_events": len(poison),
+            "max_retries": max_retries,
+            "dead_lettered": len(dead_ids),
+            "dead_letters_at_topic": len(dead),
+            "dead_letters_unexpected": len(dead_ids - poison),
+            "dead_letters_wrong_attempts": sum(
+                1 for attempts, _ in letters.values() if attempts != max_retries + 1
+            ),
+            "dead_letters_without_cause": sum(
+                1 for _, causes in letters.values() if not all("poison" in c for c in causes)
+            ),
+            "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
+            "group_lag_at_end": lag,
         },
     )
+
+
+def _dead_letters(messages: Any) -> dict[int, tuple[int, list[str]]]:
+    """Per event id in the dead-letter topic: its attempts and its failures' errors."""
+    found: dict[int, tuple[int, list[str]]] = {}
+    for message in messages:
+        history = history_of(message.headers or [])
+        event_id = json.loads(message.value)["id"]
+        found[event_id] = (int(history["attempts"]), [c["error"] for c in history["causes"]])
+    return found
+
+
+def _group_lag(bootstrap: str, group: str, topic: str, partitions: int, *, wait_s: float) -> int:
+    """The consumer group's lag (end offsets minus committed offsets, summed), once it
+    reaches 0 or after `wait_s`."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    ends = end_offsets(bootstrap, topic)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        deadline = time.monotonic() + wait_s
+        while True:
+            lag = sum(ends[tp.partition] - (consumer.committed(tp) or 0) for tp in tps)
+            if lag <= 0 or time.monotonic() > deadline:
+                return max(lag, 0)
+            time.sleep(0.5)
+    finally:
+        consumer.close(autocommit=False)
 
 
 def _wait_until_settled(
@@ -343,7 +424,12 @@ def _wait_until_settled(
             read = _records_read(query, topic)
             if on_progress is not None:
                 on_progress({"produced": records, "read": read, **status.to_json()})
-            done = read >= records and status.pending == 0 and status.persisted > 0
+            done = (
+                read >= records
+                and status.pending == 0
+                and status.persisted > 0
+                and status.dead_letters == 0  # every dead letter delivered to its topic
+            )
             settled = settled + 1 if done else 0
             if settled >= 2 or time.monotonic() > deadline:
                 return status

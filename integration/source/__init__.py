@@ -198,6 +198,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offset | None = None
         self._available: Offset | None = None
         self._deferred_commit: Position | None = None
+        self._completed: Position | None = None  # the last barrier this reader completed
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the configuration travels to executors, never driver connections.
@@ -241,7 +242,10 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             available = _cap(available, self._target, start)
         self._available = available
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return driver.limited(start, available, max_rows)
+        end = driver.limited(start, available, max_rows)
+        if start is not None and Position.parse(end) == Position.parse(start):
+            self._complete_start(driver, start)  # idle: no batch, so no commit() soon
+        return end
 
     def reportLatestOffset(self) -> Offset | None:
         return self._available
@@ -292,6 +296,22 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             driver = self._driver_side()
             answer = driver.checkpoint(done, begin=False)
             self._commit_group(driver, None if answer is None else answer.commit_offsets)
+
+    def _complete_start(self, driver: SourceDriver, start: Offset) -> None:
+        """Spark asks for the next batch only once the batch that ends at `start` is
+        done (its commit-log entry written), but it calls commit() for that batch only
+        when it plans the next one: on a stream gone idle, the last batch's checkpoint
+        would wait for new data, and so would the group offsets (say, past records
+        dead-lettered in that batch). Complete it now, once (the FT layer answers a
+        second completion of one barrier with the same checkpoint)."""
+        if not self.options.ft_on:
+            return
+        position = Position.parse(start)
+        if position.replay is None or position == self._completed:
+            return
+        self._completed = position
+        answer = driver.checkpoint(position, begin=False)
+        self._commit_group(driver, None if answer is None else answer.commit_offsets)
 
     def _commit_group(self, driver: SourceDriver, offsets: KafkaOffsets | None) -> None:
         if self.options.group_id is not None and offsets:

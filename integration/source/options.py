@@ -26,10 +26,10 @@ from typing import Any, Final, Literal
 from kafka import KafkaConsumer
 
 from ftlayer.client import read_token_file
-from ftlayer.core.retries import RetryPolicy
 from ftlayer.errors import ConfigError, PartitioningError
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.partitioners import PARTITIONER_NAMES, create_partitioner
+from ftlayer.policy import RetryPolicy
 from ftlayer.position import EARLIEST
 
 __all__ = [
@@ -428,13 +428,18 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         timeout_s=None if timeout_ms is None else timeout_ms / 1000,
         checkpoint_mode=given.choice("ft.checkpointMode"),
         include_headers=given.boolean("includeHeaders", False),
-        retry=RetryPolicy(
-            max_retries=_required(given.integer("ft.maxRetries")),
-            backoff_ms=_required(given.integer("ft.retryBackoffMs")),
-            backoff_max_ms=_required(given.integer("ft.retryBackoffMaxMs")),
-        ),
+        retry=_retry_policy(given),
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
     )
+
+
+def _retry_policy(given: _Given) -> RetryPolicy:
+    """The retry options; a maximum backoff given alone caps the default initial one."""
+    backoff_max = _required(given.integer("ft.retryBackoffMaxMs"))
+    backoff = _required(given.integer("ft.retryBackoffMs"))
+    if "ft.retrybackoffms" not in given.raw:
+        backoff = min(backoff, backoff_max)
+    return RetryPolicy(_required(given.integer("ft.maxRetries")), backoff, backoff_max)
 
 
 def _required(value: int | None) -> int:

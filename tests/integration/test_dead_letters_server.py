@@ -19,7 +19,7 @@ from serverproc import Server, StartServer
 from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.client import FTClient
-from ftlayer.core.retries import RetryPolicy
+from ftlayer.policy import RetryPolicy
 from ftlayer.wire import (
     BadRequest,
     ErrorCode,

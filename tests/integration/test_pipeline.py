@@ -413,9 +413,14 @@ def test_a_record_whose_output_does_not_fit_fails_alone_instead_of_writing_nulls
     )
     with server.client() as client:
         status = client.status()
-    # Event 7 failed alone (fail-record); its replay waits for a later batch.
-    assert status["failed"]["explicit"] == status["replay_queue"] == 1
-    assert (status["completed"], status["pending"]) == (n - 1, 1)
+        (letter,) = client.dead_letters().letters
+    # Event 7 failed alone (fail-record). A schema error is certain to repeat, so it
+    # is not replayed: it is dead-lettered at once, with the error as its cause.
+    assert status["failed"]["explicit"] == status["dead_lettered"] == 1
+    assert (status["completed"], status["pending"], status["replay_queue"]) == (n - 1, 0, 0)
+    (cause,) = letter["causes"]
+    assert cause["kind"] == "error" and cause["final"]
+    assert cause["error"].startswith("OutputSchemaError:") and "value" in cause["error"]
 
 
 # ---- f. two executor JVMs -----------------------------------------------------------------------

@@ -404,8 +404,10 @@ def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(
         seen = status(server)
         assert (seen["persisted"], seen["completed"], seen["pending"]) == (120, 60, 60)
 
-        # Nobody acks the re-run's trees: they time out and are queued for replay.
+        # Nobody acks the re-run's trees: they time out and are queued for replay, once
+        # their backoff (ft.retryBackoffMs) has passed.
         wait_until(lambda: status(server)["failed"]["timeout"] == 60, 20, "the timeouts")
+        wait_until(lambda: status(server)["retry_waiting"] == 0, 20, "the backoff")
         end2, read_replays = read_batch(end)
         assert end2["replay"] > end["replay"] and end2["kafka"] == end["kafka"]
         copy_a = read_replays()

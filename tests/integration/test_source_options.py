@@ -79,3 +79,22 @@ def test_a_missing_token_file_is_reported_under_its_own_option(tmp_path: Path) -
     message = str(raised.value)
     assert message.startswith("option ft.tokenFile:"), message
     assert "ft.address" not in message and str(missing) in message
+
+
+def test_the_retry_options_make_the_sources_retry_policy() -> None:
+    parsed = parse_options(BASE)
+    declared = {o.name: o.default for o in OPTIONS}
+    assert parsed.retry.max_retries == declared["ft.maxRetries"] == 10
+    assert parsed.retry.backoff_ms == declared["ft.retryBackoffMs"]
+    assert parsed.retry.backoff_max_ms == declared["ft.retryBackoffMaxMs"]
+    assert parsed.dead_letter_topic is None and not parsed.keeps_headers
+    given = {"ft.maxRetries": "-1", "ft.retryBackoffMs": "0", "ft.deadLetterTopic": " dlq "}
+    parsed = parse_options({**BASE, **given})
+    assert (parsed.retry.max_retries, parsed.retry.backoff_ms) == (-1, 0)
+    assert parsed.dead_letter_topic == "dlq" and parsed.keeps_headers
+    with pytest.raises(
+        ConfigError, match=r"ft\.retryBackoffMaxMs \(100\) is below ft\.retryBackoffMs"
+    ):
+        parse_options({**BASE, "ft.retryBackoffMs": "500", "ft.retryBackoffMaxMs": "100"})
+    with pytest.raises(ConfigError, match=r"ft\.maxRetries must be an integer from -1 to"):
+        parse_options({**BASE, "ft.maxRetries": "1000000000"})
