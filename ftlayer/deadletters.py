@@ -2,12 +2,22 @@
 
 A dead letter is a record whose retries are spent (ftlayer.core.retries). Without a
 dead-letter topic it stays in the FT layer's store until purged; with one, until the
-source's driver delivered it there. These commands work on the ones in the store:
+source's driver delivered it there. The commands work on the ones in the store, or,
+with `--topic T --bootstrap B`, on those in the dead-letter topic T:
 
-    ftlayer dead-letters list    --server HOST:PORT [filters] [--limit N] [--json]
-    ftlayer dead-letters show    SEQ --server HOST:PORT [--json]
-    ftlayer dead-letters requeue --server HOST:PORT [filters] [--json]
+    ftlayer dead-letters list    --server HOST:PORT [--topic T --bootstrap B] [filters]
+                                 [--limit N] [--json]
+    ftlayer dead-letters show    SEQ --server HOST:PORT [--topic T --bootstrap B] [--json]
+    ftlayer dead-letters requeue --server HOST:PORT [--topic T --bootstrap B] [filters]
+                                 [--json]
     ftlayer dead-letters purge   --server HOST:PORT [filters] [--json]
+
+A dead letter in the store is named by its storage seq; one in a topic by its place
+there, `PARTITION:OFFSET`. Requeuing from a topic stores the records in the FT layer
+again, with their history read from their `ftlayer-dlq-*` headers, and replays them
+(the topic keeps its copies: narrow the filters, e.g. `--since`, so a second requeue
+does not take them again). A topic's records leave it by its retention: `purge`
+works on the store only.
 
 Filters: --source ID, --partition P, --cause explicit|error|sink|timeout (the kind of
 the last failure), --since T, --until T (dead-lettered at or after, before; epoch
@@ -44,10 +54,13 @@ def add_parser(commands: Any) -> None:
     ):
         action = actions.add_parser(name, help=help_text)
         if name == "show":
-            action.add_argument("seq", type=int, help="the dead letter's seq (from list)")
+            action.add_argument("seq", help="the dead letter's seq, or PARTITION:OFFSET in a topic")
         action.add_argument("--server", required=True, help="HOST:PORT of the FT-layer server")
         action.add_argument("--token-file", default=None, help="file holding the auth token")
         action.add_argument("--tls-ca", default=None, help="TLS, trusting this CA file")
+        if name != "purge":
+            action.add_argument("--topic", default=None, help="read this dead-letter topic")
+            action.add_argument("--bootstrap", default=None, help="with --topic: its brokers")
         if name != "show":
             action.add_argument("--source", type=int, default=None, help="a source id")
             action.add_argument("--partition", type=int, default=None, help="a Kafka partition")
@@ -56,7 +69,9 @@ def add_parser(commands: Any) -> None:
             )
             action.add_argument("--since", default=None, help="dead-lettered at or after")
             action.add_argument("--until", default=None, help="dead-lettered before")
-            action.add_argument("--seq", type=int, action="append", default=None)
+            action.add_argument(
+                "--seq", action="append", default=None, help="a seq (PARTITION:OFFSET in a topic)"
+            )
         if name == "list":
             action.add_argument("--limit", type=int, default=None, help="at most N")
         action.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -78,9 +93,19 @@ def _time(text: str | None, flag: str) -> float | None:
     return when.timestamp()
 
 
+def _store_seq(text: str) -> int:
+    try:
+        seq = int(text)
+    except ValueError:
+        raise ConfigError(f"a dead letter in the store has an integer seq, got {text!r}") from None
+    if seq < 0:
+        raise ConfigError(f"a seq is not negative, got {text!r}")
+    return seq
+
+
 def _where(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "seq", None) is not None and args.dead_letters == "show":
-        return {"seqs": [args.seq]}
+    if args.dead_letters == "show":
+        return {"seqs": [_store_seq(args.seq)]}
     where: dict[str, Any] = {}
     if args.source is not None:
         where["source_id"] = args.source
@@ -96,7 +121,7 @@ def _where(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             where[name] = value
     if args.seq:
-        where["seqs"] = sorted(set(args.seq))
+        where["seqs"] = sorted({_store_seq(seq) for seq in args.seq})
     return where
 
 
@@ -124,6 +149,8 @@ def _describe(letter: dict[str, Any], records: RecordBatch, i: int) -> dict[str,
 def run(args: argparse.Namespace, client: FTClient) -> int:
     """The command on a connected client; prints a table, or one JSON object last."""
     action = args.dead_letters
+    if getattr(args, "topic", None) is not None or getattr(args, "bootstrap", None) is not None:
+        return _run_on_topic(args, client)
     if action in ("requeue", "purge"):
         count = client.dead_letter_op(action, _where(args))
         key = "requeued" if action == "requeue" else "purged"
@@ -144,6 +171,160 @@ def run(args: argparse.Namespace, client: FTClient) -> int:
     else:
         _print_list(letters, listed.more)
     return 0
+
+
+# ---- dead letters in a topic ---------------------------------------------------------------
+
+
+def _run_on_topic(args: argparse.Namespace, client: FTClient) -> int:
+    from ftlayer.integration.harness.kafka import read_all
+
+    if args.topic is None or args.bootstrap is None:
+        raise ConfigError("--topic and --bootstrap go together (the dead-letter topic's brokers)")
+    found = read_all(args.bootstrap, args.topic, timeout=60)
+    letters = [x for x in map(_from_topic, found) if x is not None]
+    if args.dead_letters == "show":
+        chosen = [x for x in letters if x[0]["seq"] == _topic_seq(args.seq)]
+        if not chosen:
+            raise ConfigError(f"no dead letter at {args.seq} in topic {args.topic!r}")
+        shown = chosen[0][0]
+        print(json.dumps(shown, sort_keys=True) if args.json else _show(shown))
+        return 0
+    where = _where(argparse.Namespace(**{**vars(args), "seq": None}))
+    seqs = None if not args.seq else {_topic_seq(seq) for seq in args.seq}
+    chosen = [x for x in letters if _matches(x[0], where, seqs)]
+    if args.dead_letters == "requeue":
+        count = _restore(client, chosen)
+        print(json.dumps({"requeued": count}) if args.json else f"{count:,} dead letters requeued")
+        return 0
+    limit = getattr(args, "limit", None)
+    shown_letters = [x[0] for x in (chosen if limit is None else chosen[:limit])]
+    more = limit is not None and len(chosen) > limit
+    if args.json:
+        print(json.dumps({"letters": shown_letters, "more": more}, sort_keys=True))
+    else:
+        _print_list(shown_letters, more)
+    return 0
+
+
+def _topic_seq(text: str) -> str:
+    partition, _, offset = text.rpartition(":")
+    try:
+        return f"{int(partition or 0)}:{int(offset)}"
+    except ValueError:
+        raise ConfigError(f"a dead letter in a topic is PARTITION:OFFSET, got {text!r}") from None
+
+
+def _from_topic(record: Any) -> tuple[dict[str, Any], Any] | None:
+    """A dead-letter topic's message as `_describe` shows a letter (None: not one)."""
+    from ftlayer.integration.source.deadletters import history_of
+
+    history = history_of(record.headers or [])
+    if "attempts" not in history:
+        return None
+
+    def seconds(name: str) -> float | None:
+        text = history.get(name) or ""
+        return int(text) / 1000 if text else None
+
+    causes = list(history.get("causes", []))
+    letter = {
+        "seq": f"{record.partition}:{record.offset}",
+        "source_id": int(history["source-id"]),
+        "topic": history["topic"],
+        "partition": int(history["partition"]),
+        "offset": int(history["offset"]),
+        "attempts": int(history["attempts"]),
+        "first_failed": seconds("first-failed"),
+        "last_failed": seconds("last-failed"),
+        "dead_at": seconds("dead-at"),
+        "requeued": 0,
+        "last_cause": causes[-1] if causes else None,
+        "causes": causes,
+        "causes_omitted": 0,
+        "payload_bytes": len(record.value or b""),
+    }
+    return letter, record
+
+
+def _matches(letter: dict[str, Any], where: dict[str, Any], seqs: set[str] | None) -> bool:
+    last = letter["last_cause"]
+    at = letter["dead_at"] or 0.0
+    return not (
+        (seqs is not None and letter["seq"] not in seqs)
+        or ("source_id" in where and letter["source_id"] != where["source_id"])
+        or ("partition" in where and letter["partition"] != where["partition"])
+        or ("cause" in where and (last is None or last["kind"] != where["cause"]))
+        or ("since" in where and at < where["since"])
+        or ("until" in where and at >= where["until"])
+    )
+
+
+def _restore(client: FTClient, chosen: list[tuple[dict[str, Any], Any]]) -> int:
+    """Send dead letters read from a topic back to the FT layer, source by source."""
+    import numpy as np
+
+    from ftlayer.acking.ids import new_ids
+    from ftlayer.integration.source.deadletters import DLQ_HEADER_PREFIX
+    from ftlayer.integration.source.payloads import encode_payloads
+    from ftlayer.partitioners import kafka_key_hashes
+
+    sources = client.status().sources
+    total = 0
+    for source_id in sorted({letter["source_id"] for letter, _ in chosen}):
+        spec = sources.get(str(source_id))
+        if spec is None:
+            raise ConfigError(
+                f"source {source_id} is not registered with the FT layer: start its query "
+                "once, then requeue its dead letters"
+            )
+        mine = [(x, r) for x, r in chosen if x["source_id"] == source_id]
+        keys = [r.key for _, r in mine]
+        if spec["partitioner"] == "spark-hash":
+            from ftlayer.integration.source.reader import _spark_key_hashes
+
+            hashes, has_key = _spark_key_hashes(keys)
+        else:
+            hashes, has_key = kafka_key_hashes(keys)
+        headers = [
+            [(k, v) for k, v in (r.headers or []) if not k.startswith(DLQ_HEADER_PREFIX)]
+            for _, r in mine
+        ]
+        timestamps = [
+            int(dict(r.headers).get(f"{DLQ_HEADER_PREFIX}timestamp", b"0")) for _, r in mine
+        ]
+        payloads = encode_payloads(
+            keys, [r.value for _, r in mine], np.asarray(timestamps, dtype=np.int64), headers
+        )
+        batch = RecordBatch.build(
+            new_ids(len(mine)),
+            payloads,
+            source_ids=source_id,
+            key_hashes=hashes,
+            has_key=has_key,
+            topics=[x["topic"] for x, _ in mine],
+            partitions=[x["partition"] for x, _ in mine],
+            offsets=[x["offset"] for x, _ in mine],
+        )
+        history = [_history(x) for x, _ in mine]
+        total += client.restore_dead_letters(history, batch)
+    return total
+
+
+def _history(letter: dict[str, Any]) -> dict[str, Any]:
+    """A topic letter's history in RetryRecord's JSON form."""
+    return {
+        "source_id": letter["source_id"],
+        "attempts": letter["attempts"],
+        "first_failed": letter["first_failed"] or 0.0,
+        "last_failed": letter["last_failed"] or 0.0,
+        "due": 0.0,
+        "causes": letter["causes"],
+        "omitted": 0,
+        "dead_at": letter["dead_at"],
+        "requeued": 0,
+        "budget_from": 0,
+    }
 
 
 def _when(seconds: float | None) -> str:

@@ -85,7 +85,7 @@ from ftlayer.acking.rotating import rotation_interval
 from ftlayer.checkpoint import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
-from ftlayer.core.retries import DeadLetterFilter, RetryPolicy
+from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.records import ReplayRecords
@@ -110,6 +110,7 @@ from ftlayer.wire import (
     decode_auth,
     decode_checkpoint_begin,
     decode_checkpoint_done,
+    decode_dead_letter_restore,
     decode_dead_letters,
     decode_fail,
     decode_fetch_replay,
@@ -245,6 +246,7 @@ class FTServer:
             Kind.CHECKPOINT_DONE: self._checkpoint_request,
             Kind.SAVEPOINT: self._savepoint_request,
             Kind.DEAD_LETTERS: self._dead_letters,
+            Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
         }
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -629,6 +631,15 @@ class FTServer:
         taken = records.take(np.arange(keep, dtype=np.intp))
         return encode_dead_letter_list(rid, listed, taken, more, max_frame=self.max_frame)
 
+    def _dead_letter_restore(self, rid: int, frame: Frame) -> bytes:
+        m = decode_dead_letter_restore(frame)
+        try:
+            history = [RetryRecord.from_json(letter) for letter in m.letters]
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(f"DEAD_LETTER_RESTORE: {exc}") from None
+        with self._core() as ft:
+            return encode_ok(rid, ft.restore_dead_letters(m.records, history))
+
     def _checkpoint_request(self, rid: int, frame: Frame) -> bytes:
         begin = frame.kind == Kind.CHECKPOINT_BEGIN
         message = (decode_checkpoint_begin if begin else decode_checkpoint_done)(frame)
@@ -717,6 +728,7 @@ class FTServer:
             max_connections=self.max_connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),
             checkpoints={} if self._checkpoints is None else self._checkpoints.status(),
+            sources=ft.source_specs(),
             timeout_s=self.timeout_s,
             buckets=self.buckets,
             version=__version__,

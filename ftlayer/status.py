@@ -54,6 +54,15 @@ def _counts(data: Mapping[str, Any], name: str, what: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in value.items()}
 
 
+def _sources(data: Mapping[str, Any], what: str) -> dict[str, dict[str, Any]]:
+    value = _field(data, "sources", dict, what)
+    if not all(
+        isinstance(v, dict) and isinstance(v.get("partitioner"), str) for v in value.values()
+    ):
+        raise StatusError(f"{what}'s 'sources' holds a registration without a partitioner")
+    return {str(k): dict(v) for k, v in value.items()}
+
+
 _NUMBER = (int, float)
 
 
@@ -211,6 +220,10 @@ class Status(Mapping[str, Any]):
     uptime_s: float
     checkpoints: Mapping[str, QueryCheckpoints]
     """Per query (a source name)."""
+    sources: Mapping[str, Mapping[str, Any]]
+    """Per registered source id (a string): its registration, as REGISTER_SOURCE gave
+    it (partitioner, num_partitions, options, timeout_s; retry and dead_letter_topic
+    where set)."""
     timeout_s: float
     buckets: int
     version: str
@@ -253,6 +266,7 @@ class Status(Mapping[str, Any]):
             checkpoints={
                 str(q): QueryCheckpoints.from_json(c, str(q)) for q, c in checkpoints.items()
             },
+            sources=_sources(data, what),
             timeout_s=float(_field(data, "timeout_s", _NUMBER, what)),
             buckets=_field(data, "buckets", int, what),
             version=_field(data, "version", str, what),
@@ -263,6 +277,7 @@ class Status(Mapping[str, Any]):
         for name in ("failed", "replay_cursors", "replay_pruned"):
             data[name] = dict(data[name])
         data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
+        data["sources"] = {k: dict(v) for k, v in self.sources.items()}
         return data
 
     # ---- the questions a source asks ----------------------------------------------

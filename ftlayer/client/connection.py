@@ -79,6 +79,7 @@ from ftlayer.wire import (
     decode_welcome,
     encode_auth,
     encode_checkpoint_request,
+    encode_dead_letter_list,
     encode_dead_letters,
     encode_fail,
     encode_fetch_replay,
@@ -401,6 +402,22 @@ class FTClient:
 
         def encode(rid: int) -> bytes:
             return encode_dead_letters(rid, op, where)
+
+        return decode_ok(self._call(encode, Kind.OK, retry=False)).count
+
+    def restore_dead_letters(
+        self, letters: Sequence[Mapping[str, Any]], records: RecordBatch
+    ) -> int:
+        """Dead letters taken back from a dead-letter topic (after a fix): the FT layer
+        stores them again under the roots of `records`, with their histories
+        (`letters`, RetryRecord's JSON form), and replays them now. Returns how many.
+        Not retried on a broken connection (ConnectionLost)."""
+
+        def encode(rid: int) -> bytes:
+            return encode_dead_letter_list(
+                rid, letters, records, False, max_frame=self.max_frame,
+                kind=Kind.DEAD_LETTER_RESTORE,
+            )  # fmt: skip
 
         return decode_ok(self._call(encode, Kind.OK, retry=False)).count
 

@@ -123,6 +123,10 @@ class FTLayer:
     def source_config(self, source_id: int) -> SourceConfig | None:
         return self._sources.get(source_id)
 
+    def source_specs(self) -> dict[str, dict[str, Any]]:
+        """The registered sources as stored (SourceRegistry.specs), by source id."""
+        return self._sources.specs()
+
     def register_source(
         self,
         source_id: int,
@@ -722,6 +726,49 @@ class FTLayer:
         self._enqueue(roots, seqs, batch)
         self.stats.dead_letters_requeued += len(seqs)
         return len(seqs)
+
+    def restore_dead_letters(self, batch: RecordBatch, history: Sequence[RetryRecord]) -> int:
+        """Dead letters taken back from a dead-letter topic (after a fix): stored again
+        under the fresh roots of `batch`, with their history (`history[i]` for record
+        i), and queued for replay now with a fresh retry budget. Returns how many. On
+        any error nothing is stored, or what was stored is pending and timed (a
+        replay, never a loss)."""
+        n = len(batch)
+        if len(history) != n:
+            raise ValueError(f"{n} records but {len(history)} histories")
+        if not n:
+            return 0
+        self._changing()
+        self._check_routable(batch)
+        if len(self._retired):
+            self._check_not_retired(batch.roots)
+        slots = self.acker.add(batch.roots, None, **self.persistence.locators(batch))
+        try:
+            seqs = self.persistence.persist(batch)
+        except BaseException:
+            self.acker.remove(batch.roots)
+            raise
+        self.acker.set_column("seq", slots, seqs)
+        records: dict[int, RetryRecord] = {}
+        for seq, source_id, record in zip(
+            seqs.tolist(), batch.source_ids.tolist(), history, strict=True
+        ):
+            changed = _copy(record)
+            changed.source_id, changed.dead_at, changed.due = int(source_id), None, 0.0
+            changed.requeued += 1
+            changed.budget_from = changed.attempts
+            records[seq] = changed
+        old_meta = self._book.stage(records)
+        try:
+            self._enqueue(batch.roots, seqs, batch)
+        except BaseException:
+            self._book.unstage(old_meta)
+            self._track(batch.roots, seqs, batch.source_ids)  # the timeout retries it
+            raise
+        self._book.commit(records)
+        self.stats.persisted += n
+        self.stats.dead_letters_requeued += n
+        return n
 
     def purge_dead_letters(self, where: DeadLetterFilter, *, delivered: bool = False) -> int:
         """Delete the matching dead letters for good (a user's purge, or `delivered`:

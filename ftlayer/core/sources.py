@@ -105,6 +105,12 @@ class SourceRegistry:
     def get(self, source_id: int) -> SourceConfig | None:
         return self._configs.get(source_id, self._default)
 
+    def specs(self) -> dict[str, dict[str, Any]]:
+        """Every registration as stored, by source id (a string): partitioner,
+        partition count, options, timeout, and the retry policy and dead-letter topic
+        where set."""
+        return {key: dict(spec) for key, spec in self._specs.items()}
+
     def register(
         self,
         source_id: int,

@@ -48,6 +48,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | host), "name": str or null}                                 |
 | 0x23 | DEAD_LETTERS        | utf-8 JSON object {"op": "list", "requeue", "purge" or      |
 |      |                     | "delivered", "where": filter object, "limit": int or null}  |
+| 0x24 | DEAD_LETTER_RESTORE | as DEAD_LETTER_LIST: dead letters from a topic to replay      |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -164,6 +165,7 @@ from .messages import (
     decode_checkpoint_done,
     decode_checkpoint_reply,
     decode_dead_letter_list,
+    decode_dead_letter_restore,
     decode_dead_letters,
     decode_error,
     decode_fail,
@@ -253,6 +255,7 @@ __all__ = [
     "decode_checkpoint_done",
     "decode_checkpoint_reply",
     "decode_dead_letter_list",
+    "decode_dead_letter_restore",
     "decode_dead_letters",
     "decode_error",
     "decode_fail",

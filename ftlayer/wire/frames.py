@@ -44,6 +44,7 @@ class Kind(enum.IntEnum):
     CHECKPOINT_DONE = 0x21
     SAVEPOINT = 0x22
     DEAD_LETTERS = 0x23
+    DEAD_LETTER_RESTORE = 0x24
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90

@@ -855,20 +855,25 @@ def encode_dead_letter_list(
     more: bool,
     *,
     max_frame: int = DEFAULT_MAX_FRAME,
+    kind: Kind = Kind.DEAD_LETTER_LIST,
 ) -> bytes:
     """DEAD_LETTER_LIST: u32 J, a utf-8 JSON object {"letters": [...], "more": bool}
-    of J bytes, then u32 n and the record columns without initial values (as REPLAY's)."""
+    of J bytes, then u32 n and the record columns without initial values (as REPLAY's).
+    DEAD_LETTER_RESTORE (`kind`) has the same layout: dead letters taken back from a
+    dead-letter topic, with their histories, to store and replay again."""
     if len(letters) != len(records):
         raise BadRequest(f"{len(letters)} dead letters but {len(records)} records")
     head = json.dumps({"letters": list(letters), "more": more}, separators=(",", ":")).encode()
     parts = [_U32.pack(len(head)), head, _U32.pack(len(records))]
     _record_parts(records, None, parts)
-    return _join_frame(Kind.DEAD_LETTER_LIST, request_id, parts, max_frame)
+    return _join_frame(kind, request_id, parts, max_frame)
 
 
-def decode_dead_letter_list(message: Frame | bytes) -> DeadLetterList:
-    body = _body(message, Kind.DEAD_LETTER_LIST)
-    head = _json(body.raw(body.u32("JSON length"), "JSON"), Kind.DEAD_LETTER_LIST)
+def decode_dead_letter_list(
+    message: Frame | bytes, kind: Kind = Kind.DEAD_LETTER_LIST
+) -> DeadLetterList:
+    body = _body(message, kind)
+    head = _json(body.raw(body.u32("JSON length"), "JSON"), kind)
     n = body.u32("record count")
     records, _ = _read_records(body, n, with_initial=False)
     if not (
@@ -877,8 +882,12 @@ def decode_dead_letter_list(message: Frame | bytes) -> DeadLetterList:
         and isinstance(head.get("more"), bool)
         and len(head["letters"]) == n
     ):
-        raise MalformedFrame(f"DEAD_LETTER_LIST JSON does not describe its {n} records")
+        raise MalformedFrame(f"{kind.name} JSON does not describe its {n} records")
     return DeadLetterList(head["letters"], records, head["more"])
+
+
+def decode_dead_letter_restore(message: Frame | bytes) -> DeadLetterList:
+    return decode_dead_letter_list(message, Kind.DEAD_LETTER_RESTORE)
 
 
 # ---- dispatch --------------------------------------------------------------------------
@@ -903,6 +912,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.SAVEPOINT: decode_savepoint,
     Kind.DEAD_LETTERS: decode_dead_letters,
     Kind.DEAD_LETTER_LIST: decode_dead_letter_list,
+    Kind.DEAD_LETTER_RESTORE: decode_dead_letter_restore,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.core import FTLayer, SourceConfig
-from ftlayer.core.retries import DeadLetterFilter, RetryPolicy
+from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
 from ftlayer.errors import ConfigError
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch
@@ -328,3 +328,35 @@ def test_every_record_waits_is_queued_or_is_a_dead_letter_after_its_exact_attemp
     # Nothing lost: every record is still stored, pending or a dead letter.
     assert len(ft.storage) == 10
     assert ft.current_stats().pending + ft.dead_letter_count == 10
+
+
+def test_dead_letters_restored_from_a_topic_are_replayed_with_their_history(
+    storage: PersistenceStorage,
+) -> None:
+    wall = Clock(500.0)
+    ft = _layer(storage, RetryPolicy(max_retries=0, backoff_ms=0, backoff_max_ms=0), Clock(), wall)
+    cause = Cause(FailKind.ERROR, "map(parse)", "ValueError: bad")
+    history = RetryRecord(SOURCE, attempts=1, first_failed=10.0, last_failed=10.0)
+    history.causes.append((10.0, cause))
+    history.dead_at = 10.0
+    batch = _records(2)
+    assert ft.restore_dead_letters(batch, [history, history]) == 2
+    replay, _ = _emit_replays(ft, 0)
+    assert replay.payloads == [b"payload-0", b"payload-1"]
+    assert replay.offsets.tolist() == [100, 101]  # the coordinates it was first read at
+    record = ft.retry_record(1)
+    assert record is not None and (record.requeued, record.budget_from, record.dead_at) == (
+        1,
+        1,
+        None,
+    )
+    # It fails again: a dead letter again at once (max_retries 0), both causes kept.
+    ft.fail(replay.roots[:1], Cause(FailKind.ERROR, "map(parse)", "ValueError: still bad"))
+    letters, _ = ft.dead_letters()
+    assert [c.error for _, c in letters[0][1].causes] == [
+        "ValueError: bad",
+        "ValueError: still bad",
+    ]
+    assert ft.current_stats().dead_letters_requeued == 2
+    with pytest.raises(ValueError, match="2 records but 1 histories"):
+        ft.restore_dead_letters(_records(2), [history])

@@ -593,3 +593,34 @@ def test_cli_refuses_the_data_dir_of_a_running_process(
     assert done.returncode == 2
     assert "open in another process" in done.stderr and "ftlayer serve" in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+def test_a_savepoint_keeps_retry_counts_due_times_and_dead_letters(tmp_path: Path) -> None:
+    from ftlayer.causes import Cause, FailKind
+    from ftlayer.policy import RetryPolicy
+
+    store = LmdbStorage(tmp_path / "live")
+    ft = FTLayer(store, wall_clock=lambda: 1000.0)
+    ft.register_source(5, "forward", 2, retry=RetryPolicy(1, 60_000, 60_000))
+    roots = (
+        Persister(ft, source_id=5)
+        .persist([b"a", b"b", b"c"], topics="t", partitions=[0, 1, 0], offsets=[0, 0, 1])
+        .roots
+    )
+    ft.fail(roots[[0]], Cause(FailKind.ERROR, "map", "ValueError: x"))  # waits 48-60 s
+    ft.fail(roots[[1]], Cause(FailKind.ERROR, "map", "ValueError: y", final=True))  # dead
+    waiting = ft.retry_record(1)
+    assert waiting is not None and ft.dead_letter_count == 1
+    create_savepoint(store, tmp_path / "savepoints", "with-retries")
+    store.close()
+    restore_savepoint(tmp_path / "savepoints", "with-retries", tmp_path / "restored")
+    restored = LmdbStorage(tmp_path / "restored")
+    again = FTLayer(restored, wall_clock=lambda: 1001.0)
+    kept = again.retry_record(1)
+    assert kept is not None and (kept.attempts, kept.due) == (1, waiting.due)
+    assert again.waiting_replays == 1 and again.dead_letter_count == 1
+    letters, records = again.dead_letters()
+    assert records.payloads == [b"b"] and letters[0][1].last_cause == Cause(
+        FailKind.ERROR, "map", "ValueError: y", final=True
+    )
+    restored.close()

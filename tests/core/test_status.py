@@ -64,6 +64,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "checkpoints": {
             "job": {"completed": 1, "open": [], "recent": [_checkpoint()], "last_complete_id": 3}
         },
+        "sources": {"7": {"partitioner": "forward", "num_partitions": 2, "options": {}}},
         "timeout_s": 30.0,
         "buckets": 3,
         "version": "0.1.0",

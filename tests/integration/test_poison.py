@@ -128,7 +128,9 @@ def test_poison_events_are_dead_lettered_with_their_causes_and_the_rest_flows(
     settings = FTSettings(server.address)
     topic, dead_topic = make_topic(4), make_topic(1)
     group = f"poison-{uuid.uuid4().hex[:8]}"
-    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v%d" % i) for i in range(n)])
+    # Every event carries a Kafka header, which the dead-letter topic must keep.
+    events = [(str(i).encode(), b"v%d" % i, [("trace", b"t%d" % i)]) for i in range(n)]
+    produce(kafka_bootstrap, topic, events)
     marks = tmp_path / "marks"
     marks.mkdir()
     source = (
@@ -191,6 +193,7 @@ def test_poison_events_are_dead_lettered_with_their_causes_and_the_rest_flows(
     steps = [RetryPolicy(MAX_RETRIES, BACKOFF_MS, BACKOFF_MAX_MS).step_s(k) for k in (1, 2, 3)]
     for event_id, record in by_id.items():
         assert record.value == b"v%d" % event_id
+        assert record.headers[0] == ("trace", b"t%d" % event_id)  # the original, first
         history = history_of(record.headers)
         assert (history["topic"], int(history["offset"]) >= 0) == (topic, True)
         assert int(history["attempts"]) == MAX_RETRIES + 1
@@ -205,30 +208,38 @@ def test_poison_events_are_dead_lettered_with_their_causes_and_the_rest_flows(
             assert 0.8 * step <= gap <= step + 10.0, (event_id, times)
 
 
-def test_dead_letters_in_the_store_are_requeued_after_the_fix_and_complete(
+@pytest.mark.parametrize("where", ["store", "topic"])
+def test_dead_letters_are_requeued_after_the_fix_and_complete(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
     start_server: StartServer,
     tmp_path: Path,
+    where: str,
 ) -> None:
+    """Dead letters kept in the store, or written to a dead-letter topic, are put back
+    by `ftlayer dead-letters requeue` once the fix is deployed, and complete."""
     n = 3000
     server: Server = start_server()
     settings = FTSettings(server.address)
     topic = make_topic(2)
-    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v%d" % i) for i in range(n)])
+    dead_topic = make_topic(1) if where == "topic" else None
+    events = [(str(i).encode(), b"v%d" % i, [("trace", b"t%d" % i)]) for i in range(n)]
+    produce(kafka_bootstrap, topic, events)
     marks, fixed = tmp_path / "marks", tmp_path / "fixed"
     marks.mkdir()
-    source = (
+    reader = (
         spark.readStream.format("ftkafka")
         .option("kafka.bootstrap.servers", kafka_bootstrap)
         .option("subscribe", topic)
+        .option("includeHeaders", "true")
         .option("ft.address", server.address)
         .option("ft.maxRetries", "1")
         .option("ft.retryBackoffMs", "100")
-        .load()
     )
-    stepped = FTTasks(settings).map(source, make_step(str(marks), str(fixed)), SCHEMA)
+    if dead_topic is not None:
+        reader = reader.option("ft.deadLetterTopic", dead_topic)
+    stepped = FTTasks(settings).map(reader.load(), make_step(str(marks), str(fixed)), SCHEMA)
     collected = Collected()
     query = (
         stepped.writeStream.foreachBatch(ft_foreach_batch(collected, settings))
@@ -239,21 +250,24 @@ def test_dead_letters_in_the_store_are_requeued_after_the_fix_and_complete(
     poison = {i for i in range(n) if is_poison(i)}
     try:
         with FTClient(server.address) as client:
-            wait_for(
-                "the poison events to be dead letters",
-                lambda: (
-                    client.status().dead_letters == len(poison) and client.status().pending == 0
-                ),
-                120,
-                query,
-            )
+
+            def all_dead() -> bool:
+                status = client.status()
+                held = status.dead_letters if dead_topic is None else status.dead_lettered
+                return (
+                    held == len(poison)
+                    and status.pending == 0
+                    and (dead_topic is None or status.dead_letters == 0)
+                )
+
+            wait_for("the poison events to be dead letters", all_dead, 120, query)
             assert not poison & set(collected.ids)
             fixed.touch()  # the fix is deployed
             command = [sys.executable, "-m", "ftlayer.cli", "dead-letters", "requeue"]
-            done = subprocess.run(
-                [*command, "--server", server.address, "--json"],
-                capture_output=True, text=True, timeout=60, check=False,
-            )  # fmt: skip
+            command += ["--server", server.address, "--json"]
+            if dead_topic is not None:
+                command += ["--topic", dead_topic, "--bootstrap", kafka_bootstrap]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
             assert done.returncode == 0, done.stderr
             assert json.loads(done.stdout.strip().splitlines()[-1]) == {"requeued": len(poison)}
             wait_for(
@@ -262,7 +276,8 @@ def test_dead_letters_in_the_store_are_requeued_after_the_fix_and_complete(
                 60,
                 query,
             )
-            assert client.status().dead_letters == 0
+            status = client.status()
+            assert status.dead_letters == 0 and status.dead_letters_requeued == len(poison)
     finally:
         query.stop()
     assert set(collected.ids) == set(range(n))
