@@ -17,9 +17,11 @@ pending in exactly one of two ways:
    storage; it is re-tagged with a fresh root id and a replay sequence number
    (1, 2, 3, ... never reused, also across restarts) and enters the replay queue,
    routed by the replay partitioner of its source to the partition(s) it re-enters.
-   The fresh root is pending again, with its timeout counted from the requeue; the
-   source that re-emits the record sends the emission's XOR event for it
-   (Persister.emit_replays).
+   The fresh root is pending again; its timeout starts when its source fetches it
+   (fetch_replay), not at the requeue, so a replay never times out merely because it
+   waited to be read (a stalled or stopped query): like a record still in Kafka, it
+   has not entered the pipeline yet. The source that re-emits the record sends the
+   emission's XOR event for it (Persister.emit_replays).
 
 Events for roots that are not pending are dropped: "late" when the root failed
 recently (RetiredRoots remembers failed roots for 2T by default), "unknown" otherwise.
@@ -304,6 +306,9 @@ class FTLayer:
         if not bool(same.any()):
             return
         roots, seqs = roots[same], seqs[same]
+        if len(roots) > 1:  # a replay fetched twice (a batch run again) is timed twice
+            roots, first = np.unique(roots, return_index=True)
+            seqs = seqs[first]
         try:
             self._requeue(roots, seqs, FailCause.TIMEOUT)
         except BaseException:
@@ -320,8 +325,8 @@ class FTLayer:
         Steps 1-2 may raise (storage errors); they leave the old roots pending, so a
         failed requeue is retried by the timeout. Steps 3-4 only touch memory.
         Step 1: route the stored records; step 2: store their new roots and replay
-        seqs; step 3: swap the old roots for the new ones in the acker and start their
-        timeout; step 4: queue them."""
+        seqs; step 3: swap the old roots for the new ones in the acker (their timeout
+        starts when their source fetches them); step 4: queue them."""
         n = len(seqs)
         order = np.argsort(seqs, kind="stable")
         old_roots, seqs = old_roots[order], seqs[order]
@@ -337,7 +342,6 @@ class FTLayer:
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
         self.acker.remove(old_roots)
         self.acker.add(new_roots, None, seq=seqs, **self.persistence.locators(batch))
-        self._track(new_roots, seqs, batch.source_ids)
         # Step 4.
         self._queue.append(
             replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
@@ -396,7 +400,8 @@ class FTLayer:
     ) -> ReplayRecords:
         """Replayed records with lo < replay seq <= hi (optionally of one source and one
         target partition) whose roots are still pending. The same range gives the same
-        records until they complete, fail again or are pruned."""
+        records until they complete, fail again or are pruned. Their timeout starts now:
+        the source reads them (a range fetched again is timed from its first fetch)."""
         rseqs, roots, seqs, parts = self._queue.select(lo, hi, source_id, partition)
         pending, pending_seqs = self.acker.lookup("seq", roots)
         live = pending.copy()
@@ -404,6 +409,8 @@ class FTLayer:
         if not bool(live.all()):
             rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
         records = self.storage.get(seqs).with_roots(roots)
+        if len(roots):
+            self._track(roots, seqs, records.source_ids)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
 
     def lowest_pending_offsets(
@@ -429,7 +436,23 @@ class FTLayer:
         topic_nums, partitions, lowest = _min_per_partition(topic, partition, offsets)
         names = self.persistence.topic_names(topic_nums.astype(np.uint32))
         for name, p, offset in zip(names, partitions.tolist(), lowest.tolist(), strict=True):
-            result.setdefault(name, {})[p] = offset
+            lowest_of = result.setdefault(name, {})  # two sources may read one topic
+            lowest_of[p] = min(offset, lowest_of.get(p, offset))
+        return result
+
+    def pending_by_source(self) -> dict[int, int]:
+        """{source id: its pending roots}, sources with none left out: records in flight
+        and records waiting in the replay queue alike. O(pending): a count of the topic
+        number column (a number names a source and topic), so no column more per root."""
+        numbers = self.acker.live_columns("topic", copy=False)["topic"]
+        if not len(numbers):
+            return {}
+        sources = self.persistence.number_sources()
+        counts = np.bincount(numbers, minlength=len(sources))
+        result: dict[int, int] = {}
+        for number in np.flatnonzero(counts).tolist():
+            source = int(sources[number])
+            result[source] = result.get(source, 0) + int(counts[number])
         return result
 
     def prune_replay(self, upto: int, source_id: int | None = None) -> int:
