@@ -14,8 +14,9 @@ once pending reaches the limit; replays are always taken in (they are pending
 already, and only being read lets them complete). Spark runs one batch at a time and
 a batch's records become pending only when it reads them, so a source's pending roots
 stay within the limit, plus the records of a batch Spark runs again (a retried task
-persists under fresh roots while the first attempt's trees time out). A stalled sink
-keeps the trees pending, and the next batch takes in no new records.
+persists under fresh roots while the first attempt's trees time out). A sink that
+stalls keeps its trees pending (past the timeout, as replays waiting to be read), so
+the batches after it take in no more new records than the limit leaves.
 
 Every call to Kafka and to the FT layer is retried with doubling backoff and then
 fails with SourceError naming what and where: an unreachable broker or FT layer is an
