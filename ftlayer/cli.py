@@ -20,6 +20,9 @@
                               --dir SAVEPOINTS [--name NAME] [--json]
     ftlayer savepoint list    --dir SAVEPOINTS [--json]
     ftlayer savepoint restore NAME --dir SAVEPOINTS --data-dir NEWDIR [--partitions N] [--json]
+    ftlayer dead-letters list|show|requeue|purge --server HOST:PORT [--token-file F]
+                   [--tls-ca CA] [--source ID] [--partition P] [--cause KIND]
+                   [--since T] [--until T] [--seq S ...] [--limit N] [--json]
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
@@ -169,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
     _add_savepoint_parser(commands)
+    from ftlayer import deadletters
+
+    deadletters.add_parser(commands)
 
     bench = commands.add_parser("bench", help="run a benchmark against its baseline")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -556,6 +562,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "savepoint":
             return _savepoint(args)
+        if args.command == "dead-letters":
+            from ftlayer import deadletters
+
+            try:
+                with _client(args, 5.0) as client:
+                    return deadletters.run(args, client)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot reach the FT-layer server at {args.server}: {exc}"
+                ) from None
         from ftlayer import bench
 
         if args.bench == "acker":

@@ -85,6 +85,7 @@ from ftlayer.acking.rotating import rotation_interval
 from ftlayer.checkpoint import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
+from ftlayer.core.retries import DeadLetterFilter, RetryPolicy
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.records import ReplayRecords
@@ -94,6 +95,7 @@ from ftlayer.wire import (
     NONCE_SIZE,
     PROTOCOL_VERSION,
     REQUEST_KINDS,
+    BadRequest,
     CheckpointRequest,
     ErrorCode,
     Frame,
@@ -108,6 +110,7 @@ from ftlayer.wire import (
     decode_auth,
     decode_checkpoint_begin,
     decode_checkpoint_done,
+    decode_dead_letters,
     decode_fail,
     decode_fetch_replay,
     decode_hello,
@@ -118,6 +121,7 @@ from ftlayer.wire import (
     decode_xor,
     encode_challenge,
     encode_checkpoint_reply,
+    encode_dead_letter_list,
     encode_error,
     encode_ok,
     encode_replay,
@@ -240,6 +244,7 @@ class FTServer:
             Kind.CHECKPOINT_BEGIN: self._checkpoint_request,
             Kind.CHECKPOINT_DONE: self._checkpoint_request,
             Kind.SAVEPOINT: self._savepoint_request,
+            Kind.DEAD_LETTERS: self._dead_letters,
         }
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -571,7 +576,7 @@ class FTServer:
     def _fail(self, rid: int, frame: Frame) -> bytes:
         message = decode_fail(frame)
         with self._core() as ft:
-            return encode_ok(rid, ft.fail(message.roots))
+            return encode_ok(rid, ft.fail(message.roots, message.causes))
 
     def _fetch_replay(self, rid: int, frame: Frame) -> bytes:
         m = decode_fetch_replay(frame)
@@ -588,8 +593,39 @@ class FTServer:
     def _register_source(self, rid: int, frame: Frame) -> bytes:
         m = decode_register_source(frame)
         with self._core() as ft:
-            ft.register_source(m.source_id, m.partitioner, m.num_partitions, m.options, m.timeout_s)
+            ft.register_source(
+                m.source_id,
+                m.partitioner,
+                m.num_partitions,
+                m.options,
+                m.timeout_s,
+                None if m.retry is None else RetryPolicy.from_json(m.retry),
+                m.dead_letter_topic,
+            )
         return encode_ok(rid, 1)
+
+    def _dead_letters(self, rid: int, frame: Frame) -> bytes:
+        m = decode_dead_letters(frame)
+        try:
+            where = DeadLetterFilter.from_json(m.where)
+        except ValueError as exc:
+            raise BadRequest(f"DEAD_LETTERS: {exc}") from None
+        with self._core() as ft:
+            if m.op == "requeue":
+                return encode_ok(rid, ft.requeue_dead_letters(where))
+            if m.op in ("purge", "delivered"):
+                return encode_ok(rid, ft.purge_dead_letters(where, delivered=m.op == "delivered"))
+            limit = None if m.limit is None else m.limit + 1
+            letters, records = ft.dead_letters(where, limit)
+        # At most `limit` of them, and no more than fit one frame (half of it for the
+        # payloads leaves room for the JSON); "more" tells the caller to ask again.
+        sizes = np.cumsum([len(p) + _DEAD_LETTER_ROW_BYTES for p in records.payloads])
+        fit = int(np.searchsorted(sizes, self.max_frame // 2, side="right"))
+        keep = min(len(letters), fit if m.limit is None else min(fit, m.limit))
+        more = keep < len(letters)
+        listed = [{"seq": seq, **record.to_json()} for seq, record in letters[:keep]]
+        taken = records.take(np.arange(keep, dtype=np.intp))
+        return encode_dead_letter_list(rid, listed, taken, more, max_frame=self.max_frame)
 
     def _checkpoint_request(self, rid: int, frame: Frame) -> bytes:
         begin = frame.kind == Kind.CHECKPOINT_BEGIN
@@ -691,6 +727,9 @@ class FTServer:
 # key hash, has_key, partition, offset, topic index and payload length.
 _REPLAY_ROW_BYTES: Final = 8 + 4 + 8 + 4 + 8 + 1 + 4 + 8 + 2 + 4
 _REPLAY_SLACK: Final = 64
+# A dead letter's bytes besides its payload: its record columns and a retry record of
+# up to 16 causes of up to 1,200 bytes each, as JSON.
+_DEAD_LETTER_ROW_BYTES: Final = _REPLAY_ROW_BYTES + 20_000
 
 
 def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:

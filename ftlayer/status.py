@@ -192,6 +192,15 @@ class Status(Mapping[str, Any]):
     replay_cursor_at_start: int
     replay_pruned: Mapping[str, int]
     """Per source id (a string; "*": every source): where its queue rows were pruned to."""
+    retry_waiting: int
+    """Failed records waiting for their backoff before they enter the replay queue."""
+    dead_lettered: int
+    """Records dead-lettered since the start."""
+    dead_letters: int
+    """Dead letters stored now (not yet delivered to their topic, nor purged)."""
+    dead_letters_delivered: int
+    dead_letters_purged: int
+    dead_letters_requeued: int
     late_events: int
     unknown_events: int
     xor_events: int
@@ -230,6 +239,12 @@ class Status(Mapping[str, Any]):
             replay_cursors=_counts(data, "replay_cursors", what),
             replay_cursor_at_start=_field(data, "replay_cursor_at_start", int, what),
             replay_pruned=_counts(data, "replay_pruned", what),
+            retry_waiting=_field(data, "retry_waiting", int, what),
+            dead_lettered=_field(data, "dead_lettered", int, what),
+            dead_letters=_field(data, "dead_letters", int, what),
+            dead_letters_delivered=_field(data, "dead_letters_delivered", int, what),
+            dead_letters_purged=_field(data, "dead_letters_purged", int, what),
+            dead_letters_requeued=_field(data, "dead_letters_requeued", int, what),
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),

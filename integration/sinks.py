@@ -100,6 +100,7 @@ from pyspark.sql.types import BinaryType, StringType
 
 from ftlayer.acking.handlers import TaskHandler
 from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
 from ftlayer.errors import ConfigError, FTLayerError
 
 from .ftcolumns import FT_COLUMNS, HEADERS_TYPE, LOOP_HEADER, FTSettings, loop_header
@@ -175,8 +176,11 @@ def _check_ft_columns(df: DataFrame, settings: FTSettings) -> tuple[str, ...]:
 # ---- ft_foreach_batch ----------------------------------------------------------------
 
 
-def _settle_partition(settings: FTSettings, ack: bool) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """A mapInArrow function that acks (or fails) every row it reads; yields the count."""
+def _settle_partition(
+    settings: FTSettings, ack: bool, cause: Cause | None = None
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """A mapInArrow function that acks (or fails, with `cause`) every row it reads;
+    yields the count."""
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         channel = settings.channel()
@@ -185,7 +189,7 @@ def _settle_partition(settings: FTSettings, ack: bool) -> Callable[[Iterator[Any
         for batch in batches:
             anchors = read_anchors(batch)
             failed = None if ack else np.ones(len(anchors), dtype=np.bool_)
-            handler.process(anchors, _NO_PARENTS, failed)
+            handler.process(anchors, _NO_PARENTS, failed, cause)
             rows += len(anchors)
         handler.flush()
         channel.flush()
@@ -194,10 +198,12 @@ def _settle_partition(settings: FTSettings, ack: bool) -> Callable[[Iterator[Any
     return run
 
 
-def settle(df: DataFrame, settings: FTSettings, *, ack: bool) -> int:
-    """Ack (or fail the roots of) every row of `df` on the executors; returns the rows."""
+def settle(df: DataFrame, settings: FTSettings, *, ack: bool, cause: Cause | None = None) -> int:
+    """Ack (or fail the roots of, with `cause`) every row of `df` on the executors;
+    returns the rows."""
     columns = ft_columns_of(df.columns)
-    counts = df.select(*columns).mapInArrow(_settle_partition(settings, ack), "rows long")
+    run = _settle_partition(settings, ack, cause)
+    counts = df.select(*columns).mapInArrow(run, "rows long")
     return sum(int(row.rows) for row in counts.collect())
 
 
@@ -256,7 +262,8 @@ class FTForeachBatch:
 
     def _fail_all(self, batch: DataFrame, epoch_id: int, exc: Exception) -> None:
         try:
-            failed = settle(batch, self.settings, ack=False)
+            cause = Cause.of_exception(exc, "ft_foreach_batch", FailKind.SINK).clipped()
+            failed = settle(batch, self.settings, ack=False, cause=cause)
         except Exception as settle_exc:
             exc.add_note(
                 f"ftlayer: the batch's roots could not be failed ({settle_exc!r}); "
@@ -388,10 +395,12 @@ def _kafka_partition(
                 first_error = first_error or error
                 ok = int(confirmed.sum())
                 written, failed = written + ok, failed + n - ok
+                cause = None if error is None else _sink_cause(topic, error)
                 if anchors is not None and in_transit is not None:
-                    _loop_events(channel, anchors, in_transit, confirmed)
+                    _loop_events(channel, anchors, in_transit, confirmed, cause)
                 elif anchors is not None and handler is not None:
-                    handler.process(anchors, _NO_PARENTS, None if ok == n else ~confirmed)
+                    failed_rows = None if ok == n else ~confirmed
+                    handler.process(anchors, _NO_PARENTS, failed_rows, cause)
         finally:
             if producer is not None:
                 producer.close(timeout=0)  # flushed already; what is left has failed
@@ -414,6 +423,7 @@ def _loop_events(
     anchors: Any,
     in_transit: NDArray[np.uint64],
     confirmed: NDArray[np.bool_],
+    cause: Cause | None = None,
 ) -> None:
     """Loop mode: a row whose write was confirmed is acked and its record in transit
     anchored in one event per row, (root, row id ^ in-transit id): the tree goes on
@@ -421,7 +431,12 @@ def _loop_events(
     if confirmed.any():
         channel.xor(anchors.roots[confirmed], anchors.ids[confirmed] ^ in_transit[confirmed])
     if not confirmed.all():
-        channel.fail(anchors.roots[~confirmed])
+        channel.fail(anchors.roots[~confirmed], cause)
+
+
+def _sink_cause(topic: str, error: BaseException) -> Cause:
+    """The cause of rows whose write the broker refused (or that timed out)."""
+    return Cause.of_exception(error, f"kafka sink to {topic!r}", FailKind.SINK).clipped()
 
 
 class FTKafkaSink:

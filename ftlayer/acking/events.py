@@ -20,6 +20,8 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.causes import Cause, Causes
+
 __all__ = ["Drained", "EventBuffer"]
 
 
@@ -27,9 +29,12 @@ class Drained(NamedTuple):
     fails: NDArray[np.uint64]
     roots: NDArray[np.uint64]
     values: NDArray[np.uint64]
+    causes: Causes
+    """A cause per failed root (ftlayer.causes)."""
 
 
 _EMPTY: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+_NO_CAUSES = Causes.one(None, 0)
 
 
 class EventBuffer:
@@ -39,6 +44,7 @@ class EventBuffer:
         self._roots: list[NDArray[np.uint64]] = []
         self._values: list[NDArray[np.uint64]] = []
         self._fails: list[NDArray[np.uint64]] = []
+        self._causes: list[Causes] = []
         self._count = 0
 
     def __len__(self) -> int:
@@ -51,17 +57,24 @@ class EventBuffer:
             self._values.append(values)
             self._count += len(roots)
 
-    def add_fail(self, roots: NDArray[np.uint64]) -> None:
+    def add_fail(self, roots: NDArray[np.uint64], causes: Causes | Cause | None = None) -> None:
+        """Failed roots with their causes: one for all, one per root, or unspecified."""
         if len(roots):
+            if not isinstance(causes, Causes):
+                causes = Causes.one(causes, len(roots))
+            elif len(causes) != len(roots):
+                raise ValueError(f"fail: {len(roots)} roots but {len(causes)} causes")
             self._fails.append(roots)
+            self._causes.append(causes)
             self._count += len(roots)
 
     def drain(self) -> Drained:
         """Everything held, concatenated, fails apart; the buffer is empty after."""
-        fails, roots, values = self._fails, self._roots, self._values
-        self._roots, self._values, self._fails, self._count = [], [], [], 0
+        fails, roots, values, causes = self._fails, self._roots, self._values, self._causes
+        self._roots, self._values, self._fails, self._causes, self._count = [], [], [], [], 0
         return Drained(
             np.concatenate(fails) if fails else _EMPTY,
             np.concatenate(roots) if roots else _EMPTY,
             np.concatenate(values) if values else _EMPTY,
+            Causes.concat(causes) if causes else _NO_CAUSES,
         )

@@ -36,6 +36,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.events import EventBuffer
 from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, Causes
 from ftlayer.errors import FailException
 from ftlayer.records import RecordBatch
 
@@ -59,7 +60,7 @@ class FTChannel(Protocol):
 
     def xor(self, roots: ArrayLike, values: ArrayLike) -> object: ...
 
-    def fail(self, roots: ArrayLike) -> object: ...
+    def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,14 +163,14 @@ class XorHandler:
         if len(self._buffer) >= self._flush_events:
             self.flush()
 
-    def fail(self, roots: NDArray[np.uint64]) -> None:
-        self._buffer.add_fail(roots)
+    def fail(self, roots: NDArray[np.uint64], causes: Causes | Cause | None = None) -> None:
+        self._buffer.add_fail(roots, causes)
 
     def flush(self) -> None:
         """Send the held fails, then the held XOR events (EventBuffer.drain's order)."""
-        fails, roots, values = self._buffer.drain()
+        fails, roots, values, causes = self._buffer.drain()
         if len(fails):
-            self._channel.fail(fails)
+            self._channel.fail(fails, causes)
         if len(roots):
             self._channel.xor(roots, values)
 
@@ -262,16 +263,19 @@ class TaskHandler:
         inputs: Anchors,
         parents: ArrayLike,
         failed: ArrayLike | None = None,
+        causes: Causes | Cause | None = None,
     ) -> Anchors:
         """Inputs processed into outputs, output j derived from input parents[j].
 
         map: parents = arange(n); flat_map: each input's index once per output;
         filter: the indices of the kept inputs; a sink: no outputs. Inputs marked in
-        `failed` have their roots failed. Returns the outputs' anchors.
+        `failed` have their roots failed, with `causes` (one for all, or one per
+        input; a root failed by several inputs takes the first one's). Returns the
+        outputs' anchors.
         """
         edge_parent = np.ascontiguousarray(parents, dtype=np.intp)
         edge_child = np.arange(len(edge_parent), dtype=np.intp)
-        return self._process(inputs, edge_parent, edge_child, len(edge_parent), failed)
+        return self._process(inputs, edge_parent, edge_child, len(edge_parent), failed, causes)
 
     def process_grouped(
         self,
@@ -279,6 +283,7 @@ class TaskHandler:
         groups: ArrayLike,
         n_groups: int,
         failed: ArrayLike | None = None,
+        causes: Causes | Cause | None = None,
     ) -> Anchors:
         """Multi-anchoring: output g is derived from every input i with groups[i] == g
         (an aggregation). Failed inputs are left out of their group's output."""
@@ -288,7 +293,7 @@ class TaskHandler:
         edge_parent = np.arange(len(inputs), dtype=np.intp)
         if failed is not None:
             edge_parent = edge_parent[~np.asarray(failed, dtype=np.bool_)]
-        return self._process(inputs, edge_parent, group[edge_parent], n_groups, failed)
+        return self._process(inputs, edge_parent, group[edge_parent], n_groups, failed, causes)
 
     def _process(
         self,
@@ -297,6 +302,7 @@ class TaskHandler:
         edge_child: NDArray[np.intp],
         n_children: int,
         failed: ArrayLike | None,
+        causes: Causes | Cause | None = None,
     ) -> Anchors:
         inputs = inputs.merged()  # one pair per (input, root): see Anchors.merged
         n = len(inputs)
@@ -315,7 +321,12 @@ class TaskHandler:
             if bool(failed_mask[edge_parent].any()):
                 raise ValueError("a failed input cannot have outputs")
             ok = ~failed_mask[pair_input]
-            self._events.fail(np.unique(inputs.roots[~ok]))
+            roots, first = np.unique(inputs.roots[~ok], return_index=True)
+            if isinstance(causes, Causes):
+                if len(causes) != n:
+                    raise ValueError(f"{n} inputs but {len(causes)} causes")
+                causes = causes.take(pair_input[~ok][first])
+            self._events.fail(roots, causes)
             event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
         self._events.xor(event_roots, values)
         # Anchoring: each output gets, per edge into it, the edge id under every root
@@ -345,8 +356,9 @@ class TaskHandler:
         scope = _RecordScope(pairs)
         try:
             yield scope
-        except FailException:
-            self._events.fail(np.array(sorted({r for r, _ in scope.pairs}), dtype=np.uint64))
+        except FailException as exc:
+            roots = np.array(sorted({r for r, _ in scope.pairs}), dtype=np.uint64)
+            self._events.fail(roots, Cause.of_exception(exc, "").clipped())
             return
         roots = np.array([r for r, _ in scope.pairs], dtype=np.uint64)
         ids = np.array([i for _, i in scope.pairs], dtype=np.uint64)
@@ -360,11 +372,18 @@ class TaskHandler:
 class NoFTTaskHandler:
     """FT off: anchors nothing and sends nothing."""
 
-    def process(self, inputs: object, parents: object, failed: object = None) -> None:
+    def process(
+        self, inputs: object, parents: object, failed: object = None, causes: object = None
+    ) -> None:
         return None
 
     def process_grouped(
-        self, inputs: object, groups: object, n_groups: int, failed: object = None
+        self,
+        inputs: object,
+        groups: object,
+        n_groups: int,
+        failed: object = None,
+        causes: object = None,
     ) -> None:
         return None
 

@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.events import EventBuffer
+from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.status import Status
@@ -114,19 +115,22 @@ class BatchingChannel:
                 self._added(len(r))
         return len(r)
 
-    def fail(self, roots: ArrayLike) -> int:
-        """Buffer fails of roots; returns how many were buffered (not yet applied)."""
+    def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
+        """Buffer fails of roots, with their causes (one for all, one per root, or
+        unspecified); returns how many were buffered (not yet applied)."""
         r = np.ascontiguousarray(roots, dtype=np.uint64)
         if r.ndim != 1:
             raise ValueError(f"fail: roots must be one-dimensional, got shape {r.shape}")
+        if not isinstance(causes, Causes):
+            causes = Causes.one(causes, len(r))
         with self._cond:
             self._check()
             if len(r) > self.max_buffered_events:
                 self._flush_locked()
-                self.client.fail(r)
+                self.client.fail(r, causes)
             elif len(r):
                 self._make_room(len(r))
-                self._buffer.add_fail(r)
+                self._buffer.add_fail(r, causes)
                 self._added(len(r))
         return len(r)
 
@@ -145,9 +149,13 @@ class BatchingChannel:
         num_partitions: int,
         options: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
+        retry: Mapping[str, Any] | None = None,
+        dead_letter_topic: str | None = None,
     ) -> None:
         """`FTClient.register_source`."""
-        self.client.register_source(source_id, partitioner, num_partitions, options, timeout_s)
+        self.client.register_source(
+            source_id, partitioner, num_partitions, options, timeout_s, retry, dead_letter_topic
+        )
 
     def status(self) -> Status:
         """`FTClient.status`: flushes first, so the counters include this process's events."""
@@ -218,10 +226,10 @@ class BatchingChannel:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        fails, roots, values = self._buffer.drain()
+        fails, roots, values, causes = self._buffer.drain()
         self._oldest = None
         if len(fails):
-            self.client.fail(fails)
+            self.client.fail(fails, causes)
         if len(roots):
             self._send_xor(roots, values)
 

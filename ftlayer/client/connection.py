@@ -42,8 +42,10 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
+import numpy as np
 from numpy.typing import ArrayLike
 
+from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.status import CheckpointReport, Status
@@ -53,6 +55,7 @@ from ftlayer.wire import (
     MAX_U32,
     AuthFailed,
     BadRequest,
+    DeadLetterList,
     ErrorCode,
     Frame,
     FrameReader,
@@ -67,6 +70,7 @@ from ftlayer.wire import (
     auth_digest,
     decode_challenge,
     decode_checkpoint_reply,
+    decode_dead_letter_list,
     decode_error,
     decode_ok,
     decode_replay,
@@ -75,6 +79,7 @@ from ftlayer.wire import (
     decode_welcome,
     encode_auth,
     encode_checkpoint_request,
+    encode_dead_letters,
     encode_fail,
     encode_fetch_replay,
     encode_hello,
@@ -246,10 +251,16 @@ class FTClient:
         )
         return decode_ok(frame).count
 
-    def fail(self, roots: ArrayLike) -> int:
-        """Fail roots explicitly; returns how many were pending (and are now replayed)."""
+    def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
+        """Fail roots explicitly, with their causes (one for all, one per root, or
+        unspecified); returns how many were pending (and are now retried or
+        dead-lettered)."""
+        if not isinstance(causes, Causes):
+            causes = Causes.one(causes, len(np.asarray(roots)))
         frame = self._call(
-            lambda rid: encode_fail(rid, roots, max_frame=self.max_frame), Kind.OK, retry=False
+            lambda rid: encode_fail(rid, roots, causes, max_frame=self.max_frame),
+            Kind.OK,
+            retry=False,
         )
         return decode_ok(frame).count
 
@@ -293,15 +304,20 @@ class FTClient:
         num_partitions: int,
         options: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
+        retry: Mapping[str, Any] | None = None,
+        dead_letter_topic: str | None = None,
     ) -> None:
         """`FTLayer.register_source` on the server: how `source_id`'s records are replayed,
-        and their own tree timeout if `timeout_s` is given (stored by the server, so it
-        survives restarts). RequestRejected for an unknown partitioner or bad options."""
+        their own tree timeout if `timeout_s` is given, their retry policy
+        (RetryPolicy.to_json; None: the defaults) and dead-letter topic (stored by the
+        server, so it survives restarts). RequestRejected for an unknown partitioner or
+        bad options."""
 
         def encode(rid: int) -> bytes:
             return encode_register_source(
-                rid, source_id, partitioner, num_partitions, options, timeout_s
-            )
+                rid, source_id, partitioner, num_partitions, options, timeout_s, retry,
+                dead_letter_topic,
+            )  # fmt: skip
 
         self._call(encode, Kind.OK, retry=True)
 
@@ -364,6 +380,29 @@ class FTClient:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""
         frame = self._call(encode_status_request, Kind.STATUS_REPLY, retry=True)
         return Status.from_json(decode_status_reply(frame).status)
+
+    def dead_letters(
+        self, where: Mapping[str, Any] | None = None, limit: int | None = None
+    ) -> DeadLetterList:
+        """The dead letters that match `where` (DeadLetterFilter's JSON form: source_id,
+        partition, cause, since, until, seqs), oldest first: at most `limit`, and at
+        most one frame of them (`more` then says so)."""
+
+        def encode(rid: int) -> bytes:
+            return encode_dead_letters(rid, "list", where, limit)
+
+        return decode_dead_letter_list(self._call(encode, Kind.DEAD_LETTER_LIST, retry=True))
+
+    def dead_letter_op(self, op: str, where: Mapping[str, Any] | None = None) -> int:
+        """ "requeue" (replay them now, after a fix), "purge" (delete them for good) or
+        "delivered" (their dead-letter topic confirmed them: delete them) the dead
+        letters that match `where`; returns how many. Not retried on a broken
+        connection (ConnectionLost): see whether it happened, then ask again."""
+
+        def encode(rid: int) -> bytes:
+            return encode_dead_letters(rid, op, where)
+
+        return decode_ok(self._call(encode, Kind.OK, retry=False)).count
 
     # ---- lifecycle ---------------------------------------------------------------
 

@@ -41,6 +41,8 @@ Not thread-safe: one thread drives a core (the server serializes its clients).
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -51,6 +53,7 @@ from numpy.typing import ArrayLike, NDArray
 from ftlayer.acking.acker import AckerTable, XorResult
 from ftlayer.acking.ids import new_ids
 from ftlayer.acking.rotating import validate_timeout
+from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
@@ -59,6 +62,7 @@ from ftlayer.records import RecordBatch, ReplayRecords
 
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
+from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
 from .sources import SourceConfig, SourceRegistry
 from .stats import FailCause, FTStats
 
@@ -81,8 +85,14 @@ class FTLayer:
         retired_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         defer_deletes: bool = False,
+        retry: RetryPolicy | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        seed: int | None = None,
     ) -> None:
         self._clock = clock
+        self._wall = wall_clock
+        self._rng = random.Random(seed)
+        self._default_retry = retry or IMMEDIATE
         self.storage = storage
         # Checkpoints enumerate the pending roots every micro-batch: O(pending), with
         # sequential copies of what they read but the ack values (the snapshot) and of
@@ -104,7 +114,7 @@ class FTLayer:
         meta = storage.get_meta(REPLAY_SEQ_META_KEY)
         self._queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self._retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
-        self._retries: dict[int, int] = {}
+        self._book = RetryBook(storage)
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
@@ -122,17 +132,24 @@ class FTLayer:
         num_partitions: int,
         options: Mapping[str, object] | None = None,
         timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        dead_letter_topic: str | None = None,
     ) -> SourceConfig:
         """Configure how `source_id`'s records are replayed, and store that in the
         storage's meta entries, so a restarted FT layer routes its recovered records the
         same way (the registrations load before recovery). Registering again replaces
         the config; records already queued keep the partitions they were routed to.
         `timeout_s` gives the source's trees their own timeout (None: the FT layer's);
-        it applies to roots that start pending from now on.
+        it applies to roots that start pending from now on. `retry`: how often and how
+        soon its failed records are replayed (None: RetryPolicy's defaults);
+        `dead_letter_topic`: where its source's driver writes its dead letters (None:
+        they stay in the store).
         ConfigError (nothing changed) for an unknown partitioner or bad options."""
         if timeout_s is not None:
             validate_timeout(timeout_s, self.persistence.buckets)
-        return self._sources.register(source_id, partitioner, num_partitions, options, timeout_s)
+        return self._sources.register(
+            source_id, partitioner, num_partitions, options, timeout_s, retry, dead_letter_topic
+        )
 
     def add_change_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` before every change to the state `state_snapshot` copies (persist,
@@ -161,8 +178,24 @@ class FTLayer:
         return self._queue.cursor_of(source_id)
 
     def retries(self, root: int) -> int:
-        """How many times the record now tracked under `root` has been replayed."""
-        return self._retries.get(root, 0)
+        """How many times the record now tracked under `root` failed (and was or will be
+        replayed); 0 for a root not pending or never failed."""
+        pending, seqs = self.acker.lookup("seq", np.array([root], dtype=np.uint64))
+        record = self._book.get(int(seqs[0])) if bool(pending[0]) else None
+        return 0 if record is None else record.attempts
+
+    def retry_record(self, seq: int) -> RetryRecord | None:
+        """The failure history of stored record `seq`, if it ever failed."""
+        return self._book.get(seq)
+
+    def retry_policy(self, source_id: int) -> RetryPolicy:
+        config = self.source_config(source_id)
+        return self._default_retry if config is None else config.retry
+
+    @property
+    def waiting_replays(self) -> int:
+        """Failed records waiting for their backoff before they enter the replay queue."""
+        return self._book.waiting
 
     def __len__(self) -> int:
         return len(self.acker)
@@ -232,9 +265,8 @@ class FTLayer:
         if len(result.completed):
             done = self.persistence.complete(result.completed, result.columns)
             self.stats.completed += len(done)
-            if self._retries:
-                for root in done.roots.tolist():
-                    self._retries.pop(root, None)
+            if len(self._book):
+                self._book.forget(result.columns["seq"].tolist())
             self._notify(done)
         return result
 
@@ -275,18 +307,25 @@ class FTLayer:
 
     # ---- fail and replay ---------------------------------------------------------
 
-    def fail(self, roots: ArrayLike, cause: FailCause = FailCause.EXPLICIT) -> int:
-        """Fail pending roots: their records are queued for replay. Returns how many.
+    def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
+        """Fail pending roots, with their causes (one for all, one per root, or
+        unspecified): each record is replayed after its backoff, or dead-lettered once
+        its retries are spent (ftlayer.core.retries). Returns how many were pending.
 
-        If queueing raises (say, the storage refuses the write), the roots stay pending
+        If this raises (say, the storage refuses the write), the roots stay pending
         and will time out: a failure can be retried, never lost."""
         self._changing()
-        keys = np.unique(np.ascontiguousarray(roots, dtype=np.uint64))
+        root_array = np.ascontiguousarray(roots, dtype=np.uint64)
+        if not isinstance(causes, Causes):
+            causes = Causes.one(causes, len(root_array))
+        elif len(causes) != len(root_array):
+            raise ValueError(f"fail: {len(root_array)} roots but {len(causes)} causes")
+        keys, first = np.unique(root_array, return_index=True)
         pending, seqs = self.acker.lookup("seq", keys)
         if not bool(pending.all()):
             self._count_dropped(keys[~pending])
         if bool(pending.any()):
-            self._requeue(keys[pending], seqs, cause)
+            self._requeue(keys[pending], seqs, FailCause.EXPLICIT, causes.take(first[pending]))
         return int(np.count_nonzero(pending))
 
     def tick(self, now: float | None = None) -> int:
@@ -295,7 +334,55 @@ class FTLayer:
         self._changing()
         now = self._clock() if now is None else now
         self._retired.rotate(now)
-        return self.persistence.tick(now)
+        rotations = self.persistence.tick(now)
+        self.release_due()
+        return rotations
+
+    def release_due(self, now: float | None = None) -> int:
+        """Queue the failed records whose backoff has passed by `now` (wall clock,
+        default: now); returns how many. Called by tick."""
+        due = self._book.due(self._wall() if now is None else now)
+        if not due:
+            return 0
+        self._changing()
+        seqs = np.array([seq for seq, _ in due], dtype=np.uint64)
+        roots = np.array([root for _, root in due], dtype=np.uint64)
+        # Only records still waiting under that root (not completed or purged since).
+        pending, current = self.acker.lookup("seq", roots)
+        live = pending.copy()
+        live[pending] = current == seqs[pending]
+        seqs, roots = seqs[live], roots[live]
+        if not len(seqs):
+            return 0
+        order = np.argsort(seqs, kind="stable")
+        seqs, roots = seqs[order], roots[order]
+        batch = self.storage.get(seqs)
+        try:
+            self._enqueue(roots, seqs, batch)
+        except BaseException:
+            for seq, root in zip(seqs.tolist(), roots.tolist(), strict=True):
+                self._book.wait(seq, root, self._wall() + 1.0)  # try again shortly
+            raise
+        return len(seqs)
+
+    def _enqueue(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], batch: RecordBatch
+    ) -> None:
+        """Records waiting (pending, untimed) under `roots` enter the replay queue now:
+        replay seqs, stored with the records; their timeout starts when their source
+        fetches them (fetch_replay)."""
+        index, partitions = self._route(batch)
+        replay_seqs = self._reserve(len(seqs))
+        self.persistence.retag(seqs, roots, replay_seqs)
+        self._queue.append(
+            replay_seqs[index], roots[index], seqs[index], batch.source_ids[index], partitions
+        )
+
+    def _reserve(self, n: int) -> NDArray[np.uint64]:
+        """The next n replay seqs; the counter is stored before any record uses one."""
+        return self._queue.reserve(
+            n, lambda next_seq: self.storage.put_meta(REPLAY_SEQ_META_KEY, str(next_seq).encode())
+        )
 
     def _on_timeout(self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
         # Only the tree the entry was made for: a root completed or failed meanwhile is
@@ -310,7 +397,7 @@ class FTLayer:
             roots, first = np.unique(roots, return_index=True)
             seqs = seqs[first]
         try:
-            self._requeue(roots, seqs, FailCause.TIMEOUT)
+            self._requeue(roots, seqs, FailCause.TIMEOUT, Causes.one(_TIMEOUT, len(roots)))
         except BaseException:
             # The batch left the rotating buckets: time its roots again, or a storage
             # error here would leave them pending with no timeout at all.
@@ -318,38 +405,118 @@ class FTLayer:
             raise
 
     def _requeue(
-        self, old_roots: NDArray[np.uint64], seqs: NDArray[np.uint64], cause: FailCause
+        self,
+        old_roots: NDArray[np.uint64],
+        seqs: NDArray[np.uint64],
+        cause: FailCause,
+        causes: Causes | None = None,
     ) -> None:
-        """Queue failed records for replay, in the order they were first persisted.
+        """Failed records, in the order they were first persisted: each gets a new
+        root and is, by its source's retry policy, queued for replay now, left waiting
+        for its backoff, or dead-lettered (`causes` None: a recovery, which is no
+        attempt of the record's: it keeps its count and due time).
 
         Steps 1-2 may raise (storage errors); they leave the old roots pending, so a
-        failed requeue is retried by the timeout. Steps 3-4 only touch memory.
-        Step 1: route the stored records; step 2: store their new roots and replay
-        seqs; step 3: swap the old roots for the new ones in the acker (their timeout
-        starts when their source fetches them); step 4: queue them."""
+        failed requeue is retried by the timeout. Steps 3-5 only touch memory.
+        Step 1: decide each record's fate and route the ones queued now; step 2: store
+        the retry records, new roots and replay seqs (one transaction); step 3: swap
+        the old roots for the new ones in the acker; step 4: queue (a queued replay's
+        timeout starts when its source fetches it), wait or dead-letter; step 5:
+        count."""
         n = len(seqs)
         order = np.argsort(seqs, kind="stable")
         old_roots, seqs = old_roots[order], seqs[order]
+        if causes is not None:
+            causes = causes.take(order)
         batch = self.storage.get(seqs)
         # Step 1.
-        index, partitions = self._route(batch)
-        # Step 2. The replay seq counter is stored before any record uses a seq from it.
+        now = self._wall()
+        fate, due, records = self._fates(seqs, batch.source_ids, causes, now)
+        queued, waiting, dead = fate == _QUEUE, fate == _WAIT, fate == _DEAD
         new_roots = new_ids(n)
-        replay_seqs = self._queue.reserve(
-            n, lambda next_seq: self.storage.put_meta(REPLAY_SEQ_META_KEY, str(next_seq).encode())
-        )
-        self.persistence.retag(seqs, new_roots, replay_seqs)
+        new_roots[dead] = 0
+        replay_seqs = np.zeros(n, dtype=np.uint64)
+        replay_seqs[dead] = DEAD_LETTER
+        queued_rows = np.flatnonzero(queued)
+        sub = batch if len(queued_rows) == n else batch.take(queued_rows)
+        index, partitions = self._route(sub) if len(queued_rows) else (None, None)
+        # Step 2.
+        if len(queued_rows):
+            replay_seqs[queued_rows] = self._reserve(len(queued_rows))
+        old_meta = self._book.stage(records)
+        try:
+            self.persistence.retag(seqs, new_roots, replay_seqs)
+        except BaseException:
+            self._book.unstage(old_meta)
+            raise
+        self._book.commit(records)
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
         self.acker.remove(old_roots)
-        self.acker.add(new_roots, None, seq=seqs, **self.persistence.locators(batch))
+        live = ~dead
+        kept = batch if bool(live.all()) else batch.take(np.flatnonzero(live))
+        self.acker.add(new_roots[live], None, seq=seqs[live], **self.persistence.locators(kept))
         # Step 4.
-        self._queue.append(
-            replay_seqs[index], new_roots[index], seqs[index], batch.source_ids[index], partitions
-        )
+        if len(queued_rows):
+            assert index is not None and partitions is not None
+            q_roots, q_seqs = new_roots[queued_rows], seqs[queued_rows]
+            self._queue.append(
+                replay_seqs[queued_rows][index],
+                q_roots[index],
+                q_seqs[index],
+                sub.source_ids[index],
+                partitions,
+            )
+        for row in np.flatnonzero(waiting).tolist():
+            self._book.wait(int(seqs[row]), int(new_roots[row]), float(due[row]))
         self._retired.add(old_roots, self._clock())
-        for old, new in zip(old_roots.tolist(), new_roots.tolist(), strict=True):
-            self._retries[new] = self._retries.pop(old, 0) + 1
+        # Step 5.
         self.stats.failed[cause.value] += n
+        if bool(dead.any()):
+            rows = np.flatnonzero(dead)
+            self.stats.dead_lettered += len(rows)
+            gone = batch.take(rows)
+            self._notify(
+                Completed(
+                    roots=old_roots[rows],
+                    topics=gone.topics,
+                    partitions=gone.partitions.astype(np.int32, copy=False),
+                    offsets=gone.offsets.astype(np.int64, copy=False),
+                )
+            )
+
+    def _fates(
+        self,
+        seqs: NDArray[np.uint64],
+        source_ids: NDArray[Any],
+        causes: Causes | None,
+        now: float,
+    ) -> tuple[NDArray[np.int8], NDArray[np.float64], dict[int, RetryRecord]]:
+        """Per record: queue now, wait until due[i], or dead-letter; and the retry
+        records that change (to be stored)."""
+        n = len(seqs)
+        fate = np.full(n, _QUEUE, dtype=np.int8)
+        due = np.zeros(n, dtype=np.float64)
+        changed: dict[int, RetryRecord] = {}
+        for i, (seq, source_id) in enumerate(zip(seqs.tolist(), source_ids.tolist(), strict=True)):
+            record = self._book.get(seq)
+            if causes is None:  # recovery: no attempt of the record's
+                if record is not None and record.due > now:
+                    fate[i], due[i] = _WAIT, record.due
+                continue
+            cause = causes[i]
+            policy = self.retry_policy(int(source_id))
+            record = _copy(record) if record is not None else RetryRecord(int(source_id))
+            record.add_failure(now, cause)
+            if cause.final or policy.exhausted(record.failures):
+                fate[i] = _DEAD
+                record.dead_at, record.due = now, 0.0
+            else:
+                delay = policy.delay_s(record.failures, self._rng)
+                record.due = now + delay if delay > 0 else 0.0
+                if delay > 0:
+                    fate[i], due[i] = _WAIT, record.due
+            changed[seq] = record
+        return fate, due, changed
 
     def _track(
         self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], source_ids: NDArray[Any]
@@ -481,19 +648,118 @@ class FTLayer:
         # The Kafka coordinates are in the stored record (by seq): not copied again.
         state = {f"acker.{name}": column for name, column in self.acker.snapshot("seq").items()}
         state.update({f"queue.{name}": column for name, column in self._queue.columns().items()})
-        state["retries.root"] = np.fromiter(self._retries.keys(), np.uint64, len(self._retries))
-        state["retries.count"] = np.fromiter(self._retries.values(), np.int64, len(self._retries))
+        if len(self._book):  # the retry counts of pending roots that failed before
+            live = self.acker.live_columns("root", "seq", copy=False)
+            failed = np.isin(live["seq"], np.array(self._book.seqs(), dtype=np.uint64))
+            roots, seqs = live["root"][failed], live["seq"][failed].tolist()
+            records = [self._book.get(seq) for seq in seqs]
+            counts = [0 if r is None else r.attempts for r in records]
+            state["retries.root"] = roots.copy()
+            state["retries.count"] = np.array(counts, dtype=np.int64)
+        else:
+            state["retries.root"] = np.zeros(0, dtype=np.uint64)
+            state["retries.count"] = np.zeros(0, dtype=np.int64)
         return state
 
     # ---- recovery and status ---------------------------------------------------
 
     def _recover(self) -> None:
         """Every record found in storage at start was pending when the last process
-        stopped; ack values are not durable, so each is replayed under a new root."""
+        stopped, or is a dead letter; ack values are not durable, so each pending one
+        is replayed under a new root: at once, or when the backoff of its last failure
+        ends (its retry record keeps the due time). Dead letters stay as they are."""
         # Collect first: re-tagging writes to the storage being scanned.
-        found = [(batch.roots, seqs) for seqs, batch, _replay in self.storage.scan()]
+        found = []
+        stored_dead: set[int] = set()
+        for seqs, batch, replay in self.storage.scan():
+            dead = replay == DEAD_LETTER
+            if bool(dead.any()):
+                stored_dead.update(seqs[dead].tolist())
+                keep = np.flatnonzero(~dead)
+                seqs, batch = seqs[keep], batch.take(keep)
+            if len(seqs):
+                found.append((batch.roots, seqs))
+        stored = {int(s) for _, seqs in found for s in seqs.tolist()} | stored_dead
+        stale = [seq for seq in self._book.seqs() if seq not in stored]
+        if stale:  # completed or purged, and the crash came before their record left
+            self._book.forget(stale)
         for roots, seqs in found:
             self._requeue(roots, seqs, FailCause.RECOVERY)
+
+    # ---- dead letters ----------------------------------------------------------------
+
+    def dead_letters(
+        self, where: DeadLetterFilter | None = None, limit: int | None = None
+    ) -> tuple[list[tuple[int, RetryRecord]], RecordBatch]:
+        """The dead letters that match `where` (oldest first, at most `limit`): their
+        storage seqs with their retry records, and their stored records (with root 0)."""
+        where = where or DeadLetterFilter()
+        seqs = sorted(self._book.dead)
+        if where.seqs is not None:
+            seqs = [seq for seq in seqs if seq in where.seqs]
+        chosen: list[tuple[int, RetryRecord]] = []
+        chosen_seqs: list[int] = []
+        if seqs:
+            batch = self.storage.get(np.array(seqs, dtype=np.uint64))
+            parts = batch.partitions.tolist()
+            for i, seq in enumerate(seqs):
+                record = self._book.dead[seq]
+                if where.matches(seq, record, parts[i]):
+                    chosen.append((seq, record))
+                    chosen_seqs.append(i)
+                    if limit is not None and len(chosen) >= limit:
+                        break
+            return chosen, batch.take(np.array(chosen_seqs, dtype=np.intp))
+        return chosen, self.storage.get(np.zeros(0, dtype=np.uint64))
+
+    def requeue_dead_letters(self, where: DeadLetterFilter) -> int:
+        """Put the matching dead letters back for replay now (after a fix): each gets a
+        new root and a replay seq; its history stays, and its retries count afresh.
+        Returns how many."""
+        chosen, batch = self.dead_letters(where)
+        if not chosen:
+            return 0
+        self._changing()
+        seqs = np.array([seq for seq, _ in chosen], dtype=np.uint64)
+        roots = new_ids(len(seqs))
+        records: dict[int, RetryRecord] = {}
+        for seq, record in chosen:
+            changed = _copy(record)
+            changed.dead_at, changed.due = None, 0.0
+            changed.requeued += 1
+            changed.budget_from = changed.attempts
+            records[seq] = changed
+        old_meta = self._book.stage(records)
+        try:
+            self.persistence.retag(seqs, roots, np.zeros(len(seqs), dtype=np.uint64))
+        except BaseException:
+            self._book.unstage(old_meta)
+            raise
+        self._book.commit(records)
+        self.acker.add(roots, None, seq=seqs, **self.persistence.locators(batch))
+        self._enqueue(roots, seqs, batch)
+        self.stats.dead_letters_requeued += len(seqs)
+        return len(seqs)
+
+    def purge_dead_letters(self, where: DeadLetterFilter, *, delivered: bool = False) -> int:
+        """Delete the matching dead letters for good (a user's purge, or `delivered`:
+        the dead-letter topic confirmed them). Returns how many."""
+        chosen, _batch = self.dead_letters(where)
+        if not chosen:
+            return 0
+        self._changing()
+        seqs = [seq for seq, _ in chosen]
+        self._book.forget(seqs)  # staged: committed by the delete's transaction
+        self.storage.delete(np.array(seqs, dtype=np.uint64))
+        if delivered:
+            self.stats.dead_letters_delivered += len(seqs)
+        else:
+            self.stats.dead_letters_purged += len(seqs)
+        return len(seqs)
+
+    @property
+    def dead_letter_count(self) -> int:
+        return len(self._book.dead)
 
     def current_stats(self) -> FTStats:
         """The counters, with the current state filled in: pending roots, and the replay
@@ -504,7 +770,20 @@ class FTLayer:
         self.stats.replay_cursors = self._queue.cursors()
         self.stats.replay_cursor_at_start = self._queue.cursor_at_start
         self.stats.replay_pruned = self._queue.pruned()
+        self.stats.retry_waiting = self._book.waiting
+        self.stats.dead_letters = len(self._book.dead)
         return self.stats
+
+
+_QUEUE: Final = 0
+_WAIT: Final = 1
+_DEAD: Final = 2
+_TIMEOUT: Final = Cause(FailKind.TIMEOUT)
+
+
+def _copy(record: RetryRecord) -> RetryRecord:
+    """A copy to change (the book's own changes only once its write succeeded)."""
+    return dataclasses.replace(record, causes=list(record.causes))
 
 
 _DENSE_CELLS = 1 << 20

@@ -1,6 +1,7 @@
 """The source registry: how each source's records are replayed (its replay partitioner
-and partition count) and its own tree timeout, registered by REGISTER_SOURCE and kept
-in the store under SOURCES_META_KEY, so a restarted FT layer routes replays as before."""
+and partition count), its own tree timeout, its retry policy and its dead-letter topic,
+registered by REGISTER_SOURCE and kept in the store under SOURCES_META_KEY, so a
+restarted FT layer routes and retries replays as before."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from ftlayer.errors import ConfigError
 from ftlayer.partitioners import ReplayPartitioner, create_partitioner
 from ftlayer.persistence.base import PersistenceStorage
 
+from .retries import IMMEDIATE, RetryPolicy
+
 __all__ = ["SOURCES_META_KEY", "SourceConfig", "SourceRegistry", "source_from_spec"]
 
 SOURCES_META_KEY = "sources"
@@ -22,12 +25,17 @@ SOURCES_META_KEY = "sources"
 
 @dataclass(frozen=True, slots=True)
 class SourceConfig:
-    """How one source's records are replayed: its partitioner and partition count; and
-    its tree timeout, if it has its own (None: the FT layer's)."""
+    """How one source's records are replayed: its partitioner and partition count; its
+    tree timeout, if it has its own (None: the FT layer's); how often and how soon a
+    failed record is replayed before it is dead-lettered; and where its dead letters
+    go (a Kafka topic its source's driver writes them to; None: they stay in the
+    FT layer's store)."""
 
     partitioner: ReplayPartitioner
     num_partitions: int
     timeout_s: float | None = None
+    retry: RetryPolicy = IMMEDIATE
+    dead_letter_topic: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_partitions, bool) or self.num_partitions < 1:
@@ -41,17 +49,30 @@ class SourceConfig:
         partitioner: str,
         num_partitions: int,
         timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        dead_letter_topic: str | None = None,
         **options: object,
     ) -> SourceConfig:
-        return cls(create_partitioner(partitioner, **options), num_partitions, timeout_s)
+        return cls(
+            create_partitioner(partitioner, **options),
+            num_partitions,
+            timeout_s,
+            retry or IMMEDIATE,
+            dead_letter_topic,
+        )
 
 
 def source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
     try:
+        topic = spec.get("dead_letter_topic")
+        if topic is not None and (not isinstance(topic, str) or not topic):
+            raise ConfigError(f"a dead-letter topic is a non-empty str, got {topic!r}")
         return SourceConfig.named(
             spec["partitioner"],
             spec["num_partitions"],
             spec.get("timeout_s"),
+            RetryPolicy.from_json(spec.get("retry")),
+            topic,
             **dict(spec.get("options") or {}),
         )
     except (KeyError, TypeError) as exc:
@@ -91,6 +112,8 @@ class SourceRegistry:
         num_partitions: int,
         options: Mapping[str, object] | None = None,
         timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        dead_letter_topic: str | None = None,
     ) -> SourceConfig:
         """Register (or replace) `source_id`'s config and store every registration;
         ConfigError, nothing changed, for a bad id, partitioner or option."""
@@ -102,6 +125,11 @@ class SourceRegistry:
             "options": dict(options or {}),
             "timeout_s": timeout_s,
         }
+        # Stored only when set, so registrations without them read as before.
+        if retry is not None and retry != IMMEDIATE:
+            spec["retry"] = retry.to_json()
+        if dead_letter_topic is not None:
+            spec["dead_letter_topic"] = dead_letter_topic
         config = source_from_spec(spec)
         specs = {**self._specs, str(source_id): spec}
         self._storage.put_meta(SOURCES_META_KEY, json.dumps(specs, sort_keys=True).encode())

@@ -34,6 +34,15 @@ class FTStats:
     queue entries were pruned up to. A new query of that source starts its replay
     cursor there, so it takes every queued replay of its source that no finished batch
     took in (those queued before it started, and those a restart recovered)."""
+    retry_waiting: int = 0
+    """Failed records waiting for their backoff before they enter the replay queue."""
+    dead_lettered: int = 0
+    """Records dead-lettered since the start (their retries spent, or a final cause)."""
+    dead_letters: int = 0
+    """Dead letters stored now (not yet delivered to a dead-letter topic, nor purged)."""
+    dead_letters_delivered: int = 0
+    dead_letters_purged: int = 0
+    dead_letters_requeued: int = 0
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0

@@ -32,7 +32,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | server nonce + client nonce)                                |
 | 0x10 | PERSIST             | record columns with initial ack values (below)              |
 | 0x11 | XOR                 | u32 n, roots u64[n], values u64[n]                          |
-| 0x12 | FAIL                | u32 n, roots u64[n]                                         |
+| 0x12 | FAIL                | u32 n, roots u64[n] [, u16 C, C causes (u8 kind, u8 flags,  |
+|      |                     | u16 + utf-8 step, u16 + utf-8 error), cause index u16[n]]   |
 | 0x13 | FETCH_REPLAY        | lo u64, hi u64, source id i64, partition i32 (-1 = any)     |
 | 0x14 | STATUS              | empty                                                       |
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
@@ -45,6 +46,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x21 | CHECKPOINT_DONE | the same JSON object (without "complete")                   |
 | 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
 |      |                     | host), "name": str or null}                                 |
+| 0x23 | DEAD_LETTERS        | utf-8 JSON object {"op": "list", "requeue", "purge" or      |
+|      |                     | "delivered", "where": filter object, "limit": int or null}  |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -56,6 +59,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | with "complete", also "completed": that checkpoint          |
 | 0x95 | SAVEPOINT_CREATED   | utf-8 JSON object: the savepoint created (its manifest and  |
 |      |                     | "path", Savepoint.as_dict of ftlayer.checkpoint.savepoint)  |
+| 0x96 | DEAD_LETTER_LIST    | u32 J, utf-8 JSON {"letters": [...], "more": bool}, then    |
+|      |                     | u32 n and record columns without initial values (below)     |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Retired kinds, never reused: 0x16 (LOWEST_PENDING), 0x17 (PRUNE_REPLAY), 0x93 (OFFSETS);
@@ -137,8 +142,11 @@ from .frames import (
     kind_of,
 )
 from .messages import (
+    DEAD_LETTER_OPS,
     CheckpointReply,
     CheckpointRequest,
+    DeadLetterList,
+    DeadLettersRequest,
     ErrorReply,
     Fail,
     FetchReplay,
@@ -155,6 +163,8 @@ from .messages import (
     decode_checkpoint_begin,
     decode_checkpoint_done,
     decode_checkpoint_reply,
+    decode_dead_letter_list,
+    decode_dead_letters,
     decode_error,
     decode_fail,
     decode_fetch_replay,
@@ -169,6 +179,8 @@ from .messages import (
     decode_xor,
     encode_checkpoint_reply,
     encode_checkpoint_request,
+    encode_dead_letter_list,
+    encode_dead_letters,
     encode_error,
     encode_error_for,
     encode_fail,
@@ -187,6 +199,7 @@ from .messages import (
 __all__ = [
     "AUTH_CONTEXT",
     "AUTH_REQUIRED",
+    "DEAD_LETTER_OPS",
     "DEFAULT_MAX_FRAME",
     "DIGEST_SIZE",
     "HANDSHAKE_KINDS",
@@ -204,6 +217,8 @@ __all__ = [
     "Challenge",
     "CheckpointReply",
     "CheckpointRequest",
+    "DeadLetterList",
+    "DeadLettersRequest",
     "ErrorCode",
     "ErrorReply",
     "Fail",
@@ -237,6 +252,8 @@ __all__ = [
     "decode_checkpoint_begin",
     "decode_checkpoint_done",
     "decode_checkpoint_reply",
+    "decode_dead_letter_list",
+    "decode_dead_letters",
     "decode_error",
     "decode_fail",
     "decode_fetch_replay",
@@ -255,6 +272,8 @@ __all__ = [
     "encode_challenge",
     "encode_checkpoint_reply",
     "encode_checkpoint_request",
+    "encode_dead_letter_list",
+    "encode_dead_letters",
     "encode_error",
     "encode_error_for",
     "encode_fail",

@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     CHECKPOINT_BEGIN = 0x20
     CHECKPOINT_DONE = 0x21
     SAVEPOINT = 0x22
+    DEAD_LETTERS = 0x23
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -50,6 +51,7 @@ class Kind(enum.IntEnum):
     STATUS_REPLY = 0x92
     CHECKPOINT = 0x94
     SAVEPOINT_CREATED = 0x95
+    DEAD_LETTER_LIST = 0x96
     ERROR = 0xFF
 
 

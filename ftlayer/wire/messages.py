@@ -14,6 +14,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.records import RecordBatch, ReplayRecords
 
 from .auth import (
@@ -45,6 +46,7 @@ from .frames import (
 )
 
 _FETCH: Final = struct.Struct("<QQqi")
+_CAUSE_HEAD: Final = struct.Struct("<BBH")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
 
@@ -64,6 +66,8 @@ class Xor:
 @dataclass(frozen=True, slots=True)
 class Fail:
     roots: NDArray[np.uint64]
+    causes: Causes
+    """A cause per root (UNSPECIFIED for every root of a FAIL that names none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,9 @@ class RegisterSource:
     num_partitions: int
     options: dict[str, Any]
     timeout_s: float | None = None
+    retry: dict[str, Any] | None = None
+    """The retry policy (ftlayer.core.retries.RetryPolicy.to_json); None: the defaults."""
+    dead_letter_topic: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +157,27 @@ class ErrorReply:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLettersRequest:
+    """DEAD_LETTERS: `op` ("list", "requeue", "purge" or "delivered") the dead letters
+    that match `where` (DeadLetterFilter.to_json); list returns at most `limit`."""
+
+    op: str
+    where: dict[str, Any]
+    limit: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterList:
+    """DEAD_LETTER_LIST: the dead letters listed (their retry records as JSON, each with
+    its "seq"), their stored records in the same order, and whether more matched than
+    the reply holds."""
+
+    letters: list[dict[str, Any]]
+    records: RecordBatch
+    more: bool
+
+
 Message = (
     Hello
     | Challenge
@@ -168,6 +196,8 @@ Message = (
     | StatusReply
     | Ok
     | ReplayRecords
+    | DeadLettersRequest
+    | DeadLetterList
     | ErrorReply
 )
 
@@ -387,18 +417,57 @@ def decode_xor(message: Frame | bytes) -> Xor:
     return Xor(roots, values)
 
 
-def encode_fail(request_id: int, roots: ArrayLike, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """FAIL: the roots for `FTLayer.fail`."""
+def encode_fail(
+    request_id: int,
+    roots: ArrayLike,
+    causes: Causes | None = None,
+    *,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """FAIL: the roots for `FTLayer.fail`, then (unless every cause is unspecified)
+    their causes: u16 C, C causes (u8 kind, u8 flags: bit 0 final, u16 + utf-8 step,
+    u16 + utf-8 error), and a u16 cause index per root."""
     root_array = _u64_column(roots, None, "FAIL roots")
-    body = _U32.pack(len(root_array)) + root_array.tobytes()
-    return encode_frame(Kind.FAIL, request_id, body, max_frame=max_frame)
+    parts = [_U32.pack(len(root_array)), root_array.tobytes()]
+    if causes is not None and not causes.unspecified:
+        if len(causes) != len(root_array):
+            raise BadRequest(f"FAIL: {len(root_array)} roots but {len(causes)} causes")
+        parts.append(_U16.pack(len(causes.table)))
+        for cause in causes.table:
+            cause = cause.clipped()
+            step, error = cause.step.encode("utf-8"), cause.error.encode("utf-8")
+            parts += [_CAUSE_HEAD.pack(int(cause.kind), int(cause.final), len(step)), step]
+            parts += [_U16.pack(len(error)), error]
+        parts.append(causes.index.astype("<u2", copy=False).tobytes())
+    return encode_frame(Kind.FAIL, request_id, b"".join(parts), max_frame=max_frame)
 
 
 def decode_fail(message: Frame | bytes) -> Fail:
     body = _body(message, Kind.FAIL)
     n = body.u32("root count")
-    _expect_size(body, 8 * n, n, "roots")
-    return Fail(body.array("<u8", n, "roots"))
+    left = len(body.data) - body.pos
+    if left < 8 * n:
+        raise MalformedFrame(f"FAIL declares {n} roots ({8 * n} bytes), but {left} bytes follow")
+    roots = body.array("<u8", n, "roots")
+    if body.pos == len(body.data):
+        return Fail(roots, Causes.one(None, n))
+    count = body.u16("cause count")
+    table = []
+    for i in range(count):
+        code, flags, step_len = body.unpack(_CAUSE_HEAD, f"cause {i}")
+        if code not in FailKind._value2member_map_ or flags & ~1:
+            raise BadRequest(
+                f"FAIL cause {i} has an unknown encoding: kind {code}, flags {flags:#x} "
+                f"(kinds {[int(k) for k in FailKind]}, flag bit 0 = final)"
+            )
+        step = body.text(step_len, f"cause {i} step")
+        error = body.text(body.u16(f"cause {i} error length"), f"cause {i} error")
+        table.append(Cause(FailKind(code), step, error, bool(flags & 1)))
+    index = body.array("<u2", n, "cause index")
+    body.done()
+    if n and int(index.max()) >= count:
+        raise MalformedFrame(f"FAIL cause index {int(index.max())} beyond its {count} causes")
+    return Fail(roots, Causes(tuple(table), index.astype(np.uint16)))
 
 
 def _expect_size(body: _Body, size: int, n: int, what: str) -> None:
@@ -453,6 +522,8 @@ def encode_register_source(
     num_partitions: int,
     options: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
+    retry: Mapping[str, Any] | None = None,
+    dead_letter_topic: str | None = None,
 ) -> bytes:
     """REGISTER_SOURCE: u32 source id, then the config as a JSON object."""
     if isinstance(source_id, bool) or not 0 <= source_id <= MAX_U32:
@@ -464,6 +535,10 @@ def encode_register_source(
     }
     if timeout_s is not None:
         spec["timeout_s"] = timeout_s
+    if retry is not None:
+        spec["retry"] = dict(retry)
+    if dead_letter_topic is not None:
+        spec["dead_letter_topic"] = dead_letter_topic
     try:
         text = json.dumps(spec, separators=(",", ":"), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -480,19 +555,24 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
     except (ValueError, RecursionError) as exc:
         raise MalformedFrame(f"REGISTER_SOURCE config is not JSON: {exc}") from None
     required = {"partitioner", "num_partitions", "options"}
-    timeout = spec.get("timeout_s") if isinstance(spec, dict) else None
+    optional = {"timeout_s", "retry", "dead_letter_topic"}
+    get = spec.get if isinstance(spec, dict) else (lambda _key: None)
+    timeout, retry, topic = get("timeout_s"), get("retry"), get("dead_letter_topic")
     if not (
         isinstance(spec, dict)
-        and required <= set(spec) <= required | {"timeout_s"}
+        and required <= set(spec) <= required | optional
         and isinstance(spec["partitioner"], str)
         and type(spec["num_partitions"]) is int
         and isinstance(spec["options"], dict)
         and (timeout is None or _finite_positive(timeout))
+        and (retry is None or isinstance(retry, dict))
+        and (topic is None or (isinstance(topic, str) and topic))
     ):
         raise BadRequest(
             'REGISTER_SOURCE config must be a JSON object with a str "partitioner", an '
             'int "num_partitions", an object "options" and optionally a finite positive number '
-            f'"timeout_s", and nothing else; got {text[:200]!r}'
+            '"timeout_s", an object "retry" and a non-empty str "dead_letter_topic", and '
+            f"nothing else; got {text[:200]!r}"
         )
     return RegisterSource(
         source_id,
@@ -500,6 +580,8 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
         spec["num_partitions"],
         spec["options"],
         None if timeout is None else float(timeout),
+        retry,
+        topic,
     )
 
 
@@ -731,6 +813,74 @@ def decode_error(message: Frame | bytes) -> ErrorReply:
     return ErrorReply(code, _utf8(body.rest(), Kind.ERROR, "message"))
 
 
+# ---- dead letters ------------------------------------------------------------------------
+
+DEAD_LETTER_OPS: Final = ("list", "requeue", "purge", "delivered")
+
+
+def encode_dead_letters(
+    request_id: int, op: str, where: Mapping[str, Any] | None = None, limit: int | None = None
+) -> bytes:
+    """DEAD_LETTERS: a utf-8 JSON object {"op": str, "where": object, "limit": int or null}."""
+    body = {"op": op, "where": dict(where or {}), "limit": limit}
+    _check_dead_letters(body)
+    return encode_frame(Kind.DEAD_LETTERS, request_id, json.dumps(body, sort_keys=True).encode())
+
+
+def decode_dead_letters(message: Frame | bytes) -> DeadLettersRequest:
+    body = _json(_body(message, Kind.DEAD_LETTERS).rest(), Kind.DEAD_LETTERS)
+    _check_dead_letters(body)
+    return DeadLettersRequest(body["op"], body["where"], body["limit"])
+
+
+def _check_dead_letters(body: Any) -> None:
+    limit = body.get("limit") if isinstance(body, dict) else None
+    if not (
+        isinstance(body, dict)
+        and set(body) == {"op", "where", "limit"}
+        and body["op"] in DEAD_LETTER_OPS
+        and isinstance(body["where"], dict)
+        and (limit is None or (type(limit) is int and limit > 0))
+    ):
+        raise BadRequest(
+            f'DEAD_LETTERS must be a JSON object {{"op": one of {list(DEAD_LETTER_OPS)}, '
+            f'"where": object, "limit": a positive int or null}}; got {str(body)[:200]!r}'
+        )
+
+
+def encode_dead_letter_list(
+    request_id: int,
+    letters: Sequence[Mapping[str, Any]],
+    records: RecordBatch,
+    more: bool,
+    *,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """DEAD_LETTER_LIST: u32 J, a utf-8 JSON object {"letters": [...], "more": bool}
+    of J bytes, then u32 n and the record columns without initial values (as REPLAY's)."""
+    if len(letters) != len(records):
+        raise BadRequest(f"{len(letters)} dead letters but {len(records)} records")
+    head = json.dumps({"letters": list(letters), "more": more}, separators=(",", ":")).encode()
+    parts = [_U32.pack(len(head)), head, _U32.pack(len(records))]
+    _record_parts(records, None, parts)
+    return _join_frame(Kind.DEAD_LETTER_LIST, request_id, parts, max_frame)
+
+
+def decode_dead_letter_list(message: Frame | bytes) -> DeadLetterList:
+    body = _body(message, Kind.DEAD_LETTER_LIST)
+    head = _json(body.raw(body.u32("JSON length"), "JSON"), Kind.DEAD_LETTER_LIST)
+    n = body.u32("record count")
+    records, _ = _read_records(body, n, with_initial=False)
+    if not (
+        isinstance(head, dict)
+        and isinstance(head.get("letters"), list)
+        and isinstance(head.get("more"), bool)
+        and len(head["letters"]) == n
+    ):
+        raise MalformedFrame(f"DEAD_LETTER_LIST JSON does not describe its {n} records")
+    return DeadLetterList(head["letters"], records, head["more"])
+
+
 # ---- dispatch --------------------------------------------------------------------------
 
 
@@ -751,6 +901,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.CHECKPOINT_BEGIN: decode_checkpoint_begin,
     Kind.CHECKPOINT_DONE: decode_checkpoint_done,
     Kind.SAVEPOINT: decode_savepoint,
+    Kind.DEAD_LETTERS: decode_dead_letters,
+    Kind.DEAD_LETTER_LIST: decode_dead_letter_list,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

@@ -241,6 +241,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         driver = self._driver_side()
         self._complete_deferred()  # only if no batch was planned after the last commit
+        driver.deliver_dead_letters()
         available = driver.available(start)
         if self._target is not None:
             available = _cap(available, self._target, start)

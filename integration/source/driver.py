@@ -29,10 +29,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Final, TypeVar
 
 import numpy as np
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
@@ -40,7 +41,9 @@ from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.status import CheckpointReport
+from ftlayer.wire import DeadLetterList
 
+from .deadletters import dead_letter_messages
 from .options import SourceOptions
 from .reader import POLL_SECONDS, new_consumer
 
@@ -53,6 +56,7 @@ log = logging.getLogger("ftlayer.source")
 
 # Driver-side Kafka calls: each attempt is bounded by this unless kafka.* says otherwise.
 _DRIVER_TIMEOUT_MS: Final = 1500
+_DELIVER_CHUNK: Final = 500  # dead letters per DEAD_LETTERS request and producer flush
 # Connection settings the group-commit consumer shares with the reading consumers.
 _SECURITY: Final = frozenset(
     k for k in KafkaConsumer.DEFAULT_CONFIG if k.startswith(("ssl_", "sasl_", "security_"))
@@ -73,6 +77,8 @@ class SourceDriver:
         self.pending: dict[str, int] = {}
         """Per topic: its source's pending roots at the last `available` (FT on)."""
         self._held: set[str] = set()  # topics ft.maxPendingRecords holds back now
+        self._producer: Any = None
+        self._next_delivery = 0.0
 
     # ---- lifecycle ----
 
@@ -87,6 +93,7 @@ class SourceDriver:
     def close(self) -> None:
         self._drop_consumer()
         self._drop_group_client()
+        self._drop_producer()
         if self._ft is not None:
             self._ft.close()
             self._ft = None
@@ -318,6 +325,75 @@ class SourceDriver:
             with contextlib.suppress(Exception):
                 group.close(autocommit=False)
 
+    # ---- dead letters ----
+
+    def deliver_dead_letters(self, *, every_s: float = 1.0) -> int:
+        """With ft.deadLetterTopic: write this query's dead letters to the topic, and
+        once the broker confirmed them, have the FT layer delete them (at most once per
+        `every_s`). Returns how many were delivered. A failure is logged and retried
+        at the next call: the dead letters stay in the FT layer's store meanwhile."""
+        topic = self.options.dead_letter_topic
+        now = time.monotonic()
+        if topic is None or not self.options.ft_on or now < self._next_delivery:
+            return 0
+        self._next_delivery = now + every_s
+        delivered = 0
+        try:
+            for source_id in sorted(set(self.source_ids.values())):
+                delivered += self._deliver_source(topic, source_id)
+        except (SourceError, KafkaError, OSError) as exc:
+            self._drop_producer()
+            log.warning(
+                "could not write dead letters to topic %r (retried at the next batch; "
+                "they stay in the FT layer's store meanwhile): %r",
+                topic,
+                exc,
+            )
+        return delivered
+
+    def _deliver_source(self, topic: str, source_id: int) -> int:
+        delivered = 0
+        while True:
+            listed = self._ft_call("read the dead letters", partial(_list_dead, source_id))
+            if not listed.letters:
+                return delivered
+            producer = self._dead_letter_producer()
+            messages = dead_letter_messages(listed.letters, listed.records)
+            futures = [
+                producer.send(topic, key=key, value=value, headers=headers)
+                for key, value, headers in messages
+            ]
+            producer.flush(timeout=self._timeout_ms() * 4 / 1000)
+            confirmed = [
+                letter["seq"]
+                for letter, future in zip(listed.letters, futures, strict=True)
+                if future.is_done and future.succeeded()
+            ]
+            if confirmed:
+                self._ft_call("mark dead letters delivered", partial(_delivered, confirmed))
+                delivered += len(confirmed)
+            if len(confirmed) < len(listed.letters):
+                failed = next(f for f in futures if not (f.is_done and f.succeeded()))
+                raise KafkaError(f"the broker did not confirm a dead letter: {failed.exception}")
+            if not listed.more:
+                return delivered
+
+    def _dead_letter_producer(self) -> Any:
+        if self._producer is None:
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.options.bootstrap,
+                acks="all",
+                max_request_size=64 * 1024 * 1024,
+                **{k: v for k, v in self.options.kafka_config.items() if k in _SECURITY},
+            )
+        return self._producer
+
+    def _drop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close(timeout=0)
+
     # ---- Kafka ----
 
     def _kafka(self, what: str, call: Callable[[], T]) -> T:
@@ -366,11 +442,18 @@ class SourceDriver:
         if check_exist:
             existing: set[str] = consumer.topics()
             missing = [t for t in self.options.topics if t not in existing]
+            shown = sorted(existing)[:20]
             if missing:
-                shown = sorted(existing)[:20]
                 raise ConfigError(
                     f"option subscribe: topic(s) {missing} do not exist on "
                     f"{self.options.bootstrap}; it has {len(existing)} topic(s), e.g. {shown}"
+                )
+            dead = self.options.dead_letter_topic
+            if dead is not None and dead not in existing:
+                raise ConfigError(
+                    f"option ft.deadLetterTopic: topic {dead!r} does not exist on "
+                    f"{self.options.bootstrap} (create it first); it has {len(existing)} "
+                    f"topic(s), e.g. {shown}"
                 )
         counts: dict[str, int] = {}
         for topic in self.options.topics:
@@ -451,6 +534,8 @@ class SourceDriver:
                     self._partition_counts[topic],
                     options.partitioner_options,
                     options.timeout_s,
+                    options.retry.to_json(),
+                    options.dead_letter_topic,
                 )
 
             self._ft_call(f"register the source of topic {topic!r}", register)
@@ -488,6 +573,14 @@ def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
     for k in by_remainder[:left]:
         shares[k] += 1
     return shares
+
+
+def _list_dead(source_id: int, client: FTClient) -> DeadLetterList:
+    return client.dead_letters({"source_id": source_id}, _DELIVER_CHUNK)
+
+
+def _delivered(seqs: list[int], client: FTClient) -> int:
+    return client.dead_letter_op("delivered", {"seqs": seqs})
 
 
 class _NoFetchResponse(Exception):

@@ -26,6 +26,7 @@ from typing import Any, Final, Literal
 from kafka import KafkaConsumer
 
 from ftlayer.client import read_token_file
+from ftlayer.core.retries import RetryPolicy
 from ftlayer.errors import ConfigError, PartitioningError
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.partitioners import PARTITIONER_NAMES, create_partitioner
@@ -243,6 +244,32 @@ OPTIONS: Final[tuple[Option, ...]] = (
         shown="the server's `--timeout-s`",
     ),
     Option(
+        "ft.maxRetries",
+        "integer",
+        "replays of a failed record (an explicit fail, an error under `fail-record`, a "
+        "refused write, a timeout) before it is dead-lettered; `-1` replays for ever "
+        "(section 4.8)",
+        10,
+        minimum=-1,
+    ),
+    _ms(
+        "ft.retryBackoffMs",
+        500,
+        0,
+        "how long a failed record waits before its first replay; each further replay waits "
+        "twice as long as the one before, up to `ft.retryBackoffMaxMs`, less up to 20% "
+        "jitter (`0`: at once)",
+    ),
+    _ms("ft.retryBackoffMaxMs", 30_000, 0, "the longest wait before a replay"),
+    Option(
+        "ft.deadLetterTopic",
+        "text",
+        "the Kafka topic (on the same brokers) that dead letters are written to, key, value "
+        "and headers as read plus `ftlayer-dlq-*` headers with their history; it must "
+        "exist when the query starts. None: dead letters stay in the FT layer's store "
+        "(`ftlayer dead-letters`)",
+    ),
+    Option(
         "ft.checkpointMode",
         "choice",
         "how the FT layer's checkpoint of each batch boundary completes (section 6.6): "
@@ -292,6 +319,10 @@ class SourceOptions:
     """includeHeaders: a `headers` column, and headers kept with the payloads."""
     max_pending_records: int = DEFAULT_MAX_PENDING_RECORDS
     """ft.maxPendingRecords: per source, pending trees plus new records admitted."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """ft.maxRetries, ft.retryBackoffMs, ft.retryBackoffMaxMs."""
+    dead_letter_topic: str | None = None
+    """ft.deadLetterTopic; None: dead letters stay in the FT layer's store."""
 
     @property
     def checkpoint_query(self) -> str:
@@ -302,6 +333,12 @@ class SourceOptions:
     @property
     def ft_on(self) -> bool:
         return self.ft.enabled
+
+    @property
+    def keeps_headers(self) -> bool:
+        """Whether the FT layer keeps each record's Kafka headers with its payload: for
+        the `headers` column, and for the dead-letter topic (which writes them back)."""
+        return self.include_headers or (self.ft_on and self.dead_letter_topic is not None)
 
     def source_ids(self) -> dict[str, int]:
         return {topic: source_id(self.source_name, topic) for topic in self.topics}
@@ -413,6 +450,12 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         checkpoint_mode=given.choice("ft.checkpointMode"),
         include_headers=given.boolean("includeHeaders", False),
         max_pending_records=_required(given.integer("ft.maxPendingRecords")),
+        retry=RetryPolicy(
+            max_retries=_required(given.integer("ft.maxRetries")),
+            backoff_ms=_required(given.integer("ft.retryBackoffMs")),
+            backoff_max_ms=_required(given.integer("ft.retryBackoffMaxMs")),
+        ),
+        dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
     )
 
 

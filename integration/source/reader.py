@@ -106,7 +106,7 @@ def read_partition(
     )
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded.
     for keys, values, offsets, timestamps, headers in _read_kafka(options, part):
-        kept = _user_headers(headers) if options.include_headers else None
+        kept = _user_headers(headers) if options.keeps_headers else None
         anchors = None
         if persister is not None and channel is not None:
             loop_roots, loop_ids, refused = read_loop_headers(headers, loop_secret)
@@ -142,7 +142,7 @@ def read_partition(
             np.full(n, part.partition, dtype=np.int32),
             offsets,
             timestamps,
-            None if kept is None else headers_array(kept),
+            headers_array(kept) if kept is not None and options.include_headers else None,
             anchors,
         )
     if channel is None or persister is None:

@@ -134,17 +134,17 @@ def _aggregate_groups(
             out = conform(result, schema)
         except FailException as exc:
             failed[lo:hi] = True
-            failures.add(exc, hi - lo)
+            failures.add(exc, hi - lo, rows=slice(lo, hi))
             continue
         except Exception as exc:
             if on_error == "fail-task":
                 raise
             failed[lo:hi] = True
-            failures.add(exc, hi - lo)
+            failures.add(exc, hi - lo, rows=slice(lo, hi))
             continue
         if group_failed is not None:
             failed[lo:hi] = group_failed
-            failures.add_count(int(group_failed.sum()))
+            failures.add_count(int(group_failed.sum()), rows=np.flatnonzero(group_failed) + lo)
             if group_failed.all():
                 continue  # no input is left to anchor the group's outputs to
         outputs.append(out)
@@ -174,8 +174,10 @@ def aggregate_partition(
         out, groups, counts, failed = _aggregate_groups(
             rows, by, fn, payload_schema, on_error, failures
         )
+        any_failed = failed if failed.any() else None
+        causes = failures.take_causes(any_failed, rows.num_rows)
         combined = handler.process_grouped(
-            inputs_of(rows, ft), groups, len(counts), failed if failed.any() else None
+            inputs_of(rows, ft), groups, len(counts), any_failed, causes
         )
         if combined is not None and not np.array_equal(counts, np.ones_like(counts)):
             # Not one output per group: each output is a child of its group's combined
@@ -192,7 +194,7 @@ def aggregate_partition(
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
         log_with_time_and_level()
-        failures = Failures()
+        failures = Failures("aggregate")
         grouper = _Grouper(by, [])
         for batch in _sorted_by(batches, by) if local_sort else batches:
             complete = grouper.feed(batch)

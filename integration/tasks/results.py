@@ -5,6 +5,7 @@ with a fraction in an integer column), and one log line per partition of failure
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import reprlib
 import threading
@@ -23,6 +24,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.errors import FailException, FTLayerError
 
 # One logger for every part of the task wrappers: its name is what users configure.
@@ -119,17 +121,23 @@ def as_bool_mask(value: Any, n: int, what: str) -> NDArray[np.bool_]:
 
 
 class Failures:
-    """The records one task partition failed, for the log: per distinct error (its type
-    and message) how many records it failed and the first exception; FailExceptions
-    (the user's own decision) apart, counted only."""
+    """The records one task partition failed: for the log, per distinct error (its type
+    and message) how many records it failed and the first exception, FailExceptions
+    (the user's own decision) apart, counted only; and for the FT layer, the cause of
+    each failed input of the batch in hand (`take_causes`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: str = "") -> None:
+        self.step = step
         self.count = 0
         self.explicit = 0
         self.errors: dict[tuple[str, str], tuple[int, BaseException]] = {}
+        self._batch: list[tuple[Any, Cause]] = []  # (rows or None for all, cause)
 
-    def add(self, exc: BaseException, count: int = 1) -> None:
+    def add(self, exc: BaseException, count: int = 1, rows: Any = None) -> None:
+        """`count` records failed with `exc`: input rows `rows` of the batch in hand (an
+        index, a slice, indices or a mask; None: every row)."""
         self.count += count
+        self._batch.append((rows, self._cause(exc)))
         if isinstance(exc, FailException):
             self.explicit += count
             return
@@ -137,10 +145,54 @@ class Failures:
         seen, first = self.errors.get(key, (0, exc))
         self.errors[key] = (seen + count, first)
 
-    def add_count(self, count: int) -> None:
+    def add_count(self, count: int, rows: Any = None) -> None:
         """Records failed by a mask the user code returned (TaskOutput.failed)."""
         self.count += count
         self.explicit += count
+        self._batch.append((rows, Cause(FailKind.EXPLICIT, self.step, "TaskOutput.failed")))
+
+    def _cause(self, exc: BaseException) -> Cause:
+        final = isinstance(exc, OutputSchemaError)  # the same code fails the same way
+        return Cause.of_exception(exc, self.step, final=final).clipped()
+
+    def take_causes(self, failed: NDArray[np.bool_] | None, n: int) -> Causes | None:
+        """The cause of each of the batch's n inputs (only the failed ones matter), and
+        forget them. A failure is final (dead-lettered at once, section 4.8 of the user
+        guide) when it is certain to repeat: an OutputSchemaError, or a programming
+        error (TypeError, AttributeError, NameError, ...) that failed every one of at
+        least two records of the batch alike."""
+        batch, self._batch = self._batch, []
+        if failed is None or not batch:
+            return None
+        codes: dict[Cause, int] = {}
+        index = np.zeros(n, dtype=np.uint16)
+        for rows, cause in batch:
+            code = codes.setdefault(cause, len(codes))
+            if rows is None:
+                index[:] = code
+            else:
+                index[rows] = code
+        table = list(codes)
+        if n >= 2 and bool(failed.all()) and len(np.unique(index)) == 1:
+            only = table[int(index[0])]
+            if not only.final and only.error.split(":", 1)[0] in _PROGRAMMING_ERRORS:
+                table[int(index[0])] = dataclasses.replace(only, final=True)
+        return Causes(tuple(table), index)
+
+
+_PROGRAMMING_ERRORS: Final = frozenset(
+    {
+        "TypeError",
+        "AttributeError",
+        "NameError",
+        "UnboundLocalError",
+        "ImportError",
+        "ModuleNotFoundError",
+        "NotImplementedError",
+        "SyntaxError",
+    }
+)
+"""Errors of the code, not of the data: on every record of a batch, certain to repeat."""
 
 
 def _batch_result(
@@ -192,7 +244,7 @@ def run_batch_fn(
         failures.add(exc, n)
     else:
         if failed is not None:
-            failures.add_count(int(failed.sum()))
+            failures.add_count(int(failed.sum()), rows=failed)
         return rows, parents, failed
     return empty_batch(schema), _NO_PARENTS, np.ones(n, dtype=np.bool_)
 
@@ -215,13 +267,13 @@ def run_record_fn(
             produced = list(fn(row))
         except FailException as exc:
             failed[i] = True
-            failures.add(exc)
+            failures.add(exc, rows=i)
             continue
         except Exception as exc:
             if on_error == "fail-task":
                 raise
             failed[i] = True
-            failures.add(exc)
+            failures.add(exc, rows=i)
             continue
         outputs.extend(produced)
         counts[i] = len(produced)
@@ -252,7 +304,7 @@ def run_record_fn(
         raise first from error
     bad_inputs = sorted({int(parents[j]) for j in misfits})
     failed[bad_inputs] = True
-    failures.add(first, len(bad_inputs))
+    failures.add(first, len(bad_inputs), rows=bad_inputs)
     keep = ~failed[parents]
     outputs = [out for out, k in zip(outputs, keep.tolist(), strict=True) if k]
     rows = pa.RecordBatch.from_pylist(outputs, schema=schema)
@@ -312,12 +364,12 @@ def run_predicate(
             keep[i] = bool(predicate(row))
         except FailException as exc:
             failed[i] = True
-            failures.add(exc)
+            failures.add(exc, rows=i)
         except Exception as exc:
             if on_error == "fail-task":
                 raise
             failed[i] = True
-            failures.add(exc)
+            failures.add(exc, rows=i)
     return keep, failed if failed.any() else None
 
 

@@ -70,11 +70,12 @@ def map_partition(
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
         log_with_time_and_level()
-        failures = Failures()
+        failures = Failures(what)
         for batch in batches:
             inputs = inputs_of(batch, ft)
             rows, parents, failed = step(payload_of(batch) if ft else batch, failures)
-            outputs = handler.process(inputs, parents, failed)
+            causes = failures.take_causes(failed, batch.num_rows)
+            outputs = handler.process(inputs, parents, failed, causes)
             if rows.num_rows:
                 if outputs is None:
                     yield rows
@@ -98,14 +99,15 @@ def filter_partition(
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
         log_with_time_and_level()
-        failures = Failures()
+        failures = Failures(what)
         for batch in batches:
             inputs = inputs_of(batch, ft)
             keep, failed = decide(payload_of(batch) if ft else batch, failures)
+            causes = failures.take_causes(failed, batch.num_rows)
             if failed is not None:
                 keep &= ~failed
             parents = np.flatnonzero(keep)
-            outputs = handler.process(inputs, parents, failed)
+            outputs = handler.process(inputs, parents, failed, causes)
             if len(parents):
                 kept = batch.take(pa.array(parents))
                 yield kept if outputs is None else _with_anchors(kept, outputs)

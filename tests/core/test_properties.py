@@ -59,7 +59,7 @@ class Capture:
         self.xor_values.append(np.asarray(values, dtype=np.uint64))
         return None
 
-    def fail(self, roots: ArrayLike) -> object:
+    def fail(self, roots: ArrayLike, causes: object = None) -> object:
         self.fails.append(np.asarray(roots, dtype=np.uint64))
         return None
 

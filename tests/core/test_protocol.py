@@ -301,7 +301,6 @@ def test_savepoint_encoder_refuses_what_the_server_cannot_take(
         p.encode_savepoint(1, directory, name)  # type: ignore[arg-type]
 
 
-
 def test_status_ok_and_error_round_trip() -> None:
     assert p.decode(frame(p.encode_status_request(1))) == p.StatusRequest()
     status = {"persisted": 3, "failed": {"timeout": 1}, "name": "ü"}
@@ -986,3 +985,72 @@ def _as_u64(values: list[int]) -> NDArray[np.uint64]:
 def test_u64_columns_from_uint64_arrays_are_not_reinterpreted() -> None:
     big = _as_u64([U64_MAX, 0])
     assert p.decode_fail(frame(p.encode_fail(1, big))).roots.tolist() == [U64_MAX, 0]
+
+
+def test_fail_carries_a_cause_per_root_and_omits_unspecified_ones() -> None:
+    from ftlayer.causes import UNSPECIFIED, Cause, Causes, FailKind
+
+    roots = np.array([5, 6, 7], dtype=np.uint64)
+    long_error = "ValueError: " + "é" * 900  # cut to 1,000 bytes on a character boundary
+    causes = Causes(
+        (Cause(FailKind.ERROR, "map(parse)", long_error), Cause(FailKind.SINK, "kafka", "x", True)),
+        np.array([1, 0, 1], dtype=np.uint16),
+    )
+    decoded = p.decode(frame(p.encode_fail(3, roots, causes)))
+    assert isinstance(decoded, p.Fail)
+    assert decoded.roots.tolist() == [5, 6, 7]
+    assert [decoded.causes[i].kind for i in range(3)] == [
+        FailKind.SINK,
+        FailKind.ERROR,
+        FailKind.SINK,
+    ]
+    assert decoded.causes[0].final and not decoded.causes[1].final
+    assert len(decoded.causes[1].error.encode()) <= 1000 and decoded.causes[1].error.endswith("...")
+    # Without causes (or with unspecified ones) the body is the version 1 body.
+    plain = p.encode_fail(4, roots, Causes.one(None, 3))
+    assert plain == p.encode_fail(4, roots) and len(plain) == 9 + 4 + 24
+    assert p.decode(frame(plain)).causes[2] == UNSPECIFIED  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("tail", "error", "match"),
+    [
+        (struct.pack("<HBBHHH", 1, 7, 0, 0, 0, 0), p.BadRequest, "unknown encoding: kind 7"),
+        (struct.pack("<HBBHHH", 1, 1, 2, 0, 0, 0), p.BadRequest, "flags 0x2"),
+        (struct.pack("<HBBHHH", 1, 1, 0, 0, 0, 1), p.MalformedFrame, "cause index 1 beyond"),
+        (struct.pack("<HBBHH", 1, 1, 0, 0, 0), p.MalformedFrame, "cause index"),
+        (
+            struct.pack("<HBBH", 1, 1, 0, 2) + b"\xff\xfe" + struct.pack("<HH", 0, 0),
+            p.MalformedFrame,
+            "utf-8",
+        ),
+    ],
+)
+def test_a_fail_with_a_bad_cause_section_names_the_problem(
+    tail: bytes, error: type[Exception], match: str
+) -> None:
+    body = struct.pack("<IQ", 1, 5) + tail
+    with pytest.raises(error, match=match):
+        p.decode(reframe(p.Kind.FAIL, body))
+
+
+def test_dead_letter_requests_and_lists_round_trip() -> None:
+
+    request = p.decode(frame(p.encode_dead_letters(1, "list", {"cause": "sink"}, 10)))
+    assert request == p.DeadLettersRequest("list", {"cause": "sink"}, 10)
+    records = RecordBatch.build(
+        np.zeros(2, dtype=np.uint64), [b"a", b"bc"], topics="t", partitions=[0, 1], offsets=[4, 9]
+    )
+    letters = [{"seq": 1, "attempts": 3}, {"seq": 2, "attempts": 1}]
+    listed = p.decode(frame(p.encode_dead_letter_list(2, letters, records, True)))
+    assert isinstance(listed, p.DeadLetterList)
+    assert listed.letters == letters and listed.more
+    assert listed.records.payloads == [b"a", b"bc"] and listed.records.offsets.tolist() == [4, 9]
+    for bad in (
+        {"op": "delete", "where": {}, "limit": None},
+        {"op": "list", "where": [], "limit": None},
+        {"op": "list", "where": {}, "limit": 0},
+        {"op": "list", "where": {}},
+    ):
+        with pytest.raises(p.BadRequest, match="DEAD_LETTERS must be"):
+            p.decode(reframe(p.Kind.DEAD_LETTERS, json.dumps(bad).encode()))

@@ -1,0 +1,384 @@
+"""Bounded retries with backoff, and dead letters: what the FT layer remembers of a
+record's failures.
+
+Every failure of a record (an explicit fail with its cause, or a timeout) is one
+attempt. After attempt n the record waits `RetryPolicy.delay_s(n)` before it enters
+the replay queue (it gets its replay seq only then, so a batch's replay range stays
+fixed); after attempt max_retries + 1, or at once for a failure marked final, it is
+dead-lettered: its tree completes (group offsets move on) but the record stays stored,
+with its history, until the dead-letter topic confirmed it or a user purged it.
+
+The history of each record that failed (`RetryRecord`: attempts, first and last failure
+time, the due time of its next replay, the causes, when it was dead-lettered) is kept
+by storage seq in the store's meta entries under RETRY_PREFIX, written in the same
+transaction as the record's new root, so retry counts and due times survive an
+FT-layer SIGKILL and a savepoint restore (a savepoint copies the meta entries). Times
+are wall-clock seconds (time.time()), so a due time means the same after a restart.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ftlayer.causes import Cause, FailKind
+from ftlayer.errors import ConfigError
+from ftlayer.persistence.base import PersistenceStorage
+
+__all__ = [
+    "DEAD_LETTER",
+    "IMMEDIATE",
+    "RETRY_PREFIX",
+    "DeadLetterFilter",
+    "RetryBook",
+    "RetryPolicy",
+    "RetryRecord",
+]
+
+RETRY_PREFIX: Final = "retry/"
+"""Meta keys of the retry records: RETRY_PREFIX + the storage seq as 16 hex digits."""
+DEAD_LETTER: Final = 0xFFFF_FFFF_FFFF_FFFF
+"""The replay seq a dead-lettered record is stored with (its root is 0): never a real
+replay seq, so recovery knows it is not to be replayed."""
+KEPT_CAUSES: Final = 16
+"""A record keeps the causes of its first 4 and its last 12 failures (and the count of
+those left out between): enough to see how it started and how it goes on."""
+_FIRST_CAUSES: Final = 4
+
+MAX_RETRIES_LIMIT: Final = 1_000_000
+MAX_BACKOFF_MS: Final = 7 * 24 * 3600 * 1000
+JITTER: Final = 0.2
+"""A delay is drawn uniformly from [1 - JITTER, 1] times the exponential step."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how soon a failed record is replayed (per source).
+
+    `max_retries`: replays after the first failure before the record is dead-lettered
+    (-1: for ever). The delay before replay n (n = 1, 2, ...) is
+    min(backoff_max_ms, backoff_ms * 2 ** (n - 1)) times a jitter in [0.8, 1]."""
+
+    max_retries: int = 10
+    backoff_ms: int = 500
+    backoff_max_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("ft.maxRetries", self.max_retries, -1, MAX_RETRIES_LIMIT),
+            ("ft.retryBackoffMs", self.backoff_ms, 0, MAX_BACKOFF_MS),
+            ("ft.retryBackoffMaxMs", self.backoff_max_ms, 0, MAX_BACKOFF_MS),
+        )
+        for option, value, lo, hi in checks:
+            if type(value) is not int or not lo <= value <= hi:
+                raise ConfigError(f"{option} must be an integer from {lo} to {hi}, got {value!r}")
+        if self.backoff_max_ms < self.backoff_ms:
+            raise ConfigError(
+                f"ft.retryBackoffMaxMs ({self.backoff_max_ms}) is below ft.retryBackoffMs "
+                f"({self.backoff_ms})"
+            )
+
+    def step_s(self, attempts: int) -> float:
+        """The delay before the replay after failure number `attempts`, before jitter."""
+        if attempts < 1 or self.backoff_ms == 0:
+            return 0.0
+        exponent = min(attempts - 1, 62)
+        return min(self.backoff_max_ms, self.backoff_ms * (1 << exponent)) / 1000.0
+
+    def delay_s(self, attempts: int, rng: random.Random) -> float:
+        step = self.step_s(attempts)
+        return step * (1.0 - JITTER * rng.random()) if step else 0.0
+
+    def exhausted(self, failures: int) -> bool:
+        """True once `failures` failures leave no replay: after max_retries + 1 (the
+        first attempt and max_retries replays all failed), dead-letter."""
+        return self.max_retries >= 0 and failures > self.max_retries
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "max_retries": self.max_retries,
+            "backoff_ms": self.backoff_ms,
+            "backoff_max_ms": self.backoff_max_ms,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> RetryPolicy:
+        if data is None:
+            return IMMEDIATE
+        unknown = set(data) - {"max_retries", "backoff_ms", "backoff_max_ms"}
+        if unknown:
+            raise ConfigError(f"unknown retry settings {sorted(unknown)}")
+        return cls(**dict(data))
+
+
+IMMEDIATE: Final = RetryPolicy(max_retries=-1, backoff_ms=0, backoff_max_ms=0)
+"""The FT layer's own default, for a source that registered no policy: replay at once,
+for ever (the mechanism without a policy). The ftkafka source always registers one,
+by default RetryPolicy() (10 retries, 0.5 s doubling up to 30 s)."""
+
+
+@dataclass(slots=True)
+class RetryRecord:
+    """What the FT layer knows of one stored record's failures (see the module doc)."""
+
+    source_id: int
+    attempts: int = 0
+    """Failed attempts so far (requeues from the dead letters included)."""
+    first_failed: float = 0.0
+    last_failed: float = 0.0
+    due: float = 0.0
+    """Wall-clock time its next replay may start (0: at once)."""
+    causes: list[tuple[float, Cause]] = field(default_factory=list)
+    omitted: int = 0
+    """Causes left out between the first and the last ones kept."""
+    dead_at: float | None = None
+    requeued: int = 0
+    budget_from: int = 0
+    """`attempts` when it was last requeued: its retries count from there."""
+
+    @property
+    def failures(self) -> int:
+        """Failures that count against max_retries: those since the last requeue."""
+        return self.attempts - self.budget_from
+
+    def add_failure(self, when: float, cause: Cause) -> None:
+        if not self.attempts:
+            self.first_failed = when
+        self.attempts += 1
+        self.last_failed = when
+        self.causes.append((when, cause))
+        if len(self.causes) > KEPT_CAUSES:
+            del self.causes[_FIRST_CAUSES]
+            self.omitted += 1
+
+    @property
+    def last_cause(self) -> Cause | None:
+        return self.causes[-1][1] if self.causes else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source_id": self.source_id,
+            "attempts": self.attempts,
+            "first_failed": self.first_failed,
+            "last_failed": self.last_failed,
+            "due": self.due,
+            "causes": [{"at": at, **cause.to_json()} for at, cause in self.causes],
+            "omitted": self.omitted,
+            "dead_at": self.dead_at,
+            "requeued": self.requeued,
+            "budget_from": self.budget_from,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RetryRecord:
+        try:
+            causes = [
+                (float(c["at"]), Cause.from_json({k: v for k, v in c.items() if k != "at"}))
+                for c in data["causes"]
+            ]
+            dead_at = data.get("dead_at")
+            return cls(
+                source_id=int(data["source_id"]),
+                attempts=int(data["attempts"]),
+                first_failed=float(data["first_failed"]),
+                last_failed=float(data["last_failed"]),
+                due=float(data["due"]),
+                causes=causes,
+                omitted=int(data.get("omitted", 0)),
+                dead_at=None if dead_at is None else float(dead_at),
+                requeued=int(data.get("requeued", 0)),
+                budget_from=int(data.get("budget_from", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad retry record {dict(data)!r}: {exc}") from None
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterFilter:
+    """Which dead letters an operation takes: every field None matches all."""
+
+    source_id: int | None = None
+    partition: int | None = None
+    kind: FailKind | None = None
+    """The kind of the record's last failure."""
+    since: float | None = None
+    until: float | None = None
+    """Dead-lettered at or after `since` and before `until` (wall clock)."""
+    seqs: frozenset[int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("source_id", "partition", "since", "until"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.kind is not None:
+            out["cause"] = self.kind.label
+        if self.seqs is not None:
+            out["seqs"] = sorted(self.seqs)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeadLetterFilter:
+        """Strict: ValueError naming what is wrong."""
+        allowed = {"source_id", "partition", "cause", "since", "until", "seqs"}
+        unknown = set(data) - allowed
+        if unknown:
+            raise ValueError(f"unknown dead-letter filter fields {sorted(unknown)}")
+
+        def number(name: str, kind: type) -> Any:
+            value = data.get(name)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"dead-letter filter {name} must be a number, got {value!r}")
+            if kind is int and not isinstance(value, int):
+                raise ValueError(f"dead-letter filter {name} must be an integer, got {value!r}")
+            return value
+
+        seqs = data.get("seqs")
+        if seqs is not None and not (
+            isinstance(seqs, list) and all(type(s) is int and s >= 0 for s in seqs)
+        ):
+            raise ValueError(f"dead-letter filter seqs must be non-negative integers, got {seqs!r}")
+        cause = data.get("cause")
+        return cls(
+            source_id=number("source_id", int),
+            partition=number("partition", int),
+            kind=None if cause is None else FailKind.from_label(str(cause)),
+            since=number("since", float),
+            until=number("until", float),
+            seqs=None if seqs is None else frozenset(seqs),
+        )
+
+    def matches(self, seq: int, record: RetryRecord, partition: int) -> bool:
+        if self.seqs is not None and seq not in self.seqs:
+            return False
+        if self.source_id is not None and record.source_id != self.source_id:
+            return False
+        if self.partition is not None and partition != self.partition:
+            return False
+        last = record.last_cause
+        if self.kind is not None and (last is None or last.kind != self.kind):
+            return False
+        at = record.dead_at or 0.0
+        if self.since is not None and at < self.since:
+            return False
+        return not (self.until is not None and at >= self.until)
+
+
+def _key(seq: int) -> str:
+    return f"{RETRY_PREFIX}{seq:016x}"
+
+
+class RetryBook:
+    """The retry records by storage seq, loaded from and written to the store's meta
+    entries; the records waiting for their backoff (a heap by due time); and the
+    dead letters. Writes are staged (`PersistenceStorage.stage_meta`): the caller's
+    next write (the records' new roots) commits them in the same transaction."""
+
+    def __init__(self, storage: PersistenceStorage) -> None:
+        self._storage = storage
+        self._records: dict[int, RetryRecord] = {}
+        self._waiting: list[tuple[float, int, int]] = []  # (due, seq, root): a heap
+        self._waiting_roots: dict[int, int] = {}  # seq -> root it waits under
+        self.dead: dict[int, RetryRecord] = {}
+        for key in storage.meta_keys(RETRY_PREFIX):
+            raw = storage.get_meta(key)
+            if raw is None:
+                continue
+            seq = int(key[len(RETRY_PREFIX) :], 16)
+            record = RetryRecord.from_json(json.loads(raw))
+            self._records[seq] = record
+            if record.dead_at is not None:
+                self.dead[seq] = record
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, seq: int) -> RetryRecord | None:
+        return self._records.get(seq)
+
+    def seqs(self) -> list[int]:
+        return list(self._records)
+
+    # ---- durable writes (staged) -------------------------------------------------------
+
+    def stage(self, records: Mapping[int, RetryRecord]) -> dict[str, bytes | None]:
+        """Stage these records' new values; returns the old ones (for `unstage`)."""
+        old: dict[str, bytes | None] = {}
+        for seq in records:
+            previous = self._records.get(seq)
+            old[_key(seq)] = None if previous is None else previous.encode()
+        self._storage.stage_meta({_key(seq): r.encode() for seq, r in records.items()})
+        return old
+
+    def unstage(self, old: Mapping[str, bytes | None]) -> None:
+        """Put back what `stage` replaced (the write it was for failed)."""
+        puts = {k: v for k, v in old.items() if v is not None}
+        deletes = [k for k, v in old.items() if v is None]
+        self._storage.stage_meta(puts, deletes)
+
+    def commit(self, records: Mapping[int, RetryRecord]) -> None:
+        """The staged records are the book's now (their write succeeded)."""
+        for seq, record in records.items():
+            self._records[seq] = record
+            if record.dead_at is not None:
+                self.dead[seq] = record
+            else:
+                self.dead.pop(seq, None)
+
+    def forget(self, seqs: Iterable[int]) -> int:
+        """Drop the records of these seqs (completed, or purged): staged deletes."""
+        gone = [seq for seq in seqs if seq in self._records]
+        for seq in gone:
+            del self._records[seq]
+            self.dead.pop(seq, None)
+            self._waiting_roots.pop(seq, None)
+        if gone:
+            self._storage.stage_meta({}, [_key(seq) for seq in gone])
+        return len(gone)
+
+    # ---- waiting for the backoff ---------------------------------------------------------
+
+    def wait(self, seq: int, root: int, due: float) -> None:
+        self._waiting_roots[seq] = root
+        heapq.heappush(self._waiting, (due, seq, root))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting_roots)
+
+    def next_due(self) -> float | None:
+        self._drop_stale()
+        return self._waiting[0][0] if self._waiting else None
+
+    def due(self, now: float) -> list[tuple[int, int]]:
+        """(seq, root) of the waiting records due by `now`, no longer waiting."""
+        out: list[tuple[int, int]] = []
+        while self._waiting and self._waiting[0][0] <= now:
+            _due, seq, root = heapq.heappop(self._waiting)
+            if self._waiting_roots.get(seq) == root:
+                del self._waiting_roots[seq]
+                out.append((seq, root))
+        return out
+
+    def is_waiting(self, seq: int) -> bool:
+        return seq in self._waiting_roots
+
+    def _drop_stale(self) -> None:
+        while self._waiting and self._waiting_roots.get(self._waiting[0][1]) != self._waiting[0][2]:
+            heapq.heappop(self._waiting)
+
+    def waiting_items(self) -> Iterator[tuple[int, int, float]]:
+        """(seq, root, due) of every waiting record."""
+        for due, seq, root in self._waiting:
+            if self._waiting_roots.get(seq) == root:
+                yield seq, root, due

@@ -1,0 +1,330 @@
+"""Bounded retries with backoff and dead letters in the FT-layer core (issue 12, parts 1
+and 2): a failed record waits its backoff before it gets a replay seq, is
+dead-lettered after max_retries + 1 failures (or at once for a final cause), keeps its
+history across restarts, and can be requeued or purged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.core import FTLayer, SourceConfig
+from ftlayer.core.retries import DeadLetterFilter, RetryPolicy
+from ftlayer.errors import ConfigError
+from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
+from ftlayer.records import RecordBatch
+
+SOURCE = 3
+
+
+class Clock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _records(n: int, source: int = SOURCE) -> RecordBatch:
+    return RecordBatch.build(
+        new_ids(n),
+        [b"payload-%d" % i for i in range(n)],
+        source_ids=source,
+        topics="orders",
+        partitions=np.arange(n) % 2,
+        offsets=np.arange(100, 100 + n),
+    )
+
+
+def _layer(
+    storage: PersistenceStorage,
+    policy: RetryPolicy,
+    clock: Clock,
+    wall: Clock,
+    *,
+    topic: str | None = None,
+) -> FTLayer:
+    ft = FTLayer(storage, timeout_s=30, clock=clock, wall_clock=wall, seed=7)
+    ft.register_source(SOURCE, "forward", 2, retry=policy, dead_letter_topic=topic)
+    return ft
+
+
+def _emit_replays(ft: FTLayer, lo: int) -> tuple[RecordBatch, int]:
+    """Fetch the replays after `lo`; returns them and the new cursor."""
+    hi = ft.replay_cursor_of(SOURCE)
+    return ft.fetch_replay(lo, hi, source_id=SOURCE).records, hi
+
+
+@pytest.fixture(params=["lmdb", "memory"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PersistenceStorage]:
+    store: PersistenceStorage = (
+        LmdbStorage(tmp_path / "ft") if request.param == "lmdb" else MemoryStorage()
+    )
+    yield store
+    if not store.closed:
+        store.close()
+
+
+def test_a_failed_record_waits_for_its_backoff_before_it_gets_a_replay_seq(
+    storage: PersistenceStorage,
+) -> None:
+    clock, wall = Clock(), Clock(1000.0)
+    ft = _layer(
+        storage, RetryPolicy(max_retries=5, backoff_ms=1000, backoff_max_ms=3000), clock, wall
+    )
+    batch = _records(3)
+    ft.persist(batch)
+    cause = Cause(FailKind.EXPLICIT, "enrich", "FailException: lookup timed out")
+    assert ft.fail(batch.roots[[1]], cause) == 1
+    # Waiting: pending (its partition's offset is held), but not in the replay queue.
+    assert ft.replay_cursor_of(SOURCE) == 0 and ft.waiting_replays == 1
+    assert ft.lowest_pending_offsets() == {"orders": {0: 100, 1: 101}}
+    gaps = []
+    for attempt in range(1, 5):
+        failed_at = wall.now
+        ft.tick()
+        assert ft.replay_cursor_of(SOURCE) == attempt - 1  # not before its due time
+        wall.now += 0.5
+        while ft.release_due() == 0:
+            wall.now += 0.05
+        gaps.append(wall.now - failed_at)
+        replay, _ = _emit_replays(ft, ft.replay_cursor_of(SOURCE) - 1)
+        assert replay.payloads == [b"payload-1"]
+        assert ft.retries(int(replay.roots[0])) == attempt
+        ft.fail(replay.roots, cause)
+    # The schedule: 1 s, 2 s, 3 s (the cap), 3 s, each with up to 20% jitter below.
+    for gap, step in zip(gaps, [1.0, 2.0, 3.0, 3.0], strict=True):
+        assert 0.8 * step - 0.06 <= gap <= step + 0.06, gaps
+    record = ft.retry_record(2)  # the storage seq of offset 101
+    assert record is not None and record.attempts == 5 and ft.dead_letter_count == 0
+
+
+def test_after_its_last_retry_a_record_is_a_dead_letter_and_its_tree_completes(
+    storage: PersistenceStorage,
+) -> None:
+    clock, wall = Clock(), Clock(1000.0)
+    ft = _layer(storage, RetryPolicy(max_retries=2, backoff_ms=0, backoff_max_ms=0), clock, wall)
+    completed: list[Completed] = []
+    ft.add_completion_listener(completed.append)
+    batch = _records(4)
+    ft.persist(batch)
+    roots = batch.roots[[2]]
+    causes = ["ValueError: bad json", "ValueError: bad json again", "timeout"]
+    for attempt, text in enumerate(causes, start=1):
+        wall.now += 10
+        if text == "timeout":
+            for _ in range(4):  # the third attempt times out instead (and the others)
+                clock.now += 20
+                ft.tick()
+        else:
+            ft.fail(roots, Cause(FailKind.ERROR, "parse", text))
+        if attempt <= 2:
+            replay, _ = _emit_replays(ft, ft.replay_cursor_of(SOURCE) - 1)
+            assert replay.payloads == [b"payload-2"]
+            roots = replay.roots
+    # Dead: its tree completed (the group offset may move past it), the record stays.
+    assert [c.offsets.tolist() for c in completed] == [[102]]
+    assert ft.dead_letter_count == 1 and len(storage) == 4
+    letters, records = ft.dead_letters()
+    ((_seq, record),) = letters
+    assert records.payloads == [b"payload-2"] and records.offsets.tolist() == [102]
+    assert record.attempts == 3 and record.dead_at == wall.now
+    assert [(c.kind, c.error) for _, c in record.causes] == [
+        (FailKind.ERROR, "ValueError: bad json"),
+        (FailKind.ERROR, "ValueError: bad json again"),
+        (FailKind.TIMEOUT, ""),
+    ]
+    assert record.first_failed == 1010.0 and record.last_failed == 1030.0
+    stats = ft.current_stats()
+    assert (stats.dead_lettered, stats.dead_letters, stats.pending) == (1, 1, 3)
+    # Late events of the dead tree are dropped, never resurrect it.
+    assert ft.fail(roots) == 0
+
+
+def test_a_final_cause_dead_letters_at_once(storage: PersistenceStorage) -> None:
+    ft = _layer(storage, RetryPolicy(), Clock(), Clock(50.0))
+    batch = _records(2)
+    ft.persist(batch)
+    schema_error = Cause(FailKind.ERROR, "map", "OutputSchemaError: column 'n'", final=True)
+    ft.fail(batch.roots, Causes((Cause(), schema_error), np.array([0, 1], dtype=np.uint16)))
+    letters, records = ft.dead_letters()
+    assert records.offsets.tolist() == [101]
+    assert letters[0][1].attempts == 1 and letters[0][1].last_cause == schema_error
+    assert ft.waiting_replays == 1  # the other one waits for its backoff
+
+
+def test_retry_counts_due_times_and_dead_letters_survive_a_restart(tmp_path: Path) -> None:
+    clock, wall = Clock(), Clock(5000.0)
+    store = LmdbStorage(tmp_path / "ft")
+    policy = RetryPolicy(max_retries=1, backoff_ms=60_000, backoff_max_ms=60_000)
+    ft = _layer(store, policy, clock, wall)
+    batch = _records(3)
+    ft.persist(batch)
+    ft.fail(batch.roots[[0]], Cause(FailKind.EXPLICIT, "a", "x"))  # waits 48-60 s
+    due = ft.retry_record(1)
+    assert due is not None and 5048.0 <= due.due <= 5060.0
+    ft.fail(batch.roots[[1]], Cause(FailKind.EXPLICIT, "a", "y"))
+    wall.now = due.due + 1
+    ft.release_due()
+    replay, _ = _emit_replays(ft, 0)
+    ft.fail(replay.roots[replay.offsets == 100], Cause(FailKind.SINK, "kafka", "refused"))
+    assert ft.dead_letter_count == 1
+    store.close()  # the process is gone
+
+    store = LmdbStorage(tmp_path / "ft")
+    wall.now = 5001.0
+    again = FTLayer(store, clock=clock, wall_clock=wall, seed=1)
+    # Record 100 is still a dead letter, with its history; 101 still waits for its due
+    # time; 102 (never failed) is replayed at once.
+    letters, records = again.dead_letters()
+    assert records.offsets.tolist() == [100]
+    assert [c.kind for _, c in letters[0][1].causes] == [FailKind.EXPLICIT, FailKind.SINK]
+    replay, cursor = _emit_replays(again, 0)
+    assert replay.offsets.tolist() == [102]
+    waiting = again.retry_record(2)
+    assert waiting is not None and waiting.attempts == 1 and again.waiting_replays == 1
+    wall.now = waiting.due + 0.01
+    again.release_due()
+    replay, _ = _emit_replays(again, cursor)
+    assert replay.offsets.tolist() == [101]
+    assert again.retries(int(replay.roots[0])) == 1
+    store.close()
+
+
+def test_requeue_puts_dead_letters_back_with_their_history(storage: PersistenceStorage) -> None:
+    wall = Clock(100.0)
+    ft = _layer(storage, RetryPolicy(max_retries=0, backoff_ms=0, backoff_max_ms=0), Clock(), wall)
+    batch = _records(3)
+    ids = new_ids(3)
+    ft.persist(batch, ids)
+    ft.fail(batch.roots[[0, 2]], Cause(FailKind.EXPLICIT, "s", "broken"))
+    assert ft.dead_letter_count == 2
+    assert ft.requeue_dead_letters(DeadLetterFilter(partition=1, seqs=frozenset({3}))) == 0
+    assert ft.requeue_dead_letters(DeadLetterFilter(seqs=frozenset({3}))) == 1
+    replay, _ = _emit_replays(ft, 0)
+    assert replay.offsets.tolist() == [102]
+    # It fails again (max_retries 0): a dead letter again, with both failures.
+    ft.fail(replay.roots, Cause(FailKind.EXPLICIT, "s", "still broken"))
+    letters, _ = ft.dead_letters(DeadLetterFilter(seqs=frozenset({3})))
+    record = letters[0][1]
+    assert record.requeued == 1 and record.attempts == 2
+    assert [c.error for _, c in record.causes] == ["broken", "still broken"]
+    # Requeued and fixed this time: its tree completes and its history is gone.
+    ft.requeue_dead_letters(DeadLetterFilter(seqs=frozenset({3})))
+    replay, _ = _emit_replays(ft, ft.replay_cursor_of(SOURCE) - 1)
+    emitted = new_ids(1)
+    ft.xor(replay.roots, emitted)
+    ft.xor(replay.roots, emitted)
+    assert ft.retry_record(3) is None and ft.dead_letter_count == 1
+    # Purge deletes the rest for good.
+    assert ft.purge_dead_letters(DeadLetterFilter(kind=FailKind.EXPLICIT)) == 1
+    assert ft.dead_letter_count == 0 and len(storage) == 1
+    assert ft.current_stats().dead_letters_purged == 1
+
+
+def test_dead_letter_filters(storage: PersistenceStorage) -> None:
+    wall = Clock(100.0)
+    ft = _layer(storage, RetryPolicy(max_retries=0, backoff_ms=0, backoff_max_ms=0), Clock(), wall)
+    batch = _records(4)
+    ft.persist(batch)
+    ft.fail(batch.roots[[0]], Cause(FailKind.EXPLICIT))
+    wall.now = 200.0
+    ft.fail(batch.roots[[1, 2]], Cause(FailKind.SINK, "kafka", "MessageSizeTooLarge"))
+
+    def offsets(**where: object) -> list[int]:
+        _letters, records = ft.dead_letters(DeadLetterFilter(**where))  # type: ignore[arg-type]
+        return records.offsets.tolist()
+
+    assert offsets() == [100, 101, 102]
+    assert offsets(kind=FailKind.SINK) == [101, 102]
+    assert offsets(partition=0) == [100, 102]
+    assert offsets(since=150.0) == [101, 102] and offsets(until=150.0) == [100]
+    assert offsets(source_id=SOURCE + 1) == []
+    assert ft.dead_letters(limit=2)[1].offsets.tolist() == [100, 101]
+    round_trip = DeadLetterFilter.from_json(DeadLetterFilter(kind=FailKind.SINK).to_json())
+    assert round_trip == DeadLetterFilter(kind=FailKind.SINK)
+    with pytest.raises(ValueError, match="unknown fail cause 'bogus'"):
+        DeadLetterFilter.from_json({"cause": "bogus"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"max_retries": -2}, "ft.maxRetries"),
+        ({"max_retries": 1.5}, "ft.maxRetries"),
+        ({"backoff_ms": -1}, "ft.retryBackoffMs"),
+        ({"backoff_max_ms": 10**13}, "ft.retryBackoffMaxMs"),
+        ({"backoff_ms": 5000, "backoff_max_ms": 1000}, "ft.retryBackoffMaxMs"),
+    ],
+)
+def test_a_retry_policy_out_of_range_names_its_option(kwargs: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
+        RetryPolicy(**kwargs)
+
+
+def test_registrations_keep_their_retry_policy_and_dead_letter_topic(tmp_path: Path) -> None:
+    store = LmdbStorage(tmp_path / "ft")
+    policy = RetryPolicy(max_retries=4, backoff_ms=10, backoff_max_ms=20)
+    _layer(store, policy, Clock(), Clock(), topic="orders.dlq")
+    store.close()
+    store = LmdbStorage(tmp_path / "ft")
+    config = FTLayer(store).source_config(SOURCE)
+    assert isinstance(config, SourceConfig)
+    assert (config.retry, config.dead_letter_topic) == (policy, "orders.dlq")
+    store.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    max_retries=st.integers(0, 4),
+    plan=st.lists(st.tuples(st.integers(0, 9), st.sampled_from([0.05, 0.5, 1.0])), max_size=40),
+)
+def test_every_record_waits_is_queued_or_is_a_dead_letter_after_its_exact_attempts(
+    max_retries: int, plan: list[tuple[int, float]]
+) -> None:
+    """Random fails of 10 records at random times: none is ever lost, none is
+    dead-lettered before max_retries + 1 failures, each dead letter has exactly them,
+    and none is replayed before its backoff (at least 80% of its step) has passed."""
+    wall = Clock(0.0)
+    policy = RetryPolicy(max_retries=max_retries, backoff_ms=100, backoff_max_ms=400)
+    ft = FTLayer(MemoryStorage(), wall_clock=wall, clock=Clock(), seed=3)
+    ft.register_source(SOURCE, "forward", 2, retry=policy)
+    batch = _records(10)
+    ft.persist(batch)
+    root_of: dict[int, int | None] = dict(
+        zip(batch.offsets.tolist(), batch.roots.tolist(), strict=True)
+    )
+    failures = dict.fromkeys(root_of, 0)
+    failed_at: dict[int, float] = {}
+    cursor = 0
+    for offset, step in plan:
+        wall.now += step
+        ft.release_due()
+        replay, cursor = _emit_replays(ft, cursor)
+        for off, root in zip(replay.offsets.tolist(), replay.roots.tolist(), strict=True):
+            assert wall.now - failed_at[off] >= 0.8 * policy.step_s(failures[off]) - 1e-9
+            root_of[off] = root
+        root = root_of[offset + 100]
+        if root is None:
+            continue  # waiting for its backoff, or dead
+        assert ft.fail(np.array([root], dtype=np.uint64), Cause(FailKind.ERROR, "s", "e")) == 1
+        failures[offset + 100] += 1
+        failed_at[offset + 100] = wall.now
+        root_of[offset + 100] = None
+    letters, records = ft.dead_letters()
+    dead = dict(zip(records.offsets.tolist(), [r for _, r in letters], strict=True))
+    for offset, count in failures.items():
+        if offset in dead:
+            assert count == max_retries + 1 == dead[offset].attempts
+        else:
+            assert count <= max_retries
+    # Nothing lost: every record is still stored, pending or a dead letter.
+    assert len(ft.storage) == 10
+    assert ft.current_stats().pending + ft.dead_letter_count == 10
