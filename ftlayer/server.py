@@ -721,6 +721,7 @@ class FTServer:
         with self._connections_lock:
             connections = len(self._connections)
         status.update(
+            pending_by_source={str(s): n for s, n in ft.pending_by_source().items()},
             stored_records=len(self._storage),
             deletes_pending=ft.persistence.marked + self._storage.staged_deletes,
             lmdb_size_bytes=self._storage.size_bytes(),

@@ -5,8 +5,9 @@ Each has one parser (`from_json`, strict: every documented field, of its documen
 JSON type; StatusError naming the field otherwise) and one formatter (`to_json`); the
 JSON is docs/protocol.md's (sections 5.6 and 6.2). Code reads the fields by name, and
 the questions a source asks have typed answers (`Status.replay_cursor_of`,
-`Status.replay_start_of`, `CheckpointReport.commit_offsets`). Both are also read-only
-mappings of their JSON form, for scripts and the CLI's `--json`.
+`Status.replay_start_of`, `Status.pending_of`, `CheckpointReport.commit_offsets`).
+Both are also read-only mappings of their JSON form, for scripts and the CLI's
+`--json`.
 
 Pure Python: an executor or a driver imports this without the FT layer's core.
 """
@@ -212,6 +213,9 @@ class Status(Mapping[str, Any]):
     late_events: int
     unknown_events: int
     xor_events: int
+    pending_by_source: Mapping[str, int]
+    """Per source id (a string): its pending roots, in flight or waiting as replays;
+    sources with none are absent."""
     stored_records: int
     deletes_pending: int
     lmdb_size_bytes: int
@@ -257,6 +261,7 @@ class Status(Mapping[str, Any]):
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),
+            pending_by_source=_counts(data, "pending_by_source", what),
             stored_records=_field(data, "stored_records", int, what),
             deletes_pending=_field(data, "deletes_pending", int, what),
             lmdb_size_bytes=_field(data, "lmdb_size_bytes", int, what),
@@ -274,7 +279,7 @@ class Status(Mapping[str, Any]):
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("failed", "replay_cursors", "replay_pruned"):
+        for name in ("failed", "replay_cursors", "replay_pruned", "pending_by_source"):
             data[name] = dict(data[name])
         data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
         data["sources"] = {k: dict(v) for k, v in self.sources.items()}
@@ -298,6 +303,11 @@ class Status(Mapping[str, Any]):
         return max(
             (max(every, self.replay_pruned.get(str(s), 0)) for s in source_ids), default=every
         )
+
+    def pending_of(self, source_id: int) -> int:
+        """The pending roots of one source: its records in flight and its replays
+        waiting to be read (the ftkafka source's ft.maxPendingRecords counts these)."""
+        return self.pending_by_source.get(str(source_id), 0)
 
     # ---- a read-only mapping of the JSON form -----------------------------------------
 

@@ -5,13 +5,18 @@ layer says what the FT layer keeps in memory about each pending root's record, i
 locator: the storage seq and the Kafka coordinates that completion reports (offset,
 partition, topic number). The locator lives as extra columns of the acker table
 (LOCATOR_COLUMNS), so one vectorized lookup per batch serves both the XOR bookkeeping
-and this layer, and neither completion nor deletion reads the storage back.
+and this layer, and neither completion nor deletion reads the storage back. A topic
+number names a (source id, topic) pair: completion reports the topic, and counting a
+column of topic numbers counts pending roots per source (`number_sources`), with no
+column more per root.
 
 - persist(batch): store the batch in one storage transaction; returns the seqs. With
   `defer_deletes=True`, the deletes of the records marked since the last persist go
   in the same transaction (`stage_deletes`): one commit, one fsync.
 - locators(batch): the locator columns for the batch (the seq column is set after
   the storage confirmed the put).
+- topic_numbers(topics), topic_names(numbers), number_sources(): what the topic
+  numbers stand for.
 - complete(roots, locators): delete the records (one storage transaction) and return
   the roots with their Kafka coordinates. With `defer_deletes=True` the records are
   only marked for deletion: the next persist deletes them, or `flush_deletes()` /
@@ -40,7 +45,7 @@ LOCATOR_COLUMNS: Mapping[str, DTypeLike] = {
     "seq": np.uint64,
     "offset": np.int64,
     "partition": np.int32,
-    "topic": np.uint32,
+    "topic": np.uint32,  # the number of the record's (source id, topic)
 }
 
 
@@ -64,8 +69,10 @@ class PersistenceLayer:
         self.storage = storage
         self.defer_deletes = defer_deletes
         self._marked: list[NDArray[np.uint64]] = []
+        # Per topic number: its topic and its source id; and the number of each pair.
         self._topics: list[str] = []
-        self._topic_numbers: dict[str, int] = {}
+        self._sources: list[int] = []
+        self._topic_numbers: dict[tuple[int, str], int] = {}
 
     def persist(self, batch: RecordBatch) -> NDArray[np.uint64]:
         """Store the batch durably; returns the storage seqs. With defer_deletes, the
@@ -80,7 +87,7 @@ class PersistenceLayer:
         return {
             "offset": batch.offsets,
             "partition": batch.partitions,
-            "topic": self._numbers_of(batch.topics),
+            "topic": self._numbers_of(batch.source_ids, batch.topics),
         }
 
     def complete(
@@ -131,28 +138,42 @@ class PersistenceLayer:
         self.storage.set_roots(seqs, new_roots, replay_seqs)
 
     def topic_numbers(self, topics: Sequence[str]) -> NDArray[np.uint32]:
-        """The numbers of the known topics among `topics` (unknown ones are skipped)."""
-        known = [self._topic_numbers[t] for t in topics if t in self._topic_numbers]
-        return np.asarray(known, dtype=np.uint32)
+        """The numbers of the known topics among `topics`, of every source that read
+        them (unknown topics are skipped)."""
+        wanted = set(topics)
+        known = [n for (_, t), n in self._topic_numbers.items() if t in wanted]
+        return np.asarray(sorted(known), dtype=np.uint32)
 
     def topic_names(self, numbers: NDArray[Any]) -> list[str]:
         """The topic names of locator topic numbers."""
         return self._names_of(numbers)
 
-    def _numbers_of(self, topics: Sequence[str]) -> NDArray[np.uint32]:
+    def number_sources(self) -> NDArray[np.uint32]:
+        """The source id of every topic number, indexed by the number."""
+        return np.asarray(self._sources, dtype=np.uint32)
+
+    def _numbers_of(self, source_ids: NDArray[Any], topics: Sequence[str]) -> NDArray[np.uint32]:
         if not topics:
             return np.zeros(0, dtype=np.uint32)
-        numbers = self._topic_numbers
-        first = topics[0]
-        if isinstance(topics, list) and topics.count(first) == len(topics):
-            if first not in numbers:
-                numbers[first] = len(self._topics)
-                self._topics.append(first)
-            return np.full(len(topics), numbers[first], dtype=np.uint32)
-        for topic in dict.fromkeys(topics).keys() - numbers.keys():
-            numbers[topic] = len(self._topics)
-            self._topics.append(topic)
-        return np.fromiter((numbers[t] for t in topics), dtype=np.uint32, count=len(topics))
+        first = (int(source_ids[0]), topics[0])
+        if (
+            isinstance(topics, list)
+            and topics.count(first[1]) == len(topics)
+            and bool((source_ids == first[0]).all())
+        ):
+            return np.full(len(topics), self._number(first), dtype=np.uint32)
+        pairs = list(zip(source_ids.tolist(), topics, strict=True))
+        return np.fromiter(
+            (self._number(pair) for pair in pairs), dtype=np.uint32, count=len(pairs)
+        )
+
+    def _number(self, pair: tuple[int, str]) -> int:
+        number = self._topic_numbers.get(pair)
+        if number is None:
+            number = self._topic_numbers[pair] = len(self._topics)
+            self._sources.append(pair[0])
+            self._topics.append(pair[1])
+        return number
 
     def _names_of(self, numbers: NDArray[Any]) -> list[str]:
         if len(numbers) and bool((numbers == numbers[0]).all()):

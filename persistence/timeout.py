@@ -11,9 +11,11 @@ that completed or failed meanwhile are skipped there, and so is a root persisted
 since (a new record, so a new seq): an entry only ever times out the tree it was made
 for, never a later tree of the same root.
 
-Timeouts are counted from persist (or from the moment a failed record was queued for
-replay), not from the last XOR event: like Storm's message timeout, T bounds how long a
-whole tree may take.
+Timeouts are counted from the moment a root is tracked, not from the last XOR event:
+like Storm's message timeout, T bounds how long a whole tree may take. The FT layer
+tracks a root when it is persisted, and a replay's root when its source fetches it.
+A root tracked twice (a replay fetched again) has two entries; the first to expire
+times it out, and the FT layer skips the other (the root is no longer pending).
 
 `track(roots, timeout_s=T2)` times roots with another timeout than the layer's own (a
 source configured with its own T): each distinct timeout has its own RotatingHashMap,

@@ -17,9 +17,11 @@ pending in exactly one of two ways:
    storage; it is re-tagged with a fresh root id and a replay sequence number
    (1, 2, 3, ... never reused, also across restarts) and enters the replay queue,
    routed by the replay partitioner of its source to the partition(s) it re-enters.
-   The fresh root is pending again, with its timeout counted from the requeue; the
-   source that re-emits the record sends the emission's XOR event for it
-   (Persister.emit_replays).
+   The fresh root is pending again; its timeout starts when its source fetches it
+   (fetch_replay), not at the requeue, so a replay never times out merely because it
+   waited to be read (a stalled or stopped query): like a record still in Kafka, it
+   has not entered the pipeline yet. The source that re-emits the record sends the
+   emission's XOR event for it (Persister.emit_replays).
 
 Events for roots that are not pending are dropped: "late" when the root failed
 recently (RetiredRoots remembers failed roots for 2T by default), "unknown" otherwise.
@@ -371,11 +373,11 @@ class FTLayer:
         self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], batch: RecordBatch
     ) -> None:
         """Records waiting (pending, untimed) under `roots` enter the replay queue now:
-        replay seqs, stored with the records, then their timeout starts."""
+        replay seqs, stored with the records; their timeout starts when their source
+        fetches them (fetch_replay)."""
         index, partitions = self._route(batch)
         replay_seqs = self._reserve(len(seqs))
         self.persistence.retag(seqs, roots, replay_seqs)
-        self._track(roots, seqs, batch.source_ids)
         self._queue.append(
             replay_seqs[index], roots[index], seqs[index], batch.source_ids[index], partitions
         )
@@ -395,6 +397,9 @@ class FTLayer:
         if not bool(same.any()):
             return
         roots, seqs = roots[same], seqs[same]
+        if len(roots) > 1:  # a replay fetched twice (a batch run again) is timed twice
+            roots, first = np.unique(roots, return_index=True)
+            seqs = seqs[first]
         try:
             self._requeue(roots, seqs, FailCause.TIMEOUT, Causes.one(_TIMEOUT, len(roots)))
         except BaseException:
@@ -419,8 +424,9 @@ class FTLayer:
         failed requeue is retried by the timeout. Steps 3-5 only touch memory.
         Step 1: decide each record's fate and route the ones queued now; step 2: store
         the retry records, new roots and replay seqs (one transaction); step 3: swap
-        the old roots for the new ones in the acker; step 4: queue, wait or
-        dead-letter; step 5: count."""
+        the old roots for the new ones in the acker; step 4: queue (a queued replay's
+        timeout starts when its source fetches it), wait or dead-letter; step 5:
+        count."""
         n = len(seqs)
         order = np.argsort(seqs, kind="stable")
         old_roots, seqs = old_roots[order], seqs[order]
@@ -457,7 +463,6 @@ class FTLayer:
         if len(queued_rows):
             assert index is not None and partitions is not None
             q_roots, q_seqs = new_roots[queued_rows], seqs[queued_rows]
-            self._track(q_roots, q_seqs, sub.source_ids)
             self._queue.append(
                 replay_seqs[queued_rows][index],
                 q_roots[index],
@@ -566,7 +571,8 @@ class FTLayer:
     ) -> ReplayRecords:
         """Replayed records with lo < replay seq <= hi (optionally of one source and one
         target partition) whose roots are still pending. The same range gives the same
-        records until they complete, fail again or are pruned."""
+        records until they complete, fail again or are pruned. Their timeout starts now:
+        the source reads them (a range fetched again is timed from its first fetch)."""
         rseqs, roots, seqs, parts = self._queue.select(lo, hi, source_id, partition)
         pending, pending_seqs = self.acker.lookup("seq", roots)
         live = pending.copy()
@@ -574,6 +580,8 @@ class FTLayer:
         if not bool(live.all()):
             rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
         records = self.storage.get(seqs).with_roots(roots)
+        if len(roots):
+            self._track(roots, seqs, records.source_ids)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
 
     def lowest_pending_offsets(
@@ -599,7 +607,23 @@ class FTLayer:
         topic_nums, partitions, lowest = _min_per_partition(topic, partition, offsets)
         names = self.persistence.topic_names(topic_nums.astype(np.uint32))
         for name, p, offset in zip(names, partitions.tolist(), lowest.tolist(), strict=True):
-            result.setdefault(name, {})[p] = offset
+            lowest_of = result.setdefault(name, {})  # two sources may read one topic
+            lowest_of[p] = min(offset, lowest_of.get(p, offset))
+        return result
+
+    def pending_by_source(self) -> dict[int, int]:
+        """{source id: its pending roots}, sources with none left out: records in flight
+        and records waiting in the replay queue alike. O(pending): a count of the topic
+        number column (a number names a source and topic), so no column more per root."""
+        numbers = self.acker.live_columns("topic", copy=False)["topic"]
+        if not len(numbers):
+            return {}
+        sources = self.persistence.number_sources()
+        counts = np.bincount(numbers, minlength=len(sources))
+        result: dict[int, int] = {}
+        for number in np.flatnonzero(counts).tolist():
+            source = int(sources[number])
+            result[source] = result.get(source, 0) + int(counts[number])
         return result
 
     def prune_replay(self, upto: int, source_id: int | None = None) -> int:

@@ -82,6 +82,12 @@ proportion to their backlog as Spark's Kafka source does (a partition with a bac
 gets at least one record, so a batch may exceed the cap by fewer records than there
 are partitions); it also caps the number of replay seqs a batch takes in.
 
+`ft.maxPendingRecords` (FT on) is flow control per source, as Storm's
+max.spout.pending: a batch takes in new Kafka records of a topic only while its
+source's pending trees (in flight, or replays waiting to be read; STATUS
+`pending_by_source`, read with the replay cursor) plus those records stay within the
+limit. Replays are always taken in. See `driver.py` and docs/user-guide.md section 6.7.
+
 ## Options
 
 Declared once, with their types, defaults and meaning, in `OPTIONS` of

@@ -2,10 +2,25 @@
 
 `SourceDriver` lives in the driver's source process and answers what Spark asks of the
 source between batches: the initial position, the end of what is readable now, a
-position capped by maxOffsetsPerTrigger, the barrier checkpoints (CHECKPOINT_BEGIN /
-COMPLETE), and the consumer-group commits. Every call to Kafka and to the FT layer is
-retried with doubling backoff and then fails with SourceError naming what and where:
-an unreachable broker or FT layer is an error within seconds, never a hang.
+position capped by maxOffsetsPerTrigger and ft.maxPendingRecords, the barrier
+checkpoints (CHECKPOINT_BEGIN / COMPLETE), and the consumer-group commits.
+
+Flow control (ft.maxPendingRecords, Storm's max.spout.pending per source): the STATUS
+reply that gives `available` the replay cursor also gives each source's pending roots,
+counted by the FT layer at that moment: trees still in flight and replays waiting in
+the queue. `limited` then admits at most (limit - pending) new Kafka records of that
+source's topic, split over its partitions in proportion to their backlog, and none
+once pending reaches the limit; replays are always taken in (they are pending
+already, and only being read lets them complete). Spark runs one batch at a time and
+a batch's records become pending only when it reads them, so a source's pending roots
+stay within the limit, plus the records of a batch Spark runs again (a retried task
+persists under fresh roots while the first attempt's trees time out). A sink that
+stalls keeps its trees pending (past the timeout, as replays waiting to be read), so
+the batches after it take in no more new records than the limit leaves.
+
+Every call to Kafka and to the FT layer is retried with doubling backoff and then
+fails with SourceError naming what and where: an unreachable broker or FT layer is an
+error within seconds, never a hang.
 """
 
 from __future__ import annotations
@@ -59,6 +74,9 @@ class SourceDriver:
         self._partition_counts: dict[str, int] = {}
         self._group: Any = None
         self._committed: dict[tuple[str, int], int] = {}
+        self.pending: dict[str, int] = {}
+        """Per topic: its source's pending roots at the last `available` (FT on)."""
+        self._held: set[str] = set()  # topics ft.maxPendingRecords holds back now
         self._producer: Any = None
         self._next_delivery = 0.0
 
@@ -173,11 +191,14 @@ class SourceDriver:
     def limited(self, start: Offset, available: Offset, max_rows: int | None) -> Offset:
         """`available`, cut to at most `max_rows` Kafka records split over partitions
         in proportion to their backlog (Spark's KafkaMicroBatchStream.rateLimit), and
-        at most `max_rows` replay seqs."""
+        at most `max_rows` replay seqs; with FT on, then cut by ft.maxPendingRecords
+        (see the module docstring)."""
         now, first = Position.parse(available), Position.parse(start)
-        if max_rows is None:
-            return now.to_json()
         ends, starts, replay = now.offsets(), first.kafka, now.replay
+        if self.options.ft_on:
+            self._admit(starts, ends)
+        if max_rows is None:
+            return Position(ends, replay).to_json()
         sizes = {
             (t, p): end - starts[t][p]
             for t, partitions in ends.items()
@@ -193,6 +214,37 @@ class SourceDriver:
         if replay is not None and first.replay is not None:
             replay = min(replay, first.replay + max_rows)
         return Position(ends, replay).to_json()
+
+    def _admit(self, starts: Mapping[str, Mapping[int, int]], ends: KafkaOffsets) -> None:
+        """Cut `ends` so that each source's pending roots plus its new Kafka records
+        stay within ft.maxPendingRecords (exactly: the shares are whole records)."""
+        limit = self.options.max_pending_records
+        for topic, partitions in ends.items():
+            backlog = {
+                p: end - starts[topic][p]
+                for p, end in partitions.items()
+                if p in starts.get(topic, {}) and end > starts[topic][p]
+            }
+            pending = self.pending.get(topic, 0)
+            budget = max(0, limit - pending)
+            for p, share in share_out(budget, backlog).items():
+                partitions[p] = starts[topic][p] + share
+            self._note_held(topic, budget < sum(backlog.values()), pending, limit)
+
+    def _note_held(self, topic: str, held: bool, pending: int, limit: int) -> None:
+        """Log when flow control starts and stops holding a topic back (not per batch)."""
+        if held and topic not in self._held:
+            self._held.add(topic)
+            log.info(
+                "ft.maxPendingRecords=%d holds back topic %r: its source has %d pending "
+                "trees; new records wait in Kafka until they complete",
+                limit,
+                topic,
+                pending,
+            )
+        elif not held and topic in self._held:
+            self._held.discard(topic)
+            log.info("topic %r is no longer held back (%d pending trees)", topic, pending)
 
     # ---- replay queue ----
 
@@ -498,9 +550,29 @@ class SourceDriver:
 
     def _replay_cursor(self) -> int:
         """The highest replay seq of this query's sources (see FTLayer.replay_cursor_of):
-        other queries' failures do not move it, so they cause no empty batches here."""
+        other queries' failures do not move it, so they cause no empty batches here.
+        The same reply gives each source's pending roots (`pending`, for flow control):
+        one STATUS per batch serves both."""
         status = self._ft_call("read the replay cursor", lambda client: client.status())
+        self.pending = {t: status.pending_of(s) for t, s in self.source_ids.items()}
         return status.replay_cursor_of(list(self.source_ids.values()))
+
+
+def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
+    """At most `budget` records over partitions with these backlogs: every backlog if
+    they fit; otherwise each partition's share in proportion to its backlog, rounded
+    down, and the records left one each to the largest remainders (ties: the lower
+    partition). The shares add up to min(budget, total backlog) exactly, and none
+    exceeds its backlog."""
+    total = sum(backlog.values())
+    if total <= budget:
+        return dict(backlog)
+    shares = {k: budget * size // total for k, size in backlog.items()}
+    left = budget - sum(shares.values())
+    by_remainder = sorted(backlog, key=lambda k: (-(budget * backlog[k] % total), k))
+    for k in by_remainder[:left]:
+        shares[k] += 1
+    return shares
 
 
 def _list_dead(source_id: int, client: FTClient) -> DeadLetterList:

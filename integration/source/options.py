@@ -33,6 +33,7 @@ from ftlayer.policy import RetryPolicy
 from ftlayer.position import EARLIEST
 
 __all__ = [
+    "DEFAULT_MAX_PENDING_RECORDS",
     "OPTIONS",
     "Option",
     "SourceOptions",
@@ -43,6 +44,14 @@ __all__ = [
 ]
 
 OptionType = Literal["text", "integer", "boolean", "choice", "prefix"]
+
+DEFAULT_MAX_PENDING_RECORDS: Final = 1_000_000
+"""ft.maxPendingRecords by default: far above what a healthy query has pending (about
+one batch), so it binds only when a sink stalls or a first batch meets a large
+backlog, and low enough that the FT layer's memory for a source's pending roots
+(`ftlayer bench acker`: bytes per pending root of the FT layer's table) stays in the
+tens of megabytes. There is no "unlimited": that is what lets a stalled sink grow the
+store without bound (docs/user-guide.md, section 6.7)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +119,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "at most this many Kafka records per batch, split over partitions in proportion to "
         "their backlog (a partition with a backlog gets at least one), and at most this many "
         "replay seqs",
+        minimum=1,
+    ),
+    Option(
+        "ft.maxPendingRecords",
+        "integer",
+        "flow control, per source (each subscribed topic), as Storm's max.spout.pending: a "
+        "batch takes in new Kafka records only while the source's pending trees (in flight, "
+        "or replays waiting to be read) plus those records stay within this; replays are "
+        "always taken in (section 6.7). No effect with FT off",
+        DEFAULT_MAX_PENDING_RECORDS,
         minimum=1,
     ),
     _ms(
@@ -220,7 +239,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
         None,
         1,
         "this query's own tree timeout: a tree not complete between T and "
-        "T·(1+1/(n\N{MINUS SIGN}1)) after its persist or requeue "
+        "T·(1+1/(n\N{MINUS SIGN}1)) after its persist (a replay: after a batch read it) "
         "fails and is replayed (section 4.5)",
         shown="the server's `--timeout-s`",
     ),
@@ -298,6 +317,8 @@ class SourceOptions:
     """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoint)."""
     include_headers: bool = False
     """includeHeaders: a `headers` column, and headers kept with the payloads."""
+    max_pending_records: int = DEFAULT_MAX_PENDING_RECORDS
+    """ft.maxPendingRecords: per source, pending trees plus new records admitted."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     """ft.maxRetries, ft.retryBackoffMs, ft.retryBackoffMaxMs."""
     dead_letter_topic: str | None = None
@@ -428,6 +449,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         timeout_s=None if timeout_ms is None else timeout_ms / 1000,
         checkpoint_mode=given.choice("ft.checkpointMode"),
         include_headers=given.boolean("includeHeaders", False),
+        max_pending_records=_required(given.integer("ft.maxPendingRecords")),
         retry=_retry_policy(given),
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
     )

@@ -151,6 +151,60 @@ def test_a_completed_roots_old_timeout_never_fails_its_new_tree(
     assert ft.fetch_replay(0, ft.replay_cursor).records.payloads == [b"again"]
 
 
+def test_a_replay_waiting_to_be_read_never_times_out_and_times_out_once_fetched(
+    storage: PersistenceStorage,
+) -> None:
+    """A stalled or stopped query leaves its replays in the queue: they must not time
+    out (and be requeued, again and again) merely because nobody read them. Once a
+    source fetches them their timeout runs; a range fetched twice (a batch Spark runs
+    again) times each record out once."""
+    clock = Clock()
+    ft = FTLayer(storage, timeout_s=10, buckets=3, clock=clock)
+    batch = _records(4)
+    _emit(ft, batch)
+    ft.fail(batch.roots)
+    for t in np.arange(0.5, 100.0, 0.5):  # ten timeouts long, unread
+        clock.now = float(t)
+        ft.tick()
+    stats = ft.current_stats()
+    assert stats.failed == {"explicit": 4, "timeout": 0, "recovery": 0}
+    assert stats.pending == 4 and ft.replay_cursor == 4
+    first = ft.fetch_replay(0, ft.replay_cursor)  # read at t = 99.5
+    clock.now = 101.0
+    assert ft.fetch_replay(0, ft.replay_cursor).records.roots.tolist() == (
+        first.records.roots.tolist()
+    )  # read again
+    for t in np.arange(101.5, 116.0, 0.5):  # expired by 99.5 + 15 s
+        clock.now = float(t)
+        ft.tick()
+    stats = ft.current_stats()
+    assert stats.failed["timeout"] == 4 and stats.pending == 4 and ft.replay_cursor == 8
+
+
+def test_pending_roots_are_counted_per_source_even_when_two_sources_read_one_topic(
+    storage: PersistenceStorage,
+) -> None:
+    ft = FTLayer(storage, default_source=SourceConfig.named("forward", 4))
+    a = RecordBatch.build(
+        new_ids(5), [b"a"] * 5, source_ids=1, topics="orders", partitions=0, offsets=np.arange(5)
+    )
+    b = RecordBatch.build(
+        new_ids(3), [b"b"] * 3, source_ids=2, topics="orders", partitions=0, offsets=[7, 2, 9]
+    )
+    ids_a, _ids_b = _emit(ft, a), _emit(ft, b)
+    assert ft.pending_by_source() == {1: 5, 2: 3}
+    # Completion takes a tree out; a failed record waiting as a replay still counts.
+    ft.xor(a.roots[:2], ids_a[:2])
+    ft.fail(a.roots[2:4])
+    assert ft.pending_by_source() == {1: 3, 2: 3}
+    assert len(ft.fetch_replay(0, ft.replay_cursor, source_id=1)) == 2
+    # One topic read by both: its lowest pending offset is over both sources.
+    assert ft.lowest_pending_offsets(["orders"]) == {"orders": {0: 2}}
+    ft.xor(a.roots[4:], ids_a[4:])
+    assert ft.pending_by_source() == {1: 2, 2: 3}
+    assert ft.current_stats().pending == 5
+
+
 def test_a_root_that_failed_recently_cannot_be_persisted_again(
     storage: PersistenceStorage,
 ) -> None:
@@ -511,8 +565,14 @@ def test_a_source_with_its_own_timeout_times_out_on_its_own_clock(tmp_path: Path
                 assert ft.stats.failed["timeout"] == 0
         assert ft.stats.failed["timeout"] == 3  # the quick source's three, only
         assert all(int(r) in ft.acker for r in slow.roots)
-        # The replays keep their source's timeout; the registration survives a restart.
-        for now in np.arange(6.5, 13.0, 0.5):  # requeued by 6 s: expired by 6 + 6 s
+        # The replays keep their source's timeout, counted from their fetch; the
+        # registration survives a restart.
+        for now in np.arange(6.5, 13.0, 0.5):  # not fetched: not timed
+            clock.now = float(now)
+            ft.tick()
+        assert ft.stats.failed["timeout"] == 3
+        assert len(ft.fetch_replay(0, ft.replay_cursor, source_id=7)) == 3  # at 12.5 s
+        for now in np.arange(13.0, 19.0, 0.5):  # expired by 12.5 + 6 s
             clock.now = float(now)
             ft.tick()
         assert ft.stats.failed["timeout"] == 6

@@ -55,6 +55,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,
+        "pending_by_source": {"7": 2},
         "stored_records": 2,
         "deletes_pending": 0,
         "lmdb_size_bytes": 4096,
@@ -91,12 +92,18 @@ def test_the_replay_cursor_of_a_query_is_its_sources_own() -> None:
     assert status.replay_start_of([7]) == 3 and status.replay_start_of([8]) == 1
 
 
+def test_a_sources_pending_roots_are_its_own_and_none_when_absent() -> None:
+    status = Status.from_json(_status())
+    assert status.pending_of(7) == 2 and status.pending_of(8) == 0
+
+
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
         ({"pending": "2"}, "'pending'"),
         ({"pending": True}, "'pending'"),
         ({"failed": {"explicit": 1.5}}, "'failed'"),
+        ({"pending_by_source": {"7": "2"}}, "'pending_by_source'"),
         ({"surprise": 1}, "surprise"),
         ({"checkpoints": {"job": {"completed": 1}}}, "'open'"),
     ],

@@ -120,7 +120,8 @@ def test_garbage_on_one_connection_spares_the_others(start_server: StartServer) 
         assert decode_error(frame).code == ErrorCode.MALFORMED_FRAME
         persist(client, PAYLOADS[3:5])
         after = _counters(client.status())
-    assert after == {**before, "persisted": 5, "pending": 5, "stored_records": 5}
+    moved = {"persisted": 5, "pending": 5, "pending_by_source": {"0": 5}, "stored_records": 5}
+    assert after == {**before, **moved}
 
 
 def test_non_loopback_host_without_token_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,210 @@
+"""Flow control (issue 12, part 4): `ft.maxPendingRecords`, as Storm's max.spout.pending.
+
+A source admits new Kafka records only while its pending trees (in flight, or replays
+waiting to be read) plus those records stay within the limit; replays are always
+taken in. The stalled-sink test runs on real parts (Tansu, a real `ftlayer serve`,
+local Spark): a foreachBatch sink hangs for 60 s, longer than the query's tree
+timeout, while a sampler reads the FT layer's STATUS. What a user would notice: the
+FT layer's pending trees and stored records stay bounded, the source stops reading,
+no record times out merely because it waited to be read (each record of the hung
+batch times out once, none again while it waits as a replay), and once the sink
+recovers every record reaches it, the hung batch's records twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pyspark.sql import DataFrame, SparkSession
+from serverproc import StartServer
+
+from ftlayer.errors import ConfigError
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.kafka import produce, wait_until
+from ftlayer.integration.sinks import ft_foreach_batch
+from ftlayer.integration.source import register
+from ftlayer.integration.source.driver import share_out
+from ftlayer.integration.source.options import (
+    DEFAULT_MAX_PENDING_RECORDS,
+    parse_options,
+    source_id,
+)
+
+MakeTopic = Callable[..., str]
+BASE = {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "ft.address": "h:2"}
+
+PARTITIONS = 4
+PER_PARTITION = 1000
+LIMIT = 1000  # ft.maxPendingRecords: a quarter of the backlog
+TIMEOUT_MS = 10_000  # ft.timeoutMs: a tree fails between 10 and 15 s (3 buckets)
+STALL_S = 60.0  # the sink hangs this long, in the second batch
+STALLED_EPOCH = 1
+
+
+# ---- the option ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("0", "must be at least 1, got '0'"),
+        ("-5", "must be at least 1, got '-5'"),
+        ("1.5", "must be an integer, got '1.5'"),
+        ("lots", "must be an integer, got 'lots'"),
+    ],
+)
+def test_a_bad_max_pending_records_is_a_config_error_naming_it(value: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=f"option ft.maxPendingRecords {words}"):
+        parse_options({**BASE, "ft.maxPendingRecords": value})
+
+
+def test_max_pending_records_defaults_to_a_bound_and_takes_any_positive_integer() -> None:
+    assert parse_options(BASE).max_pending_records == DEFAULT_MAX_PENDING_RECORDS == 1_000_000
+    assert parse_options({**BASE, "ft.maxpendingrecords": " 7 "}).max_pending_records == 7
+
+
+@given(
+    st.integers(0, 10_000),
+    st.dictionaries(st.integers(0, 63), st.integers(1, 5_000), max_size=16),
+)
+def test_shares_add_up_to_the_budget_and_never_pass_a_backlog(
+    budget: int, backlog: dict[int, int]
+) -> None:
+    shares = share_out(budget, backlog)
+    assert set(shares) == set(backlog)
+    assert sum(shares.values()) == min(budget, sum(backlog.values()))
+    assert all(0 <= shares[p] <= backlog[p] for p in backlog)
+    total = sum(backlog.values())
+    if budget < total:  # proportional: each share within one record of its exact part
+        assert all(abs(shares[p] - budget * backlog[p] / total) < 1 for p in backlog)
+
+
+# ---- a stalled sink ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    pending: int
+    """The source's pending trees (STATUS pending_by_source)."""
+    stored: int
+    persisted: int
+    timeouts: int
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ftkafka(spark: SparkSession) -> None:
+    register(spark)
+
+
+def test_a_stalled_sink_keeps_pending_and_the_store_bounded_and_loses_nothing(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    server = start_server()
+    topic = make_topic(PARTITIONS)
+    for p in range(PARTITIONS):
+        produce(
+            kafka_bootstrap, topic, [(None, b"r%d" % i) for i in range(PER_PARTITION)], partition=p
+        )
+    everything = {(p, o) for p in range(PARTITIONS) for o in range(PER_PARTITION)}
+    source = str(source_id(topic, topic))
+    settings = FTSettings(server.address)
+
+    batches: dict[int, list[tuple[int, int]]] = {}
+    stall: dict[str, float] = {}
+    release = threading.Event()  # set only to end the stall early when the test fails
+
+    def write(batch: DataFrame, epoch: int) -> None:
+        batches[epoch] = [(r.partition, r.offset) for r in batch.collect()]
+        if epoch == STALLED_EPOCH:  # the sink's database hangs
+            stall["began"] = time.monotonic()
+            release.wait(STALL_S)
+            stall["ended"] = time.monotonic()
+
+    samples: list[Sample] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        with server.client() as client:
+            while not sampling.is_set():
+                status = client.status()
+                samples.append(
+                    Sample(
+                        time.monotonic(),
+                        status.pending_of(int(source)),
+                        status.stored_records,
+                        status.persisted,
+                        status.failed["timeout"],
+                    )
+                )
+                sampling.wait(0.2)
+
+    sampler = threading.Thread(target=sample, name="status-sampler", daemon=True)
+    sampler.start()
+    query = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("ft.address", server.address)
+        .option("ft.timeoutMs", str(TIMEOUT_MS))
+        .option("ft.maxPendingRecords", str(LIMIT))
+        .load()
+        .writeStream.foreachBatch(ft_foreach_batch(write, settings))
+        .trigger(processingTime="200 milliseconds")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .start()
+    )
+    try:
+        wait_until(lambda: "ended" in stall, STALL_S + 60, "the stalled batch to end")
+
+        def settled() -> bool:
+            written = {row for rows in batches.values() for row in rows}
+            return written == everything and bool(samples) and samples[-1].pending == 0
+
+        wait_until(settled, 90, "every record at the sink and nothing pending", 0.2)
+    finally:
+        release.set()
+        query.stop()
+        sampling.set()
+        sampler.join(10)
+
+    stalled = batches[STALLED_EPOCH]
+    during = [s for s in samples if stall["began"] <= s.at <= stall["ended"]]
+    largest = max(len(rows) for rows in batches.values())
+    # The limit holds every batch, replays included; the hung batch too (without it
+    # the first batch would have taken the whole backlog).
+    assert [len(rows) for rows in batches.values()] == [LIMIT] * 5, {
+        e: len(r) for e, r in batches.items()
+    }
+    # Bounded: pending within the limit, stored within the limit plus one batch, all
+    # the time and while the sink hangs, sampled many times over the stall.
+    assert len(during) >= STALL_S / 0.5, len(during)
+    assert max(s.pending for s in samples) <= LIMIT
+    assert max(s.stored for s in samples) <= LIMIT + largest
+    # The source stopped: nothing was read while the sink hung.
+    assert {s.persisted for s in during} == {2 * LIMIT}, during[0]
+    # The hung batch's trees timed out once each (they waited in the sink longer than
+    # the timeout); as replays waiting to be read they never timed out again.
+    assert samples[-1].timeouts == len(stalled)
+    assert max(s.timeouts for s in during) == len(stalled)
+    # The batch after the stall is the hung batch's replays and no new record: the
+    # limit counts them.
+    assert sorted(batches[STALLED_EPOCH + 1]) == sorted(stalled)
+    # Nothing lost; the hung batch's records, written before their trees timed out,
+    # are the only duplicates.
+    counts = Counter(row for rows in batches.values() for row in rows)
+    assert set(counts) == everything
+    assert {row for row, n in counts.items() if n > 1} == set(stalled)
+    assert max(counts.values()) == 2
