@@ -366,8 +366,12 @@ def run_demo(
             "dead_letters_wrong_attempts": sum(
                 1 for attempts, _ in letters.values() if attempts != max_retries + 1
             ),
+            # Each failure's cause: the poison step's error, or a timeout (a worker kill).
             "dead_letters_without_cause": sum(
-                1 for _, causes in letters.values() if not all("poison" in c for c in causes)
+                1
+                for _, causes in letters.values()
+                if not any("poison" in c for c in causes)
+                or not all("poison" in c or c == "" for c in causes)
             ),
             "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
             "group_lag_at_end": lag,

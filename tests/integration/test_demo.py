@@ -34,6 +34,7 @@ def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> 
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "ftlayer.cli", "demo", "--records", "3000"]
     command += ["--fail-rate", "0.02", "--partitions", "3", "--kill-workers", "1"]
+    command += ["--poison-rate", "0.003", "--max-retries", "2"]
     command += ["--workdir", str(tmp_path / "work"), "--json"]
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
@@ -49,6 +50,11 @@ def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> 
     # 2% of the events fail on first sight: each is replayed once and then written.
     assert result["replayed"] >= result["failed_explicit"] > 0
     assert result["outputs_at_sink"] == result["expected_outputs"] + result["duplicates_at_sink"]
+    # Poison events: each dead-lettered after exactly max retries + 1 attempts, with its
+    # causes; the consumer group's offsets reached the end while the job ran.
+    assert result["dead_lettered"] == result["poison_events"] > 0
+    assert result["max_attempts_seen"] == 3 and result["dead_letters_wrong_attempts"] == 0
+    assert result["dead_letters_without_cause"] == 0 and result["group_lag_at_end"] == 0
     # One line per kill; Spark's log (stack traces of killed tasks) in the named file.
     assert text.count("ftlayer demo: killed Python worker") == result["workers_killed"]
     assert Path(result["spark_log"]).is_file()
