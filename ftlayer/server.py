@@ -115,6 +115,7 @@ from ftlayer.wire import (
     decode_fail,
     decode_fetch_replay,
     decode_hello,
+    decode_hold,
     decode_persist,
     decode_register_source,
     decode_savepoint,
@@ -247,6 +248,7 @@ class FTServer:
             Kind.SAVEPOINT: self._savepoint_request,
             Kind.DEAD_LETTERS: self._dead_letters,
             Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
+            Kind.HOLD: self._hold,
         }
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -575,6 +577,11 @@ class FTServer:
             ft.xor(message.roots, message.values)
         return encode_ok(rid, len(message.roots))
 
+    def _hold(self, rid: int, frame: Frame) -> bytes:
+        message = decode_hold(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.hold(message.roots, message.values))
+
     def _fail(self, rid: int, frame: Frame) -> bytes:
         message = decode_fail(frame)
         with self._core() as ft:
@@ -603,6 +610,7 @@ class FTServer:
                 m.timeout_s,
                 None if m.retry is None else RetryPolicy.from_json(m.retry),
                 m.dead_letter_topic,
+                m.completion,
             )
         return encode_ok(rid, 1)
 

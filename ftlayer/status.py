@@ -210,6 +210,10 @@ class Status(Mapping[str, Any]):
     dead_letters_delivered: int
     dead_letters_purged: int
     dead_letters_requeued: int
+    barrier_holds: int
+    """Barrier holds open now (roots in a running batch of a barrier-mode source)."""
+    barrier_released: int
+    """Barrier holds released since the start (ftlayer.core.barrier)."""
     late_events: int
     unknown_events: int
     xor_events: int
@@ -258,6 +262,8 @@ class Status(Mapping[str, Any]):
             dead_letters_delivered=_field(data, "dead_letters_delivered", int, what),
             dead_letters_purged=_field(data, "dead_letters_purged", int, what),
             dead_letters_requeued=_field(data, "dead_letters_requeued", int, what),
+            barrier_holds=_field(data, "barrier_holds", int, what),
+            barrier_released=_field(data, "barrier_released", int, what),
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),

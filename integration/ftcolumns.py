@@ -33,6 +33,20 @@ from ftlayer.errors import ConfigError
 ROOT_COLUMN: Final = "ft_root"
 ID_COLUMN: Final = "ft_id"
 FT_COLUMNS: Final = (ROOT_COLUMN, ID_COLUMN)
+COMPLETION_METADATA: Final = "ftlayer.completion"
+"""The `ft_id` column's metadata key that says its rows' trees complete at the barrier
+(value "barrier"); Spark keeps a column's metadata through select, where, joins."""
+
+
+def completes_at_barrier(schema: StructType) -> bool:
+    """Whether rows of this schema come from a barrier-mode source (COMPLETION_METADATA
+    on `ft_id`); False without it (then their record ids tell: 0 in barrier mode)."""
+    names = schema.fieldNames()
+    if ID_COLUMN not in names:
+        return False
+    return schema[ID_COLUMN].metadata.get(COMPLETION_METADATA) == "barrier"
+
+
 HEADERS_TYPE: Final = ArrayType(
     StructType([StructField("key", StringType()), StructField("value", BinaryType())])
 )

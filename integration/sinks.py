@@ -103,7 +103,14 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
 from ftlayer.errors import ConfigError, FTLayerError
 
-from .ftcolumns import FT_COLUMNS, HEADERS_TYPE, LOOP_HEADER, FTSettings, loop_header
+from .ftcolumns import (
+    FT_COLUMNS,
+    HEADERS_TYPE,
+    LOOP_HEADER,
+    FTSettings,
+    completes_at_barrier,
+    loop_header,
+)
 from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors
 
 __all__ = [
@@ -150,6 +157,9 @@ class SinkResult:
     acked: int
     failed: int
     error: str | None = None
+    at_barrier: bool = False
+    """Barrier mode: the rows written complete at the batch's barrier (`acked` is 0:
+    the sink sent nothing and did not count them)."""
 
 
 def _check_on_error(on_error: str) -> SinkOnError:
@@ -250,7 +260,10 @@ class FTForeachBatch:
                     raise
                 log.warning("foreachBatch %d failed; its roots will be replayed: %r", epoch_id, exc)
                 return
-            # Step 3: done: ack every row.
+            # Step 3: done: ack every row (barrier mode: the batch's barrier does).
+            if completes_at_barrier(batch.schema):
+                self.last_result = SinkResult(epoch_id, acked=0, failed=0, at_barrier=True)
+                return
             acked = settle(batch, self.settings, ack=True)
             self.last_result = SinkResult(epoch_id, acked=acked, failed=0)
         finally:

@@ -178,9 +178,13 @@ class XorHandler:
 class Persister:
     """Source side: persist records before they are emitted; returns their anchors."""
 
-    def __init__(self, channel: FTChannel, *, source_id: int = 0) -> None:
+    def __init__(self, channel: FTChannel, *, source_id: int = 0, barrier: bool = False) -> None:
         self._channel = channel
         self.source_id = source_id
+        self.barrier = barrier
+        """Barrier mode (ftlayer.core.barrier): the emission ids persisted as first ack
+        values are the roots' barrier holds, and the emitted rows carry record id 0,
+        which tells every step downstream to send no XOR events for them."""
 
     def persist(
         self,
@@ -210,7 +214,7 @@ class Persister:
             offsets=offsets,
         )
         self._channel.persist(batch, ids)
-        return Anchors.single(roots, ids)
+        return Anchors.single(roots, np.zeros(n, np.uint64) if self.barrier else ids)
 
     def emit_replays(self, roots: ArrayLike) -> Anchors:
         """Anchors for replayed records about to be emitted again (from
@@ -220,6 +224,8 @@ class Persister:
         copies are fully acked, or times out and is replayed again: a duplicate, never
         a loss."""
         replay_roots = np.ascontiguousarray(roots, dtype=np.uint64)
+        if self.barrier:  # the FT layer held them when the batch fetched them
+            return Anchors.single(replay_roots, np.zeros(len(replay_roots), np.uint64))
         ids = new_ids(len(replay_roots))
         if len(ids):
             self._channel.xor(replay_roots, ids)
@@ -244,9 +250,13 @@ class _RecordScope:
             merged[root] = merged.get(root, 0) ^ record_id
         self.pairs = list(merged.items())
         self.edges = np.uint64(0)
+        self.barrier = all(record_id == 0 for _, record_id in pairs)
+        """Barrier mode (record ids 0): outputs get id 0, and no event is sent."""
 
     def emit(self) -> list[tuple[int, int]]:
         """Anchors for a new output record derived from this input."""
+        if self.barrier:
+            return [(root, 0) for root, _ in self.pairs]
         edge = new_ids(1)[0]
         self.edges ^= edge
         return [(root, int(edge)) for root, _ in self.pairs]
@@ -305,6 +315,10 @@ class TaskHandler:
         causes: Causes | Cause | None = None,
     ) -> Anchors:
         inputs = inputs.merged()  # one pair per (input, root): see Anchors.merged
+        if len(inputs.ids) and not inputs.ids.any():
+            return self._process_barrier(
+                inputs, edge_parent, edge_child, n_children, failed, causes
+            )
         n = len(inputs)
         edges = new_ids(len(edge_parent))
         combined = np.zeros(n, dtype=np.uint64)
@@ -344,6 +358,48 @@ class TaskHandler:
         np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
         return Anchors(offsets, roots, ids)
 
+    def _process_barrier(
+        self,
+        inputs: Anchors,
+        edge_parent: NDArray[np.intp],
+        edge_child: NDArray[np.intp],
+        n_children: int,
+        failed: ArrayLike | None,
+        causes: Causes | Cause | None,
+    ) -> Anchors:
+        """Inputs of barrier-mode sources (record id 0 everywhere): their trees
+        complete at the barrier, so no XOR event is sent; only failed inputs fail their
+        roots. Outputs carry their parents' roots, with record id 0."""
+        n = len(inputs)
+        counts = np.diff(inputs.offsets)
+        pair_input = np.repeat(np.arange(n), counts)
+        if failed is not None:
+            failed_mask = np.asarray(failed, dtype=np.bool_)
+            if len(failed_mask) != n:
+                raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
+            if bool(failed_mask[edge_parent].any()):
+                raise ValueError("a failed input cannot have outputs")
+            bad = failed_mask[pair_input]
+            if bool(bad.any()):
+                roots, first = np.unique(inputs.roots[bad], return_index=True)
+                if isinstance(causes, Causes):
+                    if len(causes) != n:
+                        raise ValueError(f"{n} inputs but {len(causes)} causes")
+                    causes = causes.take(pair_input[bad][first])
+                self._events.fail(roots, causes)
+        if inputs.is_single:
+            roots, child = inputs.roots[edge_parent], edge_child
+        else:
+            pair, per_edge = _pair_positions(inputs.offsets, edge_parent)
+            roots = inputs.roots[pair]
+            child = edge_child[np.repeat(np.arange(len(edge_parent)), per_edge)]
+        if len(child) > 1 and bool((np.diff(child) < 0).any()):
+            order = np.argsort(child, kind="stable")
+            roots, child = roots[order], child[order]
+        offsets = np.zeros(n_children + 1, dtype=np.int64)
+        np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
+        return Anchors(offsets, roots, np.zeros(len(roots), dtype=np.uint64))
+
     @contextmanager
     def anchor(self, pairs: Sequence[tuple[int, int]]) -> Iterator[_RecordScope]:
         """Process one input record: `with handler.anchor(pairs) as rec: rec.emit()`.
@@ -359,6 +415,8 @@ class TaskHandler:
         except FailException as exc:
             roots = np.array(sorted({r for r, _ in scope.pairs}), dtype=np.uint64)
             self._events.fail(roots, Cause.of_exception(exc, "").clipped())
+            return
+        if scope.barrier:
             return
         roots = np.array([r for r, _ in scope.pairs], dtype=np.uint64)
         ids = np.array([i for _, i in scope.pairs], dtype=np.uint64)

@@ -338,6 +338,10 @@ class CheckpointCoordinator:
         completed checkpoint's (None if there is none)."""
         now = time.time() if now is None else now
         barrier = check_position(position)
+        # The query's batch is done and the next one has not started (Spark runs one
+        # at a time): the barrier holds of its barrier-mode sources are released,
+        # whatever the checkpoint's state (ftlayer.core.barrier).
+        self.ft.release_barrier(sources)
         checkpoint = self._begin(check_query(query), barrier, sources, mode, now)
         q = self._queries[query]
         if checkpoint.state is not CheckpointState.BEGUN:

@@ -151,11 +151,27 @@ class BatchingChannel:
         timeout_s: float | None = None,
         retry: Mapping[str, Any] | None = None,
         dead_letter_topic: str | None = None,
+        completion: str = "tree",
     ) -> None:
         """`FTClient.register_source`."""
         self.client.register_source(
-            source_id, partitioner, num_partitions, options, timeout_s, retry, dead_letter_topic
+            source_id,
+            partitioner,
+            num_partitions,
+            options,
+            timeout_s,
+            retry,
+            dead_letter_topic,
+            completion,
         )
+
+    def hold(self, roots: ArrayLike, values: ArrayLike) -> int:
+        """`FTClient.hold`, after what is buffered (so an XOR buffered before it is
+        applied first)."""
+        with self._cond:
+            self._check()
+            self._flush_locked()
+            return self.client.hold(roots, values)
 
     def status(self) -> Status:
         """`FTClient.status`: flushes first, so the counters include this process's events."""

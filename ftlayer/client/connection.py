@@ -84,6 +84,7 @@ from ftlayer.wire import (
     encode_fail,
     encode_fetch_replay,
     encode_hello,
+    encode_hold,
     encode_persist,
     encode_register_source,
     encode_savepoint,
@@ -252,6 +253,17 @@ class FTClient:
         )
         return decode_ok(frame).count
 
+    def hold(self, roots: ArrayLike, values: ArrayLike) -> int:
+        """`FTLayer.hold`: barrier-mode roots go on in a new batch (XOR `values` and a
+        fresh barrier hold); returns how many were pending. Not retried on a broken
+        connection: those trees then time out and are replayed."""
+        frame = self._call(
+            lambda rid: encode_hold(rid, roots, values, max_frame=self.max_frame),
+            Kind.OK,
+            retry=False,
+        )
+        return decode_ok(frame).count
+
     def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
         """Fail roots explicitly, with their causes (one for all, one per root, or
         unspecified); returns how many were pending (and are now retried or
@@ -307,6 +319,7 @@ class FTClient:
         timeout_s: float | None = None,
         retry: Mapping[str, Any] | None = None,
         dead_letter_topic: str | None = None,
+        completion: str = "tree",
     ) -> None:
         """`FTLayer.register_source` on the server: how `source_id`'s records are replayed,
         their own tree timeout if `timeout_s` is given, their retry policy
@@ -317,7 +330,7 @@ class FTClient:
         def encode(rid: int) -> bytes:
             return encode_register_source(
                 rid, source_id, partitioner, num_partitions, options, timeout_s, retry,
-                dead_letter_topic,
+                dead_letter_topic, completion,
             )  # fmt: skip
 
         self._call(encode, Kind.OK, retry=True)

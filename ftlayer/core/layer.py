@@ -60,6 +60,7 @@ from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch, ReplayRecords
 
+from .barrier import OpenHolds
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
@@ -115,6 +116,8 @@ class FTLayer:
         self._queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self._retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self._book = RetryBook(storage)
+        self._barrier = self._sources.barrier
+        self._holds = OpenHolds()
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
@@ -138,6 +141,7 @@ class FTLayer:
         timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         dead_letter_topic: str | None = None,
+        completion: str = "tree",
     ) -> SourceConfig:
         """Configure how `source_id`'s records are replayed, and store that in the
         storage's meta entries, so a restarted FT layer routes its recovered records the
@@ -147,13 +151,23 @@ class FTLayer:
         it applies to roots that start pending from now on. `retry`: how often and how
         soon its failed records are replayed (None: RetryPolicy's defaults);
         `dead_letter_topic`: where its source's driver writes its dead letters (None:
-        they stay in the store).
+        they stay in the store); `completion`: "tree" or "barrier"
+        (ftlayer.core.barrier).
         ConfigError (nothing changed) for an unknown partitioner or bad options."""
         if timeout_s is not None:
             validate_timeout(timeout_s, self.persistence.buckets)
-        return self._sources.register(
-            source_id, partitioner, num_partitions, options, timeout_s, retry, dead_letter_topic
+        config = self._sources.register(
+            source_id,
+            partitioner,
+            num_partitions,
+            options,
+            timeout_s,
+            retry,
+            dead_letter_topic,
+            completion,
         )
+        self._barrier = self._sources.barrier
+        return config
 
     def add_change_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` before every change to the state `state_snapshot` copies (persist,
@@ -225,6 +239,10 @@ class FTLayer:
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
+        held = self._barrier_rows(batch.source_ids) if self._barrier else None
+        if held is not None:  # the records' barrier holds: their first ack values
+            values = np.zeros(len(batch), np.uint64) if initial_values is None else None
+            initial_values = _with_holds(initial_values, held, values)
         # Step 1: the acker validates the roots (reserved, repeated, already pending).
         slots = self.acker.add(batch.roots, initial_values, **self.persistence.locators(batch))
         # Step 2: the storage confirms the records are durable; on any error the roots
@@ -238,6 +256,64 @@ class FTLayer:
         self.acker.set_column("seq", slots, seqs)
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
+        if held is not None:
+            assert initial_values is not None
+            values = np.ascontiguousarray(initial_values, dtype=np.uint64)
+            for source_id, rows in held:
+                self._holds.add(source_id, batch.roots[rows], values[rows])
+
+    def _barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
+        """(source id, rows) of the rows of barrier-mode sources; None if none."""
+        found = [
+            (s, np.flatnonzero(source_ids == s))
+            for s in _source_list(source_ids)
+            if s in self._barrier
+        ]
+        return found or None
+
+    # ---- completion at the barrier ---------------------------------------------------
+
+    def hold(self, roots: ArrayLike, values: ArrayLike) -> int:
+        """A barrier-mode root goes on in a new batch (a loop record read back): XOR
+        `values` (releasing what held it, say the loop's record in transit) together
+        with a fresh barrier hold, released at that batch's barrier. Pending roots
+        only; returns how many were held."""
+        self._changing()
+        keys = np.ascontiguousarray(roots, dtype=np.uint64)
+        vals = np.ascontiguousarray(values, dtype=np.uint64)
+        if keys.shape != vals.shape:
+            raise ValueError(f"hold: {keys.shape} roots but {vals.shape} values")
+        pending, topics = self.acker.lookup("topic", keys)
+        if not bool(pending.all()):
+            self._count_dropped(keys[~pending])
+        keys, vals = keys[pending], vals[pending]
+        if not len(keys):
+            return 0
+        sources = self.persistence.number_sources()[topics.astype(np.intp)]
+        holds = new_ids(len(keys))
+        self.xor(keys, vals ^ holds)
+        for source_id in _source_list(sources):
+            rows = sources == source_id
+            self._holds.add(source_id, keys[rows], holds[rows])
+        return len(keys)
+
+    def release_barrier(self, source_ids: Sequence[int]) -> int:
+        """The batch of these sources is done: release every open barrier hold of
+        theirs; roots nobody else holds complete. Returns how many completed."""
+        roots, values = self._holds.release(source_ids)
+        if not len(roots):
+            return 0
+        self._changing()
+        result = self.acker.xor(roots, values)
+        self.stats.barrier_released += len(roots)
+        if len(result.completed):
+            self._complete(result)
+        return len(result.completed)
+
+    @property
+    def open_holds(self) -> int:
+        """Barrier holds not released yet."""
+        return len(self._holds)
 
     def _check_not_retired(self, roots: NDArray[np.uint64]) -> None:
         retired = self._retired.known(roots, self._clock())
@@ -267,12 +343,15 @@ class FTLayer:
         if len(result.dropped):
             self._count_dropped(result.dropped)
         if len(result.completed):
-            done = self.persistence.complete(result.completed, result.columns)
-            self.stats.completed += len(done)
-            if len(self._book):
-                self._book.forget(result.columns["seq"].tolist())
-            self._notify(done)
+            self._complete(result)
         return result
+
+    def _complete(self, result: XorResult) -> None:
+        done = self.persistence.complete(result.completed, result.columns)
+        self.stats.completed += len(done)
+        if len(self._book):
+            self._book.forget(result.columns["seq"].tolist())
+        self._notify(done)
 
     def take_deletes(self) -> NDArray[np.uint64]:
         """With defer_deletes: the seqs of completed records not deleted yet, unmarked.
@@ -582,7 +661,21 @@ class FTLayer:
         records = self.storage.get(seqs).with_roots(roots)
         if len(roots):
             self._track(roots, seqs, records.source_ids)
+            if self._barrier:
+                self._hold_replays(records)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
+
+    def _hold_replays(self, records: RecordBatch) -> None:
+        """Barrier-mode replays a batch takes in get their barrier holds (once, also
+        when the range is fetched again, or a broadcast replay has several rows)."""
+        for source_id, rows in self._barrier_rows(records.source_ids) or []:
+            roots = np.unique(records.roots[rows])
+            fresh = roots[self._holds.new_roots(source_id, roots)]
+            if len(fresh):
+                self._changing()
+                holds = new_ids(len(fresh))
+                self.acker.xor(fresh, holds)  # 0 -> the hold: nothing completes
+                self._holds.add(source_id, fresh, holds)
 
     def lowest_pending_offsets(
         self, topics: Sequence[str] | None = None
@@ -825,6 +918,7 @@ class FTLayer:
         self.stats.replay_pruned = self._queue.pruned()
         self.stats.retry_waiting = self._book.waiting
         self.stats.dead_letters = len(self._book.dead)
+        self.stats.barrier_holds = len(self._holds)
         return self.stats
 
 
@@ -868,6 +962,21 @@ def _min_per_partition(
     t, p, values = t[order], p[order], values[order]
     starts = np.flatnonzero(np.r_[True, (t[1:] != t[:-1]) | (p[1:] != p[:-1])])
     return t[starts], p[starts], np.minimum.reduceat(values, starts)
+
+
+def _with_holds(
+    initial: ArrayLike | None,
+    held: list[tuple[int, NDArray[np.intp]]],
+    zeros: NDArray[np.uint64] | None,
+) -> NDArray[np.uint64]:
+    """First ack values in which every barrier-mode row holds a non-zero value: the
+    emission ids the source gave (the usual case), or fresh ids where it gave none."""
+    values = zeros if zeros is not None else np.array(initial, dtype=np.uint64, copy=True)
+    for _source, rows in held:
+        missing = rows[values[rows] == 0]
+        if len(missing):
+            values[missing] = new_ids(len(missing))
+    return values
 
 
 def _sources_of(batch: RecordBatch) -> list[int]:

@@ -15,6 +15,7 @@ from ftlayer.errors import ConfigError
 from ftlayer.partitioners import ReplayPartitioner, create_partitioner
 from ftlayer.persistence.base import PersistenceStorage
 
+from .barrier import COMPLETIONS
 from .retries import IMMEDIATE, RetryPolicy
 
 __all__ = ["SOURCES_META_KEY", "SourceConfig", "SourceRegistry", "source_from_spec"]
@@ -36,12 +37,19 @@ class SourceConfig:
     timeout_s: float | None = None
     retry: RetryPolicy = IMMEDIATE
     dead_letter_topic: str | None = None
+    completion: str = "tree"
+    """How its trees complete: "tree" (XOR events of every step) or "barrier" (at the
+    end of the batch that carried them; ftlayer.core.barrier)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_partitions, bool) or self.num_partitions < 1:
             raise ConfigError(f"a source needs at least 1 partition, got {self.num_partitions!r}")
         if self.timeout_s is not None:
             validate_timeout(self.timeout_s, 2)
+        if self.completion not in COMPLETIONS:
+            raise ConfigError(
+                f"completion must be one of {list(COMPLETIONS)}, got {self.completion!r}"
+            )
 
     @classmethod
     def named(
@@ -51,6 +59,7 @@ class SourceConfig:
         timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         dead_letter_topic: str | None = None,
+        completion: str = "tree",
         **options: object,
     ) -> SourceConfig:
         return cls(
@@ -59,6 +68,7 @@ class SourceConfig:
             timeout_s,
             retry or IMMEDIATE,
             dead_letter_topic,
+            completion,
         )
 
 
@@ -73,6 +83,7 @@ def source_from_spec(spec: Mapping[str, Any]) -> SourceConfig:
             spec.get("timeout_s"),
             RetryPolicy.from_json(spec.get("retry")),
             topic,
+            spec.get("completion", "tree"),
             **dict(spec.get("options") or {}),
         )
     except (KeyError, TypeError) as exc:
@@ -105,6 +116,11 @@ class SourceRegistry:
     def get(self, source_id: int) -> SourceConfig | None:
         return self._configs.get(source_id, self._default)
 
+    @property
+    def barrier(self) -> frozenset[int]:
+        """The sources whose trees complete at the barrier."""
+        return frozenset(s for s, c in self._configs.items() if c.completion == "barrier")
+
     def specs(self) -> dict[str, dict[str, Any]]:
         """Every registration as stored, by source id (a string): partitioner,
         partition count, options, timeout, and the retry policy and dead-letter topic
@@ -120,6 +136,7 @@ class SourceRegistry:
         timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         dead_letter_topic: str | None = None,
+        completion: str = "tree",
     ) -> SourceConfig:
         """Register (or replace) `source_id`'s config and store every registration;
         ConfigError, nothing changed, for a bad id, partitioner or option."""
@@ -136,6 +153,8 @@ class SourceRegistry:
             spec["retry"] = retry.to_json()
         if dead_letter_topic is not None:
             spec["dead_letter_topic"] = dead_letter_topic
+        if completion != "tree":
+            spec["completion"] = completion
         config = source_from_spec(spec)
         specs = {**self._specs, str(source_id): spec}
         self._storage.put_meta(SOURCES_META_KEY, json.dumps(specs, sort_keys=True).encode())

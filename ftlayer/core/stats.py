@@ -43,6 +43,11 @@ class FTStats:
     dead_letters_delivered: int = 0
     dead_letters_purged: int = 0
     dead_letters_requeued: int = 0
+    barrier_holds: int = 0
+    """Barrier holds open now: roots in a batch of a barrier-mode source still running."""
+    barrier_released: int = 0
+    """Barrier holds released (ftlayer.core.barrier): roots that entered a batch of a
+    barrier-mode source, whose batch is done."""
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0

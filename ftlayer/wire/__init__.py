@@ -38,7 +38,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x14 | STATUS              | empty                                                       |
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
 |      |                     | "num_partitions": int, "options": object[, "timeout_s":     |
-|      |                     | a finite positive number]}                                  |
+|      |                     | a finite positive number, "retry": object,                  |
+|      |                     | "dead_letter_topic": str, "completion": "tree"|"barrier"]}  |
 | 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
 |      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
 |      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
@@ -49,6 +50,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x23 | DEAD_LETTERS        | utf-8 JSON object {"op": "list", "requeue", "purge" or      |
 |      |                     | "delivered", "where": filter object, "limit": int or null}  |
 | 0x24 | DEAD_LETTER_RESTORE | as DEAD_LETTER_LIST: dead letters from a topic to replay      |
+| 0x25 | HOLD                | as XOR: a barrier-mode root goes on in a new batch          |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -170,6 +172,7 @@ from .messages import (
     decode_error,
     decode_fail,
     decode_fetch_replay,
+    decode_hold,
     decode_ok,
     decode_persist,
     decode_register_source,
@@ -187,6 +190,7 @@ from .messages import (
     encode_error_for,
     encode_fail,
     encode_fetch_replay,
+    encode_hold,
     encode_ok,
     encode_persist,
     encode_register_source,
@@ -261,6 +265,7 @@ __all__ = [
     "decode_fail",
     "decode_fetch_replay",
     "decode_hello",
+    "decode_hold",
     "decode_ok",
     "decode_persist",
     "decode_register_source",
@@ -283,6 +288,7 @@ __all__ = [
     "encode_fetch_replay",
     "encode_frame",
     "encode_hello",
+    "encode_hold",
     "encode_ok",
     "encode_persist",
     "encode_register_source",

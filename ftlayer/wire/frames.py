@@ -45,6 +45,7 @@ class Kind(enum.IntEnum):
     SAVEPOINT = 0x22
     DEAD_LETTERS = 0x23
     DEAD_LETTER_RESTORE = 0x24
+    HOLD = 0x25
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90

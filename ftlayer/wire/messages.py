@@ -92,6 +92,8 @@ class RegisterSource:
     retry: dict[str, Any] | None = None
     """The retry policy (ftlayer.core.retries.RetryPolicy.to_json); None: the defaults."""
     dead_letter_topic: str | None = None
+    completion: str = "tree"
+    """"tree" or "barrier" (ftlayer.core.barrier)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,8 +410,24 @@ def encode_xor(
     return encode_frame(Kind.XOR, request_id, body, max_frame=max_frame)
 
 
-def decode_xor(message: Frame | bytes) -> Xor:
-    body = _body(message, Kind.XOR)
+def encode_hold(
+    request_id: int, roots: ArrayLike, values: ArrayLike, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """HOLD: XOR's body, for `FTLayer.hold` (a barrier-mode root going on in a new batch)."""
+    return _retag(encode_xor(request_id, roots, values, max_frame=max_frame), Kind.HOLD)
+
+
+def decode_hold(message: Frame | bytes) -> Xor:
+    return decode_xor(message, Kind.HOLD)
+
+
+def _retag(frame: bytes, kind: Kind) -> bytes:
+    """The same frame with another kind byte (offset 4, after the length)."""
+    return frame[:4] + bytes([kind]) + frame[5:]
+
+
+def decode_xor(message: Frame | bytes, kind: Kind = Kind.XOR) -> Xor:
+    body = _body(message, kind)
     n = body.u32("event count")
     _expect_size(body, 16 * n, n, "events")
     roots = body.array("<u8", n, "roots")
@@ -524,6 +542,7 @@ def encode_register_source(
     timeout_s: float | None = None,
     retry: Mapping[str, Any] | None = None,
     dead_letter_topic: str | None = None,
+    completion: str = "tree",
 ) -> bytes:
     """REGISTER_SOURCE: u32 source id, then the config as a JSON object."""
     if isinstance(source_id, bool) or not 0 <= source_id <= MAX_U32:
@@ -539,6 +558,8 @@ def encode_register_source(
         spec["retry"] = dict(retry)
     if dead_letter_topic is not None:
         spec["dead_letter_topic"] = dead_letter_topic
+    if completion != "tree":
+        spec["completion"] = completion
     try:
         text = json.dumps(spec, separators=(",", ":"), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -555,9 +576,10 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
     except (ValueError, RecursionError) as exc:
         raise MalformedFrame(f"REGISTER_SOURCE config is not JSON: {exc}") from None
     required = {"partitioner", "num_partitions", "options"}
-    optional = {"timeout_s", "retry", "dead_letter_topic"}
+    optional = {"timeout_s", "retry", "dead_letter_topic", "completion"}
     get = spec.get if isinstance(spec, dict) else (lambda _key: None)
     timeout, retry, topic = get("timeout_s"), get("retry"), get("dead_letter_topic")
+    completion = get("completion") or "tree"
     if not (
         isinstance(spec, dict)
         and required <= set(spec) <= required | optional
@@ -567,12 +589,13 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
         and (timeout is None or _finite_positive(timeout))
         and (retry is None or isinstance(retry, dict))
         and (topic is None or (isinstance(topic, str) and topic))
+        and completion in ("tree", "barrier")
     ):
         raise BadRequest(
             'REGISTER_SOURCE config must be a JSON object with a str "partitioner", an '
             'int "num_partitions", an object "options" and optionally a finite positive number '
-            '"timeout_s", an object "retry" and a non-empty str "dead_letter_topic", and '
-            f"nothing else; got {text[:200]!r}"
+            '"timeout_s", an object "retry", a non-empty str "dead_letter_topic" and '
+            f'"completion" ("tree" or "barrier"), and nothing else; got {text[:200]!r}'
         )
     return RegisterSource(
         source_id,
@@ -582,6 +605,7 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
         None if timeout is None else float(timeout),
         retry,
         topic,
+        completion,
     )
 
 
@@ -913,6 +937,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.DEAD_LETTERS: decode_dead_letters,
     Kind.DEAD_LETTER_LIST: decode_dead_letter_list,
     Kind.DEAD_LETTER_RESTORE: decode_dead_letter_restore,
+    Kind.HOLD: decode_hold,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

@@ -120,7 +120,12 @@ from pyspark.sql.types import (
 )
 
 from ftlayer.errors import ConfigError, SourceError
-from ftlayer.integration.ftcolumns import HEADERS_TYPE, ID_COLUMN, ROOT_COLUMN
+from ftlayer.integration.ftcolumns import (
+    COMPLETION_METADATA,
+    HEADERS_TYPE,
+    ID_COLUMN,
+    ROOT_COLUMN,
+)
 from ftlayer.position import KafkaOffsets, Position
 
 from .driver import Offset, SourceDriver
@@ -141,9 +146,13 @@ __all__ = [
 ]
 
 
-def source_schema(ft_on: bool, include_headers: bool = False) -> StructType:
+def source_schema(
+    ft_on: bool, include_headers: bool = False, completion: str = "tree"
+) -> StructType:
     """The rows of an ftkafka source: the Kafka record (with its headers under
-    includeHeaders), and its anchor with FT on."""
+    includeHeaders), and its anchor with FT on. In barrier mode the `ft_id` column's
+    metadata says so (COMPLETION_METADATA), so a sink downstream knows it has nothing
+    to ack (its rows' record ids are 0 as well)."""
     fields = [
         StructField("key", BinaryType()),
         StructField("value", BinaryType()),
@@ -155,7 +164,11 @@ def source_schema(ft_on: bool, include_headers: bool = False) -> StructType:
     if include_headers:
         fields.append(StructField("headers", HEADERS_TYPE))
     if ft_on:
-        fields += [StructField(ROOT_COLUMN, LongType()), StructField(ID_COLUMN, LongType())]
+        metadata = {COMPLETION_METADATA: completion} if completion != "tree" else None
+        fields += [
+            StructField(ROOT_COLUMN, LongType()),
+            StructField(ID_COLUMN, LongType(), metadata=metadata),
+        ]
     return StructType(fields)
 
 
@@ -169,11 +182,11 @@ class FTKafkaDataSource(DataSource):
     def schema(self) -> StructType:
         # Spark calls this at load(): every option is checked here, before any query.
         options = parse_options(self.options)
-        return source_schema(options.ft_on, options.include_headers)
+        return source_schema(options.ft_on, options.include_headers, options.completion)
 
     def streamReader(self, schema: StructType) -> FTKafkaStreamReader:
         options = parse_options(self.options)
-        expected = source_schema(options.ft_on, options.include_headers)
+        expected = source_schema(options.ft_on, options.include_headers, options.completion)
         if schema != expected:
             raise ConfigError(
                 f"ftkafka's schema is fixed by its options: {expected.simpleString()}, "

@@ -536,6 +536,7 @@ class SourceDriver:
                     options.timeout_s,
                     options.retry.to_json(),
                     options.dead_letter_topic,
+                    options.completion,
                 )
 
             self._ft_call(f"register the source of topic {topic!r}", register)

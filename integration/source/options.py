@@ -270,6 +270,17 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "(`ftlayer dead-letters`)",
     ),
     Option(
+        "ft.completion",
+        "choice",
+        "how this query's trees complete (section 4.9): `tree` by the XOR events of every "
+        "wrapped step and sink (rows dropped by plain Spark operators time out and are "
+        "replayed); `barrier` at the end of the micro-batch that carried them (every "
+        "Spark operator may be used; failures and records held past the batch stay per "
+        "record)",
+        "tree",
+        choices=("tree", "barrier"),
+    ),
+    Option(
         "ft.checkpointMode",
         "choice",
         "how the FT layer's checkpoint of each batch boundary completes (section 6.6): "
@@ -323,6 +334,8 @@ class SourceOptions:
     """ft.maxRetries, ft.retryBackoffMs, ft.retryBackoffMaxMs."""
     dead_letter_topic: str | None = None
     """ft.deadLetterTopic; None: dead letters stay in the FT layer's store."""
+    completion: str = "tree"
+    """ft.completion: "tree" or "barrier" (ftlayer.core.barrier)."""
 
     @property
     def checkpoint_query(self) -> str:
@@ -452,6 +465,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         max_pending_records=_required(given.integer("ft.maxPendingRecords")),
         retry=_retry_policy(given),
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
+        completion=given.choice("ft.completion"),
     )
 
 

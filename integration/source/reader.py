@@ -99,7 +99,10 @@ def read_partition(
     """read() of one input partition: see "What read() does" in the module docstring."""
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
     channel = options.ft.channel() if options.ft_on else None
-    persister = None if channel is None else Persister(channel, source_id=part.source_id)
+    barrier = options.completion == "barrier"
+    persister = (
+        None if channel is None else Persister(channel, source_id=part.source_id, barrier=barrier)
+    )
     loop_secret = options.ft.loop_secret  # derived once per partition, not per chunk
     key_hashes: KeyHashes = (
         _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
@@ -201,6 +204,10 @@ def _persist_or_continue(
             persister, part, payloads, offsets[fresh], *key_hashes(keys_f)
         )
     looped = np.flatnonzero(loop_roots)
+    if persister.barrier:  # the transit is released; a barrier hold takes its place
+        channel.hold(loop_roots[looped], loop_ids[looped])
+        roots[looped] = to_signed(loop_roots[looped])  # ids stay 0
+        return roots, ids
     new = new_ids(len(looped))
     channel.xor(loop_roots[looped], loop_ids[looped] ^ new)
     roots[looped], ids[looped] = to_signed(loop_roots[looped]), to_signed(new)

@@ -278,7 +278,11 @@ class FTTasks:
             shuffled = df.repartition(*keys)
         if not local_sort:
             shuffled = shuffled.sortWithinPartitions(*keys)
-        out_struct = _with_ft_fields(payload_struct, multi=True) if self.ft else payload_struct
+        out_struct = (
+            _with_ft_fields(payload_struct, multi=True, like=df.schema)
+            if self.ft
+            else payload_struct
+        )
         out_schema = self._arrow(df, out_struct)
         run = aggregate_partition(
             self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
@@ -310,7 +314,9 @@ class FTTasks:
         payload_struct = _struct(df, schema)
         self._check_ft_columns(df)
         multi = EXTRA_ANCHORS_COLUMN in df.columns
-        out_struct = _with_ft_fields(payload_struct, multi) if self.ft else payload_struct
+        out_struct = (
+            _with_ft_fields(payload_struct, multi, like=df.schema) if self.ft else payload_struct
+        )
         run = map_partition(self.settings, step, self._arrow(df, out_struct), multi, what)
         return df.mapInArrow(run, out_struct)
 
@@ -379,11 +385,16 @@ def _struct(df: DataFrame, schema: Schema) -> StructType:
     return struct
 
 
-def _with_ft_fields(struct: StructType, multi: bool) -> StructType:
+def _with_ft_fields(struct: StructType, multi: bool, like: StructType | None = None) -> StructType:
+    """`struct` with the FT columns; `ft_id` keeps the metadata it has in `like` (the
+    step's input), so barrier mode stays visible downstream."""
+    metadata = None
+    if like is not None and ID_COLUMN in like.fieldNames():
+        metadata = like[ID_COLUMN].metadata or None
     fields = [
         *struct.fields,
         StructField(ROOT_COLUMN, LongType(), False),
-        StructField(ID_COLUMN, LongType(), False),
+        StructField(ID_COLUMN, LongType(), False, metadata=metadata),
     ]
     if multi:
         fields.append(StructField(EXTRA_ANCHORS_COLUMN, EXTRA_ANCHORS_TYPE, True))

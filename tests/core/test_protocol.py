@@ -1054,3 +1054,22 @@ def test_dead_letter_requests_and_lists_round_trip() -> None:
     ):
         with pytest.raises(p.BadRequest, match="DEAD_LETTERS must be"):
             p.decode(reframe(p.Kind.DEAD_LETTERS, json.dumps(bad).encode()))
+
+
+def test_hold_has_xors_body_and_register_source_carries_the_completion() -> None:
+    roots, values = np.array([5, 6], dtype=np.uint64), np.array([7, 8], dtype=np.uint64)
+    hold = p.decode(frame(p.encode_hold(3, roots, values)))
+    assert isinstance(hold, p.Xor) and hold.roots.tolist() == [5, 6]
+    assert frame(p.encode_hold(3, roots, values)).kind == p.Kind.HOLD
+    register = p.decode(frame(p.encode_register_source(4, 9, "forward", 2, completion="barrier")))
+    assert isinstance(register, p.RegisterSource) and register.completion == "barrier"
+    plain = p.decode(frame(p.encode_register_source(4, 9, "forward", 2)))
+    assert isinstance(plain, p.RegisterSource) and plain.completion == "tree"
+    body = (
+        struct.pack("<I", 9)
+        + json.dumps(
+            {"partitioner": "forward", "num_partitions": 2, "options": {}, "completion": "soon"}
+        ).encode()
+    )
+    with pytest.raises(p.BadRequest, match='"completion"'):
+        p.decode(reframe(p.Kind.REGISTER_SOURCE, body))

@@ -52,6 +52,8 @@ def _status(**changes: Any) -> dict[str, Any]:
         "dead_letters_delivered": 1,
         "dead_letters_purged": 0,
         "dead_letters_requeued": 0,
+        "barrier_holds": 4,
+        "barrier_released": 9,
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,

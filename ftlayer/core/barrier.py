@@ -1,0 +1,79 @@
+"""Completion at the barrier: the barrier of a micro-batch as one more acker participant.
+
+A source registered with completion "barrier" sends no XOR events per step: its tasks
+and sinks only fail records. Each root that enters a batch (persisted from Kafka,
+fetched as a replay, or continued by a loop) gets a *barrier hold*: a random non-zero
+value B XOR-ed into its ack value (a persist's initial value is its hold; a replay's
+and a loop continuation's is drawn by the FT layer), and (root, B) joins the open
+holds of its source. When the query's batch is done (CHECKPOINT_DONE: Spark runs one
+batch at a time, and the FT layer hears of a batch's end before the next one reads),
+every open hold of the query's sources is released in one vectorized XOR:
+
+- a root nobody else holds returns to 0 and completes, as any tree does;
+- a root that failed meanwhile is no longer pending (its record waits as a replay
+  under a fresh root, which gets a hold of its own when a batch fetches it): its
+  release is dropped;
+- a root that a step or sink holds past the batch (a loop record in transit, anchored
+  by XOR as in tree mode) keeps that value and completes by XOR when its holder acks.
+
+So the barrier is a bulk acknowledgement, and failures stay per record. `OpenHolds`
+keeps the holds per source, as chunks of arrays (appends are O(1), the release is one
+concatenation), and knows which replay roots hold already, so a range fetched twice
+(Spark re-running a batch) is held once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["COMPLETIONS", "OpenHolds"]
+
+COMPLETIONS = ("tree", "barrier")
+"""How a source's trees complete: by XOR events of every step (tree), or at the end of
+the batch that carried them (barrier; failures and holders still per record)."""
+
+_EMPTY: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
+
+class OpenHolds:
+    """The barrier holds not yet released, per source id."""
+
+    def __init__(self) -> None:
+        self._roots: dict[int, list[NDArray[np.uint64]]] = {}
+        self._values: dict[int, list[NDArray[np.uint64]]] = {}
+        self._held: dict[int, set[int]] = {}  # per source: replay and loop roots held
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, source_id: int, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
+        if len(roots):
+            self._roots.setdefault(source_id, []).append(roots)
+            self._values.setdefault(source_id, []).append(values)
+            self.count += len(roots)
+
+    def new_roots(self, source_id: int, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
+        """Which of these replay roots of `source_id` hold nothing yet; they are marked
+        as held from now on (until their source's release)."""
+        held = self._held.setdefault(source_id, set())
+        fresh = np.fromiter((r not in held for r in roots.tolist()), np.bool_, len(roots))
+        held.update(roots[fresh].tolist())
+        return fresh
+
+    def release(self, source_ids: Iterable[int]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+        """Every open hold of these sources, (roots, values), removed."""
+        roots: list[NDArray[np.uint64]] = []
+        values: list[NDArray[np.uint64]] = []
+        for source_id in source_ids:
+            roots += self._roots.pop(source_id, [])
+            values += self._values.pop(source_id, [])
+            self._held.pop(source_id, None)
+        if not roots:
+            return _EMPTY, _EMPTY
+        all_roots = np.concatenate(roots)
+        self.count -= len(all_roots)
+        return all_roots, np.concatenate(values)

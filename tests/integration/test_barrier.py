@@ -1,0 +1,295 @@
+"""Barrier mode on real parts (issue 13, part 2): with `ft.completion=barrier` a
+pipeline may use plain Spark operators between the source and the sink. Every input
+record reaches the output (or the operator's state) or is replayed after an explicit
+failure; nothing is lost; no tree is left pending after its batch; no XOR event is
+sent for a record that is not held.
+
+Real Tansu, a real `ftlayer serve`, local Spark (`local[2,4]`). Records fail once on
+first sight (an O_EXCL marker, across Python workers) in a wrapped step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from serverproc import Server, StartServer
+
+from ftlayer.client import FTClient
+from ftlayer.errors import FailException
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.kafka import produce
+from ftlayer.integration.sinks import ft_foreach_batch
+from ftlayer.integration.source import register
+from ftlayer.integration.tasks import FTTasks
+from ftlayer.status import Status
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MakeTopic = Callable[..., str]
+SCHEMA = "id long, value string"
+BASE_MS = 1_800_000_000_000  # event times: a fixed base, one second per id
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ftkafka(spark: SparkSession) -> None:
+    register(spark)
+
+
+def fails_once(i: int) -> bool:
+    return i % 37 == 5
+
+
+def make_parse(marks: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The wrapped step: the key is the id; ids with fails_once fail on first sight."""
+
+    def parse(row: dict[str, Any]) -> dict[str, Any]:
+        event_id = int(row["key"])
+        if fails_once(event_id):
+            try:
+                os.close(os.open(os.path.join(marks, str(event_id)), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                raise FailException(f"event {event_id}: upstream timed out")
+        return {"id": event_id, "value": (row["value"] or b"").decode()}
+
+    return parse
+
+
+def barrier_source(spark: SparkSession, bootstrap: str, topic: str, server: Server) -> DataFrame:
+    return (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", topic)
+        .option("ft.address", server.address)
+        .option("ft.completion", "barrier")
+        .option("ft.retryBackoffMs", "100")
+        .load()
+    )
+
+
+class Rows:
+    """What a foreachBatch sink received, on the driver."""
+
+    def __init__(self, columns: list[str]) -> None:
+        self.columns = columns
+        self.rows: list[tuple[Any, ...]] = []
+
+    def __call__(self, batch: DataFrame, epoch_id: int) -> None:
+        self.rows.extend(tuple(r) for r in batch.select(*self.columns).collect())
+
+
+def settle(
+    query: Any, server: Server, ready: Callable[[Status], bool], timeout_s: float = 120.0
+) -> Status:
+    """Wait until `ready(status)` holds with no tree pending, twice in a row; the status."""
+    deadline = time.monotonic() + timeout_s
+    calm = 0
+    with FTClient(server.address) as client:
+        while True:
+            if query.exception() is not None:
+                raise AssertionError(f"the query failed: {query.exception()}")
+            status = client.status()
+            calm = calm + 1 if ready(status) and status.pending == 0 else 0
+            if calm >= 2:
+                return status
+            assert time.monotonic() < deadline, f"not settled: {status.to_json()}"
+            time.sleep(0.3)
+
+
+def start(frame: DataFrame, sink: Any, checkpoint: Path, mode: str = "append") -> Any:
+    return (
+        frame.writeStream.foreachBatch(sink)
+        .outputMode(mode)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="300 milliseconds")
+        .start()
+    )
+
+
+def test_where_select_explode_and_a_static_join_need_nothing_of_the_user(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    n = 2000
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    topic = make_topic(4)
+    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v%d" % i) for i in range(n)])
+    (tmp_path / "marks").mkdir()
+    names = spark.createDataFrame([(k, f"name-{k}") for k in range(7)], "k long, name string")
+    parsed = FTTasks(settings).map(
+        barrier_source(spark, kafka_bootstrap, topic, server),
+        make_parse(str(tmp_path / "marks")),
+        SCHEMA,
+    )
+    shaped = (
+        parsed.where(F.col("id") % 3 != 0)  # a plain where drops rows: fine here
+        .select("id", "ft_root", "ft_id", (F.col("id") % 7).alias("k"))
+        .withColumn("copy", F.explode(F.array(F.lit(0), F.lit(1))))
+        .join(F.broadcast(names), "k")
+    )
+    rows = Rows(["id", "copy", "name"])
+    sink = ft_foreach_batch(rows, settings)
+    query = start(shaped, sink, tmp_path / "cp")
+    try:
+        status = settle(query, server, lambda s: s.persisted >= n)
+    finally:
+        query.stop()
+    kept = [i for i in range(n) if i % 3 != 0]
+    assert sorted(rows.rows) == sorted((i, c, f"name-{i % 7}") for i in kept for c in (0, 1))
+    failing = [i for i in range(n) if fails_once(i)]
+    assert status.failed["explicit"] == len(failing) and status.failed["timeout"] == 0
+    # Barrier mode sends no XOR event per record: the sink and the steps sent none.
+    assert status.xor_events == 0
+    assert status.barrier_released == n + len(failing) and status.completed == n
+    # The sink knew from the ft_id column's metadata that it had nothing to ack.
+    assert sink.last_result is not None and sink.last_result.at_barrier
+
+
+def test_a_watermarked_window_counts_every_record_and_drops_failed_ones_until_replayed(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    n = 600
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    topic = make_topic(2)
+    # One event per second of event time; 60-second windows.
+    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(n)])
+    (tmp_path / "marks").mkdir()
+    parsed = FTTasks(settings).map(
+        barrier_source(spark, kafka_bootstrap, topic, server),
+        make_parse(str(tmp_path / "marks")),
+        SCHEMA,
+    )
+    timed = parsed.withColumn(
+        "at", F.timestamp_millis(F.lit(BASE_MS) + F.col("id") * 1000)
+    ).withWatermark("at", "10 minutes")
+    counts = timed.groupBy(F.window("at", "60 seconds")).agg(F.count("*").alias("n"))
+    totals: dict[Any, int] = {}
+
+    def sink(batch: DataFrame, epoch_id: int) -> None:
+        for row in batch.collect():
+            totals[row["window"]["start"]] = row["n"]
+
+    query = start(counts, sink, tmp_path / "cp", mode="update")
+    try:
+        settle(query, server, lambda s: s.persisted >= n and s.replay_queue == 0)
+        time.sleep(2)  # a last batch for the replays' rows
+    finally:
+        query.stop()
+    # Every record is in its window's count, the failed-once ones after their replay.
+    assert sum(totals.values()) == n and len(totals) == n // 60
+
+
+def test_a_failed_record_in_a_stream_stream_join_comes_back_and_joins_again(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    n = 300
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    left_topic, right_topic = make_topic(2), make_topic(2)
+    produce(kafka_bootstrap, left_topic, [(str(i).encode(), b"l%d" % i) for i in range(n)])
+    produce(kafka_bootstrap, right_topic, [(str(i).encode(), b"r%d" % i) for i in range(n)])
+    (tmp_path / "marks").mkdir()
+    tasks = FTTasks(settings)
+    left = tasks.map(
+        barrier_source(spark, kafka_bootstrap, left_topic, server),
+        make_parse(str(tmp_path / "marks")),  # failing once: left side only
+        SCHEMA,
+    )
+    right = barrier_source(spark, kafka_bootstrap, right_topic, server).select(
+        F.col("key").cast("string").cast("long").alias("rid"),
+        F.col("value").cast("string").alias("rvalue"),
+        F.col("ft_root").alias("r_root"),
+        F.col("ft_id").alias("r_id"),
+    )
+    at = F.timestamp_millis(F.lit(BASE_MS))
+    joined = (
+        left.withColumn("at", at)
+        .withWatermark("at", "1 hour")
+        .join(right.withColumn("rat", at).withWatermark("rat", "1 hour"), F.expr("id = rid"))
+    )
+    rows = Rows(["id", "value", "rvalue"])
+    query = start(joined, ft_foreach_batch(rows, settings), tmp_path / "cp")
+    try:
+        status = settle(query, server, lambda s: s.persisted >= 2 * n)
+    finally:
+        query.stop()
+    # Every pair joined once, the left records that failed after their replay: the
+    # right side was still in the join's state.
+    assert sorted(rows.rows) == [(i, f"l{i}", f"r{i}") for i in range(n)]
+    assert status.failed["explicit"] == len([i for i in range(n) if fails_once(i)])
+
+
+def test_drop_duplicates_within_watermark_and_apply_in_pandas_with_state(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    import pandas as pd
+    from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+
+    n = 400
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    topic = make_topic(2)
+    # Every id twice: dropDuplicatesWithinWatermark keeps one of each.
+    produce(kafka_bootstrap, topic, [(str(i % n).encode(), b"v") for i in range(2 * n)])
+    (tmp_path / "marks").mkdir()
+    parsed = FTTasks(settings).map(
+        barrier_source(spark, kafka_bootstrap, topic, server),
+        make_parse(str(tmp_path / "marks")),
+        SCHEMA,
+    )
+    distinct = (
+        parsed.withColumn("at", F.timestamp_millis(F.lit(BASE_MS)))
+        .withWatermark("at", "1 hour")
+        .dropDuplicatesWithinWatermark(["id"])
+        .withColumn("group", F.col("id") % 5)
+    )
+
+    def running(key: Any, frames: Any, state: GroupState) -> Any:
+        seen = (state.get[0] if state.exists else 0) + sum(len(f) for f in frames)
+        state.update((seen,))
+        yield pd.DataFrame({"group": [key[0]], "seen": [seen]})
+
+    counted = distinct.groupBy("group").applyInPandasWithState(
+        running, "group long, seen long", "seen long", "update", GroupStateTimeout.NoTimeout
+    )
+    latest: dict[int, int] = {}
+
+    def sink(batch: DataFrame, epoch_id: int) -> None:
+        for row in batch.collect():
+            latest[row["group"]] = max(latest.get(row["group"], 0), row["seen"])
+
+    query = start(counted, sink, tmp_path / "cp", mode="update")
+    try:
+        settle(query, server, lambda s: s.persisted >= 2 * n and s.replay_queue == 0)
+        time.sleep(2)
+    finally:
+        query.stop()
+    # Each id counted once in its group's state, those that failed once after replay.
+    assert latest == {g: n // 5 for g in range(5)}
