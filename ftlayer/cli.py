@@ -6,7 +6,8 @@
                    [--idle-timeout-s S] [--max-connections N]
     ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--wait-s S] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
-                   [--poison-rate R] [--max-retries M] [--workdir D] [--json]
+                   [--poison-rate R] [--max-retries M] [--completion tree|barrier]
+                   [--workdir D] [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
@@ -177,6 +178,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_count,
         default=10,
         help="ft.maxRetries: replays of a failed event before it is dead-lettered",
+    )
+    demo.add_argument(
+        "--completion",
+        choices=("tree", "barrier"),
+        default="tree",
+        help="ft.completion: trees complete by XOR events (tree) or at the batch's end",
     )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -398,6 +405,7 @@ def _demo(args: argparse.Namespace) -> int:
             kill_workers=args.kill_workers,
             poison_rate=args.poison_rate,
             max_retries=args.max_retries,
+            completion=args.completion,
             workdir=args.workdir,
             on_progress=lambda progress: live.update(view(progress)),
             on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),

@@ -255,6 +255,7 @@ def run_demo(
     on_kill: Callable[[str], None] | None = None,
     poison_rate: float = 0.0,
     max_retries: int = 10,
+    completion: str = "tree",
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts."""
     from ftlayer.integration.sinks import ft_kafka_sink
@@ -293,6 +294,7 @@ def run_demo(
                 .option("ft.address", server.address)
                 .option("ft.partitioner", "kafka-hash")
                 .option("ft.maxRetries", str(max_retries))
+                .option("ft.completion", completion)
                 .option("ft.deadLetterTopic", dead_topic)
                 .option("kafka.group.id", group)
                 .load()
@@ -374,6 +376,7 @@ def run_demo(
                 or not all("poison" in c or c == "" for c in causes)
             ),
             "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
+            "completion": completion,
             "group_lag_at_end": lag,
         },
     )

@@ -334,7 +334,10 @@ class FTTasks:
         if self.ft and not set(FT_COLUMNS) <= set(present):
             raise ConfigError(
                 f"FT is on but the DataFrame has no {' / '.join(FT_COLUMNS)} columns "
-                f"(it has {df.columns}): is it read from an FT source with the same FTSettings?"
+                f"(it has {df.columns}): is it read from an FT source with the same "
+                "FTSettings? Rows after a Spark aggregation or state function carry no "
+                "root; use plain Spark code there (in barrier mode a failure there fails "
+                "the task; user guide section 4.9)"
             )
         if not self.ft and present:
             raise ConfigError(

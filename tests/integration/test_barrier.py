@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 from serverproc import Server, StartServer
 
 from ftlayer.client import FTClient
-from ftlayer.errors import FailException
+from ftlayer.errors import ConfigError, FailException
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.sinks import ft_foreach_batch
@@ -293,3 +293,57 @@ def test_drop_duplicates_within_watermark_and_apply_in_pandas_with_state(
         query.stop()
     # Each id counted once in its group's state, those that failed once after replay.
     assert latest == {g: n // 5 for g in range(5)}
+
+
+def test_after_a_stateful_operator_a_failure_fails_the_task_and_spark_runs_it_again(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """Rows out of an aggregation carry no root: a wrapped step refuses them, and a
+    failure in plain code there fails the Spark task, which Spark runs again (the
+    chosen rule, user guide section 4.9): the counts are complete and every tree of
+    the batch completed at its barrier."""
+    n = 300
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    topic = make_topic(2)
+    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(n)])
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    source = barrier_source(spark, kafka_bootstrap, topic, server)
+    counts = (
+        source.withColumn("id", F.col("key").cast("string").cast("long"))
+        .withColumn("at", F.timestamp_millis(F.lit(BASE_MS) + F.col("id") * 1000))
+        .withWatermark("at", "1 hour")
+        .groupBy(F.window("at", "60 seconds"))
+        .agg(F.count("*").alias("n"))
+    )
+    with pytest.raises(ConfigError, match=r"section 4\.9"):
+        FTTasks(settings).map(counts, lambda row: row, "n long")
+    marker = str(marks / "first")
+
+    @F.udf("long")
+    def checked(count):  # type: ignore[no-untyped-def]  # (hints make Spark guess a pandas UDF)
+        try:  # the first call anywhere fails its task
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return count
+        raise RuntimeError("a bug that bites once")
+
+    totals: dict[Any, int] = {}
+
+    def sink(batch: DataFrame, epoch_id: int) -> None:
+        for row in batch.collect():
+            totals[row["window"]["start"]] = row["n"]
+
+    query = start(counts.withColumn("n", checked("n")), sink, tmp_path / "cp", mode="update")
+    try:
+        status = settle(query, server, lambda s: s.persisted >= n)
+    finally:
+        query.stop()
+    assert os.path.exists(marker)  # it did fail once
+    assert sum(totals.values()) == n and status.failed["explicit"] == 0
+    assert status.completed == n and status.failed["timeout"] == 0
