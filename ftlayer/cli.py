@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--completion",
         choices=("tree", "barrier"),
-        default="tree",
+        default="barrier",
         help="ft.completion: trees complete by XOR events (tree) or at the batch's end",
     )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")

@@ -255,7 +255,7 @@ def run_demo(
     on_kill: Callable[[str], None] | None = None,
     poison_rate: float = 0.0,
     max_retries: int = 10,
-    completion: str = "tree",
+    completion: str = "barrier",
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts."""
     from ftlayer.integration.sinks import ft_kafka_sink

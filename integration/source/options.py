@@ -272,12 +272,12 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "ft.completion",
         "choice",
-        "how this query's trees complete (section 4.9): `tree` by the XOR events of every "
+        "how this query's trees complete (section 4.9): `barrier` at the end of the "
+        "micro-batch that carried them (every Spark operator may be used; failures and "
+        "records held past the batch stay per record); `tree` by the XOR events of every "
         "wrapped step and sink (rows dropped by plain Spark operators time out and are "
-        "replayed); `barrier` at the end of the micro-batch that carried them (every "
-        "Spark operator may be used; failures and records held past the batch stay per "
-        "record)",
-        "tree",
+        "replayed)",
+        "barrier",
         choices=("tree", "barrier"),
     ),
     Option(
@@ -334,8 +334,8 @@ class SourceOptions:
     """ft.maxRetries, ft.retryBackoffMs, ft.retryBackoffMaxMs."""
     dead_letter_topic: str | None = None
     """ft.deadLetterTopic; None: dead letters stay in the FT layer's store."""
-    completion: str = "tree"
-    """ft.completion: "tree" or "barrier" (ftlayer.core.barrier)."""
+    completion: str = "barrier"
+    """ft.completion: "barrier" (the default) or "tree" (ftlayer.core.barrier)."""
 
     @property
     def checkpoint_query(self) -> str:

@@ -93,6 +93,7 @@ def test_group_offsets_never_pass_an_incomplete_record(
         "kafka.bootstrap.servers": kafka_bootstrap,
         "subscribe": topic,
         "ft.address": server.address,
+        "ft.completion": "tree",  # a record is held by not acking it
         "kafka.group.id": group,
         "maxOffsetsPerTrigger": "10",  # 5 per partition: 4 batches, commits one late
     }
@@ -135,6 +136,7 @@ def test_aligned_checkpoints_hold_every_partition_until_the_record_completes(
         "kafka.bootstrap.servers": kafka_bootstrap,
         "subscribe": topic,
         "ft.address": server.address,
+        "ft.completion": "tree",  # a record is held by not acking it
         "kafka.group.id": group,
         "maxOffsetsPerTrigger": "10",
         "ft.checkpointMode": "aligned",
@@ -212,6 +214,7 @@ def test_commit_prunes_the_replay_entries_of_finished_batches(
         .option("kafka.bootstrap.servers", kafka_bootstrap)
         .option("subscribe", topic)
         .option("ft.address", server.address)
+        .option("ft.completion", "tree")
         .load()
         .writeStream.foreachBatch(sink)
         .trigger(processingTime="300 milliseconds")

@@ -78,7 +78,11 @@ def options(bootstrap: str, topics: Iterable[str], **extra: object) -> dict[str,
 
 
 def ft_options(bootstrap: str, topics: Iterable[str], server: Server, **extra: object) -> dict:
-    return options(bootstrap, topics, **{"ft_address": server.address, **extra})
+    """The source's options with FT on, in tree mode: these tests follow each record's
+    anchor and XOR events (barrier mode has tests/integration/test_barrier_pipelines.py)."""
+    return options(
+        bootstrap, topics, **{"ft_address": server.address, "ft_completion": "tree", **extra}
+    )
 
 
 def records(prefix: str, n: int, *, keyless_every: int = 0, tombstone_every: int = 0) -> list:
