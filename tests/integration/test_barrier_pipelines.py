@@ -26,8 +26,8 @@ from serverproc import Server, StartServer
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, FailException
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.harness.kafka import produce
-from ftlayer.integration.sinks import ft_foreach_batch
+from ftlayer.integration.harness.kafka import produce, read_all
+from ftlayer.integration.sinks import ft_foreach_batch, ft_kafka_sink
 from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks
 from ftlayer.status import Status
@@ -347,3 +347,59 @@ def test_after_a_stateful_operator_a_failure_fails_the_task_and_spark_runs_it_ag
     assert os.path.exists(marker)  # it did fail once
     assert sum(totals.values()) == n and status.failed["explicit"] == 0
     assert status.completed == n and status.failed["timeout"] == 0
+
+
+def test_a_write_the_broker_refuses_fails_its_record_alone_until_it_is_a_dead_letter(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """Barrier mode with the Kafka sink: a row whose write the broker refuses (larger
+    than the producer's request limit) fails its record's root with the sink's error;
+    the rest of its batch completes at the barrier. It fails on every replay, so it is
+    dead-lettered after ft.maxRetries + 1 attempts, each cause the sink's."""
+    n = 500
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    topic, out = make_topic(2), make_topic(2)
+    big = {i for i in range(n) if i % 100 == 42}
+    produce(
+        kafka_bootstrap,
+        topic,
+        [(str(i).encode(), b"x" * (20_000 if i in big else 10)) for i in range(n)],
+    )
+    source = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("ft.address", server.address)
+        .option("ft.maxRetries", "1")
+        .option("ft.retryBackoffMs", "100")
+        .load()
+        .select("key", "value", "ft_root", "ft_id")
+    )
+    sink = ft_kafka_sink(
+        kafka_bootstrap,
+        out,
+        settings,
+        on_error="fail-and-continue",
+        producer_config={"max_request_size": 16_000},
+    )
+    query = start(source, sink, tmp_path / "cp")
+    try:
+        status = settle(query, server, lambda s: s.persisted >= n and s.dead_letters == len(big))
+        with FTClient(server.address) as client:
+            letters = client.dead_letters().letters
+    finally:
+        query.stop()
+    written = {int(r.key) for r in read_all(kafka_bootstrap, out)}
+    assert written == set(range(n)) - big
+    assert status.dead_lettered == len(big) and status.xor_events == 0
+    assert all(letter["attempts"] == 2 for letter in letters)
+    assert all(
+        c["kind"] == "sink" and "MessageSizeTooLarge" in c["error"]
+        for letter in letters
+        for c in letter["causes"]
+    )
