@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import ipaddress
 import logging
 import os
@@ -236,6 +237,7 @@ class FTServer:
         self._connections: dict[int, _Connection] = {}
         self._connections_lock = threading.Lock()
         self._started_at = 0.0
+        self._serve_lock: int | None = None
         self._request_handlers: dict[Kind, Handler] = {
             Kind.PERSIST: self._persist,
             Kind.XOR: self._xor,
@@ -268,6 +270,9 @@ class FTServer:
         storage = LmdbStorage(self.data_dir)
         snapshots: LmdbStorage | None = None
         try:
+            # One server per data dir: a second one would recover (and replay) what
+            # the first one's jobs are processing. Taken before recovery writes.
+            self._serve_lock = _lock_data_dir(self.data_dir)
             self._ft = FTLayer(
                 storage, timeout_s=self.timeout_s, buckets=self.buckets, defer_deletes=True
             )
@@ -280,6 +285,7 @@ class FTServer:
             self._listener = _listen(self.host, self.port)
         except BaseException:
             self._ft = self._checkpoints = None
+            self._release_serve_lock()
             storage.close()
             if snapshots is not None:
                 snapshots.close()
@@ -329,7 +335,13 @@ class FTServer:
             if self._storage is not None:
                 self._storage.close()
             self._ft = self._checkpoints = None
+            self._release_serve_lock()
         log.info("stopped")
+
+    def _release_serve_lock(self) -> None:
+        fd, self._serve_lock = self._serve_lock, None
+        if fd is not None:
+            os.close(fd)  # releases the flock
 
     def __enter__(self) -> Self:
         return self.start()
@@ -822,3 +834,29 @@ def _refuse(sock: socket.socket, peer: str, limit: int, *, tls: bool) -> None:
 def _shutdown(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):  # already closed by the peer
         sock.shutdown(socket.SHUT_RDWR)
+
+
+SERVE_LOCK_FILE: Final = "serve.lock"
+"""In the data dir: held (flock) by the `ftlayer serve` that serves it, with its pid."""
+
+
+def _lock_data_dir(data_dir: str | os.PathLike[str]) -> int:
+    """Take the data dir's serve lock (an flock, which conflicts with another open of
+    the file also within one process) and write this pid into it; the descriptor
+    holds the lock until closed. ConfigError naming the holder if another server has
+    it."""
+    path = os.path.join(os.fspath(data_dir), SERVE_LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"the data dir {os.fspath(data_dir)} is served by another `ftlayer serve` "
+            f"(pid {holder}); one server per data dir: stop it first, or give this one "
+            "a data dir of its own"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

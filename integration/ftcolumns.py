@@ -124,6 +124,10 @@ class FTSettings:
     """Connect with TLS, trusting the CA certificate(s) in this PEM file."""
     loop_key: bytes | None = None
     """The key loop headers are signed with; None: derived from `token`."""
+    reconnect_s: float = 60.0
+    """How long a task's connection to the FT layer retries a refused or broken
+    connection, with backoff, before the task fails: a restart of the FT layer within
+    it costs the job nothing (Spark retries a task that fails anyway)."""
 
     @property
     def loop_secret(self) -> bytes | None:
@@ -136,6 +140,8 @@ class FTSettings:
         return None
 
     def __post_init__(self) -> None:
+        if not self.reconnect_s >= 0:
+            raise ConfigError(f"reconnect_s must be 0 or more seconds, got {self.reconnect_s}")
         if self.enabled:
             if not self.address:
                 raise ConfigError("FT is on but no FT-layer address was given (HOST:PORT)")
@@ -145,4 +151,4 @@ class FTSettings:
         """This process's shared channel to the FT layer; ConfigError when FT is off."""
         if not self.enabled or self.address is None:
             raise ConfigError("FT is off: there is no FT-layer channel")
-        return shared_channel(self.address, self.token, self.tls_ca)
+        return shared_channel(self.address, self.token, self.tls_ca, self.reconnect_s)

@@ -271,12 +271,15 @@ class BatchingChannel:
 
 
 _shared_lock = threading.Lock()
-_shared: dict[tuple[str, bytes | None, str | None], BatchingChannel] = {}
+_shared: dict[tuple[str, bytes | None, str | None, float], BatchingChannel] = {}
 _shared_pid = os.getpid()
 
 
 def shared_channel(
-    address: str, token: bytes | None = None, tls_ca: str | None = None
+    address: str,
+    token: bytes | None = None,
+    tls_ca: str | None = None,
+    reconnect_s: float = 60.0,
 ) -> BatchingChannel:
     """This process's BatchingChannel to the server at `address`, made on first use.
 
@@ -287,17 +290,19 @@ def shared_channel(
     thread belong to the parent): it makes its own. Channels are flushed and closed at
     interpreter exit; call `flush()` at the end of each partition regardless, since a
     worker may be killed without running exit handlers. `tls_ca`: connect with TLS,
-    trusting the CA certificate(s) in that PEM file.
+    trusting the CA certificate(s) in that PEM file. `reconnect_s`: how long a refused or
+    broken connection is retried with backoff (a restart of the FT layer within it is
+    ridden out).
     """
     global _shared_pid
-    key = (address, token, tls_ca)
+    key = (address, token, tls_ca, reconnect_s)
     with _shared_lock:
         if _shared_pid != os.getpid():
             _shared.clear()  # the parent's: never flush or close them here
             _shared_pid = os.getpid()
         channel = _shared.get(key)
         if channel is None or channel.closed:
-            client = FTClient(address, token=token, tls=tls_ca or False)
+            client = FTClient(address, token=token, tls=tls_ca or False, reconnect_s=reconnect_s)
             channel = _shared[key] = BatchingChannel(client)
         return channel
 

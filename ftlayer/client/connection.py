@@ -10,7 +10,7 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
   committed the records: a source that emits after persist() never emits an
   unpersisted record.
 - Connecting (lazily, and again after a broken connection) retries refused attempts
-  with exponential backoff for up to `reconnect_s` (10 s by default), so a restarting
+  with exponential backoff for up to `reconnect_s` (60 s by default), so a restarting
   server is waited for; nothing of a request is sent before its connection is up, so
   every call may wait this way. Then ConnectionLost.
 - A connection that breaks after a request was sent is retried once (reconnecting as
@@ -213,7 +213,7 @@ class FTClient:
         name: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         tls: bool | str | os.PathLike[str] | ssl.SSLContext = False,
-        reconnect_s: float = 10.0,
+        reconnect_s: float = 60.0,
     ) -> None:
         self.host, self.port = parse_address(address)
         self._tls = client_tls_context(tls)

@@ -229,10 +229,11 @@ OPTIONS: Final[tuple[Option, ...]] = (
     _ms("ft.connectTimeoutMs", 2000, 1, "the driver's TCP connect timeout to the FT layer"),
     _ms(
         "ft.reconnectTimeoutMs",
-        5000,
+        60_000,
         0,
-        "how long the driver retries a refused or broken connection to the FT layer, with "
-        "backoff, before the query fails with `SourceError`",
+        "how long the driver and the source's tasks retry a refused or broken connection "
+        "to the FT layer, with backoff, before the query (or the task) fails with "
+        "`SourceError`: a restart of the FT layer within it costs the query nothing",
     ),
     _ms(
         "ft.timeoutMs",
@@ -319,7 +320,7 @@ class SourceOptions:
     kafka_retries: int = 3
     kafka_retry_interval_s: float = 0.1
     ft_connect_timeout_s: float = 2.0
-    ft_reconnect_timeout_s: float = 5.0
+    ft_reconnect_timeout_s: float = 60.0
     group_id: str | None = None
     """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
     timeout_s: float | None = None
@@ -600,9 +601,14 @@ def _ft_settings(given: _Given) -> FTSettings:
         return FTSettings(enabled=False)
     token = _read_secret(given, "ft.token", "ft.tokenFile")
     loop_key = _read_secret(given, "ft.loopKey", "ft.loopKeyFile")
+    reconnect_s = _required(given.integer("ft.reconnectTimeoutMs")) / 1000
     try:
         return FTSettings(
-            address=address, token=token, tls_ca=given.text("ft.tlsCa"), loop_key=loop_key
+            address=address,
+            token=token,
+            tls_ca=given.text("ft.tlsCa"),
+            loop_key=loop_key,
+            reconnect_s=reconnect_s,
         )
     except ConfigError as exc:
         raise ConfigError(f"option ft.address={address!r}: {exc}") from None
