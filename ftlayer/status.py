@@ -93,6 +93,9 @@ class CheckpointReport(Mapping[str, Any]):
     pruned: int
     commit_offsets: KafkaOffsets | None
     """The consumer-group offsets this checkpoint allows (set at completion)."""
+    superseded: bool = False
+    """Its snapshot could not be written: it completes with a later snapshot of its query
+    (ftlayer.checkpoint.coordinator, "A failed write")."""
     completed: CheckpointReport | None = None
     """In a CHECKPOINT_BEGIN reply that completed the batch before: that checkpoint."""
 
@@ -130,6 +133,7 @@ class CheckpointReport(Mapping[str, Any]):
             size_bytes=_field(data, "size_bytes", int, what),
             pruned=_field(data, "pruned", int, what),
             commit_offsets=commit_offsets,
+            superseded=bool(_optional(data, "superseded", bool, what)),
             completed=None if completed is None else cls.from_json(completed),
         )
 

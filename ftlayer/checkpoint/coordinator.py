@@ -31,7 +31,8 @@ offsets the source may commit, by the query's mode:
   tick. Group offsets then move to S_n. The time from the batch being done to the
   completion is the checkpoint's alignment wait.
 
-A checkpoint also completes only once its snapshot is written. The newest `retain`
+A checkpoint also completes only once its snapshot is written, or a later snapshot
+of its query is (see "A failed write" below). The newest `retain`
 snapshots of each query stay in LMDB (meta keys "snapshot/<query>/<id>"; the server
 keeps them in an LMDB environment of their own, `<data dir>/checkpoints`, written
 without fsync, so they never queue behind the records' transactions: a snapshot lost
@@ -46,6 +47,28 @@ the store of snapshots, so a killed process loses none; an OS crash may lose the
 newest, which only makes the restarted FT layer know an older position (a savepoint
 starts further back: duplicates, no loss).
 Savepoints (ftlayer.checkpoint.savepoint) copy the FT layer's store.
+
+A failed write stalls nothing. `write_pending` writes its snapshots and records in one
+transaction; if that fails, none of it is stored and all of it is kept for the next
+write (the server's writer tries again on its next round, which an idle stream
+has too, and with every barrier):
+
+1. The records go back to the front of the queue: the next write stores them.
+2. Of each query's snapshots only the newest is kept, and retried. The older ones are
+   *superseded*: never written, they complete (by their mode, in order) once a later
+   snapshot of their query is written. That later snapshot is the state at a later
+   barrier of the same query, so it holds every root still pending of theirs; a
+   restore from it loses nothing they would have kept, and group offsets never
+   depended on the snapshot (they come from the roots pending at completion). Keeping
+   one snapshot per query bounds the memory of a store that keeps failing: one copy of
+   the state per query, not one per barrier.
+3. The snapshot count per query (`retain`) moves only when the write succeeds, so a
+   retried snapshot is counted once and the expiry deletes what was stored.
+
+While writes fail, no checkpoint completes and group offsets hold (as they must: no
+snapshot is durable); the write that succeeds completes the whole backlog at once.
+The FT layer's own store keeps a staged record staged when its commit fails, so its
+next write carries it.
 
 Not thread-safe: the caller serializes begin, complete and poll with the core they
 belong to (`lock`, which `write_pending` takes for the copy it owes; the server's
@@ -91,6 +114,7 @@ MAX_QUERY_CHARS = 200
 _QUERY_OK = re.compile(r"^[^\x00-\x1f/]+$")
 _RECENT = 20  # checkpoint records kept in memory per query, for status
 _MAX_OPEN = 1000  # open (begun or aligning) checkpoints per query before the oldest go
+_FAILURE_LOG_S = 60.0  # while snapshot writes keep failing, one error line per this
 
 
 class CheckpointMode(enum.Enum):
@@ -138,6 +162,9 @@ class Checkpoint:
     """The consumer-group offsets this checkpoint allows (set at completion)."""
     pruned: int = 0
     snapshot_written: bool = False
+    superseded: bool = False
+    """Its snapshot could not be written and a later one of its query replaces it: it
+    completes once that one is written."""
     key: str = ""
     """position.key(), kept: the lookup of a barrier begun before."""
 
@@ -171,6 +198,7 @@ class Checkpoint:
             "write_s": self.write_s,
             "size_bytes": self.size_bytes,
             "pruned": self.pruned,
+            "superseded": self.superseded,
             "commit_offsets": (
                 None if self.commit_offsets is None else offsets_to_json(self.commit_offsets)
             ),
@@ -196,6 +224,7 @@ class Checkpoint:
             alignment_wait_s=data.get("alignment_wait_s"),
             commit_offsets=_commit_offsets_of(data.get("commit_offsets")),
             pruned=int(data.get("pruned", 0)),
+            superseded=bool(data.get("superseded", False)),
         )
         checkpoint.snapshot_written = True
         return checkpoint
@@ -212,6 +241,7 @@ class _Query:
     completed: int = 0
     stored: deque[int] = field(default_factory=deque)  # ids with a stored record, ascending
     snapshots: deque[int] = field(default_factory=deque)  # ids with a stored snapshot, ascending
+    written_through: int = 0  # the highest id whose snapshot this process wrote
 
 
 class CheckpointCoordinator:
@@ -241,6 +271,8 @@ class CheckpointCoordinator:
         self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]]]] = deque()
         self._record_writes: deque[tuple[dict[str, bytes], list[str]]] = deque()
         self._write_lock = threading.Lock()
+        self._failed_writes = 0  # consecutive failed write rounds
+        self._failure_logged_at = 0.0  # monotonic
         self._load()
 
     # ---- begin -----------------------------------------------------------------
@@ -375,7 +407,10 @@ class CheckpointCoordinator:
         for key, checkpoint in list(q.open.items()):
             if checkpoint.state is not CheckpointState.ALIGNING:
                 break  # a later checkpoint completes only after the earlier ones
-            if not checkpoint.snapshot_written:
+            if not (
+                checkpoint.snapshot_written
+                or (checkpoint.superseded and q.written_through > checkpoint.id)
+            ):
                 break  # its snapshot is still being written: the next poll sees it
             if lowest is None:
                 topics = list(checkpoint.position.kafka)
@@ -412,8 +447,8 @@ class CheckpointCoordinator:
         past `retain`, with the records of checkpoints completed since (see
         `_store_record`); returns how many snapshots were written. Takes the snapshot
         still owed first (under `lock`); the write runs outside it, in queue order. A
-        failed write is logged and its checkpoints stay incomplete (an aligning one
-        never completes); the next checkpoint takes a new snapshot."""
+        failed write is logged and kept for the next call, each query's older snapshots
+        superseded by its newest (module docstring, "A failed write")."""
         with self._core_lock:
             self.copy_pending()
         with self._write_lock:
@@ -434,7 +469,7 @@ class CheckpointCoordinator:
                 snapshot = encode_snapshot(state)
                 snapshots[_entry_key(SNAPSHOT_PREFIX, checkpoint.query, checkpoint.id)] = snapshot
                 checkpoint.size_bytes = len(snapshot)
-            expired = self._expire_snapshots(items)
+            stored, expired = self._expire_snapshots(items)
             try:
                 if self.snapshots is not self.ft.storage:
                     # The store of snapshots keeps the records too: committed now, without
@@ -444,18 +479,59 @@ class CheckpointCoordinator:
                     expired.extend(key for key in dropped if key not in records)
                 self.snapshots.update_meta(snapshots, expired)
             except Exception as exc:
-                log.error(
-                    "could not write %d checkpoint snapshots of %s: %s",
-                    len(items),
-                    sorted({c.query for c, _ in items}),
-                    exc,
-                )
+                self._keep_for_retry(items, records, dropped, exc)
                 return 0
             write_s = round(time.perf_counter() - began, 6)
+            for query, ids in stored.items():
+                q = self._queries[query]
+                q.snapshots = ids
+                q.written_through = max(q.written_through, ids[-1])
             for checkpoint, _state in items:
                 checkpoint.write_s = write_s
                 checkpoint.snapshot_written = True
+            if self._failed_writes:
+                log.info(
+                    "checkpoint snapshots written after %d failed attempts", self._failed_writes
+                )
+                self._failed_writes = 0
             return len(items)
+
+    def _keep_for_retry(
+        self,
+        items: Sequence[tuple[Checkpoint, dict[str, NDArray[Any]]]],
+        records: dict[str, bytes],
+        dropped: list[str],
+        exc: Exception,
+    ) -> None:
+        """Steps 1 and 2 of "A failed write" (module docstring): requeue the records and
+        each query's newest snapshot ahead of what was queued since; supersede the
+        older snapshots. Logs the first failure of a run and then one line a minute."""
+        if records or dropped:
+            self._record_writes.appendleft((records, dropped))
+        newest: dict[str, tuple[Checkpoint, dict[str, NDArray[Any]]]] = {}
+        for item in items:  # id order per query
+            older = newest.get(item[0].query)
+            if older is not None:
+                older[0].superseded = True
+            newest[item[0].query] = item
+        kept = {id(item) for item in newest.values()}
+        for item in reversed(items):  # ahead of the snapshots queued since, in order
+            if id(item) in kept:
+                self._writes.appendleft(item)
+        self._failed_writes += 1
+        now = time.monotonic()
+        if self._failed_writes == 1 or now - self._failure_logged_at >= _FAILURE_LOG_S:
+            self._failure_logged_at = now
+            log.error(
+                "could not write %d checkpoint snapshots (queries %s) and %d checkpoint "
+                "records (attempt %d): %s; retried with the next write, and until one "
+                "succeeds no checkpoint completes and group offsets hold",
+                len(items),
+                sorted(newest),
+                len(records),
+                self._failed_writes,
+                exc,
+            )
 
     def _store_record(self, query: str, q: _Query, checkpoint: Checkpoint) -> None:
         """Stage a completed checkpoint's record in the FT layer's store (committed
@@ -474,18 +550,22 @@ class CheckpointCoordinator:
             log.error("could not store the record of checkpoint %s: %s", key, exc)
         self._record_writes.append(({key: record}, expired))
 
-    def _expire_snapshots(self, items: Sequence[tuple[Checkpoint, Any]]) -> list[str]:
-        """Count the snapshots of `items` as stored and return the keys of those past
-        `retain` per query (tracked in memory: no read of the store per write). A
-        failed write leaves keys counted that were never stored; deleting a missing key
-        is harmless and a later write brings the count back to `retain`."""
+    def _expire_snapshots(
+        self, items: Sequence[tuple[Checkpoint, Any]]
+    ) -> tuple[dict[str, deque[int]], list[str]]:
+        """The snapshot ids each query of `items` keeps once they are stored, and the
+        keys of those past `retain` (tracked in memory: no read of the store per
+        write). The caller adopts the ids only if the write succeeds, so a retried
+        snapshot is counted once."""
+        stored: dict[str, deque[int]] = {}
         expired: list[str] = []
         for checkpoint, _state in items:
-            ids = self._queries[checkpoint.query].snapshots
+            query = checkpoint.query
+            ids = stored.setdefault(query, deque(self._queries[query].snapshots))
             ids.append(checkpoint.id)
             while len(ids) > self.retain:
-                expired.append(_entry_key(SNAPSHOT_PREFIX, checkpoint.query, ids.popleft()))
-        return expired
+                expired.append(_entry_key(SNAPSHOT_PREFIX, query, ids.popleft()))
+        return stored, expired
 
     def _load(self) -> None:
         """Pick up each query's stored checkpoint records (after a restart), from the

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.checkpoint import (
+    CHECKPOINT_PREFIX,
     SNAPSHOT_PREFIX,
     CheckpointCoordinator,
     CheckpointMode,
@@ -25,8 +26,8 @@ from ftlayer.checkpoint import (
     decode_snapshot,
 )
 from ftlayer.core import FTLayer
-from ftlayer.errors import ConfigError
-from ftlayer.persistence import LmdbStorage
+from ftlayer.errors import ConfigError, StorageError
+from ftlayer.persistence import LmdbStorage, MemoryStorage
 from ftlayer.records import RecordBatch
 
 ALIGNED, UNALIGNED = CheckpointMode.ALIGNED, CheckpointMode.UNALIGNED
@@ -302,6 +303,123 @@ def test_a_position_never_begun_is_begun_at_completion(storage: LmdbStorage) -> 
     assert answer.state is CheckpointState.ALIGNING
     cps.write_pending()
     assert cps.poll() == 1
+
+
+class FailingWrites:
+    """Injected write failures: the next `times` writes of `store` raise StorageError
+    (nothing of them is stored, as with a failed LMDB transaction)."""
+
+    def __init__(self, store: LmdbStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.times = 0
+        self._write = store.update_meta
+        monkeypatch.setattr(store, "update_meta", self._update_meta)
+
+    def _update_meta(self, puts: Any, deletes: Any = ()) -> None:
+        if self.times:
+            self.times -= 1
+            raise StorageError("injected: no space left on device")
+        self._write(puts, deletes)
+
+
+@pytest.fixture
+def snapshots(tmp_path: Path) -> Iterator[LmdbStorage]:
+    """A store of snapshots of its own, as the server has."""
+    with LmdbStorage(tmp_path / "checkpoints", sync=False) as store:
+        yield store
+
+
+@pytest.mark.parametrize("mode", [UNALIGNED, ALIGNED])
+def test_a_failed_snapshot_write_is_retried_and_later_checkpoints_complete(
+    storage: LmdbStorage,
+    snapshots: LmdbStorage,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: CheckpointMode,
+) -> None:
+    """Checkpoint 1's write fails once: it stays incomplete (its snapshot is not
+    durable, the group holds), the next write stores it, and it and every later
+    checkpoint complete, moving the group offsets."""
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft, retain=2, snapshots=snapshots)
+    fail = FailingWrites(snapshots, monkeypatch)
+    batch = records(0, 4)
+    ids = emit(ft, batch)
+    cps.begin("q", position(2, 3), SOURCES, mode)
+    fail.times = 1
+    assert cps.write_pending() == 0
+    ft.xor(batch.roots, ids)
+    answer = cps.done("q", position(2, 3), SOURCES, mode)
+    assert answer.state is CheckpointState.ALIGNING and answer.commit_offsets is None
+    assert cps.has_writes  # the server's writer comes back for it
+    assert cps.write_pending() == 1  # the retry
+    assert cps.poll() == 1
+    for n in (4, 6):
+        cps.begin("q", position(n, n + 1), SOURCES, mode)
+        cps.write_pending()
+        completed = cps.done("q", position(n, n + 1), SOURCES, mode)
+        assert completed.state is CheckpointState.COMPLETE
+        assert completed.commit_offsets == {"orders": {0: n, 1: n + 1}}
+    cps.write_pending()
+    assert snapshots.meta_keys(SNAPSHOT_PREFIX) == [f"{SNAPSHOT_PREFIX}q/{n:012d}" for n in (2, 3)]
+    assert cps.status()["q"]["completed"] == 3 and not cps.has_writes
+
+
+def test_a_snapshot_that_keeps_failing_is_superseded_by_the_next_barriers(
+    storage: LmdbStorage, snapshots: LmdbStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failed writes in a row: checkpoint 1's snapshot is superseded by checkpoint
+    2's (only the newest is kept), and it completes with the write that stores a
+    later one; the records of checkpoints completed meanwhile are stored too."""
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft, snapshots=snapshots)
+    fail = FailingWrites(snapshots, monkeypatch)
+    batch = records(0, 8)
+    ids = emit(ft, batch)
+    cps.begin("q", position(2, 3), SOURCES, UNALIGNED)
+    fail.times = 2
+    assert cps.write_pending() == 0
+    ft.xor(batch.roots[:4], ids[:4])  # offsets 0 to 3 complete
+    cps.begin("q", position(4, 5), SOURCES, UNALIGNED)
+    assert cps.write_pending() == 0  # 1 and 2 fail: 2 is kept, 1 superseded
+    first = cps.done("q", position(2, 3), SOURCES, UNALIGNED)
+    assert first.state is CheckpointState.ALIGNING and first.superseded
+    assert cps.status()["q"]["open"][0]["superseded"] is True
+    cps.begin("q", position(8, 9), SOURCES, UNALIGNED)
+    assert cps.write_pending() == 2  # 2 (retried) and 3
+    assert cps.poll() == 1
+    assert first.state is CheckpointState.COMPLETE
+    assert first.commit_offsets == {"orders": {0: 2, 1: 3}}
+    second = cps.done("q", position(4, 5), SOURCES, UNALIGNED)
+    third = cps.done("q", position(8, 9), SOURCES, UNALIGNED)
+    assert second.state is third.state is CheckpointState.COMPLETE
+    assert third.commit_offsets == {"orders": {0: 4, 1: 5}}  # offsets 4 to 7 pending
+    cps.write_pending()
+    assert snapshots.meta_keys(SNAPSHOT_PREFIX) == [f"{SNAPSHOT_PREFIX}q/{n:012d}" for n in (2, 3)]
+    assert snapshots.meta_keys(CHECKPOINT_PREFIX) == [
+        f"{CHECKPOINT_PREFIX}q/{n:012d}" for n in (1, 2, 3)
+    ]
+
+
+def test_a_failed_record_write_is_retried(
+    storage: LmdbStorage, snapshots: LmdbStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write that carries a completed checkpoint's record to the store of
+    snapshots fails: the next one stores it, and a restarted layer knows it."""
+    ft = FTLayer(storage)
+    cps = CheckpointCoordinator(ft, snapshots=snapshots)
+    fail = FailingWrites(snapshots, monkeypatch)
+    cps.begin("q", position(2, 2), SOURCES, UNALIGNED)
+    cps.write_pending()
+    cps.done("q", position(2, 2), SOURCES, UNALIGNED)
+    fail.times = 1
+    assert cps.write_pending() == 0
+    assert snapshots.meta_keys(CHECKPOINT_PREFIX) == []
+    assert cps.has_writes
+    cps.write_pending()
+    assert snapshots.meta_keys(CHECKPOINT_PREFIX) == [f"{CHECKPOINT_PREFIX}q/{1:012d}"]
+    # The FT layer's store never committed its staged copy: the restart reads this one.
+    restarted = CheckpointCoordinator(FTLayer(MemoryStorage()), snapshots=snapshots)
+    last = restarted.last_complete("q")
+    assert last is not None and last.id == 1
 
 
 @pytest.mark.parametrize("query", ["", "a/b", "x" * 201, "tab\there", 5, None])

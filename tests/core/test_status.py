@@ -29,6 +29,7 @@ def _checkpoint(**changes: Any) -> dict[str, Any]:
         "write_s": None,
         "size_bytes": 10,
         "pruned": 1,
+        "superseded": False,
         "commit_offsets": {"t": {"0": 9, "1": 4}},
     }
     data.update(changes)

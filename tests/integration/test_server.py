@@ -23,6 +23,7 @@ from serverproc import Server, StartServer, read_address, serve_command
 from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
+from ftlayer.errors import StorageError
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.records import RecordBatch
@@ -458,6 +459,66 @@ def test_a_begin_completes_the_batch_before_in_one_round_trip(start_server: Star
                 begin=False, query="job", position=position(9), sources=[5], complete=position(4)
             )
         assert client.status()["checkpoints"]["job"]["completed"] == 1
+
+
+def test_checkpoints_go_on_completing_after_failed_snapshot_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store of snapshots refuses writes (injected) across two barriers, then
+    recovers: while it fails nothing completes and the group holds; then the writer's
+    own retry completes checkpoint 1 (superseded by 2's snapshot) without another
+    barrier, and the next BEGIN completes checkpoint 2. In process, to inject the
+    failure into the server's writer thread."""
+
+    def position(offset: int) -> dict[str, Any]:
+        return {"kafka": {"events": {"0": offset}}, "replay": 0}
+
+    with FTServer(tmp_path / "data") as server:
+        checkpoints = server._checkpoints
+        assert checkpoints is not None
+        snapshots = checkpoints.snapshots
+        write = snapshots.update_meta
+        broken = threading.Event()
+        broken.set()
+
+        def update_meta(puts: Any, deletes: Any = ()) -> None:
+            if broken.is_set():
+                raise StorageError("injected: no space left on device")
+            write(puts, deletes)
+
+        monkeypatch.setattr(snapshots, "update_meta", update_meta)
+        host, port = server.address
+        with FTClient(f"{host}:{port}") as client:
+
+            def open_checkpoints() -> list[Any]:
+                return list(client.status()["checkpoints"]["job"]["open"])
+
+            ids = new_ids(4)
+            batch = RecordBatch.build(
+                new_ids(4), PAYLOADS[:4], topics="events", partitions=0, offsets=np.arange(4)
+            )
+            client.checkpoint(begin=True, query="job", position=position(4), sources=[5])
+            client.persist(batch, ids)
+            client.xor(batch.roots, ids)
+            second = client.checkpoint(
+                begin=True, query="job", position=position(9), sources=[5], complete=position(4)
+            )
+            held = second["completed"]
+            assert (held["id"], held["state"], held["commit_offsets"]) == (1, "aligning", None)
+            wait_until(lambda: open_checkpoints()[0]["superseded"], 10, "checkpoint 1 superseded")
+            broken.clear()
+            wait_until(
+                lambda: client.status()["checkpoints"]["job"]["completed"] == 1,
+                10,
+                "checkpoint 1 to complete with the retried write",
+            )
+            first = client.status()["checkpoints"]["job"]["recent"][-1]
+            assert (first["id"], first["commit_offsets"]) == (1, {"events": {"0": 4}})
+            third = client.checkpoint(
+                begin=True, query="job", position=position(12), sources=[5], complete=position(9)
+            )
+            assert third["completed"]["state"] == "complete"
+            assert third["completed"]["commit_offsets"] == {"events": {"0": 9}}
 
 
 # ---- the wire, hardened: raw sockets against a real server -----------------------------
