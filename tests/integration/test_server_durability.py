@@ -35,7 +35,8 @@ BASE_SEED = int(os.environ.get("FTLAYER_DURABILITY_SEED", time.time_ns() % 2**32
 # records i % 10 == 0, complete those with i % 10 >= 2 (XOR) and leave i % 10 == 1
 # pending. Log lines: "P <batch>" (persist OK), "S <batch>" (about to send the
 # completing XOR).
-# It stops at the first error: the server was killed.
+# It stops at the first error: the server was killed (it retries a refused connection
+# for 1 s only, not the default minute a job waits for a restarting server).
 CLIENT_SCRIPT = """
 import sys
 import numpy as np
@@ -45,7 +46,7 @@ from ftlayer.acking.handlers import Persister
 address, client, log_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 n = int(sys.argv[4])
 i = np.arange(n)
-with open(log_path, "a", buffering=1) as log, FTClient(address) as channel:
+with open(log_path, "a", buffering=1) as log, FTClient(address, reconnect_s=1) as channel:
     persister = Persister(channel, source_id=client)
     batch = 0
     try:
