@@ -329,18 +329,7 @@ class TaskHandler:
         values = inputs.ids ^ combined[pair_input]
         event_roots, event_inputs = inputs.roots, pair_input
         if failed is not None:
-            failed_mask = np.asarray(failed, dtype=np.bool_)
-            if len(failed_mask) != n:
-                raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
-            if bool(failed_mask[edge_parent].any()):
-                raise ValueError("a failed input cannot have outputs")
-            ok = ~failed_mask[pair_input]
-            roots, first = np.unique(inputs.roots[~ok], return_index=True)
-            if isinstance(causes, Causes):
-                if len(causes) != n:
-                    raise ValueError(f"{n} inputs but {len(causes)} causes")
-                causes = causes.take(pair_input[~ok][first])
-            self._events.fail(roots, causes)
+            ok = ~self._fail_inputs(inputs, pair_input, edge_parent, failed, causes)
             event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
         self._events.xor(event_roots, values)
         # Anchoring: each output gets, per edge into it, the edge id under every root
@@ -358,6 +347,32 @@ class TaskHandler:
         np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
         return Anchors(offsets, roots, ids)
 
+    def _fail_inputs(
+        self,
+        inputs: Anchors,
+        pair_input: NDArray[np.intp],
+        edge_parent: NDArray[np.intp],
+        failed: ArrayLike,
+        causes: Causes | Cause | None,
+    ) -> NDArray[np.bool_]:
+        """Fail the roots of the inputs marked in `failed` (a root failed by several
+        inputs takes the first one's cause); returns which anchor pairs failed."""
+        n = len(inputs)
+        failed_mask = np.asarray(failed, dtype=np.bool_)
+        if len(failed_mask) != n:
+            raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
+        if bool(failed_mask[edge_parent].any()):
+            raise ValueError("a failed input cannot have outputs")
+        bad = failed_mask[pair_input]
+        if bool(bad.any()):
+            roots, first = np.unique(inputs.roots[bad], return_index=True)
+            if isinstance(causes, Causes):
+                if len(causes) != n:
+                    raise ValueError(f"{n} inputs but {len(causes)} causes")
+                causes = causes.take(pair_input[bad][first])
+            self._events.fail(roots, causes)
+        return bad
+
     def _process_barrier(
         self,
         inputs: Anchors,
@@ -374,19 +389,7 @@ class TaskHandler:
         counts = np.diff(inputs.offsets)
         pair_input = np.repeat(np.arange(n), counts)
         if failed is not None:
-            failed_mask = np.asarray(failed, dtype=np.bool_)
-            if len(failed_mask) != n:
-                raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
-            if bool(failed_mask[edge_parent].any()):
-                raise ValueError("a failed input cannot have outputs")
-            bad = failed_mask[pair_input]
-            if bool(bad.any()):
-                roots, first = np.unique(inputs.roots[bad], return_index=True)
-                if isinstance(causes, Causes):
-                    if len(causes) != n:
-                        raise ValueError(f"{n} inputs but {len(causes)} causes")
-                    causes = causes.take(pair_input[bad][first])
-                self._events.fail(roots, causes)
+            self._fail_inputs(inputs, pair_input, edge_parent, failed, causes)
         if inputs.is_single:
             roots, child = inputs.roots[edge_parent], edge_child
         else:

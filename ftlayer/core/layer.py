@@ -827,11 +827,7 @@ class FTLayer:
         roots = new_ids(len(seqs))
         records: dict[int, RetryRecord] = {}
         for seq, record in chosen:
-            changed = _copy(record)
-            changed.dead_at, changed.due = None, 0.0
-            changed.requeued += 1
-            changed.budget_from = changed.attempts
-            records[seq] = changed
+            records[seq] = record.requeued_copy()
         old_meta = self._book.stage(records)
         try:
             self.persistence.retag(seqs, roots, np.zeros(len(seqs), dtype=np.uint64))
@@ -870,11 +866,7 @@ class FTLayer:
         for seq, source_id, record in zip(
             seqs.tolist(), batch.source_ids.tolist(), history, strict=True
         ):
-            changed = _copy(record)
-            changed.source_id, changed.dead_at, changed.due = int(source_id), None, 0.0
-            changed.requeued += 1
-            changed.budget_from = changed.attempts
-            records[seq] = changed
+            records[seq] = record.requeued_copy(int(source_id))
         old_meta = self._book.stage(records)
         try:
             self._enqueue(batch.roots, seqs, batch)

@@ -18,6 +18,7 @@ are wall-clock seconds (time.time()), so a due time means the same after a resta
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 from collections.abc import Iterable, Iterator, Mapping
@@ -82,6 +83,19 @@ class RetryRecord:
         if len(self.causes) > KEPT_CAUSES:
             del self.causes[_FIRST_CAUSES]
             self.omitted += 1
+
+    def requeued_copy(self, source_id: int | None = None) -> RetryRecord:
+        """A copy for a dead letter put back for replay: not dead, due at once, its
+        retry budget counted afresh from now; its history kept."""
+        return dataclasses.replace(
+            self,
+            source_id=self.source_id if source_id is None else source_id,
+            causes=list(self.causes),
+            dead_at=None,
+            due=0.0,
+            requeued=self.requeued + 1,
+            budget_from=self.attempts,
+        )
 
     @property
     def last_cause(self) -> Cause | None:
