@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -294,8 +295,13 @@ def bench_server(
     batch: int = 10_000,
     xor_batch: int = 65_536,
     directory: str | None = None,
+    rounds: int = 2,
 ) -> dict[str, Any]:
     """XOR updates/s and persisted-then-completed records/s through the real server.
+
+    The server runs with its acker journal (the default) and without, alternating,
+    `rounds` times each; the figures are the medians with the journal, and the
+    `journal_*_ratio`s are with / without.
 
     An FTServer on a fresh LMDB dir (in this process, its own threads) is fed over
     loopback TCP by `clients` client processes (multiprocessing, spawn), each with its
@@ -316,19 +322,89 @@ def bench_server(
     figures of the same sizes (bench_acker, bench_persist with one round) are measured
     in the same run, after the server phases, and the ratios server/in-process reported.
     """
-    import multiprocessing
-
-    from ftlayer.client import FTClient
-    from ftlayer.server import FTServer
-
     if clients < 1:
         raise ValueError(f"clients must be at least 1, got {clients}")
     per_tree = _SERVER_BENCH_DEPTH + 1
     roots_each = max(1, events // clients // per_tree)
     records_each = max(1, records // clients)
+    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _round in range(rounds):
+        for journal in (False, True):  # alternating, so drift hits both alike
+            xor_s, persist_s = _server_run(
+                journal,
+                clients,
+                roots_each,
+                records_each,
+                payload_bytes,
+                batch,
+                xor_batch,
+                directory,
+            )
+            runs[journal].append((xor_s, persist_s))
+    xor_s = statistics.median(x for x, _ in runs[True])
+    persist_s = statistics.median(p for _, p in runs[True])
+    plain_xor_s = statistics.median(x for x, _ in runs[False])
+    plain_persist_s = statistics.median(p for _, p in runs[False])
+    n_events = roots_each * per_tree * clients
+    n_records = records_each * clients
+    xor_rate, record_rate = n_events / xor_s, n_records / persist_s
+    acker = bench_acker(roots=roots_each * clients, depth=_SERVER_BENCH_DEPTH, batch=xor_batch)
+    persist = bench_persist(
+        records=n_records,
+        payload_bytes=payload_bytes,
+        batch=batch,
+        directory=directory,
+        rounds=1,
+    )
+    return {
+        "bench": "server",
+        "clients": clients,
+        "events": n_events,
+        "xor_batch": xor_batch,
+        "records": n_records,
+        "payload_bytes": payload_bytes,
+        "batch": batch,
+        "xor_updates_per_s": round(xor_rate),
+        "records_per_s": round(record_rate),
+        "in_process_xor_updates_per_s": acker["updates_per_s"],
+        "in_process_records_per_s": persist["records_per_s"],
+        "xor_ratio_vs_in_process": round(xor_rate / acker["updates_per_s"], 3),
+        "journal": True,
+        "rounds": rounds,
+        "without_journal_xor_updates_per_s": round(n_events / plain_xor_s),
+        "without_journal_records_per_s": round(n_records / plain_persist_s),
+        "journal_xor_ratio": round(plain_xor_s / xor_s, 3),
+        "journal_records_ratio": round(plain_persist_s / persist_s, 3),
+        "records_ratio_vs_in_process": round(record_rate / persist["records_per_s"], 3),
+        "targets": {
+            "xor_updates_per_s": SERVER_TARGET_XOR_RATE,
+            "records_per_s": SERVER_TARGET_RECORD_RATE,
+        },
+        "meets_targets": xor_rate >= SERVER_TARGET_XOR_RATE
+        and record_rate >= SERVER_TARGET_RECORD_RATE,
+        "machine": _machine(),
+    }
+
+
+def _server_run(
+    journal: bool,
+    clients: int,
+    roots_each: int,
+    records_each: int,
+    payload_bytes: int,
+    batch: int,
+    xor_batch: int,
+    directory: str | None,
+) -> tuple[float, float]:
+    """One round of bench_server on a fresh server: (xor seconds, persist seconds)."""
+    import multiprocessing
+
+    from ftlayer.client import FTClient
+    from ftlayer.server import FTServer
+
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(dir=directory, prefix="ftlayer-bench-server-") as tmp:
-        server = FTServer(Path(tmp) / "data", timeout_s=3600).start()
+        server = FTServer(Path(tmp) / "data", timeout_s=3600, journal=journal).start()
         try:
             host, port = server.address
             barrier = ctx.Barrier(clients + 1)
@@ -371,49 +447,13 @@ def bench_server(
                     status = client.status()
         finally:
             server.stop()
-    n_events = roots_each * per_tree * clients
-    n_records = records_each * clients
-    if (
-        status["completed"] != roots_each * clients + n_records
-        or status["pending"]
-        or status["stored_records"]
-    ):
+    expected = roots_each * clients + records_each * clients
+    if status["completed"] != expected or status["pending"] or status["stored_records"]:
         raise AssertionError(
             f"server bench: {status['completed']} completed, {status['pending']} pending, "
-            f"{status['stored_records']} still stored; expected "
-            f"{roots_each * clients + n_records}, 0 and 0"
+            f"{status['stored_records']} still stored; expected {expected}, 0 and 0"
         )
-    xor_rate, record_rate = n_events / xor_s, n_records / persist_s
-    acker = bench_acker(roots=roots_each * clients, depth=_SERVER_BENCH_DEPTH, batch=xor_batch)
-    persist = bench_persist(
-        records=n_records,
-        payload_bytes=payload_bytes,
-        batch=batch,
-        directory=directory,
-        rounds=1,
-    )
-    return {
-        "bench": "server",
-        "clients": clients,
-        "events": n_events,
-        "xor_batch": xor_batch,
-        "records": n_records,
-        "payload_bytes": payload_bytes,
-        "batch": batch,
-        "xor_updates_per_s": round(xor_rate),
-        "records_per_s": round(record_rate),
-        "in_process_xor_updates_per_s": acker["updates_per_s"],
-        "in_process_records_per_s": persist["records_per_s"],
-        "xor_ratio_vs_in_process": round(xor_rate / acker["updates_per_s"], 3),
-        "records_ratio_vs_in_process": round(record_rate / persist["records_per_s"], 3),
-        "targets": {
-            "xor_updates_per_s": SERVER_TARGET_XOR_RATE,
-            "records_per_s": SERVER_TARGET_RECORD_RATE,
-        },
-        "meets_targets": xor_rate >= SERVER_TARGET_XOR_RATE
-        and record_rate >= SERVER_TARGET_RECORD_RATE,
-        "machine": _machine(),
-    }
+    return xor_s, persist_s
 
 
 def _server_phase(barrier: Any, results: Any, clients: int, phase: str) -> float:

@@ -1,6 +1,6 @@
 """The `ftlayer` command line.
 
-    ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T]
+    ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T] [--no-journal]
                    [--buckets N] [--token-file F] [--tls-cert C --tls-key K]
                    [--delete-interval-s S] [--handshake-timeout-s S] [--frame-timeout-s S]
                    [--idle-timeout-s S] [--max-connections N]
@@ -11,7 +11,7 @@
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
-    ftlayer bench server  [--records N] [--events E] [--clients C] [--dir D] [--json]
+    ftlayer bench server  [--records N] [--events E] [--clients C] [--rounds R] [--dir D] [--json]
     ftlayer bench checkpoint [--batches N] [--batch B] [--rounds R] [--pending P,...]
                              [--dir D] [--json]
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0.2,
         help="how often completed records are deleted from LMDB (default 0.2)",
     )
+    serve.add_argument(
+        "--no-journal",
+        action="store_true",
+        help="keep no acker journal: a restart replays every stored record (as a machine "
+        "crash does either way)",
+    )
 
     status = commands.add_parser("status", help="show an FT-layer server's counters")
     status.add_argument("--server", required=True, help="HOST:PORT of the server")
@@ -218,6 +224,9 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--records", type=_positive_int, default=1_000_000, help="in total")
     server.add_argument("--events", type=_positive_int, default=2_000_000, help="in total")
     server.add_argument("--clients", type=_positive_int, default=2, help="client processes")
+    server.add_argument(
+        "--rounds", type=_positive_int, default=2, help="alternating rounds, journal off/on"
+    )
     server.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     server.add_argument("--json", action="store_true", help="print one JSON object last")
 
@@ -294,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
         delete_interval_s=args.delete_interval_s,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        journal=not args.no_journal,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -623,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 events=args.events,
                 clients=args.clients,
                 directory=args.dir,
+                rounds=args.rounds,
             )
         else:
             result = bench.bench_persist(

@@ -71,6 +71,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import shutil
 import socket
 import ssl
 import threading
@@ -86,6 +87,7 @@ from ftlayer.acking.rotating import rotation_interval
 from ftlayer.checkpoint import SNAPSHOT_DIR, CheckpointCoordinator, CheckpointMode
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
+from ftlayer.core.journal import JOURNAL_DIR, Journal
 from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
@@ -190,6 +192,7 @@ class FTServer:
         delete_interval_s: float = 0.2,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
+        journal: bool = True,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -224,6 +227,7 @@ class FTServer:
         self._send_timeout_s = send_timeout_s
         self.max_connections = max_connections
         self._delete_interval_s = delete_interval_s
+        self.journal = journal
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
         self._storage: LmdbStorage | None = None
@@ -273,8 +277,14 @@ class FTServer:
             # One server per data dir: a second one would recover (and replay) what
             # the first one's jobs are processing. Taken before recovery writes.
             self._serve_lock = _lock_data_dir(self.data_dir)
+            if not self.journal:  # an old journal would not know what happens from now on
+                shutil.rmtree(os.path.join(self.data_dir, JOURNAL_DIR), ignore_errors=True)
             self._ft = FTLayer(
-                storage, timeout_s=self.timeout_s, buckets=self.buckets, defer_deletes=True
+                storage,
+                timeout_s=self.timeout_s,
+                buckets=self.buckets,
+                defer_deletes=True,
+                journal=Journal(os.path.join(self.data_dir, JOURNAL_DIR)) if self.journal else None,
             )
             # Checkpoint snapshots: an LMDB environment of their own, without fsync (a
             # snapshot lost to an OS crash loses no record; see ftlayer.checkpoint).
@@ -295,10 +305,13 @@ class FTServer:
         self._started_at = time.monotonic()
         stats = self._ft.current_stats()
         log.info(
-            "serving %s on %s:%d (recovered %d pending records for replay)",
+            "serving %s on %s:%d (recovered %d pending records for replay; from the "
+            "journal: %d restored pending, %d complete)",
             self.data_dir,
             *self.address,
             stats.failed["recovery"],
+            stats.recovered_pending,
+            stats.recovered_completed,
         )
         for target, name in (
             (self._accept_loop, "accept"),
@@ -334,6 +347,8 @@ class FTServer:
                 self._checkpoints.snapshots.close()
             if self._storage is not None:
                 self._storage.close()
+            if self._ft is not None and self._ft.journal is not None:
+                self._ft.journal.close()
             self._ft = self._checkpoints = None
             self._release_serve_lock()
         log.info("stopped")

@@ -218,6 +218,10 @@ class Status(Mapping[str, Any]):
     """Barrier holds open now (roots in a running batch of a barrier-mode source)."""
     barrier_released: int
     """Barrier holds released since the start (ftlayer.core.barrier)."""
+    recovered_pending: int
+    """Records restored pending from the journal at start (not replayed)."""
+    recovered_completed: int
+    """Records the journal knew complete at start (deleted, not replayed)."""
     late_events: int
     unknown_events: int
     xor_events: int
@@ -268,6 +272,8 @@ class Status(Mapping[str, Any]):
             dead_letters_requeued=_field(data, "dead_letters_requeued", int, what),
             barrier_holds=_field(data, "barrier_holds", int, what),
             barrier_released=_field(data, "barrier_released", int, what),
+            recovered_pending=_field(data, "recovered_pending", int, what),
+            recovered_completed=_field(data, "recovered_completed", int, what),
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),

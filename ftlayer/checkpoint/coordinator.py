@@ -465,10 +465,15 @@ class CheckpointCoordinator:
                 return 0
             began = time.perf_counter()
             snapshots: dict[str, MetaValue] = {}
+            newest: tuple[int, bytes | bytearray] | None = None  # the journal's next base
             for checkpoint, state in items:
                 snapshot = encode_snapshot(state)
                 snapshots[_entry_key(SNAPSHOT_PREFIX, checkpoint.query, checkpoint.id)] = snapshot
                 checkpoint.size_bytes = len(snapshot)
+                if "journal.segment" in state:
+                    segment = int(state["journal.segment"][0])
+                    if newest is None or segment > newest[0]:
+                        newest = (segment, snapshot)
             stored, expired = self._expire_snapshots(items)
             try:
                 if self.snapshots is not self.ft.storage:
@@ -489,12 +494,31 @@ class CheckpointCoordinator:
             for checkpoint, _state in items:
                 checkpoint.write_s = write_s
                 checkpoint.snapshot_written = True
+            if newest is not None:
+                self._write_journal_base(*newest)
             if self._failed_writes:
                 log.info(
                     "checkpoint snapshots written after %d failed attempts", self._failed_writes
                 )
                 self._failed_writes = 0
             return len(items)
+
+    def _write_journal_base(self, segment: int, snapshot: bytes | bytearray) -> None:
+        """The snapshot just written is also the acker journal's base: write it there and
+        truncate the journal (ftlayer.core.journal). A failure only leaves the journal
+        longer: the next snapshot tries again."""
+        journal = self.ft.journal
+        if journal is None:
+            return
+        try:
+            journal.write_base(segment, bytes(snapshot))
+        except OSError as exc:
+            log.error(
+                "could not write the journal base %d (the journal is not truncated "
+                "until a later one is written): %s",
+                segment,
+                exc,
+            )
 
     def _keep_for_retry(
         self,

@@ -56,6 +56,21 @@ class OpenHolds:
             self._values.setdefault(source_id, []).append(values)
             self.count += len(roots)
 
+    def columns(self) -> dict[str, NDArray[np.uint64]]:
+        """Copies of every open hold: "source" (the source id per hold), "root", "value"
+        (a journal base holds them, ftlayer.core.journal)."""
+        sources: list[NDArray[np.uint64]] = []
+        for source_id, chunks in self._roots.items():
+            for chunk in chunks:
+                sources.append(np.full(len(chunk), source_id, dtype=np.uint64))
+        if not sources:
+            return {"source": _EMPTY, "root": _EMPTY, "value": _EMPTY}
+        return {
+            "source": np.concatenate(sources),
+            "root": np.concatenate([c for chunks in self._roots.values() for c in chunks]),
+            "value": np.concatenate([c for chunks in self._values.values() for c in chunks]),
+        }
+
     def new_roots(self, source_id: int, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
         """Which of these replay roots of `source_id` hold nothing yet; they are marked
         as held from now on (until their source's release)."""

@@ -61,6 +61,7 @@ from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch, ReplayRecords
 
 from .barrier import OpenHolds
+from .journal import Journal, JournalState
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
@@ -89,8 +90,10 @@ class FTLayer:
         retry: RetryPolicy | None = None,
         wall_clock: Callable[[], float] = time.time,
         seed: int | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self._clock = clock
+        self._journal = journal
         self._wall = wall_clock
         self._rng = random.Random(seed)
         self._default_retry = retry or IMMEDIATE
@@ -256,11 +259,17 @@ class FTLayer:
         self.acker.set_column("seq", slots, seqs)
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
+        journal = self._journal
+        if journal is not None:
+            if initial_values is None:
+                journal.add(batch.roots)
+            else:
+                journal.xor(batch.roots, np.asarray(initial_values, dtype=np.uint64))
         if held is not None:
             assert initial_values is not None
             values = np.ascontiguousarray(initial_values, dtype=np.uint64)
             for source_id, rows in held:
-                self._holds.add(source_id, batch.roots[rows], values[rows])
+                self._add_holds(source_id, batch.roots[rows], values[rows])
 
     def _barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
         """(source id, rows) of the rows of barrier-mode sources; None if none."""
@@ -294,8 +303,15 @@ class FTLayer:
         self.xor(keys, vals ^ holds)
         for source_id in _source_list(sources):
             rows = sources == source_id
-            self._holds.add(source_id, keys[rows], holds[rows])
+            self._add_holds(source_id, keys[rows], holds[rows])
         return len(keys)
+
+    def _add_holds(
+        self, source_id: int, roots: NDArray[np.uint64], values: NDArray[np.uint64]
+    ) -> None:
+        self._holds.add(source_id, roots, values)
+        if self._journal is not None:
+            self._journal.hold(source_id, roots, values)
 
     def release_barrier(self, source_ids: Sequence[int]) -> int:
         """The batch of these sources is done: release every open barrier hold of
@@ -304,6 +320,8 @@ class FTLayer:
         if not len(roots):
             return 0
         self._changing()
+        if self._journal is not None:  # the journal knows the holds: no pairs again
+            self._journal.release(source_ids)
         result = self.acker.xor(roots, values)
         self.stats.barrier_released += len(roots)
         if len(result.completed):
@@ -339,6 +357,10 @@ class FTLayer:
         """Apply XOR events; completes the roots whose ack value returns to 0."""
         self._changing()
         result = self.acker.xor(roots, values)
+        if self._journal is not None:
+            self._journal.xor(np.asarray(roots), np.asarray(values))
+            if self._journal.wants_base:
+                self.write_journal_base()
         self.stats.xor_events += len(np.asarray(roots))
         if len(result.dropped):
             self._count_dropped(result.dropped)
@@ -348,6 +370,8 @@ class FTLayer:
 
     def _complete(self, result: XorResult) -> None:
         done = self.persistence.complete(result.completed, result.columns)
+        if self._journal is not None:
+            self._journal.gone(result.completed)
         self.stats.completed += len(done)
         if len(self._book):
             self._book.forget(result.columns["seq"].tolist())
@@ -538,6 +562,8 @@ class FTLayer:
         live = ~dead
         kept = batch if bool(live.all()) else batch.take(np.flatnonzero(live))
         self.acker.add(new_roots[live], None, seq=seqs[live], **self.persistence.locators(kept))
+        if self._journal is not None:
+            self._journal.add(new_roots[live])
         # Step 4.
         if len(queued_rows):
             assert index is not None and partitions is not None
@@ -675,7 +701,9 @@ class FTLayer:
                 self._changing()
                 holds = new_ids(len(fresh))
                 self.acker.xor(fresh, holds)  # 0 -> the hold: nothing completes
-                self._holds.add(source_id, fresh, holds)
+                if self._journal is not None:
+                    self._journal.xor(fresh, holds)
+                self._add_holds(source_id, fresh, holds)
 
     def lowest_pending_offsets(
         self, topics: Sequence[str] | None = None
@@ -725,6 +753,8 @@ class FTLayer:
         Returns how many entries were dropped. Their roots stay pending: a replay that
         fails again is queued again under a new replay seq."""
         self._changing()
+        if self._journal is not None:
+            self._journal.prune(upto, source_id)
         return self._queue.prune(upto, source_id)
 
     def replay_start_of(self, source_id: int) -> int:
@@ -756,15 +786,45 @@ class FTLayer:
         else:
             state["retries.root"] = np.zeros(0, dtype=np.uint64)
             state["retries.count"] = np.zeros(0, dtype=np.int64)
+        holds = self._holds.columns()
+        state.update({f"holds.{name}": column for name, column in holds.items()})
+        points = self._queue.prune_points()
+        state["pruned.source"] = np.array([-1 if s is None else s for s in points], dtype=np.int64)
+        state["pruned.upto"] = np.array(list(points.values()), dtype=np.int64)
+        state["replay.next_seq"] = np.array([self._queue.cursor + 1], dtype=np.uint64)
+        if self._journal is not None:  # this state is the base of the segment begun now
+            state["journal.segment"] = np.array([self._journal.rotate()], dtype=np.uint64)
+            state["journal.next_seq"] = np.array([self.storage.next_seq], dtype=np.uint64)
         return state
+
+    @property
+    def journal(self) -> Journal | None:
+        return self._journal
+
+    def write_journal_base(self) -> None:
+        """Write the journal's base now (the state, O(pending)) and truncate it: when its
+        segment outgrew its limit and no checkpoint wrote a base (no barrier-driven
+        source)."""
+        from ftlayer.checkpoint.snapshot import encode_snapshot  # a codec; no cycle at run
+
+        journal = self._journal
+        if journal is None:
+            return
+        state = self.state_snapshot()
+        journal.write_base(int(state["journal.segment"][0]), bytes(encode_snapshot(state)))
 
     # ---- recovery and status ---------------------------------------------------
 
     def _recover(self) -> None:
         """Every record found in storage at start was pending when the last process
-        stopped, or is a dead letter; ack values are not durable, so each pending one
-        is replayed under a new root: at once, or when the backoff of its last failure
-        ends (its retry record keeps the due time). Dead letters stay as they are."""
+        stopped, or is a dead letter. With a journal (ftlayer.core.journal) that knows
+        its root, a record is restored as it was: pending with its ack value, in the
+        replay queue under its replay seq if no finished batch took it in, waiting for
+        its backoff, or (its tree completed, the delete was still staged) deleted. Every
+        other record is replayed under a new root: at once, or when the backoff of its
+        last failure ends (its retry record keeps the due time). Dead letters stay as
+        they are."""
+        journal = None if self._journal is None else self._journal.recover()
         # Collect first: re-tagging writes to the storage being scanned.
         found = []
         stored_dead: set[int] = set()
@@ -773,15 +833,117 @@ class FTLayer:
             if bool(dead.any()):
                 stored_dead.update(seqs[dead].tolist())
                 keep = np.flatnonzero(~dead)
-                seqs, batch = seqs[keep], batch.take(keep)
+                seqs, batch, replay = seqs[keep], batch.take(keep), replay[keep]
             if len(seqs):
-                found.append((batch.roots, seqs))
-        stored = {int(s) for _, seqs in found for s in seqs.tolist()} | stored_dead
+                found.append((batch, seqs, replay))
+        stored = {int(s) for _, seqs, _ in found for s in seqs.tolist()} | stored_dead
         stale = [seq for seq in self._book.seqs() if seq not in stored]
         if stale:  # completed or purged, and the crash came before their record left
             self._book.forget(stale)
-        for roots, seqs in found:
-            self._requeue(roots, seqs, FailCause.RECOVERY)
+        restored: list[tuple[RecordBatch, NDArray[np.uint64], NDArray[np.uint64], Any]] = []
+        gone: list[NDArray[np.uint64]] = []
+        for batch, seqs, replay in found:
+            if journal is None:
+                self._requeue(batch.roots, seqs, FailCause.RECOVERY)
+                continue
+            known, acks = journal.known(batch.roots)
+            done = journal.is_gone(batch.roots)
+            known &= ~done
+            earlier = ~(known | done) & journal.done_before_base(seqs)
+            if bool(earlier.any()) and len(self._book):
+                failed = np.isin(seqs, np.array(self._book.seqs(), dtype=np.uint64))
+                earlier &= ~failed
+            done |= earlier
+            if bool(done.any()):
+                gone.append(seqs[done])
+            if bool(known.any()):
+                rows = np.flatnonzero(known)
+                restored.append((batch.take(rows), seqs[rows], replay[rows], acks[rows]))
+            lost = ~(known | done)
+            if bool(lost.any()):
+                rows = np.flatnonzero(lost)
+                self._requeue(batch.roots[rows], seqs[rows], FailCause.RECOVERY)
+        if journal is not None:
+            self._restore(journal, restored, gone)
+
+    def _restore(
+        self,
+        journal: JournalState,
+        restored: list[tuple[RecordBatch, NDArray[np.uint64], NDArray[np.uint64], Any]],
+        gone: list[NDArray[np.uint64]],
+    ) -> None:
+        """Recovery from the journal: the records it knows, as they were."""
+        if gone:
+            done = np.concatenate(gone)
+            self._book.forget(done.tolist())
+            self.storage.delete(done)
+            self.stats.recovered_completed += len(done)
+        if not restored:
+            return
+        batch = RecordBatch.concat([b for b, _, _, _ in restored])
+        seqs = np.concatenate([s for _, s, _, _ in restored])
+        replay = np.concatenate([r for _, _, r, _ in restored])
+        acks = np.concatenate([a for _, _, _, a in restored]).astype(np.uint64)
+        roots = batch.roots
+        self.acker.add(roots, acks, seq=seqs, **self.persistence.locators(batch))
+        self.stats.recovered_pending += len(roots)
+        self._queue.restore_prune_points(journal.pruned)
+        # The replay queue: the base's entries whose roots are still pending under the
+        # same record, and the records queued since the base (replay seq at or past the
+        # base's next one), routed again; minus what prunes since then dropped.
+        queued = np.zeros(len(roots), dtype=np.bool_)
+        base = journal.queue
+        next_seq = int(base["next_seq"][0]) if "next_seq" in base else 1
+        if len(base.get("replay_seq", ())):
+            rseq, broots, bseqs = base["replay_seq"], base["root"], base["seq"]
+            pending, current = self.acker.lookup("seq", broots)
+            live = pending.copy()
+            live[pending] = current == bseqs[pending]
+            sources, parts = base["source_id"], base["partition"]
+            live &= rseq > self._queue.prune_point_array(sources)
+            if bool(live.any()):
+                self._queue.append(
+                    rseq[live],
+                    broots[live],
+                    bseqs[live],
+                    sources[live].astype(np.uint32),
+                    parts[live].astype(np.int32),
+                    restored=True,
+                )
+            queued |= np.isin(roots, broots[live])
+        newer = (replay >= next_seq) & (replay > 0) & (replay != DEAD_LETTER)
+        newer &= replay > self._queue.prune_point_array(batch.source_ids)
+        newer &= ~queued
+        if bool(newer.any()):
+            rows = np.flatnonzero(newer)
+            sub = batch.take(rows)
+            index, partitions = self._route(sub)
+            self._queue.append(
+                replay[rows][index],
+                roots[rows][index],
+                seqs[rows][index],
+                sub.source_ids[index],
+                partitions,
+            )
+            queued[rows] = True
+        # Waiting for their backoff: no replay seq yet, a retry record with a due time.
+        waiting = np.zeros(len(roots), dtype=np.bool_)
+        if len(self._book):
+            for row in np.flatnonzero((replay == 0) & ~queued).tolist():
+                record = self._book.get(int(seqs[row]))
+                if record is not None and record.dead_at is None and record.due > 0:
+                    self._book.wait(int(seqs[row]), int(roots[row]), record.due)
+                    waiting[row] = True
+        # The rest are in flight: timed from now.
+        timed = ~(queued | waiting)
+        if bool(timed.any()):
+            rows = np.flatnonzero(timed)
+            self._track(roots[rows], seqs[rows], batch.source_ids[rows])
+        # Open barrier holds of roots still pending: released at their batch's barrier.
+        for source_id, (hold_roots, values) in journal.holds.items():
+            pending = self.acker.lookup("seq", hold_roots)[0]
+            if bool(pending.any()):
+                self._holds.add(source_id, hold_roots[pending], values[pending])
 
     # ---- dead letters ----------------------------------------------------------------
 
@@ -836,6 +998,8 @@ class FTLayer:
             raise
         self._book.commit(records)
         self.acker.add(roots, None, seq=seqs, **self.persistence.locators(batch))
+        if self._journal is not None:
+            self._journal.add(roots)
         self._enqueue(roots, seqs, batch)
         self.stats.dead_letters_requeued += len(seqs)
         return len(seqs)
@@ -862,6 +1026,8 @@ class FTLayer:
             self.acker.remove(batch.roots)
             raise
         self.acker.set_column("seq", slots, seqs)
+        if self._journal is not None:
+            self._journal.add(batch.roots)
         records: dict[int, RetryRecord] = {}
         for seq, source_id, record in zip(
             seqs.tolist(), batch.source_ids.tolist(), history, strict=True

@@ -81,6 +81,24 @@ class ReplayQueue:
         """Every prune point, by source id as a string ("*": every source)."""
         return {("*" if s is None else str(s)): upto for s, upto in self._pruned_upto.items()}
 
+    def prune_points(self) -> dict[int | None, int]:
+        """Every prune point by source id (None: every source), for a journal base."""
+        return dict(self._pruned_upto)
+
+    def restore_prune_points(self, points: dict[int | None, int]) -> None:
+        """Prune points read back after a restart (ftlayer.core.journal)."""
+        for source_id, upto in points.items():
+            self._pruned_upto[source_id] = max(self._pruned_upto.get(source_id, 0), upto)
+
+    def prune_point_array(self, source_ids: NDArray[Any]) -> NDArray[np.uint64]:
+        """The prune point of each row's source (its own or every source's)."""
+        every = self._pruned_upto.get(None, 0)
+        points = np.full(len(source_ids), every, dtype=np.uint64)
+        for source_id, upto in self._pruned_upto.items():
+            if source_id is not None and upto > every:
+                points[source_ids == source_id] = upto
+        return points
+
     # ---- entries ----------------------------------------------------------------------
 
     def append(
@@ -90,11 +108,18 @@ class ReplayQueue:
         seqs: NDArray[np.uint64],
         source_ids: NDArray[np.uint32],
         partitions: NDArray[np.int32],
+        *,
+        restored: bool = False,
     ) -> None:
+        """Queue entries. `restored`: entries read back after a restart
+        (ftlayer.core.journal), which move no source's cursor: a source with none since
+        the restart reads the cursor at the start, never behind what it read before."""
         if len(replay_seqs):
             chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
             for column, chunk in zip(self._columns, chunks, strict=True):
                 column.append(chunk)
+            if restored:
+                return
             for source_id in np.unique(source_ids).tolist():
                 newest = int(replay_seqs[source_ids == source_id].max())
                 self._cursors[source_id] = max(self._cursors.get(source_id, 0), newest)

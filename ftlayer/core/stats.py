@@ -48,6 +48,12 @@ class FTStats:
     barrier_released: int = 0
     """Barrier holds released (ftlayer.core.barrier): roots that entered a batch of a
     barrier-mode source, whose batch is done."""
+    recovered_pending: int = 0
+    """Records found pending at start whose trees the journal knew: restored as they
+    were, not replayed (ftlayer.core.journal)."""
+    recovered_completed: int = 0
+    """Records found at start whose trees the journal knew complete: deleted, not
+    replayed."""
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0

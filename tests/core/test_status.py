@@ -55,6 +55,8 @@ def _status(**changes: Any) -> dict[str, Any]:
         "dead_letters_requeued": 0,
         "barrier_holds": 4,
         "barrier_released": 9,
+        "recovered_pending": 6,
+        "recovered_completed": 2,
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,
