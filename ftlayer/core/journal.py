@@ -154,6 +154,8 @@ class Journal:
         self.segment_bytes = 0
         self.bytes_written = 0
         self.bases_written = 0
+        self.broken: str | None = None
+        """Why appends stopped (a write failed: a full disk), until the next rotate."""
         self._trusted = self._same_boot()
 
     # ---- recovery ------------------------------------------------------------------
@@ -307,6 +309,8 @@ class Journal:
     def _append(self, kind: int, count: int, aux: int, *arrays: NDArray[np.uint64]) -> None:
         fd = self._fd
         if fd is None:
+            if self.broken is not None:
+                return
             raise StorageError("the journal is not open (call recover() first)")
         parts: list[Any] = [_HEADER.pack(_MAGIC, kind, 0, count, aux)]
         parts += [np.ascontiguousarray(a, dtype=np.uint64) for a in arrays]
@@ -314,20 +318,47 @@ class Journal:
         try:
             written = os.writev(fd, parts)
         except OSError as exc:
-            raise StorageError(f"could not append to the journal {self.directory}: {exc}") from exc
+            self._break(str(exc))
+            return
         if written != size:  # a full disk: the record is cut, so nothing after it counts
-            raise StorageError(
-                f"the journal {self.directory} took {written} of {size} bytes (disk full?)"
-            )
+            self._break(f"it took {written} of {size} bytes")
+            return
         self.segment_bytes += size
         self.bytes_written += size
+
+    def _break(self, why: str) -> None:
+        """A write failed (a full disk): the request it belongs to was applied, so it
+        must not fail. The journal is dropped instead (every file deleted, which also
+        frees room), so a crash from now on replays every stored record (duplicates,
+        nothing lost), until the next rotate starts it again from a base."""
+        self.broken = why
+        log.error(
+            "could not write the FT-layer journal in %s (%s): it is dropped; until the "
+            "next checkpoint writes a base, a crash replays every stored record "
+            "(duplicates, nothing lost)",
+            self.directory,
+            why,
+        )
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            self.clear()
 
     # ---- bases and truncation ----------------------------------------------------------
 
     def rotate(self) -> int:
         """Start segment k+1 at this moment (the caller copies the state now, under the
-        same lock); returns its number, the base number of that state."""
-        self._open(self.segment + 1)
+        same lock); returns its number, the base number of that state. A broken journal
+        starts again here: base k+1 plus what follows is the whole state."""
+        try:
+            self._open(self.segment + 1)
+        except OSError as exc:
+            if self.broken is None:
+                self._break(str(exc))
+            return self.segment + 1
+        self.broken = None
         return self.segment
 
     def write_base(self, k: int, blob: bytes) -> None:

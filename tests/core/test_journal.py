@@ -323,3 +323,25 @@ def test_no_record_is_lost_and_only_records_the_journal_lost_are_replayed(
         assert len(restored) == len(owed) and stats.failed["recovery"] == 0
         for root in restored:
             assert ft.xor_one(root, owed[root])  # exactly what it lacked completes it
+
+
+def test_a_failed_journal_write_drops_the_journal_and_fails_no_request(tmp_path: Path) -> None:
+    proc = Process(tmp_path)
+    ft = proc.ft
+    _register(ft)
+    batch = _records(6)
+    emitted = new_ids(6)
+    ft.persist(batch, emitted)
+    journal = ft.journal
+    assert journal is not None and journal._fd is not None
+    os.close(journal._fd)  # the next write fails, as on a full disk
+    ft.xor(batch.roots[:2], emitted[:2])  # applied, and not refused
+    assert journal.broken is not None and len(ft) == 4
+    assert not [n for n in os.listdir(tmp_path / "journal") if n.startswith("seg-")]
+    ft = proc.restart()  # no journal to trust: every stored record is replayed
+    assert ft.current_stats().failed["recovery"] == 6  # the 2 deletes were still staged
+    # A base starts the journal again: the next kill restores what it knows.
+    ft.write_journal_base()
+    assert ft.journal is not None and ft.journal.broken is None
+    ft = proc.restart()
+    assert ft.current_stats().recovered_pending == 6 and ft.current_stats().failed["recovery"] == 0

@@ -26,6 +26,7 @@ from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStor
 from ftlayer.errors import StorageError
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
+from ftlayer.persistence import LmdbStorage
 from ftlayer.records import RecordBatch
 from ftlayer.server import FTServer
 from ftlayer.wire import (
@@ -137,10 +138,12 @@ def test_non_loopback_host_without_token_is_refused(tmp_path: Path) -> None:
     assert b"ftlayer serving" not in done.stdout
 
 
-def test_sigkill_then_restart_replays_exactly_the_incomplete(
-    start_server: StartServer,
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_sigkill_then_restart_keeps_exactly_the_incomplete(
+    start_server: StartServer, journal: bool
 ) -> None:
-    server = start_server()
+    flags = () if journal else ("--no-journal",)
+    server = start_server(None, *flags)
     with server.client() as client:
         anchors = persist(client, PAYLOADS)
         done = np.arange(len(PAYLOADS)) % 3 == 0
@@ -153,31 +156,49 @@ def test_sigkill_then_restart_replays_exactly_the_incomplete(
     server.proc.kill()
     server.proc.wait(10)
 
-    restarted = start_server(server.data_dir)
+    restarted = start_server(server.data_dir, *flags)
     incomplete = [p for p, d in zip(PAYLOADS, done, strict=True) if not d]
     with restarted.client() as client:
         status = client.status()
         replay = client.fetch_replay(0, 2**63)
+        if journal:
+            # The journal knew every incomplete tree: restored as it was, none replayed;
+            # the events still to come complete them.
+            assert status["failed"]["recovery"] == 0 and len(replay) == 0
+            assert status["recovered_pending"] == status["pending"] == len(incomplete)
+            sink(client, anchors.take(np.flatnonzero(~done)))
+            assert client.status()["completed"] == len(incomplete)
+            assert client.status()["pending"] == 0
+            return
+    # Without the journal (as after a machine crash) every incomplete tree is replayed.
     assert status["failed"]["recovery"] == len(incomplete)
     assert status["pending"] == status["replay_queue"] == len(incomplete)
     assert sorted(replay.records.payloads) == sorted(incomplete)
     assert sorted(replay.replay_seqs.tolist()) == list(range(1, len(incomplete) + 1))
 
 
-def test_records_completed_just_before_a_crash_are_replayed_not_lost(
-    start_server: StartServer,
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_records_completed_just_before_a_crash_are_not_lost(
+    start_server: StartServer, journal: bool
 ) -> None:
     # A long delete interval keeps the completed records marked but not yet deleted
-    # when the server is killed: the restarted server replays them (duplicates).
-    server = start_server(None, "--delete-interval-s", "60")
+    # when the server is killed. The journal knows their trees completed: the restarted
+    # server deletes them. Without it, it replays them (duplicates).
+    flags = ("--delete-interval-s", "60") + (() if journal else ("--no-journal",))
+    server = start_server(None, *flags)
     with server.client() as client:
         sink(client, persist(client, PAYLOADS))
         status = client.status()
     assert status["completed"] == status["deletes_pending"] == len(PAYLOADS)
     server.kill()
-    with start_server(server.data_dir).client() as client:
+    with start_server(server.data_dir, *flags[2:]).client() as client:
         replay = client.fetch_replay(0, 2**63)
-    assert sorted(replay.records.payloads) == sorted(PAYLOADS)
+        status = client.status()
+    if journal:
+        assert len(replay) == 0 and status["recovered_completed"] == len(PAYLOADS)
+        assert status["pending"] == status["stored_records"] == 0
+    else:
+        assert sorted(replay.records.payloads) == sorted(PAYLOADS)
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -208,17 +229,19 @@ def _read_error_then_eof(raw: socket.socket) -> tuple[Frame, bool]:
     return frames[0], closed
 
 
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
 def test_a_registered_source_routes_replays_also_after_a_restart(
-    start_server: StartServer,
+    start_server: StartServer, journal: bool
 ) -> None:
-    server = start_server()
+    flags = () if journal else ("--no-journal",)
+    server = start_server(None, *flags)
     keys = [f"key-{i}".encode() for i in range(30)]
     hashes, has_key = kafka_key_hashes(keys)
     with server.client() as client:
         client.register_source(5, "kafka-hash", 3)
         with pytest.raises(RequestRejected, match="unknown replay partitioner 'nope'"):
             client.register_source(5, "nope", 3)
-        Persister(client, source_id=5).persist(
+        anchors = Persister(client, source_id=5).persist(
             PAYLOADS * 3,
             topics="events",
             partitions=np.zeros(30),  # all came from partition 0: forward would say 0
@@ -228,7 +251,10 @@ def test_a_registered_source_routes_replays_also_after_a_restart(
         )
     server.kill()
 
-    with start_server(server.data_dir).client() as client:
+    with start_server(server.data_dir, *flags).client() as client:
+        if journal:  # restored pending: they fail after the restart, and are replayed
+            assert client.status()["recovered_pending"] == 30
+            assert client.fail(anchors.roots) == 30
         replay = client.fetch_replay(0, 2**63, source_id=5)
     assert len(replay) == 30
     expected = create_partitioner("kafka-hash").targets(replay.records, 3)[1]
@@ -274,7 +300,7 @@ def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
         restart.start()
         status = client.status()  # reconnects with backoff until the server is back
         restart.join()
-    assert restarted and status["failed"]["recovery"] == 2
+    assert restarted and status["recovered_pending"] == 2  # the journal knew both
     restarted[0].kill()
     with (
         FTClient(server.address, reconnect_s=0.3) as client,
@@ -302,10 +328,11 @@ def test_a_client_idle_across_a_restart_persists_and_xors_at_its_next_call(
         time.sleep(0.2)
         client.xor(anchors.roots, anchors.ids)
         status = client.status()
-    # After the second restart: the 2 + 3 records were recovered under new roots; the
-    # XOR for their old roots arrived and was dropped as late; no call broke.
-    assert status["failed"]["recovery"] == 5
-    assert status["late_events"] == 3
+    # After the second restart: the 2 + 3 records were restored from the journal under
+    # their roots, so the XOR for three of them completed those; no call broke.
+    assert status["failed"]["recovery"] == 0 and status["recovered_pending"] == 5
+    assert status["completed"] == 3 and status["pending"] == 2
+    assert status["late_events"] == 0
     restarted.kill()
 
 
@@ -363,10 +390,15 @@ def test_a_full_disk_is_a_clear_error_and_loses_nothing_confirmed(
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
-    # With room again, every confirmed record is there, to be replayed.
-    with start_server(data_dir).client() as client:
-        replay = client.fetch_replay(0, 2**63)
-    assert sorted(bytes(p) for p in replay.records.payloads) == sorted(confirmed)
+    # With room again, every confirmed record is there, pending.
+    restarted = start_server(data_dir)
+    with restarted.client() as client:
+        status = client.status()
+    restarted.kill()
+    assert status["pending"] == len(confirmed)
+    with LmdbStorage(data_dir) as storage:
+        stored = [bytes(p) for _seqs, batch, _r in storage.scan() for p in batch.payloads]
+    assert sorted(stored) == sorted(confirmed)
 
 
 def test_checkpoints_over_the_wire_survive_a_restart(start_server: StartServer) -> None:
