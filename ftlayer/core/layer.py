@@ -12,8 +12,10 @@ pending in exactly one of two ways:
    offsets can move past it.
 2. Failure, for one of three causes: explicit (a task raised FailException and its
    handler sent a fail), timeout (the root stayed pending between T and
-   T * (1 + 1/(n-1))), or recovery (the FT layer restarted: ack values are not
-   durable, so every record found in storage is replayed). The record stays in
+   T * (1 + 1/(n-1))), or recovery (the FT layer restarted and its acker journal,
+   ftlayer.core.journal, does not know the record's tree: a persist whose journal
+   write died with the process, or any record after a machine crash or without a
+   journal; the trees it knows are restored as they were). The record stays in
    storage; it is re-tagged with a fresh root id and a replay sequence number
    (1, 2, 3, ... never reused, also across restarts) and enters the replay queue,
    routed by the replay partitioner of its source to the partition(s) it re-enters.
@@ -34,7 +36,8 @@ entries to trees by storage seq).
 
 Nothing is lost: a record leaves storage only when its tree completed. A failure
 between persist and emit, a lost event, a lost fail, a crashed task or a crashed FT
-layer all end in a timeout or a recovery, that is, in a replay.
+layer all end in a timeout or a recovery, that is, in a replay (or, after a crash the
+journal covers, in the tree going on where it was).
 
 Not thread-safe: one thread drives a core (the server serializes its clients).
 """
