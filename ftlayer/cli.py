@@ -15,6 +15,7 @@
     ftlayer bench checkpoint [--batches N] [--batch B] [--rounds R] [--pending P,...]
                              [--dir D] [--json]
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
+                           [--fast [--batch-sizes B,B,...]]
                            [--json]
     ftlayer savepoint create  --data-dir DIR --dir SAVEPOINTS [--name NAME] [--json]
     ftlayer savepoint create  --server HOST:PORT [--token-file F] [--tls-ca CA]
@@ -63,6 +64,11 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _int_list(text: str) -> list[int]:
+    """Comma-separated positive integers."""
+    return [_positive_int(part) for part in text.split(",") if part.strip()] or [_positive_int("")]
 
 
 def _positive_float(text: str) -> float:
@@ -248,7 +254,21 @@ def _parser() -> argparse.ArgumentParser:
     pipeline = benches.add_parser(
         "pipeline", help="the demo pipeline on Spark: FT on vs off, replays vs task retries"
     )
-    pipeline.add_argument("--records", type=_positive_int, default=100_000)
+    pipeline.add_argument(
+        "--records", type=_positive_int, default=None, help="100,000 (--fast: 400,000)"
+    )
+    pipeline.add_argument(
+        "--fast",
+        action="store_true",
+        help="a vectorized pipeline at full speed, FT off / tree / barrier alternating per "
+        "batch size, against a bare Kafka consumer",
+    )
+    pipeline.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        default=[10_000, 50_000, 200_000],
+        help="--fast: maxOffsetsPerTrigger values, comma-separated",
+    )
     pipeline.add_argument("--partitions", type=_positive_int, default=4)
     pipeline.add_argument("--fail-rate", type=_rate, default=0.001, help="flaky share (0..1)")
     pipeline.add_argument("--rounds", type=_positive_int, default=2, help="alternating pairs")
@@ -610,11 +630,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.bench == "acker":
             result = bench.bench_acker(roots=args.roots, depth=args.depth, batch=args.batch)
+        elif args.bench == "pipeline" and args.fast:
+            from ftlayer.integration.harness.benchfast import bench_fast
+
+            result = bench_fast(
+                records=args.records or 400_000,
+                partitions=args.partitions,
+                batch_sizes=args.batch_sizes,
+                rounds=args.rounds,
+            )
         elif args.bench == "pipeline":
             from ftlayer.integration.harness.benchpipe import bench_pipeline
 
             result = bench_pipeline(
-                records=args.records,
+                records=args.records or 100_000,
                 partitions=args.partitions,
                 fail_rate=args.fail_rate,
                 rounds=args.rounds,

@@ -1,0 +1,290 @@
+"""`ftlayer bench pipeline --fast`: the FT layer's cost in a vectorized pipeline at full
+speed, and the source's ceiling against a bare Kafka consumer.
+
+The per-record bench (`integration.harness.benchpipe`) runs the demo's Python-per-row
+pipeline, slow enough that the FT layer's cost hides in it. This one runs what a user
+who writes vectorized steps runs:
+
+    ftkafka -> FTTasks.map_batches (pyarrow compute) -> FTTasks.filter_batches
+            -> ft_foreach_batch (counts the rows: the cheapest sink there is)
+
+on one embedded Tansu broker, one FT-layer process (`ftlayer serve`) and one local Spark
+session (`local[2,64]`), `records` small records produced once to a topic of
+`partitions` partitions. For each batch size (maxOffsetsPerTrigger), `rounds`
+alternating triples of runs: FT off, FT on in tree mode, FT on in barrier mode; each
+run a new query (its own checkpoint and ft.sourceName), timed from its start until the
+sink counted every expected row and (FT on) no tree is pending; its rate is records
+over the time its batches took (Spark's triggerExecution of every batch that read
+records: the query's start-up, the same for every mode, is left out, since it would
+only pull the ratios towards 1; the wall-clock seconds are reported too). Before each
+round, one bare kafka-python consumer (assign/seek, the source's own fetch settings)
+reads the whole topic. Reported per batch size: the median records/s of each mode and
+the ratios tree/off, barrier/off and off/consumer.
+
+Targets (issue 15): tree/off >= 0.9 and barrier/off >= 0.95 at 50,000 and 200,000;
+off/consumer >= 0.8 at the largest batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ftlayer.client import FTClient
+from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.broker import TansuBroker
+from ftlayer.integration.harness.demo import stop_when_idle
+from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.integration.harness.kafka import create_topic, produce
+
+__all__ = ["DEFAULT_BATCH_SIZES", "bench_fast"]
+
+DEFAULT_BATCH_SIZES = (10_000, 50_000, 200_000)
+TARGET_TREE = 0.9
+TARGET_BARRIER = 0.95
+TARGET_CONSUMER = 0.8
+_TARGET_SIZES = (50_000, 200_000)
+_VALUE_BYTES = 40  # small records: the FT layer's cost per record is what shows
+
+
+def _value(i: int) -> bytes:
+    """A small record; 1 in 10 is short, and the filter drops it."""
+    body = b"%08d|" % i
+    return body + (b"x" * (_VALUE_BYTES - len(body)) if i % 10 else b"")
+
+
+def _expected(records: int) -> int:
+    return records - (records + 9) // 10
+
+
+def _measure(batch: Any) -> Any:
+    """map_batches' function: each value with its length, vectorized."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = batch.column("value")
+    return pa.RecordBatch.from_arrays([values, pc.binary_length(values)], names=["value", "size"])
+
+
+def _long(batch: Any) -> Any:
+    """filter_batches' predicate: drops the short values."""
+    import pyarrow.compute as pc
+
+    return pc.greater(batch.column("size"), 20)
+
+
+def _bare_consumer(bootstrap: str, topic: str, partitions: int, records: int) -> float:
+    """Seconds for one kafka-python consumer to read the whole topic (the source's fetch
+    settings, assign/seek), counting records only."""
+    from kafka import TopicPartition
+
+    from ftlayer.integration.source.reader import (
+        _FETCH_MAX_BYTES,
+        _MAX_POLL_RECORDS,
+        _PARTITION_FETCH_MAX_BYTES,
+        new_consumer,
+    )
+
+    config = {
+        "fetch_max_bytes": _FETCH_MAX_BYTES,
+        "max_partition_fetch_bytes": _PARTITION_FETCH_MAX_BYTES,
+        "max_poll_records": _MAX_POLL_RECORDS,
+        "fetch_max_wait_ms": 100,
+    }
+    started = time.perf_counter()
+    consumer = new_consumer(bootstrap, config)
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        seen = 0
+        deadline = time.monotonic() + 600
+        while seen < records:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bare consumer: {seen} of {records} records in 600 s")
+            for batch in consumer.poll(timeout_ms=500).values():
+                seen += len(batch)
+        return time.perf_counter() - started
+    finally:
+        consumer.close(autocommit=False)
+
+
+def bench_fast(
+    records: int = 400_000,
+    partitions: int = 4,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    rounds: int = 2,
+    deadline_s: float = 900.0,
+) -> dict[str, Any]:
+    """See the module docstring; returns the figures."""
+    from ftlayer.integration.sinks import ft_foreach_batch
+    from ftlayer.integration.source import register
+    from ftlayer.integration.spark import local_spark
+    from ftlayer.integration.tasks import FTTasks
+
+    if records < 1 or partitions < 1 or rounds < 1 or not batch_sizes:
+        raise ValueError("need records, partitions, rounds >= 1 and a batch size")
+    expected = _expected(records)
+    schema = "value binary, size int"
+    sizes = sorted({int(b) for b in batch_sizes})
+    results: dict[str, Any] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="ftlayer-bench-fast-") as tmp,
+        TansuBroker(log_path=Path(tmp) / "broker.log") as broker,
+    ):
+        work = Path(tmp)
+        bootstrap, topic = broker.bootstrap, "bench-fast"
+        create_topic(bootstrap, topic, partitions)
+        produce(bootstrap, topic, ((None, _value(i)) for i in range(records)), timeout=600)
+        with FTServerProcess(work / "ft", "--timeout-s", "120") as server:
+            spark = local_spark(master="local[2,64]", app_name="ftlayer-bench-fast")
+            register(spark)
+            runs = 0
+
+            def run(max_per_trigger: int, mode: str) -> tuple[float, float]:
+                nonlocal runs
+                runs += 1
+                ft = mode != "off"
+                settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
+                tasks = FTTasks(settings, on_error="fail-record" if ft else "fail-task")
+                reader = (
+                    spark.readStream.format("ftkafka")
+                    .option("kafka.bootstrap.servers", bootstrap)
+                    .option("subscribe", topic)
+                    .option("startingOffsets", "earliest")
+                    .option("maxOffsetsPerTrigger", str(max_per_trigger))
+                    .option("ft.sourceName", f"fast-{runs}")
+                )
+                if ft:
+                    reader = reader.option("ft.address", server.address).option(
+                        "ft.completion", mode
+                    )
+                measured = tasks.map_batches(reader.load(), _measure, schema)
+                kept = tasks.filter_batches(measured, _long)
+                counted = [0]
+                lock = threading.Lock()
+
+                def count(df: Any, _epoch: int) -> None:
+                    n = df.count()
+                    with lock:
+                        counted[0] += n
+
+                started = time.perf_counter()
+                query = (
+                    kept.writeStream.foreachBatch(ft_foreach_batch(count, settings))
+                    .option("checkpointLocation", str(work / f"checkpoint-{runs}"))
+                    .trigger(processingTime="0 seconds")
+                    .start()
+                )
+                try:
+                    _wait(query, counted, expected, server.address, ft, deadline_s)
+                    wall = time.perf_counter() - started
+                    return _processing_s(query, records), wall
+                finally:
+                    stop_when_idle(query)
+
+            run(sizes[0], "tree")  # warm-up: Python workers, JIT of the paths
+            consumer_s: list[float] = []
+            seconds: dict[int, dict[str, list[float]]] = {
+                size: {"off": [], "tree": [], "barrier": []} for size in sizes
+            }
+            walls: dict[int, dict[str, list[float]]] = {
+                size: {"off": [], "tree": [], "barrier": []} for size in sizes
+            }
+            for _ in range(rounds):
+                consumer_s.append(_bare_consumer(bootstrap, topic, partitions, records))
+                for size in sizes:
+                    for mode in ("off", "tree", "barrier"):
+                        busy, wall = run(size, mode)
+                        seconds[size][mode].append(busy)
+                        walls[size][mode].append(wall)
+            with FTClient(server.address) as client:
+                status = client.status()
+    consumer_rate = records / statistics.median(consumer_s)
+    per_size: dict[str, Any] = {}
+    meets = True
+    for size in sizes:
+        rate = {mode: records / statistics.median(s) for mode, s in seconds[size].items()}
+        row = {
+            "ft_off_records_per_s": round(rate["off"]),
+            "ft_tree_records_per_s": round(rate["tree"]),
+            "ft_barrier_records_per_s": round(rate["barrier"]),
+            "ratio_tree_vs_off": round(rate["tree"] / rate["off"], 3),
+            "ratio_barrier_vs_off": round(rate["barrier"] / rate["off"], 3),
+            "ratio_off_vs_consumer": round(rate["off"] / consumer_rate, 3),
+            "seconds": {m: [round(x, 2) for x in s] for m, s in seconds[size].items()},
+            "wall_seconds": {m: [round(x, 2) for x in s] for m, s in walls[size].items()},
+        }
+        per_size[str(size)] = row
+        if size in _TARGET_SIZES:
+            meets &= row["ratio_tree_vs_off"] >= TARGET_TREE
+            meets &= row["ratio_barrier_vs_off"] >= TARGET_BARRIER
+    largest = per_size[str(sizes[-1])]
+    meets &= largest["ratio_off_vs_consumer"] >= TARGET_CONSUMER
+    results = {
+        "bench": "pipeline-fast",
+        "records": records,
+        "partitions": partitions,
+        "rounds": rounds,
+        "value_bytes": _VALUE_BYTES,
+        "expected_rows": expected,
+        "consumer_records_per_s": round(consumer_rate),
+        "consumer_seconds": [round(s, 2) for s in consumer_s],
+        "batch_sizes": per_size,
+        "ft_timeouts": status["failed"]["timeout"],
+        "ft_failed": status["failed"],
+        "targets": {
+            "ratio_tree_vs_off": TARGET_TREE,
+            "ratio_barrier_vs_off": TARGET_BARRIER,
+            "at_batch_sizes": list(_TARGET_SIZES),
+            "ratio_off_vs_consumer_at_largest": TARGET_CONSUMER,
+        },
+        "meets_targets": bool(meets),
+    }
+    return results
+
+
+def _processing_s(query: Any, records: int) -> float:
+    """The seconds the query's batches that read records took (Spark's triggerExecution,
+    from its progress reports): the run without the query's start, which is the same
+    for FT on and off and would only pull the ratios towards 1. The last batch's report
+    comes just after its sink returned: waited for."""
+    deadline = time.monotonic() + 60
+    while True:
+        total_ms = rows = 0
+        for progress in query.recentProgress:
+            data = progress if isinstance(progress, dict) else json.loads(progress.json)
+            if data.get("numInputRows", 0) > 0:
+                total_ms += int(data["durationMs"]["triggerExecution"])
+                rows += int(data["numInputRows"])
+        if rows >= records:
+            return total_ms / 1000
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench fast: progress reports cover {rows} of {records} rows")
+        time.sleep(0.05)
+
+
+def _wait(
+    query: Any, counted: list[int], expected: int, address: str, ft: bool, deadline_s: float
+) -> None:
+    """Until the sink counted `expected` rows and (FT on) nothing is pending."""
+    deadline = time.monotonic() + deadline_s
+    with FTClient(address, name="bench-fast") as client:
+        while True:
+            if query.exception() is not None:
+                raise RuntimeError(f"the bench query failed: {query.exception()}")
+            if counted[0] >= expected and (not ft or client.status()["pending"] == 0):
+                if counted[0] != expected:
+                    raise RuntimeError(f"bench fast: {counted[0]} rows, expected {expected}")
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"bench fast: {counted[0]} of {expected} rows after {deadline_s:g} s"
+                )
+            time.sleep(0.02)
