@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
@@ -107,8 +109,12 @@ def read_partition(
     key_hashes: KeyHashes = (
         _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
     )
-    # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded.
-    for keys, values, offsets, timestamps, headers in _read_kafka(options, part):
+    # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
+    # on, the next chunk is fetched and decoded while this one's persist is confirmed.
+    chunks = _read_kafka(options, part)
+    for keys, values, offsets, timestamps, headers in (
+        chunks if persister is None else _prefetched(chunks)
+    ):
         kept = _user_headers(headers) if options.keeps_headers else None
         anchors = None
         if persister is not None and channel is not None:
@@ -172,6 +178,51 @@ def read_partition(
             )
     # Step 4: the emission events of the replays (and anything else buffered) go now.
     channel.flush()
+
+
+def _prefetched(chunks: Iterator[_Chunk], depth: int = 2) -> Iterator[_Chunk]:
+    """`chunks`, read ahead by a thread of its own (at most `depth` chunks waiting): the
+    Kafka fetch and decode of chunk k+1 runs while chunk k's persist waits for the FT
+    layer's fsync (a socket wait, which releases the GIL). An error of the reading
+    thread is raised here, where the chunk it failed at would have been taken; closing
+    this generator early stops the thread and closes the consumer."""
+    slots: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pump() -> None:
+        try:
+            for chunk in chunks:
+                if not put(("chunk", chunk)):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # handed to the reader, raised there
+            put(("error", exc))
+        finally:
+            chunks.close()
+
+    thread = threading.Thread(target=pump, name="ftkafka-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, item = slots.get()
+            if kind == "chunk":
+                yield item
+            elif kind == "error":
+                raise item
+            else:
+                return
+    finally:
+        stop.set()
+        thread.join(timeout=30)
 
 
 def _persist_or_continue(
