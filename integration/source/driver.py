@@ -15,8 +15,9 @@ already, and only being read lets them complete). Spark runs one batch at a time
 a batch's records become pending only when it reads them, so a source's pending roots
 stay within the limit, plus the records of a batch Spark runs again (a retried task
 persists under fresh roots while the first attempt's trees time out). A sink that
-stalls keeps its trees pending (past the timeout, as replays waiting to be read), so
-the batches after it take in no more new records than the limit leaves.
+stalls keeps its trees pending (in its running batch, or past the timeout as replays
+waiting to be read), so the batches after it take in no more new records than the
+limit leaves.
 
 Timeouts that follow progress (ft.heartbeatMs): from the barrier of a batch
 (`batch_running`, after CHECKPOINT_BEGIN) until Spark asks for the next end
