@@ -93,7 +93,9 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         its buckets' clock if they are new). With a `tag`, the entry is postponed
         while `postpone(tag, now)` holds at its expiry."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        batches = self._by_timeout.get(timeout) or self._buckets_of(timeout, now)
+        batches = self._by_timeout.get(timeout)
+        if batches is None:  # not `or`: a map with no entries is falsy
+            batches = self._buckets_of(timeout, now)
         self._batch_number += 1
         batches.put(self._batch_number, (roots, seqs, tag))
 

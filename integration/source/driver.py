@@ -298,7 +298,12 @@ class SourceDriver:
         if not self.options.ft_on or not self.options.heartbeat_ms:
             return
         if self._heartbeat is None:
-            interval = heartbeat_interval_s(self.options.heartbeat_ms, self._tree_timeout_s())
+            try:
+                timeout = self._tree_timeout_s()
+            except SourceError as exc:  # heartbeats are an optimization: the batch goes on
+                log.warning("no heartbeats for this batch (its trees time out as usual): %s", exc)
+                return
+            interval = heartbeat_interval_s(self.options.heartbeat_ms, timeout)
             self._heartbeat = Heartbeat(
                 partial(self._heartbeat_client, interval),
                 sorted(set(self.source_ids.values())),
