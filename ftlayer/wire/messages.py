@@ -1,7 +1,7 @@
 """The message bodies after the handshake (PERSIST, XOR, FAIL, FETCH_REPLAY, REPLAY,
 REGISTER_SOURCE, the checkpoint and savepoint requests, HOLD, HEARTBEAT, STATUS, OK,
-ERROR): one type
-and one encoder/decoder pair per kind, and `decode`, one table from kind to decoder."""
+ERROR): one type and one encoder/decoder pair per kind, and `decode`, one table from
+kind to decoder."""
 
 from __future__ import annotations
 
