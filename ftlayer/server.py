@@ -43,7 +43,10 @@ format). The contract:
    (unaligned) or starts aligning (aligned), staging the checkpoint's record in the
    store (it commits with the next write, or the ticker flushes it); the ticker
    completes aligning checkpoints once no root before their barrier is pending.
-   `status` shows every query's checkpoints.
+   `status` shows every query's checkpoints. A BEGIN also opens its sources' batch,
+   its completion closes it, and HEARTBEAT (from the source's driver while the batch
+   runs) leases it: its trees' timeouts are postponed while it is open and leased
+   (ftlayer.core.leases; `status` shows `batches_running`).
 8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed records not
    deleted yet, under the lock (FTLayer.flush_deletes), so the store holds exactly the
    records whose trees are not complete; then, outside the lock, it copies the store
@@ -117,6 +120,7 @@ from ftlayer.wire import (
     decode_dead_letters,
     decode_fail,
     decode_fetch_replay,
+    decode_heartbeat,
     decode_hello,
     decode_hold,
     decode_persist,
@@ -255,6 +259,7 @@ class FTServer:
             Kind.DEAD_LETTERS: self._dead_letters,
             Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
             Kind.HOLD: self._hold,
+            Kind.HEARTBEAT: self._heartbeat,
         }
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -608,6 +613,11 @@ class FTServer:
         message = decode_hold(frame)
         with self._core() as ft:
             return encode_ok(rid, ft.hold(message.roots, message.values))
+
+    def _heartbeat(self, rid: int, frame: Frame) -> bytes:
+        message = decode_heartbeat(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.heartbeat(message.source_ids, message.lease_ms / 1000))
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
         message = decode_fail(frame)

@@ -65,6 +65,25 @@ def _sources(data: Mapping[str, Any], what: str) -> dict[str, dict[str, Any]]:
 
 
 _NUMBER = (int, float)
+_BATCH_FIGURES = ("running_s", "lease_s")
+
+
+def _batches_running(data: Mapping[str, Any], what: str) -> dict[str, dict[str, float]]:
+    value = _field(data, "batches_running", dict, what)
+    for source, batch in value.items():
+        if not (
+            isinstance(batch, dict)
+            and set(batch) == set(_BATCH_FIGURES)
+            and all(
+                isinstance(batch[k], _NUMBER) and not isinstance(batch[k], bool)
+                for k in _BATCH_FIGURES
+            )
+        ):
+            raise StatusError(
+                f"{what}'s 'batches_running' of source {source} is {batch!r}, not "
+                '{"running_s": number, "lease_s": number}'
+            )
+    return {str(k): {f: float(v[f]) for f in _BATCH_FIGURES} for k, v in value.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +241,12 @@ class Status(Mapping[str, Any]):
     """Records restored pending from the journal at start (not replayed)."""
     recovered_completed: int
     """Records the journal knew complete at start (deleted, not replayed)."""
+    timeouts_postponed: int
+    """Roots whose timeout was postponed because their batch was still running (its
+    driver heartbeating), counted per postponement (ftlayer.core.leases)."""
+    batches_running: Mapping[str, Mapping[str, float]]
+    """Per source id (a string) with an open batch: `running_s` since its barrier and
+    `lease_s` its heartbeat lease has left (0: none or lapsed: its trees time out)."""
     late_events: int
     unknown_events: int
     xor_events: int
@@ -274,6 +299,8 @@ class Status(Mapping[str, Any]):
             barrier_released=_field(data, "barrier_released", int, what),
             recovered_pending=_field(data, "recovered_pending", int, what),
             recovered_completed=_field(data, "recovered_completed", int, what),
+            timeouts_postponed=_field(data, "timeouts_postponed", int, what),
+            batches_running=_batches_running(data, what),
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),
@@ -297,6 +324,7 @@ class Status(Mapping[str, Any]):
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in ("failed", "replay_cursors", "replay_pruned", "pending_by_source"):
             data[name] = dict(data[name])
+        data["batches_running"] = {k: dict(v) for k, v in self.batches_running.items()}
         data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
         data["sources"] = {k: dict(v) for k, v in self.sources.items()}
         return data
@@ -319,6 +347,12 @@ class Status(Mapping[str, Any]):
         return max(
             (max(every, self.replay_pruned.get(str(s), 0)) for s in source_ids), default=every
         )
+
+    def lease_of(self, source_id: int) -> float | None:
+        """The seconds the heartbeat lease on `source_id`'s running batch has left (0:
+        none, or lapsed), or None when the source has no batch running."""
+        batch = self.batches_running.get(str(source_id))
+        return None if batch is None else batch["lease_s"]
 
     def pending_of(self, source_id: int) -> int:
         """The pending roots of one source: its records in flight and its replays

@@ -20,11 +20,22 @@ times it out, and the FT layer skips the other (the root is no longer pending).
 `track(roots, timeout_s=T2)` times roots with another timeout than the layer's own (a
 source configured with its own T): each distinct timeout has its own RotatingHashMap,
 made on first use and rotated by the same tick().
+
+Postponing (Storm's reset-timeout, per entry): `track(..., tag=t)` tags an entry, and
+when it expires the layer asks `postpone(t, now)`; if that is true the entry is put
+back into the newest bucket of its map instead of timing out, so it expires again
+exactly T * (1 + 1/(n-1)) later (n rotations), and is asked again then. The FT layer
+tags an entry with the running batch of its source (ftlayer.core.leases). A postponed
+entry therefore times out at the first expiry at which `postpone` is false: by
+T * (1 + 1/(n-1)) after the moment it turned false (plus tick lateness), and never
+before T after it was tracked. `postponed` counts the roots of postponed entries,
+once per postponement. Cost per expiry: one `postpone` call per distinct tag and one
+put per postponed entry, nothing per root.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -36,7 +47,9 @@ from ftlayer.persistence.layer import PersistenceLayer
 #: Receives the roots of batches that timed out and their records' storage seqs, aligned
 #: (some may have completed, failed or been persisted again since).
 TimeoutCallback = Callable[[NDArray[np.uint64], NDArray[np.uint64]], None]
-_Entry = tuple[NDArray[np.uint64], NDArray[np.uint64]]
+#: Whether an expiring entry with this tag is postponed at `now` (see the docstring).
+Postpone = Callable[[Hashable, float], bool]
+_Entry = tuple[NDArray[np.uint64], NDArray[np.uint64], Hashable | None]
 
 
 class TimeoutPersistenceLayer(PersistenceLayer):
@@ -51,6 +64,7 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         on_timeout: TimeoutCallback,
         start: float = 0.0,
         defer_deletes: bool = False,
+        postpone: Postpone | None = None,
     ) -> None:
         validate_timeout(timeout_s, buckets)
         super().__init__(storage, defer_deletes=defer_deletes)
@@ -58,10 +72,13 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         self.buckets = buckets
         self.rotation_interval_s = rotation_interval(timeout_s, buckets)
         self._on_timeout = on_timeout
-        self._by_timeout: dict[float, RotatingHashMap[int, _Entry]] = {
-            timeout_s: RotatingHashMap(buckets, self._expired, timeout_s=timeout_s, start=start)
-        }
+        self._postpone = postpone
+        self._now = start  # the time of the tick() rotating now, for `postpone`
+        self._by_timeout: dict[float, RotatingHashMap[int, _Entry]] = {}
+        self._buckets_of(timeout_s, start)
         self._batch_number = 0
+        self.postponed = 0
+        """Roots of postponed entries, counted at every postponement."""
 
     def track(
         self,
@@ -69,22 +86,34 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         seqs: NDArray[np.uint64],
         timeout_s: float | None = None,
         now: float = 0.0,
+        tag: Hashable | None = None,
     ) -> None:
         """Start the timeout of roots that became pending now, whose records have the
         storage seqs `seqs` (aligned): the layer's T, or `timeout_s` (then `now` starts
-        its buckets' clock if they are new)."""
+        its buckets' clock if they are new). With a `tag`, the entry is postponed
+        while `postpone(tag, now)` holds at its expiry."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         batches = self._by_timeout.get(timeout)
-        if batches is None:
-            validate_timeout(timeout, self.buckets)
-            batches = RotatingHashMap(self.buckets, self._expired, timeout_s=timeout, start=now)
-            self._by_timeout[timeout] = batches
+        if batches is None:  # not `or`: a map with no entries is falsy
+            batches = self._buckets_of(timeout, now)
         self._batch_number += 1
-        batches.put(self._batch_number, (roots, seqs))
+        batches.put(self._batch_number, (roots, seqs, tag))
+
+    def _buckets_of(self, timeout: float, now: float) -> RotatingHashMap[int, _Entry]:
+        validate_timeout(timeout, self.buckets)
+        batches: RotatingHashMap[int, _Entry] = RotatingHashMap(
+            self.buckets,
+            lambda expired: self._expired(timeout, expired),
+            timeout_s=timeout,
+            start=now,
+        )
+        self._by_timeout[timeout] = batches
+        return batches
 
     def tick(self, now: float) -> int:
         """Rotate every timeout's buckets that are due by `now`, timing out the roots
-        that expired; returns the number of rotations."""
+        that expired (or postponing them); returns the number of rotations."""
+        self._now = now
         return sum(batches.tick(now) for batches in list(self._by_timeout.values()))
 
     @property
@@ -92,9 +121,36 @@ class TimeoutPersistenceLayer(PersistenceLayer):
         """The shortest rotation interval over every timeout in use (for tickers)."""
         return min(rotation_interval(t, self.buckets) for t in tuple(self._by_timeout))
 
-    def _expired(self, batches: dict[int, _Entry]) -> None:
+    def _expired(self, timeout: float, batches: dict[int, _Entry]) -> None:
         entries = list(batches.values())
+        if self._postpone is not None:
+            entries = self._postponing(timeout, entries)
+            if not entries:
+                return
         self._on_timeout(
-            np.concatenate([roots for roots, _ in entries]),
-            np.concatenate([seqs for _, seqs in entries]),
+            np.concatenate([roots for roots, _, _ in entries]),
+            np.concatenate([seqs for _, seqs, _ in entries]),
         )
+
+    def _postponing(self, timeout: float, entries: list[_Entry]) -> list[_Entry]:
+        """Put the entries whose tag is postponed back into the newest bucket (the
+        rotation that expired them just opened it); returns the others."""
+        assert self._postpone is not None
+        verdicts: dict[Hashable, bool] = {}
+        expired: list[_Entry] = []
+        batches = self._by_timeout[timeout]
+        for entry in entries:
+            tag = entry[2]
+            if tag is None:
+                expired.append(entry)
+                continue
+            verdict = verdicts.get(tag)
+            if verdict is None:
+                verdict = verdicts[tag] = self._postpone(tag, self._now)
+            if verdict:
+                self._batch_number += 1
+                batches.put(self._batch_number, entry)
+                self.postponed += len(entry[0])
+            else:
+                expired.append(entry)
+        return expired

@@ -17,6 +17,9 @@ it. Writing the snapshot to LMDB happens afterwards and elsewhere (the server's
 checkpoint writer thread), so event processing does not wait for it: this is the
 asynchronous phase of an asynchronous barrier snapshot. The stored records need no
 copy: they are already in LMDB, and the snapshot names them by their storage seqs.
+The barrier also opens the batch of the query's sources (`FTLayer.batch_began`), and
+its completion closes it (`FTLayer.batch_done`): while it is open and its driver
+heartbeats, its trees do not time out (ftlayer.core.leases).
 
 Complete: Spark will never run batch n again. The FT layer prunes the replay queue
 entries batch n took in (replay seq <= S_n's cursor) and decides the consumer-group
@@ -288,8 +291,11 @@ class CheckpointCoordinator:
         """Barrier `position` of `query`: the state is owed a snapshot, copied before
         its next change (`copy_pending`) and then queued for writing. Idempotent: a
         position already begun (Spark plans a batch again after a restart) returns its
-        checkpoint."""
-        return self._begin(check_query(query), check_position(position), sources, mode, now)
+        checkpoint. Either way the sources' batch is running from now
+        (FTLayer.batch_began: the timeouts of its trees follow its heartbeats)."""
+        checkpoint = self._begin(check_query(query), check_position(position), sources, mode, now)
+        self.ft.batch_began(sources)
+        return checkpoint
 
     def _begin(
         self,
@@ -372,8 +378,10 @@ class CheckpointCoordinator:
         barrier = check_position(position)
         # The query's batch is done and the next one has not started (Spark runs one
         # at a time): the barrier holds of its barrier-mode sources are released,
-        # whatever the checkpoint's state (ftlayer.core.barrier).
+        # whatever the checkpoint's state (ftlayer.core.barrier); its trees' timeouts
+        # are no longer postponed (ftlayer.core.leases).
         self.ft.release_barrier(sources)
+        self.ft.batch_done(sources)
         checkpoint = self._begin(check_query(query), barrier, sources, mode, now)
         q = self._queries[query]
         if checkpoint.state is not CheckpointState.BEGUN:

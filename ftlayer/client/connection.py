@@ -15,7 +15,7 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
   every call may wait this way. Then ConnectionLost.
 - A connection that breaks after a request was sent is retried once (reconnecting as
   above) for the idempotent calls only (status, fetch_replay, register_source,
-  checkpoint). persist, xor, fail and savepoint
+  checkpoint, heartbeat). persist, xor, fail and savepoint
   raise ConnectionLost instead: the request may or may not have been applied, and only
   the caller knows whether to resend. The next call reconnects.
 - A connection the server closed while it was idle (its idle limit, a restart) is
@@ -83,6 +83,7 @@ from ftlayer.wire import (
     encode_dead_letters,
     encode_fail,
     encode_fetch_replay,
+    encode_heartbeat,
     encode_hello,
     encode_hold,
     encode_persist,
@@ -389,6 +390,17 @@ class FTClient:
 
         frame = self._call(request, Kind.CHECKPOINT, retry=True)
         return CheckpointReport.from_json(decode_checkpoint_reply(frame).checkpoint)
+
+    def heartbeat(self, source_ids: Sequence[int], lease_s: float) -> int:
+        """`FTLayer.heartbeat`: the batch of these sources runs and their driver is
+        alive; the FT layer postpones their trees' timeouts for `lease_s` more seconds
+        (0 ends the lease; sent in whole milliseconds). Returns how many of the sources
+        have an open batch."""
+        lease_ms = round(lease_s * 1000)
+        frame = self._call(
+            lambda rid: encode_heartbeat(rid, source_ids, lease_ms), Kind.OK, retry=True
+        )
+        return decode_ok(frame).count
 
     def status(self) -> Status:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""

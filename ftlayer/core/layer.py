@@ -25,6 +25,15 @@ pending in exactly one of two ways:
    has not entered the pipeline yet. The source that re-emits the record sends the
    emission's XOR event for it (Persister.emit_replays).
 
+A tree does not time out while the batch carrying it runs (ftlayer.core.leases): the
+sources' barriers open their batches (`batch_began`), Spark's "done" closes them
+(`batch_done`), and the source's driver keeps a lease on its running batch by
+heartbeats (`heartbeat`). A timeout entry tracked in a source's open batch that
+expires while that batch is still open and leased is postponed, not failed; once the
+batch is done or its lease lapsed (the driver died or was stopped), it times out at
+its next expiry, within T * (1 + 1/(n-1)) of that moment. Entries of earlier batches,
+and of sources that send no heartbeats, time out as described above.
+
 Events for roots that are not pending are dropped: "late" when the root failed
 recently (RetiredRoots remembers failed roots for 2T by default), "unknown" otherwise.
 They never create pending entries that could not complete. Persisting a root that is
@@ -45,10 +54,11 @@ Not thread-safe: one thread drives a core (the server serializes its clients).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Final, cast
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -65,6 +75,7 @@ from ftlayer.records import RecordBatch, ReplayRecords
 
 from .barrier import OpenHolds
 from .journal import Journal, JournalState
+from .leases import BatchLeases, BatchTag
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
@@ -109,6 +120,7 @@ class FTLayer:
             track_live=True,
             mirror=("root", "seq", "topic", "partition", "offset"),
         )
+        self._leases = BatchLeases()
         self.persistence = TimeoutPersistenceLayer(
             storage,
             timeout_s=timeout_s,
@@ -116,6 +128,7 @@ class FTLayer:
             on_timeout=self._on_timeout,
             start=clock(),
             defer_deletes=defer_deletes,
+            postpone=self._batch_running,
         )
         self._sources = SourceRegistry(storage, sources, default_source)
         meta = storage.get_meta(REPLAY_SEQ_META_KEY)
@@ -335,6 +348,32 @@ class FTLayer:
     def open_holds(self) -> int:
         """Barrier holds not released yet."""
         return len(self._holds)
+
+    # ---- running batches: timeouts that follow progress ---------------------------
+
+    def batch_began(self, source_ids: Sequence[int]) -> None:
+        """The next batch of these sources is about to run (its barrier): roots tracked
+        from now on belong to it (ftlayer.core.leases). It has no lease until the
+        first `heartbeat`."""
+        self._leases.began(source_ids, self._clock())
+
+    def batch_done(self, source_ids: Sequence[int]) -> None:
+        """The batch of these sources is done: its lease ends, and the trees it left
+        unfinished time out at their next expiry."""
+        self._leases.done(source_ids)
+
+    def heartbeat(self, source_ids: Sequence[int], lease_s: float) -> int:
+        """The driver of these sources is alive and their batch is running: while it
+        stays open and `lease_s` has not passed since this call, the timeouts of its
+        trees are postponed (0 ends the lease). Returns how many of the sources have
+        an open batch (a heartbeat for one without is ignored)."""
+        if not 0 <= lease_s < math.inf:  # also NaN
+            raise ConfigError(f"a lease is a finite number of seconds >= 0, got {lease_s!r}")
+        return self._leases.renew(source_ids, lease_s, self._clock())
+
+    def _batch_running(self, tag: Hashable, now: float) -> bool:
+        """The timeout layer's question at an entry's expiry: postpone it?"""
+        return self._leases.running(cast(BatchTag, tag), now)
 
     def _check_not_retired(self, roots: NDArray[np.uint64]) -> None:
         retired = self._retired.known(roots, self._clock())
@@ -635,17 +674,19 @@ class FTLayer:
     ) -> None:
         """Start the timeouts of roots that became pending now (their records' storage
         seqs aligned), each with its source's timeout (the FT layer's for sources
-        without their own)."""
+        without their own), tagged with its source's open batch (postponed while that
+        batch runs)."""
         now = self._clock()
         sources = _source_list(source_ids)
         for source_id in sources:
             config = self.source_config(source_id)
             timeout = None if config is None else config.timeout_s
+            tag = self._leases.tag(source_id)
             if len(sources) == 1:
-                self.persistence.track(roots, seqs, timeout, now)
+                self.persistence.track(roots, seqs, timeout, now, tag)
             else:
                 rows = source_ids == source_id
-                self.persistence.track(roots[rows], seqs[rows], timeout, now)
+                self.persistence.track(roots[rows], seqs[rows], timeout, now, tag)
 
     def _route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
         """(record index, target partition) pairs, by each record's source partitioner;
@@ -1080,6 +1121,8 @@ class FTLayer:
         self.stats.retry_waiting = self._book.waiting
         self.stats.dead_letters = len(self._book.dead)
         self.stats.barrier_holds = len(self._holds)
+        self.stats.timeouts_postponed = self.persistence.postponed
+        self.stats.batches_running = self._leases.status(self._clock())
         return self.stats
 
 

@@ -54,6 +54,13 @@ class FTStats:
     recovered_completed: int = 0
     """Records found at start whose trees the journal knew complete: deleted, not
     replayed."""
+    timeouts_postponed: int = 0
+    """Roots whose timeout expired while their batch was still running (open and
+    leased by its driver's heartbeats) and was postponed, counted per postponement
+    (ftlayer.core.leases)."""
+    batches_running: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per source id (as a string) with an open batch: `running_s` since its barrier and
+    `lease_s`, the time its heartbeat lease has left (0: none, or lapsed)."""
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0

@@ -51,6 +51,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | "delivered", "where": filter object, "limit": int or null}  |
 | 0x24 | DEAD_LETTER_RESTORE | as DEAD_LETTER_LIST: dead letters from a topic to replay      |
 | 0x25 | HOLD                | as XOR: a barrier-mode root goes on in a new batch          |
+| 0x26 | HEARTBEAT           | u32 lease ms, u32 n, source ids u32[n]: their batch runs    |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -153,6 +154,7 @@ from .messages import (
     ErrorReply,
     Fail,
     FetchReplay,
+    Heartbeat,
     Message,
     Ok,
     Persist,
@@ -172,6 +174,7 @@ from .messages import (
     decode_error,
     decode_fail,
     decode_fetch_replay,
+    decode_heartbeat,
     decode_hold,
     decode_ok,
     decode_persist,
@@ -190,6 +193,7 @@ from .messages import (
     encode_error_for,
     encode_fail,
     encode_fetch_replay,
+    encode_heartbeat,
     encode_hold,
     encode_ok,
     encode_persist,
@@ -232,6 +236,7 @@ __all__ = [
     "Frame",
     "FrameReader",
     "FrameTooLarge",
+    "Heartbeat",
     "Hello",
     "Kind",
     "MalformedFrame",
@@ -264,6 +269,7 @@ __all__ = [
     "decode_error",
     "decode_fail",
     "decode_fetch_replay",
+    "decode_heartbeat",
     "decode_hello",
     "decode_hold",
     "decode_ok",
@@ -287,6 +293,7 @@ __all__ = [
     "encode_fail",
     "encode_fetch_replay",
     "encode_frame",
+    "encode_heartbeat",
     "encode_hello",
     "encode_hold",
     "encode_ok",

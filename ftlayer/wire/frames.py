@@ -46,6 +46,7 @@ class Kind(enum.IntEnum):
     DEAD_LETTERS = 0x23
     DEAD_LETTER_RESTORE = 0x24
     HOLD = 0x25
+    HEARTBEAT = 0x26
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90

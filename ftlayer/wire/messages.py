@@ -1,6 +1,7 @@
 """The message bodies after the handshake (PERSIST, XOR, FAIL, FETCH_REPLAY, REPLAY,
-REGISTER_SOURCE, the checkpoint and savepoint requests, STATUS, OK, ERROR): one type
-and one encoder/decoder pair per kind, and `decode`, one table from kind to decoder."""
+REGISTER_SOURCE, the checkpoint and savepoint requests, HOLD, HEARTBEAT, STATUS, OK,
+ERROR): one type and one encoder/decoder pair per kind, and `decode`, one table from
+kind to decoder."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ _FETCH: Final = struct.Struct("<QQqi")
 _CAUSE_HEAD: Final = struct.Struct("<BBH")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
+_HEARTBEAT_HEAD: Final = struct.Struct("<II")
+_MAX_HEARTBEAT_SOURCES: Final = 0xFFFF  # a query reads at most this many topics
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,15 @@ class StatusRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """HEARTBEAT: the driver of these sources is alive and their batch runs; lease it for
+    `lease_ms` more milliseconds (0 ends the lease; `FTLayer.heartbeat`)."""
+
+    source_ids: tuple[int, ...]
+    lease_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class StatusReply:
     status: dict[str, Any]
 
@@ -196,6 +208,7 @@ Message = (
     | SavepointCreated
     | StatusRequest
     | StatusReply
+    | Heartbeat
     | Ok
     | ReplayRecords
     | DeadLettersRequest
@@ -777,6 +790,34 @@ def decode_status_request(message: Frame | bytes) -> StatusRequest:
     return StatusRequest()
 
 
+def encode_heartbeat(request_id: int, source_ids: Sequence[int], lease_ms: int) -> bytes:
+    """HEARTBEAT: u32 lease ms, u32 n, source ids u32[n]."""
+    ids = list(source_ids)
+    if not (
+        _is_u32(lease_ms) and all(_is_u32(s) for s in ids) and len(ids) <= _MAX_HEARTBEAT_SOURCES
+    ):
+        raise BadRequest(
+            f"HEARTBEAT needs a u32 lease in ms and at most {_MAX_HEARTBEAT_SOURCES} u32 "
+            f"source ids, got {lease_ms!r} and {ids!r}"[:600]
+        )
+    body = _HEARTBEAT_HEAD.pack(lease_ms, len(ids)) + np.array(ids, dtype="<u4").tobytes()
+    return encode_frame(Kind.HEARTBEAT, request_id, body)
+
+
+def decode_heartbeat(message: Frame | bytes) -> Heartbeat:
+    body = _body(message, Kind.HEARTBEAT)
+    lease_ms, n = body.unpack(_HEARTBEAT_HEAD, "lease and source count")
+    _expect_size(body, 4 * n, n, "source ids")
+    if n > _MAX_HEARTBEAT_SOURCES:
+        raise BadRequest(f"HEARTBEAT names {n} sources, more than {_MAX_HEARTBEAT_SOURCES}")
+    ids = body.array("<u4", n, "source ids")
+    return Heartbeat(tuple(int(s) for s in ids.tolist()), int(lease_ms))
+
+
+def _is_u32(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_U32
+
+
 def encode_status_reply(
     request_id: int, status: Mapping[str, Any], *, max_frame: int = DEFAULT_MAX_FRAME
 ) -> bytes:
@@ -938,6 +979,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.DEAD_LETTER_LIST: decode_dead_letter_list,
     Kind.DEAD_LETTER_RESTORE: decode_dead_letter_restore,
     Kind.HOLD: decode_hold,
+    Kind.HEARTBEAT: decode_heartbeat,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

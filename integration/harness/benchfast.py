@@ -211,7 +211,7 @@ def bench_fast(
     meets = True
     for size in sizes:
         rate = {mode: records / statistics.median(s) for mode, s in seconds[size].items()}
-        row = {
+        row: dict[str, Any] = {
             "ft_off_records_per_s": round(rate["off"]),
             "ft_tree_records_per_s": round(rate["tree"]),
             "ft_barrier_records_per_s": round(rate["barrier"]),

@@ -88,6 +88,12 @@ source's pending trees (in flight, or replays waiting to be read; STATUS
 `pending_by_source`, read with the replay cursor) plus those records stay within the
 limit. Replays are always taken in. See `driver.py` and docs/user-guide.md section 6.7.
 
+`ft.heartbeatMs` (FT on): from a batch's barrier until Spark asks for the next batch
+(or the query stops), the driver's heartbeat thread keeps a lease on the running batch
+in the FT layer, which meanwhile does not time out the batch's trees: a batch slower
+than the tree timeout costs no replays. When the driver dies or the query stops
+mid-batch, the heartbeats stop and those trees time out soon after (heartbeat.py).
+
 ## Options
 
 Declared once, with their types, defaults and meaning, in `OPTIONS` of
@@ -254,6 +260,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         driver = self._driver_side()
+        driver.batch_done()  # Spark asks for the next batch only once the last one is done
         self._complete_deferred()  # only if no batch was planned after the last commit
         driver.deliver_dead_letters()
         available = driver.available(start)
@@ -290,6 +297,8 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             driver = self._driver_side()
             done, self._deferred_commit = self._deferred_commit, None
             answer = driver.checkpoint(barrier, begin=True, complete=done)
+            if answer is not None:  # the batch is open: its timeouts follow heartbeats
+                driver.batch_running()
             if done is not None and answer is not None and answer.completed is not None:
                 self._commit_group(driver, answer.completed.commit_offsets)
         return parts if busy else []

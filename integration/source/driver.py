@@ -15,8 +15,15 @@ already, and only being read lets them complete). Spark runs one batch at a time
 a batch's records become pending only when it reads them, so a source's pending roots
 stay within the limit, plus the records of a batch Spark runs again (a retried task
 persists under fresh roots while the first attempt's trees time out). A sink that
-stalls keeps its trees pending (past the timeout, as replays waiting to be read), so
-the batches after it take in no more new records than the limit leaves.
+stalls keeps its trees pending (in its running batch, or past the timeout as replays
+waiting to be read), so the batches after it take in no more new records than the
+limit leaves.
+
+Timeouts that follow progress (ft.heartbeatMs): from the barrier of a batch
+(`batch_running`, after CHECKPOINT_BEGIN) until Spark asks for the next end
+(`batch_done`, from latestOffset) or the query stops, a `Heartbeat` thread leases the
+running batch in the FT layer, so its trees do not time out while it runs
+(integration/source/heartbeat.py, ftlayer.core.leases).
 
 Every call to Kafka and to the FT layer is retried with doubling backoff and then
 fails with SourceError naming what and where: an unreachable broker or FT layer is an
@@ -44,6 +51,7 @@ from ftlayer.status import CheckpointReport
 from ftlayer.wire import DeadLetterList
 
 from .deadletters import dead_letter_messages
+from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .options import SourceOptions
 from .reader import POLL_SECONDS, new_consumer
 
@@ -79,6 +87,8 @@ class SourceDriver:
         self._held: set[str] = set()  # topics ft.maxPendingRecords holds back now
         self._producer: Any = None
         self._next_delivery = 0.0
+        self._server_timeout_s: float | None = None  # the server's T, from its STATUS
+        self._heartbeat: Heartbeat | None = None
 
     # ---- lifecycle ----
 
@@ -91,6 +101,9 @@ class SourceDriver:
             self._register_sources()
 
     def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
         self._drop_consumer()
         self._drop_group_client()
         self._drop_producer()
@@ -276,6 +289,55 @@ class SourceDriver:
         except SourceError as exc:
             log.warning("%s (covered by the next batch's checkpoint)", exc)
             return None
+
+    # ---- running batches ----
+
+    def batch_running(self) -> None:
+        """The batch whose barrier was just sent runs now: heartbeat for the query's
+        sources until `batch_done` (FT on, ft.heartbeatMs > 0)."""
+        if not self.options.ft_on or not self.options.heartbeat_ms:
+            return
+        if self._heartbeat is None:
+            try:
+                timeout = self._tree_timeout_s()
+            except SourceError as exc:  # heartbeats are an optimization: the batch goes on
+                log.warning("no heartbeats for this batch (its trees time out as usual): %s", exc)
+                return
+            interval = heartbeat_interval_s(self.options.heartbeat_ms, timeout)
+            self._heartbeat = Heartbeat(
+                partial(self._heartbeat_client, interval),
+                sorted(set(self.source_ids.values())),
+                interval,
+            )
+        self._heartbeat.running()
+
+    def batch_done(self) -> None:
+        """Spark asks for the next batch: the one before is done, heartbeats stop."""
+        if self._heartbeat is not None:
+            self._heartbeat.idle()
+
+    def _tree_timeout_s(self) -> float:
+        """This query's tree timeout T: its ft.timeoutMs, or the server's."""
+        if self.options.timeout_s is not None:
+            return self.options.timeout_s
+        if self._server_timeout_s is None:
+            status = self._ft_call("read the FT layer's timeout", lambda client: client.status())
+            self._server_timeout_s = status.timeout_s
+        return self._server_timeout_s
+
+    def _heartbeat_client(self, interval_s: float) -> FTClient:
+        """The heartbeat thread's own client: a heartbeat waits at most about a lease,
+        and gives up reconnecting after an interval (the next one tries again)."""
+        ft = self.options.ft
+        return FTClient(
+            ft.address or "",
+            token=ft.token,
+            connect_timeout=self.options.ft_connect_timeout_s,
+            request_timeout=LEASE_INTERVALS * interval_s,
+            name="ftkafka-heartbeat",
+            tls=ft.tls_ca or False,
+            reconnect_s=interval_s,
+        )
 
     # ---- consumer-group offsets ----
 
@@ -547,6 +609,7 @@ class SourceDriver:
         replay of its sources, such as those recovered after an FT-layer restart or
         restored from a savepoint."""
         status = self._ft_call("read the replay cursor", lambda client: client.status())
+        self._server_timeout_s = status.timeout_s
         return status.replay_start_of(list(self.source_ids.values()))
 
     def _replay_cursor(self) -> int:
@@ -555,6 +618,7 @@ class SourceDriver:
         The same reply gives each source's pending roots (`pending`, for flow control):
         one STATUS per batch serves both."""
         status = self._ft_call("read the replay cursor", lambda client: client.status())
+        self._server_timeout_s = status.timeout_s
         self.pending = {t: status.pending_of(s) for t, s in self.source_ids.items()}
         return status.replay_cursor_of(list(self.source_ids.values()))
 

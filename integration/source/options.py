@@ -33,6 +33,7 @@ from ftlayer.policy import RetryPolicy
 from ftlayer.position import EARLIEST
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_MS",
     "DEFAULT_MAX_PENDING_RECORDS",
     "OPTIONS",
     "Option",
@@ -44,6 +45,10 @@ __all__ = [
 ]
 
 OptionType = Literal["text", "integer", "boolean", "choice", "prefix"]
+
+DEFAULT_HEARTBEAT_MS: Final = 2000
+"""ft.heartbeatMs by default: a small request every 2 s per query while a batch runs
+(never more often than T/4 decides), and a dead driver's lease lapses within 6 s."""
 
 DEFAULT_MAX_PENDING_RECORDS: Final = 1_000_000
 """ft.maxPendingRecords by default: far above what a healthy query has pending (about
@@ -241,8 +246,19 @@ OPTIONS: Final[tuple[Option, ...]] = (
         1,
         "this query's own tree timeout: a tree not complete between T and "
         "T·(1+1/(n\N{MINUS SIGN}1)) after its persist (a replay: after a batch read it) "
-        "fails and is replayed (section 4.5)",
+        "fails and is replayed, unless its batch is still running (`ft.heartbeatMs`; "
+        "section 4.5)",
         shown="the server's `--timeout-s`",
+    ),
+    _ms(
+        "ft.heartbeatMs",
+        DEFAULT_HEARTBEAT_MS,
+        0,
+        "while a batch runs, the driver tells the FT layer so this often (at least four "
+        "times per tree timeout T), and the batch's trees do not time out: a batch slower "
+        "than T is not replayed. If the driver dies or the query stops mid-batch, they time "
+        "out within T·(1+1/(n\N{MINUS SIGN}1)) after three missed heartbeats "
+        "(section 4.5). `0`: no heartbeats, a tree slower than T is replayed",
     ),
     Option(
         "ft.maxRetries",
@@ -337,6 +353,8 @@ class SourceOptions:
     """ft.deadLetterTopic; None: dead letters stay in the FT layer's store."""
     completion: str = "barrier"
     """ft.completion: "barrier" (the default) or "tree" (ftlayer.core.barrier)."""
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
+    """ft.heartbeatMs: how often the driver heartbeats a running batch; 0: never."""
 
     @property
     def checkpoint_query(self) -> str:
@@ -467,6 +485,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         retry=_retry_policy(given),
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
         completion=given.choice("ft.completion"),
+        heartbeat_ms=_required(given.integer("ft.heartbeatMs")),
     )
 
 

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -180,7 +180,7 @@ def read_partition(
     channel.flush()
 
 
-def _prefetched(chunks: Iterator[_Chunk], depth: int = 2) -> Iterator[_Chunk]:
+def _prefetched(chunks: Generator[_Chunk, None, None], depth: int = 2) -> Iterator[_Chunk]:
     """`chunks`, read ahead by a thread of its own (at most `depth` chunks waiting): the
     Kafka fetch and decode of chunk k+1 runs while chunk k's persist waits for the FT
     layer's fsync (a socket wait, which releases the GIL). An error of the reading
@@ -326,7 +326,7 @@ def _arrow_batch(
     return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)
 
 
-def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Iterator[_Chunk]:
+def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Generator[_Chunk, None, None]:
     """Kafka [start, end) of one partition, in polled chunks of (keys, values, offsets,
     timestamps in ms, headers). SourceError if no record arrives for pollTimeoutMs."""
     if part.end <= part.start:

@@ -725,6 +725,18 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
         "absolute path",
     ),
     (
+        "heartbeat truncated",
+        reframe(p.Kind.HEARTBEAT, b"\x01\x00"),
+        p.MalformedFrame,
+        "truncated",
+    ),
+    (
+        "heartbeat count disagrees",
+        reframe(p.Kind.HEARTBEAT, struct.pack("<II", 1000, 2) + bytes(4)),
+        p.MalformedFrame,
+        "declares 2 source ids",
+    ),
+    (
         "savepoint created not an object",
         reframe(p.Kind.SAVEPOINT_CREATED, b"[1]"),
         p.MalformedFrame,
@@ -818,6 +830,8 @@ ENCODE_ERRORS: list[tuple[str, Callable[[], bytes], type[p.ProtocolError], str]]
         "partition",
     ),
     ("status not json", lambda: p.encode_status_reply(1, {"x": object()}), p.BadRequest, "JSON"),
+    ("heartbeat lease", lambda: p.encode_heartbeat(1, [7], -1), p.BadRequest, "HEARTBEAT"),
+    ("heartbeat source", lambda: p.encode_heartbeat(1, [2**32], 10), p.BadRequest, "u32"),
     (
         "replay columns disagree",
         lambda: p.encode_replay(
@@ -865,6 +879,7 @@ def _valid_frames() -> list[bytes]:
         p.encode_error(16, 1, "bad"),
         p.encode_savepoint(17, "/sp", "nightly"),
         p.encode_savepoint_created(18, {"name": "nightly", "stored_records": 3}),
+        p.encode_heartbeat(19, [7, 2**32 - 1], 1500),
     ]
 
 
@@ -1073,3 +1088,11 @@ def test_hold_has_xors_body_and_register_source_carries_the_completion() -> None
     )
     with pytest.raises(p.BadRequest, match='"completion"'):
         p.decode(reframe(p.Kind.REGISTER_SOURCE, body))
+
+
+def test_heartbeat_round_trips() -> None:
+    data = p.encode_heartbeat(5, [9, 2**32 - 1, 7], 1500)
+    assert frame(data).kind == p.Kind.HEARTBEAT
+    assert body_of(data) == struct.pack("<IIIII", 1500, 3, 9, 2**32 - 1, 7)
+    assert p.decode(frame(data)) == p.Heartbeat((9, 2**32 - 1, 7), 1500)
+    assert p.decode(frame(p.encode_heartbeat(6, [], 0))) == p.Heartbeat((), 0)

@@ -57,6 +57,8 @@ def _status(**changes: Any) -> dict[str, Any]:
         "barrier_released": 9,
         "recovered_pending": 6,
         "recovered_completed": 2,
+        "timeouts_postponed": 6,
+        "batches_running": {"7": {"running_s": 4.5, "lease_s": 1.5}},
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,
@@ -102,6 +104,12 @@ def test_a_sources_pending_roots_are_its_own_and_none_when_absent() -> None:
     assert status.pending_of(7) == 2 and status.pending_of(8) == 0
 
 
+def test_a_sources_lease_is_its_running_batchs_and_none_without_one() -> None:
+    status = Status.from_json(_status())
+    assert status.lease_of(7) == 1.5 and status.lease_of(8) is None
+    assert status.timeouts_postponed == 6
+
+
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
@@ -109,6 +117,9 @@ def test_a_sources_pending_roots_are_its_own_and_none_when_absent() -> None:
         ({"pending": True}, "'pending'"),
         ({"failed": {"explicit": 1.5}}, "'failed'"),
         ({"pending_by_source": {"7": "2"}}, "'pending_by_source'"),
+        ({"batches_running": {"7": {"running_s": 1.0}}}, "'batches_running' of source 7"),
+        ({"batches_running": {"7": {"running_s": 1, "lease_s": "1"}}}, "'batches_running'"),
+        ({"batches_running": []}, "'batches_running'"),
         ({"surprise": 1}, "surprise"),
         ({"checkpoints": {"job": {"completed": 1}}}, "'open'"),
     ],

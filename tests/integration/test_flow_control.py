@@ -8,7 +8,10 @@ timeout, while a sampler reads the FT layer's STATUS. What a user would notice: 
 FT layer's pending trees and stored records stay bounded, the source stops reading,
 no record times out merely because it waited to be read (each record of the hung
 batch times out once, none again while it waits as a replay), and once the sink
-recovers every record reaches it, the hung batch's records twice.
+recovers every record reaches it, the hung batch's records twice. The query sends no
+heartbeats (`ft.heartbeatMs=0`): with them, the hung batch's trees would not time out
+at all while it runs (tests/integration/test_slow_batches.py), and this test is about
+the replays of trees that did.
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def test_a_stalled_sink_keeps_pending_and_the_store_bounded_and_loses_nothing(
         .option("ft.address", server.address)
         .option("ft.timeoutMs", str(TIMEOUT_MS))
         .option("ft.maxPendingRecords", str(LIMIT))
+        .option("ft.heartbeatMs", "0")
         .load()
         .writeStream.foreachBatch(ft_foreach_batch(write, settings))
         .trigger(processingTime="200 milliseconds")

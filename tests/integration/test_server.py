@@ -762,3 +762,48 @@ def test_serve_takes_the_limits_from_its_options(start_server: StartServer) -> N
         assert client.status()["max_connections"] == 3
     with _welcomed(server.address) as idle:
         assert _closed_within(idle, 5)
+
+
+def test_heartbeats_keep_a_running_batch_from_timing_out_until_they_stop(
+    start_server: StartServer,
+) -> None:
+    """ftkafka's driver heartbeats while its batch runs (HEARTBEAT from a client of its
+    own): the batch's trees outlive three tree timeouts, STATUS shows the lease; once
+    the heartbeats stop the trees time out and are queued for replay."""
+    server = start_server(None, "--timeout-s", "1")
+    position = {"kafka": {"events": {"0": 4}}, "replay": 0}
+    batch = RecordBatch.build(
+        new_ids(4), PAYLOADS[:4], source_ids=5, topics="events", partitions=0, offsets=None
+    )
+    beating = threading.Event()
+    beats: list[int] = []
+
+    def heartbeat() -> None:
+        with server.client() as own:
+            while beating.is_set():
+                beats.append(own.heartbeat([5], 0.75))
+                time.sleep(0.25)
+
+    with server.client() as client:
+        assert client.heartbeat([5], 0.75) == 0  # no batch open: nothing to lease
+        client.checkpoint(begin=True, query="job", position=position, sources=[5])
+        beating.set()
+        thread = threading.Thread(target=heartbeat, daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: bool(beats), 10, "the first heartbeat")
+            client.persist(batch, new_ids(4))
+            began = time.monotonic()
+            while time.monotonic() - began < 3.5:  # three timeouts and more
+                status = client.status()
+                assert status.failed["timeout"] == 0 and status.pending == 4
+                time.sleep(0.25)
+            assert status.timeouts_postponed >= 4
+            assert 0 < (status.lease_of(5) or 0) <= 0.75
+        finally:
+            beating.clear()
+            thread.join(10)
+        assert set(beats) == {1}
+        wait_until(lambda: client.status().failed["timeout"] == 4, 10, "the timeouts")
+        status = client.status()
+        assert status.lease_of(5) == 0.0 and status.replay_queue == 4

@@ -407,6 +407,9 @@ def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(
         assert not set(anchors(first)[0].tolist()) & set(anchors(second)[0].tolist())
         seen = status(server)
         assert (seen["persisted"], seen["completed"], seen["pending"]) == (120, 60, 60)
+        # Spark asks for the next batch once this one is done: its heartbeats stop
+        # (ft.heartbeatMs), so the trees it left unfinished can time out.
+        assert reader.latestOffset(end, ReadAllAvailable()) == end
 
         # Nobody acks the re-run's trees: they time out and are queued for replay, once
         # their backoff (ft.retryBackoffMs) has passed.

@@ -70,6 +70,8 @@ def test_the_defaults_are_the_declared_ones() -> None:
     assert parsed.checkpoint_mode == declared["ft.checkpointMode"]
     assert parsed.starting == declared["startingOffsets"]
     assert parsed.max_offsets_per_trigger is None and parsed.timeout_s is None
+    assert parsed.heartbeat_ms == declared["ft.heartbeatMs"] == 2000
+    assert parse_options({**BASE, "ft.heartbeatMs": "0"}).heartbeat_ms == 0  # off
 
 
 def test_a_missing_token_file_is_reported_under_its_own_option(tmp_path: Path) -> None:
