@@ -17,6 +17,8 @@
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
                            [--fast [--batch-sizes B,B,...]]
                            [--json]
+    ftlayer bench report [--quick] [--benches NAME,...] [--out DIR]
+    ftlayer bench report --from RESULTS_JSON [--out DIR]
     ftlayer savepoint create  --data-dir DIR --dir SAVEPOINTS [--name NAME] [--json]
     ftlayer savepoint create  --server HOST:PORT [--token-file F] [--tls-ca CA]
                               --dir SAVEPOINTS [--name NAME] [--json]
@@ -28,14 +30,19 @@
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
-its last line instead, as does `status`. `serve` prints "ftlayer serving on HOST:PORT"
-once it listens, then serves until SIGTERM or SIGINT and exits 0. A token file holds
-the token's bytes (one trailing newline is ignored); serving on a non-loopback host
-needs one. `demo` runs the main job on an embedded broker, an FT-layer process and
-local Spark (ftlayer.integration.harness.demo) and exits 0 only if nothing was lost and every
-produced record completed; 1 otherwise. `savepoint create` saves the data dir of a
-stopped server (`--data-dir`) or has a running server save its own store
-(`--server`; then --dir is an absolute path on the server's host).
+its last line instead, as does `status`. `bench report` runs every bench
+(ftlayer.benchreport) and writes DIR/benchmarks.md (default: docs) with its plots and
+raw figures in DIR/benchmarks/; `--from` redraws them from a saved results.json
+without running a bench; it exits 1 if a bench failed.
+
+`serve` prints "ftlayer serving on HOST:PORT" once it listens, then serves until SIGTERM
+or SIGINT and exits 0. A token file holds the token's bytes (one trailing newline is
+ignored); serving on a non-loopback host needs one. `demo` runs the main job on an
+embedded broker, an FT-layer process and local Spark (ftlayer.integration.harness.demo)
+and exits 0 only if nothing was lost and every produced record completed; 1 otherwise.
+`savepoint create` saves the data dir of a stopped server (`--data-dir`) or has a
+running server save its own store (`--server`; then --dir is an absolute path on the
+server's host).
 """
 
 from __future__ import annotations
@@ -273,6 +280,28 @@ def _parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--fail-rate", type=_rate, default=0.001, help="flaky share (0..1)")
     pipeline.add_argument("--rounds", type=_positive_int, default=2, help="alternating pairs")
     pipeline.add_argument("--json", action="store_true", help="print one JSON object last")
+
+    report = benches.add_parser(
+        "report", help="run every bench and write docs/benchmarks.md with plots (matplotlib)"
+    )
+    report.add_argument(
+        "--quick", action="store_true", help="small sizes: minutes, figures indicative only"
+    )
+    report.add_argument(
+        "--benches",
+        default=None,
+        help="comma-separated benches to run (default: all): "
+        "acker,persist,server,checkpoint,pipeline,pipeline-fast",
+    )
+    report.add_argument(
+        "--out", default="docs", help="write OUT/benchmarks.md and OUT/benchmarks/ (default docs)"
+    )
+    report.add_argument(
+        "--from",
+        dest="from_json",
+        default=None,
+        help="render from this results.json instead of running the benches",
+    )
     return parser
 
 
@@ -602,6 +631,103 @@ def _print_savepoints(directory: str, found: Sequence[Any]) -> None:
     Console().print(table)
 
 
+def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The result of `ftlayer bench NAME ...` (parsed), as --json prints it."""
+    from ftlayer import bench
+
+    if args.bench == "acker":
+        return bench.bench_acker(roots=args.roots, depth=args.depth, batch=args.batch)
+    if args.bench == "pipeline" and args.fast:
+        from ftlayer.integration.harness.benchfast import bench_fast
+
+        return bench_fast(
+            records=args.records or 400_000,
+            partitions=args.partitions,
+            batch_sizes=args.batch_sizes,
+            rounds=args.rounds,
+        )
+    if args.bench == "pipeline":
+        from ftlayer.integration.harness.benchpipe import bench_pipeline
+
+        return bench_pipeline(
+            records=args.records or 100_000,
+            partitions=args.partitions,
+            fail_rate=args.fail_rate,
+            rounds=args.rounds,
+        )
+    if args.bench == "checkpoint":
+        return bench.bench_checkpoint(
+            batches=args.batches,
+            batch=args.batch,
+            rounds=args.rounds,
+            pending_points=_counts(args.pending),
+            directory=args.dir,
+        )
+    if args.bench == "server":
+        return bench.bench_server(
+            records=args.records,
+            events=args.events,
+            clients=args.clients,
+            directory=args.dir,
+            rounds=args.rounds,
+        )
+    return bench.bench_persist(
+        records=args.records,
+        payload_bytes=args.payload_bytes,
+        batch=args.batch,
+        sync=not args.no_sync,
+        directory=args.dir,
+        rounds=args.rounds,
+    )
+
+
+def _report(args: argparse.Namespace) -> int:
+    """`ftlayer bench report`: run the benches (or read --from), write the page."""
+    from pathlib import Path
+
+    from ftlayer import benchreport
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "ftlayer bench report draws its plots with matplotlib, which is not installed: "
+            "pip install 'ftlayer[bench]'"
+        ) from None
+    out = Path(args.out)
+    if args.from_json is not None:
+        if args.quick or args.benches is not None:
+            raise ConfigError("--from renders saved results; --quick and --benches run benches")
+        results = benchreport.load_results(Path(args.from_json))
+        benchreport.save_results(results, out)
+        page = benchreport.render(results, out)
+    else:
+        names = None if args.benches is None else _bench_names(args.benches)
+        results = benchreport.run_report(out, _bench_result, quick=args.quick, names=names)
+        page = out / "benchmarks.md"
+    print(f"ftlayer bench report: wrote {page} and its plots in {out / 'benchmarks'}")
+    failed = {name: e["error"] for name, e in results["benches"].items() if "error" in e}
+    for name, error in failed.items():
+        print(f"ftlayer bench report: {name} failed: {error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _bench_names(text: str) -> list[str]:
+    from ftlayer.benchreport import BENCHES
+
+    known = [b.name for b in BENCHES]
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = sorted(set(names) - set(known))
+    if not names or unknown:
+        raise ConfigError(f"--benches takes some of {','.join(known)}; got {text!r}")
+    return names
+
+
+def _bench_result(argv: list[str]) -> dict[str, Any]:
+    """What `ftlayer bench *argv --json` prints, as a dict."""
+    return _run_bench(_parser().parse_args(["bench", *argv]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -626,53 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(
                     f"cannot reach the FT-layer server at {args.server}: {exc}"
                 ) from None
-        from ftlayer import bench
-
-        if args.bench == "acker":
-            result = bench.bench_acker(roots=args.roots, depth=args.depth, batch=args.batch)
-        elif args.bench == "pipeline" and args.fast:
-            from ftlayer.integration.harness.benchfast import bench_fast
-
-            result = bench_fast(
-                records=args.records or 400_000,
-                partitions=args.partitions,
-                batch_sizes=args.batch_sizes,
-                rounds=args.rounds,
-            )
-        elif args.bench == "pipeline":
-            from ftlayer.integration.harness.benchpipe import bench_pipeline
-
-            result = bench_pipeline(
-                records=args.records or 100_000,
-                partitions=args.partitions,
-                fail_rate=args.fail_rate,
-                rounds=args.rounds,
-            )
-        elif args.bench == "checkpoint":
-            result = bench.bench_checkpoint(
-                batches=args.batches,
-                batch=args.batch,
-                rounds=args.rounds,
-                pending_points=_counts(args.pending),
-                directory=args.dir,
-            )
-        elif args.bench == "server":
-            result = bench.bench_server(
-                records=args.records,
-                events=args.events,
-                clients=args.clients,
-                directory=args.dir,
-                rounds=args.rounds,
-            )
-        else:
-            result = bench.bench_persist(
-                records=args.records,
-                payload_bytes=args.payload_bytes,
-                batch=args.batch,
-                sync=not args.no_sync,
-                directory=args.dir,
-                rounds=args.rounds,
-            )
+        if args.bench == "report":
+            return _report(args)
+        result = _run_bench(args)
     except FTLayerError as exc:
         print(f"ftlayer: {exc}", file=sys.stderr)
         return 2

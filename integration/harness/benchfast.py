@@ -19,7 +19,8 @@ records: the query's start-up, the same for every mode, is left out, since it wo
 only pull the ratios towards 1; the wall-clock seconds are reported too). Before each
 round, one bare kafka-python consumer (assign/seek, the source's own fetch settings)
 reads the whole topic. Reported per batch size: the median records/s of each mode and
-the ratios tree/off, barrier/off and off/consumer.
+the ratios tree/off, barrier/off and off/consumer; and the complete latency of each
+FT-on run where the server measures it (`integration.harness.benchlatency`).
 
 Targets (issue 15): tree/off >= 0.9 and barrier/off >= 0.95 at 50,000 and 200,000;
 off/consumer >= 0.8 at the largest batch size.
@@ -38,6 +39,7 @@ from typing import Any
 
 from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demo import stop_when_idle
 from ftlayer.integration.harness.ftprocess import FTServerProcess
@@ -146,11 +148,15 @@ def bench_fast(
             spark = local_spark(master="local[2,64]", app_name="ftlayer-bench-fast")
             register(spark)
             runs = 0
+            timed: list[LatencyRun] = []
 
-            def run(max_per_trigger: int, mode: str) -> tuple[float, float]:
+            def run(max_per_trigger: int, mode: str, round_: int | None) -> tuple[float, float]:
+                """One run; with `round_`, a timed one whose latency is reported."""
                 nonlocal runs
                 runs += 1
                 ft = mode != "off"
+                if ft and round_ is not None:
+                    timed.append(LatencyRun(f"fast-{runs}", mode, max_per_trigger, round_))
                 settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
                 tasks = FTTasks(settings, on_error="fail-record" if ft else "fail-task")
                 reader = (
@@ -189,7 +195,7 @@ def bench_fast(
                 finally:
                     stop_when_idle(query)
 
-            run(sizes[0], "tree")  # warm-up: Python workers, JIT of the paths
+            run(sizes[0], "tree", None)  # warm-up: Python workers, JIT of the paths
             consumer_s: list[float] = []
             seconds: dict[int, dict[str, list[float]]] = {
                 size: {"off": [], "tree": [], "barrier": []} for size in sizes
@@ -197,11 +203,11 @@ def bench_fast(
             walls: dict[int, dict[str, list[float]]] = {
                 size: {"off": [], "tree": [], "barrier": []} for size in sizes
             }
-            for _ in range(rounds):
+            for r in range(rounds):
                 consumer_s.append(_bare_consumer(bootstrap, topic, partitions, records))
                 for size in sizes:
                     for mode in ("off", "tree", "barrier"):
-                        busy, wall = run(size, mode)
+                        busy, wall = run(size, mode, r)
                         seconds[size][mode].append(busy)
                         walls[size][mode].append(wall)
             with FTClient(server.address) as client:
@@ -239,6 +245,7 @@ def bench_fast(
         "batch_sizes": per_size,
         "ft_timeouts": status["failed"]["timeout"],
         "ft_failed": status["failed"],
+        "complete_latency": complete_latency(status, topic, timed),
         "targets": {
             "ratio_tree_vs_off": TARGET_TREE,
             "ratio_barrier_vs_off": TARGET_BARRIER,

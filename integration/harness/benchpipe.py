@@ -11,7 +11,9 @@ each phase writing to its own output topic and checkpoint.
    off, FT on in tree mode and FT on in barrier mode (`ft.completion`), without
    failures. A run is timed from the query's start until every expected output is in
    its topic (and, FT on, no tree is pending). Reported: the median records/s of each
-   and the ratios on/off (target >= 0.9 in tree mode, >= 0.95 in barrier mode).
+   and the ratios on/off (target >= 0.9 in tree mode, >= 0.95 in barrier mode), and
+   the complete latency of each FT-on run where the server measures it
+   (`integration.harness.benchlatency`).
 2. Failures. The same pipeline where enrich fails a `fail_rate` share of the events
    the first time it sees each (first sight = an O_EXCL marker file), once under
    ftlayer (FailException: that record's tree fails and is replayed) and once under
@@ -35,6 +37,7 @@ from typing import Any
 from ftlayer.client import FTClient
 from ftlayer.errors import FailException
 from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demo import (
     ENRICHED_SCHEMA,
@@ -132,15 +135,20 @@ def bench_pipeline(
             spark = local_spark(master="local[2,64]", app_name="ftlayer-bench-pipeline")
             register(spark)
             runs = 0
+            timed: list[LatencyRun] = []
 
             def run(
                 ft: bool,
                 enrich: Callable[[dict[str, Any]], dict[str, Any]],
                 completion: str = "tree",
+                round_: int | None = None,
             ) -> float:
+                """One run; with `round_`, a timed one whose latency is reported."""
                 nonlocal runs
                 runs += 1
                 out = f"bench-out-{runs}"
+                if ft and round_ is not None:
+                    timed.append(LatencyRun(out, completion, max_per_trigger, round_))
                 create_topic(bootstrap, out, partitions)
                 settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
                 tasks = FTTasks(settings, on_error="fail-record" if ft else "fail-task")
@@ -177,10 +185,10 @@ def bench_pipeline(
             plain = make_enrich(str(work / "never"), 0.0)
             run(True, plain)  # warm-up: JIT, Python workers, Kafka producers
             off_s, on_s, barrier_s = [], [], []
-            for _ in range(rounds):
+            for r in range(rounds):
                 off_s.append(run(False, plain))
-                on_s.append(run(True, plain))
-                barrier_s.append(run(True, plain, "barrier"))
+                on_s.append(run(True, plain, "tree", r))
+                barrier_s.append(run(True, plain, "barrier", r))
 
             reprocessed: dict[str, float] = {}
             flaky_events = sum(1 for i in range(records) if is_flaky(i, fail_rate))
@@ -225,6 +233,8 @@ def bench_pipeline(
         "failed_events_spark": reprocessed["spark_failed_events"],
         "ft_failed_explicit": status["failed"]["explicit"],
         "ft_timeouts": status["failed"]["timeout"],
+        "max_offsets_per_trigger": max_per_trigger,
+        "complete_latency": complete_latency(status, source_topic, timed),
         "targets": {
             "ratio_on_vs_off": PIPELINE_TARGET_RATIO,
             "ratio_barrier_vs_off": PIPELINE_TARGET_RATIO_BARRIER,
