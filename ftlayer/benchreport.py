@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -36,7 +37,16 @@ from typing import Any
 
 from ftlayer import __version__
 
-__all__ = ["BENCHES", "ReportBench", "render", "run_report"]
+__all__ = [
+    "BENCHES",
+    "ReportBench",
+    "load_results",
+    "machine",
+    "render",
+    "run_report",
+    "save_results",
+    "target_checks",
+]
 
 RESULTS_FORMAT = 1
 
@@ -110,7 +120,7 @@ def run_report(
             entry["result"] = run_bench(argv)
         except Exception as exc:  # the report records it and runs the other benches
             entry["error"] = f"{type(exc).__name__}: {exc}"
-            log(f"ftlayer bench report: {bench.name} failed: {entry['error']}")
+            log(f"ftlayer bench report: {bench.name} failed:\n{traceback.format_exc()}")
         entry["seconds"] = round(time.monotonic() - started, 1)
         results["benches"][bench.name] = entry
     results["load_average_after"] = _load_average()
@@ -235,6 +245,9 @@ def _commit() -> str | None:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != here.parent:  # an installed copy in some repo
+        return None
     commit = git("rev-parse", "--short=12", "HEAD")
     if commit is None:
         return None
