@@ -12,12 +12,12 @@ Routes (GET only; nothing here changes the server):
 
 A sampler thread takes one sample a second (counters and gauges of the STATUS reply),
 keeping the last `history_s` seconds, so the page charts the minutes before it was
-opened. Each request is served in a thread of its own (socketserver's
-ThreadingMixIn): a slow client holds only its thread, and for at most `timeout_s` per
-read. With `token`, every request must carry it, as `Authorization: Bearer <token>` or
-as the password of HTTP basic auth (any user name; browsers ask for it); with `tls`,
-the port speaks HTTPS only (the TLS handshake runs in the request's thread). Which
-binds need which is FTServer's rule (ftlayer.server, module docstring).
+opened. Each request is served in a thread of its own (socketserver's ThreadingMixIn):
+a slow client holds only its thread, and for at most REQUEST_TIMEOUT_S per read. With
+`token`, every request must carry it, as `Authorization: Bearer <token>` or as the
+password of HTTP basic auth (any user name; browsers ask for it); with `tls`, the port
+speaks HTTPS only (the TLS handshake runs in the request's thread). Which binds need
+which is FTServer's rule (ftlayer.server, module docstring).
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ _SECURITY_HEADERS: Final = {
     "Cache-Control": "no-store",
 }
 DEAD_LETTERS_SHOWN: Final = 50
+REQUEST_TIMEOUT_S: Final = 10.0
+"""A request's every read (TLS handshake included) must finish within this."""
 
 
 class WebServer:
@@ -94,13 +96,11 @@ class WebServer:
         tls: ssl.SSLContext | None = None,
         sample_interval_s: float = 1.0,
         history_s: float = 900.0,
-        timeout_s: float = 10.0,
     ) -> None:
         self._observe = observe
         self._dead_letters = dead_letters
         self._token = token
         self._tls = tls
-        self._timeout_s = timeout_s
         self._registry = registry(observe)
         self._static = _load_static()
         self.sample_interval_s = sample_interval_s
@@ -265,9 +265,9 @@ class _HTTPServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
+    timeout = REQUEST_TIMEOUT_S
 
     def setup(self) -> None:
-        self.timeout = self.server.web._timeout_s
         if isinstance(self.request, ssl.SSLSocket):
             self.request.settimeout(self.timeout)
             try:

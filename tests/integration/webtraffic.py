@@ -33,32 +33,35 @@ def _batch(source: int, topic: str, start: int, n: int) -> RecordBatch:
     )
 
 
-def drive(client: FTClient, rounds: int = 4, pause_s: float = 0.7) -> None:
-    """Per round: 200 orders and 50 payments persisted; most complete, the replays of
-    the round before fail again (a dead letter each: one retry), 5 orders fail and are
-    queued for replay, 3 stay pending; a checkpoint of QUERY per round, the last one
-    left open. The pauses give the page's chart several samples."""
+def drive(client: FTClient, rounds: int = 4, pause_s: float = 0.7, *, ramp: bool = False) -> None:
+    """Per round: 200 orders (with `ramp`, 200, 400, 600, 200, ...) and 50 payments
+    persisted; all but 8 orders complete, the replays of the round before fail again (a
+    dead letter each: one retry), 5 orders fail and are queued for replay, 3 stay
+    pending; a checkpoint of QUERY per round, the last one left open. The pauses give
+    the page's chart several samples."""
     client.register_source(ORDERS, "forward", 2, retry=_ONE_RETRY)
     client.register_source(PAYMENTS, "forward", 2)
     cause = Cause(FailKind.ERROR, "enrich", "ValueError: no price for sku-17")
-    replayed_to = 0
+    replayed_to, offset = 0, 0
     for n in range(rounds):
+        size = 200 * (1 + n % 3) if ramp else 200
         orders, payments = (
-            _batch(ORDERS, "orders", 200 * n, 200),
+            _batch(ORDERS, "orders", offset, size),
             _batch(PAYMENTS, "pay", 50 * n, 50),
         )
-        ids, pay_ids = new_ids(200), new_ids(50)
+        offset += size
+        ids, pay_ids = new_ids(size), new_ids(50)
         client.persist(orders, ids)
         client.persist(payments, pay_ids)
-        client.xor(orders.roots[:192], ids[:192])
+        client.xor(orders.roots[: size - 8], ids[: size - 8])
         client.xor(payments.roots, pay_ids)
         cursor = client.status().replay_cursor_of([ORDERS])
         replays = client.fetch_replay(replayed_to, cursor, source_id=ORDERS).records
         replayed_to = cursor
         if len(replays):  # the round before's: one retry spent, failing dead-letters them
             client.fail(replays.roots, cause)
-        client.fail(orders.roots[192:197], cause)  # replayed; 197..199 stay pending
-        position = {"kafka": {"orders": {"0": 100 * (n + 1), "1": 100 * (n + 1)}}, "replay": 0}
+        client.fail(orders.roots[size - 8 : size - 3], cause)  # replayed; 3 stay pending
+        position = {"kafka": {"orders": {"0": offset, "1": offset}}, "replay": 0}
         client.checkpoint(begin=True, query=QUERY, position=position, sources=[ORDERS])
         if n < rounds - 1:
             client.checkpoint(begin=False, query=QUERY, position=position, sources=[ORDERS])

@@ -160,7 +160,9 @@ function showCheckpoints(status) {
       (found.last_complete_id == null ? "" : `, the last one #${found.last_complete_id}`)));
     const table = el("table");
     const head = el("tr");
-    for (const [title] of CHECKPOINT_COLUMNS) head.append(el("th", null, title));
+    for (const [title, key] of CHECKPOINT_COLUMNS) {
+      head.append(el("th", { class: key === "state" || key === "mode" ? "text" : null }, title));
+    }
     table.append(el("thead"), el("tbody"));
     table.tHead.append(head);
     for (const checkpoint of shown) {
@@ -211,13 +213,15 @@ function showDeadLetters(letters) {
 
 // ---- the chart ----------------------------------------------------------------------
 
-function niceCeil(v) {
-  if (!(v > 0)) return 1;
-  const p = Math.pow(10, Math.floor(Math.log10(v)));
+function niceMax(v) {
+  // The axis top: four ticks of 1, 2, 2.5 or 5 times a power of ten.
+  if (!(v > 0)) return 4;
+  const step = v / 4;
+  const p = Math.pow(10, Math.floor(Math.log10(step)));
   for (const m of [1, 2, 2.5, 5, 10]) {
-    if (m * p >= v) return m * p;
+    if (m * p >= step) return 4 * Math.max(m * p, 1);
   }
-  return 10 * p;
+  return 40 * p;
 }
 
 function series() {
@@ -263,9 +267,9 @@ function drawChart() {
   const tMax = pending[pending.length - 1].t;
   const tMin = Math.max(pending[0].t, tMax - HISTORY_S);
   const x = (t) => pad.l + plotW * (t - tMin) / Math.max(1, tMax - tMin);
-  const rateMax = niceCeil(Math.max(...rates.map((r) => Math.max(r.persisted, r.completed,
+  const rateMax = niceMax(Math.max(...rates.map((r) => Math.max(r.persisted, r.completed,
     r.failed))));
-  const pendingMax = niceCeil(Math.max(...pending.map((p) => p.pending)));
+  const pendingMax = niceMax(Math.max(...pending.map((p) => p.pending)));
   const yRate = (v) => pad.t + plotH * (1 - v / rateMax);
   const yPending = (v) => pad.t + plotH * (1 - v / pendingMax);
 
@@ -295,9 +299,9 @@ function drawChart() {
   ctx.fillText("records/s", 0, 0);
   ctx.restore();
 
-  const line = (points, key, y, name, dashed) => {
+  const line = (points, key, y, name, dashed, width) => {
     ctx.strokeStyle = color(name);
-    ctx.lineWidth = 2;
+    ctx.lineWidth = width;
     ctx.setLineDash(dashed ? [6, 4] : []);
     ctx.beginPath();
     points.filter((p) => p.t >= tMin).forEach((p, i) => {
@@ -307,10 +311,11 @@ function drawChart() {
     ctx.stroke();
     ctx.setLineDash([]);
   };
-  line(pending, "pending", yPending, "pending", true);
-  line(rates, "persisted", yRate, "persisted", false);
-  line(rates, "completed", yRate, "completed", false);
-  line(rates, "failed", yRate, "failed", false);
+  // Persisted under completed, wider: at a steady pace the two lines coincide.
+  line(pending, "pending", yPending, "pending", true, 2);
+  line(rates, "persisted", yRate, "persisted", false, 5);
+  line(rates, "completed", yRate, "completed", false, 2);
+  line(rates, "failed", yRate, "failed", false, 2);
 }
 
 // ---- polling ------------------------------------------------------------------------
