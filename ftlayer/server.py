@@ -260,6 +260,7 @@ class FTServer:
         self.http_host = http_host
         self._http_public = http_public
         self._web: WebServer | None = None
+        self._dead_letter_rows: tuple[tuple[int, ...], DeadLetterRows] | None = None
         self._request_handlers: dict[Kind, Handler] = {
             Kind.PERSIST: self._persist,
             Kind.XOR: self._xor,
@@ -800,6 +801,19 @@ class FTServer:
         from ftlayer.web import DeadLetterRows
 
         with self._core() as ft:
+            stats = ft.stats
+            # The page asks every second; the letters change only with these counts.
+            key = (
+                limit,
+                ft.dead_letter_count,
+                stats.dead_lettered,
+                stats.dead_letters_purged,
+                stats.dead_letters_delivered,
+                stats.dead_letters_requeued,
+            )
+            cached = self._dead_letter_rows
+            if cached is not None and cached[0] == key:
+                return cached[1]
             letters, records = ft.dead_letters(None, limit)
             total = ft.dead_letter_count
         rows = []
@@ -819,7 +833,9 @@ class FTServer:
                     "error": None if cause is None else cause.error,
                 }
             )
-        return DeadLetterRows(rows, total)
+        found = DeadLetterRows(rows, total)
+        self._dead_letter_rows = (key, found)
+        return found
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""

@@ -200,7 +200,7 @@ class QueryCheckpoints:
 class LatencySummary:
     """The complete latency (persist to completion, first attempts only) of some trees:
     how many were measured, the sum and two quantiles, in seconds (None: none measured).
-    The quantiles are estimated from histogram buckets, within 26 % (ftlayer.core.meters)."""
+    The quantiles are estimated from histogram buckets, within 28 % (ftlayer.core.meters)."""
 
     count: int
     sum_s: float

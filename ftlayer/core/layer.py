@@ -936,9 +936,7 @@ class FTLayer:
 
     def queued_replays_by_source(self) -> dict[int, int]:
         """{source id: its entries in the replay queue}, sources with none left out."""
-        source_ids = self._queue.columns()["source_id"]
-        ids, counts = np.unique(source_ids, return_counts=True)
-        return {int(s): int(n) for s, n in zip(ids.tolist(), counts.tolist(), strict=True)}
+        return self._queue.counts()
 
 
 _DEAD_LETTER_CHUNK: Final = 1024
