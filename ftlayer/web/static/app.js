@@ -6,6 +6,7 @@
 const POLL_MS = 1000;
 const HISTORY_S = 900; // what the server keeps, too (ftlayer.web.http)
 const CAUSES = ["explicit", "timeout", "recovery"];
+const RATE_WINDOW = 5; // samples (seconds) a rate is averaged over
 
 let fields = [];
 let samples = [];
@@ -228,9 +229,11 @@ function series() {
   const at = (name) => fields.indexOf(name);
   const [t, persisted, completed, failed, pending] =
     ["t", "persisted", "completed", "failed", "pending"].map(at);
+  // Per second over the last RATE_WINDOW samples: micro-batches come every few seconds,
+  // and per-sample rates would jump between 0 and a batch's burst.
   const rates = [];
   for (let i = 1; i < samples.length; i += 1) {
-    const a = samples[i - 1];
+    const a = samples[Math.max(0, i - RATE_WINDOW)];
     const b = samples[i];
     const dt = b[t] - a[t];
     if (dt <= 0) continue;
@@ -296,7 +299,7 @@ function drawChart() {
   ctx.save();
   ctx.translate(14, pad.t + plotH / 2);
   ctx.rotate(-Math.PI / 2);
-  ctx.fillText("records/s", 0, 0);
+  ctx.fillText("records/s (5 s mean)", 0, 0);
   ctx.restore();
 
   const line = (points, key, y, name, dashed, width) => {
