@@ -305,6 +305,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
     token = None if args.token_file is None else read_token_file(args.token_file)
+    if args.http_port is None and (args.http_public or args.http_host != "127.0.0.1"):
+        raise ConfigError("--http-host and --http-public go with --http-port")
     server = FTServer(
         args.data_dir,
         host=args.host,
