@@ -31,6 +31,7 @@ import logging
 import socket
 import socketserver
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -259,7 +260,11 @@ class _HTTPServer(ThreadingHTTPServer):
         return sock, peer
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.warning("HTTP request from %s failed", client_address, exc_info=True)
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # a client gone, or not speaking TLS: its own loss
+            log.info("HTTP from %s: %s", client_address[0], error)
+        else:
+            log.warning("HTTP request from %s failed", client_address[0], exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -270,11 +275,7 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         if isinstance(self.request, ssl.SSLSocket):
             self.request.settimeout(self.timeout)
-            try:
-                self.request.do_handshake()
-            except (OSError, ssl.SSLError) as exc:
-                log.info("HTTP from %s: TLS handshake failed: %s", self.client_address, exc)
-                raise
+            self.request.do_handshake()  # a failure: handle_error logs it
         super().setup()
 
     def do_GET(self) -> None:
