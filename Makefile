@@ -1,5 +1,6 @@
 # Set-up and checks. Every target creates .venv on first use; only Python 3.11+,
-# Java 17+ and make are needed on the machine.
+# Java 17+ and make are needed on the machine (and, for the status-page test, Debian's
+# chromium and chromium-driver, which `make browser` installs when it can).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Spark's Python workers must hash str keys like the driver does (portable_hash).
 export PYTHONHASHSEED := 0
 
-.PHONY: test demo lint typecheck unit bench docs clean
+.PHONY: test demo lint typecheck unit bench docs clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +31,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q
 
-test: lint typecheck unit
+# Headless Chromium for tests/integration/test_status_page.py: apt-get install when
+# missing (root, or sudo without a password); otherwise a note, and the test skips.
+browser:
+	.ci/install-browser
+
+test: lint typecheck browser unit
 
 # The main job on an embedded broker, an FT-layer process and local Spark; options
 # through DEMO_ARGS, e.g. make demo DEMO_ARGS="--records 20000 --kill-workers 2 --json".

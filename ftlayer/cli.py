@@ -4,10 +4,11 @@
                    [--buckets N] [--token-file F] [--tls-cert C --tls-key K]
                    [--delete-interval-s S] [--handshake-timeout-s S] [--frame-timeout-s S]
                    [--idle-timeout-s S] [--max-connections N]
+                   [--http-port P [--http-host H] [--http-public]]
     ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--wait-s S] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
                    [--poison-rate R] [--max-retries M] [--completion tree|barrier]
-                   [--workdir D] [--json]
+                   [--http-port P] [--workdir D] [--json]
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
@@ -35,14 +36,14 @@ its last line instead, as does `status`. `bench report` runs every bench
 raw figures in DIR/benchmarks/; `--from` redraws them from a saved results.json
 without running a bench; it exits 1 if a bench failed.
 
-`serve` prints "ftlayer serving on HOST:PORT" once it listens, then serves until SIGTERM
-or SIGINT and exits 0. A token file holds the token's bytes (one trailing newline is
-ignored); serving on a non-loopback host needs one. `demo` runs the main job on an
-embedded broker, an FT-layer process and local Spark (ftlayer.integration.harness.demo)
-and exits 0 only if nothing was lost and every produced record completed; 1 otherwise.
-`savepoint create` saves the data dir of a stopped server (`--data-dir`) or has a
-running server save its own store (`--server`; then --dir is an absolute path on the
-server's host).
+`serve` prints "ftlayer serving on HOST:PORT" once it listens (with --http-port, then
+"ftlayer http on URL"), then serves until SIGTERM or SIGINT and exits 0. A token file
+holds the token's bytes (one trailing newline is ignored); serving on a non-loopback
+host needs one. `demo` runs the main job on an embedded broker, an FT-layer process and
+local Spark (ftlayer.integration.harness.demo) and exits 0 only if nothing was lost and
+every produced record completed; 1 otherwise. `savepoint create` saves the data dir of
+a stopped server (`--data-dir`) or has a running server save its own store
+(`--server`; then --dir is an absolute path on the server's host).
 """
 
 from __future__ import annotations
@@ -169,6 +170,23 @@ def _parser() -> argparse.ArgumentParser:
         help="keep no acker journal: a restart replays every stored record (as a machine "
         "crash does either way)",
     )
+    serve.add_argument(
+        "--http-port",
+        type=_port,
+        default=None,
+        help="serve /metrics (Prometheus) and the status page on this port (default: off)",
+    )
+    serve.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        help="address of the HTTP port (default: loopback; else it needs the token and TLS, "
+        "or --http-public)",
+    )
+    serve.add_argument(
+        "--http-public",
+        action="store_true",
+        help="serve the HTTP port (read-only) to anyone who reaches it, without the token",
+    )
 
     status = commands.add_parser("status", help="show an FT-layer server's counters")
     status.add_argument("--server", required=True, help="HOST:PORT of the server")
@@ -203,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=("tree", "barrier"),
         default="barrier",
         help="ft.completion: trees complete by XOR events (tree) or at the batch's end",
+    )
+    demo.add_argument(
+        "--http-port",
+        type=_port,
+        default=None,
+        help="the FT layer's status page and /metrics on this loopback port (default: off)",
     )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -338,6 +362,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
     token = None if args.token_file is None else read_token_file(args.token_file)
+    if args.http_port is None and (args.http_public or args.http_host != "127.0.0.1"):
+        raise ConfigError("--http-host and --http-public go with --http-port")
     server = FTServer(
         args.data_dir,
         host=args.host,
@@ -353,6 +379,9 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         journal=not args.no_journal,
+        http_port=args.http_port,
+        http_host=args.http_host,
+        http_public=args.http_public,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -360,6 +389,8 @@ def _serve(args: argparse.Namespace) -> int:
     with server:
         host, port = server.address
         print(f"ftlayer serving on {host}:{port}", flush=True)
+        if server.http_url is not None:
+            print(f"ftlayer http on {server.http_url}", flush=True)
         while not stop.wait(1.0):
             pass
     return 0
@@ -382,9 +413,53 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(shown, sort_keys=True))
         return 0
     checkpoints = shown.pop("checkpoints")
-    _print_table(f"ftlayer status {args.server}", shown)
+    by_source = shown.pop("by_source")
+    latency = shown.pop("complete_latency")
+    rows: dict[str, Any] = {}
+    for key, value in shown.items():
+        rows[key] = value
+        if key == "completed":  # the latency of what completed, next to it
+            rows["complete_latency"] = {
+                "p50": _milliseconds(latency["p50_s"]),
+                "p99": _milliseconds(latency["p99_s"]),
+                "trees": latency["count"],
+            }
+    _print_table(f"ftlayer status {args.server}", rows)
+    _print_sources(by_source, status.pending_by_source)
     _print_checkpoints(checkpoints)
     return 0
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.2f} ms"
+
+
+def _print_sources(by_source: dict[str, Any], pending: Any) -> None:
+    """One row per source: its counters, pending trees, replay queue and latency."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not by_source:
+        return
+    table = Table(title="per source (complete latency: persist to completion, first attempts)")
+    headers = ("source", "persisted", "completed", "failed", "replayed", "dead-lettered")
+    for header in (*headers, "pending", "replay queue", "p50", "p99"):
+        table.add_column(header, justify="right")
+    for source, figures in by_source.items():
+        latency = figures["complete_latency"]
+        table.add_row(
+            source,
+            *(f"{figures[k]:,}" for k in ("persisted", "completed")),
+            f"{sum(figures['failed'].values()):,}",
+            *(f"{figures[k]:,}" for k in ("replayed", "dead_lettered")),
+            f"{pending.get(source, 0):,}",
+            f"{figures['replay_queue']:,}",
+            _milliseconds(latency["p50_s"]),
+            _milliseconds(latency["p99_s"]),
+        )
+    console = Console()
+    console.width = max(console.width, 120)
+    console.print(table)
 
 
 _CHECKPOINT_COLUMNS = (
@@ -456,6 +531,12 @@ def _demo(args: argparse.Namespace) -> int:
         f"{args.max_retries}), {args.kill_workers} worker kills; starting Tansu, the FT "
         "layer and Spark ..."
     )
+    if args.http_port:
+        console.print(
+            f"ftlayer demo: the FT layer's status page: http://127.0.0.1:{args.http_port}/ "
+            f"(metrics: http://127.0.0.1:{args.http_port}/metrics)",
+            soft_wrap=True,
+        )
     with Live(view({"produced": args.records}), console=console, refresh_per_second=4) as live:
         result = run_demo(
             records=args.records,
@@ -465,6 +546,7 @@ def _demo(args: argparse.Namespace) -> int:
             poison_rate=args.poison_rate,
             max_retries=args.max_retries,
             completion=args.completion,
+            http_port=args.http_port,
             workdir=args.workdir,
             on_progress=lambda progress: live.update(view(progress)),
             on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),

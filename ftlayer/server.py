@@ -63,6 +63,16 @@ connection's own thread within `handshake_timeout_s`, and a client that does not
 TLS is logged and closed. The token still authenticates the client; TLS keeps the
 records and ids private on the wire and proves the server's identity to clients that
 check its certificate.
+
+With `http_port`, an HTTP port (ftlayer.web) serves Prometheus metrics at /metrics and
+a live status page at /, read-only: it reads the core under the lock as STATUS does
+(`observe`) and changes nothing. It binds `http_host`, loopback by default. With a
+token every HTTP request must carry it (bearer or basic auth; ftlayer.web.http). A
+non-loopback `http_host` needs the token and TLS (HTTP sends the token itself, not a
+proof of it, so only over TLS; the HTTP port then speaks HTTPS), or `http_public`:
+then anyone who reaches the port reads the counters, source registrations and the dead
+letters' coordinates and causes (never a payload), and nothing more, since nothing
+there changes the server.
 """
 
 from __future__ import annotations
@@ -81,7 +91,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import numpy as np
 
@@ -141,6 +151,9 @@ from ftlayer.wire import (
     new_nonce,
 )
 
+if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
+    from ftlayer.web import DeadLetterRows, Observation, WebServer
+
 log = logging.getLogger("ftlayer.server")
 
 _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
@@ -197,6 +210,9 @@ class FTServer:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         journal: bool = True,
+        http_port: int | None = None,
+        http_host: str = "127.0.0.1",
+        http_public: bool = False,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -216,6 +232,8 @@ class FTServer:
         if isinstance(max_connections, bool) or max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {max_connections!r}")
         self._tls = _tls_context(tls_cert, tls_key)
+        if http_port is not None:
+            _check_http_bind(http_host, http_port, token, self._tls, http_public)
         self._interval_s = min(0.5, rotation_interval(timeout_s, buckets) / 10)
         FrameReader(max_frame)  # validates max_frame before anything is opened
         self.data_dir = os.fspath(data_dir)
@@ -246,6 +264,11 @@ class FTServer:
         self._connections_lock = threading.Lock()
         self._started_at = 0.0
         self._serve_lock: int | None = None
+        self.http_port = http_port
+        self.http_host = http_host
+        self._http_public = http_public
+        self._web: WebServer | None = None
+        self._dead_letter_rows: tuple[tuple[int, ...], DeadLetterRows] | None = None
         self._request_handlers: dict[Kind, Handler] = {
             Kind.PERSIST: self._persist,
             Kind.XOR: self._xor,
@@ -298,7 +321,12 @@ class FTServer:
                 self._ft, snapshots=snapshots, lock=self._lock
             )
             self._listener = _listen(self.host, self.port)
+            if self.http_port is not None:
+                self._web = self._web_server(self.http_port)
         except BaseException:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
             self._ft = self._checkpoints = None
             self._release_serve_lock()
             storage.close()
@@ -327,13 +355,36 @@ class FTServer:
             thread = threading.Thread(target=target, name=f"ftlayer-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self._web is not None:
+            self._web.start()
+            log.info("HTTP on %s (/metrics, the status page at /)", self._web.url)
         return self
+
+    def _web_server(self, port: int) -> WebServer:
+        from ftlayer.web import WebServer
+
+        return WebServer(
+            self.http_host,
+            port,
+            observe=self.observe,
+            dead_letters=self.dead_letter_rows,
+            token=None if self._http_public else self._token,
+            tls=self._tls,
+        )
+
+    @property
+    def http_url(self) -> str | None:
+        """The status page's URL (its port known once start() returned); None without
+        an HTTP port."""
+        return None if self._web is None else self._web.url
 
     def stop(self) -> None:
         """Close every socket, stop the ticker and close the storage. Idempotent."""
         if self._stopping.is_set() or self._listener is None:
             return
         self._stopping.set()
+        if self._web is not None:
+            self._web.stop()
         self._listener.close()
         with self._connections_lock:
             connections = list(self._connections.values())
@@ -759,6 +810,58 @@ class FTServer:
                     if self._checkpoints is not None:
                         self._checkpoints.poll()
 
+    def observe(self) -> Observation:
+        """The STATUS reply and each source's latency histogram, copied together under
+        the lock (for the HTTP port: ftlayer.web)."""
+        from ftlayer.web import Observation
+
+        with self._core() as ft:
+            status = self._status(ft)
+            by_source = ft.meters.by_source(ft.persistence.number_sources())
+        return Observation(status, {str(s): m.latency for s, m in by_source.items()})
+
+    def dead_letter_rows(self, limit: int) -> DeadLetterRows:
+        """The oldest `limit` dead letters without their payloads, and how many there
+        are (for the status page)."""
+        from ftlayer.web import DeadLetterRows
+
+        with self._core() as ft:
+            stats = ft.stats
+            # The page asks every second; the letters change only with these counts.
+            key = (
+                limit,
+                ft.dead_letter_count,
+                stats.dead_lettered,
+                stats.dead_letters_purged,
+                stats.dead_letters_delivered,
+                stats.dead_letters_requeued,
+            )
+            cached = self._dead_letter_rows
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            letters, records = ft.dead_letters(None, limit)
+            total = ft.dead_letter_count
+        rows = []
+        for i, (seq, record) in enumerate(letters):
+            cause = record.last_cause
+            rows.append(
+                {
+                    "seq": seq,
+                    "source_id": record.source_id,
+                    "topic": records.topics[i],
+                    "partition": int(records.partitions[i]),
+                    "offset": int(records.offsets[i]),
+                    "attempts": record.attempts,
+                    "dead_at": record.dead_at,
+                    "cause": None if cause is None else cause.kind.label,
+                    "step": None if cause is None else cause.step,
+                    "error": None if cause is None else cause.error,
+                }
+            )
+        found = DeadLetterRows(rows, total)
+        self._dead_letter_rows = (key, found)
+        return found
+
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
         status = dataclasses.asdict(ft.current_stats())
@@ -813,6 +916,29 @@ def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:
     while 0 < fits < n and seqs[fits] == seqs[fits - 1]:
         fits -= 1  # never split the rows of one replay seq
     return replay if fits == 0 else replay.take(np.arange(fits))
+
+
+def _check_http_bind(
+    host: str, port: int, token: bytes | None, tls: ssl.SSLContext | None, public: bool
+) -> None:
+    """The HTTP port's bind rules (module docstring); ConfigError naming the way out."""
+    if isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"the HTTP port must be 0 to 65535, got {port!r}")
+    if public or _is_loopback(host):
+        return
+    if token is None:
+        raise ConfigError(
+            f"refusing to serve HTTP on non-loopback host {host!r} without the token: give "
+            "--token-file (and --tls-cert, --tls-key; every HTTP request must then carry "
+            "the token), or --http-public to let anyone who reaches it read the status "
+            "page and /metrics (read-only)"
+        )
+    if tls is None:
+        raise ConfigError(
+            f"refusing to serve HTTP with the token on non-loopback host {host!r} without "
+            "TLS: HTTP sends the token itself, which would cross the network in the clear; "
+            "give --tls-cert and --tls-key, or --http-public (read-only, no token)"
+        )
 
 
 def _tls_context(

@@ -28,7 +28,14 @@ from ftlayer.position import (
     offsets_to_json,
 )
 
-__all__ = ["CheckpointReport", "QueryCheckpoints", "Status", "StatusError"]
+__all__ = [
+    "CheckpointReport",
+    "LatencySummary",
+    "QueryCheckpoints",
+    "SourceFigures",
+    "Status",
+    "StatusError",
+]
 
 
 class StatusError(FTLayerError):
@@ -209,6 +216,75 @@ class QueryCheckpoints:
 
 
 @dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """The complete latency (persist to completion, first attempts only) of some trees:
+    how many were measured, the sum and two quantiles, in seconds (None: none measured).
+    The quantiles are estimated from histogram buckets, within 28 % (ftlayer.core.meters)."""
+
+    count: int
+    sum_s: float
+    p50_s: float | None
+    p99_s: float | None
+
+    @classmethod
+    def from_json(cls, data: object, what: str) -> LatencySummary:
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
+        p50, p99 = _optional(data, "p50_s", _NUMBER, what), _optional(data, "p99_s", _NUMBER, what)
+        return cls(
+            count=_field(data, "count", int, what),
+            sum_s=float(_field(data, "sum_s", _NUMBER, what)),
+            p50_s=None if p50 is None else float(p50),
+            p99_s=None if p99 is None else float(p99),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "sum_s": self.sum_s, "p50_s": self.p50_s, "p99_s": self.p99_s}
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFigures:
+    """One source's counters since the server started, its replay queue entries now and
+    its complete latency (STATUS `by_source`)."""
+
+    persisted: int
+    completed: int
+    failed: Mapping[str, int]
+    replayed: int
+    dead_lettered: int
+    replay_queue: int
+    complete_latency: LatencySummary
+
+    @classmethod
+    def from_json(cls, data: object, source: str) -> SourceFigures:
+        what = f"the figures of source {source}"
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} are a JSON object, got {data!r}"[:300])
+        return cls(
+            persisted=_field(data, "persisted", int, what),
+            completed=_field(data, "completed", int, what),
+            failed=_counts(data, "failed", what),
+            replayed=_field(data, "replayed", int, what),
+            dead_lettered=_field(data, "dead_lettered", int, what),
+            replay_queue=_field(data, "replay_queue", int, what),
+            complete_latency=LatencySummary.from_json(
+                _field(data, "complete_latency", dict, what), f"{what}'s complete_latency"
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "persisted": self.persisted,
+            "completed": self.completed,
+            "failed": dict(self.failed),
+            "replayed": self.replayed,
+            "dead_lettered": self.dead_lettered,
+            "replay_queue": self.replay_queue,
+            "complete_latency": self.complete_latency.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Status(Mapping[str, Any]):
     """The STATUS reply: the FT layer's counters and state (docs/protocol.md, 6.2)."""
 
@@ -218,6 +294,8 @@ class Status(Mapping[str, Any]):
     failed: Mapping[str, int]
     """Failures by cause: explicit, timeout, recovery."""
     replay_queue: int
+    replayed: int
+    """Failed records that entered the replay queue since the start (a replay seq each)."""
     replay_cursor: int
     replay_cursors: Mapping[str, int]
     """Per source id (a string): the highest replay seq of its records since the start."""
@@ -250,6 +328,10 @@ class Status(Mapping[str, Any]):
     late_events: int
     unknown_events: int
     xor_events: int
+    complete_latency: LatencySummary
+    """Persist to completion of the trees that completed on their first attempt."""
+    by_source: Mapping[str, SourceFigures]
+    """Per source id (a string): its counters, replay queue and complete latency."""
     pending_by_source: Mapping[str, int]
     """Per source id (a string): its pending roots, in flight or waiting as replays;
     sources with none are absent."""
@@ -285,6 +367,7 @@ class Status(Mapping[str, Any]):
             pending=_field(data, "pending", int, what),
             failed=_counts(data, "failed", what),
             replay_queue=_field(data, "replay_queue", int, what),
+            replayed=_field(data, "replayed", int, what),
             replay_cursor=_field(data, "replay_cursor", int, what),
             replay_cursors=_counts(data, "replay_cursors", what),
             replay_cursor_at_start=_field(data, "replay_cursor_at_start", int, what),
@@ -304,6 +387,13 @@ class Status(Mapping[str, Any]):
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),
+            complete_latency=LatencySummary.from_json(
+                _field(data, "complete_latency", dict, what), f"{what}'s complete_latency"
+            ),
+            by_source={
+                str(k): SourceFigures.from_json(v, str(k))
+                for k, v in _field(data, "by_source", dict, what).items()
+            },
             pending_by_source=_counts(data, "pending_by_source", what),
             stored_records=_field(data, "stored_records", int, what),
             deletes_pending=_field(data, "deletes_pending", int, what),
@@ -325,6 +415,8 @@ class Status(Mapping[str, Any]):
         for name in ("failed", "replay_cursors", "replay_pruned", "pending_by_source"):
             data[name] = dict(data[name])
         data["batches_running"] = {k: dict(v) for k, v in self.batches_running.items()}
+        data["complete_latency"] = self.complete_latency.to_json()
+        data["by_source"] = {k: v.to_json() for k, v in self.by_source.items()}
         data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
         data["sources"] = {k: dict(v) for k, v in self.sources.items()}
         return data

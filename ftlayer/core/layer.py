@@ -76,6 +76,7 @@ from ftlayer.records import RecordBatch, ReplayRecords
 from .barrier import OpenHolds
 from .journal import Journal, JournalState
 from .leases import BatchLeases, BatchTag
+from .meters import Meters, total_latency
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
@@ -140,6 +141,8 @@ class FTLayer:
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
+        self.meters = Meters()
+        """Per-source counters and the complete latency (ftlayer.core.meters)."""
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -281,6 +284,8 @@ class FTLayer:
                 journal.add(batch.roots)
             else:
                 journal.xor(batch.roots, np.asarray(initial_values, dtype=np.uint64))
+        if len(seqs):
+            self.meters.persisted(batch.source_ids, int(seqs[0]), self._clock())
         if held is not None:
             assert initial_values is not None
             values = np.ascontiguousarray(initial_values, dtype=np.uint64)
@@ -415,8 +420,10 @@ class FTLayer:
         if self._journal is not None:
             self._journal.gone(result.completed)
         self.stats.completed += len(done)
-        if len(self._book):
-            self._book.forget(result.columns["seq"].tolist())
+        seqs = result.columns["seq"]
+        # A record with a retry record failed before: a replay, left out of the latency.
+        replays = self._book.forget(seqs.tolist()) if len(self._book) else None
+        self.meters.completed(seqs, result.columns["topic"], replays, self._clock())
         self._notify(done)
 
     def take_deletes(self) -> NDArray[np.uint64]:
@@ -526,6 +533,8 @@ class FTLayer:
         self._queue.append(
             replay_seqs[index], roots[index], seqs[index], batch.source_ids[index], partitions
         )
+        self.stats.replayed += len(seqs)
+        self.meters.replayed(batch.source_ids)
 
     def _reserve(self, n: int) -> NDArray[np.uint64]:
         """The next n replay seqs; the counter is stored before any record uses one."""
@@ -622,9 +631,14 @@ class FTLayer:
         self._retired.add(old_roots, self._clock())
         # Step 5.
         self.stats.failed[cause.value] += n
+        self.meters.failed(cause.value, batch.source_ids)
+        if len(queued_rows):
+            self.stats.replayed += len(queued_rows)
+            self.meters.replayed(batch.source_ids[queued_rows])
         if bool(dead.any()):
             rows = np.flatnonzero(dead)
             self.stats.dead_lettered += len(rows)
+            self.meters.dead_lettered(batch.source_ids[rows])
             gone = batch.take(rows)
             self._notify(
                 Completed(
@@ -1086,6 +1100,7 @@ class FTLayer:
             raise
         self._book.commit(records)
         self.stats.persisted += n
+        self.meters.persisted(batch.source_ids, int(seqs[0]), self._clock())
         self.stats.dead_letters_requeued += n
         return n
 
@@ -1123,7 +1138,17 @@ class FTLayer:
         self.stats.barrier_holds = len(self._holds)
         self.stats.timeouts_postponed = self.persistence.postponed
         self.stats.batches_running = self._leases.status(self._clock())
+        by_source = self.meters.by_source(self.persistence.number_sources())
+        queued = self.queued_replays_by_source()
+        self.stats.by_source = {
+            str(s): meters.to_json(queued.get(s, 0)) for s, meters in by_source.items()
+        }
+        self.stats.complete_latency = total_latency(by_source).summary()
         return self.stats
+
+    def queued_replays_by_source(self) -> dict[int, int]:
+        """{source id: its entries in the replay queue}, sources with none left out."""
+        return self._queue.counts()
 
 
 _DEAD_LETTER_CHUNK: Final = 1024

@@ -44,6 +44,7 @@ class ReplayQueue:
         self.cursor_at_start = next_seq - 1
         """The cursor when this queue was made: the cursor of a source with none since."""
         self._cursors: dict[int, int] = {}  # per source id: its highest replay seq
+        self._counts: dict[int, int] = {}  # per source id: its entries
 
     # ---- replay seqs and cursors ----------------------------------------------------
 
@@ -121,8 +122,15 @@ class ReplayQueue:
             if restored:
                 return
             for source_id in np.unique(source_ids).tolist():
-                newest = int(replay_seqs[source_ids == source_id].max())
+                rows = source_ids == source_id
+                newest = int(replay_seqs[rows].max())
                 self._cursors[source_id] = max(self._cursors.get(source_id, 0), newest)
+                self._counts[source_id] = self._counts.get(source_id, 0) + int(rows.sum())
+
+    def counts(self) -> dict[int, int]:
+        """{source id: its entries}, sources with none left out (kept up to date by
+        append and prune: no pass over the entries)."""
+        return {s: n for s, n in self._counts.items() if n}
 
     def columns(self) -> dict[str, NDArray[Any]]:
         """Copies of every entry's columns, for checkpoints."""
@@ -174,6 +182,10 @@ class ReplayQueue:
         keep = rseq > upto
         if source_id is not None:
             keep |= sources != source_id
+        dropped = sources[~keep]
+        ids, counts = np.unique(dropped, return_counts=True)
+        for dropped_id, n in zip(ids.tolist(), counts.tolist(), strict=True):
+            self._counts[dropped_id] -= n
         for column in self._columns:
             column[0] = column[0][keep]
-        return int(len(keep) - np.count_nonzero(keep))
+        return len(dropped)

@@ -277,8 +277,9 @@ class RetryBook:
             else:
                 self.dead.pop(seq, None)
 
-    def forget(self, seqs: Iterable[int]) -> int:
-        """Drop the records of these seqs (completed, or purged): staged deletes."""
+    def forget(self, seqs: Iterable[int]) -> list[int]:
+        """Drop the records of these seqs (completed, or purged): staged deletes.
+        Returns the seqs that had one."""
         gone = [seq for seq in seqs if seq in self._records]
         for seq in gone:
             del self._records[seq]
@@ -286,7 +287,7 @@ class RetryBook:
             self._waiting_roots.pop(seq, None)
         if gone:
             self._storage.stage_meta({}, [_key(seq) for seq in gone])
-        return len(gone)
+        return gone
 
     # ---- waiting for the backoff ---------------------------------------------------------
 

@@ -1,10 +1,12 @@
 """The FT layer's counters: what it persisted, completed and failed (by cause) since it
-started, and the state of its replay queue, as `ftlayer status` shows them."""
+started, and the state of its replay queue, as `ftlayer status` shows them; per source
+and with the complete latency from ftlayer.core.meters."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["FTStats", "FailCause"]
 
@@ -24,6 +26,8 @@ class FTStats:
     pending: int = 0
     failed: dict[str, int] = field(default_factory=lambda: {c.value: 0 for c in FailCause})
     replay_queue: int = 0
+    replayed: int = 0
+    """Failed records that entered the replay queue (each got a replay seq)."""
     replay_cursor: int = 0
     replay_cursors: dict[str, int] = field(default_factory=dict)
     """Per source id (as a string, JSON's way): its highest replay seq. A source that
@@ -64,3 +68,11 @@ class FTStats:
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0
+    complete_latency: dict[str, Any] = field(
+        default_factory=lambda: {"count": 0, "sum_s": 0.0, "p50_s": None, "p99_s": None}
+    )
+    """Persist to completion of trees that completed on their first attempt: count,
+    sum_s, p50_s, p99_s (ftlayer.core.meters)."""
+    by_source: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per source id (a string): persisted, completed, failed by cause, replayed,
+    dead_lettered, replay_queue and complete_latency (SourceMeters.to_json)."""

@@ -256,8 +256,10 @@ def run_demo(
     poison_rate: float = 0.0,
     max_retries: int = 10,
     completion: str = "barrier",
+    http_port: int | None = None,
 ) -> DemoResult:
-    """Run the demo (see the module docstring); returns its counts."""
+    """Run the demo (see the module docstring); returns its counts. With `http_port`,
+    the FT-layer process serves its status page and /metrics on that loopback port."""
     from ftlayer.integration.sinks import ft_kafka_sink
     from ftlayer.integration.source import register
     from ftlayer.integration.spark import local_spark
@@ -281,7 +283,8 @@ def run_demo(
         produce(bootstrap, source_topic, (event(i, users) for i in range(records)), timeout=300)
         flaky_dir = work / "flaky"
         flaky_dir.mkdir()
-        with FTServerProcess(work / "ft", "--timeout-s", str(ft_timeout_s)) as server:
+        http = () if http_port is None else ("--http-port", str(http_port))
+        with FTServerProcess(work / "ft", "--timeout-s", str(ft_timeout_s), *http) as server:
             settings = FTSettings(server.address)
             spark = local_spark(master="local[2,8]", app_name="ftlayer-demo", log_file=spark_log)
             register(spark)

@@ -21,9 +21,16 @@ from typing import Self
 
 from ftlayer.errors import FTLayerError
 
-__all__ = ["FTServerProcess", "ServerProcessError", "read_serving_address", "serve_command"]
+__all__ = [
+    "FTServerProcess",
+    "ServerProcessError",
+    "read_http_url",
+    "read_serving_address",
+    "serve_command",
+]
 
 _SERVING: bytes = b"ftlayer serving on "
+_HTTP: bytes = b"ftlayer http on "
 
 
 class ServerProcessError(FTLayerError):
@@ -50,6 +57,16 @@ def read_serving_address(
     """The HOST:PORT of the "ftlayer serving on" line a starting `ftlayer serve` prints
     first (its stdout a pipe); ServerProcessError, naming the log, if the line does not
     come within `timeout` seconds or the process exits first."""
+    return _read_line(proc, _SERVING, log_path, timeout)
+
+
+def read_http_url(proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0) -> str:
+    """The URL of the "ftlayer http on" line that `ftlayer serve --http-port` prints
+    right after its "serving on" line (read that one first)."""
+    return _read_line(proc, _HTTP, log_path, timeout)
+
+
+def _read_line(proc: subprocess.Popen[bytes], prefix: bytes, log_path: Path, timeout: float) -> str:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     line = b""
@@ -68,9 +85,9 @@ def read_serving_address(
                     f"{_log_tail(log_path)}"
                 )
             line += chunk
-    if not line.startswith(_SERVING):
-        raise ServerProcessError(f"unexpected first line from the server: {line!r}")
-    return line[len(_SERVING) :].decode().strip()
+    if not line.startswith(prefix):
+        raise ServerProcessError(f"unexpected line from the server: {line!r}")
+    return line[len(prefix) :].decode().strip()
 
 
 def _log_tail(log_path: Path, lines: int = 5) -> str:
@@ -95,6 +112,8 @@ class FTServerProcess:
         self.log_path = Path(log_path) if log_path else self.data_dir.with_suffix(".log")
         self.start_timeout = start_timeout
         self.address = ""
+        self.http_url: str | None = None
+        """The status page's URL, when `serve_args` has --http-port."""
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -114,6 +133,8 @@ class FTServerProcess:
             )
         try:
             self.address = read_serving_address(self._proc, self.log_path, self.start_timeout)
+            if "--http-port" in self.serve_args:
+                self.http_url = read_http_url(self._proc, self.log_path, self.start_timeout)
         except ServerProcessError:
             self.kill()
             raise

@@ -52,3 +52,18 @@ def test_status_of_an_unreachable_server_is_a_clear_error(
     assert main(["status", "--server", address, "--wait-s", "0.2"]) == 2
     err = capsys.readouterr().err
     assert f"the FT-layer server at {address} could not be opened" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--http-host", "0.0.0.0"], "go with --http-port"),
+        (["--http-public"], "go with --http-port"),
+        (["--http-port", "0", "--http-host", "10.1.2.3"], "without the token"),
+    ],
+)
+def test_http_flags_without_their_port_or_token_are_refused(
+    extra: list[str], words: str, capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    assert main(["serve", "--data-dir", f"{tmp_path}/data", *extra]) == 2
+    assert words in capsys.readouterr().err

@@ -36,6 +36,9 @@ def _checkpoint(**changes: Any) -> dict[str, Any]:
     return data
 
 
+_LATENCY: dict[str, Any] = {"count": 2, "sum_s": 0.012, "p50_s": 0.005, "p99_s": 0.0071}
+
+
 def _status(**changes: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
         "persisted": 5,
@@ -43,6 +46,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "pending": 2,
         "failed": {"explicit": 1, "timeout": 0, "recovery": 0},
         "replay_queue": 1,
+        "replayed": 1,
         "replay_cursor": 9,
         "replay_cursors": {"7": 4},
         "replay_cursor_at_start": 2,
@@ -62,6 +66,18 @@ def _status(**changes: Any) -> dict[str, Any]:
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,
+        "complete_latency": _LATENCY,
+        "by_source": {
+            "7": {
+                "persisted": 5,
+                "completed": 3,
+                "failed": {"explicit": 1, "timeout": 0, "recovery": 0},
+                "replayed": 1,
+                "dead_lettered": 2,
+                "replay_queue": 1,
+                "complete_latency": _LATENCY,
+            }
+        },
         "pending_by_source": {"7": 2},
         "stored_records": 2,
         "deletes_pending": 0,
@@ -86,6 +102,8 @@ def test_a_status_survives_its_json_and_reads_as_its_json() -> None:
     assert Status.from_json(status.to_json()) == status
     assert status.to_json() == _status()
     assert status["failed"]["explicit"] == 1 and dict(status)["pending"] == 2
+    assert status.by_source["7"].complete_latency.p99_s == 0.0071
+    assert status["by_source"]["7"]["failed"]["explicit"] == 1
     report = status.checkpoints["job"].recent[0]
     assert report.position == Position({"t": {0: 10, 1: 4}}, 2)
     assert report.commit_offsets == {"t": {0: 9, 1: 4}}
@@ -122,6 +140,8 @@ def test_a_sources_lease_is_its_running_batchs_and_none_without_one() -> None:
         ({"batches_running": []}, "'batches_running'"),
         ({"surprise": 1}, "surprise"),
         ({"checkpoints": {"job": {"completed": 1}}}, "'open'"),
+        ({"complete_latency": {**_LATENCY, "p50_s": "5 ms"}}, "'p50_s'"),
+        ({"by_source": {"7": {"persisted": 1}}}, "source 7 has no 'completed'"),
     ],
 )
 def test_a_malformed_status_names_its_field(changes: dict[str, Any], words: str) -> None:

@@ -2,7 +2,8 @@
 
 `start_server(data_dir=None, *extra_args) -> Server` starts one server process on a
 free loopback port with a tmp data dir (or `data_dir`, to restart on the same data),
-and waits for its "ftlayer serving on HOST:PORT" line. Every process it started is
+and waits for its "ftlayer serving on HOST:PORT" line (with --http-port, also for its
+"ftlayer http on URL" line). Every process it started is
 stopped (SIGTERM, then SIGKILL) by the finalizer, even when the test fails.
 `ft_server` is one such server, started with the defaults.
 """
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serverproc import Server, StartServer, read_address, serve_command
+from serverproc import Server, StartServer, read_address, read_http, serve_command
 
 
 @pytest.fixture
@@ -29,7 +30,9 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
                 serve_command(data_dir, *extra), stdout=subprocess.PIPE, stderr=stderr
             )
         procs.append(proc)
-        return Server(proc, read_address(proc, log), data_dir, log)
+        address = read_address(proc, log)
+        http_url = read_http(proc, log) if "--http-port" in extra else None
+        return Server(proc, address, data_dir, log, http_url)
 
     yield start
     for proc in procs:

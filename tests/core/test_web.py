@@ -1,0 +1,112 @@
+"""WebServer's own rules, without an FT layer behind it: who is let in, which paths
+exist, and what a bad query gets."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ftlayer.core.meters import LatencyHistogram
+from ftlayer.web import DeadLetterRows, Observation, WebServer
+from ftlayer.web.http import SAMPLE_FIELDS
+
+_STATUS: dict[str, Any] = {
+    "persisted": 3,
+    "completed": 2,
+    "pending": 1,
+    "failed": {"explicit": 1, "timeout": 0, "recovery": 0},
+    "replayed": 1,
+    "dead_lettered": 0,
+    "replay_queue": 1,
+    "retry_waiting": 0,
+}
+
+
+@pytest.fixture
+def web() -> Iterator[WebServer]:
+    server = WebServer(
+        "127.0.0.1",
+        0,
+        observe=lambda: Observation(_STATUS, {"7": LatencyHistogram()}),
+        dead_letters=lambda limit: DeadLetterRows([], 0),
+        token=b"s3cret",
+    )
+    yield server
+    server.stop()
+
+
+def _basic(user_and_password: bytes) -> str:
+    return "Basic " + base64.b64encode(user_and_password).decode()
+
+
+@pytest.mark.parametrize(
+    ("header", "allowed"),
+    [
+        (None, False),
+        ("", False),
+        ("Bearer s3cret", True),
+        ("bearer   s3cret  ", True),
+        ("Bearer s3cre", False),
+        ("Bearer s3cret2", False),
+        (_basic(b"anyone:s3cret"), True),
+        (_basic(b":s3cret"), True),
+        (_basic(b"s3cret"), False),  # no colon: no password
+        (_basic(b"anyone:wrong"), False),
+        ("Basic !!!not-base64", False),
+        ("Token s3cret", False),
+        ("s3cret", False),
+    ],
+)
+def test_only_the_token_lets_a_request_in(
+    web: WebServer, header: str | None, allowed: bool
+) -> None:
+    assert web.authorized(header) is allowed
+
+
+def test_without_a_token_every_request_is_let_in() -> None:
+    open_web = WebServer(
+        "127.0.0.1",
+        0,
+        observe=lambda: Observation(_STATUS, {}),
+        dead_letters=lambda limit: DeadLetterRows([], 0),
+    )
+    try:
+        assert open_web.authorized(None) and open_web.url.startswith("http://127.0.0.1:")
+    finally:
+        open_web.stop()
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/nothing", "/static/../http.py", "/static/", "/static/app.js.map", "/metrics/x", "//"],
+)
+def test_paths_outside_the_routes_are_not_found(web: WebServer, path: str) -> None:
+    assert web.respond(path, None)[0] == 404
+
+
+def test_the_page_and_its_files_are_served_from_the_package(web: WebServer) -> None:
+    for path, kind, marker in (
+        ("/", "text/html", b'<canvas id="chart"'),
+        ("/index.html?x=1", "text/html", b"/static/app.js"),
+        ("/static/app.js", "text/javascript", b"/api/status"),
+        ("/static/style.css", "text/css", b"--completed"),
+    ):
+        status, content_type, body = web.respond(path, None)
+        assert status == 200 and content_type.startswith(kind) and marker in body
+        assert b"http://" not in body and b"https://" not in body  # nothing from elsewhere
+
+
+def test_api_status_gives_the_samples_after_since(web: WebServer) -> None:
+    status, _, body = web.respond("/api/status?since=abc", None)
+    assert status == 400
+    status, content_type, body = web.respond("/api/status", None)
+    data = json.loads(body)
+    assert status == 200 and content_type == "application/json"
+    assert data["status"] == _STATUS and data["history"]["fields"] == list(SAMPLE_FIELDS)
+    assert data["dead_letters"] == {"total": 0, "rows": []}
+    later = json.loads(web.respond(f"/api/status?since={data['now'] + 60}", None)[2])
+    assert later["history"]["rows"] == []
