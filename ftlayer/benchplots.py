@@ -9,6 +9,7 @@ no creation date or software version, so an unchanged plot is an unchanged file.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,24 @@ Results = Mapping[str, Mapping[str, Any]]
 _MODES = ("off", "tree", "barrier")
 _COLOURS = {"off": "#7f7f7f", "tree": "#1f77b4", "barrier": "#ff7f0e", "baseline": "#bcbd22"}
 _TARGET = {"color": "#d62728", "linestyle": "--", "linewidth": 1}
+
+
+def _log_y(axes: Any) -> None:
+    """A log y axis labelled with plain numbers (2,000, not 2 x 10^3); when it spans less
+    than two decades, the 2s and 5s between the powers of ten are labelled too."""
+    from matplotlib.ticker import FuncFormatter
+
+    def plain(x: float) -> str:
+        return f"{x:,.0f}" if x >= 1 else f"{x:.2g}"
+
+    def minor(x: float, _pos: int) -> str:
+        low, high = axes.get_ylim()
+        leading = round(x / 10 ** math.floor(math.log10(x)))
+        return plain(x) if high / low < 100 and leading in (2, 5) else ""
+
+    axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda x, _pos: plain(x)))
+    axes.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
 def _figure(columns: int = 1) -> tuple[Figure, Any]:
@@ -126,7 +145,7 @@ def plot_checkpoint_pending(benches: Results) -> Figure | None:
     sizes.set_title("snapshot size", fontsize=10)
     sizes.set_ylabel("bytes")
     for axes in (times, sizes):
-        axes.set_yscale("log")
+        _log_y(axes)
         axes.set_xticks(steps, [f"{p['pending_roots']:,}" for p in points])
         axes.set_xlabel("pending roots")
         axes.grid(True, which="major", alpha=0.3)
@@ -255,7 +274,7 @@ def plot_complete_latency(benches: Results) -> Figure | None:
         for r in runs
     ]
     axes.set_xticks(range(len(runs)), labels, fontsize=7, rotation=90)
-    axes.set_yscale("log")
+    _log_y(axes)
     axes.set_ylabel("ms")
     axes.legend(
         handles=[
