@@ -28,6 +28,8 @@
     ftlayer dead-letters list|show|requeue|purge --server HOST:PORT [--token-file F]
                    [--tls-ca CA] [--source ID] [--partition P] [--cause KIND]
                    [--since T] [--until T] [--seq S ...] [--limit N] [--json]
+    ftlayer inspect --server HOST:PORT (--root R | --topic T --partition P --offset O)
+                   [--token-file F] [--tls-ca CA] [--json]
     ftlayer version
 
 Every bench prints a table of its figures; with --json it prints one JSON object as
@@ -234,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
     from ftlayer import deadletters
 
     deadletters.add_parser(commands)
+    from ftlayer import inspection
+
+    inspection.add_parser(commands)
 
     bench = commands.add_parser("bench", help="run a benchmark against its baseline")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -824,12 +829,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "savepoint":
             return _savepoint(args)
-        if args.command == "dead-letters":
-            from ftlayer import deadletters
+        if args.command in ("dead-letters", "inspect"):
+            from ftlayer import deadletters, inspection
 
+            run = deadletters.run if args.command == "dead-letters" else inspection.run
             try:
                 with _client(args, 5.0) as client:
-                    return deadletters.run(args, client)
+                    return run(args, client)
             except OSError as exc:
                 raise ConfigError(
                     f"cannot reach the FT-layer server at {args.server}: {exc}"

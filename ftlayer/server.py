@@ -133,6 +133,7 @@ from ftlayer.wire import (
     decode_heartbeat,
     decode_hello,
     decode_hold,
+    decode_inspect,
     decode_persist,
     decode_register_source,
     decode_savepoint,
@@ -142,6 +143,7 @@ from ftlayer.wire import (
     encode_checkpoint_reply,
     encode_dead_letter_list,
     encode_error,
+    encode_inspect_reply,
     encode_ok,
     encode_replay,
     encode_savepoint_created,
@@ -283,6 +285,7 @@ class FTServer:
             Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
             Kind.HOLD: self._hold,
             Kind.HEARTBEAT: self._heartbeat,
+            Kind.INSPECT: self._inspect,
         }
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -726,6 +729,12 @@ class FTServer:
         listed = [{"seq": seq, **record.to_json()} for seq, record in letters[:keep]]
         taken = records.take(np.arange(keep, dtype=np.intp))
         return encode_dead_letter_list(rid, listed, taken, more, max_frame=self.max_frame)
+
+    def _inspect(self, rid: int, frame: Frame) -> bytes:
+        query = decode_inspect(frame)
+        with self._core() as ft:
+            found = ft.inspect(query)
+        return encode_inspect_reply(rid, found, max_frame=self.max_frame)
 
     def _dead_letter_restore(self, rid: int, frame: Frame) -> bytes:
         m = decode_dead_letter_restore(frame)

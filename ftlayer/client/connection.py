@@ -15,7 +15,7 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
   every call may wait this way. Then ConnectionLost.
 - A connection that breaks after a request was sent is retried once (reconnecting as
   above) for the idempotent calls only (status, fetch_replay, register_source,
-  checkpoint, heartbeat). persist, xor, fail and savepoint
+  checkpoint, heartbeat, inspect, listing dead letters). persist, xor, fail and savepoint
   raise ConnectionLost instead: the request may or may not have been applied, and only
   the caller knows whether to resend. The next call reconnects.
 - A connection the server closed while it was idle (its idle limit, a restart) is
@@ -47,6 +47,7 @@ from numpy.typing import ArrayLike
 
 from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
+from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.status import CheckpointReport, Status
 from ftlayer.wire import (
@@ -72,6 +73,7 @@ from ftlayer.wire import (
     decode_checkpoint_reply,
     decode_dead_letter_list,
     decode_error,
+    decode_inspect_reply,
     decode_ok,
     decode_replay,
     decode_savepoint_created,
@@ -86,6 +88,7 @@ from ftlayer.wire import (
     encode_heartbeat,
     encode_hello,
     encode_hold,
+    encode_inspect,
     encode_persist,
     encode_register_source,
     encode_savepoint,
@@ -418,6 +421,15 @@ class FTClient:
             return encode_dead_letters(rid, "list", where, limit)
 
         return decode_dead_letter_list(self._call(encode, Kind.DEAD_LETTER_LIST, retry=True))
+
+    def inspect(self, query: RecordQuery) -> Inspection:
+        """Where the record(s) `query` names are (ftlayer.inspection): by root or by
+        Kafka coordinates; no records: unknown or completed. Read-only, so retried."""
+
+        def encode(rid: int) -> bytes:
+            return encode_inspect(rid, query)
+
+        return decode_inspect_reply(self._call(encode, Kind.INSPECT_REPLY, retry=True))
 
     def dead_letter_op(self, op: str, where: Mapping[str, Any] | None = None) -> int:
         """ "requeue" (replay them now, after a fix), "purge" (delete them for good) or

@@ -68,6 +68,7 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.acking.rotating import validate_timeout
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.errors import ConfigError
+from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
 from ftlayer.persistence.timeout import TimeoutPersistenceLayer
@@ -1123,6 +1124,95 @@ class FTLayer:
     @property
     def dead_letter_count(self) -> int:
         return len(self._book.dead)
+
+    # ---- finding one record (ftlayer.inspection) -------------------------------------
+
+    def inspect(self, query: RecordQuery) -> Inspection:
+        """The records `query` names and where each is (ftlayer.inspection): by root, the
+        pending root (or whether it failed recently); by Kafka coordinates, every
+        pending root and every dead letter at them. O(pending + dead letters) for
+        coordinates, plus a read of the records found: a diagnostic, changes nothing."""
+        found: list[tuple[int, int]] = []  # (root, seq)
+        retired = False
+        if query.root is not None:
+            key = np.array([query.root], dtype=np.uint64)
+            if query.root > 1 and len(self.acker):
+                pending, seqs = self.acker.lookup("seq", key)
+                if bool(pending[0]):
+                    found.append((query.root, int(seqs[0])))
+            if not found and len(self._retired):
+                retired = bool(self._retired.known(key, self._clock())[0])
+        else:
+            found += self._pending_at(query)
+            found += [(0, seq) for seq in self._dead_letters_at(query)]
+        if not found:
+            return Inspection(query, (), retired)
+        seqs = np.array([seq for _, seq in found], dtype=np.uint64)
+        batch = self.storage.get(seqs)
+        queue = self._queue.columns() if len(self._queue) else None
+        held = self._holds.columns()["root"] if len(self._holds) else _EMPTY_U64
+        records = []
+        for i, (root, seq) in enumerate(found):
+            history = self._book.get(seq)
+            state, replay_seq, since, due = RecordState.PENDING, None, None, None
+            parts: tuple[int, ...] = ()
+            if seq in self._book.dead:
+                state = RecordState.DEAD_LETTER
+            elif self._book.waiting_root(seq) == root:
+                state, due = RecordState.WAITING, None if history is None else history.due
+            elif queue is not None:
+                entries = (queue["root"] == root) & (queue["seq"] == seq)
+                if bool(entries.any()):
+                    state = RecordState.QUEUED
+                    replay_seq = int(queue["replay_seq"][entries][0])
+                    parts = tuple(int(p) for p in queue["partition"][entries].tolist())
+                    if history is not None:
+                        since = max(history.last_failed, history.due)
+            records.append(
+                InspectedRecord(
+                    state=state,
+                    root=root,
+                    seq=seq,
+                    source_id=int(batch.source_ids[i]),
+                    topic=batch.topics[i],
+                    partition=int(batch.partitions[i]),
+                    offset=int(batch.offsets[i]),
+                    payload_bytes=len(batch.payloads[i]),
+                    has_key=bool(batch.has_key[i]),
+                    key_hash=int(batch.key_hashes[i]),
+                    replay_seq=replay_seq,
+                    replay_partitions=parts,
+                    queued_since=since,
+                    due=due,
+                    barrier_hold=bool(root) and bool(np.any(held == root)),
+                    history=None if history is None else history.to_json(),
+                    payload=bytes(batch.payloads[i]),
+                )
+            )
+        return Inspection(query, tuple(records), retired)
+
+    def _pending_at(self, query: RecordQuery) -> list[tuple[int, int]]:
+        """(root, seq) of the pending roots at the query's Kafka coordinates."""
+        numbers = self.persistence.topic_numbers([str(query.topic)])
+        if not len(numbers) or not len(self.acker):
+            return []
+        live = self.acker.live_columns("root", "seq", "topic", "partition", "offset", copy=False)
+        hit = (live["offset"] == query.offset) & (live["partition"] == query.partition)
+        hit &= np.isin(live["topic"], numbers)
+        return list(zip(live["root"][hit].tolist(), live["seq"][hit].tolist(), strict=True))
+
+    def _dead_letters_at(self, query: RecordQuery) -> list[int]:
+        """The seqs of the dead letters at the query's Kafka coordinates."""
+        seqs = sorted(self._book.dead)
+        hits: list[int] = []
+        for start in range(0, len(seqs), _DEAD_LETTER_CHUNK):
+            chunk = seqs[start : start + _DEAD_LETTER_CHUNK]
+            batch = self.storage.get(np.array(chunk, dtype=np.uint64))
+            rows = (batch.offsets == query.offset) & (batch.partitions == query.partition)
+            hits += [
+                chunk[i] for i in np.flatnonzero(rows).tolist() if batch.topics[i] == query.topic
+            ]
+        return hits
 
     def current_stats(self) -> FTStats:
         """The counters, with the current state filled in: pending roots, and the replay

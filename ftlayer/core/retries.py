@@ -316,6 +316,10 @@ class RetryBook:
     def is_waiting(self, seq: int) -> bool:
         return seq in self._waiting_roots
 
+    def waiting_root(self, seq: int) -> int | None:
+        """The root record `seq` waits for its backoff under (None: not waiting)."""
+        return self._waiting_roots.get(seq)
+
     def _drop_stale(self) -> None:
         while self._waiting and self._waiting_roots.get(self._waiting[0][1]) != self._waiting[0][2]:
             heapq.heappop(self._waiting)

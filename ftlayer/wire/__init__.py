@@ -52,6 +52,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x24 | DEAD_LETTER_RESTORE | as DEAD_LETTER_LIST: dead letters from a topic to replay      |
 | 0x25 | HOLD                | as XOR: a barrier-mode root goes on in a new batch          |
 | 0x26 | HEARTBEAT           | u32 lease ms, u32 n, source ids u32[n]: their batch runs    |
+| 0x27 | INSPECT             | utf-8 JSON object {"root": u64} or {"topic": str,           |
+|      |                     | "partition": int, "offset": int}                            |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -65,6 +67,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | "path", Savepoint.as_dict of ftlayer.checkpoint.savepoint)  |
 | 0x96 | DEAD_LETTER_LIST    | u32 J, utf-8 JSON {"letters": [...], "more": bool}, then    |
 |      |                     | u32 n and record columns without initial values (below)     |
+| 0x97 | INSPECT_REPLY       | u32 J, utf-8 JSON {"query", "records": [...], "retired"},   |
+|      |                     | then per record u32 length + the start of its payload       |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Retired kinds, never reused: 0x16 (LOWEST_PENDING), 0x17 (PRUNE_REPLAY), 0x93 (OFFSETS);
@@ -176,6 +180,8 @@ from .messages import (
     decode_fetch_replay,
     decode_heartbeat,
     decode_hold,
+    decode_inspect,
+    decode_inspect_reply,
     decode_ok,
     decode_persist,
     decode_register_source,
@@ -195,6 +201,8 @@ from .messages import (
     encode_fetch_replay,
     encode_heartbeat,
     encode_hold,
+    encode_inspect,
+    encode_inspect_reply,
     encode_ok,
     encode_persist,
     encode_register_source,
@@ -272,6 +280,8 @@ __all__ = [
     "decode_heartbeat",
     "decode_hello",
     "decode_hold",
+    "decode_inspect",
+    "decode_inspect_reply",
     "decode_ok",
     "decode_persist",
     "decode_register_source",
@@ -296,6 +306,8 @@ __all__ = [
     "encode_heartbeat",
     "encode_hello",
     "encode_hold",
+    "encode_inspect",
+    "encode_inspect_reply",
     "encode_ok",
     "encode_persist",
     "encode_register_source",

@@ -47,6 +47,7 @@ class Kind(enum.IntEnum):
     DEAD_LETTER_RESTORE = 0x24
     HOLD = 0x25
     HEARTBEAT = 0x26
+    INSPECT = 0x27
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -55,6 +56,7 @@ class Kind(enum.IntEnum):
     CHECKPOINT = 0x94
     SAVEPOINT_CREATED = 0x95
     DEAD_LETTER_LIST = 0x96
+    INSPECT_REPLY = 0x97
     ERROR = 0xFF
 
 

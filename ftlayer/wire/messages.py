@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.inspection import INSPECT_PAYLOAD_BYTES, Inspection, RecordQuery
 from ftlayer.records import RecordBatch, ReplayRecords
 
 from .auth import (
@@ -212,6 +213,8 @@ Message = (
     | Ok
     | ReplayRecords
     | DeadLettersRequest
+    | RecordQuery
+    | Inspection
     | DeadLetterList
     | ErrorReply
 )
@@ -955,6 +958,53 @@ def decode_dead_letter_restore(message: Frame | bytes) -> DeadLetterList:
     return decode_dead_letter_list(message, Kind.DEAD_LETTER_RESTORE)
 
 
+# ---- inspect ---------------------------------------------------------------------------
+
+
+def encode_inspect(request_id: int, query: RecordQuery) -> bytes:
+    """INSPECT: a utf-8 JSON object {"root": u64} or {"topic": str, "partition": int,
+    "offset": int} (ftlayer.inspection.RecordQuery)."""
+    return encode_frame(Kind.INSPECT, request_id, json.dumps(query.to_json()).encode())
+
+
+def decode_inspect(message: Frame | bytes) -> RecordQuery:
+    body = _json(_body(message, Kind.INSPECT).rest(), Kind.INSPECT)
+    try:
+        return RecordQuery.from_json(body)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"INSPECT: {exc}"[:600]) from None
+
+
+def encode_inspect_reply(
+    request_id: int, inspection: Inspection, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """INSPECT_REPLY: u32 J, a utf-8 JSON object of J bytes (Inspection.to_json: the
+    query, the records found, "retired"), then per record u32 length and the start of
+    its payload: at most INSPECT_PAYLOAD_BYTES each, and together at most half a frame
+    (its "payload_bytes" is the whole size)."""
+    head = json.dumps(inspection.to_json(), separators=(",", ":"), allow_nan=False).encode()
+    cut = min(INSPECT_PAYLOAD_BYTES, max_frame // 2 // max(1, len(inspection.records)))
+    parts = [_U32.pack(len(head)), head]
+    for record in inspection.records:
+        payload = record.payload[:cut]
+        parts += [_U32.pack(len(payload)), payload]
+    return _join_frame(Kind.INSPECT_REPLY, request_id, parts, max_frame)
+
+
+def decode_inspect_reply(message: Frame | bytes) -> Inspection:
+    body = _body(message, Kind.INSPECT_REPLY)
+    head = _json(body.raw(body.u32("JSON length"), "JSON"), Kind.INSPECT_REPLY)
+    records = head.get("records") if isinstance(head, dict) else None
+    if not isinstance(records, list):
+        raise MalformedFrame(f"INSPECT_REPLY JSON has no records list: {str(head)[:200]}")
+    payloads = [body.raw(body.u32("payload length"), "payload") for _ in records]
+    body.done()
+    try:
+        return Inspection.from_json(head, payloads)
+    except ValueError as exc:
+        raise MalformedFrame(f"INSPECT_REPLY: {exc}"[:600]) from None
+
+
 # ---- dispatch --------------------------------------------------------------------------
 
 
@@ -980,6 +1030,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.DEAD_LETTER_RESTORE: decode_dead_letter_restore,
     Kind.HOLD: decode_hold,
     Kind.HEARTBEAT: decode_heartbeat,
+    Kind.INSPECT: decode_inspect,
+    Kind.INSPECT_REPLY: decode_inspect_reply,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

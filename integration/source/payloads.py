@@ -32,7 +32,14 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import SourceError
 
-__all__ = ["HEADERS_ARROW", "Headers", "decode_payloads", "encode_payloads", "headers_array"]
+__all__ = [
+    "HEADERS_ARROW",
+    "Headers",
+    "decode_key",
+    "decode_payloads",
+    "encode_payloads",
+    "headers_array",
+]
 
 Headers = Sequence[tuple[str, bytes | None]]
 """One record's Kafka headers: (key, value) pairs in order; a value may be None."""
@@ -194,6 +201,30 @@ def decode_payloads(
     values = _binary_array(blob[_regions(total, key_at + klen, vlen)], vlen,
                            (flags & _VALUE_PRESENT) > 0)  # fmt: skip
     return keys, values, header["ts"].astype(np.int64), headers
+
+
+def decode_key(payload: bytes) -> tuple[bytes | None, int]:
+    """(key or None, timestamp in epoch ms) of one payload made by `encode_payloads`,
+    which may be cut short after its key (`ftlayer inspect` gets the start of a
+    payload); SourceError for bytes that are not such a payload."""
+    if len(payload) < _HEADER_SIZE:
+        raise SourceError("the payload is shorter than ftkafka's header: not ftkafka's")
+    header = np.frombuffer(payload[:_HEADER_SIZE], dtype=_HEADER)[0]
+    version, flags = int(header["version"]), int(header["flags"])
+    with_headers = bool(flags & _HEADERS_PRESENT)
+    if version != (2 if with_headers else 1):
+        raise SourceError(f"payload format version {version}: not ftkafka's")
+    at = _HEADER_SIZE
+    if with_headers:
+        if at + 4 > len(payload):
+            raise SourceError("the payload is cut before its Kafka headers end")
+        (length,) = _U32.unpack_from(payload, at)
+        at += 4 + length
+    klen = int(header["klen"])
+    if at + klen > len(payload):
+        raise SourceError("the payload is cut before its key ends")
+    key = payload[at : at + klen] if flags & _KEY_PRESENT else None
+    return key, int(header["ts"])
 
 
 def headers_array(headers: Sequence[Headers]) -> Any:
