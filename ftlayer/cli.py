@@ -3,7 +3,7 @@
     ftlayer serve  --data-dir DIR [--host 127.0.0.1] [--port P] [--timeout-s T] [--no-journal]
                    [--buckets N] [--token-file F] [--tls-cert C --tls-key K]
                    [--delete-interval-s S] [--handshake-timeout-s S] [--frame-timeout-s S]
-                   [--idle-timeout-s S] [--max-connections N]
+                   [--idle-timeout-s S] [--max-connections N] [--log-format text|json]
                    [--http-port P [--http-host H] [--http-public]]
     ftlayer status --server HOST:PORT [--token-file F] [--tls-ca CA] [--wait-s S] [--json]
     ftlayer demo   [--records N] [--fail-rate F] [--partitions P] [--kill-workers K]
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import signal
@@ -165,6 +164,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=0.2,
         help="how often completed records are deleted from LMDB (default 0.2)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="stderr log lines as text, or one JSON object per line for log shippers",
     )
     serve.add_argument(
         "--no-journal",
@@ -361,11 +366,10 @@ def _print_table(title: str, rows: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ftlayer.logs import configure
     from ftlayer.server import FTServer
 
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
-    )
+    configure(args.log_format, sys.stderr)
     token = None if args.token_file is None else read_token_file(args.token_file)
     if args.http_port is None and (args.http_public or args.http_host != "127.0.0.1"):
         raise ConfigError("--http-host and --http-public go with --http-port")

@@ -103,6 +103,7 @@ from ftlayer.core import FTLayer
 from ftlayer.core.journal import JOURNAL_DIR, Journal
 from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
+from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.records import ReplayRecords
 from ftlayer.wire import (
@@ -397,10 +398,15 @@ class FTServer:
             thread.join(timeout=5.0)
         with self._lock:
             if self._ft is not None:
+                marked = self._ft.persistence.marked
                 try:
                     self._ft.flush_deletes()
                 except StorageError as exc:
-                    log.error("could not delete completed records (replayed at restart): %s", exc)
+                    log.error(
+                        "could not delete completed records (replayed at restart): %s",
+                        exc,
+                        extra=fields(count=marked),
+                    )
             if self._checkpoints is not None:
                 self._checkpoints.write_pending()
                 self._checkpoints.snapshots.close()
@@ -471,25 +477,19 @@ class FTServer:
                 ft = self._ft
                 if ft is None:
                     return
-                before = ft.stats.failed["timeout"]
-                try:
-                    rotations = ft.tick()
+                try:  # the core logs the trees that time out, by source and partition
+                    ft.tick()
                     if self._checkpoints is not None:
                         self._checkpoints.poll()
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
                     continue
-                timed_out = ft.stats.failed["timeout"] - before
                 storage = self._storage
             if storage is not None:
                 try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
                     storage.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
                 except StorageError as exc:
                     log.error("could not write staged checkpoint records: %s", exc)
-            if timed_out:
-                log.info(
-                    "rotation (%d) timed out %d roots: queued for replay", rotations, timed_out
-                )
 
     def _delete_loop(self) -> None:
         """Completed records are deleted by the next PERSIST's transaction (one commit
@@ -503,6 +503,7 @@ class FTServer:
                 storage = self._storage
                 # Staged under the lock: a savepoint's copy then sees every delete.
                 storage.stage_deletes(self._ft.take_deletes())
+            staged = storage.staged_deletes
             try:
                 storage.flush_staged(older_than_s=self._delete_interval_s)
             except StorageError as exc:
@@ -510,6 +511,7 @@ class FTServer:
                     "could not delete completed records; they stay staged, and stored: "
                     "a restart replays them (duplicates, not losses): %s",
                     exc,
+                    extra=fields(count=staged),
                 )
 
     def _serve(self, conn: _Connection) -> None:
@@ -621,7 +623,15 @@ class FTServer:
             log.exception("%s: request %d failed", conn.peer, rid)
             code, text = int(ErrorCode.INTERNAL), f"internal server error: {exc!r}"
         log.warning(
-            "%s: request %d (kind 0x%02x): error %d: %s", conn.peer, rid, frame.kind, code, text
+            "%s: request %d (kind 0x%02x): error %d: %s",
+            conn.peer,
+            rid,
+            frame.kind,
+            code,
+            text,
+            extra=fields(
+                peer=conn.peer, client=conn.name, request_id=rid, kind=frame.kind, code=code
+            ),
         )
         return encode_error(rid, code, text), not conn.welcomed
 

@@ -98,6 +98,7 @@ from numpy.typing import NDArray
 from ftlayer.checkpoint.snapshot import encode_snapshot
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
+from ftlayer.logs import fields
 from ftlayer.persistence.base import MetaValue, PersistenceStorage
 from ftlayer.position import (
     KafkaOffsets,
@@ -334,6 +335,7 @@ class CheckpointCoordinator:
                 _MAX_OPEN,
                 dropped.id,
                 dropped.state.value,
+                extra=fields(query=query, checkpoint=dropped.id),
             )
         self._uncopied.append(checkpoint)
         return checkpoint
@@ -563,6 +565,7 @@ class CheckpointCoordinator:
                 len(records),
                 self._failed_writes,
                 exc,
+                extra=fields(queries=sorted(newest), count=len(items), attempt=self._failed_writes),
             )
 
     def _store_record(self, query: str, q: _Query, checkpoint: Checkpoint) -> None:
@@ -579,7 +582,12 @@ class CheckpointCoordinator:
         try:
             self.ft.storage.stage_meta({key: record}, expired)
         except Exception as exc:
-            log.error("could not store the record of checkpoint %s: %s", key, exc)
+            log.error(
+                "could not store the record of checkpoint %s: %s",
+                key,
+                exc,
+                extra=fields(query=query, checkpoint=checkpoint.id),
+            )
         self._record_writes.append(({key: record}, expired))
 
     def _expire_snapshots(

@@ -75,6 +75,7 @@ from ftlayer.persistence.timeout import TimeoutPersistenceLayer
 from ftlayer.records import RecordBatch, ReplayRecords
 
 from .barrier import OpenHolds
+from .faillog import log_failed, log_requeue_error
 from .journal import Journal, JournalState
 from .leases import BatchLeases, BatchTag
 from .meters import Meters, total_latency
@@ -516,7 +517,8 @@ class FTLayer:
         batch = self.storage.get(seqs)
         try:
             self._enqueue(roots, seqs, batch)
-        except BaseException:
+        except BaseException as exc:
+            log_requeue_error("backoff ended", roots, seqs, exc)
             for seq, root in zip(seqs.tolist(), roots.tolist(), strict=True):
                 self._book.wait(seq, root, self._wall() + 1.0)  # try again shortly
             raise
@@ -605,8 +607,9 @@ class FTLayer:
         old_meta = self._book.stage(records)
         try:
             self.persistence.retag(seqs, new_roots, replay_seqs)
-        except BaseException:
+        except BaseException as exc:
             self._book.unstage(old_meta)
+            log_requeue_error(cause.value, old_roots, seqs, exc)
             raise
         self._book.commit(records)
         # Step 3. The new roots wait (ack value 0) for their source to emit them again.
@@ -636,6 +639,7 @@ class FTLayer:
         if len(queued_rows):
             self.stats.replayed += len(queued_rows)
             self.meters.replayed(batch.source_ids[queued_rows])
+        log_failed(cause.value, old_roots, new_roots, seqs, batch, fate, causes, due, records)
         if bool(dead.any()):
             rows = np.flatnonzero(dead)
             self.stats.dead_lettered += len(rows)
