@@ -8,6 +8,7 @@
     tasks = FTTasks(settings)
     parsed = tasks.map(orders, parse, schema)  # a FailException fails one record
     query = ft_kafka_sink(parsed, "broker:9092", "out", settings).start()
+    # ft_observe(df, name): ftlayer's figures in query.lastProgress["observedMetrics"]
 
 Three rooms, each with its contract in its own docstring: the `ftkafka` source
 (`ftlayer.integration.source`: persists every record before Spark sees it and feeds
@@ -21,6 +22,7 @@ record once its write is confirmed). What tests, the demo and the benches run ag
 from ftlayer.errors import ConfigError, FailException, SourceError
 
 from .ftcolumns import FTSettings
+from .observe import ft_observe
 from .sinks import SinkError, ft_foreach_batch, ft_kafka_sink
 from .source import parse_options, register
 from .spark import local_spark
@@ -37,6 +39,7 @@ __all__ = [
     "TaskOutput",
     "ft_foreach_batch",
     "ft_kafka_sink",
+    "ft_observe",
     "local_spark",
     "parse_options",
     "register",

@@ -33,6 +33,9 @@ from ftlayer.errors import ConfigError
 ROOT_COLUMN: Final = "ft_root"
 ID_COLUMN: Final = "ft_id"
 FT_COLUMNS: Final = (ROOT_COLUMN, ID_COLUMN)
+REPLAY_COLUMN: Final = "ft_replay"
+"""With the source option ft.replayColumn: true on a row that is a replayed record. An FT
+column (tasks keep it from user code, sinks do not write it), but no anchor."""
 COMPLETION_METADATA: Final = "ftlayer.completion"
 """The `ft_id` column's metadata key that says its rows' trees complete at the barrier
 (value "barrier"); Spark keeps a column's metadata through select, where, joins."""

@@ -13,7 +13,8 @@ Usage::
 
 Rows: key (binary), value (binary), topic (string), partition (int), offset (long),
 timestamp (timestamp), and with FT on `ft_root` and `ft_id` (LongType: the u64 root
-and record id of the row's anchor, as int64 bits; see `ftlayer.integration.ftcolumns`).
+and record id of the row's anchor, as int64 bits; see `ftlayer.integration.ftcolumns`),
+and under `ft.replayColumn` `ft_replay` (boolean: the row is a replayed record).
 With FT off there are no FT columns, no FT-layer connection and no FT cost.
 
 ## Offsets, batches and input partitions
@@ -117,6 +118,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import (
     BinaryType,
+    BooleanType,
     IntegerType,
     LongType,
     StringType,
@@ -130,6 +132,7 @@ from ftlayer.integration.ftcolumns import (
     COMPLETION_METADATA,
     HEADERS_TYPE,
     ID_COLUMN,
+    REPLAY_COLUMN,
     ROOT_COLUMN,
 )
 from ftlayer.position import KafkaOffsets, Position
@@ -153,12 +156,15 @@ __all__ = [
 
 
 def source_schema(
-    ft_on: bool, include_headers: bool = False, completion: str = "tree"
+    ft_on: bool,
+    include_headers: bool = False,
+    completion: str = "tree",
+    replay_column: bool = False,
 ) -> StructType:
     """The rows of an ftkafka source: the Kafka record (with its headers under
-    includeHeaders), and its anchor with FT on. In barrier mode the `ft_id` column's
-    metadata says so (COMPLETION_METADATA), so a sink downstream knows it has nothing
-    to ack (its rows' record ids are 0 as well)."""
+    includeHeaders), and its anchor with FT on (and `ft_replay` under ft.replayColumn).
+    In barrier mode the `ft_id` column's metadata says so (COMPLETION_METADATA), so a
+    sink downstream knows it has nothing to ack (its rows' record ids are 0 as well)."""
     fields = [
         StructField("key", BinaryType()),
         StructField("value", BinaryType()),
@@ -175,6 +181,8 @@ def source_schema(
             StructField(ROOT_COLUMN, LongType()),
             StructField(ID_COLUMN, LongType(), metadata=metadata),
         ]
+        if replay_column:
+            fields.append(StructField(REPLAY_COLUMN, BooleanType(), nullable=False))
     return StructType(fields)
 
 
@@ -188,11 +196,15 @@ class FTKafkaDataSource(DataSource):
     def schema(self) -> StructType:
         # Spark calls this at load(): every option is checked here, before any query.
         options = parse_options(self.options)
-        return source_schema(options.ft_on, options.include_headers, options.completion)
+        return source_schema(
+            options.ft_on, options.include_headers, options.completion, options.replay_column
+        )
 
     def streamReader(self, schema: StructType) -> FTKafkaStreamReader:
         options = parse_options(self.options)
-        expected = source_schema(options.ft_on, options.include_headers, options.completion)
+        expected = source_schema(
+            options.ft_on, options.include_headers, options.completion, options.replay_column
+        )
         if schema != expected:
             raise ConfigError(
                 f"ftkafka's schema is fixed by its options: {expected.simpleString()}, "

@@ -119,6 +119,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         False,
     ),
     Option(
+        "ft.replayColumn",
+        "boolean",
+        "`true` adds the FT column `ft_replay` (boolean): true on a row that is a replayed "
+        "record (it failed, or a restart recovered it), false on one read from Kafka in this "
+        "batch; for `ft_observe` (section 6.10). Tasks do not hand it to user code, sinks "
+        "do not write it. No effect with FT off",
+        False,
+    ),
+    Option(
         "maxOffsetsPerTrigger",
         "integer",
         "at most this many Kafka records per batch, split over partitions in proportion to "
@@ -355,6 +364,8 @@ class SourceOptions:
     """ft.completion: "barrier" (the default) or "tree" (ftlayer.core.barrier)."""
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
     """ft.heartbeatMs: how often the driver heartbeats a running batch; 0: never."""
+    replay_column: bool = False
+    """ft.replayColumn (FT on only): the `ft_replay` column, true on replayed rows."""
 
     @property
     def checkpoint_query(self) -> str:
@@ -486,6 +497,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
         completion=given.choice("ft.completion"),
         heartbeat_ms=_required(given.integer("ft.heartbeatMs")),
+        replay_column=given.boolean("ft.replayColumn", False),
     )
 
 

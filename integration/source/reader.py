@@ -109,6 +109,7 @@ def read_partition(
     key_hashes: KeyHashes = (
         _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
     )
+    mark_replays = options.replay_column and persister is not None  # the ft_replay column
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
     # on, the next chunk is fetched and decoded while this one's persist is confirmed.
     chunks = _read_kafka(options, part)
@@ -153,6 +154,7 @@ def read_partition(
             timestamps,
             headers_array(kept) if kept is not None and options.include_headers else None,
             anchors,
+            False if mark_replays else None,
         )
     if channel is None or persister is None:
         return
@@ -175,6 +177,7 @@ def read_partition(
                 timestamps_r,
                 headers_array(headers_r) if options.include_headers else None,
                 (to_signed(emitted.roots), to_signed(emitted.ids)),
+                True if mark_replays else None,
             )
     # Step 4: the emission events of the replays (and anything else buffered) go now.
     channel.flush()
@@ -310,6 +313,7 @@ def _arrow_batch(
     timestamps_ms: NDArray[np.int64],
     headers: Any,
     anchors: tuple[Any, Any] | None,
+    replayed: bool | None = None,
 ) -> Any:
     columns = [
         keys,
@@ -323,6 +327,8 @@ def _arrow_batch(
         columns.append(headers)
     if anchors is not None:
         columns += [pa.array(anchors[0], type=pa.int64()), pa.array(anchors[1], type=pa.int64())]
+    if replayed is not None:  # ft.replayColumn: every row of a batch alike
+        columns.append(pa.array(np.full(len(timestamps_ms), replayed), type=pa.bool_()))
     return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)
 
 

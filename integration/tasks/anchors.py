@@ -23,6 +23,7 @@ from ftlayer.acking.handlers import Anchors
 from ftlayer.integration.ftcolumns import (
     FT_COLUMNS,
     ID_COLUMN,
+    REPLAY_COLUMN,
     ROOT_COLUMN,
     to_signed,
     to_unsigned,
@@ -33,7 +34,7 @@ EXTRA_ANCHORS_TYPE: Final = ArrayType(
     StructType([StructField("root", LongType(), False), StructField("id", LongType(), False)]),
     containsNull=False,
 )
-ALL_FT_COLUMNS: Final = (*FT_COLUMNS, EXTRA_ANCHORS_COLUMN)
+ALL_FT_COLUMNS: Final = (*FT_COLUMNS, EXTRA_ANCHORS_COLUMN, REPLAY_COLUMN)
 
 _PAIR_ARROW: Final = pa.struct(
     [pa.field("root", pa.int64(), nullable=False), pa.field("id", pa.int64(), nullable=False)]
