@@ -67,10 +67,10 @@ class Progress(StreamingQueryListener):
         self.query_id: str | None = None
         self.lock = threading.Lock()
 
-    def onQueryStarted(self, event: Any) -> None:  # noqa: N802 (Spark's names)
+    def onQueryStarted(self, event: Any) -> None:
         pass
 
-    def onQueryProgress(self, event: Any) -> None:  # noqa: N802
+    def onQueryProgress(self, event: Any) -> None:
         progress = event.progress
         if str(progress.id) != self.query_id or not progress.observedMetrics:
             return
@@ -79,10 +79,10 @@ class Progress(StreamingQueryListener):
                 name: row.asDict() for name, row in progress.observedMetrics.items()
             }
 
-    def onQueryIdle(self, event: Any) -> None:  # noqa: N802
+    def onQueryIdle(self, event: Any) -> None:
         pass
 
-    def onQueryTerminated(self, event: Any) -> None:  # noqa: N802
+    def onQueryTerminated(self, event: Any) -> None:
         pass
 
     def total(self, name: str, metric: str) -> int:
