@@ -16,7 +16,7 @@
     ftlayer bench checkpoint [--batches N] [--batch B] [--rounds R] [--pending P,...]
                              [--dir D] [--json]
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
-                           [--fast [--batch-sizes B,B,...]]
+                           [--fast [--batch-sizes B,B,...]] [--observe]
                            [--json]
     ftlayer bench report [--quick] [--benches NAME,...] [--out DIR]
     ftlayer bench report --from RESULTS_JSON [--out DIR]
@@ -313,6 +313,11 @@ def _parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--partitions", type=_positive_int, default=4)
     pipeline.add_argument("--fail-rate", type=_rate, default=0.001, help="flaky share (0..1)")
     pipeline.add_argument("--rounds", type=_positive_int, default=2, help="alternating pairs")
+    pipeline.add_argument(
+        "--observe",
+        action="store_true",
+        help="also run barrier mode with ft_observe (ftlayer's figures in Spark's progress)",
+    )
     pipeline.add_argument("--json", action="store_true", help="print one JSON object last")
 
     report = benches.add_parser(
@@ -745,6 +750,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             partitions=args.partitions,
             fail_rate=args.fail_rate,
             rounds=args.rounds,
+            observe=args.observe,
         )
     if args.bench == "checkpoint":
         return bench.bench_checkpoint(

@@ -13,7 +13,10 @@ each phase writing to its own output topic and checkpoint.
    its topic (and, FT on, no tree is pending). Reported: the median records/s of each
    and the ratios on/off (target >= 0.9 in tree mode, >= 0.95 in barrier mode), and
    the complete latency of each FT-on run where the server measures it
-   (`integration.harness.benchlatency`).
+   (`integration.harness.benchlatency`). With `observe`, each round also runs barrier
+   mode with `ft.replayColumn` and `ft_observe` at the source and before the sink
+   (integration.observe): its ratio to barrier mode is the cost of ftlayer's figures
+   in Spark's progress.
 2. Failures. The same pipeline where enrich fails a `fail_rate` share of the events
    the first time it sees each (first sight = an O_EXCL marker file), once under
    ftlayer (FailException: that record's tree fails and is replayed) and once under
@@ -111,8 +114,10 @@ def bench_pipeline(
     rounds: int = 2,
     max_per_trigger: int = 50_000,
     deadline_s: float = 900.0,
+    observe: bool = False,
 ) -> dict[str, Any]:
     """See the module docstring; returns the figures."""
+    from ftlayer.integration.observe import ft_observe
     from ftlayer.integration.sinks import ft_kafka_sink
     from ftlayer.integration.source import register
     from ftlayer.integration.spark import local_spark
@@ -142,6 +147,7 @@ def bench_pipeline(
                 enrich: Callable[[dict[str, Any]], dict[str, Any]],
                 completion: str = "tree",
                 round_: int | None = None,
+                observed: bool = False,
             ) -> float:
                 """One run; with `round_`, a timed one whose latency is reported."""
                 nonlocal runs
@@ -164,9 +170,15 @@ def bench_pipeline(
                         reader.option("ft.address", server.address)
                         .option("ft.partitioner", "kafka-hash")
                         .option("ft.completion", completion)
+                        .option("ft.replayColumn", str(observed).lower())
                     )
-                parsed = tasks.map(reader.load(), parse, PARSED_SCHEMA)
+                source = reader.load()
+                if observed:
+                    source = ft_observe(source, "ftlayer.source")
+                parsed = tasks.map(source, parse, PARSED_SCHEMA)
                 kept = tasks.filter(tasks.map(parsed, enrich, ENRICHED_SCHEMA), keep)
+                if observed:
+                    kept = ft_observe(kept, "ftlayer.sink")
                 started = time.perf_counter()
                 query = (
                     kept.writeStream.foreachBatch(ft_kafka_sink(bootstrap, out, settings))
@@ -184,11 +196,13 @@ def bench_pipeline(
 
             plain = make_enrich(str(work / "never"), 0.0)
             run(True, plain)  # warm-up: JIT, Python workers, Kafka producers
-            off_s, on_s, barrier_s = [], [], []
+            off_s, on_s, barrier_s, observed_s = [], [], [], []
             for r in range(rounds):
                 off_s.append(run(False, plain))
                 on_s.append(run(True, plain, "tree", r))
                 barrier_s.append(run(True, plain, "barrier", r))
+                if observe:
+                    observed_s.append(run(True, plain, "barrier", observed=True))
 
             reprocessed: dict[str, float] = {}
             flaky_events = sum(1 for i in range(records) if is_flaky(i, fail_rate))
@@ -212,7 +226,16 @@ def bench_pipeline(
     barrier_rate = records / statistics.median(barrier_s)
     ratio = on_rate / off_rate
     barrier_ratio = barrier_rate / off_rate
+    observed: dict[str, Any] = {}
+    if observed_s:  # ft_observe at the source and the sink, against the same runs without
+        observed_rate = records / statistics.median(observed_s)
+        observed = {
+            "ft_on_barrier_observed_records_per_s": round(observed_rate),
+            "ratio_observed_vs_barrier": round(observed_rate / barrier_rate, 3),
+            "ft_on_barrier_observed_seconds": [round(s, 2) for s in observed_s],
+        }
     return {
+        **observed,
         "bench": "pipeline",
         "records": records,
         "partitions": partitions,
