@@ -425,8 +425,10 @@ def _describe_record(record: InspectedRecord) -> list[str]:
     if history is None:
         lines.append("  never failed")
         return lines
+    attempts = history["attempts"]
     lines.append(
-        f"  {history['attempts']} failed attempts, first {_when(history['first_failed'])}, "
+        f"  {attempts} failed attempt{'' if attempts == 1 else 's'}, "
+        f"first {_when(history['first_failed'])}, "
         f"last {_when(history['last_failed'])}"
         + (f", dead since {_when(history['dead_at'])}" if history.get("dead_at") else "")
         + (f", requeued {history['requeued']} times" if history.get("requeued") else "")
