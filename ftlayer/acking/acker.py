@@ -31,16 +31,18 @@ form a connected graph over its ids; no proper subset of them XORs to 0 barring 
 the one-at-a-time rule would report; the root then times out and is replayed: a
 duplicate, never a loss.
 
-Layout: a U64Map (ftlayer/acking/u64map.py): the uint64 ack value plus the owner's columns,
-at load factor at most 1/2. A bare table is 16 bytes a slot: 33.6 bytes per pending
-root at 1,000,000 roots. The FT layer's table, with the record locator, is 40 bytes a
-slot: 83.9 bytes per pending root at 1,000,000 (`ftlayer bench acker` reports both).
+Layout: a U64Map (ftlayer/acking/u64map.py): the roots, their uint64 ack values and the
+owner's columns in dense rows (the pending roots first, in no order), and a hash index
+of 4-byte slots holding rows, at load factor at most 1/2. Every column of every
+pending root is one slice of its array, so enumerating them (roots, items, snapshot,
+live_columns) is O(pending) sequential copies. `ftlayer bench acker` reports the bytes
+per pending root, of a bare table and of the FT layer's.
 Not thread-safe: one thread owns a table (the FT-layer core serializes access).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,27 +81,13 @@ class AckerTable:
     """Pending roots and their ack values; see the module docstring for the contract."""
 
     def __init__(
-        self,
-        capacity: int = 1024,
-        columns: Mapping[str, DTypeLike] | None = None,
-        *,
-        track_live: bool = False,
-        mirror: Sequence[str] = (),
+        self, capacity: int = 1024, columns: Mapping[str, DTypeLike] | None = None
     ) -> None:
-        """`track_live`: enumerate pending roots (roots, items, snapshot, live_columns)
-        in O(pending) rather than O(capacity), for 6 bytes more per slot; `mirror`:
-        owner columns (or "root") that live_columns and snapshot read with one
-        sequential copy (U64Map)."""
-        if columns and "ack" in columns:
-            raise ValueError("the column name 'ack' is the table's own")
+        """`capacity`: roots to make room for up front; `columns`: the owner's columns."""
+        if columns and ("ack" in columns or "root" in columns):
+            raise ValueError("the column names 'root' and 'ack' are the table's own")
         self._owned = list(columns or {})
-        self._map = U64Map(
-            {"ack": np.uint64, **(columns or {})},
-            capacity,
-            key_name="root",
-            track_live=track_live,
-            mirror=mirror,
-        )
+        self._map = U64Map({"ack": np.uint64, **(columns or {})}, capacity, key_name="root")
         self.completed_total = 0
         self.dropped_events_total = 0
 
@@ -111,6 +99,7 @@ class AckerTable:
 
     @property
     def capacity(self) -> int:
+        """Slots of the hash index."""
         return self._map.capacity
 
     def memory_bytes(self) -> int:
@@ -119,17 +108,17 @@ class AckerTable:
 
     def value(self, root: int) -> int | None:
         """The current ack value of a pending root, None if it is not pending."""
-        slot = self._map.find_one(root)
-        return None if slot < 0 else int(self._map.columns["ack"][slot])
+        row = self._map.find_one(root)
+        return None if row < 0 else int(self._map.columns["ack"][row])
 
     def roots(self) -> NDArray[np.uint64]:
         """Every pending root (a copy)."""
-        return self._map.keys[self._map.live_slots()]
+        return self._map.live_view("root")["root"]
 
     def items(self) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
         """Every pending root and its ack value (copies), for snapshots."""
-        live = self._map.live_slots()
-        return self._map.keys[live], self._map.columns["ack"][live].astype(np.uint64)
+        view = self._map.live_view("root", "ack")
+        return view["root"], view["ack"]
 
     def snapshot(self, *names: str) -> dict[str, NDArray[Any]]:
         """Every pending root ("root"), its ack value ("ack") and the named owner
@@ -137,8 +126,8 @@ class AckerTable:
         return self._map.live_view("root", "ack", *names)
 
     def live_columns(self, *names: str, copy: bool = True) -> dict[str, NDArray[Any]]:
-        """The named owner columns of every pending root, in one order: copies, or
-        with `copy=False` possibly read-only views valid until the table changes."""
+        """The named owner columns (or "root") of every pending root, in one order:
+        copies, or with `copy=False` read-only views valid until the table changes."""
         return self._map.live_view(*names, copy=copy)
 
     def add(
@@ -155,17 +144,18 @@ class AckerTable:
         return self._map.insert(roots, **columns)
 
     def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
-        """Set an owner's column for roots just added (slots from add)."""
+        """Set an owner's column for roots just added (slots from add, valid until the
+        table changes)."""
         self._map.set_column(name, slots, values)
 
     def lookup(self, name: str, roots: ArrayLike) -> tuple[NDArray[np.bool_], NDArray[Any]]:
         """(pending mask, column `name` of the pending ones) for a batch of roots."""
-        slots = self._map.find(np.ascontiguousarray(roots, dtype=np.uint64))
-        pending = slots >= 0
-        return pending, self._map.columns[name][slots[pending]]
+        rows = self._map.find(np.ascontiguousarray(roots, dtype=np.uint64))
+        pending = rows >= 0
+        return pending, self._map.columns[name][rows[pending]]
 
-    def _take(self, slots: NDArray[np.intp]) -> Columns:
-        return {name: self._map.columns[name][slots] for name in self._owned}
+    def _take(self, rows: NDArray[np.intp]) -> Columns:
+        return {name: self._map.columns[name][rows] for name in self._owned}
 
     def xor(self, roots: ArrayLike, values: ArrayLike) -> XorResult:
         """Apply a batch of XOR events (root, value); see the module docstring."""
@@ -175,27 +165,34 @@ class AckerTable:
             raise ValueError(f"xor: {len(keys)} roots but {len(vals)} values")
         if len(keys) == 0:
             return XorResult(_EMPTY_U64, _EMPTY_U64, self._take(np.zeros(0, np.intp)))
-        slots = self._map.find(keys)
-        known = slots >= 0
+        slots, rows = self._map.find_slots(keys)
+        known = rows >= 0
         dropped = _EMPTY_U64
         if not bool(known.all()):
             dropped = keys[~known]
             self.dropped_events_total += len(dropped)
-            slots, vals = slots[known], vals[known]
+            slots, rows, vals = slots[known], rows[known], vals[known]
         ack: NDArray[np.uint64] = self._map.columns["ack"]  # type: ignore[assignment]
-        np.bitwise_xor.at(ack, slots, vals)
-        zero = slots[ack[slots] == 0]
+        # One event of each root wins its ack cell (each writes its position there; the
+        # last write stays): winners apply their values with plain stores, the few
+        # roots with several events in the batch get the others' with ufunc.at (slow per
+        # element). Each touched root then has exactly one winner, which reports it.
+        before = ack[rows]
+        marks = np.arange(len(rows), dtype=np.uint64)
+        ack[rows] = marks
+        won = ack[rows] == marks
+        winners = rows[won]
+        ack[winners] = before[won] ^ vals[won]
+        if not bool(won.all()):
+            lost = ~won
+            np.bitwise_xor.at(ack, rows[lost], vals[lost])
+        zero = np.flatnonzero(won)[ack[winners] == 0]
         if len(zero) == 0:
             return XorResult(_EMPTY_U64, dropped, self._take(zero))
-        if len(zero) > 1:
-            # A root with several events in the batch appears several times: keep one.
-            # The ack cells of completed roots are free, so they serve as scratch.
-            marks = np.arange(1, len(zero) + 1, dtype=np.uint64)
-            ack[zero] = marks
-            zero = zero[ack[zero] == marks]
-        completed = self._map.keys[zero]
-        taken = self._take(zero)
-        self._map.delete_slots(zero)
+        done = rows[zero]
+        completed = self._map.keys[done]
+        taken = self._take(done)
+        self._map.delete(slots[zero])
         self.completed_total += len(zero)
         return XorResult(completed, dropped, taken)
 
@@ -207,11 +204,12 @@ class AckerTable:
     def remove(self, roots: ArrayLike) -> Removed:
         """Forget pending roots (failed ones); returns those that were pending, each
         once, with the owner's columns."""
-        keys = np.ascontiguousarray(roots, dtype=np.uint64)
-        slots = self._map.find(keys)
-        slots = np.unique(slots[slots >= 0])
-        removed = Removed(self._map.keys[slots], self._take(slots))
-        self._map.delete_slots(slots)
+        slots, rows = self._map.find_slots(np.ascontiguousarray(roots, dtype=np.uint64))
+        pending = rows >= 0
+        slots, first = np.unique(slots[pending], return_index=True)
+        rows = rows[pending][first]
+        removed = Removed(self._map.keys[rows], self._take(rows))
+        self._map.delete(slots)
         return removed
 
 

@@ -1,46 +1,58 @@
 """U64Map: a hash map from uint64 ids to fixed-width columns, operated on whole arrays.
 
-The FT layer's hot tables (the acker's ack values, the persistence index) map random
-64-bit ids to a few numbers each, and are read and written a batch of ids at a time.
-A Python dict would cost a Python object or two per id and a Python-level loop per
-batch; this map keeps ids and values in numpy arrays and does every operation with a
-handful of vectorized passes.
+The FT layer's acker table maps random 64-bit ids to a few numbers each, and is read
+and written a batch of ids at a time. A Python dict would cost a Python object or two
+per id and a Python-level loop per batch; this map keeps ids and values in numpy
+arrays and does every operation with a handful of vectorized passes.
+
+Layout, two levels:
+- Rows: the keys and every column in dense arrays, the live keys in rows
+  [0, len) in no particular order. Deleting swap-removes: the last live rows move into
+  the holes. Reading a column for every live key (live_view) is a slice.
+- Index: an int32 array of slots, each the row of a key (EMPTY, DELETED: none). Open
+  addressing with linear probing from the key's home slot (Fibonacci hashing:
+  multiply by 2**64 / phi, keep the top bits); a probe compares the key through its
+  row. Capacity a power of two, load (live + deleted slots) at most 1/2; the index
+  grows, or is rebuilt to drop deleted slots, before an insert would pass it.
 
 Invariants:
-- Keys are ids in [2, 2**64): 0 marks an empty slot and 1 a deleted one (ids are drawn
-  from [2, 2**64) for this reason). Reserved keys are refused on insert and never found.
-- Open addressing with linear probing, Fibonacci hashing (multiply by 2**64 / phi, keep
-  the top bits), capacity a power of two, load (live + deleted slots) at most 1/2; the
-  table grows, or is rebuilt to drop deleted slots, before an insert would pass it.
+- Keys are ids in [2, 2**64) (ids are drawn from there: 0 and 1 are refused on
+  insert and never found).
+- Every live key has exactly one index slot, which holds its row; the index holds no
+  other row. A key's slot lies on its probe path before any EMPTY slot.
 - insert() is all or nothing: a reserved key, a key already present or a key repeated
   in the batch raises ValueError and leaves the map as it was.
 
 Costs, n = ids in a batch: find, insert, delete are O(n) expected, in a few numpy
-passes each (probing rounds shrink geometrically at load 1/2). Memory: 8 bytes for the
-key plus the column widths, per slot; at most twice that per live key.
-
-live_slots() scans the whole table, O(capacity), unless the map is made with
-track_live: then it keeps the live slots as a dense list (4 + 2 bytes more per slot),
-maintained in O(n) per insert and delete, and enumerates them in O(live). A table
-that churns is up to 8 times larger than its live keys, so an owner that enumerates
-often (the FT layer's checkpoints, every micro-batch) tracks. Columns named in
-`mirror` (and the keys, if `key_name` is named) are also kept in list order (their
-width per half slot), so reading them for every live key (live_view) is one
-sequential copy instead of a gather across the table.
+passes each (probing rounds shrink geometrically at load 1/2). Rows and slots are
+handles valid until the next change (a delete moves rows, an insert may move slots).
+Memory per live key: the key and the column widths per row, at most 1.25 rows a key
+once the map has grown (rows_for), plus 4 bytes per index slot, 2 to 4 slots a key
+(4 to 8 when keys churn: a churning index doubles rather than rebuild too often).
 Not thread-safe: one thread owns a map.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-EMPTY = np.uint64(0)
-DELETED = np.uint64(1)
+EMPTY = -1
+DELETED = -2
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MAX_LOAD = 0.5
+_MIN_ROWS = 16
+
+
+def rows_for(n: int) -> int:
+    """Rows for n keys: the smallest of 4, 5, 6 or 7 times a power of two that holds
+    them (at least 16), so rows are at most 1.25 times the keys they were sized for
+    and a growth adds at least a seventh."""
+    n = max(n, _MIN_ROWS)
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 def capacity_for(n: int) -> int:
@@ -53,46 +65,27 @@ class U64Map:
     """uint64 id -> named fixed-width columns; see the module docstring."""
 
     def __init__(
-        self,
-        columns: Mapping[str, DTypeLike],
-        capacity: int = 1024,
-        *,
-        key_name: str = "id",
-        track_live: bool = False,
-        mirror: Sequence[str] = (),
+        self, columns: Mapping[str, DTypeLike], capacity: int = 1024, *, key_name: str = "id"
     ) -> None:
+        """`capacity`: keys to make room for up front; `key_name`: what live_view
+        calls the keys."""
         self.key_name = key_name
         self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
-        unknown = set(mirror) - set(self._dtypes) - {key_name}
-        if unknown or (mirror and not track_live):
-            raise ValueError(
-                f"mirror needs track_live and known columns (or {key_name!r}), got {list(mirror)}"
-            )
+        if key_name in self._dtypes:
+            raise ValueError(f"column name {key_name!r} names the keys")
         self._live = 0
-        self._track = track_live
-        self._mirrored = tuple(mirror)
-        self._alloc(capacity_for(capacity))
-
-    def _alloc(self, cap: int) -> None:
-        self.keys: NDArray[np.uint64] = np.zeros(cap, dtype=np.uint64)
+        rows = rows_for(capacity)
+        self.keys: NDArray[np.uint64] = np.zeros(rows, dtype=np.uint64)
         self.columns: dict[str, NDArray[np.generic]] = {
-            name: np.zeros(cap, dtype=dtype) for name, dtype in self._dtypes.items()
+            name: np.zeros(rows, dtype=dtype) for name, dtype in self._dtypes.items()
         }
+        self._alloc_index(capacity_for(capacity))
+
+    def _alloc_index(self, cap: int) -> None:
+        self._index: NDArray[np.int32] = np.full(cap, EMPTY, dtype=np.int32)
         self._mask = cap - 1
         self._shift = np.uint64(64 - (cap.bit_length() - 1))
         self._deleted = 0
-        self._live_cache: NDArray[np.intp] | None = None
-        if self._track:
-            # The live slots as a dense list (first _live entries, in no order) and
-            # each live slot's place in it, so deletes swap-remove in O(deleted).
-            self._list: NDArray[np.int32] = np.zeros(cap // 2, dtype=np.int32)
-            self._pos: NDArray[np.int32] = np.zeros(cap, dtype=np.int32)
-            # Mirrored columns: a second copy in list order, so reading them for every
-            # live key is a sequential pass instead of a gather from the whole table.
-            self._dense: dict[str, NDArray[np.generic]] = {
-                name: np.zeros(cap // 2, dtype=self._dtypes.get(name, np.uint64))
-                for name in self._mirrored
-            }
 
     def __len__(self) -> int:
         return self._live
@@ -102,64 +95,40 @@ class U64Map:
 
     @property
     def capacity(self) -> int:
+        """Index slots."""
+        return len(self._index)
+
+    @property
+    def rows(self) -> int:
+        """Rows allocated (live ones first)."""
         return len(self.keys)
 
     def memory_bytes(self) -> int:
-        """Bytes held by the map's arrays."""
-        tracking = 0
-        if self._track:
-            tracking = self._list.nbytes + self._pos.nbytes
-            tracking += sum(d.nbytes for d in self._dense.values())
-        return int(self.keys.nbytes + sum(c.nbytes for c in self.columns.values()) + tracking)
-
-    def live_slots(self) -> NDArray[np.intp]:
-        """The slots of every live key (read-only). With track_live, O(live) and in no
-        particular order; otherwise ascending, from a scan of the whole table,
-        O(capacity). Either is kept until the next insert or delete, so readers that
-        follow each other with no change between (a checkpoint's completion and the
-        next barrier's snapshot) share it."""
-        if self._live_cache is None:
-            if self._track:
-                live = np.sort(self._list[: self._live]).astype(np.intp)
-            else:
-                live = np.flatnonzero(self.keys > DELETED)
-            live.flags.writeable = False
-            self._live_cache = live
-        return self._live_cache
+        """Bytes held by the map's arrays: rows (keys, columns) and index."""
+        columns = sum(column.nbytes for column in self.columns.values())
+        return int(self.keys.nbytes + columns + self._index.nbytes)
 
     def live_view(self, *names: str, copy: bool = True) -> dict[str, NDArray[np.generic]]:
-        """Copies of the named columns (`key_name`: the keys) for every live key, in
-        one (unspecified) order: mirrored ones by a sequential copy (`copy=False`:
-        read-only views, valid until the next insert or delete), the others by a
-        gather through the live slots (in list order if tracked)."""
-        if not self._track:
-            live = self.live_slots()
-            return {name: self._column(name)[live] for name in names}
+        """The named columns (`key_name`: the keys) of every live key, in row order:
+        copies, or with `copy=False` read-only views valid until the next insert or
+        delete."""
         found: dict[str, NDArray[np.generic]] = {}
-        slots: NDArray[np.int32] | None = None
         for name in names:
-            if name in self._dense:
-                dense = self._dense[name][: self._live]
-                if copy:
-                    dense = dense.copy()
-                else:
-                    dense = dense.view()
-                    dense.flags.writeable = False
-                found[name] = dense
-                continue
-            if slots is None:
-                slots = self._list[: self._live]
-            found[name] = self._column(name)[slots]
+            column = self._column(name)[: self._live]
+            if copy:
+                column = column.copy()
+            else:
+                column = column.view()
+                column.flags.writeable = False
+            found[name] = column
         return found
 
     def _column(self, name: str) -> NDArray[np.generic]:
         return self.keys if name == self.key_name else self.columns[name]
 
-    def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
-        """Set column `name` at live `slots` (its mirror too)."""
-        self.columns[name][slots] = values
-        if name in self._mirrored:
-            self._dense[name][self._pos[slots]] = values
+    def set_column(self, name: str, rows: NDArray[np.intp], values: ArrayLike) -> None:
+        """Set column `name` at live `rows`."""
+        self.columns[name][rows] = values
 
     # ---- lookup ----------------------------------------------------------------
 
@@ -167,41 +136,42 @@ class U64Map:
         return ((keys * _GOLDEN) >> self._shift).astype(np.intp)
 
     def find(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
-        """The slot of each key, -1 where it is absent."""
-        out = np.full(len(keys), -1, dtype=np.intp)
-        table, mask = self.keys, self._mask
+        """The row of each key, -1 where it is absent."""
+        return self.find_slots(keys)[1]
+
+    def find_slots(self, keys: NDArray[np.uint64]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+        """(index slot, row) of each key, -1 and -1 where it is absent."""
+        index, stored, mask = self._index, self.keys, self._mask
         slot = self._home(keys)
-        found = table[slot]
-        hit = found == keys
-        valid = keys > DELETED
-        hit &= valid
-        out[hit] = slot[hit]
-        go = ~hit & valid & (found != EMPTY)
-        if not bool(go.any()):
-            return out
-        idx = np.flatnonzero(go)
-        while True:
-            k = keys[idx]
-            slot = (slot[go] + 1) & mask
-            found = table[slot]
-            hit = found == k
-            out[idx[hit]] = slot[hit]
-            go = ~hit & (found != EMPTY)
-            if not bool(go.any()):
-                return out
-            idx = idx[go]
+        row = index[slot]
+        # EMPTY and DELETED read some row too (negative indices wrap); `row >= 0` drops them.
+        hit = (row >= 0) & (stored[row] == keys)
+        slots = np.where(hit, slot, -1)
+        rows = np.where(hit, row.astype(np.intp), -1)
+        idx = np.flatnonzero(~hit & (row != EMPTY))
+        # Most keys sit at their home slot; the others probe on, a shrinking few.
+        k, slot = keys[idx], (slot[idx] + 1) & mask
+        while len(idx):
+            row = index[slot]
+            hit = (row >= 0) & (stored[row] == k)
+            at = np.flatnonzero(hit)
+            slots[idx[at]] = slot[at]
+            rows[idx[at]] = row[at]
+            go = np.flatnonzero(~hit & (row != EMPTY))
+            idx, k, slot = idx[go], k[go], (slot[go] + 1) & mask
+        return slots, rows
 
     def find_one(self, key: int) -> int:
-        """The slot of one key, -1 if absent (cold paths)."""
+        """The row of one key, -1 if absent (cold paths)."""
         if not 2 <= key < 2**64:
             return -1
         k = np.uint64(key)
         slot = int(self._home(np.array([k], dtype=np.uint64))[0])
         while True:
-            found = self.keys[slot]
-            if found == k:
-                return slot
-            if found == EMPTY:
+            row = int(self._index[slot])
+            if row >= 0 and self.keys[row] == k:
+                return row
+            if row == EMPTY:
                 return -1
             slot = (slot + 1) & self._mask
 
@@ -209,7 +179,7 @@ class U64Map:
 
     def insert(self, keys: ArrayLike, **values: ArrayLike) -> NDArray[np.intp]:
         """Add new keys with their column values (missing columns are zero); returns
-        their slots. ValueError, and no change, on a reserved, present or repeated key."""
+        their rows. ValueError, and no change, on a reserved, present or repeated key."""
         k = np.ascontiguousarray(keys, dtype=np.uint64)
         unknown = set(values) - set(self._dtypes)
         if unknown:
@@ -217,116 +187,122 @@ class U64Map:
         for name, column in values.items():
             if np.ndim(column) and len(np.asarray(column)) != len(k):
                 raise ValueError(f"{len(k)} keys but {len(np.asarray(column))} {name!r} values")
-        if len(k) == 0:
+        n = len(k)
+        if n == 0:
             return np.zeros(0, dtype=np.intp)
-        self._live_cache = None
-        if bool((k <= DELETED).any()):
-            bad = int(k[k <= DELETED][0])
+        if bool((k <= 1).any()):
+            bad = int(k[k <= 1][0])
             raise ValueError(f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))")
-        self._reserve(len(k))
-        slots = self._place(k)
+        self._reserve(n)
+        rows = np.arange(self._live, self._live + n, dtype=np.intp)
+        self.keys[rows[0] : rows[-1] + 1] = k  # past the live rows: scratch until committed
+        slots = self._place(k, rows)
         # New keys only go to empty slots, past every slot their probe could find first:
         # a key already present, or repeated in the batch, is found at another slot than
         # the one just claimed. A key placed at its home slot found it empty, so no copy
         # of it can be in the table: only displaced keys need the check.
         displaced = np.flatnonzero(slots != self._home(k))
-        found = self.find(k[displaced])
+        found = self.find_slots(k[displaced])[0]
         wrong = found != slots[displaced]
         if bool(wrong.any()):
-            self.keys[slots] = DELETED  # undo the whole batch
-            self._deleted += len(slots)
+            # The claimed slots were empty: emptying them again restores the index.
+            self._index[slots] = EMPTY
             first = int(np.flatnonzero(wrong)[0])
             key = int(k[displaced[first]])
             if not bool(np.isin(found[first], slots)):
                 raise ValueError(f"{self.key_name} {key:#x} is already present")
             raise ValueError(f"{self.key_name} {key:#x} is repeated in the batch")
         for name, column in self.columns.items():
-            column[slots] = values.get(name, 0)
-        if self._track:
-            end = self._live + len(k)
-            self._list[self._live : end] = slots
-            self._pos[slots] = np.arange(self._live, end, dtype=np.int32)
-            for name in self._mirrored:
-                self._dense[name][self._live : end] = (
-                    k if name == self.key_name else values.get(name, 0)
-                )
-        self._live += len(k)
-        return slots
+            column[rows[0] : rows[-1] + 1] = values.get(name, 0)
+        self._live += n
+        return rows
 
-    def delete_slots(self, slots: NDArray[np.intp]) -> None:
-        """Delete the keys at `slots` (distinct live slots, e.g. from find)."""
-        self.keys[slots] = DELETED
-        if self._track and len(slots):
-            self._unlist(slots)
-        self._live -= len(slots)
+    def delete(self, slots: NDArray[np.intp]) -> None:
+        """Delete the keys at index `slots` (distinct live slots, from find_slots). The
+        last live rows move into the rows they leave, so rows of other keys change."""
+        if not len(slots):
+            return
+        rows = self._index[slots].astype(np.intp)
+        self._index[slots] = DELETED
         self._deleted += len(slots)
-        self._live_cache = None
-
-    def _unlist(self, slots: NDArray[np.intp]) -> None:
-        """Swap-remove `slots` from the live list: the entries past the new end that
-        stay live move into the holes the removed ones leave before it."""
         end = self._live - len(slots)
-        places = self._pos[slots]
+        # Rows at or past the new end that stay live fill the holes before it.
         gone_tail = np.zeros(len(slots), dtype=np.bool_)
-        gone_tail[places[places >= end] - end] = True
+        gone_tail[rows[rows >= end] - end] = True
         moving = end + np.flatnonzero(~gone_tail)
-        movers = self._list[moving]
-        holes = places[places < end]
-        self._list[holes] = movers
-        self._pos[movers] = holes
-        for dense in self._dense.values():
-            dense[holes] = dense[moving]
+        holes = rows[rows < end]
+        if len(holes):
+            self._index[self._slots_of_rows(moving)] = holes
+            self.keys[holes] = self.keys[moving]
+            for column in self.columns.values():
+                column[holes] = column[moving]
+        self._live = end
 
-    def _place(self, keys: NDArray[np.uint64]) -> NDArray[np.intp]:
-        """Claim an empty slot for each key (capacity reserved). Deleted slots are not
-        reused: that keeps every new key past any copy already in the table, so one
-        find() after placing detects duplicates, and rebuilds reclaim deleted slots."""
-        table, mask = self.keys, self._mask
-        out = np.empty(len(keys), dtype=np.intp)
-        idx = np.arange(len(keys), dtype=np.intp)
-        slot = self._home(keys)
+    def _slots_of_rows(self, rows: NDArray[np.intp]) -> NDArray[np.intp]:
+        """The index slot of each live row: on its key's probe path, the slot that
+        holds the row."""
+        index, mask = self._index, self._mask
+        slot = self._home(self.keys[rows])
+        out = slot.copy()
+        want = rows.astype(np.int32)
+        idx = np.flatnonzero(index[slot] != want)
+        want, slot = want[idx], (slot[idx] + 1) & mask
         while len(idx):
-            free = table[slot] == EMPTY
-            cand = idx[free]
-            cslot = slot[free]
-            # Several keys may want one empty slot: each writes its index there (the slot
-            # is empty, so the key cell is scratch) and the one whose index stuck wins.
-            marks = cand.astype(np.uint64)
-            table[cslot] = marks
-            won = table[cslot] == marks
-            table[cslot[won]] = keys[cand[won]]
-            out[cand[won]] = cslot[won]
-            placed = np.zeros(len(idx), dtype=np.bool_)
-            placed[np.flatnonzero(free)[won]] = True
-            idx = idx[~placed]
-            slot = (slot[~placed] + 1) & mask
+            hit = index[slot] == want
+            out[idx[hit]] = slot[hit]
+            go = np.flatnonzero(~hit)
+            idx, want, slot = idx[go], want[go], (slot[go] + 1) & mask
+        return out
+
+    def _place(self, keys: NDArray[np.uint64], rows: NDArray[np.intp]) -> NDArray[np.intp]:
+        """Claim an empty slot for each key, holding its row (capacity reserved);
+        returns the slots. Deleted slots are not reused: that keeps every new key past
+        any copy already in the table, so one find after placing detects duplicates,
+        and rebuilds reclaim deleted slots."""
+        index, mask = self._index, self._mask
+        slot = self._home(keys)
+        out = slot.copy()
+        idx = np.arange(len(keys), dtype=np.intp)
+        want = rows.astype(np.int32)
+        while len(idx):
+            free = np.flatnonzero(index[slot] == EMPTY)
+            cslot, cwant = slot[free], want[free]
+            # Several keys may want one empty slot: each writes its row there (rows are
+            # distinct) and the one whose row stuck wins.
+            index[cslot] = cwant
+            won = free[index[cslot] == cwant]
+            out[idx[won]] = slot[won]
+            stay = np.ones(len(idx), dtype=np.bool_)
+            stay[won] = False
+            go = np.flatnonzero(stay)
+            idx, want, slot = idx[go], want[go], (slot[go] + 1) & mask
         return out
 
     def _reserve(self, n: int) -> None:
-        """Grow, or rebuild without deleted slots, so n more keys keep load <= 1/2.
+        """Make room for n more keys: rows grow to rows_for(len + n), and the index
+        grows or is rebuilt without deleted slots so load stays <= 1/2.
 
-        A rebuild that would leave the table more than 1/4 full doubles it instead:
+        An index rebuild that would leave it more than 1/4 full doubles it instead:
         then at least as many inserts as live keys pass before the next rebuild, so
-        rebuilds cost O(1) moves per insert even when keys churn (deleted slots are not
-        reused, see _place)."""
-        cap = len(self.keys)
-        if self._live + self._deleted + n <= cap * _MAX_LOAD:
+        rebuilds cost O(1) moves per insert even when keys churn (deleted slots are
+        not reused, see _place)."""
+        live = self._live
+        if live + n > len(self.keys):
+            grown = rows_for(live + n)
+            self.keys = _regrown(self.keys, live, grown)
+            for name, column in self.columns.items():
+                self.columns[name] = _regrown(column, live, grown)
+        cap = len(self._index)
+        if live + self._deleted + n <= cap * _MAX_LOAD:
             return
-        # A tracked map keeps its list order, which its mirrors share.
-        live = self._list[: self._live].astype(np.intp) if self._track else self.live_slots()
-        keys = self.keys[live]
-        columns = {name: column[live] for name, column in self.columns.items()}
-        # Views of the old arrays: _alloc makes new ones, so no copy is needed.
-        dense = {name: d[: self._live] for name, d in self._dense.items()} if self._track else {}
-        new_cap = max(cap, capacity_for(self._live + n))
-        if self._deleted and (self._live + n) * 4 > new_cap:
+        new_cap = max(cap, capacity_for(live + n))
+        if self._deleted and (live + n) * 4 > new_cap:
             new_cap *= 2
-        self._alloc(new_cap)
-        slots = self._place(keys)
-        for name, column in columns.items():
-            self.columns[name][slots] = column
-        if self._track:
-            self._list[: len(slots)] = slots
-            self._pos[slots] = np.arange(len(slots), dtype=np.int32)
-            for name, values in dense.items():
-                self._dense[name][: len(values)] = values
+        self._alloc_index(new_cap)
+        self._place(self.keys[:live], np.arange(live, dtype=np.intp))
+
+
+def _regrown(column: NDArray[np.generic], live: int, rows: int) -> NDArray[np.generic]:
+    grown = np.zeros(rows, dtype=column.dtype)
+    grown[:live] = column[:live]
+    return grown

@@ -115,14 +115,7 @@ class FTLayer:
         self._rng = random.Random(seed)
         self._default_retry = retry or IMMEDIATE
         self.storage = storage
-        # Checkpoints enumerate the pending roots every micro-batch: O(pending), with
-        # sequential copies of what they read but the ack values (the snapshot) and of
-        # the Kafka coordinates (the lowest pending offsets).
-        self.acker = AckerTable(
-            columns=LOCATOR_COLUMNS,
-            track_live=True,
-            mirror=("root", "seq", "topic", "partition", "offset"),
-        )
+        self.acker = AckerTable(columns=LOCATOR_COLUMNS)
         self._leases = BatchLeases()
         self.persistence = TimeoutPersistenceLayer(
             storage,
