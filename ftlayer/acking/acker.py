@@ -113,12 +113,12 @@ class AckerTable:
 
     def roots(self) -> NDArray[np.uint64]:
         """Every pending root (a copy)."""
-        return self._map.live_view("root")["root"]
+        return self._map.keys[: len(self._map)].copy()
 
     def items(self) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
         """Every pending root and its ack value (copies), for snapshots."""
-        view = self._map.live_view("root", "ack")
-        return view["root"], view["ack"]
+        n = len(self._map)
+        return self._map.keys[:n].copy(), self._map.columns["ack"][:n].astype(np.uint64)
 
     def snapshot(self, *names: str) -> dict[str, NDArray[Any]]:
         """Every pending root ("root"), its ack value ("ack") and the named owner

@@ -2,8 +2,8 @@
 
 A RecordId is (root id, record id). The root id names the source record a record
 descends from (new on every replay); the record id names the record itself. Both are
-drawn uniformly from [2, 2**64): 0 marks "no id" on the wire and in the acker table,
-and 1 marks a deleted acker slot, so neither is ever handed out.
+drawn uniformly from [2, 2**64): 0 marks "no id" on the wire, and 0 and 1 are
+reserved (the acker table refuses both as roots), so neither is ever handed out.
 
 Why random and 64 bits: a tree is complete when the XOR of all ids sent for it returns
 to 0. With ids independent and uniform, a set of ids that should not cancel does so with
@@ -22,7 +22,7 @@ import threading
 import numpy as np
 from numpy.typing import NDArray
 
-#: Smallest id ever generated; 0 and 1 are reserved (no id, deleted acker slot).
+#: Smallest id ever generated; 0 and 1 are reserved (0: no id).
 MIN_ID = 2
 
 _state = threading.local()

@@ -35,6 +35,7 @@ Not thread-safe: one thread owns a map.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -44,6 +45,7 @@ DELETED = -2
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MAX_LOAD = 0.5
 _MIN_ROWS = 16
+_T = TypeVar("_T", bound=np.generic)
 
 
 def rows_for(n: int) -> int:
@@ -114,11 +116,10 @@ class U64Map:
         delete."""
         found: dict[str, NDArray[np.generic]] = {}
         for name in names:
-            column = self._column(name)[: self._live]
+            column = self._column(name)[: self._live]  # a view of its own
             if copy:
                 column = column.copy()
             else:
-                column = column.view()
                 column.flags.writeable = False
             found[name] = column
         return found
@@ -302,7 +303,7 @@ class U64Map:
         self._place(self.keys[:live], np.arange(live, dtype=np.intp))
 
 
-def _regrown(column: NDArray[np.generic], live: int, rows: int) -> NDArray[np.generic]:
+def _regrown(column: NDArray[_T], live: int, rows: int) -> NDArray[_T]:
     grown = np.zeros(rows, dtype=column.dtype)
     grown[:live] = column[:live]
     return grown

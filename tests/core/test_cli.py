@@ -22,6 +22,12 @@ def test_bench_acker_json_reports_both_sides(capsys: pytest.CaptureFixture[str])
     assert result["bench"] == "acker" and result["events"] == 20_000
     for key in ("updates_per_s", "naive_updates_per_s", "ratio_vs_naive"):
         assert float(result[key]) > 0  # type: ignore[arg-type]
+    # The FT layer's own table: 40 bytes of rows per root at least, plus its index.
+    for key in (
+        "ftlayer_table_bytes_per_pending_root",
+        "ftlayer_table_bytes_per_pending_root_filled",
+    ):
+        assert float(result[key]) > 40  # type: ignore[arg-type]
     assert isinstance(result["meets_targets"], bool)
 
 
