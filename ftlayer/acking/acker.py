@@ -16,7 +16,8 @@ Operations and costs (n = events in a batch, m = pending roots):
 - remove(roots): forget pending roots (they failed); returns those that were
   pending, with the owner's columns (Removed). O(n).
 - lookup(name, roots): which roots are pending, and an owner's column for them. O(n).
-- set_column(name, slots, values): set an owner's column of roots just added.
+- set_column(name, rows, values): set an owner's column of roots just added (rows from
+  add).
 
 The table's owner may add columns of its own (the FT layer keeps each root's record
 locator there: storage seq, Kafka offset, partition, topic), so one table lookup serves
@@ -134,7 +135,7 @@ class AckerTable:
         self, roots: ArrayLike, values: ArrayLike | None = None, **columns: ArrayLike
     ) -> NDArray[np.intp]:
         """Register pending roots with initial ack values (default 0) and values of the
-        owner's columns (default 0); returns their slots, for set_column.
+        owner's columns (default 0); returns their rows, for set_column.
 
         Raises ValueError, and changes nothing, if a root is reserved (0 or 1), already
         pending, or repeated in the batch.
@@ -143,10 +144,10 @@ class AckerTable:
             columns["ack"] = np.asarray(values, dtype=np.uint64)
         return self._map.insert(roots, **columns)
 
-    def set_column(self, name: str, slots: NDArray[np.intp], values: ArrayLike) -> None:
-        """Set an owner's column for roots just added (slots from add, valid until the
+    def set_column(self, name: str, rows: NDArray[np.intp], values: ArrayLike) -> None:
+        """Set an owner's column for roots just added (rows from add, valid until the
         table changes)."""
-        self._map.set_column(name, slots, values)
+        self._map.set_column(name, rows, values)
 
     def lookup(self, name: str, roots: ArrayLike) -> tuple[NDArray[np.bool_], NDArray[Any]]:
         """(pending mask, column `name` of the pending ones) for a batch of roots."""
