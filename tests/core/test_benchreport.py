@@ -56,6 +56,7 @@ def test_the_page_names_every_figure_and_target_and_links_real_plots(tmp_path: P
 
     for row in (
         "| acker | `updates_per_s` | ≥ 3,000,000 | 16,742,086 | yes |",
+        "| acker | `ftlayer_table_bytes_per_pending_root` | ≤ 64 | 58.7 | yes |",
         "| persist | `ratio_vs_raw_lmdb` | ≥ 0.5 | 0.367 | **no** |",
         "| pipeline | `reprocessed_per_failed_ftlayer` | ≤ 1.05 | 1 | yes |",
         "| checkpoint | `ratio_with_vs_without` | ≥ 0.95 | 1.37 | yes |",
