@@ -394,7 +394,9 @@ class TargetCheck:
 
 def target_checks(name: str, result: Mapping[str, Any]) -> list[TargetCheck]:
     """The targets a bench's result names (`targets`, or `target`) against its figures."""
-    targets: Mapping[str, Any] = result.get("targets") or result.get("target") or {}
+    targets = result.get("targets") or result.get("target") or {}
+    if not isinstance(targets, Mapping):  # a single figure named nothing: no check
+        return []
     if name == "pipeline-fast":
         return _fast_checks(result, targets)
     return [
