@@ -218,6 +218,9 @@ class Status(Mapping[str, Any]):
     """Barrier holds open now (roots in a running batch of a barrier-mode source)."""
     barrier_released: int
     """Barrier holds released since the start (ftlayer.core.barrier)."""
+    taken_over: int
+    """Pending roots retired since the start because their record was persisted again
+    (a re-read: a task retried, a speculative attempt, a batch run again)."""
     late_events: int
     unknown_events: int
     xor_events: int
@@ -268,6 +271,7 @@ class Status(Mapping[str, Any]):
             dead_letters_requeued=_field(data, "dead_letters_requeued", int, what),
             barrier_holds=_field(data, "barrier_holds", int, what),
             barrier_released=_field(data, "barrier_released", int, what),
+            taken_over=_field(data, "taken_over", int, what),
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),

@@ -66,6 +66,7 @@ from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
 from .sources import SourceConfig, SourceRegistry
 from .stats import FailCause, FTStats
+from .takeover import ReadMarks, chunk_groups, pending_at
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
@@ -121,6 +122,7 @@ class FTLayer:
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
+        self._marks = ReadMarks()
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -243,24 +245,111 @@ class FTLayer:
         if held is not None:  # the records' barrier holds: their first ack values
             values = np.zeros(len(batch), np.uint64) if initial_values is None else None
             initial_values = _with_holds(initial_values, held, values)
-        # Step 1: the acker validates the roots (reserved, repeated, already pending).
-        slots = self.acker.add(batch.roots, initial_values, **self.persistence.locators(batch))
-        # Step 2: the storage confirms the records are durable; on any error the roots
-        # leave the acker again and the error propagates: nothing is half-persisted.
+        locators = self.persistence.locators(batch)
+        # Step 1: a re-read (ftlayer.core.takeover)? The pending roots it takes over.
+        superseded = self._superseded(locators)
+        # Step 2: the acker validates the roots (reserved, repeated, already pending).
+        slots = self.acker.add(batch.roots, initial_values, **locators)
+        # Step 3: the storage confirms the records are durable; on any error the roots
+        # leave the acker again and the error propagates: nothing is half-persisted
+        # (and nothing taken over: the old roots still cover their records).
         try:
             seqs = self.persistence.persist(batch)
         except BaseException:
             self.acker.remove(batch.roots)
             raise
-        # Step 3: the roots know their records, and their timeout starts.
+        # Step 4: the roots know their records, and their timeout starts.
         self.acker.set_column("seq", slots, seqs)
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
+        # Step 5: the new roots cover the re-read records: the old ones retire.
+        if superseded is not None:
+            self._take_over(superseded, locators["topic"], batch, seqs)
         if held is not None:
             assert initial_values is not None
             values = np.ascontiguousarray(initial_values, dtype=np.uint64)
             for source_id, rows in held:
                 self._holds.add(source_id, batch.roots[rows], values[rows])
+
+    # ---- re-reads take over (ftlayer.core.takeover) ---------------------------------
+
+    def _superseded(self, locators: Mapping[str, NDArray[Any]]) -> NDArray[np.uint64] | None:
+        """The pending roots at the coordinates of a chunk about to be persisted, if the
+        chunk is a re-read (None: it is not, the usual case, found in O(partitions));
+        raises the read marks."""
+        groups = chunk_groups(locators["topic"], locators["partition"], locators["offset"])
+        rereads = self._marks.read(groups)
+        if not rereads or not len(self.acker):
+            return None
+        live = self.acker.live_columns("root", "topic", "partition", "offset", copy=False)
+        found = pending_at(live, rereads)
+        return live["root"][found].copy() if bool(found.any()) else None
+
+    def _take_over(
+        self,
+        old_roots: NDArray[np.uint64],
+        new_topics: NDArray[np.uint32],
+        batch: RecordBatch,
+        new_seqs: NDArray[np.uint64],
+    ) -> None:
+        """Retire roots whose records were just persisted again (the module docstring
+        of ftlayer.core.takeover): out of the acker, no replay and no completion
+        notice; their retry records move to the new copies; their stored copies are
+        deleted (in the transaction of those moves); their holds dropped."""
+        removed = self.acker.remove(old_roots)
+        if not len(removed.roots):
+            return
+        cols = removed.columns
+        old_seqs = cols["seq"].astype(np.uint64, copy=False)
+        if len(self._book):
+            self._carry_retries(old_seqs, cols, new_topics, batch, new_seqs)
+        self.persistence.complete(removed.roots, cols)  # no listener: still pending
+        self._retired.add(removed.roots, self._clock())
+        if len(self._holds):
+            self._holds.discard(removed.roots)
+        self.stats.taken_over += len(removed.roots)
+
+    def _carry_retries(
+        self,
+        old_seqs: NDArray[np.uint64],
+        cols: Mapping[str, NDArray[Any]],
+        new_topics: NDArray[np.uint32],
+        batch: RecordBatch,
+        new_seqs: NDArray[np.uint64],
+    ) -> None:
+        """The retry records of taken-over copies go to the new copies at the same
+        coordinates (staged: durable with the deletion of the old copies)."""
+        old = [
+            (seq, record, (int(t), int(p), int(o)))
+            for seq, t, p, o in zip(
+                old_seqs.tolist(),
+                cols["topic"].tolist(),
+                cols["partition"].tolist(),
+                cols["offset"].tolist(),
+                strict=True,
+            )
+            if (record := self._book.get(seq)) is not None
+        ]
+        if not old:
+            return
+        new_at = {
+            (int(t), int(p), int(o)): int(seq)
+            for t, p, o, seq in zip(
+                new_topics.tolist(),
+                batch.partitions.tolist(),
+                batch.offsets.tolist(),
+                new_seqs.tolist(),
+                strict=True,
+            )
+        }
+        carried: dict[int, RetryRecord] = {}
+        for _seq, record, at in old:
+            seq = new_at[at]
+            if seq not in carried or carried[seq].attempts < record.attempts:
+                carried[seq] = dataclasses.replace(_copy(record), due=0.0)
+        self._book.stage(carried)
+        self._book.commit(carried)
+        self._book.forget([seq for seq, _, _ in old])
 
     def _barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
         """(source id, rows) of the rows of barrier-mode sources; None if none."""
@@ -651,19 +740,55 @@ class FTLayer:
         """Replayed records with lo < replay seq <= hi (optionally of one source and one
         target partition) whose roots are still pending. The same range gives the same
         records until they complete, fail again or are pruned. Their timeout starts now:
-        the source reads them (a range fetched again is timed from its first fetch)."""
-        rseqs, roots, seqs, parts = self._queue.select(lo, hi, source_id, partition)
+        the source reads them (a range fetched again is timed from its first fetch).
+
+        A tree-mode replay fetched again (a re-run: a retried task, a speculative
+        attempt, a batch run again) comes under a fresh root, which takes the old one
+        over (ftlayer.core.takeover): the old root may hold the emission and events of
+        the earlier run, which the re-run's tree would never balance. A broadcast
+        replay keeps its root (each partition's copy is a child of it)."""
+        found = self._queue.fetch(lo, hi, source_id, partition)
+        rseqs, roots, seqs, parts = found.replay_seqs, found.roots, found.seqs, found.partitions
         pending, pending_seqs = self.acker.lookup("seq", roots)
         live = pending.copy()
         live[pending] = pending_seqs == seqs[pending]
+        again, sources = found.again, found.source_ids
         if not bool(live.all()):
             rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
+            again, sources = again[live], sources[live]
+        if bool(again.any()):
+            roots = self._renew(roots, again, sources)
         records = self.storage.get(seqs).with_roots(roots)
         if len(roots):
             self._track(roots, seqs, records.source_ids)
             if self._barrier:
                 self._hold_replays(records)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
+
+    def _renew(
+        self, roots: NDArray[np.uint64], again: NDArray[np.bool_], sources: NDArray[Any]
+    ) -> NDArray[np.uint64]:
+        """`roots` with the tree-mode, single-entry ones fetched `again` under fresh
+        roots, which take the old ones over: same record, same locator, ack value 0
+        (the re-run emits it again), no replay; the queue entries follow."""
+        rows = np.flatnonzero(again)
+        if self._barrier:  # a barrier-mode replay completes at its batch's barrier
+            rows = rows[~np.isin(sources[rows], np.fromiter(self._barrier, np.uint32))]
+        if len(rows):
+            rows = rows[self._queue.entries_of(roots[rows]) == 1]
+        if not len(rows):
+            return roots
+        self._changing()
+        removed = self.acker.remove(roots[rows])
+        fresh = new_ids(len(removed.roots))
+        self.acker.add(fresh, None, **removed.columns)
+        self._queue.renew(removed.roots, fresh)
+        self._retired.add(removed.roots, self._clock())
+        self.stats.taken_over += len(removed.roots)
+        order = np.argsort(removed.roots)
+        renewed = roots.copy()
+        renewed[rows] = fresh[order][np.searchsorted(removed.roots[order], roots[rows])]
+        return renewed
 
     def _hold_replays(self, records: RecordBatch) -> None:
         """Barrier-mode replays a batch takes in get their barrier holds (once, also
@@ -782,6 +907,11 @@ class FTLayer:
             self._book.forget(stale)
         for roots, seqs in found:
             self._requeue(roots, seqs, FailCause.RECOVERY)
+        # A re-read of a recovered record (a re-run of the last batch, a new query from
+        # the group offsets) takes its replay over.
+        if len(self.acker):
+            live = self.acker.live_columns("topic", "partition", "offset", copy=False)
+            self._marks.rebuild(live["topic"], live["partition"], live["offset"])
 
     # ---- dead letters ----------------------------------------------------------------
 
@@ -835,7 +965,9 @@ class FTLayer:
             self._book.unstage(old_meta)
             raise
         self._book.commit(records)
-        self.acker.add(roots, None, seq=seqs, **self.persistence.locators(batch))
+        locators = self.persistence.locators(batch)
+        self.acker.add(roots, None, seq=seqs, **locators)
+        self._marks.read(chunk_groups(locators["topic"], locators["partition"], locators["offset"]))
         self._enqueue(roots, seqs, batch)
         self.stats.dead_letters_requeued += len(seqs)
         return len(seqs)
@@ -855,13 +987,15 @@ class FTLayer:
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
-        slots = self.acker.add(batch.roots, None, **self.persistence.locators(batch))
+        locators = self.persistence.locators(batch)
+        slots = self.acker.add(batch.roots, None, **locators)
         try:
             seqs = self.persistence.persist(batch)
         except BaseException:
             self.acker.remove(batch.roots)
             raise
         self.acker.set_column("seq", slots, seqs)
+        self._marks.read(chunk_groups(locators["topic"], locators["partition"], locators["offset"]))
         records: dict[int, RetryRecord] = {}
         for seq, source_id, record in zip(
             seqs.tolist(), batch.source_ids.tolist(), history, strict=True

@@ -48,6 +48,10 @@ class FTStats:
     barrier_released: int = 0
     """Barrier holds released (ftlayer.core.barrier): roots that entered a batch of a
     barrier-mode source, whose batch is done."""
+    taken_over: int = 0
+    """Pending roots retired because their record was persisted again (a re-read: a
+    task retried, a speculative attempt, a batch run again; ftlayer.core.takeover):
+    the new root covers the record, the old one is not replayed."""
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0

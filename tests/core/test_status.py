@@ -55,6 +55,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "dead_letters_requeued": 0,
         "barrier_holds": 4,
         "barrier_released": 9,
+        "taken_over": 3,
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,
