@@ -378,6 +378,9 @@ def run_demo(
             "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
             "completion": completion,
             "group_lag_at_end": lag,
+            # Records read again by a re-run (a retried task): each retired its earlier
+            # root instead of leaving it to time out (ftlayer.core.takeover).
+            "taken_over": status.taken_over,
         },
     )
 
