@@ -4,7 +4,7 @@ Every source record is persisted before its source emits it. From then on its ro
 is pending in one table, the acker table, which keeps per root the ack value and the
 record's locator (storage seq and Kafka coordinates); the timeout persistence layer
 holds the stored record and times the root in rotating buckets. A root stops being
-pending in exactly one of two ways:
+pending in exactly one of three ways:
 
 1. Completion. XOR events (root, value) arrive from sources and tasks; the first time
    a root's ack value returns to 0 its tree is complete: the record is deleted from
@@ -22,17 +22,25 @@ pending in exactly one of two ways:
    waited to be read (a stalled or stopped query): like a record still in Kafka, it
    has not entered the pipeline yet. The source that re-emits the record sends the
    emission's XOR event for it (Persister.emit_replays).
+3. Takeover (ftlayer.core.takeover). Spark ran the work again (a retried task, a
+   speculative attempt, a batch run again): the record is persisted again at the same
+   (source, topic, partition, offset), or its replay is fetched again. The new root
+   covers the record, and the old one is retired: no replay, no completion notice,
+   its stored copy deleted, its retry record moved to the new copy. A persist finds
+   its re-reads by per-partition read marks, so only a re-read scans the pending
+   roots.
 
-Events for roots that are not pending are dropped: "late" when the root failed
-recently (RetiredRoots remembers failed roots for 2T by default), "unknown" otherwise.
-They never create pending entries that could not complete. Persisting a root that is
+Events for roots that are not pending are dropped: "late" when the root failed or was
+taken over recently (RetiredRoots remembers them for 2T by default), "unknown"
+otherwise. They never create pending entries that could not complete. Persisting a root that is
 pending or remembered as failed is refused (ConfigError, nothing stored): late events
 of the old tree would corrupt the new one. A completed root is not remembered (that
 would cost memory per completed record); persisting it again starts a new tree, and
 the completed tree's timeout entry cannot touch it (persistence/timeout.py matches
 entries to trees by storage seq).
 
-Nothing is lost: a record leaves storage only when its tree completed. A failure
+Nothing is lost: a record leaves storage only when its tree completed, or when a copy
+persisted again under a new root took it over (that copy is stored first). A failure
 between persist and emit, a lost event, a lost fail, a crashed task or a crashed FT
 layer all end in a timeout or a recovery, that is, in a replay.
 

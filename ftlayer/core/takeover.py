@@ -19,6 +19,16 @@ barrier hold is dropped, and it joins the retired roots, so its late events coun
 the new one is stored, then by the new one, whose timeout starts at its persist; a
 re-run that dies too leaves its root to time out and be replayed.
 
+A replay fetched again is the same case: the re-run emits it again, while the root
+may already hold the earlier run's emission and part of its tree, which the re-run's
+tree would never balance (the root would time out and be replayed once more).
+`FTLayer.fetch_replay` gives a tree-mode replay fetched again (`ReplayQueue.fetch`
+remembers per queue entry whether it was fetched) a fresh root that takes the old one
+over in the same way; its queue entries follow. A broadcast replay keeps its root, since
+each partition's copy is a child of that one root: a re-run of one copy leaves the root
+to time out (a duplicate, never a loss). Barrier-mode replays keep theirs too: they
+complete at their batch's barrier whatever the runs sent.
+
 Detection keeps no memory per root. `ReadMarks` keeps, per (topic number,
 partition), the highest Kafka offset persisted so far (topic numbers name a (source,
 topic) pair: ftlayer.persistence.layer). A source reads each partition forward, so
@@ -108,7 +118,9 @@ class ReadMarks:
                 high[key] = hi
         return rereads
 
-    def rebuild(self, topics: NDArray[Any], partitions: NDArray[Any], offsets: NDArray[Any]) -> None:
+    def rebuild(
+        self, topics: NDArray[Any], partitions: NDArray[Any], offsets: NDArray[Any]
+    ) -> None:
         """Raise the marks to the highest offset of every (topic, partition) given (the
         pending roots after a recovery)."""
         for group in chunk_groups(topics, partitions, offsets):

@@ -17,10 +17,12 @@ Structured Streaming pipeline on them, every step wrapped by ftlayer:
   once the broker confirmed its write.
 
 With `kill_workers` K, a thread SIGKILLs a running PySpark Python worker K times at
-random moments: Spark retries the task, and ftlayer replays whatever the dead worker
-left incomplete. Each kill is reported once through `on_kill`; Spark's own log (ERROR
-lines, with the stack traces of the killed tasks) goes to a file, `spark_log` in the
-result, never to the terminal.
+random moments (a worker busy on a task: one that used CPU in the last 0.1 s; an idle
+pooled worker would die unnoticed): Spark retries the task, whose re-read takes over
+the dead attempt's records (ftlayer.core.takeover), and ftlayer replays whatever else
+the dead worker left incomplete. Each kill is reported once through `on_kill`; Spark's
+own log (ERROR lines, with the stack traces of the killed tasks) goes to a file,
+`spark_log` in the result, never to the terminal.
 
 While it runs it shows produced, completed, pending and replayed counts. At the end it
 reads the output topic back and checks every event against what the pipeline must
@@ -183,6 +185,28 @@ def _python_workers() -> list[int]:
     return [pid for pid, parent in daemons.items() if parent in daemons]
 
 
+def _cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time of a process, in clock ticks (None: it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def _busy_python_workers(sample_s: float = 0.1) -> list[int]:
+    """PySpark Python workers that used CPU during the last `sample_s` seconds: those
+    running a task (the pool also keeps idle ones)."""
+    before = {pid: _cpu_ticks(pid) for pid in _python_workers()}
+    time.sleep(sample_s)
+    busy = []
+    for pid, ticks in before.items():
+        now = _cpu_ticks(pid)
+        if ticks is not None and now is not None and now > ticks:
+            busy.append(pid)
+    return busy
+
+
 def _killer(
     times: int,
     seconds: float,
@@ -204,7 +228,7 @@ def _killer(
         for moment in moments:
             while not stop.is_set():
                 if time.monotonic() - start >= moment:
-                    workers = _python_workers()
+                    workers = _busy_python_workers()
                     if workers:
                         pid = rng.choice(workers)
                         with contextlib.suppress(ProcessLookupError):
