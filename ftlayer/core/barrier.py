@@ -64,23 +64,6 @@ class OpenHolds:
         held.update(roots[fresh].tolist())
         return fresh
 
-    def discard(self, roots: NDArray[np.uint64]) -> int:
-        """Drop the holds of these roots, of every source (roots taken over by a re-read,
-        ftlayer.core.takeover: no longer pending). O(open holds); returns how many."""
-        gone = 0
-        for source_id, chunks in self._roots.items():
-            values = self._values[source_id]
-            for i, chunk in enumerate(chunks):
-                keep = ~np.isin(chunk, roots)
-                if not bool(keep.all()):
-                    gone += len(chunk) - int(np.count_nonzero(keep))
-                    chunks[i], values[i] = chunk[keep], values[i][keep]
-        dropped = roots.tolist()
-        for held in self._held.values():
-            held.difference_update(dropped)
-        self.count -= gone
-        return gone
-
     def release(self, source_ids: Iterable[int]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
         """Every open hold of these sources, (roots, values), removed."""
         roots: list[NDArray[np.uint64]] = []

@@ -22,9 +22,10 @@ pending in exactly one of three ways:
    waited to be read (a stalled or stopped query): like a record still in Kafka, it
    has not entered the pipeline yet. The source that re-emits the record sends the
    emission's XOR event for it (Persister.emit_replays).
-3. Takeover (ftlayer.core.takeover). Spark ran the work again (a retried task, a
-   speculative attempt, a batch run again): the record is persisted again at the same
-   (source, topic, partition, offset), or its replay is fetched again. The new root
+3. Takeover (ftlayer.core.takeover), for tree-mode sources. Spark ran the work again
+   (a retried task, a speculative attempt, a batch run again): the record is
+   persisted again at the same (source, topic, partition, offset), or its replay is
+   fetched again. The new root
    covers the record, and the old one is retired: no replay, no completion notice,
    its stored copy deleted, its retry record moved to the new copy. A persist finds
    its re-reads by per-partition read marks, so only a re-read scans the pending
@@ -283,10 +284,13 @@ class FTLayer:
 
     def _superseded(self, locators: Mapping[str, NDArray[Any]]) -> NDArray[np.uint64] | None:
         """The pending roots at the coordinates of a chunk about to be persisted, if the
-        chunk is a re-read (None: it is not, the usual case, found in O(partitions));
-        raises the read marks."""
+        chunk is a re-read of a tree-mode source (None: it is not, the usual case,
+        found in O(partitions)); raises the read marks."""
         groups = chunk_groups(locators["topic"], locators["partition"], locators["offset"])
         rereads = self._marks.read(groups)
+        if rereads and self._barrier:  # a row may be computed twice there: no takeover
+            sources = self.persistence.number_sources()
+            rereads = [g for g in rereads if int(sources[g.topic]) not in self._barrier]
         if not rereads or not len(self.acker):
             return None
         live = self.acker.live_columns("root", "topic", "partition", "offset", copy=False)
@@ -303,7 +307,7 @@ class FTLayer:
         """Retire roots whose records were just persisted again (the module docstring
         of ftlayer.core.takeover): out of the acker, no replay and no completion
         notice; their retry records move to the new copies; their stored copies are
-        deleted (in the transaction of those moves); their holds dropped."""
+        deleted (in the transaction of those moves)."""
         removed = self.acker.remove(old_roots)
         if not len(removed.roots):
             return
@@ -313,8 +317,6 @@ class FTLayer:
             self._carry_retries(old_seqs, cols, new_topics, batch, new_seqs)
         self.persistence.complete(removed.roots, cols)  # no listener: still pending
         self._retired.add(removed.roots, self._clock())
-        if len(self._holds):
-            self._holds.discard(removed.roots)
         self.stats.taken_over += len(removed.roots)
 
     def _carry_retries(

@@ -8,13 +8,13 @@ finish (a dead attempt held its events and sent none), so without a takeover the
 time out after T and their records are replayed once more: a duplicate at the sink
 for every record the re-run already processed.
 
-So the FT layer treats a record persisted again as the same source record, identified
-by its Kafka coordinates (source, topic, partition, offset): the new persist *takes
-over* every pending root at those coordinates. An old root taken over is removed from
-the acker table without a replay and without a completion notice (the offset is
-still pending, under the new root), its stored copy is deleted, its retry record
-(attempts, causes) moves to the new copy so a poison record's count goes on, its
-barrier hold is dropped, and it joins the retired roots, so its late events count as
+So the FT layer treats a record of a tree-mode source persisted again as the same
+source record, identified by its Kafka coordinates (source, topic, partition,
+offset): the new persist *takes over* every pending root at those coordinates. An old
+root taken over is removed from the acker table without a replay and without a
+completion notice (the offset is still pending, under the new root), its stored copy
+is deleted, its retry record (attempts, causes) moves to the new copy so a poison
+record's count goes on, and it joins the retired roots, so its late events count as
 `late`. The record is covered by a live root at every moment: by the old one until
 the new one is stored, then by the new one, whose timeout starts at its persist; a
 re-run that dies too leaves its root to time out and be replayed.
@@ -39,10 +39,20 @@ numpy reductions over the chunk and one dict lookup per (topic, partition) in it
 Records persisted without an offset (negative) have no coordinates: they never take
 over and are never taken over.
 
-What a takeover does not cover: two queries that share a source name and read the
-same topic take each other's records over, as they share everything else
-(checkpoints, replay cursors); source names must be unique per query
-(docs/user-guide.md).
+Tree mode only. A tree-mode pipeline computes every FT row once (docs/user-guide.md,
+4.1), so a second read of a record is a re-run, and the newest run is the one whose
+tree can still complete. Barrier mode allows a batch to be computed twice (two actions
+on an uncached batch): both computations are live, and a failure in the first must
+still replay its record, so barrier-mode records are never taken over. They need it
+less: a dead attempt's roots complete at their batch's barrier, and the held roots of
+a batch run again after a driver restart are released at the re-run's barrier (unless
+a slow restart let them time out first).
+
+What a takeover assumes: one read of each source per batch. Two queries that share a
+source name, or one query that scans a source twice (a self-join, a union of two
+branches of one source DataFrame), take each other's records over: one read's trees
+are then untracked, and its failures are dropped as late. Give each read its own
+source name (docs/user-guide.md, 4.1 and 4.6).
 """
 
 from __future__ import annotations

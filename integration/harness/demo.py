@@ -170,8 +170,12 @@ def keep(row: dict[str, Any]) -> bool:
 
 
 def _python_workers() -> list[int]:
-    """PIDs of PySpark Python workers: processes forked by a pyspark.daemon."""
-    daemons: dict[int, int] = {}
+    """PIDs of this demo's PySpark task workers: the processes its own Spark JVM's
+    `pyspark.daemon pyspark.worker` forked. Never another process's: the machine may run
+    other Spark jobs, and the daemons of data source planning (`pyspark.sql.worker.*`)
+    run no task."""
+    parents: dict[int, int] = {}
+    task_daemons: set[int] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -180,9 +184,23 @@ def _python_workers() -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if b"pyspark.daemon" in cmdline or b"pyspark/daemon.py" in cmdline:
-            daemons[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return [pid for pid, parent in daemons.items() if parent in daemons]
+        pid = int(entry)
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if cmdline.rstrip(b"\0").endswith(b"pyspark.daemon\0pyspark.worker"):
+            task_daemons.add(pid)
+    me = os.getpid()
+
+    def ours(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:  # the JVM is this process's child
+            pid, seen = parents.get(pid, 0), seen + 1
+            if pid == me:
+                return True
+        return False
+
+    # A daemon's forked workers carry its command line too: a worker's parent is the
+    # daemon, the daemon's parent the JVM.
+    return [pid for pid in task_daemons if parents.get(pid) in task_daemons and ours(pid)]
 
 
 def _cpu_ticks(pid: int) -> int | None:

@@ -217,16 +217,22 @@ def test_a_failed_records_attempts_go_on_across_a_takeover(storage: PersistenceS
     assert len(storage) == 1  # only the dead letter: the copies taken over are deleted
 
 
-def test_a_barrier_mode_reread_drops_the_earlier_holds(storage: PersistenceStorage) -> None:
+def test_a_barrier_mode_reread_takes_nothing_over(storage: PersistenceStorage) -> None:
+    """Barrier mode lets a batch be computed twice (two actions on an uncached batch):
+    both computations are live, so a failure in the first must still replay its
+    record. Both copies' roots complete at the barrier."""
     clock = Clock()
     ft = _layer(storage, clock, completion="barrier")
     heard = _heard(ft)
-    _persist(ft, _read([0, 1, 2]))
-    _persist(ft, _read([0, 1, 2]))  # the retried task of the same batch
-    assert ft.open_holds == 3 and ft.current_stats().taken_over == 3
-    assert ft.release_barrier([SOURCE]) == 3
-    assert sorted(heard) == [(0, 0), (0, 1), (0, 2)] and len(ft) == 0 and len(storage) == 0
-    assert ft.current_stats().barrier_released == 3
+    first = _read([0, 1, 2])
+    _persist(ft, first)
+    _persist(ft, _read([0, 1, 2]))  # the batch computed a second time
+    assert ft.open_holds == 6 and ft.current_stats().taken_over == 0
+    ft.fail(first.roots[[1]], Cause(FailKind.SINK, "sink", "KafkaTimeoutError: write"))
+    assert ft.release_barrier([SOURCE]) == 5
+    assert sorted(heard) == [(0, 0), (0, 0), (0, 1), (0, 2), (0, 2)]
+    replay = ft.fetch_replay(0, ft.replay_cursor, source_id=SOURCE, partition=0)
+    assert replay.records.offsets.tolist() == [1]
 
 
 def test_a_tree_mode_replay_fetched_again_completes_through_the_rerun(
