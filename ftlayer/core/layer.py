@@ -22,23 +22,23 @@ pending in exactly one of three ways:
    waited to be read (a stalled or stopped query): like a record still in Kafka, it
    has not entered the pipeline yet. The source that re-emits the record sends the
    emission's XOR event for it (Persister.emit_replays).
-3. Takeover (ftlayer.core.takeover), for tree-mode sources. Spark ran the work again
-   (a retried task, a speculative attempt, a batch run again): the record is
-   persisted again at the same (source, topic, partition, offset), or its replay is
-   fetched again. The new root
-   covers the record, and the old one is retired: no replay, no completion notice,
-   its stored copy deleted, its retry record moved to the new copy. A persist finds
-   its re-reads by per-partition read marks, so only a re-read scans the pending
-   roots.
+3. Takeover (ftlayer.core.takeover). Spark ran the work again (a retried task, a
+   speculative attempt, a batch run again): the record is persisted again at the same
+   (source, topic, partition, offset), or its replay is fetched again (tree mode); or
+   a root times out while a newer copy of its record is pending (barrier mode). The
+   newer root covers the record, and the old one is retired: no replay, no completion
+   notice, its stored copy deleted, its retry record moved to the newer copy. A
+   persist finds its re-reads by per-partition read marks, so only a re-read scans
+   the pending roots.
 
 Events for roots that are not pending are dropped: "late" when the root failed or was
 taken over recently (RetiredRoots remembers them for 2T by default), "unknown"
-otherwise. They never create pending entries that could not complete. Persisting a root that is
-pending or remembered as failed is refused (ConfigError, nothing stored): late events
-of the old tree would corrupt the new one. A completed root is not remembered (that
-would cost memory per completed record); persisting it again starts a new tree, and
-the completed tree's timeout entry cannot touch it (persistence/timeout.py matches
-entries to trees by storage seq).
+otherwise. They never create pending entries that could not complete. Persisting a
+root that is pending or remembered as failed is refused (ConfigError, nothing
+stored): late events of the old tree would corrupt the new one. A completed root is
+not remembered (that would cost memory per completed record); persisting it again
+starts a new tree, and the completed tree's timeout entry cannot touch it
+(persistence/timeout.py matches entries to trees by storage seq).
 
 Nothing is lost: a record leaves storage only when its tree completed, or when a copy
 persisted again under a new root took it over (that copy is stored first). A failure
@@ -273,7 +273,7 @@ class FTLayer:
         self.stats.persisted += len(batch)
         # Step 5: the new roots cover the re-read records: the old ones retire.
         if superseded is not None:
-            self._take_over(superseded, locators["topic"], batch, seqs)
+            self._take_over(superseded, {**locators, "seq": seqs})
         if held is not None:
             assert initial_values is not None
             values = np.ascontiguousarray(initial_values, dtype=np.uint64)
@@ -298,41 +298,32 @@ class FTLayer:
         return live["root"][found].copy() if bool(found.any()) else None
 
     def _take_over(
-        self,
-        old_roots: NDArray[np.uint64],
-        new_topics: NDArray[np.uint32],
-        batch: RecordBatch,
-        new_seqs: NDArray[np.uint64],
+        self, old_roots: NDArray[np.uint64], successors: Mapping[str, NDArray[Any]]
     ) -> None:
-        """Retire roots whose records were just persisted again (the module docstring
+        """Retire pending roots whose records a newer copy covers (the module docstring
         of ftlayer.core.takeover): out of the acker, no replay and no completion
-        notice; their retry records move to the new copies; their stored copies are
-        deleted (in the transaction of those moves)."""
+        notice; their retry records move to the newer copies (`successors`: their
+        "topic", "partition", "offset" and storage "seq", ascending by seq); their
+        stored copies are deleted (in the transaction of those moves)."""
         removed = self.acker.remove(old_roots)
         if not len(removed.roots):
             return
         cols = removed.columns
-        old_seqs = cols["seq"].astype(np.uint64, copy=False)
         if len(self._book):
-            self._carry_retries(old_seqs, cols, new_topics, batch, new_seqs)
+            self._carry_retries(cols, successors)
         self.persistence.complete(removed.roots, cols)  # no listener: still pending
         self._retired.add(removed.roots, self._clock())
         self.stats.taken_over += len(removed.roots)
 
     def _carry_retries(
-        self,
-        old_seqs: NDArray[np.uint64],
-        cols: Mapping[str, NDArray[Any]],
-        new_topics: NDArray[np.uint32],
-        batch: RecordBatch,
-        new_seqs: NDArray[np.uint64],
+        self, cols: Mapping[str, NDArray[Any]], successors: Mapping[str, NDArray[Any]]
     ) -> None:
-        """The retry records of taken-over copies go to the new copies at the same
+        """The retry records of taken-over copies go to the newest copies at the same
         coordinates (staged: durable with the deletion of the old copies)."""
         old = [
             (seq, record, (int(t), int(p), int(o)))
             for seq, t, p, o in zip(
-                old_seqs.tolist(),
+                cols["seq"].tolist(),
                 cols["topic"].tolist(),
                 cols["partition"].tolist(),
                 cols["offset"].tolist(),
@@ -342,24 +333,68 @@ class FTLayer:
         ]
         if not old:
             return
-        new_at = {
+        newest = {  # ascending seqs: the last copy at a coordinate wins
             (int(t), int(p), int(o)): int(seq)
             for t, p, o, seq in zip(
-                new_topics.tolist(),
-                batch.partitions.tolist(),
-                batch.offsets.tolist(),
-                new_seqs.tolist(),
+                successors["topic"].tolist(),
+                successors["partition"].tolist(),
+                successors["offset"].tolist(),
+                successors["seq"].tolist(),
                 strict=True,
             )
         }
         carried: dict[int, RetryRecord] = {}
         for _seq, record, at in old:
-            seq = new_at[at]
+            seq = newest[at]
             if seq not in carried or carried[seq].attempts < record.attempts:
                 carried[seq] = dataclasses.replace(_copy(record), due=0.0)
         self._book.stage(carried)
         self._book.commit(carried)
         self._book.forget([seq for seq, _, _ in old])
+
+    def _retire_covered(self, roots: NDArray[np.uint64]) -> None:
+        """Take over `roots` by the newest pending copies of their records."""
+        _, offsets = self.acker.lookup("offset", roots)
+        live = self.acker.live_columns("topic", "partition", "offset", "seq", copy=False)
+        near = np.flatnonzero(np.isin(live["offset"], offsets))
+        near = near[np.argsort(live["seq"][near], kind="stable")]
+        self._take_over(roots, {name: column[near] for name, column in live.items()})
+
+    def _covered_at_timeout(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]
+    ) -> NDArray[np.bool_]:
+        """Which timed-out roots of barrier-mode sources a newer copy of their record
+        (same coordinates, a later storage seq) still pending covers: a dead attempt's
+        roots whose retry read the records again (barrier mode takes nothing over at
+        persist, ftlayer.core.takeover). They retire instead of being replayed."""
+        covered = np.zeros(len(roots), dtype=np.bool_)
+        _, topics = self.acker.lookup("topic", roots)
+        sources = self.persistence.number_sources()[topics.astype(np.intp)]
+        rows = np.flatnonzero(np.isin(sources, np.fromiter(self._barrier, np.uint32)))
+        if not len(rows):
+            return covered
+        _, partitions = self.acker.lookup("partition", roots[rows])
+        _, offsets = self.acker.lookup("offset", roots[rows])
+        keep = offsets >= 0
+        rows, partitions, offsets = rows[keep], partitions[keep], offsets[keep]
+        if not len(rows):
+            return covered
+        live = self.acker.live_columns("topic", "partition", "offset", "seq", copy=False)
+        near = np.flatnonzero(np.isin(live["offset"], offsets))
+        newest: dict[tuple[int, int, int], int] = {}
+        for t, p, o, seq in zip(
+            live["topic"][near].tolist(),
+            live["partition"][near].tolist(),
+            live["offset"][near].tolist(),
+            live["seq"][near].tolist(),
+            strict=True,
+        ):
+            newest[(t, p, o)] = max(seq, newest.get((t, p, o), 0))
+        for row, t, p, o in zip(
+            rows.tolist(), topics[rows].tolist(), partitions.tolist(), offsets.tolist(), strict=True
+        ):
+            covered[row] = newest.get((t, p, o), 0) > int(seqs[row])
+        return covered
 
     def _barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
         """(source id, rows) of the rows of barrier-mode sources; None if none."""
@@ -579,7 +614,13 @@ class FTLayer:
             roots, first = np.unique(roots, return_index=True)
             seqs = seqs[first]
         try:
-            self._requeue(roots, seqs, FailCause.TIMEOUT, Causes.one(_TIMEOUT, len(roots)))
+            if self._barrier:  # a newer copy pending covers it: retire, no replay
+                covered = self._covered_at_timeout(roots, seqs)
+                if bool(covered.any()):
+                    self._retire_covered(roots[covered])
+                    roots, seqs = roots[~covered], seqs[~covered]
+            if len(roots):
+                self._requeue(roots, seqs, FailCause.TIMEOUT, Causes.one(_TIMEOUT, len(roots)))
         except BaseException:
             # The batch left the rotating buckets: time its roots again, or a storage
             # error here would leave them pending with no timeout at all.

@@ -39,14 +39,19 @@ numpy reductions over the chunk and one dict lookup per (topic, partition) in it
 Records persisted without an offset (negative) have no coordinates: they never take
 over and are never taken over.
 
-Tree mode only. A tree-mode pipeline computes every FT row once (docs/user-guide.md,
-4.1), so a second read of a record is a re-run, and the newest run is the one whose
-tree can still complete. Barrier mode allows a batch to be computed twice (two actions
-on an uncached batch): both computations are live, and a failure in the first must
-still replay its record, so barrier-mode records are never taken over. They need it
-less: a dead attempt's roots complete at their batch's barrier, and the held roots of
-a batch run again after a driver restart are released at the re-run's barrier (unless
-a slow restart let them time out first).
+At persist, tree mode only. A tree-mode pipeline computes every FT row once
+(docs/user-guide.md, 4.1), so a second read of a record is a re-run, and the newest
+run is the one whose tree can still complete. Barrier mode allows a batch to be
+computed twice (two actions on an uncached batch, one after the other): both reads are
+live, and a failure in the first must still replay its record, so a barrier-mode
+persist takes nothing over. A dead attempt's barrier-mode roots complete at their
+batch's barrier, with the retry's; but that barrier comes after the retry, and a slow
+batch lets them time out first. So in barrier mode the takeover happens at the
+timeout instead: a root that times out while a newer copy of its record (same
+coordinates, a later storage seq) is pending retires like a taken-over root, without a
+replay (`FTLayer._covered_at_timeout`). By then a first computation that failed its
+record has long sent the fail (a task's fails are stored before the task ends), so
+only a copy nobody finished retires, and the newer copy still covers the record.
 
 What a takeover assumes: one read of each source per batch. Two queries that share a
 source name, or one query that scans a source twice (a self-join, a union of two

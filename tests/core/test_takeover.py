@@ -235,6 +235,27 @@ def test_a_barrier_mode_reread_takes_nothing_over(storage: PersistenceStorage) -
     assert replay.records.offsets.tolist() == [1]
 
 
+def test_a_barrier_mode_copy_that_times_out_under_a_newer_one_retires_without_replay(
+    storage: PersistenceStorage,
+) -> None:
+    """A dead attempt's roots wait for their batch's barrier, which comes only after
+    the retry: a slow batch lets them time out first. The retry's copies of their
+    records are pending then, so they retire instead of being replayed."""
+    clock = Clock()
+    ft = _layer(storage, clock, completion="barrier")
+    heard = _heard(ft)
+    _persist(ft, _read([0, 1, 2]))  # the attempt that dies
+    _persist(ft, _read([7]))  # another task's record, in flight as long
+    _timeouts(ft, clock, 0.8 * T)
+    _persist(ft, _read([0, 1, 2]))  # its retry
+    _timeouts(ft, clock, 1.6 * T)  # past the first copies' timeout, not the retry's
+    stats = ft.current_stats()
+    assert stats.taken_over == 3 and stats.failed["timeout"] == 1 and len(ft) == 4
+    assert ft.fetch_replay(0, ft.replay_cursor).records.offsets.tolist() == [7]
+    ft.release_barrier([SOURCE])  # the retry's copies, and the replay it took in
+    assert sorted(heard) == [(0, 0), (0, 1), (0, 2), (0, 7)] and len(storage) == 0
+
+
 def test_a_tree_mode_replay_fetched_again_completes_through_the_rerun(
     storage: PersistenceStorage,
 ) -> None:
