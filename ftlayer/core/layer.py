@@ -256,7 +256,7 @@ class FTLayer:
             initial_values = _with_holds(initial_values, held, values)
         locators = self.persistence.locators(batch)
         # Step 1: a re-read (ftlayer.core.takeover)? The pending roots it takes over.
-        superseded = self._superseded(locators)
+        superseded = self._superseded(locators, batch.payloads)
         # Step 2: the acker validates the roots (reserved, repeated, already pending).
         slots = self.acker.add(batch.roots, initial_values, **locators)
         # Step 3: the storage confirms the records are durable; on any error the roots
@@ -282,10 +282,13 @@ class FTLayer:
 
     # ---- re-reads take over (ftlayer.core.takeover) ---------------------------------
 
-    def _superseded(self, locators: Mapping[str, NDArray[Any]]) -> NDArray[np.uint64] | None:
-        """The pending roots at the coordinates of a chunk about to be persisted, if the
-        chunk is a re-read of a tree-mode source (None: it is not, the usual case,
-        found in O(partitions)); raises the read marks."""
+    def _superseded(
+        self, locators: Mapping[str, NDArray[Any]], payloads: Sequence[bytes]
+    ) -> NDArray[np.uint64] | None:
+        """The pending roots of the same records as a chunk about to be persisted (same
+        coordinates and the same stored bytes), if the chunk is a re-read of a
+        tree-mode source (None: it is not, the usual case, found in O(partitions));
+        raises the read marks."""
         groups = chunk_groups(locators["topic"], locators["partition"], locators["offset"])
         rereads = self._marks.read(groups)
         if rereads and self._barrier:  # a row may be computed twice there: no takeover
@@ -293,9 +296,22 @@ class FTLayer:
             rereads = [g for g in rereads if int(sources[g.topic]) not in self._barrier]
         if not rereads or not len(self.acker):
             return None
-        live = self.acker.live_columns("root", "topic", "partition", "offset", copy=False)
-        found = pending_at(live, rereads)
-        return live["root"][found].copy() if bool(found.any()) else None
+        live = self.acker.live_columns("root", "seq", "topic", "partition", "offset", copy=False)
+        rows = np.flatnonzero(pending_at(live, rereads))
+        if not len(rows):
+            return None
+        row_at = _rows_by_coordinates(locators)
+        at = [
+            row_at[c]
+            for c in zip(
+                live["topic"][rows].tolist(),
+                live["partition"][rows].tolist(),
+                live["offset"][rows].tolist(),
+                strict=True,
+            )
+        ]
+        same = _same_bytes(self.storage.get(live["seq"][rows]).payloads, [payloads[i] for i in at])
+        return live["root"][rows[same]].copy() if bool(same.any()) else None
 
     def _take_over(
         self, old_roots: NDArray[np.uint64], successors: Mapping[str, NDArray[Any]]
@@ -390,10 +406,19 @@ class FTLayer:
             strict=True,
         ):
             newest[(t, p, o)] = max(seq, newest.get((t, p, o), 0))
+        older: list[int] = []
+        newer: list[int] = []
         for row, t, p, o in zip(
             rows.tolist(), topics[rows].tolist(), partitions.tolist(), offsets.tolist(), strict=True
         ):
-            covered[row] = newest.get((t, p, o), 0) > int(seqs[row])
+            seq = newest.get((t, p, o), 0)
+            if seq > int(seqs[row]):
+                older.append(row)
+                newer.append(seq)
+        if older:  # the same record, not another one at reused coordinates
+            old = self.storage.get(seqs[older]).payloads
+            new = self.storage.get(np.array(newer, dtype=np.uint64)).payloads
+            covered[older] = _same_bytes(old, new)
         return covered
 
     def _barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
@@ -1097,6 +1122,28 @@ class FTLayer:
         self.stats.dead_letters = len(self._book.dead)
         self.stats.barrier_holds = len(self._holds)
         return self.stats
+
+
+def _rows_by_coordinates(locators: Mapping[str, NDArray[Any]]) -> dict[tuple[int, int, int], int]:
+    """{(topic number, partition, offset): row} of a batch's locators."""
+    return {
+        c: i
+        for i, c in enumerate(
+            zip(
+                locators["topic"].tolist(),
+                locators["partition"].tolist(),
+                locators["offset"].tolist(),
+                strict=True,
+            )
+        )
+    }
+
+
+def _same_bytes(a: Sequence[bytes], b: Sequence[bytes]) -> NDArray[np.bool_]:
+    """Which pairs of stored payloads are equal: the same source record read twice
+    (a recreated topic, or a new cluster after a savepoint restore, reuses offsets for
+    other records)."""
+    return np.fromiter((x == y for x, y in zip(a, b, strict=True)), np.bool_, len(a))
 
 
 _DEAD_LETTER_CHUNK: Final = 1024

@@ -94,6 +94,8 @@ def chunk_groups(
             offs = offs[offs >= 0]
         return [Reread(int(t0), int(p0), offs)] if len(offs) else []
     valid = offs >= 0
+    if not bool(valid.any()):
+        return []
     t = topics[valid].astype(np.int64)
     p = partitions[valid].astype(np.int64)
     offs = offs[valid]

@@ -168,6 +168,30 @@ def test_a_rerun_that_dies_too_leaves_its_records_to_time_out_and_be_replayed(
     assert sorted(heard) == [(0, 10), (0, 11), (0, 12)] and len(storage) == 0
 
 
+@pytest.mark.parametrize("completion", ["tree", "barrier"])
+def test_another_record_at_reused_coordinates_takes_nothing_over(
+    storage: PersistenceStorage, completion: str
+) -> None:
+    """A topic recreated, or a new cluster after a savepoint restore, starts its
+    offsets again: a record there is another record, though its coordinates are
+    those of a pending one. Only the same bytes at the same coordinates take over
+    (at persist in tree mode, at the timeout in barrier mode)."""
+    clock = Clock()
+    ft = _layer(storage, clock, completion=completion)
+    _persist(ft, _read([0, 1]))
+    _timeouts(ft, clock, 0.8 * T)
+    recreated = RecordBatch.build(
+        new_ids(2), [b"other-0", b"other-1"], source_ids=SOURCE, topics="events", offsets=[0, 1]
+    )
+    _persist(ft, recreated)
+    assert ft.current_stats().taken_over == 0 and len(ft) == 4
+    _timeouts(ft, clock, 1.6 * T)  # the first records' timeout, not the others'
+    stats = ft.current_stats()
+    assert stats.taken_over == 0 and stats.failed["timeout"] == 2
+    replays = ft.fetch_replay(0, ft.replay_cursor, source_id=SOURCE, partition=0)
+    assert sorted(replays.records.payloads) == [b"event-0-0", b"event-0-1"]
+
+
 class RefusingPuts(MemoryStorage):
     """A storage whose puts can be made to fail, as a full disk would."""
 
@@ -331,6 +355,7 @@ def test_read_marks_flag_a_chunk_that_starts_at_or_below_its_partitions_mark() -
     assert read([0, 0], [5, 9]) == [(0, 0, [5, 9])]
     assert read([1, 1, 0], [1, 2, 10]) == [(0, 1, [1, 2])]
     assert read([0, 0], [-1, 11]) == []  # no offset: no coordinates
+    assert read([0, 1], [-1, -1]) == []
     assert len(marks) == 2
 
 
