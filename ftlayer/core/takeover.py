@@ -9,35 +9,39 @@ time out after T and their records are replayed once more: a duplicate at the si
 for every record the re-run already processed.
 
 So the FT layer treats a record of a tree-mode source persisted again as the same
-source record, identified by its Kafka coordinates (source, topic, partition,
-offset): the new persist *takes over* every pending root at those coordinates. An old
-root taken over is removed from the acker table without a replay and without a
-completion notice (the offset is still pending, under the new root), its stored copy
-is deleted, its retry record (attempts, causes) moves to the new copy so a poison
-record's count goes on, and it joins the retired roots, so its late events count as
-`late`. The record is covered by a live root at every moment: by the old one until
-the new one is stored, then by the new one, whose timeout starts at its persist; a
-re-run that dies too leaves its root to time out and be replayed.
+source record, identified by its Kafka coordinates (source, topic, partition, offset)
+and confirmed by its stored bytes: the new persist *takes over* every pending root at
+those coordinates whose stored payload is byte for byte the new one. Coordinates alone
+are not enough: a recreated topic, or a new cluster after a savepoint restore, starts
+its offsets again, for other records (the payload holds the Kafka timestamp, so two
+such records practically never match). An old root taken over is removed from the
+acker table without a replay and without a completion notice (the offset is still
+pending, under the new root), its stored copy is deleted, its retry record (attempts,
+causes) moves to the new copy so a poison record's count goes on, and it joins the
+retired roots, so its late events count as `late`. The record is covered by a live
+root at every moment: by the old one until the new one is stored, then by the new
+one, whose timeout starts at its persist; a re-run that dies too leaves its root to
+time out and be replayed.
 
 A replay fetched again is the same case: the re-run emits it again, while the root
 may already hold the earlier run's emission and part of its tree, which the re-run's
 tree would never balance (the root would time out and be replayed once more).
 `FTLayer.fetch_replay` gives a tree-mode replay fetched again (`ReplayQueue.fetch`
 remembers per queue entry whether it was fetched) a fresh root that takes the old one
-over in the same way; its queue entries follow. A broadcast replay keeps its root, since
-each partition's copy is a child of that one root: a re-run of one copy leaves the root
-to time out (a duplicate, never a loss). Barrier-mode replays keep theirs too: they
-complete at their batch's barrier whatever the runs sent.
+over in the same way; its queue entries follow. A broadcast replay keeps its root,
+since each partition's copy is a child of that one root: a re-run of one copy leaves
+the root to time out (a duplicate, never a loss). Barrier-mode replays keep theirs
+too: they complete at their batch's barrier whatever the runs sent.
 
 Detection keeps no memory per root. `ReadMarks` keeps, per (topic number,
 partition), the highest Kafka offset persisted so far (topic numbers name a (source,
-topic) pair: ftlayer.persistence.layer). A source reads each partition forward, so
-a chunk whose lowest offset is at or below its partition's mark is a re-read; only
-then does the FT layer scan the pending roots' coordinates (`pending_at`: O(pending),
-vectorized, over the acker table's mirrored columns). The usual persist pays a few
-numpy reductions over the chunk and one dict lookup per (topic, partition) in it.
-Records persisted without an offset (negative) have no coordinates: they never take
-over and are never taken over.
+topic) pair: ftlayer.persistence.layer). A source reads each partition forward, so a
+chunk whose lowest offset is at or below its partition's mark is a re-read; only then
+does the FT layer scan the pending roots' coordinates (`pending_at`: O(pending),
+vectorized, over the acker table's mirrored columns) and read the stored copies found
+there. The usual persist pays a few numpy reductions over the chunk and one dict
+lookup per (topic, partition) in it. Records persisted without an offset (negative)
+have no coordinates: they never take over and are never taken over.
 
 At persist, tree mode only. A tree-mode pipeline computes every FT row once
 (docs/user-guide.md, 4.1), so a second read of a record is a re-run, and the newest
@@ -48,10 +52,11 @@ persist takes nothing over. A dead attempt's barrier-mode roots complete at thei
 batch's barrier, with the retry's; but that barrier comes after the retry, and a slow
 batch lets them time out first. So in barrier mode the takeover happens at the
 timeout instead: a root that times out while a newer copy of its record (same
-coordinates, a later storage seq) is pending retires like a taken-over root, without a
-replay (`FTLayer._covered_at_timeout`). By then a first computation that failed its
-record has long sent the fail (a task's fails are stored before the task ends), so
-only a copy nobody finished retires, and the newer copy still covers the record.
+coordinates, a later storage seq, the same bytes) is pending retires like a
+taken-over root, without a replay (`FTLayer._covered_at_timeout`). By then a first
+computation that failed its record has long sent the fail (a task's fails are stored
+before the task ends), so only a copy nobody finished retires, and the newer copy
+still covers the record.
 
 What a takeover assumes: one read of each source per batch. Two queries that share a
 source name, or one query that scans a source twice (a self-join, a union of two
