@@ -260,16 +260,21 @@ def _payload_batches(
 
 
 def _persist_and_complete(
-    channel: FTChannel, batches: list[list[bytes]], offsets: list[NDArray[np.int64]]
+    channel: FTChannel,
+    batches: list[list[bytes]],
+    offsets: list[NDArray[np.int64]],
+    partition: int = 0,
 ) -> None:
-    """Persist every batch, completing batch i (the sink's acks: one XOR per record)
-    once batch i + 1 is persisted: one batch in flight."""
+    """Persist every batch (Kafka partition `partition` of topic "bench"), completing
+    batch i (the sink's acks: one XOR per record) once batch i + 1 is persisted: one
+    batch in flight."""
     in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
     for payloads, offs in zip(batches, offsets, strict=True):
         n = len(payloads)
         roots, ids = new_ids(n), new_ids(n)
         channel.persist(
-            RecordBatch.build(roots, payloads, topics="bench", partitions=0, offsets=offs), ids
+            RecordBatch.build(roots, payloads, topics="bench", partitions=partition, offsets=offs),
+            ids,
         )
         if in_flight is not None:
             channel.xor(*in_flight)
@@ -525,10 +530,18 @@ def _server_bench_client(
             root_ids, first, event_roots, event_values = tree_events(
                 roots, _SERVER_BENCH_DEPTH, seed=index
             )
+            # Each client reads a partition of its own, as a source's tasks do: a record
+            # at another's coordinates would take that one over (ftlayer.core.takeover).
             for lo in range(0, roots, 65_536):
                 hi = min(roots, lo + 65_536)
                 client.persist(
-                    RecordBatch.build(root_ids[lo:hi], [b"x"] * (hi - lo), topics="bench"),
+                    RecordBatch.build(
+                        root_ids[lo:hi],
+                        [b"x"] * (hi - lo),
+                        topics="bench-trees",
+                        partitions=index,
+                        offsets=np.arange(lo, hi, dtype=np.int64),
+                    ),
                     first[lo:hi],
                 )
             batches, offsets = _payload_batches(records, payload_bytes, batch)
@@ -542,7 +555,7 @@ def _server_bench_client(
 
             phase = "persist"
             barrier.wait(timeout=600)
-            _persist_and_complete(client, batches, offsets)
+            _persist_and_complete(client, batches, offsets, partition=index)
             results.put((phase, None))
     except BaseException as exc:
         results.put((phase, repr(exc)))

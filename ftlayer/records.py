@@ -11,7 +11,7 @@ fields the fault-tolerance logic needs (the blueprint's "semi-deserialized" reco
 | has_key     | bool    | False for a record without a key (no hash partitioning)        |
 | topics      | str     | Kafka coordinates: topic ...                                   |
 | partitions  | int32   | ... partition (the source partition the record first entered)  |
-| offsets     | int64   | ... and offset                                                 |
+| offsets     | int64   | ... and offset (-1: none; the coordinates identify a record)   |
 | payloads    | bytes   | the raw record bytes, opaque to the FT layer                   |
 
 Batches are columnar so the hot paths (persist, delete, replay) work on arrays, not on
@@ -79,7 +79,10 @@ class RecordBatch:
     ) -> RecordBatch:
         """Build a batch from sequences or arrays; scalars broadcast to every record.
 
-        Without key_hashes no record has a key; without offsets the offsets are 0..n-1.
+        Without key_hashes no record has a key; without offsets no record has a Kafka
+        offset (-1): a record's coordinates identify it (a record persisted again at
+        the same coordinates takes the earlier copy over, ftlayer.core.takeover), so
+        none are made up.
         """
         n = len(roots)
         roots_a = np.asarray(roots, dtype=np.uint64)
@@ -96,7 +99,7 @@ class RecordBatch:
             has_key=has_key_a.astype(np.bool_, copy=False),
             topics=[topics] * n if isinstance(topics, str) else list(topics),
             partitions=_column(partitions, n).astype(np.int32, copy=False),
-            offsets=np.arange(n, dtype=np.int64) if offsets is None else _column(offsets, n),
+            offsets=np.full(n, -1, dtype=np.int64) if offsets is None else _column(offsets, n),
             payloads=list(payloads),
         )
 

@@ -325,6 +325,9 @@ class Status(Mapping[str, Any]):
     batches_running: Mapping[str, Mapping[str, float]]
     """Per source id (a string) with an open batch: `running_s` since its barrier and
     `lease_s` its heartbeat lease has left (0: none or lapsed: its trees time out)."""
+    taken_over: int
+    """Pending roots retired since the start because their record was persisted again
+    (a re-read: a task retried, a speculative attempt, a batch run again)."""
     late_events: int
     unknown_events: int
     xor_events: int
@@ -384,6 +387,7 @@ class Status(Mapping[str, Any]):
             recovered_completed=_field(data, "recovered_completed", int, what),
             timeouts_postponed=_field(data, "timeouts_postponed", int, what),
             batches_running=_batches_running(data, what),
+            taken_over=_field(data, "taken_over", int, what),
             late_events=_field(data, "late_events", int, what),
             unknown_events=_field(data, "unknown_events", int, what),
             xor_events=_field(data, "xor_events", int, what),

@@ -219,10 +219,10 @@ class Persister:
     def emit_replays(self, roots: ArrayLike) -> Anchors:
         """Anchors for replayed records about to be emitted again (from
         FTLayer.fetch_replay): a fresh record id under each replay root, whose XOR
-        event is sent now (a replayed root waits at ack value 0 for it). Emitting one
-        replay twice (a re-run) adds a second child: the root then completes once both
-        copies are fully acked, or times out and is replayed again: a duplicate, never
-        a loss."""
+        event is sent now (a replayed root waits at ack value 0 for it). A re-run (a
+        retried task, a batch run again) fetches the replay again under a fresh root
+        (ftlayer.core.takeover), so the earlier run's emission cannot hold the re-run's
+        tree; a broadcast replay keeps its root, each partition's copy a child of it."""
         replay_roots = np.ascontiguousarray(roots, dtype=np.uint64)
         if self.barrier:  # the FT layer held them when the batch fetched them
             return Anchors.single(replay_roots, np.zeros(len(replay_roots), np.uint64))

@@ -4,7 +4,7 @@ Every source record is persisted before its source emits it. From then on its ro
 is pending in one table, the acker table, which keeps per root the ack value and the
 record's locator (storage seq and Kafka coordinates); the timeout persistence layer
 holds the stored record and times the root in rotating buckets. A root stops being
-pending in exactly one of two ways:
+pending in exactly one of three ways:
 
 1. Completion. XOR events (root, value) arrive from sources and tasks; the first time
    a root's ack value returns to 0 its tree is complete: the record is deleted from
@@ -24,6 +24,14 @@ pending in exactly one of two ways:
    waited to be read (a stalled or stopped query): like a record still in Kafka, it
    has not entered the pipeline yet. The source that re-emits the record sends the
    emission's XOR event for it (Persister.emit_replays).
+3. Takeover (ftlayer.core.takeover). Spark ran the work again (a retried task, a
+   speculative attempt, a batch run again): the record is persisted again at the same
+   (source, topic, partition, offset), or its replay is fetched again (tree mode); or
+   a root times out while a newer copy of its record is pending (barrier mode). The
+   newer root covers the record, and the old one is retired: no replay, no completion
+   notice, its stored copy deleted, its retry record moved to the newer copy. A
+   persist finds its re-reads by per-partition read marks, so only a re-read scans
+   the pending roots.
 
 A tree does not time out while the batch carrying it runs (ftlayer.core.leases): the
 sources' barriers open their batches (`batch_began`), Spark's "done" closes them
@@ -43,7 +51,17 @@ would cost memory per completed record); persisting it again starts a new tree, 
 the completed tree's timeout entry cannot touch it (persistence/timeout.py matches
 entries to trees by storage seq).
 
-Nothing is lost: a record leaves storage only when its tree completed. A failure
+Events for roots that are not pending are dropped: "late" when the root failed or was
+taken over recently (RetiredRoots remembers them for 2T by default), "unknown"
+otherwise. They never create pending entries that could not complete. Persisting a
+root that is pending or remembered as failed is refused (ConfigError, nothing
+stored): late events of the old tree would corrupt the new one. A completed root is
+not remembered (that would cost memory per completed record); persisting it again
+starts a new tree, and the completed tree's timeout entry cannot touch it
+(persistence/timeout.py matches entries to trees by storage seq).
+
+Nothing is lost: a record leaves storage only when its tree completed, or when a copy
+persisted again under a new root took it over (that copy is stored first). A failure
 between persist and emit, a lost event, a lost fail, a crashed task or a crashed FT
 layer all end in a timeout or a recovery, that is, in a replay (or, after a crash the
 journal covers, in the tree going on where it was).
@@ -84,6 +102,7 @@ from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
 from .sources import SourceConfig, SourceRegistry
 from .stats import FailCause, FTStats
+from .takeover import ReadMarks, chunk_groups, pending_at
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
@@ -138,6 +157,7 @@ class FTLayer:
         self.stats = FTStats()
         self.meters = Meters()
         """Per-source counters and the complete latency (ftlayer.core.meters)."""
+        self._marks = ReadMarks()
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -260,16 +280,20 @@ class FTLayer:
         if held is not None:  # the records' barrier holds: their first ack values
             values = np.zeros(len(batch), np.uint64) if initial_values is None else None
             initial_values = _with_holds(initial_values, held, values)
-        # Step 1: the acker validates the roots (reserved, repeated, already pending).
-        slots = self.acker.add(batch.roots, initial_values, **self.persistence.locators(batch))
-        # Step 2: the storage confirms the records are durable; on any error the roots
-        # leave the acker again and the error propagates: nothing is half-persisted.
+        locators = self.persistence.locators(batch)
+        # Step 1: a re-read (ftlayer.core.takeover)? The pending roots it takes over.
+        superseded = self._superseded(locators, batch.payloads)
+        # Step 2: the acker validates the roots (reserved, repeated, already pending).
+        slots = self.acker.add(batch.roots, initial_values, **locators)
+        # Step 3: the storage confirms the records are durable; on any error the roots
+        # leave the acker again and the error propagates: nothing is half-persisted
+        # (and nothing taken over: the old roots still cover their records).
         try:
             seqs = self.persistence.persist(batch)
         except BaseException:
             self.acker.remove(batch.roots)
             raise
-        # Step 3: the roots know their records, and their timeout starts.
+        # Step 4: the roots know their records, and their timeout starts.
         self.acker.set_column("seq", slots, seqs)
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
@@ -281,11 +305,157 @@ class FTLayer:
                 journal.xor(batch.roots, np.asarray(initial_values, dtype=np.uint64))
         if len(seqs):
             self.meters.persisted(batch.source_ids, int(seqs[0]), self._clock())
+        # Step 5: the new roots cover the re-read records: the old ones retire.
+        if superseded is not None:
+            self._take_over(superseded, {**locators, "seq": seqs})
         if held is not None:
             assert initial_values is not None
             values = np.ascontiguousarray(initial_values, dtype=np.uint64)
             for source_id, rows in held:
                 self._add_holds(source_id, batch.roots[rows], values[rows])
+
+    # ---- re-reads take over (ftlayer.core.takeover) ---------------------------------
+
+    def _superseded(
+        self, locators: Mapping[str, NDArray[Any]], payloads: Sequence[bytes]
+    ) -> NDArray[np.uint64] | None:
+        """The pending roots of the same records as a chunk about to be persisted (same
+        coordinates and the same stored bytes), if the chunk is a re-read of a
+        tree-mode source (None: it is not, the usual case, found in O(partitions));
+        raises the read marks."""
+        groups = chunk_groups(locators["topic"], locators["partition"], locators["offset"])
+        rereads = self._marks.read(groups)
+        if rereads and self._barrier:  # a row may be computed twice there: no takeover
+            sources = self.persistence.number_sources()
+            rereads = [g for g in rereads if int(sources[g.topic]) not in self._barrier]
+        if not rereads or not len(self.acker):
+            return None
+        live = self.acker.live_columns("root", "seq", "topic", "partition", "offset", copy=False)
+        rows = np.flatnonzero(pending_at(live, rereads))
+        if not len(rows):
+            return None
+        row_at = _rows_by_coordinates(locators)
+        at = [
+            row_at[c]
+            for c in zip(
+                live["topic"][rows].tolist(),
+                live["partition"][rows].tolist(),
+                live["offset"][rows].tolist(),
+                strict=True,
+            )
+        ]
+        same = _same_bytes(self.storage.get(live["seq"][rows]).payloads, [payloads[i] for i in at])
+        return live["root"][rows[same]].copy() if bool(same.any()) else None
+
+    def _take_over(
+        self, old_roots: NDArray[np.uint64], successors: Mapping[str, NDArray[Any]]
+    ) -> None:
+        """Retire pending roots whose records a newer copy covers (the module docstring
+        of ftlayer.core.takeover): out of the acker, no replay and no completion
+        notice; their retry records move to the newer copies (`successors`: their
+        "topic", "partition", "offset" and storage "seq", ascending by seq); their
+        stored copies are deleted (in the transaction of those moves)."""
+        removed = self.acker.remove(old_roots)
+        if not len(removed.roots):
+            return
+        cols = removed.columns
+        if len(self._book):
+            self._carry_retries(cols, successors)
+        self.persistence.complete(removed.roots, cols)  # no listener: still pending
+        if self._journal is not None:  # their stored copies go: gone, not to restore
+            self._journal.gone(removed.roots)
+        self._retired.add(removed.roots, self._clock())
+        self.stats.taken_over += len(removed.roots)
+
+    def _carry_retries(
+        self, cols: Mapping[str, NDArray[Any]], successors: Mapping[str, NDArray[Any]]
+    ) -> None:
+        """The retry records of taken-over copies go to the newest copies at the same
+        coordinates (staged: durable with the deletion of the old copies)."""
+        old = [
+            (seq, record, (int(t), int(p), int(o)))
+            for seq, t, p, o in zip(
+                cols["seq"].tolist(),
+                cols["topic"].tolist(),
+                cols["partition"].tolist(),
+                cols["offset"].tolist(),
+                strict=True,
+            )
+            if (record := self._book.get(seq)) is not None
+        ]
+        if not old:
+            return
+        newest = {  # ascending seqs: the last copy at a coordinate wins
+            (int(t), int(p), int(o)): int(seq)
+            for t, p, o, seq in zip(
+                successors["topic"].tolist(),
+                successors["partition"].tolist(),
+                successors["offset"].tolist(),
+                successors["seq"].tolist(),
+                strict=True,
+            )
+        }
+        carried: dict[int, RetryRecord] = {}
+        for _seq, record, at in old:
+            seq = newest[at]
+            if seq not in carried or carried[seq].attempts < record.attempts:
+                carried[seq] = dataclasses.replace(_copy(record), due=0.0)
+        self._book.stage(carried)
+        self._book.commit(carried)
+        self._book.forget([seq for seq, _, _ in old])
+
+    def _retire_covered(self, roots: NDArray[np.uint64]) -> None:
+        """Take over `roots` by the newest pending copies of their records."""
+        _, offsets = self.acker.lookup("offset", roots)
+        live = self.acker.live_columns("topic", "partition", "offset", "seq", copy=False)
+        near = np.flatnonzero(np.isin(live["offset"], offsets))
+        near = near[np.argsort(live["seq"][near], kind="stable")]
+        self._take_over(roots, {name: column[near] for name, column in live.items()})
+
+    def _covered_at_timeout(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]
+    ) -> NDArray[np.bool_]:
+        """Which timed-out roots of barrier-mode sources a newer copy of their record
+        (same coordinates, a later storage seq) still pending covers: a dead attempt's
+        roots whose retry read the records again (barrier mode takes nothing over at
+        persist, ftlayer.core.takeover). They retire instead of being replayed."""
+        covered = np.zeros(len(roots), dtype=np.bool_)
+        _, topics = self.acker.lookup("topic", roots)
+        sources = self.persistence.number_sources()[topics.astype(np.intp)]
+        rows = np.flatnonzero(np.isin(sources, np.fromiter(self._barrier, np.uint32)))
+        if not len(rows):
+            return covered
+        _, partitions = self.acker.lookup("partition", roots[rows])
+        _, offsets = self.acker.lookup("offset", roots[rows])
+        keep = offsets >= 0
+        rows, partitions, offsets = rows[keep], partitions[keep], offsets[keep]
+        if not len(rows):
+            return covered
+        live = self.acker.live_columns("topic", "partition", "offset", "seq", copy=False)
+        near = np.flatnonzero(np.isin(live["offset"], offsets))
+        newest: dict[tuple[int, int, int], int] = {}
+        for t, p, o, seq in zip(
+            live["topic"][near].tolist(),
+            live["partition"][near].tolist(),
+            live["offset"][near].tolist(),
+            live["seq"][near].tolist(),
+            strict=True,
+        ):
+            newest[(t, p, o)] = max(seq, newest.get((t, p, o), 0))
+        older: list[int] = []
+        newer: list[int] = []
+        for row, t, p, o in zip(
+            rows.tolist(), topics[rows].tolist(), partitions.tolist(), offsets.tolist(), strict=True
+        ):
+            seq = newest.get((t, p, o), 0)
+            if seq > int(seqs[row]):
+                older.append(row)
+                newer.append(seq)
+        if older:  # the same record, not another one at reused coordinates
+            old = self.storage.get(seqs[older]).payloads
+            new = self.storage.get(np.array(newer, dtype=np.uint64)).payloads
+            covered[older] = _same_bytes(old, new)
+        return covered
 
     def _barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
         """(source id, rows) of the rows of barrier-mode sources; None if none."""
@@ -551,7 +721,13 @@ class FTLayer:
             roots, first = np.unique(roots, return_index=True)
             seqs = seqs[first]
         try:
-            self._requeue(roots, seqs, FailCause.TIMEOUT, Causes.one(_TIMEOUT, len(roots)))
+            if self._barrier:  # a newer copy pending covers it: retire, no replay
+                covered = self._covered_at_timeout(roots, seqs)
+                if bool(covered.any()):
+                    self._retire_covered(roots[covered])
+                    roots, seqs = roots[~covered], seqs[~covered]
+            if len(roots):
+                self._requeue(roots, seqs, FailCause.TIMEOUT, Causes.one(_TIMEOUT, len(roots)))
         except BaseException:
             # The batch left the rotating buckets: time its roots again, or a storage
             # error here would leave them pending with no timeout at all.
@@ -733,19 +909,55 @@ class FTLayer:
         """Replayed records with lo < replay seq <= hi (optionally of one source and one
         target partition) whose roots are still pending. The same range gives the same
         records until they complete, fail again or are pruned. Their timeout starts now:
-        the source reads them (a range fetched again is timed from its first fetch)."""
-        rseqs, roots, seqs, parts = self._queue.select(lo, hi, source_id, partition)
+        the source reads them (a range fetched again is timed from its first fetch).
+
+        A tree-mode replay fetched again (a re-run: a retried task, a speculative
+        attempt, a batch run again) comes under a fresh root, which takes the old one
+        over (ftlayer.core.takeover): the old root may hold the emission and events of
+        the earlier run, which the re-run's tree would never balance. A broadcast
+        replay keeps its root (each partition's copy is a child of it)."""
+        found = self._queue.fetch(lo, hi, source_id, partition)
+        rseqs, roots, seqs, parts = found.replay_seqs, found.roots, found.seqs, found.partitions
         pending, pending_seqs = self.acker.lookup("seq", roots)
         live = pending.copy()
         live[pending] = pending_seqs == seqs[pending]
+        again, sources = found.again, found.source_ids
         if not bool(live.all()):
             rseqs, roots, seqs, parts = rseqs[live], roots[live], seqs[live], parts[live]
+            again, sources = again[live], sources[live]
+        if bool(again.any()):
+            roots = self._renew(roots, again, sources)
         records = self.storage.get(seqs).with_roots(roots)
         if len(roots):
             self._track(roots, seqs, records.source_ids)
             if self._barrier:
                 self._hold_replays(records)
         return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
+
+    def _renew(
+        self, roots: NDArray[np.uint64], again: NDArray[np.bool_], sources: NDArray[Any]
+    ) -> NDArray[np.uint64]:
+        """`roots` with the tree-mode, single-entry ones fetched `again` under fresh
+        roots, which take the old ones over: same record, same locator, ack value 0
+        (the re-run emits it again), no replay; the queue entries follow."""
+        rows = np.flatnonzero(again)
+        if self._barrier:  # a barrier-mode replay completes at its batch's barrier
+            rows = rows[~np.isin(sources[rows], np.fromiter(self._barrier, np.uint32))]
+        if len(rows):
+            rows = rows[self._queue.entries_of(roots[rows]) == 1]
+        if not len(rows):
+            return roots
+        self._changing()
+        removed = self.acker.remove(roots[rows])
+        fresh = new_ids(len(removed.roots))
+        self.acker.add(fresh, None, **removed.columns)
+        self._queue.renew(removed.roots, fresh)
+        self._retired.add(removed.roots, self._clock())
+        self.stats.taken_over += len(removed.roots)
+        order = np.argsort(removed.roots)
+        renewed = roots.copy()
+        renewed[rows] = fresh[order][np.searchsorted(removed.roots[order], roots[rows])]
+        return renewed
 
     def _hold_replays(self, records: RecordBatch) -> None:
         """Barrier-mode replays a batch takes in get their barrier holds (once, also
@@ -921,6 +1133,11 @@ class FTLayer:
                 self._requeue(batch.roots[rows], seqs[rows], FailCause.RECOVERY)
         if journal is not None:
             self._restore(journal, restored, gone)
+        # A re-read of a recovered record (a re-run of the last batch, a new query from
+        # the group offsets) takes over its root, restored or replayed.
+        if len(self.acker):
+            live = self.acker.live_columns("topic", "partition", "offset", copy=False)
+            self._marks.rebuild(live["topic"], live["partition"], live["offset"])
 
     def _restore(
         self,
@@ -1053,7 +1270,9 @@ class FTLayer:
             self._book.unstage(old_meta)
             raise
         self._book.commit(records)
-        self.acker.add(roots, None, seq=seqs, **self.persistence.locators(batch))
+        locators = self.persistence.locators(batch)
+        self.acker.add(roots, None, seq=seqs, **locators)
+        self._marks.read(chunk_groups(locators["topic"], locators["partition"], locators["offset"]))
         if self._journal is not None:
             self._journal.add(roots)
         self._enqueue(roots, seqs, batch)
@@ -1075,7 +1294,8 @@ class FTLayer:
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
-        slots = self.acker.add(batch.roots, None, **self.persistence.locators(batch))
+        locators = self.persistence.locators(batch)
+        slots = self.acker.add(batch.roots, None, **locators)
         try:
             seqs = self.persistence.persist(batch)
         except BaseException:
@@ -1084,6 +1304,7 @@ class FTLayer:
         self.acker.set_column("seq", slots, seqs)
         if self._journal is not None:
             self._journal.add(batch.roots)
+        self._marks.read(chunk_groups(locators["topic"], locators["partition"], locators["offset"]))
         records: dict[int, RetryRecord] = {}
         for seq, source_id, record in zip(
             seqs.tolist(), batch.source_ids.tolist(), history, strict=True
@@ -1236,6 +1457,28 @@ class FTLayer:
     def queued_replays_by_source(self) -> dict[int, int]:
         """{source id: its entries in the replay queue}, sources with none left out."""
         return self._queue.counts()
+
+
+def _rows_by_coordinates(locators: Mapping[str, NDArray[Any]]) -> dict[tuple[int, int, int], int]:
+    """{(topic number, partition, offset): row} of a batch's locators."""
+    return {
+        c: i
+        for i, c in enumerate(
+            zip(
+                locators["topic"].tolist(),
+                locators["partition"].tolist(),
+                locators["offset"].tolist(),
+                strict=True,
+            )
+        )
+    }
+
+
+def _same_bytes(a: Sequence[bytes], b: Sequence[bytes]) -> NDArray[np.bool_]:
+    """Which pairs of stored payloads are equal: the same source record read twice
+    (a recreated topic, or a new cluster after a savepoint restore, reuses offsets for
+    other records)."""
+    return np.fromiter((x == y for x, y in zip(a, b, strict=True)), np.bool_, len(a))
 
 
 _DEAD_LETTER_CHUNK: Final = 1024

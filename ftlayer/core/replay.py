@@ -5,24 +5,39 @@ the next one is kept in the store under REPLAY_SEQ_META_KEY) and one entry per t
 partition its replay partitioner chose. A micro-batch takes in the replays with
 S.replay < seq <= E.replay of its source and partition (ftlayer.position); entries stay
 fetchable until the batch's checkpoint prunes them, so a batch that Spark runs again
-fetches the same replays.
+fetches the same replays. Each entry knows whether it was fetched before: fetching it
+again is a re-run (a retried task, a speculative attempt, a batch run again after a
+restart), which the FT layer gives a fresh root (`renew`; ftlayer.core.takeover).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.errors import ConfigError
 
-__all__ = ["REPLAY_SEQ_META_KEY", "ReplayQueue"]
+__all__ = ["REPLAY_SEQ_META_KEY", "Fetched", "ReplayQueue"]
 
 REPLAY_SEQ_META_KEY = "next_replay_seq"
 """Meta key of the next replay seq (decimal text): never reused, also across restarts."""
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+_NAMES = ("replay_seq", "root", "seq", "source_id", "partition")
+
+
+class Fetched(NamedTuple):
+    """Queue entries a reader fetched, column by column."""
+
+    replay_seqs: NDArray[np.uint64]
+    roots: NDArray[np.uint64]
+    seqs: NDArray[np.uint64]
+    source_ids: NDArray[np.uint32]
+    partitions: NDArray[np.int32]
+    again: NDArray[np.bool_]
+    """Fetched before: the reader is a re-run of an earlier one."""
 
 
 class ReplayQueue:
@@ -36,9 +51,10 @@ class ReplayQueue:
     """
 
     def __init__(self, next_seq: int = 1) -> None:
-        # Columns: replay seq, root, storage seq, source id, target partition; each a
-        # list of appended chunks, merged on read (appends are rare: failures).
-        self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [])
+        # Columns: replay seq, root, storage seq, source id, target partition, fetched
+        # before; each a list of appended chunks, merged on read (appends are rare:
+        # failures).
+        self._columns: tuple[list[NDArray[Any]], ...] = ([], [], [], [], [], [])
         self._pruned_upto: dict[int | None, int] = {}  # per source id; None: every source
         self._next_seq = next_seq
         self.cursor_at_start = next_seq - 1
@@ -116,7 +132,15 @@ class ReplayQueue:
         (ftlayer.core.journal), which move no source's cursor: a source with none since
         the restart reads the cursor at the start, never behind what it read before."""
         if len(replay_seqs):
-            chunks: tuple[NDArray[Any], ...] = (replay_seqs, roots, seqs, source_ids, partitions)
+            fetched = np.zeros(len(replay_seqs), dtype=np.bool_)
+            chunks: tuple[NDArray[Any], ...] = (
+                replay_seqs,
+                roots,
+                seqs,
+                source_ids,
+                partitions,
+                fetched,
+            )
             for column, chunk in zip(self._columns, chunks, strict=True):
                 column.append(chunk)
             if restored:
@@ -134,10 +158,9 @@ class ReplayQueue:
 
     def columns(self) -> dict[str, NDArray[Any]]:
         """Copies of every entry's columns, for checkpoints."""
-        names = ("replay_seq", "root", "seq", "source_id", "partition")
         if not self._columns[0]:
-            return {name: np.zeros(0, dtype=np.uint64) for name in names}
-        return {name: column.copy() for name, column in zip(names, self._merged(), strict=True)}
+            return {name: np.zeros(0, dtype=np.uint64) for name in _NAMES}
+        return {name: column.copy() for name, column in zip(_NAMES, self._merged(), strict=False)}
 
     def _merged(self) -> tuple[NDArray[Any], ...]:
         for column in self._columns:
@@ -148,10 +171,9 @@ class ReplayQueue:
     def __len__(self) -> int:
         return sum(len(chunk) for chunk in self._columns[0])
 
-    def select(
-        self, lo: int, hi: int, source_id: int | None, partition: int | None
-    ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.int32]]:
-        """Entries with lo < replay_seq <= hi: (replay_seqs, roots, seqs, partitions).
+    def fetch(self, lo: int, hi: int, source_id: int | None, partition: int | None) -> Fetched:
+        """Entries with lo < replay_seq <= hi (of one source and target partition if
+        given), marked as fetched from now on; `again` tells which were before.
 
         ConfigError if the range starts below the point the source (or every source)
         was pruned to: those entries are gone, and a batch that needs them again means
@@ -163,14 +185,49 @@ class ReplayQueue:
                 f"replay range ({lo}, {hi}]{which} starts before its pruned point {pruned}"
             )
         if not self._columns[0]:
-            return _EMPTY_U64, _EMPTY_U64, _EMPTY_U64, np.zeros(0, dtype=np.int32)
-        rseq, roots, seqs, sources, parts = self._merged()
+            return Fetched(
+                _EMPTY_U64,
+                _EMPTY_U64,
+                _EMPTY_U64,
+                np.zeros(0, dtype=np.uint32),
+                np.zeros(0, dtype=np.int32),
+                np.zeros(0, dtype=np.bool_),
+            )
+        rseq, roots, seqs, sources, parts, fetched = self._merged()
         mask = (rseq > lo) & (rseq <= hi)
         if source_id is not None:
             mask &= sources == source_id
         if partition is not None:
             mask &= parts == partition
-        return rseq[mask], roots[mask], seqs[mask], parts[mask]
+        again = fetched[mask]
+        fetched[mask] = True
+        return Fetched(rseq[mask], roots[mask], seqs[mask], sources[mask], parts[mask], again)
+
+    def entries_of(self, roots: NDArray[np.uint64]) -> NDArray[np.int64]:
+        """How many entries each of `roots` has (more than one: a broadcast replay).
+        O(entries)."""
+        counts = np.zeros(len(roots), dtype=np.int64)
+        if not self._columns[0]:
+            return counts
+        queued = self._merged()[1]
+        unique, found = np.unique(queued[np.isin(queued, roots)], return_counts=True)
+        at = np.searchsorted(unique, roots)
+        hit = at < len(unique)
+        hit[hit] = unique[at[hit]] == roots[hit]
+        counts[hit] = found[at[hit]]
+        return counts
+
+    def renew(self, old_roots: NDArray[np.uint64], new_roots: NDArray[np.uint64]) -> None:
+        """Entries of `old_roots[i]` are of `new_roots[i]` from now on."""
+        if not self._columns[0] or not len(old_roots):
+            return
+        queued = self._merged()[1].copy()
+        order = np.argsort(old_roots)
+        sorted_old = old_roots[order]
+        at = np.minimum(np.searchsorted(sorted_old, queued), len(sorted_old) - 1)
+        hit = sorted_old[at] == queued
+        queued[hit] = new_roots[order][at[hit]]
+        self._columns[1][0] = queued
 
     def prune(self, upto: int, source_id: int | None = None) -> int:
         """Drop entries with replay_seq <= upto (of one source, or of every source);
@@ -178,7 +235,7 @@ class ReplayQueue:
         self._pruned_upto[source_id] = max(self._pruned_upto.get(source_id, 0), upto)
         if not self._columns[0]:
             return 0
-        rseq, _roots, _seqs, sources, _parts = self._merged()
+        rseq, _roots, _seqs, sources, _parts, _fetched = self._merged()
         keep = rseq > upto
         if source_id is not None:
             keep |= sources != source_id

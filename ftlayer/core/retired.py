@@ -1,5 +1,6 @@
-"""Retired roots: the roots that failed recently, so that their late events are counted
-as late (not unknown) and a repeated root is refused at persist."""
+"""Retired roots: the roots that failed or were taken over recently
+(ftlayer.core.takeover), so that their late events are counted as late (not unknown)
+and a repeated root is refused at persist."""
 
 from __future__ import annotations
 

@@ -65,6 +65,10 @@ class FTStats:
     batches_running: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per source id (as a string) with an open batch: `running_s` since its barrier and
     `lease_s`, the time its heartbeat lease has left (0: none, or lapsed)."""
+    taken_over: int = 0
+    """Pending roots retired because their record was persisted again (a re-read: a
+    task retried, a speculative attempt, a batch run again; ftlayer.core.takeover):
+    the new root covers the record, the old one is not replayed."""
     late_events: int = 0
     unknown_events: int = 0
     xor_events: int = 0

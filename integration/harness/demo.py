@@ -17,10 +17,12 @@ Structured Streaming pipeline on them, every step wrapped by ftlayer:
   once the broker confirmed its write.
 
 With `kill_workers` K, a thread SIGKILLs a running PySpark Python worker K times at
-random moments: Spark retries the task, and ftlayer replays whatever the dead worker
-left incomplete. Each kill is reported once through `on_kill`; Spark's own log (ERROR
-lines, with the stack traces of the killed tasks) goes to a file, `spark_log` in the
-result, never to the terminal.
+random moments (a worker busy on a task: one that used CPU in the last 0.1 s; an idle
+pooled worker would die unnoticed): Spark retries the task, whose re-read takes over
+the dead attempt's records (ftlayer.core.takeover), and ftlayer replays whatever else
+the dead worker left incomplete. Each kill is reported once through `on_kill`; Spark's
+own log (ERROR lines, with the stack traces of the killed tasks) goes to a file,
+`spark_log` in the result, never to the terminal.
 
 While it runs it shows produced, completed, pending and replayed counts. At the end it
 reads the output topic back and checks every event against what the pipeline must
@@ -168,8 +170,12 @@ def keep(row: dict[str, Any]) -> bool:
 
 
 def _python_workers() -> list[int]:
-    """PIDs of PySpark Python workers: processes forked by a pyspark.daemon."""
-    daemons: dict[int, int] = {}
+    """PIDs of this demo's PySpark task workers: the processes its own Spark JVM's
+    `pyspark.daemon pyspark.worker` forked. Never another process's: the machine may run
+    other Spark jobs, and the daemons of data source planning (`pyspark.sql.worker.*`)
+    run no task."""
+    parents: dict[int, int] = {}
+    task_daemons: set[int] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -178,9 +184,45 @@ def _python_workers() -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if b"pyspark.daemon" in cmdline or b"pyspark/daemon.py" in cmdline:
-            daemons[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return [pid for pid, parent in daemons.items() if parent in daemons]
+        pid = int(entry)
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if cmdline.rstrip(b"\0").endswith(b"pyspark.daemon\0pyspark.worker"):
+            task_daemons.add(pid)
+    me = os.getpid()
+
+    def ours(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:  # the JVM is this process's child
+            pid, seen = parents.get(pid, 0), seen + 1
+            if pid == me:
+                return True
+        return False
+
+    # A daemon's forked workers carry its command line too: a worker's parent is the
+    # daemon, the daemon's parent the JVM.
+    return [pid for pid in task_daemons if parents.get(pid) in task_daemons and ours(pid)]
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time of a process, in clock ticks (None: it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def _busy_python_workers(sample_s: float = 0.1) -> list[int]:
+    """PySpark Python workers that used CPU during the last `sample_s` seconds: those
+    running a task (the pool also keeps idle ones)."""
+    before = {pid: _cpu_ticks(pid) for pid in _python_workers()}
+    time.sleep(sample_s)
+    busy = []
+    for pid, ticks in before.items():
+        now = _cpu_ticks(pid)
+        if ticks is not None and now is not None and now > ticks:
+            busy.append(pid)
+    return busy
 
 
 def _killer(
@@ -204,7 +246,7 @@ def _killer(
         for moment in moments:
             while not stop.is_set():
                 if time.monotonic() - start >= moment:
-                    workers = _python_workers()
+                    workers = _busy_python_workers()
                     if workers:
                         pid = rng.choice(workers)
                         with contextlib.suppress(ProcessLookupError):
@@ -381,6 +423,9 @@ def run_demo(
             "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
             "completion": completion,
             "group_lag_at_end": lag,
+            # Records read again by a re-run (a retried task): each retired its earlier
+            # root instead of leaving it to time out (ftlayer.core.takeover).
+            "taken_over": status.taken_over,
         },
     )
 

@@ -36,7 +36,9 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Persiste
     store.close()
 
 
-def _records(n: int, *, keyed: bool = True, partitions: int = 4) -> RecordBatch:
+def _records(
+    n: int, *, keyed: bool = True, partitions: int = 4, first_offset: int = 100
+) -> RecordBatch:
     keys = [f"user-{i}".encode() for i in range(n)]
     hashes, has_key = kafka_key_hashes(keys)
     return RecordBatch.build(
@@ -46,7 +48,7 @@ def _records(n: int, *, keyed: bool = True, partitions: int = 4) -> RecordBatch:
         has_key=has_key if keyed else None,
         topics="orders",
         partitions=np.arange(n) % partitions,
-        offsets=np.arange(100, 100 + n),
+        offsets=np.arange(first_offset, first_offset + n),
     )
 
 
@@ -157,7 +159,8 @@ def test_a_replay_waiting_to_be_read_never_times_out_and_times_out_once_fetched(
     """A stalled or stopped query leaves its replays in the queue: they must not time
     out (and be requeued, again and again) merely because nobody read them. Once a
     source fetches them their timeout runs; a range fetched twice (a batch Spark runs
-    again) times each record out once."""
+    again) times each record out once, from the second fetch: that one gave the
+    records fresh roots (ftlayer.core.takeover)."""
     clock = Clock()
     ft = FTLayer(storage, timeout_s=10, buckets=3, clock=clock)
     batch = _records(4)
@@ -171,14 +174,15 @@ def test_a_replay_waiting_to_be_read_never_times_out_and_times_out_once_fetched(
     assert stats.pending == 4 and ft.replay_cursor == 4
     first = ft.fetch_replay(0, ft.replay_cursor)  # read at t = 99.5
     clock.now = 101.0
-    assert ft.fetch_replay(0, ft.replay_cursor).records.roots.tolist() == (
-        first.records.roots.tolist()
-    )  # read again
-    for t in np.arange(101.5, 116.0, 0.5):  # expired by 99.5 + 15 s
+    again = ft.fetch_replay(0, ft.replay_cursor)  # read again, at t = 101
+    assert again.records.offsets.tolist() == first.records.offsets.tolist()
+    assert not set(again.records.roots.tolist()) & set(first.records.roots.tolist())
+    for t in np.arange(101.5, 116.5, 0.5):  # expired by 101 + 15 s
         clock.now = float(t)
         ft.tick()
     stats = ft.current_stats()
     assert stats.failed["timeout"] == 4 and stats.pending == 4 and ft.replay_cursor == 8
+    assert stats.taken_over == 4
 
 
 def test_pending_roots_are_counted_per_source_even_when_two_sources_read_one_topic(
@@ -214,7 +218,9 @@ def test_a_root_that_failed_recently_cannot_be_persisted_again(
     _emit(ft, batch)
     assert ft.fail(batch.roots[[1]]) == 1
     clock.now = 19.0
-    reuse = _records(2).with_roots(np.array([new_ids(1)[0], batch.roots[1]], np.uint64))
+    reuse = _records(2, first_offset=200).with_roots(
+        np.array([new_ids(1)[0], batch.roots[1]], np.uint64)
+    )
     with pytest.raises(ConfigError, match="repeated root"):
         ft.persist(reuse)
     assert len(storage) == 3 and len(ft) == 3  # nothing stored, nothing pending
@@ -236,6 +242,8 @@ def test_retired_roots_are_known_between_ttl_and_ttl_times_one_and_a_half() -> N
 
 
 def test_fetch_replay_is_repeatable_until_the_replay_completes() -> None:
+    """The same range gives the same records; fetched again (a re-run) under fresh
+    roots, so the earlier run's emission and events cannot hold the new tree."""
     ft = FTLayer(MemoryStorage(), default_source=SourceConfig.named("forward", 4))
     batch = _records(6)
     _emit(ft, batch)
@@ -243,13 +251,16 @@ def test_fetch_replay_is_repeatable_until_the_replay_completes() -> None:
     first = ft.fetch_replay(0, 3)
     again = ft.fetch_replay(0, 3)
     assert first.replay_seqs.tolist() == again.replay_seqs.tolist() == [1, 2, 3]
-    assert first.records.roots.tolist() == again.records.roots.tolist()
+    assert first.records.offsets.tolist() == again.records.offsets.tolist()
+    assert not set(first.records.roots.tolist()) & set(again.records.roots.tolist())
     assert first.partitions.tolist() == [0, 2, 1]  # forward: the original partitions
     assert ft.fetch_replay(1, 2).records.offsets.tolist() == [102]
     assert ft.fetch_replay(0, 3, partition=1).records.offsets.tolist() == [105]
+    latest = ft.fetch_replay(0, 3)
+    assert len(ft) == 6 and ft.current_stats().taken_over == 3 + 1 + 1 + 3
     emit = int(new_ids(1)[0])
-    ft.xor_one(int(first.records.roots[0]), emit)
-    ft.xor_one(int(first.records.roots[0]), emit)
+    ft.xor_one(int(latest.records.roots[0]), emit)
+    ft.xor_one(int(latest.records.roots[0]), emit)
     assert ft.fetch_replay(0, 3).records.offsets.tolist() == [102, 105]
     assert ft.prune_replay(2) == 2
     with pytest.raises(ConfigError, match="pruned"):

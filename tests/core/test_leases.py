@@ -5,6 +5,7 @@ and of sources without heartbeats, time out as before."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,10 +40,20 @@ def _layer() -> tuple[FTLayer, Clock]:
     return FTLayer(MemoryStorage(), timeout_s=T, buckets=3, clock=clock), clock
 
 
+_NEXT_OFFSET = itertools.count()
+
+
 def _persist(ft: FTLayer, n: int, source: int = SOURCE) -> np.ndarray:
-    """n records of `source` that nobody acks (their events were lost)."""
+    """n records of `source` that nobody acks (their events were lost), at offsets no
+    earlier call used (a record read again would take the earlier one over)."""
+    first = next(_NEXT_OFFSET) * 1_000_000
     batch = RecordBatch.build(
-        new_ids(n), [b"r"] * n, source_ids=source, topics="t", partitions=0, offsets=np.arange(n)
+        new_ids(n),
+        [b"r"] * n,
+        source_ids=source,
+        topics="t",
+        partitions=0,
+        offsets=np.arange(first, first + n),
     )
     ft.persist(batch, new_ids(n))
     return batch.roots

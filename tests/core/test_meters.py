@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -34,14 +35,20 @@ class Clock:
         return self.now
 
 
+_NEXT_OFFSET = itertools.count()
+
+
 def _records(n: int, source: int = 7, topic: str = "orders") -> RecordBatch:
+    """n new records, at offsets no earlier call used (a record read again would take
+    the earlier copy over: ftlayer.core.takeover)."""
+    first = next(_NEXT_OFFSET) * 1_000_000
     return RecordBatch.build(
         new_ids(n),
         [b"v%d" % i for i in range(n)],
         source_ids=source,
         topics=topic,
         partitions=np.zeros(n, dtype=np.int32),
-        offsets=np.arange(n),
+        offsets=np.arange(first, first + n),
     )
 
 

@@ -63,6 +63,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "recovered_completed": 2,
         "timeouts_postponed": 6,
         "batches_running": {"7": {"running_s": 4.5, "lease_s": 1.5}},
+        "taken_over": 3,
         "late_events": 0,
         "unknown_events": 0,
         "xor_events": 8,

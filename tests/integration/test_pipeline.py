@@ -238,19 +238,38 @@ def test_records_a_plain_where_drops_time_out_and_their_replays_reach_the_sink(
 # ---- c. a Python worker killed mid-batch ----------------------------------------------------
 
 
-def test_a_python_worker_killed_mid_batch_loses_nothing(
+def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
+    """Tree mode: the enrich step's Python worker dies on the first record of two
+    partitions (once each), while the batch's other tasks run. The dead attempts had
+    persisted their whole partitions; Spark retries each task, which reads the same
+    Kafka range again and takes the dead attempt's roots over (ftlayer.core.takeover).
+
+    Why at most 1% duplicates (the issue's bound; 0 expected): an extra copy at the sink
+    comes either from the dead attempt's own sink, or from a replay of one of its roots.
+    The sink writes a chunk only after every step before it finished that chunk, and the
+    worker died on the first record of its partition's first chunk: it wrote nothing.
+    And no root of a dead attempt is replayed: the retry re-reads its records before
+    the next batch could take a replay in, and takes over the root of each, pending in
+    flight or (if its 3 s timeout fired first on a busy machine) waiting as a replay.
+    Without the takeover each dead attempt's records time out and are written again:
+    about half the output twice."""
     server = start_server(None, "--timeout-s", "3")
     topics = make_topic(4), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
+    firsts = {
+        r.partition: json.loads(r.value)["id"]
+        for r in read_all(kafka_bootstrap, topics[0])
+        if r.offset == 0 and r.value is not None
+    }
+    victims = frozenset({firsts[0], firsts[2]})
     seen_dir = tmp_path / "seen"
     seen_dir.mkdir()
-    victims = frozenset({N // 3, 2 * N // 3})
 
     def enrich_or_die(row: dict[str, Any]) -> dict[str, Any]:
         if row["id"] in victims and first_sight(seen_dir, row["id"]):
@@ -263,11 +282,13 @@ def test_a_python_worker_killed_mid_batch_loses_nothing(
     status = run_until_settled(query, server, topics[0])
 
     found = output_ids(kafka_bootstrap, topics[1])
-    assert set(found) == expected_ids(N), "records lost or invented"  # duplicates allowed
+    assert set(found) == expected_ids(N), "records lost or invented"
     assert {int(p.name) for p in seen_dir.iterdir()} == victims
-    # The dead attempts persisted records they never acked: those trees timed out and
-    # were replayed (Spark's retry read the same Kafka range under fresh roots).
-    assert status["failed"]["timeout"] >= len(victims)
+    duplicates = len(found) - len(set(found))
+    print(f"worker kills: duplicates {duplicates} of {N}, status {status}")
+    assert duplicates <= N // 100, f"{duplicates} duplicates of {N}"
+    # Each retry read its dead attempt's records again and took their roots over.
+    assert status["taken_over"] >= len(victims)
     assert status["pending"] == 0
 
 

@@ -33,7 +33,9 @@ took in). Then per kill:
 
 - driver: a record of B is written at most three times: by the dead run, by the re-run
   of its batch (under fresh roots), and by the replay of the dead run's root, which
-  happens only if that root was pending at the kill (it times out). A record outside B
+  happens only if that root was pending at the kill and timed out before the re-run's
+  copy was pending too (the job runs in barrier mode, where a root that times out under
+  a newer copy of its record retires: ftlayer.core.takeover). A record outside B
   belongs to a committed batch: its tree completed before Spark committed the batch.
   Bound: |B| + P, P = the FT layer's `pending` read right after the kill (which also
   counts replays waiting in the queue: it only loosens the bound).

@@ -154,19 +154,24 @@ def test_kafka_hash_replays_into_the_partition_kafka_chose(
     assert misplaced_kafka_replays(replay, originals) == []
 
     # Each partition's reader gets exactly the failed records Kafka put there, in
-    # offset order (replays keep the order their originals were persisted in).
+    # offset order (replays keep the order their originals were persisted in). Fetched
+    # a second time, they come under fresh roots (a re-run takes the replay over).
+    latest = []
     for p in range(PARTITIONS):
         mine = ft.fetch_replay(0, ft.replay_cursor, partition=p)
         assert list(mine.records.payloads) == [r.value for r in failed_records if r.partition == p]
         assert mine.partitions.tolist() == [p] * len(mine)
+        latest.append(mine.records.roots)
+    roots = np.concatenate(latest)
+    assert not set(roots.tolist()) & set(replay.records.roots.tolist())
 
     # The replays fail again: the second replay goes to the same partitions.
     first_cursor = ft.replay_cursor
     sink = TaskHandler(ft)
     sink.process(
-        Anchors.single(replay.records.roots, np.zeros(len(replay), np.uint64)),
+        Anchors.single(roots, np.zeros(len(roots), np.uint64)),
         NO_OUTPUTS,
-        failed=np.ones(len(replay), dtype=np.bool_),
+        failed=np.ones(len(roots), dtype=np.bool_),
     )
     sink.flush()
     again = ft.fetch_replay(first_cursor, ft.replay_cursor)

@@ -419,23 +419,27 @@ def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(
         assert end2["replay"] > end["replay"] and end2["kafka"] == end["kafka"]
         copy_a = read_replays()
         copy_b = read_replays()  # the replay batch runs twice as well
+        assert sorted(map(coords, copy_a)) == sorted(map(coords, copy_b))
         assert sorted(map(coords, copy_a)) == sorted(map(coords, second))
-        assert sorted(anchors(copy_a)[0].tolist()) == sorted(anchors(copy_b)[0].tolist())
         by_coords = {coords(r): r for r in second}
-        assert all(r["value"] == by_coords[coords(r)]["value"] for r in copy_a)
+        assert all(r["value"] == by_coords[coords(r)]["value"] for r in copy_b)
+        # The re-run fetched the replays under fresh roots, which took the first
+        # copy's over (its emission events hang off the old ones).
+        assert not set(anchors(copy_a)[0].tolist()) & set(anchors(copy_b)[0].tolist())
+        assert status(server)["taken_over"] == 60
 
-        # One copy's trees acked is not enough: both copies hang off the same roots.
+        # The first copy's acks are late: they complete nothing.
         ack(server, copy_a)
         seen = status(server)
-        assert (seen["completed"], seen["pending"]) == (60, 60)
+        assert (seen["completed"], seen["pending"], seen["late_events"]) == (60, 60, 60)
         ack(server, copy_b)
         seen = status(server)
-        assert (seen["completed"], seen["pending"], seen["late_events"]) == (120, 0, 0)
+        assert (seen["completed"], seen["pending"], seen["failed"]["timeout"]) == (120, 0, 60)
     finally:
         reader.stop()
 
 
-def test_a_task_spark_retries_leaves_duplicates_for_replay_never_an_early_completion(
+def test_a_task_spark_retries_takes_the_dead_attempts_roots_over_never_completing_early(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
@@ -470,14 +474,14 @@ def test_a_task_spark_retries_leaves_duplicates_for_replay_never_an_early_comple
     )
 
     assert_rows_match_kafka(rows, kafka_contents(kafka_bootstrap, [topic]))
-    # The failed attempt had persisted partition 0's records under roots of its own.
+    # The failed attempt had persisted partition 0's records under roots of its own;
+    # the retry read them again, and its roots took those over (no replay will come).
     seen = status(server)
-    assert (seen["persisted"], seen["pending"]) == (40 + in_partition_0, 40 + in_partition_0)
+    assert (seen["persisted"], seen["pending"]) == (40 + in_partition_0, 40)
+    assert seen["taken_over"] == in_partition_0
     ack(server, rows)
     seen = status(server)
-    # Nobody can ack the failed attempt's trees: they stay pending until their timeout
-    # replays them (test_a_batch_read_twice_... goes down that path).
-    assert (seen["completed"], seen["pending"]) == (40, in_partition_0)
+    assert (seen["completed"], seen["pending"], seen["failed"]["timeout"]) == (40, 0, 0)
 
 
 def read_rows(reader: FTKafkaStreamReader, part: Any) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ records' bytes, and the rows that reach the sink.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,14 +45,18 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N = 2000
 SCHEMA = "n long, k long, text string"
+# Each table's records are other records than the last one's: a record persisted again
+# at the same offset would take the earlier copy over (ftlayer.core.takeover).
+_FIRST_OFFSETS = itertools.count(0, 1_000_000)
 
 
 def source_table(client: FTClient, n: int, tag: str = "record") -> pa.Table:
     """n records persisted with the FT layer, as a source emits them: payload columns
-    plus the ft_root / ft_id the Persister returned."""
+    plus the ft_root / ft_id the Persister returned. Every call reads new offsets."""
     payloads = [f"{tag}-{i}".encode() for i in range(n)]
+    first = next(_FIRST_OFFSETS)
     anchors = Persister(client, source_id=1).persist(
-        payloads, topics="in", partitions=np.arange(n) % 2, offsets=np.arange(n)
+        payloads, topics="in", partitions=np.arange(n) % 2, offsets=first + np.arange(n)
     )
     return pa.table(
         {
