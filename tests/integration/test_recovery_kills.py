@@ -39,15 +39,18 @@ took in). Then per kill:
   belongs to a committed batch: its tree completed before Spark committed the batch.
   Bound: |B| + P, P = the FT layer's `pending` read right after the kill (which also
   counts replays waiting in the queue: it only loosens the bound).
-- ft-layer: the restarted server replays every record it finds in LMDB under a new
-  root (its `failed.recovery`, R): records pending at the kill, and records completed
-  just before it and not yet deleted; one more copy each. A Spark task that lost its
-  connection is retried and writes its rows again; they all belong to B. Such a task
-  may also have persisted records in the restarted server before it failed: their
-  roots time out there and are replayed, one more copy each (F, the restarted
-  server's `failed.timeout`, read when it is killed again or at the end; roots still
-  pending then are in the next R instead). Bound: |B| + R + F. (P cannot be read once
-  the server is dead; it is part of R.)
+- ft-layer: the restarted server restores from its acker journal (ftlayer.core.journal)
+  every tree the journal knows, as it was, and replays under a new root (its
+  `failed.recovery`, R) only the records whose journal write died with the process:
+  persists in flight at the kill, which belong to the running batches, so R <= |B|
+  (asserted per kill; before the journal, R was every record stored at the kill,
+  pending or completed and not yet deleted). One more copy each. A Spark task that
+  lost its connection is retried and writes its rows again; they all belong to B.
+  Such a task may also have persisted records in the restarted server before it
+  failed: their roots time out there or are taken over by the retry's re-read (F, the
+  restarted server's `failed.timeout`, read when it is killed again or at the end;
+  roots still pending then are in the next R instead). Bound: |B| + R + F <= 2|B| + F.
+  (P cannot be read once the server is dead; the journal restores those roots.)
 - both: the dead run's roots are recovered instead of timing out, and B runs again.
   Bound: |B| + R + F, as for the FT layer. Here F also counts recovered records that
   waited in the replay queue longer than the tree timeout while the job restarted:
@@ -578,6 +581,11 @@ def test_kills_lose_nothing_and_duplicate_only_what_was_in_flight(
     note = run.note()
     assert lost == 0, f"{lost} of {produced} records have no output; {note}"
     assert not invented, f"outputs of records never produced: {invented}; {note}"
+    for k in run.kills:  # the journal replays only what was in transit (docstring)
+        assert k.recovered <= k.batch_records, (
+            f"the restarted FT layer replayed {k.recovered} records, more than the "
+            f"{k.batch_records} of the batches running at the kill: {k}; {note}"
+        )
     assert duplicates <= bound, (
         f"{duplicates} duplicates, more than the {bound} the kills explain: "
         f"{[(k.uncommitted, k.bound) for k in run.kills]}; {note}"
