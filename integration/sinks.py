@@ -14,7 +14,11 @@ each partition. Nothing but a per-partition count comes back to the driver.
    the acks, or by two actions inside `fn`) leaves its trees unbalanced: they would
    time out and be replayed for ever. The cache makes `fn` and the acks read one
    computation. A cached partition that is evicted and recomputed costs a timeout
-   and a replay of its roots (a duplicate, never a loss).
+   and a replay of its roots (a duplicate, never a loss). In barrier mode (the
+   source's ft_id column says so) there is nothing to ack and tasks send no XOR
+   events, so the batch is not cached: a second computation (to fail the roots when
+   `fn` raised, or a second action inside `fn`) persists its records again under new
+   roots, which the barrier completes or the failure replays.
 2. Call `fn(batch without the FT columns, epoch_id)`.
 3. If it returned: ack every row (one job over the cached rows, FT columns only).
 4. If it raised: fail every root of the batch (they are replayed), then, with
@@ -247,8 +251,11 @@ class FTForeachBatch:
         if not self.settings.enabled:
             self.fn(self._deduplicated(df), epoch_id)
             return
-        # Step 1: one computation of the batch for fn and for the acks.
-        batch = df.persist()
+        # Step 1: one computation of the batch for fn and for the acks. In barrier mode
+        # there are no acks: a computation done again (only to fail the roots when fn
+        # raised) sends no XOR events that could unbalance a tree, so nothing is cached.
+        at_barrier = completes_at_barrier(df.schema)
+        batch = df if at_barrier else df.persist()
         try:
             try:
                 # Step 2: the user's write (one row per content key, with a key).
@@ -261,14 +268,15 @@ class FTForeachBatch:
                 log.warning("foreachBatch %d failed; its roots will be replayed: %r", epoch_id, exc)
                 return
             # Step 3: done: ack every row (barrier mode: the batch's barrier does).
-            if completes_at_barrier(batch.schema):
+            if at_barrier:
                 self.last_result = SinkResult(epoch_id, acked=0, failed=0, at_barrier=True)
                 return
             acked = settle(batch, self.settings, ack=True)
             self.last_result = SinkResult(epoch_id, acked=acked, failed=0)
         finally:
             # Step 5.
-            batch.unpersist()
+            if not at_barrier:
+                batch.unpersist()
 
     def _deduplicated(self, df: DataFrame) -> DataFrame:
         return df.dropDuplicates(list(self.key)) if self.key else df

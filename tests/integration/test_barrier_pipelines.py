@@ -403,3 +403,41 @@ def test_a_write_the_broker_refuses_fails_its_record_alone_until_it_is_a_dead_le
         for letter in letters
         for c in letter["causes"]
     )
+
+
+def test_a_foreach_batch_that_raises_has_its_uncached_batch_replayed(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """Barrier mode with ft_foreach_batch: the batch is not cached (there are no acks);
+    when the user's function raises, a second computation fails every root of the
+    batch, and the replays bring each record back: every record ends at the sink, and
+    nothing stays pending."""
+    n = 300
+    server = start_server(None, "--timeout-s", "120")
+    settings = FTSettings(server.address)
+    topic = make_topic(2)
+    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(n)])
+    marks = tmp_path / "raised"
+    written: list[int] = []
+
+    def write(batch: DataFrame, _epoch: int) -> None:
+        ids = [int(r.key) for r in batch.select("key").collect()]
+        if ids and not marks.exists():  # the first batch with rows fails once
+            marks.touch()
+            raise RuntimeError("the database is down")
+        written.extend(ids)
+
+    sink = ft_foreach_batch(write, settings, on_error="fail-and-continue")
+    query = start(barrier_source(spark, kafka_bootstrap, topic, server), sink, tmp_path / "cp")
+    try:
+        status = settle(query, server, lambda s: s.persisted >= n and len(set(written)) == n)
+    finally:
+        query.stop()
+    assert sorted(set(written)) == list(range(n))
+    assert status.failed["explicit"] > 0 and status.xor_events == 0
+    assert not sink.last_result or sink.last_result.at_barrier
+    assert spark.sparkContext._jsc.getPersistentRDDs().isEmpty()  # nothing left cached
