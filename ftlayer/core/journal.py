@@ -464,6 +464,8 @@ def _xor_reduce(
         return _EMPTY, _EMPTY
     r = np.concatenate(roots)
     v = np.concatenate(values)
+    if not len(r):  # records, all empty (a base with nothing pending, say)
+        return _EMPTY, _EMPTY
     order = np.argsort(r, kind="stable")
     r, v = r[order], v[order]
     starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])

@@ -345,3 +345,22 @@ def test_a_failed_journal_write_drops_the_journal_and_fails_no_request(tmp_path:
     assert ft.journal is not None and ft.journal.broken is None
     ft = proc.restart()
     assert ft.current_stats().recovered_pending == 6 and ft.current_stats().failed["recovery"] == 0
+
+
+def test_a_base_with_nothing_pending_and_no_events_since_recovers(tmp_path: Path) -> None:
+    """A server killed right after a checkpoint of an idle stream: the base holds no
+    root and its segment no record (this once crashed the restart)."""
+    proc = Process(tmp_path)
+    ft = proc.ft
+    _register(ft)
+    batch = _records(3)
+    emitted = new_ids(3)
+    ft.persist(batch, emitted)
+    ft.xor(batch.roots, emitted)
+    ft.flush_deletes()
+    ft.write_journal_base()  # nothing pending: an empty base, and nothing after it
+    ft = proc.restart()
+    assert len(ft) == 0 and ft.current_stats().failed["recovery"] == 0
+    ft.persist(_records(2, first_offset=10), new_ids(2))
+    ft = proc.restart()
+    assert ft.current_stats().recovered_pending == 2

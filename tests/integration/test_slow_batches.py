@@ -200,10 +200,18 @@ def test_a_query_stopped_mid_batch_lets_its_trees_time_out_and_loses_nothing(
         finally:
             query.stop()
         stopped = time.monotonic()
+
         # The driver stopped: no more heartbeats, the lease lapses (1.5 s: three
-        # heartbeats of T/4) and the trees time out within T*1.5 after it.
+        # heartbeats of T/4) and the trees time out within T*1.5 after it. (The stop
+        # fails the batch's sink, whose error fails the roots of a second computation
+        # of the batch: those newer copies of the records are pending, so the stopped
+        # batch's own roots retire under them when they time out, instead of being
+        # replayed a second time: ftlayer.core.takeover.)
+        def ended(s: Status) -> int:
+            return s.failed["timeout"] + s.taken_over
+
         wait_until(
-            lambda: client.status().failed["timeout"] == len(everything),
+            lambda: ended(client.status()) == len(everything),
             30,
             "the stopped batch's trees to time out",
         )
@@ -222,4 +230,4 @@ def test_a_query_stopped_mid_batch_lets_its_trees_time_out_and_loses_nothing(
         finally:
             query.stop()
     assert set(rows.rows) == everything
-    assert status.failed["timeout"] == len(everything)
+    assert status.failed["timeout"] + status.taken_over >= len(everything)
