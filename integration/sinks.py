@@ -66,6 +66,13 @@ rows twice); the sink reports them on the driver: with "fail-and-raise" it raise
 partial-write rule holds when FT is off, except that a failed write always raises,
 since nothing could replay the record.
 
+A task that Spark retries after its worker died writes only the rows its dead attempt
+had not written (`resume=True`, the default; integration.resume): each record carries
+an `ftlayer-write` header naming the batch's write job, the Spark partition and the
+row's index, and the retry reads back what the topic holds since the batch began and
+skips each row written there with the same content. A skipped row counts as written
+(acked in tree mode).
+
 Loops (`ft_kafka_sink(..., loop=True)`, after FLIP-16): the sink writes into a topic
 that a source of the same pipeline reads, and the records' trees go on across the
 loop instead of completing. Each record gets a fresh in-transit id and the Kafka
@@ -115,6 +122,17 @@ from .ftcolumns import (
     completes_at_barrier,
     loop_header,
 )
+from .resume import (
+    WRITE_HEADER,
+    ResumeError,
+    end_offsets,
+    is_retry,
+    new_write_id,
+    resume_consumer,
+    row_digest,
+    tag_prefix,
+    written_rows,
+)
 from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors
 
 __all__ = [
@@ -147,6 +165,7 @@ DEFAULT_PRODUCER_CONFIG: Final[Mapping[str, Any]] = {
 _FLUSH_MARGIN_S: Final = 5.0
 _NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
 _SUMMARY_SCHEMA: Final = "written long, failed long, error string"
+_OWN_HEADERS: Final = frozenset({LOOP_HEADER, WRITE_HEADER})
 
 
 class SinkError(FTLayerError):
@@ -331,9 +350,9 @@ def _as_bytes(batch: Any, column: str | None) -> list[bytes | None]:
 
 def _headers(batch: Any, column: str) -> list[list[tuple[str, bytes | None]]]:
     """Each row's Kafka headers from its headers column, without the loop header (a
-    loop sink sets its own)."""
+    loop sink sets its own) and without a write tag (this sink's write sets its own)."""
     return [
-        [(h["key"], h["value"]) for h in (row or ()) if h["key"] != LOOP_HEADER]
+        [(h["key"], h["value"]) for h in (row or ()) if h["key"] not in _OWN_HEADERS]
         for row in batch.column(column).to_pylist()
     ]
 
@@ -373,6 +392,14 @@ def _send_all(
     return confirmed, error
 
 
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """What every attempt of one batch's write job shares to resume (integration.resume)."""
+
+    write_id: bytes
+    start: Mapping[int, int]
+
+
 def _kafka_partition(
     settings: FTSettings,
     bootstrap: str,
@@ -382,15 +409,25 @@ def _kafka_partition(
     config: Mapping[str, Any],
     loop: bool = False,
     headers_column: str | None = None,
+    resume: _Resume | None = None,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     wait_s = config["delivery_timeout_ms"] / 1000 + _FLUSH_MARGIN_S
     secret = settings.loop_secret or b""  # FTKafkaSink refuses a loop sink without one
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        prefix = done = None
+        if resume is not None:
+            partition = context.partitionId() if context is not None else 0
+            prefix = tag_prefix(resume.write_id, partition)
+            if is_retry(context):
+                done = _written_before(bootstrap, topic, resume, partition, config)
         channel = settings.channel() if settings.enabled else None
         handler = TaskHandler(channel) if channel is not None else None
         producer: Any = None
-        written = failed = 0
+        written = failed = index = skipped = 0
         first_error: BaseException | None = None
         try:
             for batch in batches:
@@ -402,6 +439,7 @@ def _kafka_partition(
                         producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
                     keys, values = _as_bytes(batch, key_column), _as_bytes(batch, value_column)
                     headers = None if headers_column is None else _headers(batch, headers_column)
+                    skip = None
                     if anchors is not None and in_transit is not None:
                         own = headers or [[] for _ in range(n)]
                         headers = [
@@ -410,9 +448,21 @@ def _kafka_partition(
                                 own, anchors.roots.tolist(), in_transit.tolist(), strict=True
                             )
                         ]
-                    confirmed, error = _send_all(producer, topic, keys, values, wait_s, headers)
+                    elif prefix is not None:
+                        own = headers or [[] for _ in range(n)]
+                        if done:
+                            skip = _already_written(done, index, keys, values, own)
+                        headers = [
+                            [*kept, (WRITE_HEADER, prefix + (index + i).to_bytes(8, "big"))]
+                            for i, kept in enumerate(own)
+                        ]
+                    confirmed, error = _send_unless(
+                        producer, topic, keys, values, wait_s, headers, skip
+                    )
+                    skipped += 0 if skip is None else int(skip.sum())
                 except KafkaError as exc:  # no producer: the broker cannot be reached
                     confirmed, error = np.zeros(n, dtype=np.bool_), exc
+                index += n
                 first_error = first_error or error
                 ok = int(confirmed.sum())
                 written, failed = written + ok, failed + n - ok
@@ -428,6 +478,15 @@ def _kafka_partition(
         if handler is not None and channel is not None:
             handler.flush()
             channel.flush()
+        if done is not None:
+            log.warning(
+                "Kafka sink to %r: task retry of partition %d skipped %d of %d rows its "
+                "earlier attempt had written",
+                topic,
+                context.partitionId() if context is not None else 0,
+                skipped,
+                index,
+            )
         yield pa.RecordBatch.from_pydict(
             {
                 "written": pa.array([written], type=pa.int64()),
@@ -437,6 +496,64 @@ def _kafka_partition(
         )
 
     return run
+
+
+def _written_before(
+    bootstrap: str, topic: str, resume: _Resume, partition: int, config: Mapping[str, Any]
+) -> dict[int, bytes]:
+    """What an earlier attempt of this partition wrote ({} if that cannot be read: the
+    retry then writes every row again, duplicates but nothing lost)."""
+    try:
+        return written_rows(bootstrap, topic, resume.start, resume.write_id, partition, config)
+    except ResumeError as exc:
+        log.warning("Kafka sink to %r: writing partition %d again: %s", topic, partition, exc)
+        return {}
+
+
+def _already_written(
+    done: Mapping[int, bytes],
+    first: int,
+    keys: list[bytes | None],
+    values: list[bytes | None],
+    headers: list[list[tuple[str, bytes | None]]],
+) -> NDArray[np.bool_] | None:
+    """Which rows (indices `first`, `first` + 1, ...) an earlier attempt wrote with the
+    same content; None if none."""
+    skip = np.zeros(len(values), dtype=np.bool_)
+    for i in range(len(values)):
+        digest = done.get(first + i)
+        if digest is not None and digest == row_digest(keys[i], values[i], headers[i]):
+            skip[i] = True
+    return skip if skip.any() else None
+
+
+def _send_unless(
+    producer: Any,
+    topic: str,
+    keys: list[bytes | None],
+    values: list[bytes | None],
+    wait_s: float,
+    headers: list[list[tuple[str, bytes | None]]] | None,
+    skip: NDArray[np.bool_] | None,
+) -> tuple[NDArray[np.bool_], BaseException | None]:
+    """`_send_all` of the rows not in `skip`; a skipped row counts as confirmed (an
+    earlier attempt's write of it was)."""
+    if skip is None:
+        return _send_all(producer, topic, keys, values, wait_s, headers)
+    send = np.flatnonzero(~skip).tolist()
+    confirmed = skip.copy()
+    if send:
+        some, error = _send_all(
+            producer,
+            topic,
+            [keys[i] for i in send],
+            [values[i] for i in send],
+            wait_s,
+            None if headers is None else [headers[i] for i in send],
+        )
+        confirmed[send] = some
+        return confirmed, error
+    return confirmed, None
 
 
 def _loop_events(
@@ -475,6 +592,7 @@ class FTKafkaSink:
         producer_config: Mapping[str, Any] | None = None,
         loop: bool = False,
         headers_column: str | None = "headers",
+        resume: bool = True,
     ) -> None:
         if loop and not settings.enabled:
             raise ConfigError("a loop sink needs FT on: its records carry their tree's root")
@@ -493,7 +611,36 @@ class FTKafkaSink:
         self.headers_column = headers_column
         self.on_error = _check_on_error(on_error)
         self.producer_config = {**DEFAULT_PRODUCER_CONFIG, **(producer_config or {})}
+        self.resume = resume and not loop
         self.last_result: SinkResult | None = None
+        self._offsets: Any = None  # the driver's consumer for end offsets (resume)
+
+    def close(self) -> None:
+        """Close the driver's Kafka client (the sink opens it again when called)."""
+        if self._offsets is not None:
+            self._offsets.close()
+            self._offsets = None
+
+    def _resume_point(self, epoch_id: int) -> _Resume | None:
+        """A fresh write id and the topic's end offsets now, before this batch writes;
+        None (the batch writes without resuming) when the broker does not answer."""
+        if not self.resume:
+            return None
+        try:
+            if self._offsets is None:
+                self._offsets = resume_consumer(self.bootstrap_servers, self.producer_config)
+            start = end_offsets(self._offsets, self.topic)
+        except (KafkaError, ResumeError) as exc:
+            self.close()
+            log.warning(
+                "Kafka sink to %r: batch %d writes without resuming (a retried task writes "
+                "its partition again): %r",
+                self.topic,
+                epoch_id,
+                exc,
+            )
+            return None
+        return _Resume(new_write_id(), start)
 
     def __call__(self, df: DataFrame, epoch_id: int) -> None:
         ft_columns = _check_ft_columns(df, self.settings)
@@ -526,6 +673,7 @@ class FTKafkaSink:
             self.producer_config,
             self.loop,
             headers_column,
+            self._resume_point(epoch_id),
         )
         summary = df.select(*data_columns, *ft_columns).mapInArrow(run, _SUMMARY_SCHEMA).collect()
         written = sum(int(row.written) for row in summary)
@@ -555,13 +703,17 @@ def ft_kafka_sink(
     producer_config: Mapping[str, Any] | None = None,
     loop: bool = False,
     headers_column: str | None = "headers",
+    resume: bool = True,
 ) -> FTKafkaSink:
     """A foreachBatch function writing `key_column`/`value_column` to `topic`; rows are
     acked once the broker confirmed them, failed (replayed) otherwise. With
     `loop=True` the topic is one a source of the pipeline reads: each record carries
     its tree's root in a Kafka header and its tree goes on (module docstring). A
     `headers_column` the DataFrame has (the ftkafka source's `headers` under
-    includeHeaders) is written as each record's Kafka headers."""
+    includeHeaders) is written as each record's Kafka headers. With `resume` (the
+    default; not for loop sinks) each record also carries an `ftlayer-write` header,
+    and a task Spark retries skips the rows its dead attempt had written
+    (integration.resume)."""
     return FTKafkaSink(
         bootstrap_servers,
         topic,
@@ -572,4 +724,5 @@ def ft_kafka_sink(
         producer_config=producer_config,
         loop=loop,
         headers_column=headers_column,
+        resume=resume,
     )
