@@ -90,10 +90,10 @@ class WriteTag(NamedTuple):
 
     write_id: bytes
     partition: int
-    index: int
+    row: int
 
     def encode(self) -> bytes:
-        return _TAG.pack(self.write_id, self.partition, self.index)
+        return _TAG.pack(self.write_id, self.partition, self.row)
 
     @classmethod
     def decode(cls, raw: bytes | None) -> WriteTag | None:
@@ -234,4 +234,4 @@ def _collect(record: Any, write_id: bytes, partition: int, found: dict[int, byte
         else:
             own.append((name, raw))
     if tag is not None and tag.write_id == write_id and tag.partition == partition:
-        found[tag.index] = row_digest(record.key, record.value, own)
+        found[tag.row] = row_digest(record.key, record.value, own)

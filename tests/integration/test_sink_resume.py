@@ -1,0 +1,91 @@
+"""What a retried Kafka sink task reads back (integration.resume), on the real broker.
+
+The whole path (a sink writer killed mid-partition, Spark's retry skipping what it
+wrote) is test_pipeline.py's `test_a_sink_writer_killed_mid_partition_is_resumed_...`;
+these pin the parts it stands on: which records count as written by a partition of a
+write job, and when two rows count as the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kafka import KafkaProducer
+
+from ftlayer.integration.resume import (
+    WRITE_HEADER,
+    ResumeError,
+    WriteTag,
+    end_offsets,
+    resume_consumer,
+    row_digest,
+    tag_prefix,
+    written_rows,
+)
+
+MakeTopic = Callable[..., str]
+
+maybe_bytes = st.one_of(st.none(), st.binary(max_size=16))
+headers = st.lists(st.tuples(st.text(max_size=6), maybe_bytes), max_size=3)
+rows = st.tuples(maybe_bytes, maybe_bytes, headers)
+
+
+@given(rows, rows)
+def test_two_rows_share_a_digest_only_when_they_write_the_same_record(
+    a: tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]],
+    b: tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]],
+) -> None:
+    assert (row_digest(*a) == row_digest(*b)) == (a == b)
+
+
+@given(st.binary(min_size=8, max_size=8), st.integers(0, 2**32 - 1), st.integers(0, 2**63))
+def test_a_tag_is_its_prefix_and_index_and_decodes_back(
+    write_id: bytes, partition: int, index: int
+) -> None:
+    tag = WriteTag(write_id, partition, index)
+    assert tag.encode() == tag_prefix(write_id, partition) + index.to_bytes(8, "big")
+    assert WriteTag.decode(tag.encode()) == tag
+    assert WriteTag.decode(tag.encode()[:-1]) is None
+
+
+def test_written_rows_are_those_of_one_partition_of_one_write_after_the_start(
+    kafka_bootstrap: str, make_topic: MakeTopic
+) -> None:
+    topic = make_topic(3)
+    mine, other = b"A" * 8, b"B" * 8
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=0)
+
+    def send(write_id: bytes, partition: int, index: int, value: bytes) -> None:
+        tag = WriteTag(write_id, partition, index).encode()
+        producer.send(topic, key=b"k%d" % index, value=value, headers=[(WRITE_HEADER, tag)])
+        producer.flush()  # one record batch each: a broker's listed end may lag one
+
+    send(mine, 0, 0, b"before the batch")  # an earlier batch's write with the same id
+    consumer = resume_consumer(kafka_bootstrap, {})
+    try:
+        start = end_offsets(consumer, topic)
+    finally:
+        consumer.close()
+    for index in range(5):
+        send(mine, 0, index, b"v%d" % index)
+        send(mine, 1, index, b"other partition")
+        send(other, 0, index, b"other write")
+    producer.send(topic, value=b"untagged")
+    producer.flush()
+    producer.close()
+
+    found = written_rows(kafka_bootstrap, topic, start, mine, 0, {})
+    assert found == {i: row_digest(b"k%d" % i, b"v%d" % i) for i in range(5)}
+    assert written_rows(kafka_bootstrap, topic, start, b"C" * 8, 0, {}) == {}
+
+
+def test_the_end_offsets_of_a_missing_topic_are_a_clear_error(kafka_bootstrap: str) -> None:
+    consumer = resume_consumer(kafka_bootstrap, {})
+    try:
+        with pytest.raises(ResumeError, match="no partitions"):
+            end_offsets(consumer, "no-such-topic-for-resume")
+    finally:
+        consumer.close()
