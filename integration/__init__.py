@@ -1,14 +1,17 @@
 """ftlayer for PySpark: the whole user API in one import.
 
-    from ftlayer.integration import FTTasks, ft_kafka_sink, parse_options, register
+    from ftlayer.integration import FTTasks, ft_kafka_stream, parse_options, register
 
     register(spark)  # spark.readStream.format("ftkafka")
     orders = spark.readStream.format("ftkafka").options(**source_options).load()
     settings = parse_options(source_options).ft  # or FTSettings(address, token=...)
     tasks = FTTasks(settings)
     parsed = tasks.map(orders, parse, schema)  # a FailException fails one record
-    query = ft_kafka_sink(parsed, "broker:9092", "out", settings).start()
-    # ft_observe(df, name): ftlayer's figures in query.lastProgress["observedMetrics"]
+    writer = ft_kafka_stream(parsed, "broker:9092", "out", settings)
+    query = writer.option("checkpointLocation", "/cp").start()
+    # each batch's acked and failed rows: query.lastProgress["observedMetrics"]
+    # ["ftlayer.sink"]; ft_observe(df, name): the rows read and replayed there too
+    # (ft_kafka_sink / ft_foreach_batch: the same writes as foreachBatch functions)
 
 Three rooms, each with its contract in its own docstring: the `ftkafka` source
 (`ftlayer.integration.source`: persists every record before Spark sees it and feeds
@@ -22,6 +25,7 @@ record once its write is confirmed). What tests, the demo and the benches run ag
 from ftlayer.errors import ConfigError, FailException, SourceError
 
 from .ftcolumns import FTSettings
+from .kafkastream import ft_kafka_stream
 from .observe import ft_observe
 from .sinks import SinkError, ft_foreach_batch, ft_kafka_sink
 from .source import parse_options, register
@@ -39,6 +43,7 @@ __all__ = [
     "TaskOutput",
     "ft_foreach_batch",
     "ft_kafka_sink",
+    "ft_kafka_stream",
     "ft_observe",
     "local_spark",
     "parse_options",

@@ -164,7 +164,10 @@ DEFAULT_PRODUCER_CONFIG: Final[Mapping[str, Any]] = {
 # Beyond the delivery timeout every future has resolved; the margin covers scheduling.
 _FLUSH_MARGIN_S: Final = 5.0
 _NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
-_SUMMARY_SCHEMA: Final = "written long, failed long, error string"
+_SUMMARY_SCHEMA: Final = "written long, failed long, error string, failed_by map<string,long>"
+"""One row per partition of a Kafka sink's write: rows written (confirmed), rows whose
+write failed, the first error, and the failed rows per error type (the type of the
+error the FT layer got as their cause: an Arrow batch's first)."""
 _OWN_HEADERS: Final = frozenset({LOOP_HEADER, WRITE_HEADER})
 
 
@@ -429,6 +432,7 @@ def _kafka_partition(
         producer: Any = None
         written = failed = index = skipped = 0
         first_error: BaseException | None = None
+        failed_by: dict[str, int] = {}
         try:
             for batch in batches:
                 n = batch.num_rows
@@ -467,6 +471,7 @@ def _kafka_partition(
                 ok = int(confirmed.sum())
                 written, failed = written + ok, failed + n - ok
                 cause = None if error is None else _sink_cause(topic, error)
+                _count_failed(failed_by, error, n - ok)
                 if anchors is not None and in_transit is not None:
                     _loop_events(channel, anchors, in_transit, confirmed, cause)
                 elif anchors is not None and handler is not None:
@@ -492,6 +497,7 @@ def _kafka_partition(
                 "written": pa.array([written], type=pa.int64()),
                 "failed": pa.array([failed], type=pa.int64()),
                 "error": pa.array([None if first_error is None else repr(first_error)]),
+                "failed_by": pa.array([list(failed_by.items())], type=_FAILED_BY_TYPE),
             }
         )
 
@@ -556,6 +562,16 @@ def _send_unless(
     return confirmed, None
 
 
+_FAILED_BY_TYPE: Final = pa.map_(pa.string(), pa.int64())
+
+
+def _count_failed(failed_by: dict[str, int], error: BaseException | None, rows: int) -> None:
+    """Count `rows` failed writes under their error's type (the summary's failed_by)."""
+    if rows:
+        kind = "unknown" if error is None else type(error).__name__
+        failed_by[kind] = failed_by.get(kind, 0) + rows
+
+
 def _loop_events(
     channel: Any,
     anchors: Any,
@@ -577,6 +593,50 @@ def _sink_cause(topic: str, error: BaseException) -> Cause:
     return Cause.of_exception(error, f"kafka sink to {topic!r}", FailKind.SINK).clipped()
 
 
+def check_loop(loop: bool, settings: FTSettings) -> None:
+    """ConfigError unless a loop sink (`loop`) can run under `settings`."""
+    if loop and not settings.enabled:
+        raise ConfigError("a loop sink needs FT on: its records carry their tree's root")
+    if loop and settings.loop_secret is None:
+        raise ConfigError(
+            "a loop sink signs its loop headers with the pipeline's loop key: give the "
+            "FT layer's token (option ft.tokenFile) or a key (option ft.loopKeyFile or "
+            "FTSettings(loop_key=...))"
+        )
+
+
+def kafka_columns(
+    df: DataFrame,
+    key_column: str | None,
+    value_column: str,
+    headers_column: str | None,
+    loop: bool,
+) -> tuple[list[str], str | None]:
+    """The data columns a Kafka sink writes from `df` (key, value, headers), and its
+    headers column if `df` has it; ConfigError for a column of the wrong type."""
+    data_columns = [c for c in (key_column, value_column) if c is not None]
+    types = {f.name: f.dataType for f in df.schema.fields}
+    for column in data_columns:
+        if not isinstance(types.get(column), BinaryType | StringType):
+            found = types[column].simpleString() if column in types else "missing"
+            raise ConfigError(f"Kafka sink column {column!r} must be binary or string: {found}")
+    headers = headers_column if headers_column in types else None
+    if headers is not None and types[headers] != HEADERS_TYPE:
+        raise ConfigError(
+            f"Kafka sink column {headers!r} must be {HEADERS_TYPE.simpleString()} "
+            f"(the ftkafka source's headers), got {types[headers].simpleString()}"
+        )
+    if headers is not None:
+        data_columns.append(headers)
+    if loop and EXTRA_ANCHORS_COLUMN in df.columns:
+        raise ConfigError(
+            f"a loop sink writes rows with one anchor, but this DataFrame has "
+            f"{EXTRA_ANCHORS_COLUMN} (multi-anchored rows, from an aggregate): loop "
+            "the records before aggregating them"
+        )
+    return data_columns, headers
+
+
 class FTKafkaSink:
     """A foreachBatch function writing rows to a Kafka topic (module docstring)."""
 
@@ -594,14 +654,7 @@ class FTKafkaSink:
         headers_column: str | None = "headers",
         resume: bool = True,
     ) -> None:
-        if loop and not settings.enabled:
-            raise ConfigError("a loop sink needs FT on: its records carry their tree's root")
-        if loop and settings.loop_secret is None:
-            raise ConfigError(
-                "a loop sink signs its loop headers with the pipeline's loop key: give the "
-                "FT layer's token (option ft.tokenFile) or a key (option ft.loopKeyFile or "
-                "FTSettings(loop_key=...))"
-            )
+        check_loop(loop, settings)
         self.loop = loop
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
@@ -644,26 +697,9 @@ class FTKafkaSink:
 
     def __call__(self, df: DataFrame, epoch_id: int) -> None:
         ft_columns = _check_ft_columns(df, self.settings)
-        data_columns = [c for c in (self.key_column, self.value_column) if c is not None]
-        types = {f.name: f.dataType for f in df.schema.fields}
-        for column in data_columns:
-            if not isinstance(types.get(column), BinaryType | StringType):
-                found = types[column].simpleString() if column in types else "missing"
-                raise ConfigError(f"Kafka sink column {column!r} must be binary or string: {found}")
-        headers_column = self.headers_column if self.headers_column in types else None
-        if headers_column is not None and types[headers_column] != HEADERS_TYPE:
-            raise ConfigError(
-                f"Kafka sink column {headers_column!r} must be {HEADERS_TYPE.simpleString()} "
-                f"(the ftkafka source's headers), got {types[headers_column].simpleString()}"
-            )
-        if headers_column is not None:
-            data_columns.append(headers_column)
-        if self.loop and EXTRA_ANCHORS_COLUMN in df.columns:
-            raise ConfigError(
-                f"a loop sink writes rows with one anchor, but this DataFrame has "
-                f"{EXTRA_ANCHORS_COLUMN} (multi-anchored rows, from an aggregate): loop "
-                "the records before aggregating them"
-            )
+        data_columns, headers_column = kafka_columns(
+            df, self.key_column, self.value_column, self.headers_column, self.loop
+        )
         run = _kafka_partition(
             self.settings,
             self.bootstrap_servers,
