@@ -63,7 +63,7 @@ from .sinks import (
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
-    from pyspark.sql.streaming import DataStreamWriter
+    from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 __all__ = ["SINK_NAME", "ft_kafka_stream"]
 

@@ -16,14 +16,31 @@ back; before `writeStream` (a second name) the rows the sink gets. One aggregati
 per batch (a count and a sum, combined per partition), on the rows Spark computes
 anyway: `ftlayer bench pipeline --observe` measures it.
 
-What is not there, and why: the rows a sink acked or failed, and the failures of the
-tasks by cause. Spark reports only metrics observed on the streaming query's own plan;
-the sinks ack and fail inside their foreachBatch jobs, and a task's failed records
-leave no row behind, so no aggregate of the plan can count them (observing inside
-foreachBatch reaches no progress). They are in each sink's `last_result` on the
-driver (`SinkResult`: acked, failed, the first error), in the FT layer's counters
-(`ftlayer status`: failed by cause, dead-lettered, replayed) and, per record, in
-`ftlayer inspect`.
+The rows a sink acked and failed: not from the foreachBatch sinks (`ft_kafka_sink`,
+`ft_foreach_batch`), since Spark reports only metrics observed on the streaming
+query's own plan, and those sinks ack and fail in foreachBatch jobs of their own
+(observing inside foreachBatch reaches no progress). `ft_kafka_stream`
+(integration.kafkastream) puts the Kafka write into the query's plan and observes
+each batch's `acked`, `failed` and `failed_by_error` there; `ft_foreach_batch` keeps
+them in its `last_result` (`SinkResult`) on the driver.
+
+What no observation can carry: the records the tasks failed (a FailException, or
+another error under on_error="fail-record"), by cause. A step fails a record from
+inside its mapInArrow and drops its row, so nothing downstream in the plan sees it.
+Nor can a count from elsewhere reach the batch's progress: `observedMetrics` holds
+only aggregates of the plan's rows, and a Python streaming source has no hook for
+metrics of its own in the progress (PySpark 4.3's DataSourceStreamReader reports
+offsets only). And a count the driver fetched from the FT layer would not be the
+batch's: fails reach the FT layer as they happen, from this batch's tasks, its
+sink and the timeouts of earlier batches' trees alike, and nothing in them names a
+micro-batch. One figure is sound: around a `map` or `map_batches` step (one output
+per input), the `rows` observed before it minus those observed after it are the
+records it failed in that batch (not by cause; a filter or flat_map changes the
+count by design). The rest is in the FT layer: `ftlayer status` (`failed` by cause:
+`explicit`, every fail event, the sinks' included; `timeout`; `recovery`; per source
+in `by_source`; `dead_lettered`), and per record, with each failure's kind
+(explicit, error, sink, timeout), step and error, `ftlayer inspect` and the dead
+letters.
 """
 
 from __future__ import annotations

@@ -73,6 +73,9 @@ row's index, and the retry reads back what the topic holds since the batch began
 skips each row written there with the same content. A skipped row counts as written
 (acked in tree mode).
 
+`ft_kafka_stream` (integration.kafkastream) runs the same partition function inside
+the streaming query's plan, and observes its summary rows in each batch's progress.
+
 Loops (`ft_kafka_sink(..., loop=True)`, after FLIP-16): the sink writes into a topic
 that a source of the same pipeline reads, and the records' trees go on across the
 loop instead of completing. Each record gets a fresh in-transit id and the Kafka
