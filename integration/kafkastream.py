@@ -12,8 +12,8 @@ It returns the DataStreamWriter (format `noop`); the caller adds the checkpoint
 location, trigger and output mode, and starts it. Each partition of a micro-batch is
 written to Kafka by the same partition function as `ft_kafka_sink` (integration.sinks:
 one producer per partition, a row acked once the broker confirmed its write, failed
-with a `sink` cause otherwise, vectorized per Arrow batch; loop mode and headers
-alike), and yields one summary row. Spark sums the summary rows of the batch and
+with a `sink` cause otherwise, vectorized per Arrow batch; headers alike), and
+yields one summary row. Spark sums the summary rows of the batch and
 reports them under `lastProgress["observedMetrics"][name]` (and to every
 StreamingQueryListener):
 
@@ -25,10 +25,12 @@ StreamingQueryListener):
   their cause, here and in the FT layer's cause of each root);
 - `error`: one write error of the batch (repr), null if none failed.
 
-Only successful task attempts count: Spark merges a task's observed aggregates when
-the task succeeds, so a retried task's failed attempt is not counted twice (the rows it
-wrote stay in the topic: a retry writes them again, duplicates never counted here). A
-batch that Spark runs again after a restart is counted in the progress of its new run.
+Only successful task attempts count: a partition yields its summary row after its
+last write, and Spark merges a task's observed aggregates only when the task succeeds
+(on PySpark 4.3, an attempt that yielded its row and then failed is not in the batch's
+figures). So a retried task counts once; the rows its failed attempt wrote stay in the
+topic and the retry writes them again (duplicates in the topic, never in the
+figures). A batch that Spark runs again after a restart counts in its new run.
 
 Failures, unlike `ft_kafka_sink`'s: nothing is raised on the driver, since the write
 happens in the tasks and a task that raised would be retried and write its confirmed
@@ -37,6 +39,11 @@ letters as for any failure) and the query goes on, as with on_error="fail-and-co
 the progress says how many failed and why. FT off: nothing could replay a failed row,
 so the task raises SinkError after its writes; Spark retries it (the confirmed rows
 are written again) and the query stops once spark.task.maxFailures is reached.
+
+No loop mode: a loop sink writes only the rows that go round again, and the rest go
+to another sink (rule 4.2 of the user guide), which takes a foreachBatch function
+routing each row to `ft_kafka_sink(..., loop=True)` or the final sink; a query has
+one sink in its plan.
 
 A task's own failures (a FailException in an FTTasks step) do not appear here: the
 failed row is dropped inside the task, so no row reaches the sink or any observation
@@ -57,7 +64,6 @@ from .sinks import (
     SinkError,
     _check_ft_columns,
     _kafka_partition,
-    check_loop,
     kafka_columns,
 )
 
@@ -80,7 +86,6 @@ def ft_kafka_stream(
     key_column: str | None = "key",
     value_column: str = "value",
     producer_config: Mapping[str, Any] | None = None,
-    loop: bool = False,
     headers_column: str | None = "headers",
     name: str = SINK_NAME,
 ) -> DataStreamWriter:
@@ -88,17 +93,16 @@ def ft_kafka_stream(
     `df` has it) to `topic` inside the query's plan, with the acked and failed rows
     observed under `name` in every batch's progress (module docstring). Rows are
     acked once the broker confirmed them and failed (replayed) otherwise, as with
-    `ft_kafka_sink`; `loop=True` as there."""
+    `ft_kafka_sink`."""
     from pyspark.sql import functions as F
 
     if not df.isStreaming:
         raise ConfigError("ft_kafka_stream writes a streaming DataFrame; use ft_kafka_sink")
-    check_loop(loop, settings)
     ft_columns = _check_ft_columns(df, settings)
-    data_columns, headers = kafka_columns(df, key_column, value_column, headers_column, loop)
+    data_columns, headers = kafka_columns(df, key_column, value_column, headers_column, False)
     config = {**DEFAULT_PRODUCER_CONFIG, **(producer_config or {})}
     run = _kafka_partition(
-        settings, bootstrap_servers, topic, key_column, value_column, config, loop, headers
+        settings, bootstrap_servers, topic, key_column, value_column, config, False, headers
     )
     if not settings.enabled:
         run = _raising(run, topic)

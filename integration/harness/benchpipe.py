@@ -16,7 +16,11 @@ each phase writing to its own output topic and checkpoint.
    (`integration.harness.benchlatency`). With `observe`, each round also runs barrier
    mode with `ft.replayColumn` and `ft_observe` at the source and before the sink
    (integration.observe): its ratio to barrier mode is the cost of ftlayer's figures
-   in Spark's progress.
+   in Spark's progress. And barrier mode with `ft_observe` at the source and the
+   Kafka sink inside the query's plan (`ft_kafka_stream`, integration.kafkastream:
+   acked and failed rows in the progress too) instead of the foreachBatch sink: its
+   ratio to barrier mode, and the rows its progress says it acked (the expected
+   outputs, when the progress of every batch is still in `recentProgress`).
 2. Failures. The same pipeline where enrich fails a `fail_rate` share of the events
    the first time it sees each (first sight = an O_EXCL marker file), once under
    ftlayer (FailException: that record's tree fails and is replayed) and once under
@@ -107,6 +111,15 @@ def _calls(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.glob("calls-*"))
 
 
+def _observed_acked(query: Any) -> int:
+    """The rows the in-plan sink acked, summed over the query's recent progress."""
+    return sum(
+        int(p["observedMetrics"]["ftlayer.sink"]["acked"])
+        for p in query.recentProgress
+        if "ftlayer.sink" in (p["observedMetrics"] or {})
+    )
+
+
 def bench_pipeline(
     records: int = 100_000,
     partitions: int = 4,
@@ -117,6 +130,7 @@ def bench_pipeline(
     observe: bool = False,
 ) -> dict[str, Any]:
     """See the module docstring; returns the figures."""
+    from ftlayer.integration.kafkastream import ft_kafka_stream
     from ftlayer.integration.observe import ft_observe
     from ftlayer.integration.sinks import ft_kafka_sink
     from ftlayer.integration.source import register
@@ -148,6 +162,7 @@ def bench_pipeline(
                 completion: str = "tree",
                 round_: int | None = None,
                 observed: bool = False,
+                in_plan: bool = False,
             ) -> float:
                 """One run; with `round_`, a timed one whose latency is reported."""
                 nonlocal runs
@@ -177,12 +192,16 @@ def bench_pipeline(
                     source = ft_observe(source, "ftlayer.source")
                 parsed = tasks.map(source, parse, PARSED_SCHEMA)
                 kept = tasks.filter(tasks.map(parsed, enrich, ENRICHED_SCHEMA), keep)
-                if observed:
+                if observed and not in_plan:
                     kept = ft_observe(kept, "ftlayer.sink")
                 started = time.perf_counter()
+                writer = (
+                    ft_kafka_stream(kept, bootstrap, out, settings)
+                    if in_plan
+                    else kept.writeStream.foreachBatch(ft_kafka_sink(bootstrap, out, settings))
+                )
                 query = (
-                    kept.writeStream.foreachBatch(ft_kafka_sink(bootstrap, out, settings))
-                    .option("checkpointLocation", str(work / f"checkpoint-{runs}"))
+                    writer.option("checkpointLocation", str(work / f"checkpoint-{runs}"))
                     .trigger(processingTime="200 milliseconds")
                     .start()
                 )
@@ -190,19 +209,24 @@ def bench_pipeline(
                     _wait_for_outputs(
                         query, bootstrap, out, expected, server.address, ft, deadline_s
                     )
-                    return time.perf_counter() - started
+                    elapsed = time.perf_counter() - started
                 finally:
                     stop_when_idle(query)
+                if in_plan:
+                    in_plan_acked.append(_observed_acked(query))
+                return elapsed
 
             plain = make_enrich(str(work / "never"), 0.0)
             run(True, plain)  # warm-up: JIT, Python workers, Kafka producers
-            off_s, on_s, barrier_s, observed_s = [], [], [], []
+            off_s, on_s, barrier_s, observed_s, in_plan_s = [], [], [], [], []
+            in_plan_acked: list[int] = []
             for r in range(rounds):
                 off_s.append(run(False, plain))
                 on_s.append(run(True, plain, "tree", r))
                 barrier_s.append(run(True, plain, "barrier", r))
                 if observe:
                     observed_s.append(run(True, plain, "barrier", observed=True))
+                    in_plan_s.append(run(True, plain, "barrier", observed=True, in_plan=True))
 
             reprocessed: dict[str, float] = {}
             flaky_events = sum(1 for i in range(records) if is_flaky(i, fail_rate))
@@ -233,6 +257,15 @@ def bench_pipeline(
             "ft_on_barrier_observed_records_per_s": round(observed_rate),
             "ratio_observed_vs_barrier": round(observed_rate / barrier_rate, 3),
             "ft_on_barrier_observed_seconds": [round(s, 2) for s in observed_s],
+        }
+    if in_plan_s:  # ft_observe at the source, ft_kafka_stream: the sink in the plan
+        in_plan_rate = records / statistics.median(in_plan_s)
+        observed |= {
+            "ft_on_barrier_in_plan_records_per_s": round(in_plan_rate),
+            "ratio_in_plan_vs_barrier": round(in_plan_rate / barrier_rate, 3),
+            "ft_on_barrier_in_plan_seconds": [round(s, 2) for s in in_plan_s],
+            "in_plan_observed_acked": in_plan_acked,
+            "expected_outputs": expected,
         }
     return {
         **observed,
