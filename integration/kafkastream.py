@@ -30,7 +30,10 @@ last write, and Spark merges a task's observed aggregates only when the task suc
 (on PySpark 4.3, an attempt that yielded its row and then failed is not in the batch's
 figures). So a retried task counts once; the rows its failed attempt wrote stay in the
 topic and the retry writes them again (duplicates in the topic, never in the
-figures). A batch that Spark runs again after a restart counts in its new run.
+figures): this sink does not resume a retried task as `ft_kafka_sink` does
+(integration.resume), which takes a driver step per batch (a write id and the topic's
+end offsets before the batch writes) that a plan built once has no place for. A
+batch that Spark runs again after a restart counts in its new run.
 
 Failures, unlike `ft_kafka_sink`'s: nothing is raised on the driver, since the write
 happens in the tasks and a task that raised would be retried and write its confirmed

@@ -74,7 +74,8 @@ skips each row written there with the same content. A skipped row counts as writ
 (acked in tree mode).
 
 `ft_kafka_stream` (integration.kafkastream) runs the same partition function inside
-the streaming query's plan, and observes its summary rows in each batch's progress.
+the streaming query's plan, without resume, and observes its summary rows in each
+batch's progress.
 
 Loops (`ft_kafka_sink(..., loop=True)`, after FLIP-16): the sink writes into a topic
 that a source of the same pipeline reads, and the records' trees go on across the
