@@ -25,15 +25,16 @@ StreamingQueryListener):
   their cause, here and in the FT layer's cause of each root);
 - `error`: one write error of the batch (repr), null if none failed.
 
-Only successful task attempts count: a partition yields its summary row after its
-last write, and Spark merges a task's observed aggregates only when the task succeeds
-(on PySpark 4.3, an attempt that yielded its row and then failed is not in the batch's
-figures). So a retried task counts once; the rows its failed attempt wrote stay in the
-topic and the retry writes them again (duplicates in the topic, never in the
-figures): this sink does not resume a retried task as `ft_kafka_sink` does
-(integration.resume), which takes a driver step per batch (a write id and the topic's
-end offsets before the batch writes) that a plan built once has no place for. A
-batch that Spark runs again after a restart counts in its new run.
+Only successful task attempts count: a partition yields its summary row after its last
+write, and Spark merges a task's observed aggregates only when the task succeeds (on
+PySpark 4.3, an attempt that yielded its row and then failed is not in the batch's
+figures: tests/integration/test_sink_progress.py). So a retried task counts once; the
+rows its failed attempt wrote stay in the topic and the retry writes them again
+(duplicates in the topic, never in the figures): this sink does not resume a retried
+task as `ft_kafka_sink` does (integration.resume), which takes a driver step per batch
+(a write id and the topic's end offsets before the batch writes) that a plan built
+once has no place for. A batch that Spark runs again after a restart counts in its new
+run.
 
 Failures, unlike `ft_kafka_sink`'s: nothing is raised on the driver, since the write
 happens in the tasks and a task that raised would be retried and write its confirmed

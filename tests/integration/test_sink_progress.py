@@ -13,14 +13,16 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
-from pyspark import cloudpickle
+from pyspark import TaskContext, cloudpickle
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQueryListener
 from serverproc import StartServer
 
@@ -245,3 +247,57 @@ def test_with_ft_off_a_failed_write_stops_the_query(
     # Each attempt wrote the small row again: the retries' duplicates, nothing lost.
     keys = [int(record.key) for record in read_all(kafka_bootstrap, out)]
     assert set(keys) == {0} and len(keys) >= 2, keys
+
+
+def summarise_then_fail_once(marks: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The sink's shape: one summary row after the partition's rows; the first attempt
+    of each task yields a wrong one (1000 times too many) and then fails."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        rows = sum(batch.num_rows for batch in batches)
+        context = TaskContext.get()
+        assert context is not None
+        first = context.attemptNumber() == 0
+        yield pa.RecordBatch.from_pydict({"rows": pa.array([rows * (1000 if first else 1)])})
+        if first:
+            Path(marks, f"{context.stageId()}-{context.partitionId()}").touch()
+            raise RuntimeError("the first attempt fails after its summary row")
+
+    return run
+
+
+def test_a_task_retried_after_its_summary_row_counts_once(
+    spark: SparkSession, kafka_bootstrap: str, make_topic: MakeTopic, tmp_path: Path
+) -> None:
+    """What the sink's figures rest on: Spark merges a task's observed aggregates only
+    when the task succeeds, so an attempt that yielded its summary row and then failed
+    is not in the batch's progress."""
+    n = 200
+    topic = make_topic(2)
+    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(n)])
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    summaries = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("ft.enabled", "false")
+        .load()
+        .select("value")
+        .mapInArrow(summarise_then_fail_once(str(marks)), "rows long")
+    )
+    query = (
+        summaries.observe("summaries", F.sum("rows").alias("rows"))
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(180), "the query did not finish"
+        progress = query.recentProgress
+    finally:
+        query.stop()
+    observed = [p["observedMetrics"]["summaries"]["rows"] for p in progress]
+    assert sum(r for r in observed if r is not None) == n, observed
+    assert len(os.listdir(marks)) >= 2  # each partition's first attempt failed
