@@ -110,6 +110,7 @@ from .anchors import (
     ft_columns_of,
     read_anchors,
 )
+from .observed import StepTally, observed_step, step_name
 from .results import (
     Failures,
     GroupKey,
@@ -124,6 +125,10 @@ from .results import (
     run_record_fn,
 )
 from .runners import Step, filter_partition, map_partition
+
+Observe = bool | str | None
+"""A step's `observe`: None follows FTTasks(observe=...); True observes the step under
+its default name, a string under that name; False does not observe it."""
 
 __all__ = [
     "ALL_FT_COLUMNS",
@@ -150,9 +155,13 @@ class FTTasks:
     payload columns only: the wrappers add the FT columns.
     """
 
-    def __init__(self, settings: FTSettings, *, on_error: OnError = "fail-record") -> None:
+    def __init__(
+        self, settings: FTSettings, *, on_error: OnError = "fail-record", observe: bool = False
+    ) -> None:
         self.settings = settings
         self.on_error = _check_on_error(on_error)
+        self.observe = observe
+        self._observed: dict[str, int] = {}
 
     @property
     def ft(self) -> bool:
@@ -167,9 +176,12 @@ class FTTasks:
         schema: Schema,
         *,
         on_error: OnError | None = None,
+        observe: Observe = None,
     ) -> DataFrame:
         """One output row (a dict of `schema`'s columns) per input row (a dict)."""
-        return self._records(df, lambda row: (fn(row),), schema, on_error, _step("map", fn))
+        what = _step("map", fn)
+        named = self._observed_as(observe, "map", fn)
+        return self._records(df, lambda row: (fn(row),), schema, on_error, what, named)
 
     def flat_map(
         self,
@@ -178,10 +190,12 @@ class FTTasks:
         schema: Schema,
         *,
         on_error: OnError | None = None,
+        observe: Observe = None,
     ) -> DataFrame:
         """Zero or more output rows per input row; all of a record's outputs are emitted,
         or (when it fails, even midway) none."""
-        return self._records(df, fn, schema, on_error, _step("flat_map", fn))
+        named = self._observed_as(observe, "flat_map", fn)
+        return self._records(df, fn, schema, on_error, _step("flat_map", fn), named)
 
     def filter(
         self,
@@ -189,6 +203,7 @@ class FTTasks:
         predicate: Callable[[Row], bool],
         *,
         on_error: OnError | None = None,
+        observe: Observe = None,
     ) -> DataFrame:
         """Keep the rows the predicate is true for; a dropped row's tree is acked."""
         mode = self._mode(on_error)
@@ -196,7 +211,7 @@ class FTTasks:
         def decide(payload: Any, failures: Failures) -> Any:
             return run_predicate(predicate, payload, mode, failures)
 
-        return self._filter(df, decide, "filter")
+        return self._filter(df, decide, "filter", self._observed_as(observe, "filter", predicate))
 
     # ---- per batch ----
 
@@ -207,6 +222,7 @@ class FTTasks:
         schema: Schema,
         *,
         on_error: OnError | None = None,
+        observe: Observe = None,
     ) -> DataFrame:
         """fn(pyarrow.RecordBatch of the payload columns) returns a RecordBatch or Table
         with one row per input (a map), or a `TaskOutput` (anything else)."""
@@ -216,7 +232,8 @@ class FTTasks:
         def step(payload: Any, failures: Failures) -> Any:
             return run_batch_fn(fn, payload, payload_schema, mode, failures)
 
-        return self._mapped(df, step, schema, "map_batches")
+        named = self._observed_as(observe, "map_batches", fn)
+        return self._mapped(df, step, schema, "map_batches", named)
 
     def filter_batches(
         self,
@@ -224,6 +241,7 @@ class FTTasks:
         predicate: Callable[[Any], Any],
         *,
         on_error: OnError | None = None,
+        observe: Observe = None,
     ) -> DataFrame:
         """predicate(pyarrow.RecordBatch) returns a boolean mask (numpy or pyarrow; null
         drops the row)."""
@@ -232,7 +250,8 @@ class FTTasks:
         def decide(payload: Any, failures: Failures) -> Any:
             return run_batch_predicate(predicate, payload, mode, failures)
 
-        return self._filter(df, decide, "filter_batches")
+        named = self._observed_as(observe, "filter_batches", predicate)
+        return self._filter(df, decide, "filter_batches", named)
 
     # ---- grouped ----
 
@@ -245,6 +264,7 @@ class FTTasks:
         *,
         num_partitions: int | None = None,
         on_error: OnError | None = None,
+        observe: Observe = None,
     ) -> DataFrame:
         """Per-key aggregation within a micro-batch, multi-anchored.
 
@@ -259,6 +279,7 @@ class FTTasks:
         (default: spark.sql.shuffle.partitions).
         """
         mode = self._mode(on_error)
+        named = self._observed_as(observe, "aggregate", fn)
         keys = [by] if isinstance(by, str) else list(by)
         self._check_keys(df, keys)
         payload_struct = _struct(df, schema)
@@ -270,7 +291,7 @@ class FTTasks:
         # refuses both outside stateful operators): each micro-batch partition is then
         # sorted by the keys in the task itself, in memory.
         local_sort = df.isStreaming
-        if not self.ft and not local_sort:
+        if not self.ft and not local_sort and named is None:
             return shuffled.groupBy(*keys).applyInArrow(
                 plain_group_fn(fn, payload_schema, mode), payload_struct
             )
@@ -284,10 +305,23 @@ class FTTasks:
             else payload_struct
         )
         out_schema = self._arrow(df, out_struct)
+        if named is None:
+            run = aggregate_partition(
+                self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
+            )
+            return shuffled.mapInArrow(run, out_struct)
+        tally = StepTally()
         run = aggregate_partition(
-            self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
+            self.settings,
+            keys,
+            fn,
+            payload_schema,
+            out_schema,
+            mode,
+            local_sort=local_sort,
+            failures=tally.failures,
         )
-        return shuffled.mapInArrow(run, out_struct)
+        return observed_step(shuffled, run, tally, out_struct, named, self._timezone(df))
 
     # ---- plumbing ----
 
@@ -301,6 +335,7 @@ class FTTasks:
         schema: Schema,
         on_error: OnError | None,
         what: str,
+        named: str | None,
     ) -> DataFrame:
         mode = self._mode(on_error)
         payload_schema = self._payload_arrow(df, schema)
@@ -308,26 +343,49 @@ class FTTasks:
         def step(payload: Any, failures: Failures) -> Any:
             return run_record_fn(fn, payload, payload_schema, mode, failures, what)
 
-        return self._mapped(df, step, schema, what)
+        return self._mapped(df, step, schema, what, named)
 
-    def _mapped(self, df: DataFrame, step: Step, schema: Schema, what: str) -> DataFrame:
+    def _mapped(
+        self, df: DataFrame, step: Step, schema: Schema, what: str, named: str | None
+    ) -> DataFrame:
         payload_struct = _struct(df, schema)
         self._check_ft_columns(df)
         multi = EXTRA_ANCHORS_COLUMN in df.columns
         out_struct = (
             _with_ft_fields(payload_struct, multi, like=df.schema) if self.ft else payload_struct
         )
-        run = map_partition(self.settings, step, self._arrow(df, out_struct), multi, what)
-        return df.mapInArrow(run, out_struct)
+        out_schema = self._arrow(df, out_struct)
+        if named is None:
+            return df.mapInArrow(
+                map_partition(self.settings, step, out_schema, multi, what), out_struct
+            )
+        tally = StepTally()
+        run = map_partition(self.settings, tally.counting(step), out_schema, multi, what)
+        return observed_step(df, run, tally, out_struct, named, self._timezone(df))
 
     def _filter(
         self,
         df: DataFrame,
         decide: Callable[[Any, Failures], tuple[NDArray[np.bool_], NDArray[np.bool_] | None]],
         what: str,
+        named: str | None,
     ) -> DataFrame:
         self._check_ft_columns(df)
-        return df.mapInArrow(filter_partition(self.settings, decide, what), df.schema)
+        if named is None:
+            return df.mapInArrow(filter_partition(self.settings, decide, what), df.schema)
+        tally = StepTally()
+        run = filter_partition(self.settings, tally.counting(decide), what)
+        return observed_step(df, run, tally, df.schema, named, self._timezone(df))
+
+    def _observed_as(self, observe: Observe, kind: str, fn: Callable[..., Any]) -> str | None:
+        """The name of the step's observation, None if it is not observed."""
+        if observe is None:
+            observe = self.observe
+        if isinstance(observe, str):
+            if not observe:
+                raise ConfigError("observe='' names no observation; use observe=True")
+            return observe
+        return step_name(kind, fn, self._observed) if observe else None
 
     def _check_ft_columns(self, df: DataFrame) -> None:
         present = ft_columns_of(df.columns)
@@ -362,9 +420,12 @@ class FTTasks:
         return self._arrow(df, _struct(df, schema))
 
     @staticmethod
-    def _arrow(df: DataFrame, struct: StructType) -> Any:
-        timezone = df.sparkSession.conf.get("spark.sql.session.timeZone")
-        return to_arrow_schema(struct, timezone=timezone)
+    def _timezone(df: DataFrame) -> str:
+        return str(df.sparkSession.conf.get("spark.sql.session.timeZone"))
+
+    @classmethod
+    def _arrow(cls, df: DataFrame, struct: StructType) -> Any:
+        return to_arrow_schema(struct, timezone=cls._timezone(df))
 
 
 def _step(kind: str, fn: Callable[..., Any]) -> str:

@@ -162,11 +162,13 @@ def aggregate_partition(
     on_error: OnError,
     *,
     local_sort: bool = False,
+    failures: Callable[[str], Failures] = Failures,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """Groups of rows sorted by key (sorted here with `local_sort`), fn per group, every
     output multi-anchored to its group's inputs (FT on); with FT off a failed group emits
-    nothing."""
+    nothing. `failures` makes the partition's Failures (an observed step keeps it)."""
     ft = settings.enabled
+    new_failures = failures
 
     def emit(
         rows: Any, handler: TaskHandler | NoFTTaskHandler, failures: Failures
@@ -194,7 +196,7 @@ def aggregate_partition(
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
         log_with_time_and_level()
-        failures = Failures("aggregate")
+        failures = new_failures("aggregate")
         grouper = _Grouper(by, [])
         for batch in _sorted_by(batches, by) if local_sort else batches:
             complete = grouper.feed(batch)
