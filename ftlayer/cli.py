@@ -316,8 +316,8 @@ def _parser() -> argparse.ArgumentParser:
     pipeline.add_argument(
         "--observe",
         action="store_true",
-        help="also run barrier mode with ft_observe, and with ft_observe and ft_kafka_stream "
-        "(ftlayer's figures in Spark's progress)",
+        help="also run barrier mode with ft_observe, with ft_observe and ft_kafka_stream, and "
+        "with FTTasks(observe=True) (ftlayer's figures in Spark's progress)",
     )
     pipeline.add_argument("--json", action="store_true", help="print one JSON object last")
 

@@ -51,7 +51,8 @@ one sink in its plan.
 
 A task's own failures (a FailException in an FTTasks step) do not appear here: the
 failed row is dropped inside the task, so no row reaches the sink or any observation
-downstream (integration.observe says where to look for them).
+downstream; `FTTasks(settings, observe=True)` reports them per step
+(integration.tasks.observed).
 """
 
 from __future__ import annotations

@@ -24,23 +24,21 @@ query's own plan, and those sinks ack and fail in foreachBatch jobs of their own
 each batch's `acked`, `failed` and `failed_by_error` there; `ft_foreach_batch` keeps
 them in its `last_result` (`SinkResult`) on the driver.
 
-What no observation can carry: the records the tasks failed (a FailException, or
-another error under on_error="fail-record"), by cause. A step fails a record from
-inside its mapInArrow and drops its row, so nothing downstream in the plan sees it.
-Nor can a count from elsewhere reach the batch's progress: `observedMetrics` holds
-only aggregates of the plan's rows, and a Python streaming source has no hook for
-metrics of its own in the progress (PySpark 4.3's DataSourceStreamReader reports
-offsets only). And a count the driver fetched from the FT layer would not be the
-batch's: fails reach the FT layer as they happen, from this batch's tasks, its
+The records the tasks failed (a FailException, or another error under
+on_error="fail-record"), by cause: no observation downstream of a step can count them,
+since a step fails a record from inside its mapInArrow and drops its row. Build the
+steps with `FTTasks(settings, observe=True)` (or `observe=` on one step) instead: each
+observed step counts its partition itself and reports `records`, `outputs`, `failed`,
+`explicit` and `error` under `observedMetrics["ftlayer.step.<kind>(<function>)"]`
+(integration.tasks.observed). A count the driver fetched from the FT layer would not
+be the batch's: fails reach the FT layer as they happen, from this batch's tasks, its
 sink and the timeouts of earlier batches' trees alike, and nothing in them names a
-micro-batch. One figure is sound: around a `map` or `map_batches` step (one output
-per input), the `rows` observed before it minus those observed after it are the
-records it failed in that batch (not by cause; a filter or flat_map changes the
-count by design). The rest is in the FT layer: `ftlayer status` (`failed` by cause:
-`explicit`, every fail event, the sinks' included; `timeout`; `recovery`; per source
-in `by_source`; `dead_lettered`), and per record, with each failure's kind
-(explicit, error, sink, timeout), step and error, `ftlayer inspect` and the dead
-letters.
+micro-batch (nor has a Python streaming source a hook for metrics of its own in the
+progress: PySpark 4.3's DataSourceStreamReader reports offsets only). The rest is in
+the FT layer: `ftlayer status` (`failed` by cause: `explicit`, every fail event, the
+sinks' and steps' included; `timeout`; `recovery`; per source in `by_source`;
+`dead_lettered`), and per record, with each failure's kind (explicit, error, sink,
+timeout), step and error, `ftlayer inspect` and the dead letters.
 """
 
 from __future__ import annotations

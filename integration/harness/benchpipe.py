@@ -20,7 +20,11 @@ each phase writing to its own output topic and checkpoint.
    Kafka sink inside the query's plan (`ft_kafka_stream`, integration.kafkastream:
    acked and failed rows in the progress too) instead of the foreachBatch sink: its
    ratio to barrier mode, and the rows its progress says it acked (the expected
-   outputs, when the progress of every batch is still in `recentProgress`).
+   outputs, when the progress of every batch is still in `recentProgress`). And
+   barrier mode with the tasks observed (`FTTasks(settings, observe=True)`,
+   integration.tasks.observed: each step's records, outputs and failures by cause in
+   the progress): its ratio to barrier mode, and the records its parse step's progress
+   says it read (the source's records, when every batch is still in `recentProgress`).
 2. Failures. The same pipeline where enrich fails a `fail_rate` share of the events
    the first time it sees each (first sight = an O_EXCL marker file), once under
    ftlayer (FailException: that record's tree fails and is replayed) and once under
@@ -120,6 +124,16 @@ def _observed_acked(query: Any) -> int:
     )
 
 
+def _observed_parsed(query: Any) -> int:
+    """The records the observed parse step read, summed over the query's recent progress."""
+    name = "ftlayer.step.map(parse)"
+    return sum(
+        int(p["observedMetrics"][name]["records"])
+        for p in query.recentProgress
+        if name in (p["observedMetrics"] or {})
+    )
+
+
 def bench_pipeline(
     records: int = 100_000,
     partitions: int = 4,
@@ -163,6 +177,7 @@ def bench_pipeline(
                 round_: int | None = None,
                 observed: bool = False,
                 in_plan: bool = False,
+                steps_observed: bool = False,
             ) -> float:
                 """One run; with `round_`, a timed one whose latency is reported."""
                 nonlocal runs
@@ -172,7 +187,11 @@ def bench_pipeline(
                     timed.append(LatencyRun(out, completion, max_per_trigger, round_))
                 create_topic(bootstrap, out, partitions)
                 settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
-                tasks = FTTasks(settings, on_error="fail-record" if ft else "fail-task")
+                tasks = FTTasks(
+                    settings,
+                    on_error="fail-record" if ft else "fail-task",
+                    observe=steps_observed,
+                )
                 reader = (
                     spark.readStream.format("ftkafka")
                     .option("kafka.bootstrap.servers", bootstrap)
@@ -214,12 +233,15 @@ def bench_pipeline(
                     stop_when_idle(query)
                 if in_plan:
                     in_plan_acked.append(_observed_acked(query))
+                if steps_observed:
+                    steps_parsed.append(_observed_parsed(query))
                 return elapsed
 
             plain = make_enrich(str(work / "never"), 0.0)
             run(True, plain)  # warm-up: JIT, Python workers, Kafka producers
-            off_s, on_s, barrier_s, observed_s, in_plan_s = [], [], [], [], []
+            off_s, on_s, barrier_s, observed_s, in_plan_s, steps_s = [], [], [], [], [], []
             in_plan_acked: list[int] = []
+            steps_parsed: list[int] = []
             for r in range(rounds):
                 off_s.append(run(False, plain))
                 on_s.append(run(True, plain, "tree", r))
@@ -227,6 +249,7 @@ def bench_pipeline(
                 if observe:
                     observed_s.append(run(True, plain, "barrier", observed=True))
                     in_plan_s.append(run(True, plain, "barrier", observed=True, in_plan=True))
+                    steps_s.append(run(True, plain, "barrier", steps_observed=True))
 
             reprocessed: dict[str, float] = {}
             flaky_events = sum(1 for i in range(records) if is_flaky(i, fail_rate))
@@ -266,6 +289,14 @@ def bench_pipeline(
             "ft_on_barrier_in_plan_seconds": [round(s, 2) for s in in_plan_s],
             "in_plan_observed_acked": in_plan_acked,
             "expected_outputs": expected,
+        }
+    if steps_s:  # FTTasks(observe=True): every step's figures in the progress
+        steps_rate = records / statistics.median(steps_s)
+        observed |= {
+            "ft_on_barrier_steps_observed_records_per_s": round(steps_rate),
+            "ratio_steps_observed_vs_barrier": round(steps_rate / barrier_rate, 3),
+            "ft_on_barrier_steps_observed_seconds": [round(s, 2) for s in steps_s],
+            "steps_observed_parse_records": steps_parsed,
         }
     return {
         **observed,

@@ -73,6 +73,12 @@ function per group with no end-of-partition hook, this flushes at the end of eac
 partition like the other wrappers. A group function that returns several rows (or
 none) gets them anchored by a second `process` over the group's combined anchors.
 
+Observed steps (`FTTasks(settings, observe=True)`, or `observe=` per step): each
+step's records, outputs and failed records by cause (explicit, error) in every
+micro-batch's StreamingQueryProgress, `observedMetrics["ftlayer.step.map(parse)"]`;
+see integration.tasks.observed for how, the names and the schema (a non-nullable
+nested column becomes nullable). Off by default, and then the plans are unchanged.
+
 FT off (`FTSettings(enabled=False)`): the same user code runs through the same
 runners with the null handler (NoFTTaskHandler: no FT columns, no ids, no connection);
 an aggregate of a static DataFrame uses Spark's own groupBy().applyInArrow. A record
