@@ -243,3 +243,25 @@ def test_observed_steps_keep_their_rows_and_schema(spark: SparkSession) -> None:
     assert sorted(r.id for r in filtered.collect()) == [i for i in range(0, 50, 2) if i % 10 != 3]
     with pytest.raises(ConfigError, match="evens"):
         tasks.filter(filtered, lambda row: True, observe="evens")
+
+
+def test_an_observed_aggregate_keeps_its_groups(spark: SparkSession) -> None:
+    """FT off on a static DataFrame an aggregate runs through applyInArrow; observed,
+    it runs through ftlayer's runner, with the same groups, a failed group dropped."""
+    import pyarrow as pa
+
+    tasks = FTTasks(FTSettings(None, enabled=False))
+    df = spark.range(60).selectExpr("id % 6 AS k", "id")
+
+    def total(key: Any, rows: Any) -> Any:
+        if key[0].as_py() == 4:
+            raise FailException("four")
+        return pa.table({"k": [key[0].as_py()], "n": [rows.num_rows]})
+
+    plain = tasks.aggregate(df, "k", total, "k long, n long")
+    observed = tasks.aggregate(df, "k", total, "k long, n long", observe=True)
+    assert "CollectMetrics ftlayer.step.aggregate(total)" in (
+        observed._jdf.queryExecution().analyzed().toString()
+    )
+    assert sorted(observed.collect()) == sorted(plain.collect())
+    assert sorted(r.k for r in observed.collect()) == [0, 1, 2, 3, 5]
