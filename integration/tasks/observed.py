@@ -48,6 +48,7 @@ aggregation per batch over rows Spark computes anyway; `ftlayer bench pipeline
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
@@ -157,17 +158,28 @@ def _placeholder(arrow_type: Any) -> Any | None:
     """One value of a scalar type (0, false, empty), or None for a nested type."""
     if pa.types.is_nested(arrow_type):
         return None
-    seed = (
-        pa.array([""]) if pa.types.is_string(arrow_type) or pa.types.is_binary(arrow_type) else None
-    )
-    for source in (seed, pa.array([0], pa.int32()), pa.array([0], pa.int64())):
-        if source is None:
+    if pa.types.is_decimal(arrow_type):
+        return pa.array([Decimal(0)], arrow_type)
+    for source in (pa.array([""]), pa.array([0], pa.int32()), pa.array([0], pa.int64())):
+        if pa.types.is_string(source.type) != _textual(arrow_type):
             continue
         try:
             return source.cast(arrow_type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             continue
     return None
+
+
+def _textual(arrow_type: Any) -> bool:
+    return any(
+        check(arrow_type)
+        for check in (
+            pa.types.is_string,
+            pa.types.is_large_string,
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+        )
+    )
 
 
 def _summarised(run: Runner, tally: StepTally, schema: Any, placeholders: list[Any]) -> Runner:

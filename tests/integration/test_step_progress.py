@@ -265,3 +265,39 @@ def test_an_observed_aggregate_keeps_its_groups(spark: SparkSession) -> None:
     )
     assert sorted(observed.collect()) == sorted(plain.collect())
     assert sorted(r.k for r in observed.collect()) == [0, 1, 2, 3, 5]
+
+
+SCALARS = [
+    "boolean",
+    "tinyint",
+    "smallint",
+    "int",
+    "bigint",
+    "float",
+    "double",
+    "decimal(12,3)",
+    "decimal(38,10)",
+    "string",
+    "binary",
+    "date",
+    "timestamp",
+    "timestamp_ntz",
+    "interval day to second",
+]
+
+
+@pytest.mark.parametrize("ddl", SCALARS)
+def test_a_non_nullable_scalar_column_gets_a_placeholder_of_its_type(ddl: str) -> None:
+    """The summary row's value in a non-nullable scalar column: one value of exactly
+    its Arrow type, so the column stays non-nullable; nested types get none."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import DataType
+
+    from ftlayer.integration.tasks.observed import _placeholder
+
+    field = to_arrow_schema(DataType.fromDDL(f"c {ddl} not null"), timezone="Europe/Paris")[0]
+    value = _placeholder(field.type)
+    assert value is not None and value.type == field.type and len(value) == 1
+    assert value.null_count == 0
+    nested = DataType.fromDDL(f"c array<{ddl}> not null, m map<string, {ddl}>, s struct<x: {ddl}>")
+    assert all(_placeholder(f.type) is None for f in to_arrow_schema(nested, timezone="UTC"))
