@@ -311,12 +311,7 @@ class FTTasks:
             else payload_struct
         )
         out_schema = self._arrow(df, out_struct)
-        if named is None:
-            run = aggregate_partition(
-                self.settings, keys, fn, payload_schema, out_schema, mode, local_sort=local_sort
-            )
-            return shuffled.mapInArrow(run, out_struct)
-        tally = StepTally()
+        tally = StepTally() if named else None
         run = aggregate_partition(
             self.settings,
             keys,
@@ -325,8 +320,10 @@ class FTTasks:
             out_schema,
             mode,
             local_sort=local_sort,
-            failures=tally.failures,
+            failures=tally.failures if tally else Failures,
         )
+        if named is None or tally is None:
+            return shuffled.mapInArrow(run, out_struct)
         return observed_step(shuffled, run, tally, out_struct, named, self._timezone(df))
 
     # ---- plumbing ----

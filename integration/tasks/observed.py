@@ -27,7 +27,9 @@ last output, and Spark merges a task's observed aggregates only when the task su
 row here is a failed input row; a single-anchored row is one root, so with FT on the
 failures of a batch's steps are the FT layer's fail events from its tasks (the
 `explicit` count of `ftlayer status`, which counts every kind), and their replays come
-back in later batches. With FT off the counts are the records dropped.
+back in later batches. With FT off the counts are the records dropped (and an
+observed aggregate of a static DataFrame runs through ftlayer's aggregate runner, not
+Spark's applyInArrow, which has no end-of-partition hook for the summary row).
 
 Schema. A summary row has no values of its own in the step's columns: a nullable
 column holds null, a non-nullable column of a scalar type (numbers, booleans, strings,
