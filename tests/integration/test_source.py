@@ -39,6 +39,7 @@ from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FT_COLUMNS, to_unsigned
 from ftlayer.integration.harness.broker import free_port
 from ftlayer.integration.harness.kafka import produce, read_all, wait_until
+from ftlayer.integration.resume import WRITE_HEADER, WriteTag
 from ftlayer.integration.sinks import ft_kafka_sink
 from ftlayer.integration.source import (
     FTKafkaDataSource,
@@ -364,8 +365,15 @@ def test_kafka_headers_are_read_replayed_with_their_record_and_written_by_the_si
         assert query.awaitTermination(QUERY_TIMEOUT_S), "the sink query did not finish"
     finally:
         query.stop()
+    # Each record's own headers, in order, then the sink's write tag (integration.resume).
     written = {r.value: list(r.headers) for r in read_all(kafka_bootstrap, out)}
-    assert written == {value: [(k, v) for k, v in headers] for value, headers in sent.items()}
+    assert {value: headers[:-1] for value, headers in written.items()} == {
+        value: [(k, v) for k, v in headers] for value, headers in sent.items()
+    }
+    assert all(
+        headers[-1][0] == WRITE_HEADER and WriteTag.decode(headers[-1][1]) is not None
+        for headers in written.values()
+    )
     assert status(ft_layer)["pending"] == 0
 
 
