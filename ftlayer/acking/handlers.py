@@ -263,10 +263,21 @@ class _RecordScope:
 
 
 class TaskHandler:
-    """Task side: anchoring and combined XOR events for batches of inputs."""
+    """Task side: anchoring and combined XOR events for batches of inputs.
 
-    def __init__(self, channel: XorHandler | FTChannel) -> None:
+    `hand_over=True`: an input with one anchor pair and exactly one output (a map's
+    row, a row a filter keeps) hands its record id to that output instead of drawing a
+    fresh one, and sends no XOR event: the id stays outstanding in its tree until the
+    output (or a row derived from it) is acked, which is what acking the input and
+    anchoring a fresh id would have left, in one event less per step. Every other
+    input (several outputs, none, several pairs) is processed as without it. The
+    integration's task wrappers use it (a row has exactly one consumer there); a
+    handler whose outputs may be consumed more than once must not.
+    """
+
+    def __init__(self, channel: XorHandler | FTChannel, *, hand_over: bool = False) -> None:
         self._events = channel if isinstance(channel, XorHandler) else XorHandler(channel)
+        self._hand_over = hand_over
 
     def process(
         self,
@@ -320,18 +331,34 @@ class TaskHandler:
                 inputs, edge_parent, edge_child, n_children, failed, causes
             )
         n = len(inputs)
-        edges = new_ids(len(edge_parent))
-        combined = np.zeros(n, dtype=np.uint64)
-        np.bitwise_xor.at(combined, edge_parent, edges)
         counts = np.diff(inputs.offsets)
         single = inputs.is_single
         pair_input = np.arange(n, dtype=np.intp) if single else np.repeat(np.arange(n), counts)
-        values = inputs.ids ^ combined[pair_input]
-        event_roots, event_inputs = inputs.roots, pair_input
+        handed = self._handed_over(inputs, edge_parent, counts, single)
+        if handed is None:
+            edges = new_ids(len(edge_parent))
+            combined = np.zeros(n, dtype=np.uint64)
+            np.bitwise_xor.at(combined, edge_parent, edges)
+            values = inputs.ids ^ combined[pair_input]
+            sends = None
+        else:
+            # Handed-over edges carry their input's id; only the other inputs send.
+            handed_edge = handed[edge_parent]
+            edges = np.empty(len(edge_parent), dtype=np.uint64)
+            edges[handed_edge] = inputs.ids[inputs.offsets[:-1][edge_parent[handed_edge]]]
+            fresh = ~handed_edge
+            edges[fresh] = new_ids(int(np.count_nonzero(fresh)))
+            combined = np.zeros(n, dtype=np.uint64)
+            np.bitwise_xor.at(combined, edge_parent[fresh], edges[fresh])
+            values = inputs.ids ^ combined[pair_input]
+            sends = ~handed[pair_input]
         if failed is not None:
             ok = ~self._fail_inputs(inputs, pair_input, edge_parent, failed, causes)
-            event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
-        self._events.xor(event_roots, values)
+            sends = ok if sends is None else sends & ok
+        if sends is None:
+            self._events.xor(inputs.roots, values)
+        elif sends.any():
+            self._events.xor(inputs.roots[sends], values[sends])
         # Anchoring: each output gets, per edge into it, the edge id under every root
         # of the edge's input.
         if single:
@@ -346,6 +373,22 @@ class TaskHandler:
         offsets = np.zeros(n_children + 1, dtype=np.int64)
         np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
         return Anchors(offsets, roots, ids)
+
+    def _handed_over(
+        self,
+        inputs: Anchors,
+        edge_parent: NDArray[np.intp],
+        counts: NDArray[np.int64],
+        single: bool,
+    ) -> NDArray[np.bool_] | None:
+        """Which inputs hand their id over to their one output (see the class
+        docstring); None when none does, or hand_over is off."""
+        if not self._hand_over or not len(edge_parent):
+            return None
+        handed = np.bincount(edge_parent, minlength=len(inputs)) == 1
+        if not single:
+            handed &= counts == 1
+        return handed if handed.any() else None
 
     def _fail_inputs(
         self,

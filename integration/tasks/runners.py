@@ -42,7 +42,8 @@ def task_handler(settings: FTSettings) -> tuple[TaskHandler | NoFTTaskHandler, C
         off = NoFTTaskHandler()
         return off, off.flush
     channel = settings.channel()
-    handler = TaskHandler(channel)
+    # A row has exactly one consumer here: a row with one output hands its id over.
+    handler = TaskHandler(channel, hand_over=True)
 
     def finish() -> None:
         handler.flush()
