@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -71,6 +71,8 @@ class Anchors:
     offsets: NDArray[np.int64]
     roots: NDArray[np.uint64]
     ids: NDArray[np.uint64]
+    known_single: bool = field(default=False, compare=False, repr=False)
+    """Made by `single`: one pair per record without checking the offsets."""
 
     @classmethod
     def single(cls, roots: ArrayLike, ids: ArrayLike) -> Anchors:
@@ -79,7 +81,7 @@ class Anchors:
         i = np.ascontiguousarray(ids, dtype=np.uint64)
         if len(r) != len(i):
             raise ValueError(f"anchors: {len(r)} roots but {len(i)} ids")
-        return cls(np.arange(len(r) + 1, dtype=np.int64), r, i)
+        return cls(np.arange(len(r) + 1, dtype=np.int64), r, i, True)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -87,6 +89,8 @@ class Anchors:
     @property
     def is_single(self) -> bool:
         """True if every record carries exactly one pair."""
+        if self.known_single:
+            return True
         n = len(self)
         return len(self.roots) == n and bool(
             np.array_equal(self.offsets, np.arange(n + 1, dtype=self.offsets.dtype))
@@ -374,6 +378,26 @@ class TaskHandler:
         np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
         return Anchors(offsets, roots, ids)
 
+    def pass_through(self, inputs: Anchors, kept: NDArray[np.bool_] | None = None) -> bool:
+        """The rows of `inputs` that `kept` marks (all without it) become one output
+        each, carrying their anchors unchanged (a map with one output per input, a
+        filter's kept rows); the others are dropped (acked), and none failed. The
+        caller keeps the rows' FT columns as they are. Returns False, having done
+        nothing, when that cannot be: hand_over off, or a row with several pairs; then
+        call `process`. Rows of barrier-mode sources (record id 0) send nothing; a
+        dropped row of a tree sends its id, as `process` would."""
+        if not self._hand_over or not inputs.is_single:
+            return False
+        if kept is not None and not kept.all():
+            dropped = ~kept
+            roots, ids = inputs.roots[dropped], inputs.ids[dropped]
+            tree = ids != 0
+            if tree.all():
+                self._events.xor(roots, ids)
+            elif tree.any():
+                self._events.xor(roots[tree], ids[tree])
+        return True
+
     def _handed_over(
         self,
         inputs: Anchors,
@@ -475,6 +499,9 @@ class TaskHandler:
 
 class NoFTTaskHandler:
     """FT off: anchors nothing and sends nothing."""
+
+    def pass_through(self, inputs: object, kept: object = None) -> bool:
+        return True
 
     def process(
         self, inputs: object, parents: object, failed: object = None, causes: object = None

@@ -139,6 +139,31 @@ def test_hand_over_leaves_a_tree_incomplete_until_its_row_is_acked() -> None:
     assert ft.current_stats().completed == 2 and len(ft) == 1
 
 
+def test_pass_through_keeps_anchors_and_acks_only_the_dropped_rows() -> None:
+    ft = FTLayer(MemoryStorage())
+    channel = CountingChannel(ft)
+    inputs = _source(ft, 5)
+    task = TaskHandler(channel, hand_over=True)
+    assert task.pass_through(inputs)  # a map: nothing to send
+    assert task.pass_through(inputs, np.array([True, False, True, True, False]))
+    task.flush()
+    assert channel.xor_calls == [2]
+    assert ft.current_stats().completed == 2  # the two dropped rows' trees
+    sink = TaskHandler(channel)
+    sink.process(inputs.take([0, 2, 3]), np.zeros(0, dtype=np.intp))
+    sink.flush()
+    assert ft.current_stats().completed == 5 and len(ft) == 0
+    # Rows of a barrier-mode source (record id 0) send nothing even when dropped.
+    barrier = Anchors.single(inputs.roots, np.zeros(5, np.uint64))
+    assert task.pass_through(barrier, np.zeros(5, dtype=np.bool_))
+    task.flush()
+    assert channel.xor_calls == [2, 3]  # only the sink's three
+    # Without hand_over, or with a row of several pairs, it leaves the work to process.
+    assert not TaskHandler(channel).pass_through(inputs)
+    two_pairs = Anchors(np.array([0, 2]), inputs.roots[:2], inputs.ids[:2])
+    assert not task.pass_through(two_pairs)
+
+
 def test_multi_anchored_aggregate_holds_every_contributing_root() -> None:
     ft = FTLayer(MemoryStorage())
     inputs = _source(ft, 6)
