@@ -88,7 +88,16 @@ def capture(query: Any, records: int) -> float:
 bf._wait, bf._processing_s = wait_, capture
 result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS)
 names = ["warm-up (tree)"] + ["off", "tree", "barrier"] * ROUNDS
-keys = ["wall", "machine busy", "this bench", "spark jvm", "python workers", "ft server", "broker", "other"]
+keys = [
+    "wall",
+    "machine busy",
+    "this bench",
+    "spark jvm",
+    "python workers",
+    "ft server",
+    "broker",
+    "other",
+]
 print("µs per record   " + " ".join(f"{k:>14}" for k in keys))
 for name, used in zip(names, runs, strict=True):
     print(f"{name:15} " + " ".join(f"{used.get(k, 0.0):14.2f}" for k in keys))

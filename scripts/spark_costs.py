@@ -5,10 +5,13 @@ DataFrame shaped like the ftkafka source's rows, in micro-batches of BATCH rows:
 
 - plain: no FT columns (FT off);
 - +cols: two more int64 columns carried through both steps (ft_root, ft_id);
-- +cols +sink: the same, and the tree-mode sink's work: persist, count, then one more
-  job over the cached FT columns (mapInArrow, counting) and unpersist.
+- +cols +cache: the same, the batch persisted first (the tree-mode sink's cache);
+- +cols +sink: and the tree-mode sink's ack as it was: one more job over the cached
+  FT columns running a Python function (mapInArrow, counting), then unpersist;
+- +cols +sink driver: the ack as it is now: the cached FT columns by `toArrow()`.
 
-Medians of ROUNDS alternating rounds, µs per record of wall time.
+Medians of ROUNDS alternating rounds, µs per record of wall time and of CPU (this
+process and its descendants: the JVM and the Python workers).
 
     .venv/bin/python scripts/spark_costs.py [BATCH] [ROUNDS] [BATCHES]
 """
@@ -84,7 +87,12 @@ def main() -> None:
         spark.range(0, BATCH, numPartitions=4)
         .select(
             F.lit(None).cast("binary").alias("key"),
-            F.concat(F.format_string("%08d|", "id"), F.when(F.col("id") % 10 > 0, F.lit("x" * 31)).otherwise(F.lit(""))).cast("binary").alias("value"),
+            F.concat(
+                F.format_string("%08d|", "id"),
+                F.when(F.col("id") % 10 > 0, F.lit("x" * 31)).otherwise(F.lit("")),
+            )
+            .cast("binary")
+            .alias("value"),
             F.lit("bench-fast").alias("topic"),
             F.lit(0).cast("int").alias("partition"),
             F.col("id").alias("offset"),
@@ -110,16 +118,6 @@ def main() -> None:
     def cols_sink() -> None:
         for _ in range(BATCHES):
             df = base.mapInArrow(mapper(True), out_ft).mapInArrow(keep, out_ft).persist()
-            df.drop(*FT).count()
-            df.select(*FT).mapInArrow(count_rows, "rows long").collect()
-            df.unpersist()
-
-    def cols_sink_uncompressed() -> None:
-        for _ in range(BATCHES):
-            df = base.mapInArrow(mapper(True), out_ft).mapInArrow(keep, out_ft)
-            spark.conf.set("spark.sql.inMemoryColumnarStorage.compressed", "false")
-            df = df.persist()
-            spark.conf.unset("spark.sql.inMemoryColumnarStorage.compressed")
             df.drop(*FT).count()
             df.select(*FT).mapInArrow(count_rows, "rows long").collect()
             df.unpersist()
