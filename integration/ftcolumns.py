@@ -83,6 +83,8 @@ def read_loop_headers(
     roots = np.zeros(len(headers), dtype=np.uint64)
     ids = np.zeros(len(headers), dtype=np.uint64)
     refused = 0
+    if not any(headers):  # no record has a header: no Python step per record
+        return roots, ids, refused
     for i, found in enumerate(headers):
         for key, value in found or ():
             if key != LOOP_HEADER:

@@ -95,6 +95,8 @@ def kafka_key_hashes(
 
     A keyless record gets hash 0 and has_key False.
     """
+    if keys.count(None) == len(keys):  # an unkeyed topic: no Python step per record
+        return np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=np.bool_)
     has_key = np.fromiter((k is not None for k in keys), dtype=np.bool_, count=len(keys))
     hashes = np.zeros(len(keys), dtype=np.int64)
     present = [k for k in keys if k is not None]

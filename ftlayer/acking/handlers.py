@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -71,6 +71,8 @@ class Anchors:
     offsets: NDArray[np.int64]
     roots: NDArray[np.uint64]
     ids: NDArray[np.uint64]
+    known_single: bool = field(default=False, compare=False, repr=False)
+    """Made by `single`: one pair per record without checking the offsets."""
 
     @classmethod
     def single(cls, roots: ArrayLike, ids: ArrayLike) -> Anchors:
@@ -79,7 +81,7 @@ class Anchors:
         i = np.ascontiguousarray(ids, dtype=np.uint64)
         if len(r) != len(i):
             raise ValueError(f"anchors: {len(r)} roots but {len(i)} ids")
-        return cls(np.arange(len(r) + 1, dtype=np.int64), r, i)
+        return cls(np.arange(len(r) + 1, dtype=np.int64), r, i, True)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -87,6 +89,8 @@ class Anchors:
     @property
     def is_single(self) -> bool:
         """True if every record carries exactly one pair."""
+        if self.known_single:
+            return True
         n = len(self)
         return len(self.roots) == n and bool(
             np.array_equal(self.offsets, np.arange(n + 1, dtype=self.offsets.dtype))
@@ -263,10 +267,21 @@ class _RecordScope:
 
 
 class TaskHandler:
-    """Task side: anchoring and combined XOR events for batches of inputs."""
+    """Task side: anchoring and combined XOR events for batches of inputs.
 
-    def __init__(self, channel: XorHandler | FTChannel) -> None:
+    `hand_over=True`: an input with one anchor pair and exactly one output (a map's
+    row, a row a filter keeps) hands its record id to that output instead of drawing a
+    fresh one, and sends no XOR event: the id stays outstanding in its tree until the
+    output (or a row derived from it) is acked, which is what acking the input and
+    anchoring a fresh id would have left, in one event less per step. Every other
+    input (several outputs, none, several pairs) is processed as without it. The
+    integration's task wrappers use it (a row has exactly one consumer there); a
+    handler whose outputs may be consumed more than once must not.
+    """
+
+    def __init__(self, channel: XorHandler | FTChannel, *, hand_over: bool = False) -> None:
         self._events = channel if isinstance(channel, XorHandler) else XorHandler(channel)
+        self._hand_over = hand_over
 
     def process(
         self,
@@ -320,18 +335,34 @@ class TaskHandler:
                 inputs, edge_parent, edge_child, n_children, failed, causes
             )
         n = len(inputs)
-        edges = new_ids(len(edge_parent))
-        combined = np.zeros(n, dtype=np.uint64)
-        np.bitwise_xor.at(combined, edge_parent, edges)
         counts = np.diff(inputs.offsets)
         single = inputs.is_single
         pair_input = np.arange(n, dtype=np.intp) if single else np.repeat(np.arange(n), counts)
-        values = inputs.ids ^ combined[pair_input]
-        event_roots, event_inputs = inputs.roots, pair_input
+        handed = self._handed_over(inputs, edge_parent, counts, single)
+        if handed is None:
+            edges = new_ids(len(edge_parent))
+            combined = np.zeros(n, dtype=np.uint64)
+            np.bitwise_xor.at(combined, edge_parent, edges)
+            values = inputs.ids ^ combined[pair_input]
+            sends = None
+        else:
+            # Handed-over edges carry their input's id; only the other inputs send.
+            handed_edge = handed[edge_parent]
+            edges = np.empty(len(edge_parent), dtype=np.uint64)
+            edges[handed_edge] = inputs.ids[inputs.offsets[:-1][edge_parent[handed_edge]]]
+            fresh = ~handed_edge
+            edges[fresh] = new_ids(int(np.count_nonzero(fresh)))
+            combined = np.zeros(n, dtype=np.uint64)
+            np.bitwise_xor.at(combined, edge_parent[fresh], edges[fresh])
+            values = inputs.ids ^ combined[pair_input]
+            sends = ~handed[pair_input]
         if failed is not None:
             ok = ~self._fail_inputs(inputs, pair_input, edge_parent, failed, causes)
-            event_roots, event_inputs, values = event_roots[ok], event_inputs[ok], values[ok]
-        self._events.xor(event_roots, values)
+            sends = ok if sends is None else sends & ok
+        if sends is None:
+            self._events.xor(inputs.roots, values)
+        elif sends.any():
+            self._events.xor(inputs.roots[sends], values[sends])
         # Anchoring: each output gets, per edge into it, the edge id under every root
         # of the edge's input.
         if single:
@@ -346,6 +377,42 @@ class TaskHandler:
         offsets = np.zeros(n_children + 1, dtype=np.int64)
         np.cumsum(np.bincount(child, minlength=n_children), out=offsets[1:])
         return Anchors(offsets, roots, ids)
+
+    def pass_through(self, inputs: Anchors, kept: NDArray[np.bool_] | None = None) -> bool:
+        """The rows of `inputs` that `kept` marks (all without it) become one output
+        each, carrying their anchors unchanged (a map with one output per input, a
+        filter's kept rows); the others are dropped (acked), and none failed. The
+        caller keeps the rows' FT columns as they are. Returns False, having done
+        nothing, when that cannot be: hand_over off, or a row with several pairs; then
+        call `process`. Rows of barrier-mode sources (record id 0) send nothing; a
+        dropped row of a tree sends its id, as `process` would."""
+        if not self._hand_over or not inputs.is_single:
+            return False
+        if kept is not None and not kept.all():
+            dropped = ~kept
+            roots, ids = inputs.roots[dropped], inputs.ids[dropped]
+            tree = ids != 0
+            if tree.all():
+                self._events.xor(roots, ids)
+            elif tree.any():
+                self._events.xor(roots[tree], ids[tree])
+        return True
+
+    def _handed_over(
+        self,
+        inputs: Anchors,
+        edge_parent: NDArray[np.intp],
+        counts: NDArray[np.int64],
+        single: bool,
+    ) -> NDArray[np.bool_] | None:
+        """Which inputs hand their id over to their one output (see the class
+        docstring); None when none does, or hand_over is off."""
+        if not self._hand_over or not len(edge_parent):
+            return None
+        handed = np.bincount(edge_parent, minlength=len(inputs)) == 1
+        if not single:
+            handed &= counts == 1
+        return handed if handed.any() else None
 
     def _fail_inputs(
         self,
@@ -432,6 +499,9 @@ class TaskHandler:
 
 class NoFTTaskHandler:
     """FT off: anchors nothing and sends nothing."""
+
+    def pass_through(self, inputs: object, kept: object = None) -> bool:
+        return True
 
     def process(
         self, inputs: object, parents: object, failed: object = None, causes: object = None

@@ -13,8 +13,15 @@ operations, never a Python object per record:
 3. `TaskHandler.process(inputs, parents, failed)` draws a fresh id for every output,
    gives it its anchors, and buffers one combined XOR event per input and root (the
    input's id XOR its outputs' ids, as Storm does). Failed inputs send a fail for
-   their roots instead, and none of their outputs is emitted.
-4. The outputs leave with FT columns: their root and new id.
+   their roots instead, and none of their outputs is emitted. The wrappers' handler
+   hands ids over (`hand_over`): an input with one anchor and exactly one output
+   gives that output its own id and sends no event (the id stays outstanding until
+   the output is acked, as the pair of events would have left it). A map with one
+   output per input and a filter, when nothing failed, skip `process` altogether
+   (`TaskHandler.pass_through`): their rows keep their FT columns as they are, and
+   only a filter's dropped rows of a tree send an event (their ack). In barrier mode
+   no step sends XOR events at all.
+4. The outputs leave with FT columns: their root and id.
 5. At the end of the partition (the end of the mapInArrow iterator) the events go to
    the process's shared `BatchingChannel` and are flushed, so a partition's events
    are on their way when its task ends. Events are kept in the task until then (up to

@@ -42,7 +42,8 @@ def task_handler(settings: FTSettings) -> tuple[TaskHandler | NoFTTaskHandler, C
         off = NoFTTaskHandler()
         return off, off.flush
     channel = settings.channel()
-    handler = TaskHandler(channel)
+    # A row has exactly one consumer here: a row with one output hands its id over.
+    handler = TaskHandler(channel, hand_over=True)
 
     def finish() -> None:
         handler.flush()
@@ -75,6 +76,14 @@ def map_partition(
             inputs = inputs_of(batch, ft)
             rows, parents, failed = step(payload_of(batch) if ft else batch, failures)
             causes = failures.take_causes(failed, batch.num_rows)
+            if (
+                failed is None
+                and _is_identity(parents, batch.num_rows)
+                and handler.pass_through(inputs)  # one output per input: same anchors
+            ):
+                if rows.num_rows:
+                    yield _with_columns_of(rows, batch, out_schema) if ft else rows
+                continue
             outputs = handler.process(inputs, parents, failed, causes)
             if rows.num_rows:
                 if outputs is None:
@@ -104,6 +113,13 @@ def filter_partition(
             inputs = inputs_of(batch, ft)
             keep, failed = decide(payload_of(batch) if ft else batch, failures)
             causes = failures.take_causes(failed, batch.num_rows)
+            if failed is None and handler.pass_through(inputs, keep):
+                # The kept rows keep their FT columns (barrier rows, handed-over ids).
+                if keep.all():
+                    yield batch
+                elif keep.any():
+                    yield batch.filter(pa.array(keep))
+                continue
             if failed is not None:
                 keep &= ~failed
             parents = np.flatnonzero(keep)
@@ -115,6 +131,28 @@ def filter_partition(
         log_failures(failures, what, ft=ft)
 
     return run
+
+
+_IDENTITY: list[NDArray[np.intp]] = [np.arange(0, dtype=np.intp)]
+
+
+def _is_identity(parents: NDArray[np.intp], n: int) -> bool:
+    """Whether output j came from input j for every one of the n inputs (a map)."""
+    if len(parents) != n:
+        return False
+    if len(_IDENTITY[0]) < n:
+        _IDENTITY[0] = np.arange(max(n, 2 * len(_IDENTITY[0])), dtype=np.intp)
+    return bool(np.array_equal(parents, _IDENTITY[0][:n]))
+
+
+def _with_columns_of(rows: Any, batch: Any, schema: Any) -> Any:
+    """`rows` with `batch`'s FT columns as they are (the outputs of a map whose
+    anchors are its inputs')."""
+    columns = list(rows.columns)
+    for field in list(schema)[rows.num_columns :]:
+        column = batch.column(field.name)
+        columns.append(column if column.type == field.type else column.cast(field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 def _with_anchors(batch: Any, anchors: Anchors) -> Any:

@@ -96,6 +96,74 @@ def test_one_combined_event_per_input_and_root() -> None:
     assert channel.xor_calls == [5]  # 5 events for 15 outputs, not 20
 
 
+def test_hand_over_sends_events_only_for_inputs_without_exactly_one_output() -> None:
+    ft = FTLayer(MemoryStorage())
+    channel = CountingChannel(ft)
+    inputs = _source(ft, 6)
+    # map: every input has one output, which carries the input's own id; no event.
+    mapper = TaskHandler(channel, hand_over=True)
+    mapped = mapper.process(inputs, np.arange(6))
+    mapper.flush()
+    assert channel.xor_calls == []
+    assert mapped.roots.tolist() == inputs.roots.tolist()
+    assert mapped.ids.tolist() == inputs.ids.tolist()
+    # filter dropping 1 and 4, flat_map of 5 into two: events for those three only.
+    task = TaskHandler(channel, hand_over=True)
+    out = task.process(mapped, [0, 2, 3, 5, 5])
+    task.flush()
+    assert channel.xor_calls == [3]
+    assert out.ids[:3].tolist() == inputs.ids[[0, 2, 3]].tolist()
+    assert not set(out.ids[3:].tolist()) & set(inputs.ids.tolist())
+    assert ft.current_stats().completed == 2  # the dropped ones, acked by the filter
+    sink = TaskHandler(channel, hand_over=True)
+    sink.process(out.take([0, 1, 2, 3]), np.zeros(0, dtype=np.intp))
+    sink.flush()
+    assert ft.current_stats().completed == 5  # input 5 waits for its second output
+    sink.process(out.take([4]), np.zeros(0, dtype=np.intp))
+    sink.flush()
+    assert ft.current_stats().completed == 6 and len(ft) == 0
+
+
+def test_hand_over_leaves_a_tree_incomplete_until_its_row_is_acked() -> None:
+    ft = FTLayer(MemoryStorage())
+    inputs = _source(ft, 3)
+    for _ in range(3):  # three maps in a row: the source's ids go all the way down
+        task = TaskHandler(ft, hand_over=True)
+        inputs_next = task.process(inputs, np.arange(3))
+        task.flush()
+        assert ft.current_stats().completed == 0
+        inputs = inputs_next
+    sink = TaskHandler(ft, hand_over=True)
+    sink.process(inputs.take([0, 2]), np.zeros(0, dtype=np.intp))
+    sink.flush()
+    assert ft.current_stats().completed == 2 and len(ft) == 1
+
+
+def test_pass_through_keeps_anchors_and_acks_only_the_dropped_rows() -> None:
+    ft = FTLayer(MemoryStorage())
+    channel = CountingChannel(ft)
+    inputs = _source(ft, 5)
+    task = TaskHandler(channel, hand_over=True)
+    assert task.pass_through(inputs)  # a map: nothing to send
+    assert task.pass_through(inputs, np.array([True, False, True, True, False]))
+    task.flush()
+    assert channel.xor_calls == [2]
+    assert ft.current_stats().completed == 2  # the two dropped rows' trees
+    sink = TaskHandler(channel)
+    sink.process(inputs.take([0, 2, 3]), np.zeros(0, dtype=np.intp))
+    sink.flush()
+    assert ft.current_stats().completed == 5 and len(ft) == 0
+    # Rows of a barrier-mode source (record id 0) send nothing even when dropped.
+    barrier = Anchors.single(inputs.roots, np.zeros(5, np.uint64))
+    assert task.pass_through(barrier, np.zeros(5, dtype=np.bool_))
+    task.flush()
+    assert channel.xor_calls == [2, 3]  # only the sink's three
+    # Without hand_over, or with a row of several pairs, it leaves the work to process.
+    assert not TaskHandler(channel).pass_through(inputs)
+    two_pairs = Anchors(np.array([0, 2]), inputs.roots[:2], inputs.ids[:2])
+    assert not task.pass_through(two_pairs)
+
+
 def test_multi_anchored_aggregate_holds_every_contributing_root() -> None:
     ft = FTLayer(MemoryStorage())
     inputs = _source(ft, 6)

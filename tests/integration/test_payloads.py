@@ -41,6 +41,19 @@ def test_a_payload_stored_before_headers_were_kept_still_reads() -> None:
     assert stamps.tolist() == [1234] and headers == [[]]
 
 
+def test_a_record_without_headers_is_written_in_the_version_1_layout() -> None:
+    keys, values = [b"k1", None, b"", None], [b"value", b"v", None, None]
+    payloads = encode_payloads(keys, values, np.array([1234, -5, 0, 7]))
+    assert payloads == [
+        struct.pack("<BBqI", 1, 3, 1234, 2) + b"k1" + b"value",
+        struct.pack("<BBqI", 1, 2, -5, 0) + b"v",
+        struct.pack("<BBqI", 1, 1, 0, 0),
+        struct.pack("<BBqI", 1, 0, 7, 0),
+    ]
+    unkeyed = encode_payloads([None, None], [b"ab", None], np.array([1, 2]))
+    assert unkeyed == [struct.pack("<BBqI", 1, 2, 1, 0) + b"ab", struct.pack("<BBqI", 1, 0, 2, 0)]
+
+
 @pytest.mark.parametrize(
     "damage",
     [

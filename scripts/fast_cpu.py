@@ -1,0 +1,104 @@
+"""Where a vectorized pipeline's CPU goes, per FT mode: one run of `bench_fast`
+(integration/harness/benchfast.py) with the CPU seconds of every process on the machine
+sampled at each run's start and end, grouped as Spark's JVM, its Python workers, the
+FT-layer server, the broker and the rest, and given in µs per record (the machine has
+2 cores, so CPU the server spends is CPU Spark's tasks do not get).
+
+    .venv/bin/python scripts/fast_cpu.py [BATCH_SIZE] [ROUNDS]
+"""
+
+import collections
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import ftlayer.integration.harness.benchfast as bf
+
+BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+RECORDS = 400_000
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _group(cmdline: str) -> str:
+    if "ftlayer.cli serve" in cmdline:
+        return "ft server"
+    if "java" in cmdline.split(" ", 1)[0] or "org.apache.spark" in cmdline:
+        return "spark jvm"
+    if "pyspark" in cmdline:
+        return "python workers"
+    if "tansu" in cmdline:
+        return "broker"
+    return "other"
+
+
+def _cpu() -> collections.Counter[str]:
+    """CPU seconds per group (own and waited-for children)."""
+    seen: collections.Counter[str] = collections.Counter()
+    procs: dict[int, tuple[int, float, str]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ticks = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        procs[int(pid)] = (int(fields[1]), ticks / _TICK, cmdline)
+    for pid, (_, seconds, cmdline) in procs.items():
+        up, mine = pid, False  # only this process and its descendants
+        while up in procs and up > 1:
+            if up == os.getpid():
+                mine = True
+                break
+            up = procs[up][0]
+        if mine:
+            seen["this bench" if pid == os.getpid() else _group(cmdline)] += seconds
+    with open("/proc/stat") as f:
+        total = [int(x) for x in f.readline().split()[1:]]
+    seen["machine busy"] = (sum(total) - total[3] - total[4]) / _TICK
+    return seen
+
+
+marks: list[tuple[float, collections.Counter[str]]] = []
+runs: list[dict[str, float]] = []
+wait, processing_s = bf._wait, bf._processing_s
+
+
+def wait_(*args: Any, **kwargs: Any) -> None:
+    marks.append((time.perf_counter(), _cpu()))
+    wait(*args, **kwargs)
+
+
+def capture(query: Any, records: int) -> float:
+    seconds = processing_s(query, records)
+    t0, before = marks.pop()
+    after = _cpu()
+    used = {k: (after[k] - before[k]) / records * 1e6 for k in after}
+    used["wall"] = (time.perf_counter() - t0) / records * 1e6
+    runs.append(used)
+    return seconds
+
+
+bf._wait, bf._processing_s = wait_, capture
+result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS)
+names = ["warm-up (tree)"] + ["off", "tree", "barrier"] * ROUNDS
+keys = [
+    "wall",
+    "machine busy",
+    "this bench",
+    "spark jvm",
+    "python workers",
+    "ft server",
+    "broker",
+    "other",
+]
+print("µs per record   " + " ".join(f"{k:>14}" for k in keys))
+for name, used in zip(names, runs, strict=True):
+    print(f"{name:15} " + " ".join(f"{used.get(k, 0.0):14.2f}" for k in keys))
+print(json.dumps(result["batch_sizes"][str(BATCH)]))
