@@ -6,11 +6,12 @@ kafka-python decodes every record of a fetch into a `ConsumerRecord` in pure Pyt
 `columnar_consumer` installs `ColumnarPartitionRecords` into one consumer's fetcher:
 kafka-python still does everything around the records (connections, metadata, fetch
 requests and sessions, errors, positions, leader epochs), but the raw bytes of each
-partition's fetch response are decoded here, by `decode_record_batches` (compiled with
-numba), into `RecordColumns`: offsets and timestamps as numpy arrays, keys and values
-as Arrow binary arrays built from one gathered buffer each, Kafka headers as Python
-pairs only for the records that have some. `consumer.poll(max_records=1)` then returns
-one `RecordColumns` of at most `chunk_records` records per partition.
+partition's fetch response are decoded here, by `decode_record_batches` (over the numba
+kernels of `.kernels`), into `RecordColumns`: offsets and timestamps as numpy arrays,
+keys and values as Arrow binary arrays built from one gathered buffer each, Kafka
+headers as Python pairs only for the records that have some.
+`consumer.poll(max_records=1)` then returns one `RecordColumns` of at most
+`chunk_records` records per partition.
 
 What the fast path decodes: record batches of magic 2 (Kafka 0.11 and later), not
 compressed, not control batches, and (under `isolation_level=read_committed`) not
@@ -26,8 +27,8 @@ The CRC-32C of every batch is checked as kafka-python checks it (the `crc32c`
 package, one call per batch), unless the consumer has `check_crcs=False`.
 
 The kernels are compiled on first use and cached on disk (numba's `cache=True`, in
-`__pycache__` beside this file), so a fresh Python worker loads them instead of
-compiling them again.
+`__pycache__` beside `kernels.py`), so a fresh Python worker loads them instead of
+compiling them again; `make` compiles them once (`compile_kernels`).
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ import crc32c
 import numpy as np
 import pyarrow as pa
 from kafka.consumer.fetcher import Fetcher
-from numba import njit  # type: ignore[import-untyped]
 from numpy.typing import NDArray
 
 __all__ = [
     "ColumnarPartitionRecords",
     "RecordColumns",
     "columnar_consumer",
+    "compile_kernels",
     "decode_record_batches",
 ]
 
@@ -56,23 +57,7 @@ Header = tuple[str, bytes | None]
 
 _BASE: Final[Any] = getattr(Fetcher, "PartitionRecords", object)
 
-# Offsets in a record batch of magic 2 (Kafka's DefaultRecordBatch): base offset i64,
-# length i32, partition leader epoch i32, magic i8, crc u32, attributes i16, last
-# offset delta i32, first timestamp i64, max timestamp i64, producer id i64, producer
-# epoch i16, base sequence i32, record count i32; then the records.
-_LOG_OVERHEAD: Final = 12  # base offset and length: what the length does not count
-_CRC_AT: Final = 17
-_ATTRIBUTES_AT: Final = 21  # where the CRC starts covering
-_BATCH_HEADER: Final = 61
-_COMPRESSION: Final = 0x07
-_LOG_APPEND_TIME: Final = 0x08
-_TRANSACTIONAL: Final = 0x10
-_CONTROL: Final = 0x20
-
 _MAX_ARROW_BYTES: Final = 2**31 - 1  # what a binary array's int32 offsets reach
-# decode_record_batches' verdicts
-DECODED: Final = 0
-FALLBACK: Final = 1  # something the fast path leaves to kafka-python
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,15 +162,17 @@ def decode_record_batches(
     (the `records` bytes of one partition of a FetchResponse; a batch cut off at the end
     is left out, as kafka-python leaves it), and the batches; None when the fast path
     leaves these bytes to kafka-python (see the module docstring)."""
+    from . import kernels  # numba: loaded by the first reader, not by every importer
+
     buf = np.frombuffer(raw, dtype=np.uint8)
-    status, counts = _scan(buf, transactional_ok)
-    if status != DECODED:
+    status, counts = kernels.scan(buf, transactional_ok)
+    if status != kernels.DECODED:
         return None
     n_records, n_headers, n_batches = (int(c) for c in counts)
     record_fields = np.empty((8, n_records), dtype=np.int64)
     header_fields = np.empty((4, n_headers), dtype=np.int64)
     batch_fields = np.empty((7, n_batches), dtype=np.int64)
-    _fill(buf, record_fields, header_fields, batch_fields)
+    kernels.fill(buf, record_fields, header_fields, batch_fields)
     batches = _Batches(*batch_fields)
     if check_crcs:
         view = memoryview(raw).cast("B")
@@ -208,8 +195,8 @@ def decode_record_batches(
     if isinstance(headers, list):
         headers = headers[first:] if any(headers[first:]) else None
     columns = RecordColumns(
-        _binary(buf, key_at[first:], key_len[first:]),
-        _binary(buf, value_at[first:], value_len[first:]),
+        _binary(kernels.gather(buf, key_at[first:], key_len[first:]), key_len[first:]),
+        _binary(kernels.gather(buf, value_at[first:], value_len[first:]), value_len[first:]),
         offsets[first:].copy(),
         stamps[first:].copy(),
         headers,
@@ -249,9 +236,9 @@ def _bytes_of(lengths: NDArray[np.int64]) -> int:
     return int(lengths[lengths > 0].sum())
 
 
-def _binary(buf: NDArray[np.uint8], at: NDArray[np.int64], lengths: NDArray[np.int64]) -> Any:
-    """A pyarrow binary array of buf[at[i] : at[i] + lengths[i]], null where length < 0."""
-    offsets, data = _gather(buf, at, lengths)
+def _binary(gathered: tuple[Any, Any], lengths: NDArray[np.int64]) -> Any:
+    """A pyarrow binary array of the gathered (offsets, data), null where length < 0."""
+    offsets, data = gathered
     valid = lengths >= 0
     nulls = len(lengths) - int(np.count_nonzero(valid))
     bitmap = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
@@ -260,179 +247,16 @@ def _binary(buf: NDArray[np.uint8], at: NDArray[np.int64], lengths: NDArray[np.i
     )
 
 
-# The kernels. Every read is bounded by its batch's end; anything out of place returns
-# FALLBACK from _scan, so _fill, run only after a clean scan, checks nothing again.
-
-
-@njit(cache=True, nogil=True, inline="always")  # type: ignore[misc]
-def _int(buf: Any, at: int, size: int) -> Any:
-    """A signed big-endian integer of `size` bytes."""
-    value = np.int64(0)
-    for i in range(size):
-        value = (value << np.int64(8)) | np.int64(buf[at + i])
-    if size < 8 and value >= np.int64(1) << np.int64(8 * size - 1):
-        value -= np.int64(1) << np.int64(8 * size)
-    return value
-
-
-@njit(cache=True, nogil=True, inline="always")  # type: ignore[misc]
-def _varint(buf: Any, at: int, end: int) -> Any:
-    """(value, next position) of the zigzag varint at `at`; next position -1 when it runs
-    past `end` or past 64 bits."""
-    raw = np.uint64(0)
-    shift = np.uint64(0)
-    while True:
-        if at >= end:
-            return np.int64(0), np.int64(-1)
-        byte = np.uint64(buf[at])
-        at += 1
-        if shift == np.uint64(63) and byte > np.uint64(1):
-            return np.int64(0), np.int64(-1)
-        raw |= (byte & np.uint64(0x7F)) << shift
-        if byte < np.uint64(0x80):
-            break
-        shift += np.uint64(7)
-    value = np.int64(raw >> np.uint64(1)) ^ -np.int64(raw & np.uint64(1))
-    return value, np.int64(at)
-
-
-@njit(cache=True, nogil=True)  # type: ignore[misc]
-def _scan(buf: Any, transactional_ok: bool) -> Any:
-    """(DECODED, [records, headers, batches]) if every complete batch in `buf` is one the
-    fast path decodes, else (FALLBACK, zeros)."""
-    counts = np.zeros(3, dtype=np.int64)
-    size = len(buf)
-    pos = 0
-    while size - pos >= _LOG_OVERHEAD:
-        length = _int(buf, pos + 8, 4)
-        end = pos + _LOG_OVERHEAD + length
-        if end > size:
-            break  # the last batch, cut off by the fetch size
-        if length < _BATCH_HEADER - _LOG_OVERHEAD or buf[pos + 16] != 2:
-            return FALLBACK, counts
-        attributes = _int(buf, pos + _ATTRIBUTES_AT, 2)
-        if attributes & (_COMPRESSION | _CONTROL):
-            return FALLBACK, counts
-        if attributes & _TRANSACTIONAL and not transactional_ok:
-            return FALLBACK, counts
-        at = pos + _BATCH_HEADER
-        for _ in range(_int(buf, pos + 57, 4)):
-            length, at = _varint(buf, at, end)
-            start = at
-            for _field in range(3):  # attributes, timestamp delta, offset delta
-                if at >= 0:
-                    _, at = _varint(buf, at, end)
-            for _field in range(2):  # key, value
-                if at >= 0:
-                    size_of, at = _varint(buf, at, end)
-                    if size_of > end - at:
-                        return FALLBACK, counts
-                    if size_of > 0:
-                        at += size_of
-            if at < 0:
-                return FALLBACK, counts
-            n_headers, at = _varint(buf, at, end)
-            if at < 0 or n_headers < 0:
-                return FALLBACK, counts
-            for _h in range(n_headers):
-                key_len, at = _varint(buf, at, end)
-                if at < 0 or key_len < 0 or key_len > end - at:
-                    return FALLBACK, counts
-                at += key_len
-                value_len, at = _varint(buf, at, end)
-                if at < 0 or value_len > end - at:
-                    return FALLBACK, counts
-                if value_len > 0:
-                    at += value_len
-            counts[1] += n_headers
-            if at - start != length:
-                return FALLBACK, counts
-            counts[0] += 1
-        if at != end:
-            return FALLBACK, counts
-        counts[2] += 1
-        pos = end
-    return DECODED, counts
-
-
-@njit(cache=True, nogil=True)  # type: ignore[misc]
-def _fill(buf: Any, records: Any, headers: Any, batches: Any) -> None:
-    """The fields of what _scan counted: per record offset, timestamp, key and value
-    position and length (-1: null), first header and header count; per header key and
-    value position and length; per batch CRC range, CRC, base offset, next offset,
-    leader epoch and size."""
-    size = len(buf)
-    pos = 0
-    r = 0
-    h = 0
-    b = 0
-    while size - pos >= _LOG_OVERHEAD:
-        end = pos + _LOG_OVERHEAD + _int(buf, pos + 8, 4)
-        if end > size:
-            break
-        base_offset = _int(buf, pos, 8)
-        log_append = _int(buf, pos + _ATTRIBUTES_AT, 2) & _LOG_APPEND_TIME
-        first_timestamp = _int(buf, pos + 27, 8)
-        max_timestamp = _int(buf, pos + 35, 8)
-        batches[0, b] = pos + _ATTRIBUTES_AT
-        batches[1, b] = end
-        batches[2, b] = _int(buf, pos + _CRC_AT, 4) & np.int64(0xFFFFFFFF)
-        batches[3, b] = base_offset
-        batches[4, b] = base_offset + _int(buf, pos + 23, 4) + 1
-        batches[5, b] = _int(buf, pos + 12, 4)
-        batches[6, b] = end - pos
-        at = pos + _BATCH_HEADER
-        for _ in range(_int(buf, pos + 57, 4)):
-            _, at = _varint(buf, at, end)  # length
-            _, at = _varint(buf, at, end)  # attributes
-            delta, at = _varint(buf, at, end)
-            records[1, r] = max_timestamp if log_append else first_timestamp + delta
-            delta, at = _varint(buf, at, end)
-            records[0, r] = base_offset + delta
-            for field in (2, 4):  # key, value
-                size_of, at = _varint(buf, at, end)
-                records[field, r] = at
-                records[field + 1, r] = size_of if size_of >= 0 else -1
-                if size_of > 0:
-                    at += size_of
-            n_headers, at = _varint(buf, at, end)
-            records[6, r] = h
-            records[7, r] = n_headers
-            for _h in range(n_headers):
-                key_len, at = _varint(buf, at, end)
-                headers[0, h] = at
-                headers[1, h] = key_len
-                at += key_len
-                value_len, at = _varint(buf, at, end)
-                headers[2, h] = at
-                headers[3, h] = value_len if value_len >= 0 else -1
-                if value_len > 0:
-                    at += value_len
-                h += 1
-            r += 1
-        b += 1
-        pos = end
-
-
-@njit(cache=True, nogil=True)  # type: ignore[misc]
-def _gather(buf: Any, at: Any, lengths: Any) -> Any:
-    """(int32 Arrow offsets, data) of the byte ranges buf[at[i] : at[i] + lengths[i]]
-    (empty where length < 0)."""
-    n = len(at)
-    offsets = np.empty(n + 1, dtype=np.int32)
-    offsets[0] = 0
-    total = 0
-    for i in range(n):
-        if lengths[i] > 0:
-            total += lengths[i]
-        offsets[i + 1] = total
-    data = np.empty(total, dtype=np.uint8)
-    out = 0
-    for i in range(n):
-        for j in range(at[i], at[i] + max(lengths[i], 0)):
-            data[out] = buf[j]
-            out += 1
-    return offsets, data
+def compile_kernels() -> None:
+    """Compile the kernels (or load them from numba's cache): `make` runs this once, so
+    no Spark task waits for a compilation."""
+    decode_record_batches(
+        bytes.fromhex(  # one record, key b"k", value b"v", header ("h", b"v")
+            "00000000000000000000003e0000000002030e2c6a0000000000000000000000000000000000"
+            "000000000000ffffffffffffffffffffffffffff0000000118000000026b02760202680276"
+        ),
+        from_offset=0,
+    )
 
 
 def columnar_consumer(consumer: Any, chunk_records: int) -> bool:
