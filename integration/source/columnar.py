@@ -189,11 +189,10 @@ def decode_record_batches(
         return None
     # Every record's headers, those before the fetch offset too: kafka-python decodes
     # them, and reports a header key that is not utf-8 there as well.
-    headers = _headers(raw, header_fields, header_from, header_count)
-    if headers is False:
+    readable, every = _headers(raw, header_fields, header_from, header_count)
+    if not readable:
         return None
-    if isinstance(headers, list):
-        headers = headers[first:] if any(headers[first:]) else None
+    headers = every[first:] if any(every[first:]) else None
     columns = RecordColumns(
         _binary(kernels.gather(buf, key_at[first:], key_len[first:]), key_len[first:]),
         _binary(kernels.gather(buf, value_at[first:], value_len[first:]), value_len[first:]),
@@ -206,11 +205,12 @@ def decode_record_batches(
 
 def _headers(
     raw: Any, fields: NDArray[np.int64], first: NDArray[np.int64], counts: NDArray[np.int64]
-) -> list[list[Header]] | bool | None:
-    """Each record's headers as kafka-python has them (None: no record has any; False:
-    a key is not utf-8, which kafka-python reports as a corrupt record)."""
+) -> tuple[bool, list[list[Header]]]:
+    """(True, each record's headers as kafka-python has them; empty: no record has any),
+    or (False, []) for a header key that is not utf-8, which kafka-python reports as a
+    corrupt record."""
     if not counts.any():
-        return None
+        return True, []
     key_at, key_len, value_at, value_len = fields.tolist()
     view = memoryview(raw).cast("B")
     found: list[list[Header]] = []
@@ -228,8 +228,8 @@ def _headers(
                 ]
             )
     except UnicodeDecodeError:
-        return False
-    return found
+        return False, []
+    return True, found
 
 
 def _bytes_of(lengths: NDArray[np.int64]) -> int:
@@ -272,7 +272,7 @@ def columnar_consumer(consumer: Any, chunk_records: int) -> bool:
     return True
 
 
-class ColumnarPartitionRecords(_BASE):  # type: ignore[misc,valid-type]
+class ColumnarPartitionRecords(_BASE):  # type: ignore[misc]
     """kafka-python's PartitionRecords (one partition's part of a fetch response, taken
     by poll() item by item), whose items are RecordColumns of at most `chunk_records`
     records. The fetch position (`next_fetch_offset`) and `leader_epoch` move as

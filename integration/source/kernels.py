@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 import numpy as np
-from numba import njit  # type: ignore[import-untyped]
+from numba import njit
 
 __all__ = ["DECODED", "FALLBACK", "fill", "gather", "scan"]
 
@@ -37,7 +37,7 @@ DECODED: Final = 0
 FALLBACK: Final = 1  # something the fast path leaves to kafka-python
 
 
-@njit(cache=True, nogil=True, inline="always")  # type: ignore[misc]
+@njit(cache=True, nogil=True, inline="always")
 def _int(buf: Any, at: int, size: int) -> Any:
     """A signed big-endian integer of `size` bytes."""
     value = np.int64(0)
@@ -48,7 +48,7 @@ def _int(buf: Any, at: int, size: int) -> Any:
     return value
 
 
-@njit(cache=True, nogil=True, inline="always")  # type: ignore[misc]
+@njit(cache=True, nogil=True, inline="always")
 def _varint(buf: Any, at: int, end: int) -> Any:
     """(value, next position) of the zigzag varint at `at`; next position -1 when it runs
     past `end` or past 64 bits."""
@@ -69,7 +69,7 @@ def _varint(buf: Any, at: int, end: int) -> Any:
     return value, np.int64(at)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def scan(buf: Any, transactional_ok: bool) -> Any:
     """(DECODED, [records, headers, batches]) if every complete batch in `buf` is one the
     fast path decodes, else (FALLBACK, zeros)."""
@@ -128,7 +128,7 @@ def scan(buf: Any, transactional_ok: bool) -> Any:
     return DECODED, counts
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def fill(buf: Any, records: Any, headers: Any, batches: Any) -> None:
     """The fields of what scan counted: per record offset, timestamp, key and value
     position and length (-1: null), first header and header count; per header key and
@@ -187,7 +187,7 @@ def fill(buf: Any, records: Any, headers: Any, batches: Any) -> None:
         pos = end
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def gather(buf: Any, at: Any, lengths: Any) -> Any:
     """(int32 Arrow offsets, data) of the byte ranges buf[at[i] : at[i] + lengths[i]]
     (empty where length < 0)."""
