@@ -12,6 +12,7 @@ what a plain kafka-python consumer reads, and the uncompressed ones took the fas
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import struct
 import uuid
@@ -23,7 +24,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaProducer, TopicPartition
-from kafka.consumer.fetcher import Fetcher
+from kafka.consumer.fetcher import Fetcher, IsolationLevel
 from kafka.record import MemoryRecords
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
@@ -51,15 +52,18 @@ produced = st.tuples(
 TP = TopicPartition("t", 0)
 
 
-def batch_bytes(records: list[Any], base_offset: int, log_append_time: bool = False) -> bytes:
-    """One uncompressed record batch of magic 2, as kafka-python's producer builds it."""
+def batch_bytes(
+    records: list[Any], base_offset: int, log_append_time: bool = False, producer_id: int = -1
+) -> bytes:
+    """One uncompressed record batch of magic 2, as kafka-python's producer builds it
+    (transactional with a `producer_id`)."""
     builder = DefaultRecordBatchBuilder(
         magic=2,
         compression_type=0,
-        is_transactional=False,
-        producer_id=-1,
-        producer_epoch=-1,
-        base_sequence=-1,
+        is_transactional=producer_id >= 0,
+        producer_id=producer_id,
+        producer_epoch=0 if producer_id >= 0 else -1,
+        base_sequence=0 if producer_id >= 0 else -1,
         batch_size=2**30,
     )
     for i, (key, value, headers, stamp) in enumerate(records):
@@ -97,13 +101,15 @@ def as_lists(c: RecordColumns) -> tuple[Any, ...]:
     )
 
 
-def both(raw: bytes, fetch_offset: int, check_crcs: bool = True, chunk: int = 3) -> Any:
+def both(
+    raw: bytes, fetch_offset: int, check_crcs: bool = True, chunk: int = 3, **extra: Any
+) -> Any:
     records = MemoryRecords(raw)
-    theirs = taken(Fetcher.PartitionRecords(fetch_offset, TP, records, check_crcs=check_crcs), None)
+    theirs = Fetcher.PartitionRecords(fetch_offset, TP, records, check_crcs=check_crcs, **extra)
     ours = ColumnarPartitionRecords(
-        fetch_offset, TP, MemoryRecords(raw), check_crcs=check_crcs, chunk_records=chunk
+        fetch_offset, TP, MemoryRecords(raw), check_crcs=check_crcs, chunk_records=chunk, **extra
     )
-    return theirs, taken(ours, 1)
+    return taken(theirs, None), taken(ours, 1)
 
 
 batches = st.lists(st.lists(record, min_size=1, max_size=8), min_size=1, max_size=4)
@@ -156,6 +162,22 @@ def test_compressed_control_and_legacy_batches_are_left_to_kafka_python() -> Non
     assert decode_record_batches(bytes(damaged), from_offset=0) is None  # CRC
     theirs, ours = both(bytes(damaged), 0)
     assert ours == theirs and ours[1] is not None  # kafka-python's CorruptRecordError
+
+
+Aborted = collections.namedtuple("Aborted", ["producer_id", "first_offset"])
+
+
+def test_read_committed_skips_an_aborted_transaction_as_kafka_python_does() -> None:
+    committed = batch_bytes([(b"a", b"1", [], 5)], 0, producer_id=7)
+    aborted = batch_bytes([(b"b", b"2", [], 6)], 1, producer_id=8)
+    plain = batch_bytes([(b"c", b"3", [], 7)], 2)
+    raw = committed + aborted + plain
+    assert decode_record_batches(raw, from_offset=0, transactional_ok=False) is None
+    assert decode_record_batches(raw, from_offset=0) is not None  # read_uncommitted
+    for level, kept in ((IsolationLevel.READ_COMMITTED, [b"a", b"c"]),
+                        (IsolationLevel.READ_UNCOMMITTED, [b"a", b"b", b"c"])):  # fmt: skip
+        theirs, ours = both(raw, 0, isolation_level=level, aborted_transactions=[Aborted(8, 1)])
+        assert ours == theirs and ours[0][0] == kept
 
 
 @contextlib.contextmanager
