@@ -5,6 +5,9 @@
 there with replay_lo < seq <= replay_hi. `read_partition` reads the Kafka range, persists
 every polled chunk in the FT layer before it yields it, then yields the partition's
 replays (the steps are in ftlayer.integration.source's docstring, "What read() does").
+Kafka records arrive as columns (`.columnar`: the reader decodes kafka-python's fetches
+itself, with kafka-python's own decoding for what it leaves alone), so a chunk's keys,
+values, offsets and timestamps reach the Arrow batch without a Python object per record.
 Nothing here imports the FT layer's core or storage: an executor talks to the FT layer
 through its process's shared BatchingChannel only.
 """
