@@ -5,6 +5,9 @@
 there with replay_lo < seq <= replay_hi. `read_partition` reads the Kafka range, persists
 every polled chunk in the FT layer before it yields it, then yields the partition's
 replays (the steps are in ftlayer.integration.source's docstring, "What read() does").
+Kafka records arrive as columns (`.columnar`: the reader decodes kafka-python's fetches
+itself, with kafka-python's own decoding for what it leaves alone), so a chunk's keys,
+values, offsets and timestamps reach the Arrow batch without a Python object per record.
 Nothing here imports the FT layer's core or storage: an executor talks to the FT layer
 through its process's shared BatchingChannel only.
 """
@@ -38,6 +41,7 @@ from ftlayer.partitioners import (
     spark_key_hashes,
 )
 
+from .columnar import RecordColumns, columnar_consumer
 from .options import SourceOptions
 from .payloads import decode_payloads, encode_payloads, headers_array
 
@@ -86,15 +90,6 @@ class FTKafkaPartition(InputPartition):
 KeyHashes = Callable[[Sequence[bytes | None]], tuple[NDArray[np.int64], NDArray[np.bool_]]]
 
 
-_Chunk = tuple[
-    list[bytes | None],
-    list[bytes | None],
-    NDArray[np.int64],
-    NDArray[np.int64],
-    list[list[tuple[str, bytes]]],
-]
-
-
 def read_partition(
     options: SourceOptions, schema: StructType, part: FTKafkaPartition
 ) -> Iterator[Any]:
@@ -113,13 +108,17 @@ def read_partition(
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
     # on, the next chunk is fetched and decoded while this one's persist is confirmed.
     chunks = _read_kafka(options, part)
-    for keys, values, offsets, timestamps, headers in (
-        chunks if persister is None else _prefetched(chunks)
-    ):
-        kept = _user_headers(headers) if options.keeps_headers else None
+    for chunk in chunks if persister is None else _prefetched(chunks):
+        n = len(chunk)
+        kept = _user_headers(chunk.header_lists()) if options.keeps_headers else None
         anchors = None
         if persister is not None and channel is not None:
-            loop_roots, loop_ids, refused = read_loop_headers(headers, loop_secret)
+            keys, values = chunk.keys.to_pylist(), chunk.values.to_pylist()
+            if chunk.headers is None:  # no record has a header: none was looped
+                loop_roots = loop_ids = np.zeros(n, dtype=np.uint64)
+                refused = 0
+            else:
+                loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, loop_secret)
             if refused:
                 log.warning(
                     "%d records of %s-%d carry an %s header that is not signed with this "
@@ -127,8 +126,8 @@ def read_partition(
                     refused, part.topic, part.partition, LOOP_HEADER,
                 )  # fmt: skip
             if not loop_roots.any():  # the usual chunk: every record starts a tree
-                payloads = encode_payloads(keys, values, timestamps, kept)
-                anchors = _persist(persister, part, payloads, offsets, *key_hashes(keys))
+                payloads = encode_payloads(keys, values, chunk.timestamps, kept)
+                anchors = _persist(persister, part, payloads, chunk.offsets, *key_hashes(keys))
             else:
                 anchors = _persist_or_continue(
                     persister,
@@ -137,21 +136,20 @@ def read_partition(
                     key_hashes,
                     keys,
                     values,
-                    offsets,
-                    timestamps,
+                    chunk.offsets,
+                    chunk.timestamps,
                     kept,
                     loop_roots,
                     loop_ids,
                 )
-        n = len(keys)
         yield _arrow_batch(
             arrow_schema,
-            pa.array(keys, type=pa.binary()),
-            pa.array(values, type=pa.binary()),
-            [part.topic] * n,
+            chunk.keys,
+            chunk.values,
+            _repeated(part.topic, n),
             np.full(n, part.partition, dtype=np.int32),
-            offsets,
-            timestamps,
+            chunk.offsets,
+            chunk.timestamps,
             headers_array(kept) if kept is not None and options.include_headers else None,
             anchors,
             False if mark_replays else None,
@@ -183,7 +181,9 @@ def read_partition(
     channel.flush()
 
 
-def _prefetched(chunks: Generator[_Chunk, None, None], depth: int = 2) -> Iterator[_Chunk]:
+def _prefetched(
+    chunks: Generator[RecordColumns, None, None], depth: int = 2
+) -> Iterator[RecordColumns]:
     """`chunks`, read ahead by a thread of its own (at most `depth` chunks waiting): the
     Kafka fetch and decode of chunk k+1 runs while chunk k's persist waits for the FT
     layer's fsync (a socket wait, which releases the GIL). An error of the reading
@@ -318,7 +318,7 @@ def _arrow_batch(
     columns = [
         keys,
         values,
-        pa.array(topics, type=pa.string()),
+        topics if isinstance(topics, pa.Array) else pa.array(topics, type=pa.string()),
         pa.array(np.asarray(partitions, dtype=np.int32), type=pa.int32()),
         pa.array(np.asarray(offsets, dtype=np.int64), type=pa.int64()),
         pa.array(timestamps_ms * 1000, type=pa.timestamp("us", tz="UTC")),
@@ -332,9 +332,20 @@ def _arrow_batch(
     return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)
 
 
-def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Generator[_Chunk, None, None]:
-    """Kafka [start, end) of one partition, in polled chunks of (keys, values, offsets,
-    timestamps in ms, headers). SourceError if no record arrives for pollTimeoutMs."""
+def _repeated(text: str, n: int) -> Any:
+    """A string array of `n` times `text`, built from two buffers."""
+    raw = text.encode("utf-8")
+    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(raw))
+    return pa.Array.from_buffers(
+        pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(raw * n)]
+    )
+
+
+def _read_kafka(
+    options: SourceOptions, part: FTKafkaPartition
+) -> Generator[RecordColumns, None, None]:
+    """Kafka [start, end) of one partition, in polled chunks of records as columns.
+    SourceError if no record arrives for pollTimeoutMs."""
     if part.end <= part.start:
         return
     timeout_ms = int(options.poll_timeout_s * 1000)
@@ -349,6 +360,9 @@ def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Generator[_Ch
     where = f"{part.topic}-{part.partition} [{part.start}, {part.end})"
     try:
         consumer = new_consumer(options.bootstrap, config)
+        # Records as columns, one chunk per poll (the module docstring of .columnar).
+        columnar = columnar_consumer(consumer, int(config["max_poll_records"]))
+        max_records = 1 if columnar else None
     except KafkaError as exc:
         raise SourceError(
             f"cannot reach Kafka at {options.bootstrap} to read {where}: {exc!r}"
@@ -360,21 +374,18 @@ def _read_kafka(options: SourceOptions, part: FTKafkaPartition) -> Generator[_Ch
         position = part.start
         last_progress = time.monotonic()
         while position < part.end:
-            polled = consumer.poll(timeout_ms=int(POLL_SECONDS * 1000))
-            records = [r for r in polled.get(tp, ()) if r.offset < part.end]
+            polled = consumer.poll(timeout_ms=int(POLL_SECONDS * 1000), max_records=max_records)
+            found = polled.get(tp)
+            records = RecordColumns.of_polled(found).before(part.end) if found else None
             # Offsets may have gaps (compaction, transaction markers): go by position.
             new_position = int(consumer.position(tp))
             if records or new_position > position:
                 last_progress = time.monotonic()
             position = max(position, new_position)
             if records:
-                if records[0].offset < part.start:  # paranoid: seek must not go back
-                    raise SourceError(f"Kafka returned offset {records[0].offset} for {where}")
-                keys = [r.key for r in records]
-                values = [r.value for r in records]
-                offsets = np.fromiter((r.offset for r in records), np.int64, len(records))
-                stamps = np.fromiter((r.timestamp for r in records), np.int64, len(records))
-                yield keys, values, offsets, stamps, [r.headers for r in records]
+                if records.offsets[0] < part.start:  # paranoid: seek must not go back
+                    raise SourceError(f"Kafka returned offset {records.offsets[0]} for {where}")
+                yield records
             elif time.monotonic() - last_progress > options.poll_timeout_s:
                 raise SourceError(
                     f"reading {where} from Kafka at {options.bootstrap}: nothing arrived "
