@@ -9,7 +9,9 @@
    `<out>/benchmarks/results.json`.
 3. Render: the plots of `ftlayer.benchplots` as `<out>/benchmarks/*.png`, and
    `<out>/benchmarks.md` with the machine, every target and whether it was met, the
-   plots, and every figure of every bench in tables.
+   plots, every figure of every bench in tables, and last the profile of where FT on
+   spends its time, kept by hand in `<out>/benchmarks/profile.md` (a profile is
+   measured by scripts, not by one bench command), if there is one.
 
 `render(results, out)` is step 3 alone, from a saved results.json (`ftlayer bench
 report --from`): the page and its plots are never drawn by hand, and redrawing them
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 RESULTS_FORMAT = 1
+PROFILE = "profile.md"
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +281,10 @@ def render(results: Mapping[str, Any], out: Path) -> Path:
             drawn.add(name)
     page = out / "benchmarks.md"
     saved = (folder / "results.json").as_posix()
-    page.write_text("\n".join(_page(results, benches, drawn, saved)) + "\n", encoding="utf-8")
+    kept = folder / PROFILE
+    profile = kept.read_text(encoding="utf-8") if kept.is_file() else None
+    lines = _page(results, benches, drawn, saved, profile)
+    page.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return page
 
 
@@ -302,6 +308,7 @@ def _page(
     benches: Mapping[str, Mapping[str, Any]],
     drawn: set[str],
     saved: str,
+    profile: str | None = None,
 ) -> Iterator[str]:
     sizes = "quick sizes (`--quick`)" if results.get("quick") else "the benches' default sizes"
     yield "# Benchmarks"
@@ -333,6 +340,7 @@ def _page(
     yield from _pipeline_section(benches, drawn)
     yield from _latency_section(benches, drawn)
     yield from _figures_section(results)
+    yield from _profile_section(profile)
 
 
 def _machine_section(results: Mapping[str, Any]) -> Iterator[str]:
@@ -660,6 +668,15 @@ def _latency_section(benches: Mapping[str, Mapping[str, Any]], drawn: set[str]) 
             f"| {kind} | {run['batch_size']:,} | {run['mode']} | {run['round'] + 1} | "
             f"{run['count']:,} | " + " | ".join(ms) + " |"
         )
+
+
+def _profile_section(profile: str | None) -> Iterator[str]:
+    """The hand-kept profile (`<out>/benchmarks/profile.md`), one heading level down."""
+    if profile is None:
+        return
+    yield ""
+    for line in profile.strip("\n").splitlines():
+        yield f"#{line}" if line.startswith("#") else line
 
 
 def _figures_section(results: Mapping[str, Any]) -> Iterator[str]:

@@ -215,3 +215,15 @@ def test_results_of_another_tool_are_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"bench": "acker"}), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"not a results\.json of `ftlayer bench report`"):
         benchreport.load_results(path)
+
+
+def test_the_hand_kept_profile_ends_the_page_one_heading_down(tmp_path: Path) -> None:
+    assert "Measured by hand" not in benchreport.render(results(), tmp_path).read_text("utf-8")
+    (tmp_path / "benchmarks" / benchreport.PROFILE).write_text(
+        "# Where FT on spends its time\n\nMeasured by hand.\n\n## A part\n\n| a | 1 |\n",
+        encoding="utf-8",
+    )
+    page = benchreport.render(results(), tmp_path).read_text(encoding="utf-8")
+    assert page.endswith(
+        "## Where FT on spends its time\n\nMeasured by hand.\n\n### A part\n\n| a | 1 |\n"
+    )
