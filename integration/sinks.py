@@ -51,7 +51,7 @@ through the driver's channel. A job over the cached rows running a Python functi
 (mapInArrow) on the executors, which the sink did before, sent the same events from
 where the rows are, but costs a Python-worker job per micro-batch: measured on 2
 cores, 0.2-0.4 s of CPU per batch against 0.06 s for `toArrow`, while computing and
-sending the events is about 0.1 µs per row (docs/architecture.md, "Where FT on spends
+sending the events is about 0.1 µs per row (docs/benchmarks.md, "Where FT on spends
 its time at full speed"). A micro-batch's ids must then fit in the driver's memory
 (16 MB per million rows).
 

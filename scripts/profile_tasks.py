@@ -1,5 +1,5 @@
 """Where the FT task wrappers and the sink's ack spend their time per record, in process
-(docs/architecture.md, "Where FT on spends its time at full speed"): the bench's
+(docs/benchmarks.md, "Where FT on spends its time at full speed"): the bench's
 vectorized pipeline (benchfast: map_batches -> filter_batches -> the tree-mode sink's
 ack) run on Arrow batches shaped as Spark hands them to a Python worker (10,000 rows
 each, the source's columns), FT off / barrier / tree, against a real `ftlayer serve`.

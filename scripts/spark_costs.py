@@ -1,5 +1,5 @@
 """What the FT columns and the tree-mode sink cost in Spark itself, without Kafka or the
-FT layer (docs/architecture.md, "Where FT on spends its time at full speed"): the
+FT layer (docs/benchmarks.md, "Where FT on spends its time at full speed"): the
 bench's vectorized pipeline (two mapInArrow steps, then a count) over a cached static
 DataFrame shaped like the ftkafka source's rows, in micro-batches of BATCH rows:
 
