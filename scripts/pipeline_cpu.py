@@ -1,4 +1,4 @@
-"""Where the CPU of the FT-off vectorized pipeline goes (docs/architecture.md, "Where FT
+"""Where the CPU of the FT-off vectorized pipeline goes (docs/benchmarks.md, "Where FT
 on spends its time at full speed"): `ftlayer bench pipeline --fast`'s pipeline (ftkafka
 -> map_batches -> filter_batches -> a counting ft_foreach_batch, 400,000 records of 40
 bytes, 200,000 per batch) and, after each run, the bench's bare consumer. Per run: the

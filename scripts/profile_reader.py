@@ -1,4 +1,4 @@
-"""Where the ftkafka reader spends its time per record (docs/architecture.md, "Where FT
+"""Where the ftkafka reader spends its time per record (docs/benchmarks.md, "Where FT
 on spends its time at full speed"): bare consumer vs read_partition
 FT off / FT on (barrier, tree), with and without the prefetch thread; wrapped timers on
 the FT steps. One 200,000-record partition of 40-byte values, a real broker and server."""
