@@ -671,25 +671,20 @@ class FTKafkaSink:
         self.producer_config = {**DEFAULT_PRODUCER_CONFIG, **(producer_config or {})}
         self.resume = resume and not loop
         self.last_result: SinkResult | None = None
-        self._offsets: Any = None  # the driver's consumer for end offsets (resume)
-
-    def close(self) -> None:
-        """Close the driver's Kafka client (the sink opens it again when called)."""
-        if self._offsets is not None:
-            self._offsets.close()
-            self._offsets = None
 
     def _resume_point(self, epoch_id: int) -> _Resume | None:
         """A fresh write id and the topic's end offsets now, before this batch writes;
         None (the batch writes without resuming) when the broker does not answer."""
         if not self.resume:
             return None
+        # A client per batch, closed at once: a client kept open for the next batch
+        # would outlive the query (nothing tells a foreachBatch function it ended), and
+        # its background thread would go on trying to reach the broker.
+        consumer: Any = None
         try:
-            if self._offsets is None:
-                self._offsets = resume_consumer(self.bootstrap_servers, self.producer_config)
-            start = end_offsets(self._offsets, self.topic)
+            consumer = resume_consumer(self.bootstrap_servers, self.producer_config)
+            start = end_offsets(consumer, self.topic)
         except (KafkaError, ResumeError) as exc:
-            self.close()
             log.warning(
                 "Kafka sink to %r: batch %d writes without resuming (a retried task writes "
                 "its partition again): %r",
@@ -698,6 +693,9 @@ class FTKafkaSink:
                 exc,
             )
             return None
+        finally:
+            if consumer is not None:
+                consumer.close()
         return _Resume(new_write_id(), start)
 
     def __call__(self, df: DataFrame, epoch_id: int) -> None:
