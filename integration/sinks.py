@@ -426,9 +426,9 @@ def _kafka_partition(
         from pyspark import TaskContext
 
         context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
         prefix = done = None
         if resume is not None:
-            partition = context.partitionId() if context is not None else 0
             prefix = tag_prefix(resume.write_id, partition)
             if is_retry(context):
                 done = _written_before(bootstrap, topic, resume, partition, config)
@@ -448,23 +448,27 @@ def _kafka_partition(
                         producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
                     keys, values = _as_bytes(batch, key_column), _as_bytes(batch, value_column)
                     headers = None if headers_column is None else _headers(batch, headers_column)
-                    skip = None
+                    # The one header this sink adds to each row: its loop anchor, or its
+                    # write tag (integration.resume).
+                    tags: list[tuple[str, bytes]] | None = None
                     if anchors is not None and in_transit is not None:
-                        own = headers or [[] for _ in range(n)]
-                        headers = [
-                            [*kept, (LOOP_HEADER, loop_header(root, child, secret))]
-                            for kept, root, child in zip(
-                                own, anchors.roots.tolist(), in_transit.tolist(), strict=True
+                        tags = [
+                            (LOOP_HEADER, loop_header(root, child, secret))
+                            for root, child in zip(
+                                anchors.roots.tolist(), in_transit.tolist(), strict=True
                             )
                         ]
                     elif prefix is not None:
+                        tags = [
+                            (WRITE_HEADER, prefix + i.to_bytes(8, "big"))
+                            for i in range(index, index + n)
+                        ]
+                    skip = None
+                    if tags is not None:
                         own = headers or [[] for _ in range(n)]
                         if done:
                             skip = _already_written(done, index, keys, values, own)
-                        headers = [
-                            [*kept, (WRITE_HEADER, prefix + (index + i).to_bytes(8, "big"))]
-                            for i, kept in enumerate(own)
-                        ]
+                        headers = [[*kept, tag] for kept, tag in zip(own, tags, strict=True)]
                     confirmed, error = _send_unless(
                         producer, topic, keys, values, wait_s, headers, skip
                     )
@@ -493,7 +497,7 @@ def _kafka_partition(
                 "Kafka sink to %r: task retry of partition %d skipped %d of %d rows its "
                 "earlier attempt had written",
                 topic,
-                context.partitionId() if context is not None else 0,
+                partition,
                 skipped,
                 index,
             )
