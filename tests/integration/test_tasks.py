@@ -447,3 +447,76 @@ def test_a_float_with_a_fraction_for_an_integer_column_fails_instead_of_truncati
         FTTasks(settings, on_error="fail-task").map(
             source_frame(spark, client, n), halves, SCHEMA
         ).collect()
+
+
+def _map_in_arrow_nodes(df: DataFrame) -> int:
+    plan = df._jdf.queryExecution().executedPlan().toString()
+    return plan.count("MapInArrow")
+
+
+def test_fused_steps_give_the_rows_events_and_failures_of_separate_ones(
+    spark: SparkSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    # map -> flat_map (fails some records, fans out) -> filter_batches -> filter: fused
+    # into one mapInArrow by default, one per step with fuse=False; the user sees the
+    # same rows, the same completed and failed trees and the same replays either way.
+    def run(fuse: bool) -> tuple[list[tuple[int, str]], dict[str, Any], list[bytes], int]:
+        server = start_server(tmp_path / f"data-{fuse}")
+        client = server.client()
+        settings = FTSettings(server.address)
+        tasks = FTTasks(settings, fuse=fuse)
+
+        def fan_out(row: dict[str, Any]) -> list[dict[str, Any]]:
+            if row["n"] % 37 == 0:
+                raise FailException("a poison record")
+            return [row, {**row, "k": -row["k"]}]
+
+        mapped = tasks.map(source_frame(spark, client), decode, SCHEMA)
+        fanned = tasks.flat_map(mapped, fan_out, SCHEMA)
+        even = tasks.filter_batches(fanned, lambda b: pc.equal(pc.bit_wise_and(b["n"], 1), 0))
+        kept = tasks.filter(even, lambda r: r["n"] % 3 != 0)
+        out: list[dict[str, Any]] = []
+        collect_sink(settings, out)(kept, 0)
+        rows = sorted((r["n"] * 10 + r["k"], r["text"]) for r in out)
+        return rows, client.status(), replayed_payloads(client), _map_in_arrow_nodes(kept)
+
+    fused_rows, fused_status, fused_replays, fused_nodes = run(True)
+    rows, status, replays, nodes = run(False)
+
+    assert (fused_nodes, nodes) == (1, 4)
+    poison = [i for i in range(N) if i % 37 == 0]
+    expected = sorted(
+        (i * 10 + sign * (i % 10), f"record-{i}")
+        for i in range(0, N, 2)
+        if i % 3 and i % 37
+        for sign in (1, -1)
+    )
+    assert fused_rows == rows == expected
+    assert fused_replays == replays == sorted(f"record-{i}".encode() for i in poison)
+    for figures in (fused_status, status):
+        assert (figures["completed"], figures["failed"]["explicit"]) == (
+            N - len(poison),
+            len(poison),
+        )
+        assert figures["pending"] == len(poison)  # queued for replay
+        assert figures["unknown_events"] == figures["late_events"] == 0
+
+
+def test_a_chain_ends_at_anything_between_its_steps_and_its_first_result_stays_usable(
+    spark: SparkSession, ft_server: Server
+) -> None:
+    client = ft_server.client()
+    settings = FTSettings(ft_server.address)
+    tasks = FTTasks(settings)
+    mapped = tasks.map(source_frame(spark, client), decode, SCHEMA)
+    fused = tasks.filter(mapped, lambda r: r["n"] % 2 == 0)
+    after_plain = tasks.filter(mapped.where("n >= 0"), lambda r: r["n"] % 2 == 0)
+    observed = tasks.filter(mapped, lambda r: r["n"] % 2 == 0, observe=True)
+
+    assert _map_in_arrow_nodes(fused) == 1
+    assert _map_in_arrow_nodes(after_plain) == 2
+    assert _map_in_arrow_nodes(observed) == 2
+    out: list[dict[str, Any]] = []
+    collect_sink(settings, out)(mapped, 0)  # the first step on its own
+    assert sorted(r["n"] for r in out) == list(range(N))
+    assert client.status()["completed"] == N
