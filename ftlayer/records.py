@@ -15,13 +15,17 @@ fields the fault-tolerance logic needs (the blueprint's "semi-deserialized" reco
 | payloads    | bytes   | the raw record bytes, opaque to the FT layer                   |
 
 Batches are columnar so the hot paths (persist, delete, replay) work on arrays, not on
-one Python object per record; only topics and payloads are Python lists.
+one Python object per record; only topics are a Python list, and payloads are one too
+unless they are `Payloads`: every payload in one buffer with their lengths, as a source
+that builds them column-wise (the ftkafka reader) and the PERSIST frame carry them, so
+the persist path makes no bytes object per record until something asks for one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -29,6 +33,104 @@ from numpy.typing import ArrayLike, NDArray
 U64 = NDArray[np.uint64]
 I64 = NDArray[np.int64]
 I32 = NDArray[np.int32]
+
+
+class Payloads(Sequence[bytes]):
+    """Payloads in one buffer: payload i is `blob[ends[i - 1]:ends[i]]`. A read-only
+    sequence of bytes (each item sliced on demand, `list()` in one numpy call when
+    the lengths are equal), whose `blob` and `lengths` go onto the wire and into
+    storage as they are."""
+
+    __slots__ = ("_blob", "_ends", "_list")
+
+    def __init__(self, blob: bytes, lengths: NDArray[np.integer]) -> None:
+        ends = np.cumsum(lengths, dtype=np.int64)
+        if (int(ends[-1]) if len(ends) else 0) != len(blob) or (
+            len(lengths) and int(np.min(lengths)) < 0
+        ):
+            raise ValueError(
+                f"payload lengths add up to {int(ends[-1]) if len(ends) else 0} bytes, "
+                f"the buffer has {len(blob)}"
+            )
+        self._blob = blob
+        self._ends = ends
+        self._list: list[bytes] | None = None
+
+    @classmethod
+    def of(cls, payloads: Sequence[bytes]) -> Payloads:
+        if isinstance(payloads, Payloads):
+            return payloads
+        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
+        return cls(b"".join(payloads), lengths)
+
+    @property
+    def blob(self) -> bytes:
+        return self._blob
+
+    @property
+    def lengths(self) -> NDArray[np.int64]:
+        return np.diff(self._ends, prepend=np.int64(0))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(len(self._ends))
+            if step != 1:
+                return self.as_list()[index]
+            hi = max(lo, hi)
+            if (lo, hi) == (0, len(self._ends)):
+                return self
+            start = int(self._ends[lo - 1]) if lo else 0
+            end = int(self._ends[hi - 1]) if hi else 0
+            return Payloads(self._blob[start:end], self.lengths[lo:hi])
+        n = len(self._ends)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("payload index out of range")
+        start = int(self._ends[index - 1]) if index else 0
+        return self._blob[start : int(self._ends[index])]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.as_list())
+
+    def as_list(self) -> list[bytes]:
+        """One bytes object per payload (made once, then kept)."""
+        if self._list is None:
+            self._list = _split(self._blob, self.lengths)
+        return self._list
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Payloads):
+            return self._blob == other._blob and np.array_equal(self._ends, other._ends)
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return self.as_list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Payloads({len(self)} payloads, {len(self._blob)} bytes)"
+
+
+def _split(blob: bytes, lengths: NDArray[np.int64]) -> list[bytes]:
+    """The payloads: one bytes object each, sliced from `blob`."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    width = int(lengths[0])
+    if width and bool((lengths == width).all()):
+        # Equal lengths (common: fixed-size records): numpy cuts them in one call.
+        same: list[bytes] = np.frombuffer(blob, dtype=f"V{width}").tolist()
+        return same
+    ends = np.cumsum(lengths, dtype=np.int64).tolist()
+    return [blob[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +202,7 @@ class RecordBatch:
             topics=[topics] * n if isinstance(topics, str) else list(topics),
             partitions=_column(partitions, n).astype(np.int32, copy=False),
             offsets=np.full(n, -1, dtype=np.int64) if offsets is None else _column(offsets, n),
-            payloads=list(payloads),
+            payloads=payloads if isinstance(payloads, Payloads) else list(payloads),
         )
 
     def take(self, index: NDArray[np.intp] | NDArray[np.bool_]) -> RecordBatch:

@@ -17,7 +17,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.inspection import INSPECT_PAYLOAD_BYTES, Inspection, RecordQuery
-from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.records import Payloads, RecordBatch, ReplayRecords
 
 from .auth import (
     Auth,
@@ -271,11 +271,17 @@ def _record_parts(
 ) -> None:
     """Append the record columns (see the module docstring), after u32 n, to `parts`.
 
-    The payloads are appended one by one, not joined: the frame is built with a single
-    join, so the payload bytes are copied once."""
+    The payloads are appended one by one (or as the one buffer of `Payloads`), not
+    joined: the frame is built with a single join, so the payload bytes are copied
+    once."""
     n = len(batch)
     payloads = batch.payloads
-    lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+    if isinstance(payloads, Payloads):
+        lengths = payloads.lengths
+        payload_parts: Sequence[bytes] = [payloads.blob]
+    else:
+        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+        payload_parts = payloads
     if n and int(lengths.max()) > MAX_U32:
         raise BadRequest("a payload is longer than 4 GiB: the record layout cannot carry it")
     index, table = _encode_topics(batch.topics, n)
@@ -292,7 +298,7 @@ def _record_parts(
         table,
         lengths.astype("<u4").tobytes(),
     ]
-    parts += payloads
+    parts += payload_parts
 
 
 def _read_records(body: _Body, n: int, with_initial: bool) -> tuple[RecordBatch, NDArray[Any]]:
@@ -331,7 +337,7 @@ def _read_records(body: _Body, n: int, with_initial: bool) -> tuple[RecordBatch,
         topics=_topics(table, topic_index, n),
         partitions=partitions,
         offsets=offsets,
-        payloads=_split(blob, lengths, n),
+        payloads=Payloads(blob, lengths),
     )
     return batch, initial
 
@@ -343,19 +349,6 @@ def _topics(table: list[str], index: NDArray[Any], n: int) -> list[str]:
     names[:] = table
     topics: list[str] = names[index].tolist()
     return topics
-
-
-def _split(blob: bytes, lengths: NDArray[Any], n: int) -> list[bytes]:
-    """The payloads: one bytes object each, sliced from `blob`."""
-    if n == 0:
-        return []
-    width = int(lengths[0])
-    if width and bool((lengths == width).all()):
-        # Equal lengths (common: fixed-size records): numpy cuts them in one call.
-        same: list[bytes] = np.frombuffer(blob, dtype=f"V{width}").tolist()
-        return same
-    ends = np.cumsum(lengths, dtype=np.int64).tolist()
-    return [blob[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def encode_persist(

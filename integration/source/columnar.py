@@ -257,6 +257,11 @@ def compile_kernels() -> None:
         ),
         from_offset=0,
     )
+    from .payloads import encode_payload_columns  # its kernel: `.kernels.interleave`
+
+    encode_payload_columns(
+        pa.array([b"k"], pa.binary()), pa.array([b"v"], pa.binary()), np.zeros(1, np.int64)
+    )
 
 
 def columnar_consumer(consumer: Any, chunk_records: int) -> bool:

@@ -33,12 +33,14 @@ import pyarrow as pa
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import SourceError
+from ftlayer.records import Payloads
 
 __all__ = [
     "HEADERS_ARROW",
     "Headers",
     "decode_key",
     "decode_payloads",
+    "encode_payload_columns",
     "encode_payloads",
     "headers_array",
 ]
@@ -190,6 +192,54 @@ def _encode_plain(
     return list(map(operator.add, map(operator.add, heads, key_bytes), value_bytes))
 
 
+def encode_payload_columns(keys: Any, values: Any, timestamps_ms: ArrayLike) -> Payloads:
+    """`encode_payloads` of records without Kafka headers, from their Arrow binary key
+    and value columns (null: none), as one `Payloads` buffer: the headers are one numpy
+    array, and a numba kernel (`.kernels.interleave`) lays header, key and value of
+    every record out in one pass, with no Python object per record. The same bytes as
+    `encode_payloads` (tests/integration/test_payloads.py checks it)."""
+    from . import kernels  # numba: loaded by the first reader, not by every importer
+
+    n = len(values)
+    kdata, koff, has_key = _binary_columns(keys, n)
+    vdata, voff, has_value = _binary_columns(values, n)
+    header = np.zeros(n, dtype=_HEADER)
+    header["version"] = 1
+    header["ts"] = timestamps_ms
+    header["flags"] = has_key * _KEY_PRESENT | has_value * _VALUE_PRESENT
+    header["klen"] = np.diff(koff)
+    heads = np.frombuffer(header.tobytes(), dtype=np.uint8)
+    data, sizes = kernels.interleave(heads, _HEADER_SIZE, kdata, koff, vdata, voff)
+    return Payloads(data.tobytes(), sizes)
+
+
+_NO_BYTES: Final = np.zeros(0, dtype=np.uint8)
+
+
+def _binary_columns(array: Any, n: int) -> tuple[Any, NDArray[np.int64], NDArray[np.uint8]]:
+    """(data, int64 offsets of each entry into data, present flags) of an Arrow binary
+    array, a null entry empty whatever bytes its slot spans."""
+    if array is None or array.null_count == n:
+        return _NO_BYTES, np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=np.uint8)
+    if pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type):
+        width: Any = np.int64
+    else:
+        width = np.int32
+    _, offsets_buffer, data_buffer = array.buffers()
+    offsets = np.frombuffer(offsets_buffer, dtype=width)[array.offset : array.offset + n + 1]
+    offsets = offsets.astype(np.int64)
+    data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else _NO_BYTES
+    if not array.null_count:
+        return data, offsets, np.ones(n, dtype=np.uint8)
+    present = array.is_valid().to_numpy(zero_copy_only=False)
+    lengths = np.where(present, np.diff(offsets), 0)
+    if bool((lengths == np.diff(offsets)).all()):
+        return data, offsets, present.astype(np.uint8)
+    starts = offsets[:-1]  # a null slot spans bytes: gather only the present ones
+    kept = data[_regions(len(data), starts, lengths)] if len(data) else _NO_BYTES
+    return kept, np.concatenate([[0], np.cumsum(lengths)]), present.astype(np.uint8)
+
+
 def decode_payloads(
     payloads: Sequence[bytes],
 ) -> tuple[Any, Any, NDArray[np.int64], list[list[tuple[str, bytes | None]]]]:
@@ -198,13 +248,16 @@ def decode_payloads(
     each record's Kafka headers (empty where it kept none). SourceError for a payload
     that is not one."""
     n = len(payloads)
-    sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+    if isinstance(payloads, Payloads):
+        sizes, joined = payloads.lengths, payloads.blob
+    else:
+        sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+        joined = b"".join(payloads)
     if n and int(sizes.min()) < _HEADER_SIZE:
         raise SourceError("a replayed payload is shorter than its header: not ftkafka's")
     ends = np.cumsum(sizes)
     starts = ends - sizes
     total = int(ends[-1]) if n else 0
-    joined = b"".join(payloads)
     blob = np.frombuffer(joined, dtype=np.uint8)
     header_bytes = blob[_regions(total, starts, np.full(n, _HEADER_SIZE))]
     header = header_bytes.view(_HEADER) if n else np.zeros(0, dtype=_HEADER)

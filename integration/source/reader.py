@@ -40,10 +40,11 @@ from ftlayer.partitioners import (
     kafka_key_hashes,
     spark_key_hashes,
 )
+from ftlayer.records import Payloads
 
 from .columnar import RecordColumns, columnar_consumer
 from .options import SourceOptions
-from .payloads import decode_payloads, encode_payloads, headers_array
+from .payloads import decode_payloads, encode_payload_columns, encode_payloads, headers_array
 
 log = logging.getLogger("ftlayer.source")
 
@@ -112,20 +113,22 @@ def read_partition(
         n = len(chunk)
         kept = _user_headers(chunk.header_lists()) if options.keeps_headers else None
         anchors = None
-        if persister is not None and channel is not None:
+        if persister is not None and channel is not None and chunk.headers is None:
+            # The usual chunk: no record has a Kafka header, so none was looped, and
+            # every record starts a tree; its payloads are built column-wise.
+            payloads = encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
+            hashes = _key_hashes_of(chunk.keys, key_hashes)
+            anchors = _persist(persister, part, payloads, chunk.offsets, *hashes)
+        elif persister is not None and channel is not None:
             keys, values = chunk.keys.to_pylist(), chunk.values.to_pylist()
-            if chunk.headers is None:  # no record has a header: none was looped
-                loop_roots = loop_ids = np.zeros(n, dtype=np.uint64)
-                refused = 0
-            else:
-                loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, loop_secret)
+            loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, loop_secret)
             if refused:
                 log.warning(
                     "%d records of %s-%d carry an %s header that is not signed with this "
                     "pipeline's loop key (copied or forged): each starts a tree of its own",
                     refused, part.topic, part.partition, LOOP_HEADER,
                 )  # fmt: skip
-            if not loop_roots.any():  # the usual chunk: every record starts a tree
+            if not loop_roots.any():  # no loop record: every record starts a tree
                 payloads = encode_payloads(keys, values, chunk.timestamps, kept)
                 anchors = _persist(persister, part, payloads, chunk.offsets, *key_hashes(keys))
             else:
@@ -273,10 +276,19 @@ def _spark_key_hashes(keys: Sequence[bytes | None]) -> tuple[NDArray[np.int64], 
     return spark_key_hashes(keys), np.ones(len(keys), dtype=np.bool_)
 
 
+def _key_hashes_of(keys: Any, key_hashes: KeyHashes) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
+    """The key hashes of a chunk's Arrow key column: none to compute for an unkeyed
+    topic's chunk (every key null), which is the usual case."""
+    n = len(keys)
+    if keys.null_count == n:
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_)
+    return key_hashes(keys.to_pylist())
+
+
 def _persist(
     persister: Persister,
     part: FTKafkaPartition,
-    payloads: list[bytes],
+    payloads: Sequence[bytes],
     offsets: NDArray[np.int64],
     hashes: NDArray[np.int64],
     has_key: NDArray[np.bool_],
@@ -284,7 +296,11 @@ def _persist(
     """Persist one polled chunk in PERSIST frames of about 16 MiB of payloads (a frame
     holds at most 64 MiB); returns the (ft_root, ft_id) columns once the FT layer
     confirmed every frame."""
-    sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
+    sizes = (
+        payloads.lengths
+        if isinstance(payloads, Payloads)
+        else np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
+    )
     frame_of = np.cumsum(sizes) // _PERSIST_CHUNK_BYTES
     bounds = [0, *(np.flatnonzero(np.diff(frame_of)) + 1).tolist(), len(payloads)]
     roots: list[NDArray[np.uint64]] = []
