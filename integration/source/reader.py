@@ -116,10 +116,10 @@ def read_partition(
         if persister is not None and channel is not None and chunk.headers is None:
             # The usual chunk: no record has a Kafka header, so none was looped, and
             # every record starts a tree; its payloads are built column-wise.
-            payloads = encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
+            columns = encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
             hashes = _key_hashes_of(chunk.keys, key_hashes)
-            anchors = _persist(persister, part, payloads, chunk.offsets, *hashes)
-        elif persister is not None and channel is not None:
+            anchors = _persist(persister, part, columns, chunk.offsets, *hashes)
+        elif persister is not None and channel is not None and chunk.headers is not None:
             keys, values = chunk.keys.to_pylist(), chunk.values.to_pylist()
             loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, loop_secret)
             if refused:
