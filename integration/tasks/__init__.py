@@ -245,7 +245,8 @@ class FTTasks:
         def decide(payload: Any, failures: Failures) -> Any:
             return run_predicate(predicate, payload, mode, failures)
 
-        return self._filter(df, decide, "filter", self._observed_as(observe, "filter", predicate))
+        named = self._observed_as(observe, "filter", predicate)
+        return self._filter(df, decide, _step("filter", predicate), named)
 
     # ---- per batch ----
 
@@ -267,7 +268,7 @@ class FTTasks:
             return run_batch_fn(fn, payload, payload_schema, mode, failures)
 
         named = self._observed_as(observe, "map_batches", fn)
-        return self._mapped(df, step, schema, "map_batches", named)
+        return self._mapped(df, step, schema, _step("map_batches", fn), named)
 
     def filter_batches(
         self,
@@ -285,7 +286,7 @@ class FTTasks:
             return run_batch_predicate(predicate, payload, mode, failures)
 
         named = self._observed_as(observe, "filter_batches", predicate)
-        return self._filter(df, decide, "filter_batches", named)
+        return self._filter(df, decide, _step("filter_batches", predicate), named)
 
     # ---- grouped ----
 

@@ -29,6 +29,7 @@ from serverproc import Server, StartServer
 from ftlayer.acking.handlers import Anchors, Persister
 from ftlayer.client import FTClient
 from ftlayer.errors import FailException
+from ftlayer.inspection import RecordQuery
 from ftlayer.integration.ftcolumns import ID_COLUMN, ROOT_COLUMN, FTSettings, to_signed
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.integration.sinks import ft_foreach_batch
@@ -520,3 +521,49 @@ def test_a_chain_ends_at_anything_between_its_steps_and_its_first_result_stays_u
     collect_sink(settings, out)(mapped, 0)  # the first step on its own
     assert sorted(r["n"] for r in out) == list(range(N))
     assert client.status()["completed"] == N
+
+
+def test_a_failure_names_the_step_and_its_function_for_every_kind_of_step(
+    spark: SparkSession, ft_server: Server
+) -> None:
+    # Causes (inspect, dead letters, logs) tell two filters or two batch maps apart.
+    client = ft_server.client()
+    settings = FTSettings(ft_server.address)
+    tasks = FTTasks(settings)
+    table = source_table(client, 40)
+
+    def keep_small(batch: pa.RecordBatch) -> Any:
+        if 7 in batch.column("n").to_pylist():
+            raise ValueError("a batch with record 7")
+        return pc.less(batch.column("n"), 1000)
+
+    def not_eleven(row: dict[str, Any]) -> bool:
+        if row["n"] == 11:
+            raise FailException("record 11")
+        return True
+
+    def sizes(batch: pa.RecordBatch) -> pa.RecordBatch:
+        if 13 in batch.column("n").to_pylist():
+            raise ValueError("a batch with record 13")
+        return batch
+
+    n_payload = "n long, payload binary"
+    steps = {
+        7: lambda df: tasks.filter_batches(df, keep_small),
+        11: lambda df: tasks.filter(df, not_eleven),
+        13: lambda df: tasks.map_batches(df, sizes, n_payload),
+    }
+    for record, step in steps.items():
+        one = spark.createDataFrame(table.slice(record, 1))
+        collect_sink(settings, [])(step(one), 0)
+    replay = client.fetch_replay(0, client.status()["replay_cursor"]).records
+    found = {}
+    for root, payload in zip(replay.roots.tolist(), replay.payloads, strict=True):
+        (inspected,) = client.inspect(RecordQuery(root=root)).records
+        assert inspected.history is not None
+        found[int(payload.decode().split("-")[1])] = inspected.history["causes"][0]["step"]
+    assert found == {
+        7: "filter_batches(keep_small)",
+        11: "filter(not_eleven)",
+        13: "map_batches(sizes)",
+    }
