@@ -47,25 +47,32 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
+import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
+from numpy.typing import NDArray
 
 from ftlayer.errors import FTLayerError
 
 __all__ = [
     "WRITE_HEADER",
     "ResumeError",
+    "ResumePoint",
     "WriteTag",
+    "already_written",
     "client_config",
     "end_offsets",
     "is_retry",
     "new_write_id",
     "resume_consumer",
+    "resume_point",
     "row_digest",
     "tag_prefix",
+    "written_before",
     "written_rows",
 ]
 
@@ -223,6 +230,72 @@ def written_rows(
         raise ResumeError(f"reading back topic {topic!r} failed: {exc!r}") from exc
     finally:
         consumer.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """What every attempt of one batch's write job shares to resume: the batch's write
+    id and the topic's end offsets before the batch wrote (`resume_point`)."""
+
+    write_id: bytes
+    start: Mapping[int, int]
+
+
+def resume_point(
+    bootstrap: str, topic: str, producer_config: Mapping[str, Any], epoch_id: int
+) -> ResumePoint | None:
+    """The driver's step before a batch writes: a fresh write id and the topic's end
+    offsets now; None (the batch writes without resuming) when the broker does not
+    answer."""
+    # A client per batch, closed at once: a client kept open for the next batch would
+    # outlive the query (nothing tells a foreachBatch function it ended), and its
+    # background thread would go on trying to reach the broker.
+    consumer: Any = None
+    try:
+        consumer = resume_consumer(bootstrap, producer_config)
+        start = end_offsets(consumer, topic)
+    except (KafkaError, ResumeError) as exc:
+        log.warning(
+            "Kafka sink to %r: batch %d writes without resuming (a retried task writes "
+            "its partition again): %r",
+            topic,
+            epoch_id,
+            exc,
+        )
+        return None
+    finally:
+        if consumer is not None:
+            consumer.close()
+    return ResumePoint(new_write_id(), start)
+
+
+def written_before(
+    bootstrap: str, topic: str, resume: ResumePoint, partition: int, config: Mapping[str, Any]
+) -> dict[int, bytes]:
+    """What an earlier attempt of this partition wrote ({} if that cannot be read: the
+    retry then writes every row again, duplicates but nothing lost)."""
+    try:
+        return written_rows(bootstrap, topic, resume.start, resume.write_id, partition, config)
+    except ResumeError as exc:
+        log.warning("Kafka sink to %r: writing partition %d again: %s", topic, partition, exc)
+        return {}
+
+
+def already_written(
+    done: Mapping[int, bytes],
+    first: int,
+    keys: Sequence[bytes | None],
+    values: Sequence[bytes | None],
+    headers: Sequence[Sequence[tuple[str, bytes | None]]],
+) -> NDArray[np.bool_] | None:
+    """Which rows (indices `first`, `first` + 1, ...) an earlier attempt wrote with the
+    same content; None if none."""
+    skip = np.zeros(len(values), dtype=np.bool_)
+    for i in range(len(values)):
+        digest = done.get(first + i)
+        if digest is not None and digest == row_digest(keys[i], values[i], headers[i]):
+            skip[i] = True
+    return skip if skip.any() else None
 
 
 def _collect(record: Any, write_id: bytes, partition: int, found: dict[int, bytes]) -> None:

@@ -133,14 +133,12 @@ from .ftcolumns import (
 )
 from .resume import (
     WRITE_HEADER,
-    ResumeError,
-    end_offsets,
+    ResumePoint,
+    already_written,
     is_retry,
-    new_write_id,
-    resume_consumer,
-    row_digest,
+    resume_point,
     tag_prefix,
-    written_rows,
+    written_before,
 )
 from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors
 
@@ -400,14 +398,6 @@ def _send_all(
     return confirmed, error
 
 
-@dataclass(frozen=True, slots=True)
-class _Resume:
-    """What every attempt of one batch's write job shares to resume (integration.resume)."""
-
-    write_id: bytes
-    start: Mapping[int, int]
-
-
 def _kafka_partition(
     settings: FTSettings,
     bootstrap: str,
@@ -417,7 +407,7 @@ def _kafka_partition(
     config: Mapping[str, Any],
     loop: bool = False,
     headers_column: str | None = None,
-    resume: _Resume | None = None,
+    resume: ResumePoint | None = None,
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
     wait_s = config["delivery_timeout_ms"] / 1000 + _FLUSH_MARGIN_S
     secret = settings.loop_secret or b""  # FTKafkaSink refuses a loop sink without one
@@ -431,7 +421,7 @@ def _kafka_partition(
         if resume is not None:
             prefix = tag_prefix(resume.write_id, partition)
             if is_retry(context):
-                done = _written_before(bootstrap, topic, resume, partition, config)
+                done = written_before(bootstrap, topic, resume, partition, config)
         channel = settings.channel() if settings.enabled else None
         handler = TaskHandler(channel) if channel is not None else None
         producer: Any = None
@@ -467,7 +457,7 @@ def _kafka_partition(
                     if tags is not None:
                         own = headers or [[] for _ in range(n)]
                         if done:
-                            skip = _already_written(done, index, keys, values, own)
+                            skip = already_written(done, index, keys, values, own)
                         headers = [[*kept, tag] for kept, tag in zip(own, tags, strict=True)]
                     confirmed, error = _send_unless(
                         producer, topic, keys, values, wait_s, headers, skip
@@ -511,35 +501,6 @@ def _kafka_partition(
         )
 
     return run
-
-
-def _written_before(
-    bootstrap: str, topic: str, resume: _Resume, partition: int, config: Mapping[str, Any]
-) -> dict[int, bytes]:
-    """What an earlier attempt of this partition wrote ({} if that cannot be read: the
-    retry then writes every row again, duplicates but nothing lost)."""
-    try:
-        return written_rows(bootstrap, topic, resume.start, resume.write_id, partition, config)
-    except ResumeError as exc:
-        log.warning("Kafka sink to %r: writing partition %d again: %s", topic, partition, exc)
-        return {}
-
-
-def _already_written(
-    done: Mapping[int, bytes],
-    first: int,
-    keys: list[bytes | None],
-    values: list[bytes | None],
-    headers: list[list[tuple[str, bytes | None]]],
-) -> NDArray[np.bool_] | None:
-    """Which rows (indices `first`, `first` + 1, ...) an earlier attempt wrote with the
-    same content; None if none."""
-    skip = np.zeros(len(values), dtype=np.bool_)
-    for i in range(len(values)):
-        digest = done.get(first + i)
-        if digest is not None and digest == row_digest(keys[i], values[i], headers[i]):
-            skip[i] = True
-    return skip if skip.any() else None
 
 
 def _send_unless(
@@ -676,32 +637,6 @@ class FTKafkaSink:
         self.resume = resume and not loop
         self.last_result: SinkResult | None = None
 
-    def _resume_point(self, epoch_id: int) -> _Resume | None:
-        """A fresh write id and the topic's end offsets now, before this batch writes;
-        None (the batch writes without resuming) when the broker does not answer."""
-        if not self.resume:
-            return None
-        # A client per batch, closed at once: a client kept open for the next batch
-        # would outlive the query (nothing tells a foreachBatch function it ended), and
-        # its background thread would go on trying to reach the broker.
-        consumer: Any = None
-        try:
-            consumer = resume_consumer(self.bootstrap_servers, self.producer_config)
-            start = end_offsets(consumer, self.topic)
-        except (KafkaError, ResumeError) as exc:
-            log.warning(
-                "Kafka sink to %r: batch %d writes without resuming (a retried task writes "
-                "its partition again): %r",
-                self.topic,
-                epoch_id,
-                exc,
-            )
-            return None
-        finally:
-            if consumer is not None:
-                consumer.close()
-        return _Resume(new_write_id(), start)
-
     def __call__(self, df: DataFrame, epoch_id: int) -> None:
         ft_columns = _check_ft_columns(df, self.settings)
         data_columns, headers_column = kafka_columns(
@@ -716,7 +651,9 @@ class FTKafkaSink:
             self.producer_config,
             self.loop,
             headers_column,
-            self._resume_point(epoch_id),
+            resume_point(self.bootstrap_servers, self.topic, self.producer_config, epoch_id)
+            if self.resume
+            else None,
         )
         summary = df.select(*data_columns, *ft_columns).mapInArrow(run, _SUMMARY_SCHEMA).collect()
         written = sum(int(row.written) for row in summary)
