@@ -277,6 +277,14 @@ class TaskHandler:
     input (several outputs, none, several pairs) is processed as without it. The
     integration's task wrappers use it (a row has exactly one consumer there); a
     handler whose outputs may be consumed more than once must not.
+
+    The hand-over has two paths, one rule: `pass_through` is the fast path of the
+    wrappers' commonest steps (a map with one output per input, a filter), where every
+    row keeps its FT columns as they are and nothing is computed per row (only a
+    filter's dropped rows of a tree send their acks); `process` covers every other
+    step, and hands over, inside `_process`, exactly the inputs `_handed_over` finds
+    with one pair and one output. Both leave the same tree state: a kept row's id
+    stays outstanding until its output is acked.
     """
 
     def __init__(self, channel: XorHandler | FTChannel, *, hand_over: bool = False) -> None:
