@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -19,8 +18,8 @@ from typing import Any
 import pytest
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQueryListener
 from serverproc import StartServer
+from sparkprogress import Progress, first_sight
 
 from ftlayer.errors import FailException
 from ftlayer.integration import FTSettings, FTTasks, ft_foreach_batch, ft_observe, register
@@ -47,47 +46,11 @@ def make_step(marks: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
     def step(row: dict[str, Any]) -> dict[str, Any]:
         event_id = int(row["key"])
-        if fails_once(event_id):
-            try:
-                os.close(os.open(os.path.join(marks, str(event_id)), os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                pass
-            else:
-                raise FailException(f"event {event_id}: first sight")
+        if fails_once(event_id) and first_sight(marks, event_id):
+            raise FailException(f"event {event_id}: first sight")
         return {"id": event_id}
 
     return step
-
-
-class Progress(StreamingQueryListener):
-    """The observed metrics of every batch of one query, as a listener gets them."""
-
-    def __init__(self) -> None:
-        self.batches: dict[int, dict[str, dict[str, int]]] = {}
-        self.query_id: str | None = None
-        self.lock = threading.Lock()
-
-    def onQueryStarted(self, event: Any) -> None:
-        pass
-
-    def onQueryProgress(self, event: Any) -> None:
-        progress = event.progress
-        if str(progress.id) != self.query_id or not progress.observedMetrics:
-            return
-        with self.lock:
-            self.batches[progress.batchId] = {
-                name: row.asDict() for name, row in progress.observedMetrics.items()
-            }
-
-    def onQueryIdle(self, event: Any) -> None:
-        pass
-
-    def onQueryTerminated(self, event: Any) -> None:
-        pass
-
-    def total(self, name: str, metric: str) -> int:
-        with self.lock:
-            return sum(b[name].get(metric, 0) for b in self.batches.values() if name in b)
 
 
 class Collected:

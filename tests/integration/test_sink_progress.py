@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,8 +22,8 @@ from pyspark import TaskContext, cloudpickle
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.streaming import StreamingQueryListener
 from serverproc import StartServer
+from sparkprogress import Progress, first_sight
 
 from ftlayer.client import FTClient
 from ftlayer.integration import (
@@ -65,56 +64,11 @@ def make_step(marks: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def step(row: dict[str, Any]) -> dict[str, Any]:
         event_id = int(row["key"])
         value = b"v%d" % event_id
-        if always(event_id):
+        if always(event_id) or (once(event_id) and first_sight(marks, event_id)):
             value = BIG
-        elif once(event_id):
-            try:
-                os.close(os.open(os.path.join(marks, str(event_id)), os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                pass
-            else:
-                value = BIG
         return {"key": row["key"], "value": value}
 
     return step
-
-
-class Progress(StreamingQueryListener):
-    """The observed metrics of every batch of one query, as a listener gets them."""
-
-    def __init__(self) -> None:
-        self.batches: dict[int, dict[str, dict[str, Any]]] = {}
-        self.query_id: str | None = None
-        self.lock = threading.Lock()
-
-    def onQueryStarted(self, event: Any) -> None:
-        pass
-
-    def onQueryProgress(self, event: Any) -> None:
-        progress = event.progress
-        if str(progress.id) != self.query_id or not progress.observedMetrics:
-            return
-        with self.lock:
-            self.batches[progress.batchId] = {
-                name: row.asDict() for name, row in progress.observedMetrics.items()
-            }
-
-    def onQueryIdle(self, event: Any) -> None:
-        pass
-
-    def onQueryTerminated(self, event: Any) -> None:
-        pass
-
-    def total(self, name: str, metric: str) -> int:
-        with self.lock:
-            return sum(b[name][metric] for b in self.batches.values() if name in b)
-
-    def failed_by_error(self, name: str) -> Counter[str]:
-        with self.lock:
-            return sum(
-                (Counter(b[name]["failed_by_error"]) for b in self.batches.values() if name in b),
-                Counter(),
-            )
 
 
 @pytest.mark.parametrize("completion", ["barrier", "tree"])
