@@ -45,9 +45,11 @@ partition, offset, key, value and timestamp, under a new root.
 1. Read Kafka [start, end) of the partition with kafka-python (assign/seek, large fetch
    sizes). If no record arrives for `kafkaConsumer.pollTimeoutMs`, fail with
    SourceError naming the partition and how far it got: never a hang.
-2. FT on: persist each polled chunk through this process's shared BatchingChannel
-   (`Persister.persist`, which returns only once the FT layer confirmed), and only then
-   yield it as a pyarrow.RecordBatch. Each record is stored with a compact payload
+2. FT on: persist each polled chunk, in pieces of at most 10,000 records
+   (`PERSIST_PIECE_RECORDS`: Spark's steps downstream work on one piece while the next
+   is persisted), through this process's shared BatchingChannel (`Persister.persist`,
+   which returns only once the FT layer confirmed), and only then yield it as a
+   pyarrow.RecordBatch. Each record is stored with a compact payload
    (`encode_payloads`: key or null, value or null, timestamp), its Kafka coordinates,
    and its key hash (Kafka's murmur2; `portable_hash` under `spark-hash`).
    A record that a loop sink fed back (Kafka header `ftlayer-anchor`, see

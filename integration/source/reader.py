@@ -56,6 +56,12 @@ _MAX_POLL_RECORDS: Final = 50_000
 POLL_SECONDS: Final = 0.05
 # A PERSIST frame is at most 64 MiB: persist in chunks well below that.
 _PERSIST_CHUNK_BYTES: Final = 16 * 1024 * 1024
+# FT on, a polled chunk is persisted and yielded in pieces of at most this many
+# records: Spark's steps downstream (other processes) work on piece k while piece k + 1
+# is persisted, instead of waiting for the persist of a whole poll (up to
+# _MAX_POLL_RECORDS) before their first row. Spark's own Arrow batches downstream are
+# 10,000 rows (spark.sql.execution.arrow.maxRecordsPerBatch).
+PERSIST_PIECE_RECORDS: Final = 10_000
 
 
 class FTKafkaPartition(InputPartition):
@@ -109,7 +115,7 @@ def read_partition(
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
     # on, the next chunk is fetched and decoded while this one's persist is confirmed.
     chunks = _read_kafka(options, part)
-    for chunk in chunks if persister is None else _prefetched(chunks):
+    for chunk in chunks if persister is None else _pieces(_prefetched(chunks)):
         n = len(chunk)
         kept = _user_headers(chunk.header_lists()) if options.keeps_headers else None
         anchors = None
@@ -182,6 +188,17 @@ def read_partition(
             )
     # Step 4: the emission events of the replays (and anything else buffered) go now.
     channel.flush()
+
+
+def _pieces(chunks: Iterator[RecordColumns]) -> Iterator[RecordColumns]:
+    """Each chunk in pieces of at most PERSIST_PIECE_RECORDS records (slices: no copy)."""
+    for chunk in chunks:
+        n = len(chunk)
+        if n <= PERSIST_PIECE_RECORDS:
+            yield chunk
+            continue
+        for lo in range(0, n, PERSIST_PIECE_RECORDS):
+            yield chunk.slice(lo, min(n, lo + PERSIST_PIECE_RECORDS))
 
 
 def _prefetched(
