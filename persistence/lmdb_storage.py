@@ -1,15 +1,16 @@
 """The LMDB persistence storage: the default, durable `PersistenceStorage`.
 
-One LMDB environment (a directory holding data.mdb and lock.mdb) with four named
+One LMDB environment (a directory holding data.mdb and lock.mdb) with five named
 sub-databases:
 
-| sub-database | key                             | value                                 |
-|--------------|---------------------------------|---------------------------------------|
-| `chunks`     | chunk key: a seq, 8 bytes BE    | the chunk's records, back to back     |
-| `heads`      | chunk key                       | the chunk's head (below)              |
-| `meta`       | UTF-8 meta key                  | the caller's bytes (`put_meta`)       |
-| `ftlayer`    | `format`                        | the format marker                     |
-|              | `next_seq`, `records`           | seq high-water mark; stored records   |
+| sub-database | key                             | value                                   |
+|--------------|---------------------------------|-----------------------------------------|
+| `chunks`     | chunk key: a seq, 8 bytes BE    | the chunk's records, back to back       |
+| `index`      | chunk key                       | its seqs and where each record ends     |
+| `state`      | chunk key                       | which records are deleted; tag overrides |
+| `meta`       | UTF-8 meta key                  | the caller's bytes (`put_meta`)         |
+| `ftlayer`    | `format`                        | the format marker                       |
+|              | `next_seq`, `records`           | seq high-water mark; stored records     |
 
 (`next_seq` and `records` are 8 bytes big-endian.)
 
@@ -20,39 +21,41 @@ each in the record layout of `base`, under the seq of its first record (a batch 
 than `chunk_bytes`, 1 MiB by default, becomes several chunks of whole records; a record
 larger than that is a chunk of its own). LMDB's cost is per value, not per byte, so a
 batch costs a few B-tree operations however many records it holds, and deleting a
-whole batch as few. Beside it, the chunk's head says which seqs it holds, where each
-record ends and which are still stored. All integers little-endian, no padding:
+whole batch as few. Beside the records, two small values: the chunk's index, written
+with it and never changed, and its state, rewritten by every delete and retag (a bit
+per record and the override table: a write touches a few bytes per record of the
+chunk, not the chunk). All integers little-endian, no padding:
 
-| field      | type                 | meaning                                              |
-|------------|----------------------|------------------------------------------------------|
-| count      | u32                  | records in the chunk, deleted ones included           |
-| live       | u32                  | records still stored                                  |
-| flags      | u32                  | bit 0: the seqs are listed, else they are key, key+1, ... |
-| overrides  | u32                  | entries in the override table                         |
-| live_bytes | u64                  | bytes of the records still stored                     |
-| seqs       | count x u64          | with flag bit 0 only: the seqs, increasing            |
-| ends       | count x u32          | where each record ends in the chunk                   |
-| deleted    | ceil(count / 8) bytes | bit i (least significant first) set: record i deleted |
-| override   | overrides x 20 bytes | u32 index, u64 root, u64 replay_seq; by index, increasing |
+| value  | field      | type                  | meaning                                      |
+|--------|------------|-----------------------|----------------------------------------------|
+| index  | count      | u32                   | records in the chunk, deleted ones included   |
+|        | flags      | u32                   | bit 0: seqs listed, else key, key + 1, ...    |
+|        | seqs       | count x u64           | with flag bit 0 only: the seqs, increasing    |
+|        | ends       | count x u32           | where each record ends in the chunk           |
+| state  | live       | u32                   | records still stored                          |
+|        | overrides  | u32                   | entries in the override table                 |
+|        | live_bytes | u64                   | bytes of the records still stored             |
+|        | deleted    | ceil(count / 8) bytes | bit i (least significant first): i deleted    |
+|        | override   | overrides x 20 bytes  | u32 index, u64 root, u64 replay_seq; by index |
 
 A chunk's seqs lie between its key and the next chunk's key, so the chunk of a seq is
 the last one keyed at or below it, and key order is seq order.
 
-- `delete` sets the records' bits in the heads of their chunks, in one transaction: a
-  deleted record is gone for every reader at once, one head written per chunk however
-  many of its records go. A chunk whose records are all deleted is dropped, value and
-  head.
-- `set_roots` writes the new tags into the override table of the head; `get` and `scan`
-  read a record's tags from there when it has an entry. Retagging one record costs a
-  head write, not a rewrite of its chunk.
+- `delete` sets the records' bits in the states of their chunks, in one transaction: a
+  deleted record is gone for every reader at once, one state written per chunk however
+  many of its records go. A chunk whose records are all deleted is dropped (its three
+  values).
+- `set_roots` writes the new tags into the override table (increasing index, one entry
+  per record); `get` and `scan` take a record's tags from there when it has an entry.
+  Retagging one record costs a state write, not a rewrite of its chunk.
 - Compaction: a chunk is rewritten (its stored records only, their tags from the
   override table written into their bytes, under the same key and seqs, now listed)
   when a write leaves fewer than a quarter of its bytes stored, or more than a quarter
   of its stored records with an override entry. So deleted records never take more than
   three times the bytes of the stored ones in any chunk (a few records of a batch kept
-  long, say a dead letter or a slow tree, do not pin the batch), and a rewrite copies
-  at most a third of the bytes deleted since the chunk was written; the override table
-  stays smaller than the chunk.
+  long, say a dead letter or a slow tree, do not pin the batch), a rewrite for deletes
+  copies less than a third of the bytes deleted since the chunk was last written, and
+  the override table stays smaller than the chunk.
 
 Big-endian keys sort in seq order, and seqs only grow, so every `put` appends at the
 right edge of the B-trees (`append=True` skips the key search). The high-water mark is
@@ -93,7 +96,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import lmdb
 import numpy as np
@@ -124,26 +127,20 @@ DEFAULT_CHUNK_BYTES: Final = 1 << 20
 _V1_MARKER: Final = b"ftlayer-lmdb-v1"
 _RECORDS_DB: Final = b"records"  # v1: one value per record (converted on open)
 _CHUNKS_DB: Final = b"chunks"
-_HEADS_DB: Final = b"heads"
+_INDEX_DB: Final = b"index"
+_STATE_DB: Final = b"state"
 _META_DB: Final = b"meta"
 _STORE_DB: Final = b"ftlayer"
 _FORMAT_KEY: Final = b"format"
 _NEXT_SEQ_KEY: Final = b"next_seq"
 _STORED_KEY: Final = b"records"
-_MAX_DBS: Final = 5
+_MAX_DBS: Final = 6
 _DATA_FILE: Final = "data.mdb"
 
-_HEAD: Final = np.dtype(
-    [
-        ("count", "<u4"),
-        ("live", "<u4"),
-        ("flags", "<u4"),
-        ("overrides", "<u4"),
-        ("live_bytes", "<u8"),
-    ]
-)
+_INDEX: Final = np.dtype([("count", "<u4"), ("flags", "<u4")])
+_STATE: Final = np.dtype([("live", "<u4"), ("overrides", "<u4"), ("live_bytes", "<u8")])
 _OVERRIDE: Final = np.dtype([("index", "<u4"), ("root", "<u8"), ("replay_seq", "<u8")])
-_LISTED: Final = 1  # flags bit 0: the head lists the chunk's seqs
+_LISTED: Final = 1  # index flags bit 0: the chunk's seqs are listed
 _MAX_CHUNK: Final = 0xFFFFFFFF  # record ends are u32
 _MAX_SEQ: Final = 2**64 - 1
 
@@ -206,7 +203,7 @@ class LmdbStorage(PersistenceStorage):
             raise StorageError(f"cannot open LMDB storage at {self._path}: {exc}") from exc
         self._env = env
         try:
-            self._chunks, self._heads, self._meta, self._store, self._next_seq = self._write(
+            self._chunks, self._meta, self._store, self._next_seq = self._write(
                 partial(_initialize, env, self._path, chunk_bytes), db=None
             )
         except BaseException:
@@ -252,14 +249,11 @@ class LmdbStorage(PersistenceStorage):
                 start = int(ends[lo - 1]) if lo else 0
                 head = _Head.new(first + lo, ends[lo:hi] - start)
                 value = blob if hi - lo == n else view[start : int(ends[hi - 1])]
-                key = _key(first + lo)
-                if not txn.put(key, value, append=True, db=self._chunks):
-                    # append=True refuses a key that is not above the last one.
+                if not self._chunks.add(txn, head, value):
                     raise StorageError(
                         f"{self._path}: a chunk from seq {first + lo} is already stored; "
                         "the store was written by someone else"
                     )
-                txn.put(key, head.encode(), append=True, db=self._heads)
             txn.put(_NEXT_SEQ_KEY, _key(first + n), db=self._store)
             self._count_stored(txn, n)
 
@@ -286,7 +280,7 @@ class LmdbStorage(PersistenceStorage):
         read = self._read(partial(self._read_records, wanted), db=None, buffers=True)
         values = [read.values[i] for i in where.tolist()]
         check_stored(seq_array, values)
-        batch, _ = read.decode(values, where)  # checked: no None
+        batch, _ = read.decode(values, where)  # type: ignore[arg-type]  # checked: no None
         return batch
 
     def set_roots(
@@ -305,7 +299,7 @@ class LmdbStorage(PersistenceStorage):
         def write(txn: lmdb.Transaction[bytes]) -> None:
             stored = np.zeros(len(wanted), dtype=np.bool_)
             changes = []
-            for head, lo, hi in list(_chunks_of(txn.cursor(db=self._heads), wanted)):
+            for head, lo, hi in list(self._chunks.spans(txn, wanted)):
                 positions, here = head.locate(wanted[lo:hi])
                 stored[lo:hi] = here
                 changes.append((head, positions[here], lo + np.flatnonzero(here)))
@@ -558,7 +552,7 @@ class LmdbStorage(PersistenceStorage):
         ordered = np.sort(seqs)
         wanted = ordered[_firsts(ordered)]
         removed = 0
-        for head, lo, hi in list(_chunks_of(txn.cursor(db=self._heads), wanted)):
+        for head, lo, hi in list(self._chunks.spans(txn, wanted)):
             positions, stored = head.locate(wanted[lo:hi])
             if stored.any():
                 head.remove(positions[stored])
@@ -571,24 +565,16 @@ class LmdbStorage(PersistenceStorage):
     def _settle(self, txn: lmdb.Transaction[bytes], head: _Head) -> None:
         """Write a changed head: drop its chunk if nothing is stored there any more,
         compact it if the rules of the module docstring say so."""
-        key = _key(head.key)
         if head.live == 0:
-            txn.delete(key, db=self._chunks)
-            txn.delete(key, db=self._heads)
+            self._chunks.drop(txn, head.key)
         elif 4 * head.live_bytes < head.size or 4 * len(head.overrides) > head.live:
             self._compact(txn, head)
         else:
-            txn.put(key, head.encode(), db=self._heads)
+            txn.put(_key(head.key), head.encode_state(), db=self._chunks.state_db)
 
     def _compact(self, txn: lmdb.Transaction[bytes], head: _Head) -> None:
         """Rewrite a chunk as its stored records, their override tags in their bytes."""
-        key = _key(head.key)
-        blob = txn.get(key, db=self._chunks)
-        if blob is None or len(blob) != head.size:
-            raise StorageError(
-                f"{self._path}: the records of chunk {head.key} are missing or of the "
-                "wrong size: storage corrupt"
-            )
+        blob = self._chunks.records_of(txn, head)
         keep = np.flatnonzero(~head.deleted)
         starts, ends = head.bounds(keep)
         # Records kept side by side are copied as one slice.
@@ -607,8 +593,7 @@ class LmdbStorage(PersistenceStorage):
             patched = bytearray(data)
             np.frombuffer(patched, dtype=np.uint8)[at] = tags.view(np.uint8).reshape(at.shape)
             data = bytes(patched)
-        txn.put(key, data, db=self._chunks)
-        txn.put(key, compacted.encode(), db=self._heads)
+        self._chunks.replace(txn, compacted, data)
 
     def _count_stored(self, txn: lmdb.Transaction[bytes], change: int) -> None:
         """Add `change` to the count of stored records, in `txn`."""
@@ -618,33 +603,29 @@ class LmdbStorage(PersistenceStorage):
     def _read_records(self, seqs: NDArray[np.uint64], txn: lmdb.Transaction[memoryview]) -> _Read:
         """The records `seqs` (sorted, distinct); None for a seq not stored."""
         found = _Read(seqs, [None] * len(seqs))
-        for head, lo, hi in _chunks_of(txn.cursor(db=self._heads), seqs):
+        for head, lo, hi in self._chunks.spans(txn, seqs):
             positions, stored = head.locate(seqs[lo:hi])
             if stored.any():
-                found.add(
-                    txn.get(_key(head.key), db=self._chunks),
-                    head,
-                    positions[stored],
-                    lo + np.flatnonzero(stored),
-                )
+                blob = self._chunks.records_of(txn, head)
+                found.add(blob, head, positions[stored], lo + np.flatnonzero(stored))
         return found
 
     def _read_from(self, start: int, limit: int, txn: lmdb.Transaction[memoryview]) -> _Read:
         """Up to `limit` stored records from seq `start` on, in seq order."""
-        cursor = txn.cursor(db=self._heads)
+        cursor = txn.cursor(db=self._chunks.index_db)
         if _floor(cursor, start) is None and not cursor.first():
             return _Read(np.zeros(0, dtype=np.uint64), [])
         seqs: list[NDArray[np.uint64]] = []
         found = _Read(np.zeros(0, dtype=np.uint64), [])
         while len(found.values) < limit:
-            head = _Head.decode(int.from_bytes(cursor.key(), "big"), cursor.value())
+            head = self._chunks.head_at(txn, cursor)
             wanted = np.flatnonzero(~head.deleted & (head.seqs >= start))
             positions = wanted[: limit - len(found.values)]
             if len(positions):
                 seqs.append(head.seqs[positions])
                 rows = np.arange(len(found.values), len(found.values) + len(positions))
                 found.values.extend([None] * len(positions))
-                found.add(txn.get(_key(head.key), db=self._chunks), head, positions, rows)
+                found.add(self._chunks.records_of(txn, head), head, positions, rows)
             if not cursor.next():
                 break
         if seqs:
@@ -757,24 +738,30 @@ class _Head:
         )
 
     @classmethod
-    def decode(cls, key: int, raw: bytes | memoryview) -> _Head:
-        fixed = np.frombuffer(raw, dtype=_HEAD, count=1)[0]
-        count, n_overrides = int(fixed["count"]), int(fixed["overrides"])
+    def decode(cls, key: int, index: bytes | memoryview, state: bytes | memoryview) -> _Head:
+        """The head of chunk `key` from its index and state values."""
+        fixed = np.frombuffer(index, dtype=_INDEX, count=1)[0]
+        count = int(fixed["count"])
         listed = bool(int(fixed["flags"]) & _LISTED)
+        tally = np.frombuffer(state, dtype=_STATE, count=1)[0]
+        n_overrides = int(tally["overrides"])
         mask_bytes = (count + 7) // 8
-        size = _HEAD.itemsize + (12 if listed else 4) * count + mask_bytes
-        if len(raw) != size + n_overrides * _OVERRIDE.itemsize:
-            raise StorageError(f"the head of chunk {key} is {len(raw)} bytes: storage corrupt")
-        at = _HEAD.itemsize
+        if len(index) != _INDEX.itemsize + (12 if listed else 4) * count or len(state) != (
+            _STATE.itemsize + mask_bytes + n_overrides * _OVERRIDE.itemsize
+        ):
+            raise StorageError(f"the head of chunk {key} is malformed: storage corrupt")
+        at = _INDEX.itemsize
         if listed:
-            seqs = np.frombuffer(raw, dtype="<u8", count=count, offset=at).astype(np.uint64)
+            seqs = np.frombuffer(index, dtype="<u8", count=count, offset=at).astype(np.uint64)
             at += 8 * count
         else:
             seqs = np.arange(key, key + count, dtype=np.uint64)
-        ends = np.frombuffer(raw, dtype="<u4", count=count, offset=at).astype(np.int64)
-        mask = np.frombuffer(raw, dtype=np.uint8, count=mask_bytes, offset=at + 4 * count)
+        ends = np.frombuffer(index, dtype="<u4", count=count, offset=at).astype(np.int64)
+        mask = np.frombuffer(state, dtype=np.uint8, count=mask_bytes, offset=_STATE.itemsize)
         deleted = np.unpackbits(mask, count=count, bitorder="little").view(np.bool_)
-        overrides = np.frombuffer(raw, dtype=_OVERRIDE, count=n_overrides, offset=size).copy()
+        overrides = np.frombuffer(
+            state, dtype=_OVERRIDE, count=n_overrides, offset=_STATE.itemsize + mask_bytes
+        ).copy()
         return cls(
             key,
             seqs,
@@ -782,26 +769,24 @@ class _Head:
             deleted,
             overrides,
             listed=listed,
-            live=int(fixed["live"]),
-            live_bytes=int(fixed["live_bytes"]),
+            live=int(tally["live"]),
+            live_bytes=int(tally["live_bytes"]),
         )
 
-    def encode(self) -> bytes:
-        fixed = np.zeros(1, dtype=_HEAD)
+    def encode_index(self) -> bytes:
+        fixed = np.zeros(1, dtype=_INDEX)
         fixed["count"] = len(self.ends)
-        fixed["live"] = self.live
         fixed["flags"] = _LISTED if self.listed else 0
-        fixed["overrides"] = len(self.overrides)
-        fixed["live_bytes"] = self.live_bytes
-        parts = [fixed.tobytes()]
-        if self.listed:
-            parts.append(self.seqs.astype("<u8").tobytes())
-        parts += [
-            self.ends.astype("<u4").tobytes(),
-            np.packbits(self.deleted, bitorder="little").tobytes(),
-            self.overrides.tobytes(),
-        ]
-        return b"".join(parts)
+        seqs = self.seqs.astype("<u8").tobytes() if self.listed else b""
+        return fixed.tobytes() + seqs + self.ends.astype("<u4").tobytes()
+
+    def encode_state(self) -> bytes:
+        tally = np.zeros(1, dtype=_STATE)
+        tally["live"] = self.live
+        tally["overrides"] = len(self.overrides)
+        tally["live_bytes"] = self.live_bytes
+        mask = np.packbits(self.deleted, bitorder="little")
+        return tally.tobytes() + mask.tobytes() + self.overrides.tobytes()
 
     @property
     def last(self) -> int:
@@ -882,16 +867,12 @@ class _Read:
 
     def add(
         self,
-        blob: bytes | memoryview | None,
+        blob: bytes | memoryview,
         head: _Head,
         positions: NDArray[np.intp],
         rows: NDArray[np.intp],
     ) -> None:
         """The records `positions` of `head`'s chunk, whose value is `blob`, as `rows`."""
-        if blob is None or len(blob) != head.size:
-            raise StorageError(
-                f"the records of chunk {head.key} are missing or of the wrong size: storage corrupt"
-            )
         values = _slices(blob, *head.bounds(positions))
         first, last = int(rows[0]), int(rows[-1])
         if last - first == len(rows) - 1:
@@ -921,26 +902,70 @@ class _Read:
         return batch, replay_seqs
 
 
-def _chunks_of(
-    cursor: lmdb.Cursor[Any], seqs: NDArray[np.uint64]
-) -> Iterator[tuple[_Head, int, int]]:
-    """The chunks that `seqs` (sorted, distinct) may be in, with the range [lo, hi) of
-    `seqs` between each one's key and last seq; `cursor` is on the heads."""
-    i, n = 0, len(seqs)
-    while i < n:
-        seq = int(seqs[i])
-        key = _floor(cursor, seq)
-        if key is not None:
-            head = _Head.decode(key, cursor.value())
-            if seq <= head.last:
-                hi = int(np.searchsorted(seqs, head.last, side="right"))
-                yield head, i, hi
-                i = hi
-                continue
-        # seq is in no chunk: go on from the next chunk's key.
-        if seq == _MAX_SEQ or not cursor.set_range(_key(seq + 1)):
-            return
-        i = int(np.searchsorted(seqs, int.from_bytes(cursor.key(), "big")))
+class _Chunks(NamedTuple):
+    """The sub-databases of the chunks (see the module docstring), and what is done to
+    a chunk there."""
+
+    records_db: lmdb._Database
+    index_db: lmdb._Database
+    state_db: lmdb._Database
+
+    def add(self, txn: lmdb.Transaction[Any], head: _Head, data: bytes | memoryview) -> bool:
+        """Store a new chunk, keyed above every other; False (nothing written) if not."""
+        key = _key(head.key)
+        if not txn.put(key, data, append=True, db=self.records_db):
+            return False  # append=True refuses a key that is not above the last one
+        txn.put(key, head.encode_index(), append=True, db=self.index_db)
+        txn.put(key, head.encode_state(), append=True, db=self.state_db)
+        return True
+
+    def replace(self, txn: lmdb.Transaction[Any], head: _Head, data: bytes) -> None:
+        key = _key(head.key)
+        txn.put(key, data, db=self.records_db)
+        txn.put(key, head.encode_index(), db=self.index_db)
+        txn.put(key, head.encode_state(), db=self.state_db)
+
+    def drop(self, txn: lmdb.Transaction[Any], key: int) -> None:
+        for db in self:
+            txn.delete(_key(key), db=db)
+
+    def records_of(self, txn: lmdb.Transaction[Any], head: _Head) -> bytes | memoryview:
+        """The value of `head`'s chunk (a view into the map in a buffers transaction)."""
+        data: bytes | memoryview | None = txn.get(_key(head.key), db=self.records_db)
+        if data is None or len(data) != head.size:
+            raise StorageError(
+                f"the records of chunk {head.key} are missing or of the wrong size: storage corrupt"
+            )
+        return data
+
+    def head_at(self, txn: lmdb.Transaction[Any], cursor: lmdb.Cursor[Any]) -> _Head:
+        """The head of the chunk an index cursor is on."""
+        key = cursor.key()
+        state = txn.get(key, db=self.state_db)
+        if state is None:
+            raise StorageError(f"chunk {bytes(key).hex()} has no state: storage corrupt")
+        return _Head.decode(int.from_bytes(key, "big"), cursor.value(), state)
+
+    def spans(
+        self, txn: lmdb.Transaction[Any], seqs: NDArray[np.uint64]
+    ) -> Iterator[tuple[_Head, int, int]]:
+        """The chunks that `seqs` (sorted, distinct) may be in, with the range [lo, hi)
+        of `seqs` between each one's key and last seq."""
+        cursor = txn.cursor(db=self.index_db)
+        i, n = 0, len(seqs)
+        while i < n:
+            seq = int(seqs[i])
+            if _floor(cursor, seq) is not None:
+                head = self.head_at(txn, cursor)
+                if seq <= head.last:
+                    hi = int(np.searchsorted(seqs, head.last, side="right"))
+                    yield head, i, hi
+                    i = hi
+                    continue
+            # seq is in no chunk: go on from the next chunk's key.
+            if seq == _MAX_SEQ or not cursor.set_range(_key(seq + 1)):
+                return
+            i = int(np.searchsorted(seqs, int.from_bytes(cursor.key(), "big")))
 
 
 def _firsts(ordered: NDArray[Any]) -> NDArray[np.bool_]:
@@ -1016,19 +1041,18 @@ def _stored(store: lmdb._Database, txn: lmdb.Transaction[bytes]) -> int:
 
 def _initialize(
     env: lmdb.Environment, path: str, chunk_bytes: int, txn: lmdb.Transaction[bytes]
-) -> tuple[lmdb._Database, lmdb._Database, lmdb._Database, lmdb._Database, int]:
+) -> tuple[_Chunks, lmdb._Database, lmdb._Database, int]:
     """Open (creating on first use) the sub-databases; mark a new store, convert a v1
     store; find the next seq."""
     # (py-lmdb's stubs declare Transaction.env, but the C extension has no such attribute.)
-    chunks = env.open_db(_CHUNKS_DB, txn=txn)
-    heads = env.open_db(_HEADS_DB, txn=txn)
+    chunks = _Chunks(*(env.open_db(name, txn=txn) for name in (_CHUNKS_DB, _INDEX_DB, _STATE_DB)))
     meta = env.open_db(_META_DB, txn=txn)
     store = env.open_db(_STORE_DB, txn=txn)
     marker = txn.get(_FORMAT_KEY, db=store)
     if marker is None:
         txn.put(_FORMAT_KEY, FORMAT_MARKER, db=store)
     elif marker == _V1_MARKER:
-        converted = _convert_v1(env, txn, chunks, heads, chunk_bytes)
+        converted = _convert_v1(env, txn, chunks, chunk_bytes)
         txn.put(_STORED_KEY, converted.to_bytes(8, "big"), db=store)
         txn.put(_FORMAT_KEY, FORMAT_MARKER, db=store)
         log.info("%s: %d records of format %r converted to chunks", path, converted, _V1_MARKER)
@@ -1036,19 +1060,14 @@ def _initialize(
         raise StorageError(f"{path} is an ftlayer store of format {marker!r}")
     high_water = txn.get(_NEXT_SEQ_KEY, db=store)
     next_seq = 1 if high_water is None else int.from_bytes(high_water, "big")
-    cursor = txn.cursor(heads)
+    cursor = txn.cursor(chunks.index_db)
     if cursor.last():
-        last = _Head.decode(int.from_bytes(cursor.key(), "big"), cursor.value()).last
-        next_seq = max(next_seq, last + 1)
-    return chunks, heads, meta, store, next_seq
+        next_seq = max(next_seq, chunks.head_at(txn, cursor).last + 1)
+    return chunks, meta, store, next_seq
 
 
 def _convert_v1(
-    env: lmdb.Environment,
-    txn: lmdb.Transaction[bytes],
-    chunks: lmdb._Database,
-    heads: lmdb._Database,
-    chunk_bytes: int,
+    env: lmdb.Environment, txn: lmdb.Transaction[bytes], chunks: _Chunks, chunk_bytes: int
 ) -> int:
     """Move the records of a v1 store (one value per seq) into chunks of up to
     `chunk_bytes` under the same seqs, in `txn`, and drop the v1 sub-database; returns
@@ -1058,23 +1077,22 @@ def _convert_v1(
     values: list[bytes] = []
     moved = 0
 
-    def write_chunk() -> None:
+    def add_chunk() -> None:
         seqs = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
         ends = np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=len(values)))
-        txn.put(keys[0], b"".join(values), append=True, db=chunks)
-        txn.put(keys[0], _Head.new(int(seqs[0]), ends, seqs).encode(), append=True, db=heads)
+        chunks.add(txn, _Head.new(int(seqs[0]), ends, seqs), b"".join(values))
 
     size = 0
     for key, value in txn.cursor(db=records):
         if keys and size + len(value) > chunk_bytes:
-            write_chunk()
+            add_chunk()
             keys, values, size = [], [], 0
         keys.append(key)
         values.append(value)
         size += len(value)
         moved += 1
     if keys:
-        write_chunk()
+        add_chunk()
     txn.drop(records, delete=True)
     return moved
 
