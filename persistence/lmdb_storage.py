@@ -91,6 +91,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 import weakref
@@ -137,8 +138,8 @@ _STORED_KEY: Final = b"records"
 _MAX_DBS: Final = 6
 _DATA_FILE: Final = "data.mdb"
 
-_INDEX: Final = np.dtype([("count", "<u4"), ("flags", "<u4")])
-_STATE: Final = np.dtype([("live", "<u4"), ("overrides", "<u4"), ("live_bytes", "<u8")])
+_INDEX: Final = struct.Struct("<II")  # count, flags
+_STATE: Final = struct.Struct("<IIQ")  # live, overrides, live_bytes
 _OVERRIDE: Final = np.dtype([("index", "<u4"), ("root", "<u8"), ("replay_seq", "<u8")])
 _LISTED: Final = 1  # index flags bit 0: the chunk's seqs are listed
 _MAX_CHUNK: Final = 0xFFFFFFFF  # record ends are u32
@@ -233,8 +234,7 @@ class LmdbStorage(PersistenceStorage):
         seqs = np.arange(first, first + n, dtype=np.uint64)
         if n == 0:
             return seqs
-        blob, ends = encode_chunk(batch)
-        pieces = _pieces(ends, self._chunk_bytes)
+        encoded = encode_chunk(batch)
 
         def write(txn: lmdb.Transaction[bytes]) -> None:
             high_water = txn.get(_NEXT_SEQ_KEY, db=self._store)
@@ -244,22 +244,29 @@ class LmdbStorage(PersistenceStorage):
                     f"{self._path}: seqs from {first} are already taken; the store was "
                     "written by someone else"
                 )
-            view = memoryview(blob)
-            for lo, hi in pieces:
-                start = int(ends[lo - 1]) if lo else 0
-                head = _Head.new(first + lo, ends[lo:hi] - start)
-                value = blob if hi - lo == n else view[start : int(ends[hi - 1])]
-                if not self._chunks.add(txn, head, value):
-                    raise StorageError(
-                        f"{self._path}: a chunk from seq {first + lo} is already stored; "
-                        "the store was written by someone else"
-                    )
+            self._add_chunks(txn, first, *encoded)
             txn.put(_NEXT_SEQ_KEY, _key(first + n), db=self._store)
             self._count_stored(txn, n)
 
         self._write(write, db=None)
         self._next_seq = first + n
         return seqs
+
+    def _add_chunks(
+        self, txn: lmdb.Transaction[bytes], first: int, blob: bytes, ends: NDArray[np.int64]
+    ) -> None:
+        """Store the records of `encode_chunk` (`blob`, `ends`) under the seqs from
+        `first` on, in `txn`: as one chunk, or several of up to chunk_bytes each."""
+        view = memoryview(blob)
+        for lo, hi in _pieces(ends, self._chunk_bytes):
+            start = int(ends[lo - 1]) if lo else 0
+            head = _Head.new(first + lo, ends[lo:hi] - start)
+            data = blob if hi - lo == len(ends) else view[start : int(ends[hi - 1])]
+            if not self._chunks.add(txn, head, data):
+                raise StorageError(
+                    f"{self._path}: a chunk from seq {first + lo} is already stored; "
+                    "the store was written by someone else"
+                )
 
     def delete(self, seqs: Seqs) -> int:
         self._live_env()
@@ -686,14 +693,15 @@ class _Head:
 
     `seqs` (uint64), `ends` (int64: where each record ends in the chunk) and `deleted`
     (bool) have one entry per record of the chunk, `overrides` one per retagged record.
+    The seqs of a chunk that does not list them are made only when asked for.
     """
 
-    __slots__ = ("deleted", "ends", "key", "listed", "live", "live_bytes", "overrides", "seqs")
+    __slots__ = ("_seqs", "deleted", "ends", "key", "listed", "live", "live_bytes", "overrides")
 
     def __init__(
         self,
         key: int,
-        seqs: NDArray[np.uint64],
+        seqs: NDArray[np.uint64] | None,
         ends: NDArray[np.int64],
         deleted: NDArray[np.bool_],
         overrides: NDArray[np.void],
@@ -703,7 +711,7 @@ class _Head:
         live_bytes: int,
     ) -> None:
         self.key = key
-        self.seqs = seqs
+        self._seqs = seqs
         self.ends = ends
         self.deleted = deleted
         self.overrides = overrides
@@ -723,12 +731,10 @@ class _Head:
                 f"a record of {int(ends[-1]):,} bytes is more than the {_MAX_CHUNK:,} the "
                 "record layout allows; nothing was stored"
             )
-        if seqs is None:
-            seqs = np.arange(key, key + count, dtype=np.uint64)
-        listed = int(seqs[0]) != key or int(seqs[-1]) - key != count - 1
+        listed = seqs is not None and (int(seqs[0]) != key or int(seqs[-1]) - key != count - 1)
         return cls(
             key,
-            seqs,
+            seqs if listed else None,
             ends.astype(np.int64, copy=False),
             np.zeros(count, dtype=np.bool_),
             np.zeros(0, dtype=_OVERRIDE),
@@ -740,58 +746,50 @@ class _Head:
     @classmethod
     def decode(cls, key: int, index: bytes | memoryview, state: bytes | memoryview) -> _Head:
         """The head of chunk `key` from its index and state values."""
-        fixed = np.frombuffer(index, dtype=_INDEX, count=1)[0]
-        count = int(fixed["count"])
-        listed = bool(int(fixed["flags"]) & _LISTED)
-        tally = np.frombuffer(state, dtype=_STATE, count=1)[0]
-        n_overrides = int(tally["overrides"])
+        count, flags = _INDEX.unpack_from(index)
+        live, n_overrides, live_bytes = _STATE.unpack_from(state)
+        listed = bool(flags & _LISTED)
         mask_bytes = (count + 7) // 8
-        if len(index) != _INDEX.itemsize + (12 if listed else 4) * count or len(state) != (
-            _STATE.itemsize + mask_bytes + n_overrides * _OVERRIDE.itemsize
+        if len(index) != _INDEX.size + (12 if listed else 4) * count or len(state) != (
+            _STATE.size + mask_bytes + n_overrides * _OVERRIDE.itemsize
         ):
             raise StorageError(f"the head of chunk {key} is malformed: storage corrupt")
-        at = _INDEX.itemsize
+        at = _INDEX.size
+        seqs = None
         if listed:
             seqs = np.frombuffer(index, dtype="<u8", count=count, offset=at).astype(np.uint64)
             at += 8 * count
-        else:
-            seqs = np.arange(key, key + count, dtype=np.uint64)
         ends = np.frombuffer(index, dtype="<u4", count=count, offset=at).astype(np.int64)
-        mask = np.frombuffer(state, dtype=np.uint8, count=mask_bytes, offset=_STATE.itemsize)
+        mask = np.frombuffer(state, dtype=np.uint8, count=mask_bytes, offset=_STATE.size)
         deleted = np.unpackbits(mask, count=count, bitorder="little").view(np.bool_)
         overrides = np.frombuffer(
-            state, dtype=_OVERRIDE, count=n_overrides, offset=_STATE.itemsize + mask_bytes
+            state, dtype=_OVERRIDE, count=n_overrides, offset=_STATE.size + mask_bytes
         ).copy()
         return cls(
-            key,
-            seqs,
-            ends,
-            deleted,
-            overrides,
-            listed=listed,
-            live=int(tally["live"]),
-            live_bytes=int(tally["live_bytes"]),
+            key, seqs, ends, deleted, overrides, listed=listed, live=live, live_bytes=live_bytes
         )
 
     def encode_index(self) -> bytes:
-        fixed = np.zeros(1, dtype=_INDEX)
-        fixed["count"] = len(self.ends)
-        fixed["flags"] = _LISTED if self.listed else 0
+        fixed = _INDEX.pack(len(self.ends), _LISTED if self.listed else 0)
         seqs = self.seqs.astype("<u8").tobytes() if self.listed else b""
-        return fixed.tobytes() + seqs + self.ends.astype("<u4").tobytes()
+        return fixed + seqs + self.ends.astype("<u4").tobytes()
 
     def encode_state(self) -> bytes:
-        tally = np.zeros(1, dtype=_STATE)
-        tally["live"] = self.live
-        tally["overrides"] = len(self.overrides)
-        tally["live_bytes"] = self.live_bytes
+        tally = _STATE.pack(self.live, len(self.overrides), self.live_bytes)
         mask = np.packbits(self.deleted, bitorder="little")
-        return tally.tobytes() + mask.tobytes() + self.overrides.tobytes()
+        return tally + mask.tobytes() + self.overrides.tobytes()
+
+    @property
+    def seqs(self) -> NDArray[np.uint64]:
+        """The chunk's seqs, increasing."""
+        if self._seqs is None:
+            self._seqs = np.arange(self.key, self.key + len(self.ends), dtype=np.uint64)
+        return self._seqs
 
     @property
     def last(self) -> int:
         """The chunk's last seq (stored or not)."""
-        return int(self.seqs[-1])
+        return int(self.seqs[-1]) if self.listed else self.key + len(self.ends) - 1
 
     @property
     def size(self) -> int:
@@ -807,7 +805,7 @@ class _Head:
     def locate(self, seqs: NDArray[np.uint64]) -> tuple[NDArray[np.intp], NDArray[np.bool_]]:
         """The positions of `seqs` (between the key and the last seq) in the chunk, and
         which of them are records stored (in the chunk and not deleted)."""
-        count = len(self.seqs)
+        count = len(self.ends)
         if self.listed:
             positions = np.searchsorted(self.seqs, seqs).clip(max=count - 1)
             here = self.seqs[positions] == seqs
