@@ -32,6 +32,8 @@ Record value layout
 -------------------
 Every storage stores a record as one byte string: a 43-byte packed header, then the
 topic, then the payload, untouched. All integers are little-endian; there is no padding.
+The memory storage keeps one such string per record; LMDB keeps the strings of a
+persisted batch back to back in one value (`encode_chunk`; lmdb_storage's chunks).
 
 | offset    | size | field      | type | meaning                                          |
 |-----------|------|------------|------|--------------------------------------------------|
@@ -47,7 +49,8 @@ topic, then the payload, untouched. All integers are little-endian; there is no 
 | 43 + T    | rest | payload    | raw  | the record bytes, opaque to the FT layer          |
 
 Headers are built and parsed a batch at a time with numpy (`HEADER` below), so the
-per-record Python work is one concatenation when storing and three slices when reading.
+per-record Python work is one concatenation when storing (none for a chunk of one topic
+and one payload length) and three slices when reading.
 """
 
 from __future__ import annotations
@@ -86,8 +89,8 @@ MAX_TOPIC_BYTES: Final = 0xFFFF
 MAX_META_KEY_BYTES: Final = 511
 """LMDB's key size limit; the memory storage enforces it too so both behave alike."""
 
-# root and replay_seq: the first 16 header bytes, the only ones `set_roots` rewrites.
-_TAGS: Final = np.dtype([("root", "<u8"), ("replay_seq", "<u8")])
+TAGS: Final = np.dtype([("root", "<u8"), ("replay_seq", "<u8")])
+"""The first 16 header bytes, root and replay_seq: the only ones `set_roots` rewrites."""
 
 Seqs = NDArray[np.uint64] | Sequence[int]
 """Storage sequence numbers: a uint64 array, or any sequence of non-negative ints."""
@@ -316,10 +319,48 @@ def encode_records(batch: RecordBatch) -> list[bytes]:
     the header and topic bytes of its records become fixed-width rows, turned into one
     bytes object per record by numpy; only the payload concatenation is per record.
     """
+    if len(batch) == 0:
+        return []
+    return list(map(operator.add, _record_prefixes(batch), batch.payloads))
+
+
+def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
+    """The values of `encode_records(batch)` back to back in one bytes object, and the
+    end offset of each record in it: what LMDB stores a batch as (one chunk).
+
+    No bytes object per record is built when the batch has one topic and payloads of
+    one length (numpy writes fixed-width rows); otherwise the header-and-topic prefixes
+    and the payloads are joined once. Raises TypeError if a payload is not bytes-like.
+    """
     n = len(batch)
     if n == 0:
-        return []
-    head = np.empty(n, dtype=HEADER)
+        return b"", np.zeros(0, dtype=np.int64)
+    payloads = batch.payloads
+    lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+    topic_bytes = _encode_topics(batch.topics)
+    if len(topic_bytes) == 1 and bool((lengths == lengths[0]).all()):
+        topic = next(iter(topic_bytes.values()))
+        head = _headers(batch)
+        head["topic_len"] = len(topic)
+        prefix = HEADER_SIZE + len(topic)
+        width = prefix + int(lengths[0])
+        rows = np.empty((n, width), dtype=np.uint8)
+        rows[:, :HEADER_SIZE] = head.view(np.uint8).reshape(n, HEADER_SIZE)
+        rows[:, HEADER_SIZE:prefix] = np.frombuffer(topic, dtype=np.uint8)
+        rows[:, prefix:] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(n, -1)
+        return rows.tobytes(), np.arange(width, width * (n + 1), width, dtype=np.int64)
+    prefixes = _record_prefixes(batch, topic_bytes)
+    parts: list[bytes] = [b""] * (2 * n)
+    parts[::2] = prefixes
+    parts[1::2] = payloads
+    blob = b"".join(parts)
+    prefix_lengths = np.fromiter(map(len, prefixes), dtype=np.int64, count=n)
+    return blob, np.cumsum(prefix_lengths + lengths)
+
+
+def _headers(batch: RecordBatch) -> NDArray[np.void]:
+    """The record headers of `batch` (replay_seq 0; topic_len left for the caller)."""
+    head = np.empty(len(batch), dtype=HEADER)
     head["root"] = batch.roots
     head["replay_seq"] = 0
     head["source_id"] = batch.source_ids
@@ -327,22 +368,31 @@ def encode_records(batch: RecordBatch) -> list[bytes]:
     head["key_hash"] = batch.key_hashes
     head["partition"] = batch.partitions
     head["offset"] = batch.offsets
-    topic_bytes = _encode_topics(batch.topics)
+    return head
+
+
+def _record_prefixes(
+    batch: RecordBatch, topic_bytes: dict[str, bytes] | None = None
+) -> list[bytes]:
+    """Header + topic of each record of `batch` (not empty), one bytes object each."""
+    n = len(batch)
+    head = _headers(batch)
+    if topic_bytes is None:
+        topic_bytes = _encode_topics(batch.topics)
     if len(topic_bytes) == 1:
-        prefixes = _prefixes(head, next(iter(topic_bytes.values())))
-    else:
-        codes_by_topic = {topic: code for code, topic in enumerate(topic_bytes)}
-        codes = np.fromiter(map(codes_by_topic.__getitem__, batch.topics), np.intp, n)
-        order = np.argsort(codes, kind="stable")
-        ends = np.cumsum(np.bincount(codes, minlength=len(topic_bytes)))
-        grouped = np.empty(n, dtype=object)
-        start = 0
-        for encoded, end in zip(topic_bytes.values(), ends.tolist(), strict=True):
-            rows = order[start:end]
-            grouped[rows] = _prefixes(head[rows], encoded)
-            start = end
-        prefixes = grouped.tolist()
-    return list(map(operator.add, prefixes, batch.payloads))
+        return _prefixes(head, next(iter(topic_bytes.values())))
+    codes_by_topic = {topic: code for code, topic in enumerate(topic_bytes)}
+    codes = np.fromiter(map(codes_by_topic.__getitem__, batch.topics), np.intp, n)
+    order = np.argsort(codes, kind="stable")
+    ends = np.cumsum(np.bincount(codes, minlength=len(topic_bytes)))
+    grouped = np.empty(n, dtype=object)
+    start = 0
+    for encoded, end in zip(topic_bytes.values(), ends.tolist(), strict=True):
+        rows = order[start:end]
+        grouped[rows] = _prefixes(head[rows], encoded)
+        start = end
+    prefixes: list[bytes] = grouped.tolist()
+    return prefixes
 
 
 def _encode_topics(topics: Sequence[str]) -> dict[str, bytes]:
@@ -405,8 +455,8 @@ def retag_records(
     values: Sequence[bytes], roots: NDArray[np.uint64], replay_seqs: NDArray[np.uint64]
 ) -> list[bytes]:
     """`values` with root and replay_seq replaced (the first 16 bytes); the rest is kept."""
-    tags = np.empty(len(values), dtype=_TAGS)
+    tags = np.empty(len(values), dtype=TAGS)
     tags["root"] = roots
     tags["replay_seq"] = replay_seqs
-    prefixes: list[bytes] = tags.view(f"V{_TAGS.itemsize}").tolist()
-    return list(map(operator.add, prefixes, [value[_TAGS.itemsize :] for value in values]))
+    prefixes: list[bytes] = tags.view(f"V{TAGS.itemsize}").tolist()
+    return list(map(operator.add, prefixes, [value[TAGS.itemsize :] for value in values]))

@@ -1,20 +1,72 @@
 """The LMDB persistence storage: the default, durable `PersistenceStorage`.
 
-One LMDB environment (a directory holding data.mdb and lock.mdb) with three named
+One LMDB environment (a directory holding data.mdb and lock.mdb) with five named
 sub-databases:
 
-| sub-database | key                       | value                                         |
-|--------------|---------------------------|-----------------------------------------------|
-| `records`    | seq, 8 bytes big-endian   | the record value (layout in `base`)           |
-| `meta`       | UTF-8 meta key            | the caller's bytes (`put_meta`)               |
-| `ftlayer`    | `format`, `next_seq`      | format marker; seq high-water mark, 8 bytes BE |
+| sub-database | key                             | value                                   |
+|--------------|---------------------------------|-----------------------------------------|
+| `chunks`     | chunk key: a seq, 8 bytes BE    | the chunk's records, back to back       |
+| `index`      | chunk key                       | its seqs and where each record ends     |
+| `state`      | chunk key                       | which records are deleted; tag overrides |
+| `meta`       | UTF-8 meta key                  | the caller's bytes (`put_meta`)         |
+| `ftlayer`    | `format`                        | the format marker                       |
+|              | `next_seq`, `records`           | seq high-water mark; stored records     |
 
-Big-endian seq keys sort in seq order, and seqs only grow, so every `put` appends at the
-right edge of the B-tree (`putmulti(append=True)` skips the key search) and deletes of
-records completed in roughly put order touch neighbouring pages. The high-water mark is
+(`next_seq` and `records` are 8 bytes big-endian.)
+
+Chunks
+------
+A `put` stores its batch as one chunk: one LMDB value holding the records back to back,
+each in the record layout of `base`, under the seq of its first record (a batch of more
+than `chunk_bytes`, 1 MiB by default, becomes several chunks of whole records; a record
+larger than that is a chunk of its own). LMDB's cost is per value, not per byte, so a
+batch costs a few B-tree operations however many records it holds, and deleting a
+whole batch as few. Beside the records, two small values: the chunk's index, written
+with it and never changed, and its state, rewritten by every delete and retag (a bit
+per record and the override table: a write touches a few bytes per record of the
+chunk, not the chunk). All integers little-endian, no padding:
+
+| value  | field      | type                  | meaning                                      |
+|--------|------------|-----------------------|----------------------------------------------|
+| index  | count      | u32                   | records in the chunk, deleted ones included   |
+|        | flags      | u32                   | bit 0: seqs listed, else key, key + 1, ...    |
+|        | seqs       | count x u64           | with flag bit 0 only: the seqs, increasing    |
+|        | ends       | count x u32           | where each record ends in the chunk           |
+| state  | live       | u32                   | records still stored                          |
+|        | overrides  | u32                   | entries in the override table                 |
+|        | live_bytes | u64                   | bytes of the records still stored             |
+|        | deleted    | ceil(count / 8) bytes | bit i (least significant first): i deleted    |
+|        | override   | overrides x 20 bytes  | u32 index, u64 root, u64 replay_seq; by index |
+
+A chunk's seqs lie between its key and the next chunk's key, so the chunk of a seq is
+the last one keyed at or below it, and key order is seq order.
+
+- `delete` sets the records' bits in the states of their chunks, in one transaction: a
+  deleted record is gone for every reader at once, one state written per chunk however
+  many of its records go. A chunk whose records are all deleted is dropped (its three
+  values).
+- `set_roots` writes the new tags into the override table (increasing index, one entry
+  per record); `get` and `scan` take a record's tags from there when it has an entry.
+  Retagging one record costs a state write, not a rewrite of its chunk.
+- Compaction: a chunk is rewritten (its stored records only, their tags from the
+  override table written into their bytes, under the same key and seqs, now listed)
+  when a write leaves fewer than a quarter of its bytes stored, or more than a quarter
+  of its stored records with an override entry. So deleted records never take more than
+  three times the bytes of the stored ones in any chunk (a few records of a batch kept
+  long, say a dead letter or a slow tree, do not pin the batch), a rewrite for deletes
+  copies less than a third of the bytes deleted since the chunk was last written, and
+  the override table stays smaller than the chunk.
+
+Big-endian keys sort in seq order, and seqs only grow, so every `put` appends at the
+right edge of the B-trees (`append=True` skips the key search). The high-water mark is
 written in the same transaction as the records it covers, so a seq is never reused even
 after every record was deleted; on open the next seq is the larger of it and the last
-key + 1.
+chunk's last seq + 1. The count of stored records is kept the same way (`len`).
+
+Format versions: the marker is `ftlayer-lmdb-v2`. A v1 store (one LMDB value per
+record in a `records` sub-database, written by earlier versions) is converted when
+opened, in one transaction (its records become chunks under the same seqs, tags
+included; all of it or nothing); earlier versions refuse a v2 store, naming its format.
 
 Opening never writes into something that is not ours. A path that is a file, a
 non-empty directory without data.mdb, a data.mdb that LMDB cannot read, or an LMDB
@@ -39,13 +91,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from itertools import islice
-from typing import Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import lmdb
 import numpy as np
@@ -55,29 +107,43 @@ from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
 from ftlayer.records import RecordBatch
 
 from .base import (
+    TAGS,
     MetaValue,
     PersistenceStorage,
+    RecordNotStored,
     Seqs,
     as_seqs,
     check_batch_size,
     check_retag_columns,
     check_stored,
     decode_records,
+    encode_chunk,
     encode_meta_key,
-    encode_records,
-    retag_records,
 )
 
-FORMAT_MARKER: Final = b"ftlayer-lmdb-v1"
+FORMAT_MARKER: Final = b"ftlayer-lmdb-v2"
 DEFAULT_MAP_SIZE: Final = 64 * 1024 * 1024
+DEFAULT_CHUNK_BYTES: Final = 1 << 20
 
-_RECORDS_DB: Final = b"records"
+_V1_MARKER: Final = b"ftlayer-lmdb-v1"
+_RECORDS_DB: Final = b"records"  # v1: one value per record (converted on open)
+_CHUNKS_DB: Final = b"chunks"
+_INDEX_DB: Final = b"index"
+_STATE_DB: Final = b"state"
 _META_DB: Final = b"meta"
 _STORE_DB: Final = b"ftlayer"
 _FORMAT_KEY: Final = b"format"
 _NEXT_SEQ_KEY: Final = b"next_seq"
-_MAX_DBS: Final = 3
+_STORED_KEY: Final = b"records"
+_MAX_DBS: Final = 6
 _DATA_FILE: Final = "data.mdb"
+
+_INDEX: Final = struct.Struct("<II")  # count, flags
+_STATE: Final = struct.Struct("<IIQ")  # live, overrides, live_bytes
+_OVERRIDE: Final = np.dtype([("index", "<u4"), ("root", "<u8"), ("replay_seq", "<u8")])
+_LISTED: Final = 1  # index flags bit 0: the chunk's seqs are listed
+_MAX_CHUNK: Final = 0xFFFFFFFF  # record ends are u32
+_MAX_SEQ: Final = 2**64 - 1
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -95,8 +161,10 @@ class LmdbStorage(PersistenceStorage):
 
     `map_size` is the initial map size in bytes; it doubles whenever a write needs more.
     `sync=False` trades durability of the last commits on an OS crash for speed (see the
-    module docstring). Raises NotAnLmdbEnvironment if `path` holds something that is not
-    an ftlayer LMDB store, and StorageError if the store is already open in this process.
+    module docstring). `chunk_bytes` bounds the bytes of a chunk a put writes (a record
+    larger than that is a chunk of its own). Raises NotAnLmdbEnvironment if `path` holds
+    something that is not an ftlayer LMDB store, and StorageError if the store is
+    already open in this process.
     """
 
     def __init__(
@@ -105,10 +173,14 @@ class LmdbStorage(PersistenceStorage):
         *,
         map_size: int = DEFAULT_MAP_SIZE,
         sync: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if map_size < 1:
             raise ConfigError(f"map_size must be a positive number of bytes, got {map_size}")
+        if not 0 < chunk_bytes <= _MAX_CHUNK:
+            raise ConfigError(f"chunk_bytes must be 1 to {_MAX_CHUNK}, got {chunk_bytes}")
         self._path = os.fspath(path)
+        self._chunk_bytes = chunk_bytes
         self._env: lmdb.Environment | None = None
         # One lock around every transaction: threads may share a store (a server's
         # deleter thread deletes while its core persists), and LMDB allows a map
@@ -132,8 +204,8 @@ class LmdbStorage(PersistenceStorage):
             raise StorageError(f"cannot open LMDB storage at {self._path}: {exc}") from exc
         self._env = env
         try:
-            self._records, self._meta, self._store, self._next_seq = self._write(
-                partial(_initialize, env), db=None
+            self._chunks, self._meta, self._store, self._next_seq = self._write(
+                partial(_initialize, env, self._path, chunk_bytes), db=None
             )
         except BaseException:
             self._env = None
@@ -162,40 +234,61 @@ class LmdbStorage(PersistenceStorage):
         seqs = np.arange(first, first + n, dtype=np.uint64)
         if n == 0:
             return seqs
-        values = encode_records(batch)
-        keys = _keys(seqs)
-        next_seq = (first + n).to_bytes(8, "big")
-        store = self._store
+        encoded = encode_chunk(batch)
 
         def write(txn: lmdb.Transaction[bytes]) -> None:
-            _, added = txn.cursor().putmulti(zip(keys, values, strict=True), append=True)
-            if added != n:
-                # Paranoid check: append=True silently skips a key that is not above the
-                # last one, which would mean our seq counter is behind the stored records.
+            high_water = txn.get(_NEXT_SEQ_KEY, db=self._store)
+            if high_water is not None and int.from_bytes(high_water, "big") > first:
+                # Paranoid check: our seq counter is behind the store's high-water mark.
                 raise StorageError(
-                    f"{self._path}: stored {added} of {n} records: seqs from {first} are "
-                    "already taken; the store was written by someone else"
+                    f"{self._path}: seqs from {first} are already taken; the store was "
+                    "written by someone else"
                 )
-            txn.put(_NEXT_SEQ_KEY, next_seq, db=store)
+            self._add_chunks(txn, first, *encoded)
+            txn.put(_NEXT_SEQ_KEY, _key(first + n), db=self._store)
+            self._count_stored(txn, n)
 
-        self._write(write, db=self._records)
+        self._write(write, db=None)
         self._next_seq = first + n
         return seqs
 
+    def _add_chunks(
+        self, txn: lmdb.Transaction[bytes], first: int, blob: bytes, ends: NDArray[np.int64]
+    ) -> None:
+        """Store the records of `encode_chunk` (`blob`, `ends`) under the seqs from
+        `first` on, in `txn`: as one chunk, or several of up to chunk_bytes each."""
+        view = memoryview(blob)
+        for lo, hi in _pieces(ends, self._chunk_bytes):
+            start = int(ends[lo - 1]) if lo else 0
+            head = _Head.new(first + lo, ends[lo:hi] - start)
+            data = blob if hi - lo == len(ends) else view[start : int(ends[hi - 1])]
+            if not self._chunks.add(txn, head, data):
+                raise StorageError(
+                    f"{self._path}: a chunk from seq {first + lo} is already stored; "
+                    "the store was written by someone else"
+                )
+
     def delete(self, seqs: Seqs) -> int:
         self._live_env()
-        keys = _keys(np.sort(as_seqs(seqs)))
-        if not keys:
+        found = as_seqs(seqs)
+        if not len(found):
             return 0
-        return self._write(lambda txn: sum(map(txn.delete, keys)), db=self._records)
+        return self._write(partial(self._delete_in, seqs=found), db=None)
 
     def get(self, seqs: Seqs) -> RecordBatch:
         self._live_env()
         seq_array = as_seqs(seqs)
-        keys = _keys(seq_array)
-        values = self._read(lambda txn: list(map(txn.get, keys)), db=self._records)
+        order = np.argsort(seq_array, kind="stable")
+        ordered = seq_array[order]
+        first = _firsts(ordered)
+        wanted = ordered[first]
+        where = np.empty(len(seq_array), dtype=np.intp)  # each seq's place in `wanted`
+        where[order] = np.cumsum(first) - 1
+        read = self._read(partial(self._read_records, wanted), db=None, buffers=True)
+        values = [read.values[i] for i in where.tolist()]
         check_stored(seq_array, values)
-        return decode_records(values)[0]  # type: ignore[arg-type]  # checked: no None
+        batch, _ = read.decode(values, where)  # type: ignore[arg-type]  # checked: no None
+        return batch
 
     def set_roots(
         self,
@@ -207,15 +300,23 @@ class LmdbStorage(PersistenceStorage):
         seq_array, root_array, replay_array = check_retag_columns(seqs, roots, replay_seqs)
         if len(seq_array) == 0:
             return
-        keys = _keys(seq_array)
+        wanted, last = _distinct_last(seq_array)  # a seq given twice: its last entry wins
+        new_roots, new_replays = root_array[last], replay_array[last]
 
         def write(txn: lmdb.Transaction[bytes]) -> None:
-            old = list(map(txn.get, keys))
-            check_stored(seq_array, old)
-            new = retag_records(old, root_array, replay_array)  # type: ignore[arg-type]
-            txn.cursor().putmulti(zip(keys, new, strict=True))
+            stored = np.zeros(len(wanted), dtype=np.bool_)
+            changes = []
+            for head, lo, hi in list(self._chunks.spans(txn, wanted)):
+                positions, here = head.locate(wanted[lo:hi])
+                stored[lo:hi] = here
+                changes.append((head, positions[here], lo + np.flatnonzero(here)))
+            if not stored.all():
+                raise RecordNotStored(seq_array[np.isin(seq_array, wanted[~stored])])
+            for head, positions, rows in changes:
+                head.retag(positions, new_roots[rows], new_replays[rows])
+                self._settle(txn, head)
 
-        self._write(write, db=self._records)
+        self._write(write, db=None)
 
     def scan(
         self, batch_size: int = 65536
@@ -227,21 +328,19 @@ class LmdbStorage(PersistenceStorage):
     def _scan(
         self, batch_size: int
     ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
-        # One read transaction per chunk, closed before the chunk is yielded: a reader
+        # One read transaction per batch, closed before the batch is yielded: a reader
         # held open across yields would stop LMDB from reusing freed pages and block
         # map growth for as long as the caller takes.
-        start = bytes(8)
+        start = 0
         while True:
-            items = self._read(partial(_read_chunk, start, batch_size), db=self._records)
-            if not items:
+            read = self._read(partial(self._read_from, start, batch_size), db=None, buffers=True)
+            if not len(read.seqs):
                 return
-            keys, values = zip(*items, strict=True)
-            seqs = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
-            batch, replay_seqs = decode_records(values)
-            yield seqs, batch, replay_seqs
-            if len(items) < batch_size:
+            batch, replay_seqs = read.decode(read.values, None)  # type: ignore[arg-type]
+            yield read.seqs, batch, replay_seqs
+            if len(read.seqs) < batch_size or int(read.seqs[-1]) == _MAX_SEQ:
                 return
-            start = (int(seqs[-1]) + 1).to_bytes(8, "big")
+            start = int(read.seqs[-1]) + 1
 
     def get_meta(self, key: str) -> bytes | None:
         self._live_env()
@@ -382,7 +481,7 @@ class LmdbStorage(PersistenceStorage):
 
     def __len__(self) -> int:
         self._live_env()
-        return self._read(lambda txn: txn.stat(self._records)["entries"], db=None)
+        return self._read(partial(_stored, self._store), db=None)
 
     def size_bytes(self) -> int:
         """Size of data.mdb on disk (LMDB never shrinks it; freed pages are reused)."""
@@ -440,9 +539,7 @@ class LmdbStorage(PersistenceStorage):
                             else:
                                 txn.put(key, value, db=self._meta)
                         if deletes:
-                            seqs = np.sort(np.concatenate(deletes))
-                            remove = partial(txn.delete, db=self._records)
-                            sum(map(remove, _keys(seqs)))
+                            self._delete_in(txn, np.concatenate(deletes))
                     if staged or deletes:
                         self._unstage(staged, deletes)
                     return result
@@ -456,6 +553,91 @@ class LmdbStorage(PersistenceStorage):
                     raise StorageError(
                         f"LMDB storage at {self._path}: {exc}{_write_hint(exc, self._path)}"
                     ) from exc
+
+    def _delete_in(self, txn: lmdb.Transaction[bytes], seqs: NDArray[np.uint64]) -> int:
+        """Delete the records `seqs` in `txn` (see `delete`); how many were stored."""
+        ordered = np.sort(seqs)
+        wanted = ordered[_firsts(ordered)]
+        removed = 0
+        for head, lo, hi in list(self._chunks.spans(txn, wanted)):
+            positions, stored = head.locate(wanted[lo:hi])
+            if stored.any():
+                head.remove(positions[stored])
+                removed += int(stored.sum())
+                self._settle(txn, head)
+        if removed:
+            self._count_stored(txn, -removed)
+        return removed
+
+    def _settle(self, txn: lmdb.Transaction[bytes], head: _Head) -> None:
+        """Write a changed head: drop its chunk if nothing is stored there any more,
+        compact it if the rules of the module docstring say so."""
+        if head.live == 0:
+            self._chunks.drop(txn, head.key)
+        elif 4 * head.live_bytes < head.size or 4 * len(head.overrides) > head.live:
+            self._compact(txn, head)
+        else:
+            txn.put(_key(head.key), head.encode_state(), db=self._chunks.state_db)
+
+    def _compact(self, txn: lmdb.Transaction[bytes], head: _Head) -> None:
+        """Rewrite a chunk as its stored records, their override tags in their bytes."""
+        blob = self._chunks.records_of(txn, head)
+        keep = np.flatnonzero(~head.deleted)
+        starts, ends = head.bounds(keep)
+        # Records kept side by side are copied as one slice.
+        breaks = np.flatnonzero(np.diff(keep) != 1) + 1
+        run_starts = starts[np.concatenate(([0], breaks))].tolist()
+        run_ends = ends[np.concatenate((breaks, [len(keep)])) - 1].tolist()
+        data = b"".join([blob[a:b] for a, b in zip(run_starts, run_ends, strict=True)])
+        sizes = ends - starts
+        compacted = _Head.new(head.key, np.cumsum(sizes), head.seqs[keep])
+        if len(head.overrides):
+            rows = np.searchsorted(keep, head.overrides["index"])
+            tags = np.empty(len(rows), dtype=TAGS)
+            tags["root"] = head.overrides["root"]
+            tags["replay_seq"] = head.overrides["replay_seq"]
+            at = (compacted.ends[rows] - sizes[rows])[:, None] + np.arange(TAGS.itemsize)
+            patched = bytearray(data)
+            np.frombuffer(patched, dtype=np.uint8)[at] = tags.view(np.uint8).reshape(at.shape)
+            data = bytes(patched)
+        self._chunks.replace(txn, compacted, data)
+
+    def _count_stored(self, txn: lmdb.Transaction[bytes], change: int) -> None:
+        """Add `change` to the count of stored records, in `txn`."""
+        stored = _stored(self._store, txn) + change
+        txn.put(_STORED_KEY, stored.to_bytes(8, "big"), db=self._store)
+
+    def _read_records(self, seqs: NDArray[np.uint64], txn: lmdb.Transaction[memoryview]) -> _Read:
+        """The records `seqs` (sorted, distinct); None for a seq not stored."""
+        found = _Read(seqs, [None] * len(seqs))
+        for head, lo, hi in self._chunks.spans(txn, seqs):
+            positions, stored = head.locate(seqs[lo:hi])
+            if stored.any():
+                blob = self._chunks.records_of(txn, head)
+                found.add(blob, head, positions[stored], lo + np.flatnonzero(stored))
+        return found
+
+    def _read_from(self, start: int, limit: int, txn: lmdb.Transaction[memoryview]) -> _Read:
+        """Up to `limit` stored records from seq `start` on, in seq order."""
+        cursor = txn.cursor(db=self._chunks.index_db)
+        if _floor(cursor, start) is None and not cursor.first():
+            return _Read(np.zeros(0, dtype=np.uint64), [])
+        seqs: list[NDArray[np.uint64]] = []
+        found = _Read(np.zeros(0, dtype=np.uint64), [])
+        while len(found.values) < limit:
+            head = self._chunks.head_at(txn, cursor)
+            wanted = np.flatnonzero(~head.deleted & (head.seqs >= start))
+            positions = wanted[: limit - len(found.values)]
+            if len(positions):
+                seqs.append(head.seqs[positions])
+                rows = np.arange(len(found.values), len(found.values) + len(positions))
+                found.values.extend([None] * len(positions))
+                found.add(self._chunks.records_of(txn, head), head, positions, rows)
+            if not cursor.next():
+                break
+        if seqs:
+            found.seqs = np.concatenate(seqs)
+        return found
 
     def _wait_for_copies(self) -> None:
         """Until no copy_to is running (called under _lock, before a map resize)."""
@@ -476,13 +658,19 @@ class LmdbStorage(PersistenceStorage):
                 self._staged_since = None
 
     def _read(
-        self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
+        self,
+        work: Callable[[lmdb.Transaction[Any]], _T],
+        *,
+        db: lmdb._Database | None,
+        buffers: bool = False,
     ) -> _T:
+        """Run `work` in one read transaction. With `buffers`, values are memoryviews
+        into the map, valid only inside `work` (no copy of a chunk to read a record)."""
         with self._lock:
             env = self._live_env()
             while True:
                 try:
-                    with env.begin(db=db) as txn:
+                    with env.begin(db=db, buffers=True) if buffers else env.begin(db=db) as txn:
                         return work(txn)
                 except lmdb.MapResizedError:
                     self._wait_for_copies()
@@ -500,38 +688,411 @@ def is_open_in_process(path: str | os.PathLike[str]) -> bool:
     return (stat.st_dev, stat.st_ino) in _open_stores
 
 
-def _keys(seqs: NDArray[np.uint64]) -> list[bytes]:
-    """LMDB keys of `seqs`: 8 bytes big-endian each, so byte order is seq order."""
-    keys: list[bytes] = seqs.astype(">u8").view("V8").tolist()
-    return keys
+class _Head:
+    """A chunk's head (layout in the module docstring), decoded; changed, then encoded.
+
+    `seqs` (uint64), `ends` (int64: where each record ends in the chunk) and `deleted`
+    (bool) have one entry per record of the chunk, `overrides` one per retagged record.
+    The seqs of a chunk that does not list them are made only when asked for.
+    """
+
+    __slots__ = ("_seqs", "deleted", "ends", "key", "listed", "live", "live_bytes", "overrides")
+
+    def __init__(
+        self,
+        key: int,
+        seqs: NDArray[np.uint64] | None,
+        ends: NDArray[np.int64],
+        deleted: NDArray[np.bool_],
+        overrides: NDArray[np.void],
+        *,
+        listed: bool,
+        live: int,
+        live_bytes: int,
+    ) -> None:
+        self.key = key
+        self._seqs = seqs
+        self.ends = ends
+        self.deleted = deleted
+        self.overrides = overrides
+        self.listed = listed
+        self.live = live
+        self.live_bytes = live_bytes
+
+    @classmethod
+    def new(
+        cls, key: int, ends: NDArray[np.int64], seqs: NDArray[np.uint64] | None = None
+    ) -> _Head:
+        """The head of a chunk as written: records ending at `ends`, none deleted, with
+        `seqs` (increasing, from `key` on) or else key, key + 1, ..."""
+        count = len(ends)
+        if int(ends[-1]) > _MAX_CHUNK:
+            raise StorageError(
+                f"a record of {int(ends[-1]):,} bytes is more than the {_MAX_CHUNK:,} the "
+                "record layout allows; nothing was stored"
+            )
+        listed = seqs is not None and (int(seqs[0]) != key or int(seqs[-1]) - key != count - 1)
+        return cls(
+            key,
+            seqs if listed else None,
+            ends.astype(np.int64, copy=False),
+            np.zeros(count, dtype=np.bool_),
+            np.zeros(0, dtype=_OVERRIDE),
+            listed=listed,
+            live=count,
+            live_bytes=int(ends[-1]),
+        )
+
+    @classmethod
+    def decode(cls, key: int, index: bytes | memoryview, state: bytes | memoryview) -> _Head:
+        """The head of chunk `key` from its index and state values."""
+        count, flags = _INDEX.unpack_from(index)
+        live, n_overrides, live_bytes = _STATE.unpack_from(state)
+        listed = bool(flags & _LISTED)
+        mask_bytes = (count + 7) // 8
+        if len(index) != _INDEX.size + (12 if listed else 4) * count or len(state) != (
+            _STATE.size + mask_bytes + n_overrides * _OVERRIDE.itemsize
+        ):
+            raise StorageError(f"the head of chunk {key} is malformed: storage corrupt")
+        at = _INDEX.size
+        seqs = None
+        if listed:
+            seqs = np.frombuffer(index, dtype="<u8", count=count, offset=at).astype(np.uint64)
+            at += 8 * count
+        ends = np.frombuffer(index, dtype="<u4", count=count, offset=at).astype(np.int64)
+        mask = np.frombuffer(state, dtype=np.uint8, count=mask_bytes, offset=_STATE.size)
+        deleted = np.unpackbits(mask, count=count, bitorder="little").view(np.bool_)
+        overrides = np.frombuffer(
+            state, dtype=_OVERRIDE, count=n_overrides, offset=_STATE.size + mask_bytes
+        ).copy()
+        return cls(
+            key, seqs, ends, deleted, overrides, listed=listed, live=live, live_bytes=live_bytes
+        )
+
+    def encode_index(self) -> bytes:
+        fixed = _INDEX.pack(len(self.ends), _LISTED if self.listed else 0)
+        seqs = self.seqs.astype("<u8").tobytes() if self.listed else b""
+        return fixed + seqs + self.ends.astype("<u4").tobytes()
+
+    def encode_state(self) -> bytes:
+        tally = _STATE.pack(self.live, len(self.overrides), self.live_bytes)
+        mask = np.packbits(self.deleted, bitorder="little")
+        return tally + mask.tobytes() + self.overrides.tobytes()
+
+    @property
+    def seqs(self) -> NDArray[np.uint64]:
+        """The chunk's seqs, increasing."""
+        if self._seqs is None:
+            self._seqs = np.arange(self.key, self.key + len(self.ends), dtype=np.uint64)
+        return self._seqs
+
+    @property
+    def last(self) -> int:
+        """The chunk's last seq (stored or not)."""
+        return int(self.seqs[-1]) if self.listed else self.key + len(self.ends) - 1
+
+    @property
+    def size(self) -> int:
+        """The chunk's bytes."""
+        return int(self.ends[-1])
+
+    def bounds(self, positions: NDArray[np.intp]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Where the records `positions` start and end in the chunk."""
+        ends = self.ends[positions]
+        starts = np.where(positions > 0, self.ends[positions - 1], 0)
+        return starts, ends
+
+    def locate(self, seqs: NDArray[np.uint64]) -> tuple[NDArray[np.intp], NDArray[np.bool_]]:
+        """The positions of `seqs` (between the key and the last seq) in the chunk, and
+        which of them are records stored (in the chunk and not deleted)."""
+        count = len(self.ends)
+        if self.listed:
+            positions = np.searchsorted(self.seqs, seqs).clip(max=count - 1)
+            here = self.seqs[positions] == seqs
+        else:
+            positions = (seqs - np.uint64(self.key)).astype(np.intp)
+            here = positions < count
+            positions = positions.clip(max=count - 1)
+        return positions, here & ~self.deleted[positions]
+
+    def remove(self, positions: NDArray[np.intp]) -> None:
+        """Mark the stored records `positions` (distinct) deleted."""
+        starts, ends = self.bounds(positions)
+        self.deleted[positions] = True
+        self.live -= len(positions)
+        self.live_bytes -= int((ends - starts).sum())
+        if len(self.overrides):
+            self.overrides = self.overrides[~np.isin(self.overrides["index"], positions)]
+
+    def retag(
+        self, positions: NDArray[np.intp], roots: NDArray[np.uint64], replays: NDArray[np.uint64]
+    ) -> None:
+        """Give the records `positions` (distinct) these tags (override entries)."""
+        new = np.empty(len(positions), dtype=_OVERRIDE)
+        new["index"] = positions
+        new["root"] = roots
+        new["replay_seq"] = replays
+        merged = np.concatenate([self.overrides, new])
+        _, newest = _distinct_last(merged["index"])
+        self.overrides = merged[newest]
+
+    def tags_of(
+        self, positions: NDArray[np.intp]
+    ) -> tuple[NDArray[np.intp], NDArray[np.uint64], NDArray[np.uint64]]:
+        """Which of `positions` have an override entry, and its root and replay seq."""
+        if not len(self.overrides):
+            empty = np.zeros(0, dtype=np.uint64)
+            return np.zeros(0, dtype=np.intp), empty, empty
+        index = self.overrides["index"]
+        at = np.searchsorted(index, positions).clip(max=len(index) - 1)
+        tagged = np.flatnonzero(index[at] == positions)
+        entries = self.overrides[at[tagged]]
+        return tagged, entries["root"].astype(np.uint64), entries["replay_seq"].astype(np.uint64)
 
 
-def _read_chunk(
-    start: bytes, limit: int, txn: lmdb.Transaction[bytes]
-) -> list[tuple[bytes, bytes]]:
-    """Up to `limit` (key, value) pairs from key `start` on."""
-    cursor = txn.cursor()
-    if not cursor.set_range(start):
-        return []
-    return list(islice(cursor.iternext(), limit))
+class _Read:
+    """Records read from chunks in one transaction: their values (None: not stored),
+    and the tags of those with an override entry, applied when decoded."""
+
+    __slots__ = ("_replays", "_roots", "_rows", "seqs", "values")
+
+    def __init__(self, seqs: NDArray[np.uint64], values: list[bytes | None]) -> None:
+        self.seqs = seqs
+        self.values = values
+        self._rows: list[NDArray[np.intp]] = []
+        self._roots: list[NDArray[np.uint64]] = []
+        self._replays: list[NDArray[np.uint64]] = []
+
+    def add(
+        self,
+        blob: bytes | memoryview,
+        head: _Head,
+        positions: NDArray[np.intp],
+        rows: NDArray[np.intp],
+    ) -> None:
+        """The records `positions` of `head`'s chunk, whose value is `blob`, as `rows`."""
+        values = _slices(blob, *head.bounds(positions))
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first == len(rows) - 1:
+            self.values[first : last + 1] = values
+        else:
+            for row, value in zip(rows.tolist(), values, strict=True):
+                self.values[row] = value
+        tagged, roots, replays = head.tags_of(positions)
+        if len(tagged):
+            self._rows.append(rows[tagged])
+            self._roots.append(roots)
+            self._replays.append(replays)
+
+    def decode(
+        self, values: Sequence[bytes], where: NDArray[np.intp] | None
+    ) -> tuple[RecordBatch, NDArray[np.uint64]]:
+        """`values` (the read's values, or those picked by `where`) decoded, their
+        override tags applied."""
+        batch, replay_seqs = decode_records(values)
+        if self._rows:
+            tag_of = np.full(len(self.values), -1, dtype=np.intp)
+            tag_of[np.concatenate(self._rows)] = np.arange(sum(map(len, self._rows)))
+            picked = tag_of if where is None else tag_of[where]
+            at = np.flatnonzero(picked >= 0)
+            batch.roots[at] = np.concatenate(self._roots)[picked[at]]
+            replay_seqs[at] = np.concatenate(self._replays)[picked[at]]
+        return batch, replay_seqs
+
+
+class _Chunks(NamedTuple):
+    """The sub-databases of the chunks (see the module docstring), and what is done to
+    a chunk there."""
+
+    records_db: lmdb._Database
+    index_db: lmdb._Database
+    state_db: lmdb._Database
+
+    def add(self, txn: lmdb.Transaction[Any], head: _Head, data: bytes | memoryview) -> bool:
+        """Store a new chunk, keyed above every other; False (nothing written) if not."""
+        key = _key(head.key)
+        if not txn.put(key, data, append=True, db=self.records_db):
+            return False  # append=True refuses a key that is not above the last one
+        txn.put(key, head.encode_index(), append=True, db=self.index_db)
+        txn.put(key, head.encode_state(), append=True, db=self.state_db)
+        return True
+
+    def replace(self, txn: lmdb.Transaction[Any], head: _Head, data: bytes) -> None:
+        key = _key(head.key)
+        txn.put(key, data, db=self.records_db)
+        txn.put(key, head.encode_index(), db=self.index_db)
+        txn.put(key, head.encode_state(), db=self.state_db)
+
+    def drop(self, txn: lmdb.Transaction[Any], key: int) -> None:
+        for db in self:
+            txn.delete(_key(key), db=db)
+
+    def records_of(self, txn: lmdb.Transaction[Any], head: _Head) -> bytes | memoryview:
+        """The value of `head`'s chunk (a view into the map in a buffers transaction)."""
+        data: bytes | memoryview | None = txn.get(_key(head.key), db=self.records_db)
+        if data is None or len(data) != head.size:
+            raise StorageError(
+                f"the records of chunk {head.key} are missing or of the wrong size: storage corrupt"
+            )
+        return data
+
+    def head_at(self, txn: lmdb.Transaction[Any], cursor: lmdb.Cursor[Any]) -> _Head:
+        """The head of the chunk an index cursor is on."""
+        key = cursor.key()
+        state = txn.get(key, db=self.state_db)
+        if state is None:
+            raise StorageError(f"chunk {bytes(key).hex()} has no state: storage corrupt")
+        return _Head.decode(int.from_bytes(key, "big"), cursor.value(), state)
+
+    def spans(
+        self, txn: lmdb.Transaction[Any], seqs: NDArray[np.uint64]
+    ) -> Iterator[tuple[_Head, int, int]]:
+        """The chunks that `seqs` (sorted, distinct) may be in, with the range [lo, hi)
+        of `seqs` between each one's key and last seq."""
+        cursor = txn.cursor(db=self.index_db)
+        i, n = 0, len(seqs)
+        while i < n:
+            seq = int(seqs[i])
+            if _floor(cursor, seq) is not None:
+                head = self.head_at(txn, cursor)
+                if seq <= head.last:
+                    hi = int(np.searchsorted(seqs, head.last, side="right"))
+                    yield head, i, hi
+                    i = hi
+                    continue
+            # seq is in no chunk: go on from the next chunk's key.
+            if seq == _MAX_SEQ or not cursor.set_range(_key(seq + 1)):
+                return
+            i = int(np.searchsorted(seqs, int.from_bytes(cursor.key(), "big")))
+
+
+def _firsts(ordered: NDArray[Any]) -> NDArray[np.bool_]:
+    """Which entries of `ordered` (sorted) differ from the one before."""
+    first = np.ones(len(ordered), dtype=np.bool_)
+    first[1:] = ordered[1:] != ordered[:-1]
+    return first
+
+
+def _distinct_last(values: NDArray[Any]) -> tuple[NDArray[Any], NDArray[np.intp]]:
+    """The distinct `values`, increasing, and where each occurs last in `values`.
+
+    (np.unique would do, but numpy 2 finds distinct values by hashing, several times
+    slower than this sort on the seqs of a batch.)"""
+    order = np.argsort(values, kind="stable")  # equal values keep their order
+    ordered = values[order]
+    last = np.ones(len(values), dtype=np.bool_)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    return ordered[last], order[last]
+
+
+def _floor(cursor: lmdb.Cursor[Any], seq: int) -> int | None:
+    """The last key at or below `seq`, the cursor left on it; None if there is none."""
+    key = _key(seq)
+    if cursor.set_range(key):
+        if cursor.key() == key:
+            return seq
+        if not cursor.prev():
+            return None
+    elif not cursor.last():
+        return None
+    return int.from_bytes(cursor.key(), "big")
+
+
+def _key(seq: int) -> bytes:
+    """The LMDB key of a seq: 8 bytes big-endian, so byte order is seq order."""
+    return seq.to_bytes(8, "big")
+
+
+def _pieces(ends: NDArray[np.int64], limit: int) -> list[tuple[int, int]]:
+    """The records [lo, hi) of each chunk a put writes: whole records, at most `limit`
+    bytes a chunk unless one record is larger."""
+    n = len(ends)
+    if int(ends[-1]) <= limit:
+        return [(0, n)]
+    pieces = []
+    lo, before = 0, 0
+    while lo < n:
+        hi = max(lo + 1, int(np.searchsorted(ends, before + limit, side="right")))
+        pieces.append((lo, hi))
+        lo, before = hi, int(ends[hi - 1])
+    return pieces
+
+
+def _slices(
+    blob: bytes | memoryview, starts: NDArray[np.int64], ends: NDArray[np.int64]
+) -> list[bytes]:
+    """The bytes [starts, ends) of `blob` (a chunk's value, maybe a view into the map)."""
+    lo, hi = int(starts[0]), int(ends[-1])
+    if hi - lo <= 2 * int((ends - starts).sum()):
+        span = bytes(blob[lo:hi])  # one copy, then bytes slices
+        return [
+            span[a:b] for a, b in zip((starts - lo).tolist(), (ends - lo).tolist(), strict=True)
+        ]
+    return [bytes(blob[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+
+def _stored(store: lmdb._Database, txn: lmdb.Transaction[bytes]) -> int:
+    """The count of stored records."""
+    raw = txn.get(_STORED_KEY, db=store)
+    return 0 if raw is None else int.from_bytes(raw, "big")
 
 
 def _initialize(
-    env: lmdb.Environment, txn: lmdb.Transaction[bytes]
-) -> tuple[lmdb._Database, lmdb._Database, lmdb._Database, int]:
-    """Open (creating on first use) the sub-databases; mark a new store; find the next seq."""
+    env: lmdb.Environment, path: str, chunk_bytes: int, txn: lmdb.Transaction[bytes]
+) -> tuple[_Chunks, lmdb._Database, lmdb._Database, int]:
+    """Open (creating on first use) the sub-databases; mark a new store, convert a v1
+    store; find the next seq."""
     # (py-lmdb's stubs declare Transaction.env, but the C extension has no such attribute.)
-    records = env.open_db(_RECORDS_DB, txn=txn)
+    chunks = _Chunks(*(env.open_db(name, txn=txn) for name in (_CHUNKS_DB, _INDEX_DB, _STATE_DB)))
     meta = env.open_db(_META_DB, txn=txn)
     store = env.open_db(_STORE_DB, txn=txn)
-    if txn.get(_FORMAT_KEY, db=store) is None:
+    marker = txn.get(_FORMAT_KEY, db=store)
+    if marker is None:
         txn.put(_FORMAT_KEY, FORMAT_MARKER, db=store)
+    elif marker == _V1_MARKER:
+        converted = _convert_v1(env, txn, chunks, chunk_bytes)
+        txn.put(_STORED_KEY, converted.to_bytes(8, "big"), db=store)
+        txn.put(_FORMAT_KEY, FORMAT_MARKER, db=store)
+        log.info("%s: %d records of format %r converted to chunks", path, converted, _V1_MARKER)
+    elif marker != FORMAT_MARKER:  # paranoid: _check_ours refused it before
+        raise StorageError(f"{path} is an ftlayer store of format {marker!r}")
     high_water = txn.get(_NEXT_SEQ_KEY, db=store)
     next_seq = 1 if high_water is None else int.from_bytes(high_water, "big")
-    cursor = txn.cursor(records)
+    cursor = txn.cursor(chunks.index_db)
     if cursor.last():
-        next_seq = max(next_seq, int.from_bytes(cursor.key(), "big") + 1)
-    return records, meta, store, next_seq
+        next_seq = max(next_seq, chunks.head_at(txn, cursor).last + 1)
+    return chunks, meta, store, next_seq
+
+
+def _convert_v1(
+    env: lmdb.Environment, txn: lmdb.Transaction[bytes], chunks: _Chunks, chunk_bytes: int
+) -> int:
+    """Move the records of a v1 store (one value per seq) into chunks of up to
+    `chunk_bytes` under the same seqs, in `txn`, and drop the v1 sub-database; returns
+    how many records moved."""
+    records = env.open_db(_RECORDS_DB, txn=txn, create=False)
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    moved = 0
+
+    def add_chunk() -> None:
+        seqs = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
+        ends = np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=len(values)))
+        chunks.add(txn, _Head.new(int(seqs[0]), ends, seqs), b"".join(values))
+
+    size = 0
+    for key, value in txn.cursor(db=records):
+        if keys and size + len(value) > chunk_bytes:
+            add_chunk()
+            keys, values, size = [], [], 0
+        keys.append(key)
+        values.append(value)
+        size += len(value)
+        moved += 1
+    if keys:
+        add_chunk()
+    txn.drop(records, delete=True)
+    return moved
 
 
 def _prepare_directory(path: str) -> tuple[int, int]:
@@ -596,10 +1157,11 @@ def _check_ours(path: str) -> None:
             f"{path} is an LMDB environment but not an ftlayer store (no format marker); "
             "left untouched"
         )
-    if marker != FORMAT_MARKER:
+    if marker not in (FORMAT_MARKER, _V1_MARKER):
         raise StorageError(
             f"{path} is an ftlayer store of format {marker!r}; this version reads "
-            f"{FORMAT_MARKER!r}. Left untouched"
+            f"{FORMAT_MARKER!r} (and converts {_V1_MARKER!r}): open it with the ftlayer "
+            "version that wrote it. Left untouched"
         )
 
 
