@@ -65,7 +65,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.errors import ConfigError, StorageError
-from ftlayer.records import RecordBatch
+from ftlayer.records import Payloads, RecordBatch
 
 HEADER: Final = np.dtype(
     [
@@ -336,8 +336,10 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
     if n == 0:
         return b"", np.zeros(0, dtype=np.int64)
     payloads = batch.payloads
-    lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
     topic_bytes = _encode_topics(batch.topics)
+    if isinstance(payloads, Payloads) and len(topic_bytes) == 1:
+        return _chunk_of_buffer(batch, payloads, next(iter(topic_bytes.values())))
+    lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
     if len(topic_bytes) == 1 and bool((lengths == lengths[0]).all()):
         topic = next(iter(topic_bytes.values()))
         head = _headers(batch)
@@ -356,6 +358,32 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
     blob = b"".join(parts)
     prefix_lengths = np.fromiter(map(len, prefixes), dtype=np.int64, count=n)
     return blob, np.cumsum(prefix_lengths + lengths)
+
+
+def _chunk_of_buffer(
+    batch: RecordBatch, payloads: Payloads, topic: bytes
+) -> tuple[bytes, NDArray[np.int64]]:
+    """encode_chunk of one topic's batch whose payloads are one buffer (as a PERSIST
+    frame brings them): the fixed-width header-and-topic prefixes and the payload
+    bytes laid out by two numpy mask assignments, no bytes object per record."""
+    n = len(batch)
+    head = _headers(batch)
+    head["topic_len"] = len(topic)
+    prefix = HEADER_SIZE + len(topic)
+    rows = np.empty((n, prefix), dtype=np.uint8)
+    rows[:, :HEADER_SIZE] = head.view(np.uint8).reshape(n, HEADER_SIZE)
+    rows[:, HEADER_SIZE:] = np.frombuffer(topic, dtype=np.uint8)
+    sizes = prefix + payloads.lengths
+    ends = np.cumsum(sizes)
+    total = int(ends[-1])
+    marks = np.zeros(total + 1, dtype=np.int8)  # +1 where a prefix starts, -1 past it
+    marks[ends - sizes] += 1
+    marks[ends - sizes + prefix] -= 1
+    in_prefix = np.cumsum(marks[:-1], dtype=np.int8).view(np.bool_)
+    out = np.empty(total, dtype=np.uint8)
+    out[in_prefix] = rows.reshape(-1)
+    out[~in_prefix] = np.frombuffer(payloads.blob, dtype=np.uint8)
+    return out.tobytes(), ends
 
 
 def _headers(batch: RecordBatch) -> NDArray[np.void]:

@@ -16,6 +16,7 @@ What a killed process leaves behind is tested in test_lmdb_crash.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -29,12 +30,13 @@ from ftlayer.persistence import lmdb_storage
 from ftlayer.persistence.base import (
     PersistenceStorage,
     RecordNotStored,
+    encode_chunk,
     encode_records,
     retag_records,
 )
 from ftlayer.persistence.lmdb_storage import FORMAT_MARKER, LmdbStorage
 from ftlayer.persistence.memory import MemoryStorage
-from ftlayer.records import RecordBatch
+from ftlayer.records import Payloads, RecordBatch
 
 
 def stored(storage: PersistenceStorage, batch_size: int = 65536) -> dict[int, Row]:
@@ -319,3 +321,32 @@ def test_a_few_records_kept_from_many_batches_do_not_keep_the_batches(tmp_path: 
             (8_000 * i + i * 97).to_bytes(4, "big") * 30 for i in range(40)
         ]
         check_chunks(storage)
+
+
+@given(
+    st.lists(st.binary(max_size=40), max_size=60),
+    st.lists(st.sampled_from(["in", "other-topic"]), min_size=60, max_size=60),
+    st.booleans(),
+)
+def test_a_batch_whose_payloads_are_one_buffer_is_stored_byte_for_byte_the_same(
+    payloads: list[bytes], topics: list[str], one_topic: bool
+) -> None:
+    # A PERSIST frame brings the payloads as one buffer (Payloads): the chunk encoder's
+    # numpy path for it writes what the per-record path writes.
+    n = len(payloads)
+    names = ["in"] * n if one_topic else topics[:n]
+
+    def batch(p: Any) -> RecordBatch:
+        return RecordBatch.build(
+            np.arange(2, 2 + n, dtype=np.uint64),
+            p,
+            source_ids=np.arange(n) % 3,
+            key_hashes=np.arange(n) * 7,
+            topics=names,
+            partitions=np.arange(n) % 4,
+            offsets=np.arange(n) * 11,
+        )
+
+    blob, ends = encode_chunk(batch(Payloads.of(payloads)))
+    want_blob, want_ends = encode_chunk(batch(list(payloads)))
+    assert blob == want_blob and ends.tolist() == want_ends.tolist()
