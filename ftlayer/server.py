@@ -94,6 +94,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Self
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ftlayer import __version__
 from ftlayer.acking.rotating import rotation_interval
@@ -160,6 +161,13 @@ if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
 log = logging.getLogger("ftlayer.server")
 
 _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
+# The deleter's transactions: at most this many records each, so a persist waits for
+# at most one (it goes first when it is queued: LmdbStorage.wait_for_puts, at most
+# this long); a savepoint waits this long at most for a round the deleter took.
+_DELETE_CHUNK: Final = 32_768
+_PUTS_FIRST_MAX_WAIT_S: Final = 1.0
+_DELETES_MAX_WAIT_S: Final = 60.0
+_EMPTY_SEQS: Final = np.zeros(0, dtype=np.uint64)
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
@@ -252,6 +260,14 @@ class FTServer:
         self._send_timeout_s = send_timeout_s
         self.max_connections = max_connections
         self._delete_interval_s = delete_interval_s
+        self._deletes_due = threading.Event()  # a request left completed records
+        # The deleter's rounds (each: the seqs it took from the core, deleted outside
+        # the lock): how many were taken and the last one done, and the records of the
+        # running one not deleted yet. A savepoint waits for the round it raced.
+        self._deletes_changed = threading.Condition()
+        self._delete_rounds = 0
+        self._deletes_done = 0
+        self._deleting = 0
         self.journal = journal
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
@@ -387,6 +403,7 @@ class FTServer:
         if self._stopping.is_set() or self._listener is None:
             return
         self._stopping.set()
+        self._deletes_due.set()  # the deleter stops waiting
         if self._web is not None:
             self._web.stop()
         self._listener.close()
@@ -492,27 +509,58 @@ class FTServer:
                     log.error("could not write staged checkpoint records: %s", exc)
 
     def _delete_loop(self) -> None:
-        """Completed records are deleted by the next PERSIST's transaction (one commit
-        and fsync for both, see PersistenceLayer.persist); this thread stages what
-        completed since, and deletes it in a transaction of its own only if no write
-        carried it within `delete_interval_s` (an idle stream)."""
-        while not self._stopping.wait(self._delete_interval_s):
+        """Step 6 of the module docstring: take the completed records' seqs from the
+        core (under the lock) as soon as a request left _DELETE_CHUNK of them, or
+        every `delete_interval_s`, and delete them outside the lock, in transactions
+        of their own of at most _DELETE_CHUNK records, each after the puts queued
+        meanwhile. Seqs whose delete failed go back to the core, tried again after
+        `delete_interval_s`."""
+        while not self._stopping.is_set():
+            self._deletes_due.wait(self._delete_interval_s)
+            self._deletes_due.clear()
             with self._lock:
-                if self._ft is None or self._storage is None:
+                ft, storage = self._ft, self._storage
+                if ft is None or storage is None:
                     return
-                storage = self._storage
-                # Staged under the lock: a savepoint's copy then sees every delete.
-                storage.stage_deletes(self._ft.take_deletes())
-            staged = storage.staged_deletes
+                seqs = ft.take_deletes()
+                if not len(seqs):
+                    continue
+                with self._deletes_changed:
+                    self._deleting = len(seqs)
+                    self._delete_rounds += 1
+                    round_ = self._delete_rounds
+            left = _EMPTY_SEQS
             try:
-                storage.flush_staged(older_than_s=self._delete_interval_s)
+                left = self._delete_chunks(storage, np.sort(seqs))
+            finally:
+                if len(left):
+                    with self._lock:
+                        if self._ft is not None:
+                            self._ft.retry_deletes(left)
+                with self._deletes_changed:
+                    self._deleting = 0
+                    self._deletes_done = round_
+                    self._deletes_changed.notify_all()
+            if len(left):
+                self._stopping.wait(self._delete_interval_s)
+
+    def _delete_chunks(self, storage: LmdbStorage, seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
+        """Delete `seqs` (sorted) a chunk per transaction; returns those not deleted."""
+        for lo in range(0, len(seqs), _DELETE_CHUNK):
+            storage.wait_for_puts(_PUTS_FIRST_MAX_WAIT_S)
+            try:
+                storage.delete(seqs[lo : lo + _DELETE_CHUNK])
             except StorageError as exc:
                 log.error(
-                    "could not delete completed records; they stay staged, and stored: "
-                    "a restart replays them (duplicates, not losses): %s",
+                    "could not delete completed records; they stay stored and are tried "
+                    "again (a restart before that replays them: duplicates, not losses): %s",
                     exc,
-                    extra=fields(count=staged),
+                    extra=fields(count=len(seqs) - lo),
                 )
+                return seqs[lo:]
+            with self._deletes_changed:
+                self._deleting = len(seqs) - lo - _DELETE_CHUNK
+        return _EMPTY_SEQS
 
     def _serve(self, conn: _Connection) -> None:
         log.info("connection from %s opened", conn.peer)
@@ -655,16 +703,38 @@ class FTServer:
 
     @contextlib.contextmanager
     def _core(self) -> Iterator[FTLayer]:
-        """The core, under the lock; StorageError once the server is stopping."""
+        """The core, under the lock; StorageError once the server is stopping. Wakes
+        the deleter when a transaction's worth of completed records waits."""
         with self._lock:
-            if self._ft is None:
+            ft = self._ft
+            if ft is None:
                 raise StorageError("the server is stopping")
-            yield self._ft
+            try:
+                yield ft
+            finally:
+                if ft.persistence.marked >= _DELETE_CHUNK:
+                    self._deletes_due.set()
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
+        """Step 3 of the module docstring: checked and its roots reserved under the
+        lock, stored (group commit) outside it, pending under it again; OK once all
+        three are done."""
         message = decode_persist(frame)
         with self._core() as ft:
-            ft.persist(message.batch, message.initial_values)
+            ticket = ft.begin_persist(message.batch, message.initial_values)
+            storage = self._storage
+        assert storage is not None
+        try:
+            seqs = storage.put(message.batch)
+        except BaseException:
+            with self._lock:
+                if self._ft is not None:
+                    self._ft.abort_persist(ticket)
+            raise
+        # Stopping now leaves the records stored, and not pending: the restart replays
+        # them (the client gets an error, not OK).
+        with self._core() as ft:
+            ft.end_persist(ticket, seqs)
         return encode_ok(rid, len(message.batch))
 
     def _xor(self, rid: int, frame: Frame) -> bytes:
@@ -798,8 +868,15 @@ class FTServer:
                 if ft is None or storage is None:
                     raise StorageError("the server is stopping")
                 # Completed records leave the store first: a restore replays only
-                # records whose trees are not complete.
+                # records whose trees are not complete. Those the deleter took
+                # before are being deleted: the copy waits for them.
                 ft.flush_deletes()
+                with self._deletes_changed:
+                    taken = self._delete_rounds
+            with self._deletes_changed:
+                self._deletes_changed.wait_for(
+                    lambda: self._deletes_done >= taken, _DELETES_MAX_WAIT_S
+                )
             saved = create_savepoint(storage, message.directory, message.name)
         finally:
             self._savepoint_lock.release()
@@ -890,7 +967,7 @@ class FTServer:
         status.update(
             pending_by_source={str(s): n for s, n in ft.pending_by_source().items()},
             stored_records=len(self._storage),
-            deletes_pending=ft.persistence.marked + self._storage.staged_deletes,
+            deletes_pending=ft.persistence.marked + self._storage.staged_deletes + self._deleting,
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
             max_connections=self.max_connections,

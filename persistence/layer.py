@@ -117,6 +117,11 @@ class PersistenceLayer:
         marked, self._marked = self._marked, []
         return np.concatenate(marked) if marked else np.zeros(0, dtype=np.uint64)
 
+    def mark_again(self, seqs: NDArray[np.uint64]) -> None:
+        """Seqs from take_marked whose delete failed: marked again, first in line."""
+        if len(seqs):
+            self._marked.insert(0, seqs)
+
     def flush_deletes(self) -> int:
         """Delete the marked records in one storage transaction; returns how many."""
         seqs = self.take_marked()

@@ -84,6 +84,7 @@ from numpy.typing import ArrayLike, NDArray
 from ftlayer.acking.acker import AckerTable, XorResult
 from ftlayer.acking.ids import new_ids
 from ftlayer.acking.rotating import validate_timeout
+from ftlayer.acking.u64map import U64Map
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.errors import ConfigError
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
@@ -107,6 +108,16 @@ from .takeover import ReadMarks, chunk_groups, pending_at
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
 CompletionListener = Callable[[Completed], None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PersistTicket:
+    """A persist between `FTLayer.begin_persist` and its end: the batch, its first ack
+    values (checked) and the store's next seq at its beginning."""
+
+    batch: RecordBatch
+    initial_values: NDArray[np.uint64] | None
+    floor: int
 
 
 class FTLayer:
@@ -158,6 +169,9 @@ class FTLayer:
         self.meters = Meters()
         """Per-source counters and the complete latency (ftlayer.core.meters)."""
         self._marks = ReadMarks()
+        # Persists begun and not ended (begin_persist): their roots, reserved.
+        self._tickets: set[PersistTicket] = set()
+        self._persisting = U64Map({}, key_name="root")
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -268,33 +282,92 @@ class FTLayer:
         `initial_values` are the roots' first ack values: the XOR of the record ids the
         source emits for each record (0, the default, when it sends those as events).
         Raises, with nothing stored, on a reserved root (0 or 1), a root repeated in the
-        batch, pending or failed within the retired TTL (ValueError, ConfigError), or a
-        record its source's replay partitioner could not route (no key for a hash
-        partitioner).
+        batch, pending, being persisted or failed within the retired TTL (ValueError,
+        ConfigError), or a record its source's replay partitioner could not route (no
+        key for a hash partitioner).
+
+        The three steps of `begin_persist`, the storage write and `end_persist` in one
+        call; a caller that serializes this core with a lock runs the write outside it
+        instead (the server), so other requests go on while the storage commits.
         """
-        self._changing()
+        ticket = self.begin_persist(batch, initial_values)
+        try:
+            seqs = self.persistence.persist(batch)
+        except BaseException:
+            self.abort_persist(ticket)
+            raise
+        self.end_persist(ticket, seqs)
+
+    def begin_persist(
+        self, batch: RecordBatch, initial_values: ArrayLike | None = None
+    ) -> PersistTicket:
+        """Step 1 of a persist (see `persist`, which raises what this raises): check the
+        batch and reserve its roots, changing nothing else. Then the caller stores
+        `ticket.batch` (`storage.put`, no lock of this core needed: every storage seq
+        it gets is at least `ticket.floor`) and ends the persist with `end_persist`
+        (stored) or `abort_persist` (the write failed).
+
+        Until it ends, the persist is invisible: its roots are not pending (events and
+        fails for them are dropped as unknown; no client has them before the persist's
+        OK), but a persist of the same roots is refused; and the state snapshots give
+        the journal a storage seq at most `floor`, so a crash before `end_persist`
+        replays the stored records (ftlayer.core.journal) instead of taking them for
+        completed."""
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
+        values = None if initial_values is None else np.asarray(initial_values, dtype=np.uint64)
+        if values is not None and values.shape != batch.roots.shape:
+            raise ValueError(f"{len(batch)} roots but {values.shape} initial ack values")
+        # The reservation refuses what the acker would (a reserved root, one repeated in
+        # the batch) and roots being persisted; then no root may be pending either.
+        self._persisting.insert(batch.roots)
+        pending = self.acker.lookup("ack", batch.roots)[0]
+        if bool(pending.any()):
+            self._unreserve(batch.roots)
+            root = int(batch.roots[int(np.argmax(pending))])
+            raise ValueError(f"root {root:#x} is already present")
+        ticket = PersistTicket(batch, values, self.storage.next_seq)
+        self._tickets.add(ticket)
+        return ticket
+
+    def abort_persist(self, ticket: PersistTicket) -> None:
+        """The storage write of a begun persist failed: its roots are free again, and
+        nothing else changed."""
+        if ticket in self._tickets:
+            self._tickets.remove(ticket)
+            self._unreserve(ticket.batch.roots)
+
+    def _unreserve(self, roots: NDArray[np.uint64]) -> None:
+        """The reserved `roots` of one persist (distinct, every one reserved) are free."""
+        keys = np.ascontiguousarray(roots, dtype=np.uint64)
+        self._persisting.delete(self._persisting.find_slots(keys)[0])
+
+    def end_persist(self, ticket: PersistTicket, seqs: NDArray[np.uint64]) -> None:
+        """The last step of a persist: its records are stored under `seqs`. The roots
+        become pending with their first ack values and their records' locators, their
+        timeouts start, the journal learns them, a re-read takes over the pending roots
+        of the same records (ftlayer.core.takeover) and barrier-mode roots get their
+        holds. Only now does a snapshot, a fail or an event see them."""
+        self._changing()
+        self._tickets.remove(ticket)
+        self._unreserve(ticket.batch.roots)
+        batch, initial_values = ticket.batch, ticket.initial_values
         held = self._barrier_rows(batch.source_ids) if self._barrier else None
         if held is not None:  # the records' barrier holds: their first ack values
             values = np.zeros(len(batch), np.uint64) if initial_values is None else None
             initial_values = _with_holds(initial_values, held, values)
         locators = self.persistence.locators(batch)
-        # Step 1: a re-read (ftlayer.core.takeover)? The pending roots it takes over.
+        # A re-read (ftlayer.core.takeover)? The pending roots it takes over.
         superseded = self._superseded(locators, batch.payloads)
-        # Step 2: the acker validates the roots (reserved, repeated, already pending).
-        slots = self.acker.add(batch.roots, initial_values, **locators)
-        # Step 3: the storage confirms the records are durable; on any error the roots
-        # leave the acker again and the error propagates: nothing is half-persisted
-        # (and nothing taken over: the old roots still cover their records).
         try:
-            seqs = self.persistence.persist(batch)
+            self.acker.add(batch.roots, initial_values, seq=seqs, **locators)
         except BaseException:
-            self.acker.remove(batch.roots)
+            # Paranoid check: only a root drawn twice (2**-64) gets here. Nobody was
+            # told the records are persisted: they leave the store again.
+            self.persistence.complete(batch.roots, {**locators, "seq": seqs})
             raise
-        # Step 4: the roots know their records, and their timeout starts.
-        self.acker.set_column("seq", slots, seqs)
+        # The roots' timeouts start now.
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
         journal = self._journal
@@ -302,17 +375,16 @@ class FTLayer:
             if initial_values is None:
                 journal.add(batch.roots)
             else:
-                journal.xor(batch.roots, np.asarray(initial_values, dtype=np.uint64))
+                journal.xor(batch.roots, initial_values)
         if len(seqs):
             self.meters.persisted(batch.source_ids, int(seqs[0]), self._clock())
-        # Step 5: the new roots cover the re-read records: the old ones retire.
+        # The new roots cover the re-read records: the old ones retire.
         if superseded is not None:
             self._take_over(superseded, {**locators, "seq": seqs})
         if held is not None:
             assert initial_values is not None
-            values = np.ascontiguousarray(initial_values, dtype=np.uint64)
             for source_id, rows in held:
-                self._add_holds(source_id, batch.roots[rows], values[rows])
+                self._add_holds(source_id, batch.roots[rows], initial_values[rows])
 
     # ---- re-reads take over (ftlayer.core.takeover) ---------------------------------
 
@@ -555,6 +627,12 @@ class FTLayer:
                 "persist every record under a fresh random root"
             )
 
+    def _check_not_persisting(self, roots: NDArray[np.uint64]) -> None:
+        persisting = self._persisting.find(np.ascontiguousarray(roots, dtype=np.uint64)) >= 0
+        if bool(persisting.any()):
+            root = int(roots[int(np.argmax(persisting))])
+            raise ValueError(f"root {root:#x} is already present")
+
     def _check_routable(self, batch: RecordBatch) -> None:
         for source_id in _sources_of(batch):
             config = self.source_config(source_id)
@@ -598,6 +676,11 @@ class FTLayer:
         this core goes on (LmdbStorage is thread-safe); if that fails, the records stay
         stored and are replayed after the next restart: duplicates, never a loss."""
         return self.persistence.take_marked()
+
+    def retry_deletes(self, seqs: NDArray[np.uint64]) -> None:
+        """With defer_deletes: seqs from `take_deletes` whose delete failed, marked
+        again for the next take or flush."""
+        self.persistence.mark_again(seqs)
 
     def flush_deletes(self) -> int:
         """With defer_deletes: delete the completed records not deleted yet, now."""
@@ -1062,7 +1145,10 @@ class FTLayer:
         state["replay.next_seq"] = np.array([self._queue.cursor + 1], dtype=np.uint64)
         if self._journal is not None:  # this state is the base of the segment begun now
             state["journal.segment"] = np.array([self._journal.rotate()], dtype=np.uint64)
-            state["journal.next_seq"] = np.array([self.storage.next_seq], dtype=np.uint64)
+            # Records stored from here on are not in this state: a persist begun and not
+            # ended may be storing some below the store's next seq (begin_persist).
+            next_seq = min([self.storage.next_seq, *(t.floor for t in self._tickets)])
+            state["journal.next_seq"] = np.array([next_seq], dtype=np.uint64)
         return state
 
     @property
@@ -1294,6 +1380,8 @@ class FTLayer:
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
+        if len(self._persisting):
+            self._check_not_persisting(batch.roots)
         locators = self.persistence.locators(batch)
         slots = self.acker.add(batch.roots, None, **locators)
         try:
