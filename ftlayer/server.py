@@ -162,9 +162,9 @@ log = logging.getLogger("ftlayer.server")
 
 _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
 # The deleter's transactions: at most this many records each, so a persist waits for
-# at most one (it goes first when it is queued: LmdbStorage.wait_for_puts, at most
-# this long); a savepoint waits this long at most for a round the deleter took.
-_DELETE_CHUNK: Final = 32_768
+# at most one; each waits for the persists under way (LmdbStorage.wait_for_puts), at
+# most this long. A savepoint waits this long at most for a round the deleter took.
+_DELETE_CHUNK: Final = 16_384
 _PUTS_FIRST_MAX_WAIT_S: Final = 1.0
 _DELETES_MAX_WAIT_S: Final = 60.0
 _EMPTY_SEQS: Final = np.zeros(0, dtype=np.uint64)

@@ -1385,7 +1385,9 @@ class FTLayer:
         locators = self.persistence.locators(batch)
         slots = self.acker.add(batch.roots, None, **locators)
         try:
-            seqs = self.persistence.persist(batch)
+            # Not persistence.persist: the marked deletes stay marked, for the deleter of a
+            # server (its own transactions) or the next persist.
+            seqs = self.storage.put(batch)
         except BaseException:
             self.acker.remove(batch.roots)
             raise
