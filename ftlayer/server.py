@@ -5,19 +5,35 @@ format). The contract:
 
 1. One connection, one thread, at most `max_connections` of them (the next one gets
    ERROR 103 with request id 0 and is closed). The core is not thread-safe, so every
-   call into it (persist, xor, fail, fetch_replay, current_stats, tick) runs under
-   one lock; socket I/O never does, so a slow or vanished client blocks only its own
-   thread, and for a bounded time: the handshake (TLS included) must finish within
-   `handshake_timeout_s`, a frame whose first bytes arrived must be complete within
-   `frame_timeout_s`, a welcomed connection with no frame started is closed after
-   `idle_timeout_s` without a byte, and a send must finish within `send_timeout_s`.
-   Reads poll with a short timeout (to notice stop() and those deadlines).
+   call into it (persist, xor, fail, fetch_replay, current_stats, tick) runs under one
+   lock. The LMDB commits of PERSIST and of the deletes run outside it (items 3 and 6),
+   and an LMDB read under it never waits for a commit (LmdbStorage), so the requests of
+   a stream wait for the core only while another one computes in it; only failed records
+   (re-tagged for replay), registrations, dead-letter operations and a savepoint's
+   deletes commit under the lock. Socket I/O never runs under it, so a slow or vanished
+   client blocks only its own thread, and for a bounded time: the handshake (TLS
+   included) must finish within `handshake_timeout_s`, a frame whose first bytes arrived
+   must be complete within `frame_timeout_s`, a welcomed connection with no frame
+   started is closed after `idle_timeout_s` without a byte, and a send must finish
+   within `send_timeout_s`. Reads poll with a short timeout (to notice stop() and those
+   deadlines).
 2. Handshake: HELLO -> CHALLENGE (fresh server nonce) -> AUTH (checked with
    check_auth when a token is set) -> WELCOME. Until WELCOME, a frame of any other
    kind is refused by its kind before its body is decoded (ERROR 6 for a data
    request, 9 otherwise), and any error is answered and then the connection is closed.
-3. PERSIST is answered OK only after FTLayer.persist returned, that is, after the
-   storage committed the records: OK means "confirmed persisted".
+3. PERSIST is answered OK only after the storage committed the records and they are
+   pending in the core: OK means "confirmed persisted". It runs in three steps
+   (FTLayer.begin_persist, end_persist): (a) under the lock the batch is checked and
+   its roots reserved (a persist of the same roots is refused meanwhile); (b) outside
+   it the records are written, in one LMDB transaction and one fsync with the other
+   connections' persists waiting at that moment (group commit, LmdbStorage.put);
+   (c) under the lock again the roots become pending, their timeouts start, the
+   journal learns them, takeovers and barrier holds happen. Until (c) no other
+   request sees the roots (events and fails for them are dropped as unknown: no
+   client has them before the OK); a failed write (b) leaves nothing (the roots are
+   free again, the client gets the error); a crash between (b) and (c) leaves stored
+   records no journal knows, and the restart replays them (journal bases taken
+   meanwhile do not count them as completed: ftlayer.core.journal).
 4. Requests are answered one by one, in the order they arrive. A bad frame length
    breaks the stream: every complete frame before it is answered first, then ERROR
    with request id 0, then close. After WELCOME, a frame with a good length but a bad
@@ -30,12 +46,16 @@ format). The contract:
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
    shortest rotation interval of any timeout in use (sources may register their own),
    so a root times out at most that late.
-6. Completed records are deleted from LMDB in the next PERSIST's transaction (one
-   commit and fsync for both); when no PERSIST comes, a deleter thread deletes them
-   after `delete_interval_s`, in one transaction, outside the core lock. An XOR batch
-   never waits for an LMDB commit. A completed record that a crash leaves undeleted
-   is recovered and replayed after the restart (a duplicate, never a loss); stop()
-   deletes what is left before closing the storage.
+6. Completed records are deleted from LMDB by the deleter thread, never in a
+   PERSIST's transaction: it takes their seqs from the core (under the lock) as soon
+   as a request left _DELETE_CHUNK of them, and at the latest every
+   `delete_interval_s`, and deletes them outside the lock in transactions of their
+   own of at most _DELETE_CHUNK records, each after the persists under way
+   (LmdbStorage.wait_for_puts): a persist waits for at most one of them, and usually
+   for none. An XOR batch never waits for an LMDB commit. A completed record that a
+   crash leaves undeleted is deleted at the restart if the journal knows its tree
+   completed, and otherwise replayed (a duplicate, never a loss); a delete that fails
+   is tried again; stop() deletes what is left before closing the storage.
 7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN marks the state owed a copy
    and replies at once; the copy is taken under the lock before the next change to
    the core or by the checkpoint-writer thread (woken after the reply), which writes
@@ -47,14 +67,16 @@ format). The contract:
    its completion closes it, and HEARTBEAT (from the source's driver while the batch
    runs) leases it: its trees' timeouts are postponed while it is open and leased
    (ftlayer.core.leases; `status` shows `batches_running`).
-8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed records not
-   deleted yet, under the lock (FTLayer.flush_deletes), so the store holds exactly the
-   records whose trees are not complete; then, outside the lock, it copies the store
-   (one LMDB read transaction: the store at one instant) into the requested directory
-   on this host and replies with the savepoint's manifest. Every request goes on
-   meanwhile, writes included (LmdbStorage.copy_to; only a write that must grow the
-   LMDB map waits for the copy to end). One savepoint at a time: a SAVEPOINT that
-   arrives while one is being written is refused (ERROR 102) rather than queued.
+8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed
+   records not deleted yet, under the lock (FTLayer.flush_deletes), and waits for those
+   the deleter took before, so the store holds exactly the records whose trees are not
+   complete (and those of persists under way: replayed after a restore); then, outside
+   the lock, it copies the store (one LMDB read transaction: the store at one instant)
+   into the requested directory on this host and replies with the savepoint's manifest.
+   Every request goes on meanwhile, writes included (LmdbStorage.copy_to; only a write
+   that must grow the LMDB map waits for the copy to end). One savepoint at a time: a
+   SAVEPOINT that arrives while one is being written is refused (ERROR 102) rather than
+   queued.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table. With `tls_cert` and `tls_key` every
@@ -512,12 +534,14 @@ class FTServer:
         """Step 6 of the module docstring: take the completed records' seqs from the
         core (under the lock) as soon as a request left _DELETE_CHUNK of them, or
         every `delete_interval_s`, and delete them outside the lock, in transactions
-        of their own of at most _DELETE_CHUNK records, each after the puts queued
-        meanwhile. Seqs whose delete failed go back to the core, tried again after
+        of their own of at most _DELETE_CHUNK records, each after the puts under way.
+        Seqs whose delete failed go back to the core, tried again after
         `delete_interval_s`."""
         while not self._stopping.is_set():
             self._deletes_due.wait(self._delete_interval_s)
             self._deletes_due.clear()
+            if self._stopping.is_set():
+                return  # stop() deletes what is left, under the lock
             with self._lock:
                 ft, storage = self._ft, self._storage
                 if ft is None or storage is None:
@@ -529,9 +553,11 @@ class FTServer:
                     self._deleting = len(seqs)
                     self._delete_rounds += 1
                     round_ = self._delete_rounds
-            left = _EMPTY_SEQS
+            left = seqs
             try:
                 left = self._delete_chunks(storage, np.sort(seqs))
+            except Exception:  # a bug: the thread goes on (deleting twice does no harm)
+                log.exception("deleting completed records failed; they are tried again")
             finally:
                 if len(left):
                     with self._lock:
@@ -559,7 +585,7 @@ class FTServer:
                 )
                 return seqs[lo:]
             with self._deletes_changed:
-                self._deleting = len(seqs) - lo - _DELETE_CHUNK
+                self._deleting = max(0, len(seqs) - lo - _DELETE_CHUNK)
         return _EMPTY_SEQS
 
     def _serve(self, conn: _Connection) -> None:
