@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         "--delete-interval-s",
         type=_positive_float,
         default=0.2,
-        help="how often completed records are deleted from LMDB (default 0.2)",
+        help="completed records are deleted within S, or once 16,384 wait (default 0.2)",
     )
     serve.add_argument(
         "--log-format",

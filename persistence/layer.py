@@ -19,9 +19,10 @@ column more per root.
   numbers stand for.
 - complete(roots, locators): delete the records (one storage transaction) and return
   the roots with their Kafka coordinates. With `defer_deletes=True` the records are
-  only marked for deletion: the next persist deletes them, or `flush_deletes()` /
-  `take_marked()` (a server's deleter thread, when no persist comes), so completions
-  never wait for LMDB. A marked record that a crash leaves in storage is recovered
+  only marked for deletion: the next persist deletes them (in process), or
+  `flush_deletes()` / `take_marked()` (a server's deleter thread, which deletes them in
+  transactions of its own; `mark_again` for those whose delete failed), so
+  completions never wait for LMDB. A marked record that a crash leaves in storage is recovered
   and replayed: a duplicate, never a loss, since only completed records are ever
   marked.
 - retag(seqs, new_roots, replay_seqs): stored records are now tracked under new roots

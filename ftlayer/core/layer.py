@@ -66,7 +66,16 @@ between persist and emit, a lost event, a lost fail, a crashed task or a crashed
 layer all end in a timeout or a recovery, that is, in a replay (or, after a crash the
 journal covers, in the tree going on where it was).
 
-Not thread-safe: one thread drives a core (the server serializes its clients).
+A persist is one call (`persist`) or three steps (`begin_persist`, the storage write
+by the caller, `end_persist` or `abort_persist`), so that a caller serializing the
+core with a lock writes the records outside it. Between the steps the persist is
+invisible (its roots are not pending, only reserved against a second persist of them)
+and harmless: a failed write leaves nothing, and a crash after the write replays the
+stored records, since the state snapshots a journal base is made of never count
+records of a persist under way as stored before them (`PersistTicket.floor`).
+
+Not thread-safe: one thread drives a core at a time (the server serializes its
+clients with a lock; a persist's storage write may run outside it).
 """
 
 from __future__ import annotations
