@@ -118,6 +118,15 @@ class PersistenceLayer:
         marked, self._marked = self._marked, []
         return np.concatenate(marked) if marked else np.zeros(0, dtype=np.uint64)
 
+    def discard(self, seqs: NDArray[np.uint64]) -> None:
+        """Delete stored records no root tracks (a persist that failed after its write),
+        or, with defer_deletes, mark them like completed ones."""
+        if len(seqs):
+            if self.defer_deletes:
+                self._marked.append(seqs)
+            else:
+                self.storage.delete(seqs)
+
     def mark_again(self, seqs: NDArray[np.uint64]) -> None:
         """Seqs from take_marked whose delete failed: marked again, first in line."""
         if len(seqs):

@@ -362,19 +362,20 @@ class FTLayer:
         self._tickets.remove(ticket)
         self._unreserve(ticket.batch.roots)
         batch, initial_values = ticket.batch, ticket.initial_values
-        held = self._barrier_rows(batch.source_ids) if self._barrier else None
-        if held is not None:  # the records' barrier holds: their first ack values
-            values = np.zeros(len(batch), np.uint64) if initial_values is None else None
-            initial_values = _with_holds(initial_values, held, values)
-        locators = self.persistence.locators(batch)
-        # A re-read (ftlayer.core.takeover)? The pending roots it takes over.
-        superseded = self._superseded(locators, batch.payloads)
         try:
+            held = self._barrier_rows(batch.source_ids) if self._barrier else None
+            if held is not None:  # the records' barrier holds: their first ack values
+                values = np.zeros(len(batch), np.uint64) if initial_values is None else None
+                initial_values = _with_holds(initial_values, held, values)
+            locators = self.persistence.locators(batch)
+            # A re-read (ftlayer.core.takeover)? The pending roots it takes over.
+            superseded = self._superseded(locators, batch.payloads)
             self.acker.add(batch.roots, initial_values, seq=seqs, **locators)
         except BaseException:
-            # Paranoid check: only a root drawn twice (2**-64) gets here. Nobody was
-            # told the records are persisted: they leave the store again.
-            self.persistence.complete(batch.roots, {**locators, "seq": seqs})
+            # A storage read failed, or (paranoid check) a root was drawn twice: none of
+            # the roots is pending, and nobody was told the records are persisted, so
+            # they leave the store again.
+            self.persistence.discard(seqs)
             raise
         # The roots' timeouts start now.
         self._track(batch.roots, seqs, batch.source_ids)
