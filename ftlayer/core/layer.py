@@ -178,7 +178,8 @@ class FTLayer:
         self.meters = Meters()
         """Per-source counters and the complete latency (ftlayer.core.meters)."""
         self._marks = ReadMarks()
-        # Persists begun and not ended (begin_persist): their roots, reserved.
+        # Persists begun and not ended (begin_persist), and their roots, reserved: a
+        # map made afresh whenever none is under way (deleted keys cost its lookups).
         self._tickets: set[PersistTicket] = set()
         self._persisting = U64Map({}, key_name="root")
         self._recover()
@@ -295,26 +296,38 @@ class FTLayer:
         ConfigError), or a record its source's replay partitioner could not route (no
         key for a hash partitioner).
 
-        The three steps of `begin_persist`, the storage write and `end_persist` in one
-        call; a caller that serializes this core with a lock runs the write outside it
-        instead (the server), so other requests go on while the storage commits.
+        In one call, the storage write under the caller's lock if it has one; a caller
+        that would rather write outside it calls `begin_persist`, writes, and calls
+        `end_persist` (the server).
         """
-        ticket = self.begin_persist(batch, initial_values)
+        self._changing()
+        values = self._checked(batch, initial_values)
+        if self._tickets:
+            self._check_not_persisting(batch.roots)
+        # Step 1: the barrier holds, the locators, and a re-read's takeover.
+        values, held, locators, superseded = self._to_pend(batch, values)
+        # Step 2: the acker validates the roots (reserved, repeated, already pending).
+        rows = self.acker.add(batch.roots, values, **locators)
+        # Step 3: the storage confirms the records are durable; on any error the roots
+        # leave the acker again and the error propagates: nothing is half-persisted
+        # (and nothing taken over: the old roots still cover their records).
         try:
             seqs = self.persistence.persist(batch)
         except BaseException:
-            self.abort_persist(ticket)
+            self.acker.remove(batch.roots)
             raise
-        self.end_persist(ticket, seqs)
+        self.acker.set_column("seq", rows, seqs)
+        # Step 4: timeouts, journal, takeover, holds.
+        self._pended(batch, values, seqs, held, locators, superseded)
 
     def begin_persist(
         self, batch: RecordBatch, initial_values: ArrayLike | None = None
     ) -> PersistTicket:
-        """Step 1 of a persist (see `persist`, which raises what this raises): check the
-        batch and reserve its roots, changing nothing else. Then the caller stores
-        `ticket.batch` (`storage.put`, no lock of this core needed: every storage seq
-        it gets is at least `ticket.floor`) and ends the persist with `end_persist`
-        (stored) or `abort_persist` (the write failed).
+        """The first of a persist's three steps (see `persist`, which raises what this
+        raises): check the batch and reserve its roots, changing nothing else. Then the
+        caller stores `ticket.batch` (`storage.put`, no lock of this core needed: every
+        storage seq it gets is at least `ticket.floor`) and ends the persist with
+        `end_persist` (stored) or `abort_persist` (the write failed).
 
         Until it ends, the persist is invisible: its roots are not pending (events and
         fails for them are dropped as unknown; no client has them before the persist's
@@ -322,14 +335,11 @@ class FTLayer:
         the journal a storage seq at most `floor`, so a crash before `end_persist`
         replays the stored records (ftlayer.core.journal) instead of taking them for
         completed."""
-        self._check_routable(batch)
-        if len(self._retired):
-            self._check_not_retired(batch.roots)
-        values = None if initial_values is None else np.asarray(initial_values, dtype=np.uint64)
-        if values is not None and values.shape != batch.roots.shape:
-            raise ValueError(f"{len(batch)} roots but {values.shape} initial ack values")
+        values = self._checked(batch, initial_values)
         # The reservation refuses what the acker would (a reserved root, one repeated in
         # the batch) and roots being persisted; then no root may be pending either.
+        if not self._tickets:
+            self._persisting = U64Map({}, len(batch), key_name="root")
         self._persisting.insert(batch.roots)
         pending = self.acker.lookup("ack", batch.roots)[0]
         if bool(pending.any()):
@@ -347,11 +357,6 @@ class FTLayer:
             self._tickets.remove(ticket)
             self._unreserve(ticket.batch.roots)
 
-    def _unreserve(self, roots: NDArray[np.uint64]) -> None:
-        """The reserved `roots` of one persist (distinct, every one reserved) are free."""
-        keys = np.ascontiguousarray(roots, dtype=np.uint64)
-        self._persisting.delete(self._persisting.find_slots(keys)[0])
-
     def end_persist(self, ticket: PersistTicket, seqs: NDArray[np.uint64]) -> None:
         """The last step of a persist: its records are stored under `seqs`. The roots
         become pending with their first ack values and their records' locators, their
@@ -361,40 +366,84 @@ class FTLayer:
         self._changing()
         self._tickets.remove(ticket)
         self._unreserve(ticket.batch.roots)
-        batch, initial_values = ticket.batch, ticket.initial_values
+        batch = ticket.batch
         try:
-            held = self._barrier_rows(batch.source_ids) if self._barrier else None
-            if held is not None:  # the records' barrier holds: their first ack values
-                values = np.zeros(len(batch), np.uint64) if initial_values is None else None
-                initial_values = _with_holds(initial_values, held, values)
-            locators = self.persistence.locators(batch)
-            # A re-read (ftlayer.core.takeover)? The pending roots it takes over.
-            superseded = self._superseded(locators, batch.payloads)
-            self.acker.add(batch.roots, initial_values, seq=seqs, **locators)
+            values, held, locators, superseded = self._to_pend(batch, ticket.initial_values)
+            self.acker.add(batch.roots, values, seq=seqs, **locators)
         except BaseException:
             # A storage read failed, or (paranoid check) a root was drawn twice: none of
             # the roots is pending, and nobody was told the records are persisted, so
             # they leave the store again.
             self.persistence.discard(seqs)
             raise
-        # The roots' timeouts start now.
+        self._pended(batch, values, seqs, held, locators, superseded)
+
+    def _checked(
+        self, batch: RecordBatch, initial_values: ArrayLike | None
+    ) -> NDArray[np.uint64] | None:
+        """A persist's checks before its roots: routable, none failed recently; the
+        first ack values as an array of one per root."""
+        self._check_routable(batch)
+        if len(self._retired):
+            self._check_not_retired(batch.roots)
+        values = None if initial_values is None else np.asarray(initial_values, dtype=np.uint64)
+        if values is not None and values.shape != batch.roots.shape:
+            raise ValueError(f"{len(batch)} roots but {values.shape} initial ack values")
+        return values
+
+    def _unreserve(self, roots: NDArray[np.uint64]) -> None:
+        """The reserved `roots` of one persist (distinct, every one reserved) are free;
+        with no persist under way, every root is (the next begin makes a new map)."""
+        if self._tickets:
+            keys = np.ascontiguousarray(roots, dtype=np.uint64)
+            self._persisting.delete(self._persisting.find_slots(keys)[0])
+
+    def _to_pend(
+        self, batch: RecordBatch, values: NDArray[np.uint64] | None
+    ) -> tuple[
+        NDArray[np.uint64] | None,
+        list[tuple[int, NDArray[np.intp]]] | None,
+        dict[str, NDArray[Any]],
+        NDArray[np.uint64] | None,
+    ]:
+        """What the roots of a persist need to become pending: their first ack values
+        with the barrier holds of barrier-mode rows (and those rows), the locators,
+        and the pending roots a re-read takes over (ftlayer.core.takeover)."""
+        held = self._barrier_rows(batch.source_ids) if self._barrier else None
+        if held is not None:
+            zeros = np.zeros(len(batch), np.uint64) if values is None else None
+            values = _with_holds(values, held, zeros)
+        locators = self.persistence.locators(batch)
+        return values, held, locators, self._superseded(locators, batch.payloads)
+
+    def _pended(
+        self,
+        batch: RecordBatch,
+        values: NDArray[np.uint64] | None,
+        seqs: NDArray[np.uint64],
+        held: list[tuple[int, NDArray[np.intp]]] | None,
+        locators: dict[str, NDArray[Any]],
+        superseded: NDArray[np.uint64] | None,
+    ) -> None:
+        """The roots of a persist are pending (in the acker, with their seqs): their
+        timeouts start, the journal learns them, the re-read roots retire, and the
+        barrier-mode roots get their holds."""
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
         journal = self._journal
         if journal is not None:
-            if initial_values is None:
+            if values is None:
                 journal.add(batch.roots)
             else:
-                journal.xor(batch.roots, initial_values)
+                journal.xor(batch.roots, values)
         if len(seqs):
             self.meters.persisted(batch.source_ids, int(seqs[0]), self._clock())
-        # The new roots cover the re-read records: the old ones retire.
         if superseded is not None:
             self._take_over(superseded, {**locators, "seq": seqs})
         if held is not None:
-            assert initial_values is not None
+            assert values is not None
             for source_id, rows in held:
-                self._add_holds(source_id, batch.roots[rows], initial_values[rows])
+                self._add_holds(source_id, batch.roots[rows], values[rows])
 
     # ---- re-reads take over (ftlayer.core.takeover) ---------------------------------
 
@@ -1390,7 +1439,7 @@ class FTLayer:
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
-        if len(self._persisting):
+        if self._tickets:
             self._check_not_persisting(batch.roots)
         locators = self.persistence.locators(batch)
         slots = self.acker.add(batch.roots, None, **locators)
