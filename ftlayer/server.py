@@ -46,16 +46,16 @@ format). The contract:
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
    shortest rotation interval of any timeout in use (sources may register their own),
    so a root times out at most that late.
-6. Completed records are deleted from LMDB by the deleter thread, never in a
-   PERSIST's transaction: it takes their seqs from the core (under the lock) as soon
-   as a request left _DELETE_CHUNK of them, and at the latest every
-   `delete_interval_s`, and deletes them outside the lock in transactions of their
-   own of at most _DELETE_CHUNK records, each after the persists under way
-   (LmdbStorage.wait_for_puts): a persist waits for at most one of them, and usually
-   for none. An XOR batch never waits for an LMDB commit. A completed record that a
-   crash leaves undeleted is deleted at the restart if the journal knows its tree
-   completed, and otherwise replayed (a duplicate, never a loss); a delete that fails
-   is tried again; stop() deletes what is left before closing the storage.
+6. Completed records are deleted from LMDB by the deleter thread, never in a PERSIST's
+   transaction: it takes their seqs from the core (under the lock) as soon as a request
+   left _DELETE_CHUNK of them, and at the latest every `delete_interval_s`, and deletes
+   them outside the lock in transactions of their own of at most _DELETE_CHUNK records,
+   each after the requests under way (the deleter's work can wait; theirs is what
+   clients wait for): a persist waits for at most one of them, and usually for none. An
+   XOR batch never waits for an LMDB commit. A completed record that a crash leaves
+   undeleted is deleted at the restart if the journal knows its tree completed, and
+   otherwise replayed (a duplicate, never a loss); a delete that fails is tried again;
+   stop() deletes what is left before closing the storage.
 7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN marks the state owed a copy
    and replies at once; the copy is taken under the lock before the next change to
    the core or by the checkpoint-writer thread (woken after the reply), which writes
@@ -184,10 +184,10 @@ log = logging.getLogger("ftlayer.server")
 
 _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
 # The deleter's transactions: at most this many records each, so a persist waits for
-# at most one; each waits for the persists under way (LmdbStorage.wait_for_puts), at
-# most this long. A savepoint waits this long at most for a round the deleter took.
+# at most one; each waits for the requests under way (_after_requests), at most this
+# long. A savepoint waits this long at most for a round the deleter took.
 _DELETE_CHUNK: Final = 16_384
-_PUTS_FIRST_MAX_WAIT_S: Final = 1.0
+_REQUESTS_FIRST_MAX_WAIT_S: Final = 1.0
 _DELETES_MAX_WAIT_S: Final = 60.0
 _EMPTY_SEQS: Final = np.zeros(0, dtype=np.uint64)
 
@@ -290,6 +290,11 @@ class FTServer:
         self._delete_rounds = 0
         self._deletes_done = 0
         self._deleting = 0
+        # Requests begun and ended (but SAVEPOINT): the deleter lets those under way go
+        # first (_after_requests).
+        self._requests_changed = threading.Condition()
+        self._requests_begun = 0
+        self._requests_ended = 0
         self.journal = journal
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
@@ -534,8 +539,8 @@ class FTServer:
         """Step 6 of the module docstring: take the completed records' seqs from the
         core (under the lock) as soon as a request left _DELETE_CHUNK of them, or
         every `delete_interval_s`, and delete them outside the lock, in transactions
-        of their own of at most _DELETE_CHUNK records, each after the puts under way.
-        Seqs whose delete failed go back to the core, tried again after
+        of their own of at most _DELETE_CHUNK records, each after the requests under
+        way. Seqs whose delete failed go back to the core, tried again after
         `delete_interval_s`."""
         while not self._stopping.is_set():
             self._deletes_due.wait(self._delete_interval_s)
@@ -570,10 +575,17 @@ class FTServer:
             if len(left):
                 self._stopping.wait(self._delete_interval_s)
 
+    def _after_requests(self, timeout_s: float) -> None:
+        """Until the requests under way now have ended (at most `timeout_s`): the
+        deleter goes after them, and still gets its turn between them."""
+        with self._requests_changed:
+            begun = self._requests_begun
+            self._requests_changed.wait_for(lambda: self._requests_ended >= begun, timeout_s)
+
     def _delete_chunks(self, storage: LmdbStorage, seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
         """Delete `seqs` (sorted) a chunk per transaction; returns those not deleted."""
         for lo in range(0, len(seqs), _DELETE_CHUNK):
-            storage.wait_for_puts(_PUTS_FIRST_MAX_WAIT_S)
+            self._after_requests(_REQUESTS_FIRST_MAX_WAIT_S)
             try:
                 storage.delete(seqs[lo : lo + _DELETE_CHUNK])
             except StorageError as exc:
@@ -686,7 +698,16 @@ class FTServer:
             handler = self._request_handlers.get(kind)
             if handler is None:
                 raise UnknownKind(f"{kind.name} is not served by this server")
-            return handler(rid, frame), False
+            if kind == Kind.SAVEPOINT:  # it waits for the deleter: the deleter does not
+                return handler(rid, frame), False
+            with self._requests_changed:
+                self._requests_begun += 1
+            try:
+                return handler(rid, frame), False
+            finally:
+                with self._requests_changed:
+                    self._requests_ended += 1
+                    self._requests_changed.notify_all()
         except ProtocolError as exc:  # the frame, or a reply the wire cannot carry
             code, text = int(exc.code), str(exc)
         except StorageError as exc:

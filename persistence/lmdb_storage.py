@@ -46,9 +46,6 @@ outside its core's lock, its deleter deletes): every method is thread-safe.
   the last commit and never wait for a write transaction. Only a map resize, which
   LMDB allows while no transaction of this process is open, holds new reads back and
   waits for running ones (a copy_to included) to end.
-- `wait_for_puts` lets a writer of many small transactions that can wait (the
-  deleter) go after the puts under way, so a put waits for at most one of its
-  transactions, and usually for none.
 """
 
 from __future__ import annotations
@@ -144,12 +141,9 @@ class LmdbStorage(PersistenceStorage):
         self._readers = 0
         self._quiescing = False
         self._readers_changed = threading.Condition()
-        # Puts waiting for a write transaction (group commit, see the module docstring),
-        # and how many puts are under way, encoding included (wait_for_puts).
+        # Puts waiting for a write transaction (group commit, see the module docstring).
         self._queued: list[_QueuedPut] = []
-        self._puts_begun = 0
-        self._puts_ended = 0
-        self._queued_changed = threading.Condition()
+        self._queued_lock = threading.Lock()
         identity = _prepare_directory(self._path)
         try:
             env = lmdb.open(self._path, map_size=map_size, max_dbs=_MAX_DBS, sync=sync, subdir=True)
@@ -186,19 +180,12 @@ class LmdbStorage(PersistenceStorage):
         self._live_env()
         if len(batch) == 0:
             return np.zeros(0, dtype=np.uint64)
-        with self._queued_changed:
-            self._puts_begun += 1
-        try:
-            queued = _QueuedPut(encode_records(batch))
-            with self._queued_changed:
-                self._queued.append(queued)
-            with self._lock:
-                if queued.seqs is None and queued.error is None:  # no group took it yet
-                    self._commit_queued()
-        finally:
-            with self._queued_changed:
-                self._puts_ended += 1
-                self._queued_changed.notify_all()
+        queued = _QueuedPut(encode_records(batch))
+        with self._queued_lock:
+            self._queued.append(queued)
+        with self._lock:
+            if queued.seqs is None and queued.error is None:  # no group took it yet
+                self._commit_queued()
         if queued.error is not None:
             raise queued.error
         assert queued.seqs is not None
@@ -207,7 +194,7 @@ class LmdbStorage(PersistenceStorage):
     def _commit_queued(self) -> None:
         """Write every queued put in one transaction (called under _lock): each gets
         its seqs, or, if the transaction failed, an error of its own."""
-        with self._queued_changed:
+        with self._queued_lock:
             group, self._queued = self._queued, []
         sizes = [len(queued.values) for queued in group]
         n = sum(sizes)
@@ -238,14 +225,6 @@ class LmdbStorage(PersistenceStorage):
         for queued, start in zip(group, np.cumsum([first, *sizes[:-1]]).tolist(), strict=True):
             queued.seqs = np.arange(start, start + len(queued.values), dtype=np.uint64)
             queued.values = []
-
-    def wait_for_puts(self, timeout_s: float) -> None:
-        """Until as many puts ended as had begun when called (at most `timeout_s`): a
-        writer of many transactions that can wait (the deleter) calls it before each,
-        so the puts under way go first, and it still gets its turn between them."""
-        with self._queued_changed:
-            begun = self._puts_begun
-            self._queued_changed.wait_for(lambda: self._puts_ended >= begun, timeout_s)
 
     def delete(self, seqs: Seqs) -> int:
         self._live_env()
