@@ -12,7 +12,8 @@
     ftlayer bench acker   [--roots N] [--depth K] [--batch B] [--json]
     ftlayer bench persist [--records N] [--payload-bytes P] [--batch B] [--no-sync]
                           [--dir D] [--json]
-    ftlayer bench server  [--records N] [--events E] [--clients C] [--rounds R] [--dir D] [--json]
+    ftlayer bench server  [--records N] [--events E] [--clients C] [--rounds R]
+                          [--mixed-batches M] [--dir D] [--json]
     ftlayer bench checkpoint [--batches N] [--batch B] [--rounds R] [--pending P,...]
                              [--dir D] [--json]
     ftlayer bench pipeline [--records N] [--partitions P] [--fail-rate F] [--rounds R]
@@ -73,6 +74,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -163,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         "--delete-interval-s",
         type=_positive_float,
         default=0.2,
-        help="how often completed records are deleted from LMDB (default 0.2)",
+        help="completed records are deleted within S, or once 16,384 wait (default 0.2)",
     )
     serve.add_argument(
         "--log-format",
@@ -273,6 +278,12 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--clients", type=_positive_int, default=2, help="client processes")
     server.add_argument(
         "--rounds", type=_positive_int, default=2, help="alternating rounds, journal off/on"
+    )
+    server.add_argument(
+        "--mixed-batches",
+        type=_non_negative_int,
+        default=4,
+        help="200,000-record micro-batches of the mixed phase per round (0: none)",
     )
     server.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     server.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -768,6 +779,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             clients=args.clients,
             directory=args.dir,
             rounds=args.rounds,
+            mixed_batches=args.mixed_batches,
         )
     return bench.bench_persist(
         records=args.records,

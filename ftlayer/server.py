@@ -5,19 +5,35 @@ format). The contract:
 
 1. One connection, one thread, at most `max_connections` of them (the next one gets
    ERROR 103 with request id 0 and is closed). The core is not thread-safe, so every
-   call into it (persist, xor, fail, fetch_replay, current_stats, tick) runs under
-   one lock; socket I/O never does, so a slow or vanished client blocks only its own
-   thread, and for a bounded time: the handshake (TLS included) must finish within
-   `handshake_timeout_s`, a frame whose first bytes arrived must be complete within
-   `frame_timeout_s`, a welcomed connection with no frame started is closed after
-   `idle_timeout_s` without a byte, and a send must finish within `send_timeout_s`.
-   Reads poll with a short timeout (to notice stop() and those deadlines).
+   call into it (persist, xor, fail, fetch_replay, current_stats, tick) runs under one
+   lock. The LMDB commits of PERSIST and of the deletes run outside it (items 3 and 6),
+   and an LMDB read under it never waits for a commit (LmdbStorage), so the requests of
+   a stream wait for the core only while another one computes in it; only failed records
+   (re-tagged for replay), registrations, dead-letter operations and a savepoint's
+   deletes commit under the lock. Socket I/O never runs under it, so a slow or vanished
+   client blocks only its own thread, and for a bounded time: the handshake (TLS
+   included) must finish within `handshake_timeout_s`, a frame whose first bytes arrived
+   must be complete within `frame_timeout_s`, a welcomed connection with no frame
+   started is closed after `idle_timeout_s` without a byte, and a send must finish
+   within `send_timeout_s`. Reads poll with a short timeout (to notice stop() and those
+   deadlines).
 2. Handshake: HELLO -> CHALLENGE (fresh server nonce) -> AUTH (checked with
    check_auth when a token is set) -> WELCOME. Until WELCOME, a frame of any other
    kind is refused by its kind before its body is decoded (ERROR 6 for a data
    request, 9 otherwise), and any error is answered and then the connection is closed.
-3. PERSIST is answered OK only after FTLayer.persist returned, that is, after the
-   storage committed the records: OK means "confirmed persisted".
+3. PERSIST is answered OK only after the storage committed the records and they are
+   pending in the core: OK means "confirmed persisted". It runs in three steps
+   (FTLayer.begin_persist, end_persist): (a) under the lock the batch is checked and
+   its roots reserved (a persist of the same roots is refused meanwhile); (b) outside
+   it the records are written, in one LMDB transaction and one fsync with the other
+   connections' persists waiting at that moment (group commit, LmdbStorage.put);
+   (c) under the lock again the roots become pending, their timeouts start, the
+   journal learns them, takeovers and barrier holds happen. Until (c) no other
+   request sees the roots (events and fails for them are dropped as unknown: no
+   client has them before the OK); a failed write (b) leaves nothing (the roots are
+   free again, the client gets the error); a crash between (b) and (c) leaves stored
+   records no journal knows, and the restart replays them (journal bases taken
+   meanwhile do not count them as completed: ftlayer.core.journal).
 4. Requests are answered one by one, in the order they arrive. A bad frame length
    breaks the stream: every complete frame before it is answered first, then ERROR
    with request id 0, then close. After WELCOME, a frame with a good length but a bad
@@ -30,12 +46,16 @@ format). The contract:
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
    shortest rotation interval of any timeout in use (sources may register their own),
    so a root times out at most that late.
-6. Completed records are deleted from LMDB in the next PERSIST's transaction (one
-   commit and fsync for both); when no PERSIST comes, a deleter thread deletes them
-   after `delete_interval_s`, in one transaction, outside the core lock. An XOR batch
-   never waits for an LMDB commit. A completed record that a crash leaves undeleted
-   is recovered and replayed after the restart (a duplicate, never a loss); stop()
-   deletes what is left before closing the storage.
+6. Completed records are deleted from LMDB by the deleter thread, never in a PERSIST's
+   transaction: it takes their seqs from the core (under the lock) as soon as a request
+   left _DELETE_CHUNK of them, and at the latest every `delete_interval_s`, and deletes
+   them outside the lock in transactions of their own of at most _DELETE_CHUNK records,
+   each after the requests under way (the deleter's work can wait; theirs is what
+   clients wait for): a persist waits for at most one of them, and usually for none. An
+   XOR batch never waits for an LMDB commit. A completed record that a crash leaves
+   undeleted is deleted at the restart if the journal knows its tree completed, and
+   otherwise replayed (a duplicate, never a loss); a delete that fails is tried again;
+   stop() deletes what is left before closing the storage.
 7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN marks the state owed a copy
    and replies at once; the copy is taken under the lock before the next change to
    the core or by the checkpoint-writer thread (woken after the reply), which writes
@@ -47,14 +67,16 @@ format). The contract:
    its completion closes it, and HEARTBEAT (from the source's driver while the batch
    runs) leases it: its trees' timeouts are postponed while it is open and leased
    (ftlayer.core.leases; `status` shows `batches_running`).
-8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed records not
-   deleted yet, under the lock (FTLayer.flush_deletes), so the store holds exactly the
-   records whose trees are not complete; then, outside the lock, it copies the store
-   (one LMDB read transaction: the store at one instant) into the requested directory
-   on this host and replies with the savepoint's manifest. Every request goes on
-   meanwhile, writes included (LmdbStorage.copy_to; only a write that must grow the
-   LMDB map waits for the copy to end). One savepoint at a time: a SAVEPOINT that
-   arrives while one is being written is refused (ERROR 102) rather than queued.
+8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed
+   records not deleted yet, under the lock (FTLayer.flush_deletes), and waits for those
+   the deleter took before, so the store holds exactly the records whose trees are not
+   complete (and those of persists under way: replayed after a restore); then, outside
+   the lock, it copies the store (one LMDB read transaction: the store at one instant)
+   into the requested directory on this host and replies with the savepoint's manifest.
+   Every request goes on meanwhile, writes included (LmdbStorage.copy_to; only a write
+   that must grow the LMDB map waits for the copy to end). One savepoint at a time: a
+   SAVEPOINT that arrives while one is being written is refused (ERROR 102) rather than
+   queued.
 
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table. With `tls_cert` and `tls_key` every
@@ -94,6 +116,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Self
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ftlayer import __version__
 from ftlayer.acking.rotating import rotation_interval
@@ -160,6 +183,13 @@ if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
 log = logging.getLogger("ftlayer.server")
 
 _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
+# The deleter's transactions: at most this many records each, so a persist waits for
+# at most one; each waits for the requests under way (_after_requests), at most this
+# long. A savepoint waits this long at most for a round the deleter took.
+_DELETE_CHUNK: Final = 16_384
+_REQUESTS_FIRST_MAX_WAIT_S: Final = 1.0
+_DELETES_MAX_WAIT_S: Final = 60.0
+_EMPTY_SEQS: Final = np.zeros(0, dtype=np.uint64)
 
 _RECV_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.25
@@ -252,6 +282,19 @@ class FTServer:
         self._send_timeout_s = send_timeout_s
         self.max_connections = max_connections
         self._delete_interval_s = delete_interval_s
+        self._deletes_due = threading.Event()  # a request left completed records
+        # The deleter's rounds (each: the seqs it took from the core, deleted outside
+        # the lock): how many were taken and the last one done, and the records of the
+        # running one not deleted yet. A savepoint waits for the round it raced.
+        self._deletes_changed = threading.Condition()
+        self._delete_rounds = 0
+        self._deletes_done = 0
+        self._deleting = 0
+        # Requests begun and ended (but SAVEPOINT): the deleter lets those under way go
+        # first (_after_requests).
+        self._requests_changed = threading.Condition()
+        self._requests_begun = 0
+        self._requests_ended = 0
         self.journal = journal
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
@@ -387,6 +430,7 @@ class FTServer:
         if self._stopping.is_set() or self._listener is None:
             return
         self._stopping.set()
+        self._deletes_due.set()  # the deleter stops waiting
         if self._web is not None:
             self._web.stop()
         self._listener.close()
@@ -492,27 +536,69 @@ class FTServer:
                     log.error("could not write staged checkpoint records: %s", exc)
 
     def _delete_loop(self) -> None:
-        """Completed records are deleted by the next PERSIST's transaction (one commit
-        and fsync for both, see PersistenceLayer.persist); this thread stages what
-        completed since, and deletes it in a transaction of its own only if no write
-        carried it within `delete_interval_s` (an idle stream)."""
-        while not self._stopping.wait(self._delete_interval_s):
+        """Step 6 of the module docstring: take the completed records' seqs from the
+        core (under the lock) as soon as a request left _DELETE_CHUNK of them, or
+        every `delete_interval_s`, and delete them outside the lock, in transactions
+        of their own of at most _DELETE_CHUNK records, each after the requests under
+        way. Seqs whose delete failed go back to the core, tried again after
+        `delete_interval_s`."""
+        while not self._stopping.is_set():
+            self._deletes_due.wait(self._delete_interval_s)
+            self._deletes_due.clear()
+            if self._stopping.is_set():
+                return  # stop() deletes what is left, under the lock
             with self._lock:
-                if self._ft is None or self._storage is None:
+                ft, storage = self._ft, self._storage
+                if ft is None or storage is None:
                     return
-                storage = self._storage
-                # Staged under the lock: a savepoint's copy then sees every delete.
-                storage.stage_deletes(self._ft.take_deletes())
-            staged = storage.staged_deletes
+                seqs = ft.take_deletes()
+                if not len(seqs):
+                    continue
+                with self._deletes_changed:
+                    self._deleting = len(seqs)
+                    self._delete_rounds += 1
+                    round_ = self._delete_rounds
+            left = seqs
             try:
-                storage.flush_staged(older_than_s=self._delete_interval_s)
+                left = self._delete_chunks(storage, np.sort(seqs))
+            except Exception:  # a bug: the thread goes on (deleting twice does no harm)
+                log.exception("deleting completed records failed; they are tried again")
+            finally:
+                if len(left):
+                    with self._lock:
+                        if self._ft is not None:
+                            self._ft.retry_deletes(left)
+                with self._deletes_changed:
+                    self._deleting = 0
+                    self._deletes_done = round_
+                    self._deletes_changed.notify_all()
+            if len(left):
+                self._stopping.wait(self._delete_interval_s)
+
+    def _after_requests(self, timeout_s: float) -> None:
+        """Until the requests under way now have ended (at most `timeout_s`): the
+        deleter goes after them, and still gets its turn between them."""
+        with self._requests_changed:
+            begun = self._requests_begun
+            self._requests_changed.wait_for(lambda: self._requests_ended >= begun, timeout_s)
+
+    def _delete_chunks(self, storage: LmdbStorage, seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
+        """Delete `seqs` (sorted) a chunk per transaction; returns those not deleted."""
+        for lo in range(0, len(seqs), _DELETE_CHUNK):
+            self._after_requests(_REQUESTS_FIRST_MAX_WAIT_S)
+            try:
+                storage.delete(seqs[lo : lo + _DELETE_CHUNK])
             except StorageError as exc:
                 log.error(
-                    "could not delete completed records; they stay staged, and stored: "
-                    "a restart replays them (duplicates, not losses): %s",
+                    "could not delete completed records; they stay stored and are tried "
+                    "again (a restart before that replays them: duplicates, not losses): %s",
                     exc,
-                    extra=fields(count=staged),
+                    extra=fields(count=len(seqs) - lo),
                 )
+                return seqs[lo:]
+            with self._deletes_changed:
+                self._deleting = max(0, len(seqs) - lo - _DELETE_CHUNK)
+        return _EMPTY_SEQS
 
     def _serve(self, conn: _Connection) -> None:
         log.info("connection from %s opened", conn.peer)
@@ -612,7 +698,16 @@ class FTServer:
             handler = self._request_handlers.get(kind)
             if handler is None:
                 raise UnknownKind(f"{kind.name} is not served by this server")
-            return handler(rid, frame), False
+            if kind == Kind.SAVEPOINT:  # it waits for the deleter: the deleter does not
+                return handler(rid, frame), False
+            with self._requests_changed:
+                self._requests_begun += 1
+            try:
+                return handler(rid, frame), False
+            finally:
+                with self._requests_changed:
+                    self._requests_ended += 1
+                    self._requests_changed.notify_all()
         except ProtocolError as exc:  # the frame, or a reply the wire cannot carry
             code, text = int(exc.code), str(exc)
         except StorageError as exc:
@@ -655,16 +750,38 @@ class FTServer:
 
     @contextlib.contextmanager
     def _core(self) -> Iterator[FTLayer]:
-        """The core, under the lock; StorageError once the server is stopping."""
+        """The core, under the lock; StorageError once the server is stopping. Wakes
+        the deleter when a transaction's worth of completed records waits."""
         with self._lock:
-            if self._ft is None:
+            ft = self._ft
+            if ft is None:
                 raise StorageError("the server is stopping")
-            yield self._ft
+            try:
+                yield ft
+            finally:
+                if ft.persistence.marked >= _DELETE_CHUNK:
+                    self._deletes_due.set()
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
+        """Step 3 of the module docstring: checked and its roots reserved under the
+        lock, stored (group commit) outside it, pending under it again; OK once all
+        three are done."""
         message = decode_persist(frame)
         with self._core() as ft:
-            ft.persist(message.batch, message.initial_values)
+            ticket = ft.begin_persist(message.batch, message.initial_values)
+            storage = self._storage
+        assert storage is not None
+        try:
+            seqs = storage.put(message.batch)
+        except BaseException:
+            with self._lock:
+                if self._ft is not None:
+                    self._ft.abort_persist(ticket)
+            raise
+        # Stopping now leaves the records stored, and not pending: the restart replays
+        # them (the client gets an error, not OK).
+        with self._core() as ft:
+            ft.end_persist(ticket, seqs)
         return encode_ok(rid, len(message.batch))
 
     def _xor(self, rid: int, frame: Frame) -> bytes:
@@ -798,8 +915,15 @@ class FTServer:
                 if ft is None or storage is None:
                     raise StorageError("the server is stopping")
                 # Completed records leave the store first: a restore replays only
-                # records whose trees are not complete.
+                # records whose trees are not complete. Those the deleter took
+                # before are being deleted: the copy waits for them.
                 ft.flush_deletes()
+                with self._deletes_changed:
+                    taken = self._delete_rounds
+            with self._deletes_changed:
+                self._deletes_changed.wait_for(
+                    lambda: self._deletes_done >= taken, _DELETES_MAX_WAIT_S
+                )
             saved = create_savepoint(storage, message.directory, message.name)
         finally:
             self._savepoint_lock.release()
@@ -890,7 +1014,7 @@ class FTServer:
         status.update(
             pending_by_source={str(s): n for s, n in ft.pending_by_source().items()},
             stored_records=len(self._storage),
-            deletes_pending=ft.persistence.marked + self._storage.staged_deletes,
+            deletes_pending=ft.persistence.marked + self._storage.staged_deletes + self._deleting,
             lmdb_size_bytes=self._storage.size_bytes(),
             connections=connections,
             max_connections=self.max_connections,

@@ -19,9 +19,10 @@ column more per root.
   numbers stand for.
 - complete(roots, locators): delete the records (one storage transaction) and return
   the roots with their Kafka coordinates. With `defer_deletes=True` the records are
-  only marked for deletion: the next persist deletes them, or `flush_deletes()` /
-  `take_marked()` (a server's deleter thread, when no persist comes), so completions
-  never wait for LMDB. A marked record that a crash leaves in storage is recovered
+  only marked for deletion: the next persist deletes them (in process), or
+  `flush_deletes()` / `take_marked()` (a server's deleter thread, which deletes them in
+  transactions of its own; `mark_again` for those whose delete failed), so
+  completions never wait for LMDB. A marked record that a crash leaves in storage is recovered
   and replayed: a duplicate, never a loss, since only completed records are ever
   marked.
 - retag(seqs, new_roots, replay_seqs): stored records are now tracked under new roots
@@ -116,6 +117,20 @@ class PersistenceLayer:
         """Unmark and return every marked seq: the caller deletes them (see flush_deletes)."""
         marked, self._marked = self._marked, []
         return np.concatenate(marked) if marked else np.zeros(0, dtype=np.uint64)
+
+    def discard(self, seqs: NDArray[np.uint64]) -> None:
+        """Delete stored records no root tracks (a persist that failed after its write),
+        or, with defer_deletes, mark them like completed ones."""
+        if len(seqs):
+            if self.defer_deletes:
+                self._marked.append(seqs)
+            else:
+                self.storage.delete(seqs)
+
+    def mark_again(self, seqs: NDArray[np.uint64]) -> None:
+        """Seqs from take_marked whose delete failed: marked again, first in line."""
+        if len(seqs):
+            self._marked.insert(0, seqs)
 
     def flush_deletes(self) -> int:
         """Delete the marked records in one storage transaction; returns how many."""

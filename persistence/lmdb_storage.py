@@ -84,10 +84,25 @@ With `sync=False` a commit is atomic but may be lost to an OS crash until `sync(
 Meta entries and deletes staged with `stage_meta` and `stage_deletes` ride on the next
 transaction instead of a commit (and sync) of their own: done once any later write
 commits, or `flush_staged`.
+
+Threads. A store may be shared by threads (the server's connections persist into it
+outside its core's lock, its deleter deletes): every method is thread-safe.
+
+- Write transactions run one at a time (LMDB has one writer). Puts of several
+  threads at once share one (group commit): a `put` encodes its records in its own
+  thread, queues them and waits for the write lock; whoever gets it writes every
+  queued batch in one transaction, one commit and one fsync, and hands each its seqs,
+  or, if the transaction fails, the error (nothing of any of them is stored). A put
+  alone is a group of one.
+- Reads (get, scan, meta, len, copy_to) take no lock of the writer's: LMDB readers see
+  the last commit and never wait for a write transaction. Only a map resize, which
+  LMDB allows while no transaction of this process is open, holds new reads back and
+  waits for running ones (a copy_to included) to end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -192,11 +207,15 @@ class LmdbStorage(PersistenceStorage):
         self._staged_deletes: list[NDArray[np.uint64]] = []  # seqs (stage_deletes)
         self._staged_since: float | None = None  # monotonic time of the oldest staged
         self._staged_lock = threading.Lock()
-        # Copies in progress (copy_to): they run outside _lock, so writes go on, and a
-        # map resize, which LMDB forbids while a transaction of this process is open
-        # (a copy holds a read transaction), waits for them.
-        self._copies = 0
-        self._copies_done = threading.Condition()
+        # Reads in progress (a copy_to's too): they run outside _lock, beside a write
+        # transaction, and a map resize, which LMDB forbids while a transaction of this
+        # process is open, holds new ones back (_quiescing) and waits for these to end.
+        self._readers = 0
+        self._quiescing = False
+        self._readers_changed = threading.Condition()
+        # Puts waiting for a write transaction (group commit, see the module docstring).
+        self._queued: list[_QueuedPut] = []
+        self._queued_lock = threading.Lock()
         identity = _prepare_directory(self._path)
         try:
             env = lmdb.open(self._path, map_size=map_size, max_dbs=_MAX_DBS, sync=sync, subdir=True)
@@ -228,13 +247,32 @@ class LmdbStorage(PersistenceStorage):
         return f"LmdbStorage({self._path!r}){state}"
 
     def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+        """Store `batch` (see the contract); with other threads putting at once, in one
+        transaction with theirs (group commit, see the module docstring): each put's
+        batch is encoded in its own thread and written as its own chunk(s)."""
         self._live_env()
-        n = len(batch)
+        if len(batch) == 0:
+            return np.zeros(0, dtype=np.uint64)
+        queued = _QueuedPut(len(batch), encode_chunk(batch))
+        with self._queued_lock:
+            self._queued.append(queued)
+        with self._lock:
+            if queued.seqs is None and queued.error is None:  # no group took it yet
+                self._commit_queued()
+        if queued.error is not None:
+            raise queued.error
+        assert queued.seqs is not None
+        return queued.seqs
+
+    def _commit_queued(self) -> None:
+        """Write every queued put in one transaction (called under _lock): each gets
+        its seqs, or, if the transaction failed, an error of its own."""
+        with self._queued_lock:
+            group, self._queued = self._queued, []
+        sizes = [queued.n for queued in group]
+        n = sum(sizes)
         first = self._next_seq
-        seqs = np.arange(first, first + n, dtype=np.uint64)
-        if n == 0:
-            return seqs
-        encoded = encode_chunk(batch)
+        starts = np.cumsum([first, *sizes[:-1]]).tolist()
 
         def write(txn: lmdb.Transaction[bytes]) -> None:
             high_water = txn.get(_NEXT_SEQ_KEY, db=self._store)
@@ -244,13 +282,22 @@ class LmdbStorage(PersistenceStorage):
                     f"{self._path}: seqs from {first} are already taken; the store was "
                     "written by someone else"
                 )
-            self._add_chunks(txn, first, *encoded)
+            for queued, start in zip(group, starts, strict=True):
+                assert queued.encoded is not None
+                self._add_chunks(txn, start, *queued.encoded)
             txn.put(_NEXT_SEQ_KEY, _key(first + n), db=self._store)
             self._count_stored(txn, n)
 
-        self._write(write, db=None)
+        try:
+            self._write(write, db=None)
+        except BaseException as exc:
+            for queued in group:  # each thread raises its own (a traceback is per raise)
+                queued.error = exc if len(group) == 1 else _shared_error(exc, len(group))
+            return
         self._next_seq = first + n
-        return seqs
+        for queued, start in zip(group, starts, strict=True):
+            queued.seqs = np.arange(start, start + queued.n, dtype=np.uint64)
+            queued.encoded = None
 
     def _add_chunks(
         self, txn: lmdb.Transaction[bytes], first: int, blob: bytes, ends: NDArray[np.int64]
@@ -455,19 +502,11 @@ class LmdbStorage(PersistenceStorage):
         if os.listdir(target):
             raise StorageError(f"cannot copy LMDB storage into {target}: it is not empty")
         try:
-            # Counted under the lock, so no resize is under way; a write of this process
-            # that fills the map waits for the count to drop (_wait_for_copies), since
-            # LMDB forbids a resize while the copy's read transaction is open.
-            with self._lock:
-                self.flush_staged()  # staged meta entries and deletes belong in the copy
-                with self._copies_done:
-                    self._copies += 1
-            try:
+            self.flush_staged()  # staged meta entries and deletes belong in the copy
+            # A reader: a write of this process that fills the map waits for it to end
+            # (_quiesce), since LMDB forbids a resize while its read transaction is open.
+            with self._reading() as env:
                 env.copy(target, compact=compact)  # py-lmdb releases the GIL meanwhile
-            finally:
-                with self._copies_done:
-                    self._copies -= 1
-                    self._copies_done.notify_all()
         except lmdb.Error as exc:
             raise StorageError(
                 f"could not copy LMDB storage at {self._path} to {target}: {exc}"
@@ -499,13 +538,17 @@ class LmdbStorage(PersistenceStorage):
                     self.flush_staged()
                 except StorageError as exc:
                     log.error("closing %s: staged writes not committed: %s", self._path, exc)
-                self._wait_for_copies()
-            env, self._env = self._env, None
+            env = self._env
             if env is None:
                 return
+
+            def shut() -> None:
+                self._env = None
+                env.close()
+
+            self._quiesce(shut)  # a read of another thread ends first
             if _open_stores.get(self._identity) is self:
                 del _open_stores[self._identity]
-            env.close()
 
     @property
     def closed(self) -> bool:
@@ -544,11 +587,10 @@ class LmdbStorage(PersistenceStorage):
                         self._unstage(staged, deletes)
                     return result
                 except lmdb.MapFullError:
-                    self._wait_for_copies()
-                    env.set_mapsize(2 * env.info()["map_size"])
+                    self._quiesce(partial(env.set_mapsize, 2 * env.info()["map_size"]))
                 except lmdb.MapResizedError:
-                    self._wait_for_copies()
-                    env.set_mapsize(0)  # another process grew the map: adopt its size
+                    # Another process grew the map: adopt its size.
+                    self._quiesce(partial(env.set_mapsize, 0))
                 except lmdb.Error as exc:
                     raise StorageError(
                         f"LMDB storage at {self._path}: {exc}{_write_hint(exc, self._path)}"
@@ -639,10 +681,30 @@ class LmdbStorage(PersistenceStorage):
             found.seqs = np.concatenate(seqs)
         return found
 
-    def _wait_for_copies(self) -> None:
-        """Until no copy_to is running (called under _lock, before a map resize)."""
-        with self._copies_done:
-            self._copies_done.wait_for(lambda: self._copies == 0)
+    def _quiesce(self, action: Callable[[], object]) -> None:
+        """Run `action` (a map resize, the close) while no read is open (called under
+        _lock, so no write is either): new reads wait, running ones end first."""
+        with self._readers_changed:
+            self._quiescing = True
+            try:
+                self._readers_changed.wait_for(lambda: self._readers == 0)
+                action()
+            finally:
+                self._quiescing = False
+                self._readers_changed.notify_all()
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[lmdb.Environment]:
+        """The environment, counted as read by this thread until the block ends."""
+        with self._readers_changed:
+            self._readers_changed.wait_for(lambda: not self._quiescing)
+            self._readers += 1
+        try:
+            yield self._live_env()
+        finally:
+            with self._readers_changed:
+                self._readers -= 1
+                self._readers_changed.notify_all()
 
     def _unstage(
         self, committed: Mapping[bytes, bytes | None], deletes: Sequence[NDArray[np.uint64]]
@@ -664,19 +726,44 @@ class LmdbStorage(PersistenceStorage):
         db: lmdb._Database | None,
         buffers: bool = False,
     ) -> _T:
-        """Run `work` in one read transaction. With `buffers`, values are memoryviews
-        into the map, valid only inside `work` (no copy of a chunk to read a record)."""
-        with self._lock:
-            env = self._live_env()
-            while True:
+        """Run `work` in one read transaction, beside any write (see the module
+        docstring). With `buffers`, values are memoryviews into the map, valid only
+        inside `work` (no copy of a chunk to read a record)."""
+        while True:
+            with self._reading() as env:
                 try:
                     with env.begin(db=db, buffers=True) if buffers else env.begin(db=db) as txn:
                         return work(txn)
                 except lmdb.MapResizedError:
-                    self._wait_for_copies()
-                    env.set_mapsize(0)
+                    pass  # resized below, once this read is no longer counted
                 except lmdb.Error as exc:
                     raise StorageError(f"LMDB storage at {self._path}: {exc}") from exc
+            with self._lock:  # another process grew the map: adopt its size
+                self._quiesce(partial(self._live_env().set_mapsize, 0))
+
+
+class _QueuedPut:
+    """One put waiting for a group commit: its record count and its encoded chunk
+    (`encode_chunk`), then its seqs or the error of the transaction (set under the
+    store's write lock)."""
+
+    __slots__ = ("encoded", "error", "n", "seqs")
+
+    def __init__(self, n: int, encoded: tuple[bytes, NDArray[np.int64]]) -> None:
+        self.n = n
+        self.encoded: tuple[bytes, NDArray[np.int64]] | None = encoded
+        self.seqs: NDArray[np.uint64] | None = None
+        self.error: BaseException | None = None
+
+
+def _shared_error(exc: BaseException, group: int) -> StorageError:
+    """What each put of a failed group commit raises: nothing of theirs was stored."""
+    if isinstance(exc, StorageError):
+        error = StorageError(str(exc))
+    else:
+        error = StorageError(f"the write of {group} batches failed: {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 def is_open_in_process(path: str | os.PathLike[str]) -> bool:

@@ -2,7 +2,7 @@
 the acker table, the timeout persistence layer, the replay queue, the retired roots and
 the source registry. `ftlayer.core.layer` opens with the contract."""
 
-from .layer import CompletionListener, FTLayer
+from .layer import CompletionListener, FTLayer, PersistTicket
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .sources import SOURCES_META_KEY, SourceConfig, SourceRegistry
@@ -15,6 +15,7 @@ __all__ = [
     "FTLayer",
     "FTStats",
     "FailCause",
+    "PersistTicket",
     "ReplayQueue",
     "RetiredRoots",
     "SourceConfig",

@@ -66,7 +66,16 @@ between persist and emit, a lost event, a lost fail, a crashed task or a crashed
 layer all end in a timeout or a recovery, that is, in a replay (or, after a crash the
 journal covers, in the tree going on where it was).
 
-Not thread-safe: one thread drives a core (the server serializes its clients).
+A persist is one call (`persist`) or three steps (`begin_persist`, the storage write
+by the caller, `end_persist` or `abort_persist`), so that a caller serializing the
+core with a lock writes the records outside it. Between the steps the persist is
+invisible (its roots are not pending, only reserved against a second persist of them)
+and harmless: a failed write leaves nothing, and a crash after the write replays the
+stored records, since the state snapshots a journal base is made of never count
+records of a persist under way as stored before them (`PersistTicket.floor`).
+
+Not thread-safe: one thread drives a core at a time (the server serializes its
+clients with a lock; a persist's storage write may run outside it).
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ from numpy.typing import ArrayLike, NDArray
 from ftlayer.acking.acker import AckerTable, XorResult
 from ftlayer.acking.ids import new_ids
 from ftlayer.acking.rotating import validate_timeout
+from ftlayer.acking.u64map import U64Map
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.errors import ConfigError
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
@@ -107,6 +117,16 @@ from .takeover import ReadMarks, chunk_groups, pending_at
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
 CompletionListener = Callable[[Completed], None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PersistTicket:
+    """A persist between `FTLayer.begin_persist` and its end: the batch, its first ack
+    values (checked) and the store's next seq at its beginning."""
+
+    batch: RecordBatch
+    initial_values: NDArray[np.uint64] | None
+    floor: int
 
 
 class FTLayer:
@@ -158,6 +178,10 @@ class FTLayer:
         self.meters = Meters()
         """Per-source counters and the complete latency (ftlayer.core.meters)."""
         self._marks = ReadMarks()
+        # Persists begun and not ended (begin_persist), and their roots, reserved: a
+        # map made afresh whenever none is under way (deleted keys cost its lookups).
+        self._tickets: set[PersistTicket] = set()
+        self._persisting = U64Map({}, key_name="root")
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -268,23 +292,22 @@ class FTLayer:
         `initial_values` are the roots' first ack values: the XOR of the record ids the
         source emits for each record (0, the default, when it sends those as events).
         Raises, with nothing stored, on a reserved root (0 or 1), a root repeated in the
-        batch, pending or failed within the retired TTL (ValueError, ConfigError), or a
-        record its source's replay partitioner could not route (no key for a hash
-        partitioner).
+        batch, pending, being persisted or failed within the retired TTL (ValueError,
+        ConfigError), or a record its source's replay partitioner could not route (no
+        key for a hash partitioner).
+
+        In one call, the storage write under the caller's lock if it has one; a caller
+        that would rather write outside it calls `begin_persist`, writes, and calls
+        `end_persist` (the server).
         """
         self._changing()
-        self._check_routable(batch)
-        if len(self._retired):
-            self._check_not_retired(batch.roots)
-        held = self._barrier_rows(batch.source_ids) if self._barrier else None
-        if held is not None:  # the records' barrier holds: their first ack values
-            values = np.zeros(len(batch), np.uint64) if initial_values is None else None
-            initial_values = _with_holds(initial_values, held, values)
-        locators = self.persistence.locators(batch)
-        # Step 1: a re-read (ftlayer.core.takeover)? The pending roots it takes over.
-        superseded = self._superseded(locators, batch.payloads)
+        values = self._checked(batch, initial_values)
+        if self._tickets:
+            self._check_not_persisting(batch.roots)
+        # Step 1: the barrier holds, the locators, and a re-read's takeover.
+        values, held, locators, superseded = self._to_pend(batch, values)
         # Step 2: the acker validates the roots (reserved, repeated, already pending).
-        slots = self.acker.add(batch.roots, initial_values, **locators)
+        rows = self.acker.add(batch.roots, values, **locators)
         # Step 3: the storage confirms the records are durable; on any error the roots
         # leave the acker again and the error propagates: nothing is half-persisted
         # (and nothing taken over: the old roots still cover their records).
@@ -293,24 +316,132 @@ class FTLayer:
         except BaseException:
             self.acker.remove(batch.roots)
             raise
-        # Step 4: the roots know their records, and their timeout starts.
-        self.acker.set_column("seq", slots, seqs)
+        self.acker.set_column("seq", rows, seqs)
+        # Step 4: timeouts, journal, takeover, holds.
+        self._pended(batch, values, seqs, held, locators, superseded)
+
+    def begin_persist(
+        self, batch: RecordBatch, initial_values: ArrayLike | None = None
+    ) -> PersistTicket:
+        """The first of a persist's three steps (see `persist`, which raises what this
+        raises): check the batch and reserve its roots, changing nothing else. Then the
+        caller stores `ticket.batch` (`storage.put`, no lock of this core needed: every
+        storage seq it gets is at least `ticket.floor`) and ends the persist with
+        `end_persist` (stored) or `abort_persist` (the write failed).
+
+        Until it ends, the persist is invisible: its roots are not pending (events and
+        fails for them are dropped as unknown; no client has them before the persist's
+        OK), but a persist of the same roots is refused; and the state snapshots give
+        the journal a storage seq at most `floor`, so a crash before `end_persist`
+        replays the stored records (ftlayer.core.journal) instead of taking them for
+        completed."""
+        values = self._checked(batch, initial_values)
+        # The reservation refuses what the acker would (a reserved root, one repeated in
+        # the batch) and roots being persisted; then no root may be pending either.
+        if not self._tickets:
+            self._persisting = U64Map({}, len(batch), key_name="root")
+        self._persisting.insert(batch.roots)
+        pending = self.acker.lookup("ack", batch.roots)[0]
+        if bool(pending.any()):
+            self._unreserve(batch.roots)
+            root = int(batch.roots[int(np.argmax(pending))])
+            raise ValueError(f"root {root:#x} is already present")
+        ticket = PersistTicket(batch, values, self.storage.next_seq)
+        self._tickets.add(ticket)
+        return ticket
+
+    def abort_persist(self, ticket: PersistTicket) -> None:
+        """The storage write of a begun persist failed: its roots are free again, and
+        nothing else changed."""
+        if ticket in self._tickets:
+            self._tickets.remove(ticket)
+            self._unreserve(ticket.batch.roots)
+
+    def end_persist(self, ticket: PersistTicket, seqs: NDArray[np.uint64]) -> None:
+        """The last step of a persist: its records are stored under `seqs`. The roots
+        become pending with their first ack values and their records' locators, their
+        timeouts start, the journal learns them, a re-read takes over the pending roots
+        of the same records (ftlayer.core.takeover) and barrier-mode roots get their
+        holds. Only now does a snapshot, a fail or an event see them."""
+        self._changing()
+        self._tickets.remove(ticket)
+        self._unreserve(ticket.batch.roots)
+        batch = ticket.batch
+        try:
+            values, held, locators, superseded = self._to_pend(batch, ticket.initial_values)
+            self.acker.add(batch.roots, values, seq=seqs, **locators)
+        except BaseException:
+            # A storage read failed, or (paranoid check) a root was drawn twice: none of
+            # the roots is pending, and nobody was told the records are persisted, so
+            # they leave the store again.
+            self.persistence.discard(seqs)
+            raise
+        self._pended(batch, values, seqs, held, locators, superseded)
+
+    def _checked(
+        self, batch: RecordBatch, initial_values: ArrayLike | None
+    ) -> NDArray[np.uint64] | None:
+        """A persist's checks before its roots: routable, none failed recently; the
+        first ack values as an array of one per root."""
+        self._check_routable(batch)
+        if len(self._retired):
+            self._check_not_retired(batch.roots)
+        values = None if initial_values is None else np.asarray(initial_values, dtype=np.uint64)
+        if values is not None and values.shape != batch.roots.shape:
+            raise ValueError(f"{len(batch)} roots but {values.shape} initial ack values")
+        return values
+
+    def _unreserve(self, roots: NDArray[np.uint64]) -> None:
+        """The reserved `roots` of one persist (distinct, every one reserved) are free;
+        with no persist under way, every root is (the next begin makes a new map)."""
+        if self._tickets:
+            keys = np.ascontiguousarray(roots, dtype=np.uint64)
+            self._persisting.delete(self._persisting.find_slots(keys)[0])
+
+    def _to_pend(
+        self, batch: RecordBatch, values: NDArray[np.uint64] | None
+    ) -> tuple[
+        NDArray[np.uint64] | None,
+        list[tuple[int, NDArray[np.intp]]] | None,
+        dict[str, NDArray[Any]],
+        NDArray[np.uint64] | None,
+    ]:
+        """What the roots of a persist need to become pending: their first ack values
+        with the barrier holds of barrier-mode rows (and those rows), the locators,
+        and the pending roots a re-read takes over (ftlayer.core.takeover)."""
+        held = self._barrier_rows(batch.source_ids) if self._barrier else None
+        if held is not None:
+            zeros = np.zeros(len(batch), np.uint64) if values is None else None
+            values = _with_holds(values, held, zeros)
+        locators = self.persistence.locators(batch)
+        return values, held, locators, self._superseded(locators, batch.payloads)
+
+    def _pended(
+        self,
+        batch: RecordBatch,
+        values: NDArray[np.uint64] | None,
+        seqs: NDArray[np.uint64],
+        held: list[tuple[int, NDArray[np.intp]]] | None,
+        locators: dict[str, NDArray[Any]],
+        superseded: NDArray[np.uint64] | None,
+    ) -> None:
+        """The roots of a persist are pending (in the acker, with their seqs): their
+        timeouts start, the journal learns them, the re-read roots retire, and the
+        barrier-mode roots get their holds."""
         self._track(batch.roots, seqs, batch.source_ids)
         self.stats.persisted += len(batch)
         journal = self._journal
         if journal is not None:
-            if initial_values is None:
+            if values is None:
                 journal.add(batch.roots)
             else:
-                journal.xor(batch.roots, np.asarray(initial_values, dtype=np.uint64))
+                journal.xor(batch.roots, values)
         if len(seqs):
             self.meters.persisted(batch.source_ids, int(seqs[0]), self._clock())
-        # Step 5: the new roots cover the re-read records: the old ones retire.
         if superseded is not None:
             self._take_over(superseded, {**locators, "seq": seqs})
         if held is not None:
-            assert initial_values is not None
-            values = np.ascontiguousarray(initial_values, dtype=np.uint64)
+            assert values is not None
             for source_id, rows in held:
                 self._add_holds(source_id, batch.roots[rows], values[rows])
 
@@ -555,6 +686,12 @@ class FTLayer:
                 "persist every record under a fresh random root"
             )
 
+    def _check_not_persisting(self, roots: NDArray[np.uint64]) -> None:
+        persisting = self._persisting.find(np.ascontiguousarray(roots, dtype=np.uint64)) >= 0
+        if bool(persisting.any()):
+            root = int(roots[int(np.argmax(persisting))])
+            raise ValueError(f"root {root:#x} is already present")
+
     def _check_routable(self, batch: RecordBatch) -> None:
         for source_id in _sources_of(batch):
             config = self.source_config(source_id)
@@ -598,6 +735,11 @@ class FTLayer:
         this core goes on (LmdbStorage is thread-safe); if that fails, the records stay
         stored and are replayed after the next restart: duplicates, never a loss."""
         return self.persistence.take_marked()
+
+    def retry_deletes(self, seqs: NDArray[np.uint64]) -> None:
+        """With defer_deletes: seqs from `take_deletes` whose delete failed, marked
+        again for the next take or flush."""
+        self.persistence.mark_again(seqs)
 
     def flush_deletes(self) -> int:
         """With defer_deletes: delete the completed records not deleted yet, now."""
@@ -1062,7 +1204,10 @@ class FTLayer:
         state["replay.next_seq"] = np.array([self._queue.cursor + 1], dtype=np.uint64)
         if self._journal is not None:  # this state is the base of the segment begun now
             state["journal.segment"] = np.array([self._journal.rotate()], dtype=np.uint64)
-            state["journal.next_seq"] = np.array([self.storage.next_seq], dtype=np.uint64)
+            # Records stored from here on are not in this state: a persist begun and not
+            # ended may be storing some below the store's next seq (begin_persist).
+            next_seq = min([self.storage.next_seq, *(t.floor for t in self._tickets)])
+            state["journal.next_seq"] = np.array([next_seq], dtype=np.uint64)
         return state
 
     @property
@@ -1294,10 +1439,14 @@ class FTLayer:
         self._check_routable(batch)
         if len(self._retired):
             self._check_not_retired(batch.roots)
+        if self._tickets:
+            self._check_not_persisting(batch.roots)
         locators = self.persistence.locators(batch)
         slots = self.acker.add(batch.roots, None, **locators)
         try:
-            seqs = self.persistence.persist(batch)
+            # Not persistence.persist: the marked deletes stay marked, for the deleter of a
+            # server (its own transactions) or the next persist.
+            seqs = self.storage.put(batch)
         except BaseException:
             self.acker.remove(batch.roots)
             raise

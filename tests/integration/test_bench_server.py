@@ -30,6 +30,21 @@ def test_bench_server_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert isinstance(result["meets_targets"], bool)
 
 
+def test_bench_server_mixed_phase_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """The mixed phase (a job's shape): each persist's and XOR frame's round trip."""
+    args = ["bench", "server", "--records", "2000", "--events", "20000", "--rounds", "1"]
+    assert main([*args, "--mixed-batches", "2", "--json"]) == 0
+    mixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mixed"]
+    assert mixed["batches"] == 2 and mixed["rounds"] == 1
+    assert mixed["batch_records"] == 200_000 and mixed["chunk_records"] == 50_000
+    for key in ("persist_ms", "xor_ms", "batch_ms"):
+        figures = mixed[key]
+        assert 0 < figures["median"] <= figures["p90"] <= figures["max"], key
+    assert mixed["records_per_s"] > 0
+    assert main([*args, "--mixed-batches", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mixed"] is None
+
+
 def test_bench_checkpoint_json(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "checkpoint", "--rounds", "2", "--batches", "3", "--batch", "500"]
     assert main([*args, "--pending", "0,1000", "--json"]) == 0
