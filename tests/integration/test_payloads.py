@@ -48,7 +48,7 @@ def _arrow_column(items: list[bytes | None], lead: int, slot_bytes: bool) -> pa.
     filled = [b"x" * lead] * lead + [b"junk" if (v is None and slot_bytes) else v for v in items]
     array = pa.array(filled, pa.binary())
     if slot_bytes:
-        valid = np.array([True] * lead + [v is not None for v in items])
+        valid = np.array([True] * lead + [v is not None for v in items], dtype=np.bool_)
         bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
         _, offsets, data = array.buffers()
         nulls = int((~valid).sum())
