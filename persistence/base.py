@@ -337,14 +337,14 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
         return b"", np.zeros(0, dtype=np.int64)
     payloads = batch.payloads
     topic_bytes = _encode_topics(batch.topics)
-    buffer = isinstance(payloads, Payloads)
-    if buffer:
-        lengths = payloads.lengths
+    buffer = payloads if isinstance(payloads, Payloads) else None
+    if buffer is not None:
+        lengths = buffer.lengths
     else:
         lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
     same_length = bool((lengths == lengths[0]).all())
-    if buffer and len(topic_bytes) == 1 and not same_length:
-        return _chunk_of_buffer(batch, payloads, next(iter(topic_bytes.values())))
+    if buffer is not None and len(topic_bytes) == 1 and not same_length:
+        return _chunk_of_buffer(batch, buffer, next(iter(topic_bytes.values())))
     if len(topic_bytes) == 1 and same_length:
         topic = next(iter(topic_bytes.values()))
         head = _headers(batch)
@@ -354,7 +354,7 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
         rows = np.empty((n, width), dtype=np.uint8)
         rows[:, :HEADER_SIZE] = head.view(np.uint8).reshape(n, HEADER_SIZE)
         rows[:, HEADER_SIZE:prefix] = np.frombuffer(topic, dtype=np.uint8)
-        joined = payloads.blob if isinstance(payloads, Payloads) else b"".join(payloads)
+        joined = buffer.blob if buffer is not None else b"".join(payloads)
         rows[:, prefix:] = np.frombuffer(joined, dtype=np.uint8).reshape(n, -1)
         return rows.tobytes(), np.arange(width, width * (n + 1), width, dtype=np.int64)
     prefixes = _record_prefixes(batch, topic_bytes)
