@@ -372,13 +372,8 @@ def _chunk_of_buffer(
     """encode_chunk of one topic's batch whose payloads are one buffer (as a PERSIST
     frame brings them): the fixed-width header-and-topic prefixes and the payload
     bytes laid out by two numpy mask assignments, no bytes object per record."""
-    n = len(batch)
-    head = _headers(batch)
-    head["topic_len"] = len(topic)
-    prefix = HEADER_SIZE + len(topic)
-    rows = np.empty((n, prefix), dtype=np.uint8)
-    rows[:, :HEADER_SIZE] = head.view(np.uint8).reshape(n, HEADER_SIZE)
-    rows[:, HEADER_SIZE:] = np.frombuffer(topic, dtype=np.uint8)
+    rows = _prefix_rows(_headers(batch), topic)
+    prefix = rows.shape[1]
     sizes = prefix + payloads.lengths
     ends = np.cumsum(sizes)
     total = int(ends[-1])
@@ -446,14 +441,20 @@ def _encode_topics(topics: Sequence[str]) -> dict[str, bytes]:
 
 def _prefixes(head: NDArray[np.void], topic: bytes) -> list[bytes]:
     """Header + topic of each record in `head` (all with this topic), one bytes each."""
+    rows = _prefix_rows(head, topic)
+    prefixes: list[bytes] = rows.view(f"V{rows.shape[1]}").ravel().tolist()
+    return prefixes
+
+
+def _prefix_rows(head: NDArray[np.void], topic: bytes) -> NDArray[np.uint8]:
+    """Header + topic of each record in `head` (all with this topic), as the rows of
+    one uint8 array (n, HEADER_SIZE + len(topic)); sets head's topic_len."""
     n = len(head)
     head["topic_len"] = len(topic)
-    width = HEADER_SIZE + len(topic)
-    rows = np.empty((n, width), dtype=np.uint8)
+    rows = np.empty((n, HEADER_SIZE + len(topic)), dtype=np.uint8)
     rows[:, :HEADER_SIZE] = head.view(np.uint8).reshape(n, HEADER_SIZE)
     rows[:, HEADER_SIZE:] = np.frombuffer(topic, dtype=np.uint8)
-    prefixes: list[bytes] = rows.view(f"V{width}").ravel().tolist()
-    return prefixes
+    return rows
 
 
 def decode_records(values: Sequence[bytes]) -> tuple[RecordBatch, NDArray[np.uint64]]:
