@@ -105,6 +105,8 @@ class JournalState:
     base: int | None = None
     base_next_seq: int = 0  # the store's next seq when the base was taken
     base_seqs: NDArray[np.uint64] = field(default_factory=lambda: _EMPTY)  # pending then, sorted
+    # Stored at or past base_next_seq by persists that had ended by the base (sorted).
+    base_ended: NDArray[np.uint64] = field(default_factory=lambda: _EMPTY)
     segments: int = 0
     records: int = 0
     truncated: str | None = None  # why reading stopped early, if it did
@@ -119,16 +121,14 @@ class JournalState:
         with the segments the base truncated. (The caller leaves out records with a
         retry record: a dead letter requeued since would look the same.)"""
         older = seqs < np.uint64(self.base_next_seq)
+        if len(self.base_ended):
+            older |= _member(self.base_ended, seqs)
         if not len(self.base_seqs):
             return older
-        at = np.minimum(np.searchsorted(self.base_seqs, seqs), len(self.base_seqs) - 1)
-        return np.asarray(older & (self.base_seqs[at] != seqs), dtype=np.bool_)
+        return np.asarray(older & ~_member(self.base_seqs, seqs), dtype=np.bool_)
 
     def is_gone(self, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
-        if not len(self.gone):
-            return np.zeros(len(roots), dtype=np.bool_)
-        at = np.minimum(np.searchsorted(self.gone, roots), len(self.gone) - 1)
-        return np.asarray(self.gone[at] == roots)
+        return _member(self.gone, roots)
 
 
 class Journal:
@@ -197,6 +197,8 @@ class Journal:
                 if "journal.next_seq" in base:
                     state.base_next_seq = int(base["journal.next_seq"][0])
                     state.base_seqs = np.sort(base["acker.seq"])
+                    if "journal.ended_seqs" in base:
+                        state.base_ended = np.sort(base["journal.ended_seqs"])
                 pairs_roots.append(base["acker.root"])
                 pairs_values.append(base["acker.ack"])
                 for source, root, value in _holds_of(base):
@@ -470,6 +472,14 @@ def _xor_reduce(
     r, v = r[order], v[order]
     starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
     return r[starts], np.bitwise_xor.reduceat(v, starts) if len(v) else v
+
+
+def _member(keys: NDArray[np.uint64], values: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    """Whether each of `values` is in the sorted `keys`."""
+    if not len(keys):
+        return np.zeros(len(values), dtype=np.bool_)
+    at = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
+    return np.asarray(keys[at] == values, dtype=np.bool_)
 
 
 def _lookup(

@@ -182,6 +182,10 @@ class FTLayer:
         # map made afresh whenever none is under way (deleted keys cost its lookups).
         self._tickets: set[PersistTicket] = set()
         self._persisting = U64Map({}, key_name="root")
+        # The seqs stored by persists that ended (or records stored otherwise) while a
+        # persist was under way: a journal base taken then knows their fate although
+        # they lie at or above a ticket's floor (state_snapshot, "journal.ended_seqs").
+        self._ended: list[NDArray[np.uint64]] = []
         self._recover()
 
     # ---- configuration ---------------------------------------------------------
@@ -356,6 +360,8 @@ class FTLayer:
         if ticket in self._tickets:
             self._tickets.remove(ticket)
             self._unreserve(ticket.batch.roots)
+            if not self._tickets:
+                self._ended.clear()
 
     def end_persist(self, ticket: PersistTicket, seqs: NDArray[np.uint64]) -> None:
         """The last step of a persist: its records are stored under `seqs`. The roots
@@ -366,6 +372,8 @@ class FTLayer:
         self._changing()
         self._tickets.remove(ticket)
         self._unreserve(ticket.batch.roots)
+        if not self._tickets:
+            self._ended.clear()
         batch = ticket.batch
         try:
             values, held, locators, superseded = self._to_pend(batch, ticket.initial_values)
@@ -429,6 +437,7 @@ class FTLayer:
         timeouts start, the journal learns them, the re-read roots retire, and the
         barrier-mode roots get their holds."""
         self._track(batch.roots, seqs, batch.source_ids)
+        self._stored_meanwhile(seqs)
         self.stats.persisted += len(batch)
         journal = self._journal
         if journal is not None:
@@ -444,6 +453,13 @@ class FTLayer:
             assert values is not None
             for source_id, rows in held:
                 self._add_holds(source_id, batch.roots[rows], values[rows])
+
+    def _stored_meanwhile(self, seqs: NDArray[np.uint64]) -> None:
+        """Records stored and pending while a persist is under way: a journal base
+        taken before that persist ends must not take them for records of it (replayed
+        by a recovery) when they complete before the base."""
+        if self._tickets and len(seqs):
+            self._ended.append(seqs)
 
     # ---- re-reads take over (ftlayer.core.takeover) ---------------------------------
 
@@ -1208,6 +1224,11 @@ class FTLayer:
             # ended may be storing some below the store's next seq (begin_persist).
             next_seq = min([self.storage.next_seq, *(t.floor for t in self._tickets)])
             state["journal.next_seq"] = np.array([next_seq], dtype=np.uint64)
+            # Except those stored meanwhile by persists that ended: their fate is here.
+            ended = np.concatenate(self._ended) if self._ended else np.zeros(0, np.uint64)
+            ended = ended[ended >= np.uint64(next_seq)]
+            self._ended = [ended] if len(ended) else []
+            state["journal.ended_seqs"] = np.sort(ended)
         return state
 
     @property
@@ -1451,6 +1472,7 @@ class FTLayer:
             self.acker.remove(batch.roots)
             raise
         self.acker.set_column("seq", slots, seqs)
+        self._stored_meanwhile(seqs)
         if self._journal is not None:
             self._journal.add(batch.roots)
         self._marks.read(chunk_groups(locators["topic"], locators["partition"], locators["offset"]))

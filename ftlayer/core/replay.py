@@ -143,13 +143,12 @@ class ReplayQueue:
             )
             for column, chunk in zip(self._columns, chunks, strict=True):
                 column.append(chunk)
-            if restored:
-                return
             for source_id in np.unique(source_ids).tolist():
                 rows = source_ids == source_id
-                newest = int(replay_seqs[rows].max())
-                self._cursors[source_id] = max(self._cursors.get(source_id, 0), newest)
                 self._counts[source_id] = self._counts.get(source_id, 0) + int(rows.sum())
+                if not restored:
+                    newest = int(replay_seqs[rows].max())
+                    self._cursors[source_id] = max(self._cursors.get(source_id, 0), newest)
 
     def counts(self) -> dict[int, int]:
         """{source id: its entries}, sources with none left out (kept up to date by

@@ -132,7 +132,13 @@ def test_a_barrier_batch_running_at_the_kill_stays_pending_for_its_barrier(
     assert ft.release_barrier([BARRIER]) == 1 and len(ft) == 0
 
 
-def test_the_replay_queue_and_its_prune_points_come_back_as_they_were(tmp_path: Path) -> None:
+@pytest.mark.parametrize("base", [False, True], ids=["segments", "base"])
+def test_the_replay_queue_and_its_prune_points_come_back_as_they_were(
+    tmp_path: Path, base: bool
+) -> None:
+    """Read back from the journal's segments or from a base (its queue copy), the
+    queue is the same: the same entries, counted per source, pruned by the batch that
+    takes them in."""
     proc = Process(tmp_path)
     ft = proc.ft
     _register(ft)
@@ -145,6 +151,8 @@ def test_the_replay_queue_and_its_prune_points_come_back_as_they_were(tmp_path: 
     ft.prune_replay(2, TREE)  # its checkpoint pruned them
     ft.fail(batch.roots[2:4], Cause(FailKind.EXPLICIT, "s", "E: b"))  # seqs 3, 4: queued
     queued = ft.fetch_replay(2, 4, source_id=TREE)
+    if base:
+        ft.write_journal_base()
     ft = proc.restart()
     assert ft.current_stats().failed["recovery"] == 0
     assert ft.replay_start_of(TREE) == 2  # a new query starts after what was taken in
@@ -155,6 +163,9 @@ def test_the_replay_queue_and_its_prune_points_come_back_as_they_were(tmp_path: 
     assert again.records.roots.tolist() == queued.records.roots.tolist()
     ft.xor(taken.records.roots, emitted)  # the finished batch's replays complete
     assert len(ft) == 4 and ft.queued_replays == 2
+    assert ft.queued_replays_by_source() == {TREE: 2}
+    assert ft.prune_replay(4, TREE) == 2  # the batch that took them in is checkpointed
+    assert ft.queued_replays == 0 and ft.queued_replays_by_source() == {}
 
 
 def test_a_record_waiting_for_its_backoff_still_waits_after_a_kill(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ftlayer.acking.ids import new_ids
@@ -152,6 +152,9 @@ def test_a_kill_after_the_storage_write_replays_the_records_also_past_a_base(
         min_size=1,
         max_size=40,
     )
+)
+@example(  # a base while a persist begun before an ended one is still under way
+    steps=[("begin", 0), ("begin", 0), ("store", 0), ("end", 0), ("ack", 0), ("base", 0)]
 )
 def test_persists_interleaved_with_everything_else_lose_nothing_across_a_kill(
     tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[str, int]]
