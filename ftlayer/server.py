@@ -161,6 +161,8 @@ from ftlayer.wire import (
     decode_persist,
     decode_register_source,
     decode_savepoint,
+    decode_sink_hold,
+    decode_sink_settle,
     decode_status_request,
     decode_xor,
     encode_challenge,
@@ -329,6 +331,8 @@ class FTServer:
             Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
             Kind.HOLD: self._hold,
             Kind.HEARTBEAT: self._heartbeat,
+            Kind.SINK_HOLD: self._sink_hold,
+            Kind.SINK_SETTLE: self._sink_settle,
             Kind.INSPECT: self._inspect,
         }
 
@@ -794,6 +798,16 @@ class FTServer:
         message = decode_hold(frame)
         with self._core() as ft:
             return encode_ok(rid, ft.hold(message.roots, message.values))
+
+    def _sink_hold(self, rid: int, frame: Frame) -> bytes:
+        message = decode_sink_hold(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.sink_hold(message.key, message.roots, message.values))
+
+    def _sink_settle(self, rid: int, frame: Frame) -> bytes:
+        message = decode_sink_settle(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.sink_settle(message.key, message.cause))
 
     def _heartbeat(self, rid: int, frame: Frame) -> bytes:
         message = decode_heartbeat(frame)

@@ -140,6 +140,7 @@ from .resume import (
     tag_prefix,
     written_before,
 )
+from .sinkhold import HOLD_PROPERTY, held_steps, hold_value, new_sink_key
 from .tasks import EXTRA_ANCHORS_COLUMN, ft_columns_of, read_anchors
 
 __all__ = [
@@ -193,6 +194,9 @@ class SinkResult:
     at_barrier: bool = False
     """Barrier mode: the rows written complete at the batch's barrier (`acked` is 0:
     the sink sent nothing and did not count them)."""
+    held: bool = False
+    """The steps that produced the rows held their acks (integration.sinkhold); the
+    counts are the FT layer's: acks XOR-ed (a row per single-anchored row), roots failed."""
 
 
 def _check_on_error(on_error: str) -> SinkOnError:
@@ -280,6 +284,10 @@ class FTForeachBatch:
         # there are no acks: a computation done again (only to fail the roots when fn
         # raised) sends no XOR events that could unbalance a tree, so nothing is cached.
         at_barrier = completes_at_barrier(df.schema)
+        steps = None if at_barrier else held_steps(df.sparkSession)
+        if steps is not None:  # the steps that produce the rows hold their acks
+            self._call_holding(df, epoch_id, ft_columns, steps)
+            return
         batch = df if at_barrier else df.persist()
         try:
             try:
@@ -302,6 +310,42 @@ class FTForeachBatch:
             # Step 5.
             if not at_barrier:
                 batch.unpersist()
+
+    def _call_holding(
+        self, df: DataFrame, epoch_id: int, ft_columns: Sequence[str], steps: list[str]
+    ) -> None:
+        """Steps 2-4 with the acks held by the steps (integration.sinkhold): `fn`'s jobs
+        carry the sink's key, and the key is settled after it."""
+        key = new_sink_key()
+        context = df.sparkSession.sparkContext
+        channel = self.settings.channel()
+        before = context.getLocalProperty(HOLD_PROPERTY)
+        context.setLocalProperty(HOLD_PROPERTY, hold_value(key, steps))
+        try:
+            self.fn(self._deduplicated(df.drop(*ft_columns)), epoch_id)
+        except Exception as exc:
+            cause = Cause.of_exception(exc, "ft_foreach_batch", FailKind.SINK).clipped()
+            try:
+                failed = channel.sink_settle(key, cause)
+            except Exception as settle_exc:
+                exc.add_note(
+                    f"ftlayer: the batch's roots could not be failed ({settle_exc!r}); "
+                    "they time out and are replayed"
+                )
+                self.last_result = SinkResult(epoch_id, 0, 0, repr(exc))
+            else:
+                exc.add_note(
+                    f"ftlayer: the {failed} rows of batch {epoch_id} were failed for replay"
+                )
+                self.last_result = SinkResult(epoch_id, acked=0, failed=failed, error=repr(exc))
+            if self.on_error == "fail-and-raise":
+                raise
+            log.warning("foreachBatch %d failed; its roots will be replayed: %r", epoch_id, exc)
+            return
+        finally:
+            context.setLocalProperty(HOLD_PROPERTY, before)  # type: ignore[arg-type]
+        acked = channel.sink_settle(key)
+        self.last_result = SinkResult(epoch_id, acked=acked, failed=0, held=True)
 
     def _deduplicated(self, df: DataFrame) -> DataFrame:
         return df.dropDuplicates(list(self.key)) if self.key else df

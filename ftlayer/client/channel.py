@@ -173,6 +173,26 @@ class BatchingChannel:
             self._flush_locked()
             return self.client.hold(roots, values)
 
+    def sink_hold(self, key: int, roots: ArrayLike, values: ArrayLike) -> int:
+        """`FTClient.sink_hold`, after what is buffered."""
+        with self._cond:
+            self._check()
+            self._flush_locked()
+            roots = np.ascontiguousarray(roots, dtype=np.uint64)
+            values = np.ascontiguousarray(values, dtype=np.uint64)
+            held = 0
+            for lo in range(0, len(roots), self.max_events):  # frames of max_events pairs
+                hi = lo + self.max_events
+                held += self.client.sink_hold(key, roots[lo:hi], values[lo:hi])
+            return held
+
+    def sink_settle(self, key: int, cause: Cause | None = None) -> int:
+        """`FTClient.sink_settle`, after what is buffered."""
+        with self._cond:
+            self._check()
+            self._flush_locked()
+            return self.client.sink_settle(key, cause)
+
     def status(self) -> Status:
         """`FTClient.status`: flushes first, so the counters include this process's events."""
         self.flush()

@@ -92,6 +92,8 @@ from ftlayer.wire import (
     encode_persist,
     encode_register_source,
     encode_savepoint,
+    encode_sink_hold,
+    encode_sink_settle,
     encode_status_request,
     encode_xor,
     new_nonce,
@@ -266,6 +268,24 @@ class FTClient:
             Kind.OK,
             retry=False,
         )
+        return decode_ok(frame).count
+
+    def sink_hold(self, key: int, roots: ArrayLike, values: ArrayLike) -> int:
+        """`FTLayer.sink_hold`: the acks of rows that reached a batch sink, held under
+        its key until `sink_settle`; returns how many were pending. Not retried on a
+        broken connection: those trees then time out and are replayed."""
+        frame = self._call(
+            lambda rid: encode_sink_hold(rid, key, roots, values, max_frame=self.max_frame),
+            Kind.OK,
+            retry=False,
+        )
+        return decode_ok(frame).count
+
+    def sink_settle(self, key: int, cause: Cause | None = None) -> int:
+        """`FTLayer.sink_settle`: the sink's write under `key` succeeded (ack every
+        held pair) or, with `cause`, failed (fail every held root); returns how many.
+        Not retried: a lost settle leaves the trees to time out (replayed)."""
+        frame = self._call(lambda rid: encode_sink_settle(rid, key, cause), Kind.OK, retry=False)
         return decode_ok(frame).count
 
     def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:

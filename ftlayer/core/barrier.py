@@ -79,6 +79,11 @@ class OpenHolds:
         held.update(roots[fresh].tolist())
         return fresh
 
+    def roots_of(self, source_id: int) -> NDArray[np.uint64]:
+        """The roots of `source_id`'s open holds."""
+        chunks = self._roots.get(source_id, [])
+        return np.concatenate(chunks) if chunks else _EMPTY
+
     def release(self, source_ids: Iterable[int]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
         """Every open hold of these sources, (roots, values), removed."""
         roots: list[NDArray[np.uint64]] = []

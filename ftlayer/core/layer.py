@@ -110,6 +110,7 @@ from .meters import Meters, total_latency
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import DEAD_LETTER, IMMEDIATE, DeadLetterFilter, RetryBook, RetryPolicy, RetryRecord
+from .sinkholds import SINK_KEY_BIT, SinkKeys, check_sink_key
 from .sources import SourceConfig, SourceRegistry
 from .stats import FailCause, FTStats
 from .takeover import ReadMarks, chunk_groups, pending_at
@@ -172,6 +173,7 @@ class FTLayer:
         self._book = RetryBook(storage)
         self._barrier = self._sources.barrier
         self._holds = OpenHolds()
+        self._sink_keys = SinkKeys()
         self._listeners: list[CompletionListener] = []
         self._change_hooks: list[Callable[[], None]] = []
         self.stats = FTStats()
@@ -661,6 +663,68 @@ class FTLayer:
             self._complete(result)
         return len(result.completed)
 
+    # ---- a batch sink's acks, held until its write is done (ftlayer.core.sinkholds) --
+
+    def sink_hold(self, key: int, roots: ArrayLike, values: ArrayLike) -> int:
+        """The acks (root, id) of rows that reached a batch sink, sent by the step that
+        produced them, held under the sink's `key` until `sink_settle`: nothing is
+        XOR-ed yet. For a key already settled they are applied at once, as the settle
+        did (XOR-ed, or their roots failed). Pending roots only; returns how many."""
+        check_sink_key(key)
+        keys = np.ascontiguousarray(roots, dtype=np.uint64)
+        vals = np.ascontiguousarray(values, dtype=np.uint64)
+        if keys.shape != vals.shape:
+            raise ValueError(f"sink hold: {keys.shape} roots but {vals.shape} values")
+        self._changing()
+        pending = self.acker.lookup("ack", keys)[0]
+        if not bool(pending.all()):
+            self._count_dropped(keys[~pending])
+            keys, vals = keys[pending], vals[pending]
+        if not len(keys):
+            return 0
+        settled, cause = self._sink_keys.settled(key)
+        if not settled:
+            self._sink_keys.opened(key, self._clock())
+            self._add_holds(key, keys, vals)
+        elif cause is None:
+            self.xor(keys, vals)
+        else:
+            self.fail(np.unique(keys), cause)
+        return len(keys)
+
+    def sink_settle(self, key: int, cause: Cause | None = None) -> int:
+        """The batch sink's write under `key` is done: XOR every ack held under it (the
+        trees nobody else holds complete); or, with `cause`, it failed: fail every
+        root held under it. Pairs of roots no longer pending (a re-read took them
+        over) are dropped. Returns how many pairs were XOR-ed, or roots failed."""
+        check_sink_key(key)
+        self._sink_keys.settle(key, cause)
+        roots, values = self._holds.release([key])
+        if not len(roots):
+            return 0
+        self._changing()
+        if self._journal is not None:  # the journal knows the holds: no pairs again
+            self._journal.release([key])
+        pending = self.acker.lookup("ack", roots)[0]
+        roots, values = roots[pending], values[pending]
+        if cause is not None:
+            return self.fail(np.unique(roots), cause)
+        result = self.acker.xor(roots, values)
+        if len(result.completed):
+            self._complete(result)
+        return len(roots)
+
+    def _drop_stale_sink_keys(self, now: float) -> None:
+        """Forget the holds of sink keys open longer than a timeout whose roots are all
+        gone (timed out, failed, taken over): their sink will never settle them."""
+        for key in self._sink_keys.older_than(now - self.persistence.timeout_s):
+            roots = self._holds.roots_of(key)
+            if not bool(self.acker.lookup("ack", roots)[0].any()):
+                self._holds.release([key])
+                if self._journal is not None:
+                    self._journal.release([key])
+                self._sink_keys.forget(key)
+
     @property
     def open_holds(self) -> int:
         """Barrier holds not released yet."""
@@ -815,6 +879,8 @@ class FTLayer:
         self._retired.rotate(now)
         rotations = self.persistence.tick(now)
         self.release_due()
+        if rotations and len(self._sink_keys):
+            self._drop_stale_sink_keys(now)
         return rotations
 
     def release_due(self, now: float | None = None) -> int:
@@ -1383,6 +1449,8 @@ class FTLayer:
             pending = self.acker.lookup("seq", hold_roots)[0]
             if bool(pending.any()):
                 self._holds.add(source_id, hold_roots[pending], values[pending])
+                if source_id & SINK_KEY_BIT:  # a sink's acks: it settles them, or they go stale
+                    self._sink_keys.opened(source_id, self._clock())
 
     # ---- dead letters ----------------------------------------------------------------
 

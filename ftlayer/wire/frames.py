@@ -48,6 +48,8 @@ class Kind(enum.IntEnum):
     HOLD = 0x25
     HEARTBEAT = 0x26
     INSPECT = 0x27
+    SINK_HOLD = 0x28
+    SINK_SETTLE = 0x29
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90

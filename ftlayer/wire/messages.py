@@ -1,7 +1,7 @@
 """The message bodies after the handshake (PERSIST, XOR, FAIL, FETCH_REPLAY, REPLAY,
-REGISTER_SOURCE, the checkpoint and savepoint requests, HOLD, HEARTBEAT, STATUS, OK,
-ERROR): one type and one encoder/decoder pair per kind, and `decode`, one table from
-kind to decoder."""
+REGISTER_SOURCE, the checkpoint and savepoint requests, HOLD, HEARTBEAT, SINK_HOLD,
+SINK_SETTLE, STATUS, OK, ERROR): one type and one encoder/decoder pair per kind, and
+`decode`, one table from kind to decoder."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ _CAUSE_HEAD: Final = struct.Struct("<BBH")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
 _HEARTBEAT_HEAD: Final = struct.Struct("<II")
+_SINK_KEY: Final = struct.Struct("<Q")
+_SINK_SETTLE_HEAD: Final = struct.Struct("<QB")  # key, outcome (0 written, 1 failed)
 _MAX_HEARTBEAT_SOURCES: Final = 0xFFFF  # a query reads at most this many topics
 
 
@@ -72,6 +74,20 @@ class Fail:
     roots: NDArray[np.uint64]
     causes: Causes
     """A cause per root (UNSPECIFIED for every root of a FAIL that names none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkHold:
+    key: int
+    roots: NDArray[np.uint64]
+    values: NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class SinkSettle:
+    key: int
+    cause: Cause | None
+    """None: the sink's write succeeded; else why it failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +226,8 @@ Message = (
     | StatusRequest
     | StatusReply
     | Heartbeat
+    | SinkHold
+    | SinkSettle
     | Ok
     | ReplayRecords
     | DeadLettersRequest
@@ -461,10 +479,7 @@ def encode_fail(
             raise BadRequest(f"FAIL: {len(root_array)} roots but {len(causes)} causes")
         parts.append(_U16.pack(len(causes.table)))
         for cause in causes.table:
-            cause = cause.clipped()
-            step, error = cause.step.encode("utf-8"), cause.error.encode("utf-8")
-            parts += [_CAUSE_HEAD.pack(int(cause.kind), int(cause.final), len(step)), step]
-            parts += [_U16.pack(len(error)), error]
+            parts += _cause_parts(cause)
         parts.append(causes.index.astype("<u2", copy=False).tobytes())
     return encode_frame(Kind.FAIL, request_id, b"".join(parts), max_frame=max_frame)
 
@@ -479,22 +494,92 @@ def decode_fail(message: Frame | bytes) -> Fail:
     if body.pos == len(body.data):
         return Fail(roots, Causes.one(None, n))
     count = body.u16("cause count")
-    table = []
-    for i in range(count):
-        code, flags, step_len = body.unpack(_CAUSE_HEAD, f"cause {i}")
-        if code not in FailKind._value2member_map_ or flags & ~1:
-            raise BadRequest(
-                f"FAIL cause {i} has an unknown encoding: kind {code}, flags {flags:#x} "
-                f"(kinds {[int(k) for k in FailKind]}, flag bit 0 = final)"
-            )
-        step = body.text(step_len, f"cause {i} step")
-        error = body.text(body.u16(f"cause {i} error length"), f"cause {i} error")
-        table.append(Cause(FailKind(code), step, error, bool(flags & 1)))
+    table = [_read_cause(body, f"FAIL cause {i}") for i in range(count)]
     index = body.array("<u2", n, "cause index")
     body.done()
     if n and int(index.max()) >= count:
         raise MalformedFrame(f"FAIL cause index {int(index.max())} beyond its {count} causes")
     return Fail(roots, Causes(tuple(table), index.astype(np.uint16)))
+
+
+def _cause_parts(cause: Cause) -> list[bytes]:
+    """A cause on the wire: u8 kind, u8 flags (bit 0 final), u16 + utf-8 step, u16 +
+    utf-8 error (clipped to fit)."""
+    cause = cause.clipped()
+    step, error = cause.step.encode("utf-8"), cause.error.encode("utf-8")
+    head = _CAUSE_HEAD.pack(int(cause.kind), int(cause.final), len(step))
+    return [head, step, _U16.pack(len(error)), error]
+
+
+def _read_cause(body: _Body, what: str) -> Cause:
+    code, flags, step_len = body.unpack(_CAUSE_HEAD, what)
+    if code not in FailKind._value2member_map_ or flags & ~1:
+        raise BadRequest(
+            f"{what} has an unknown encoding: kind {code}, flags {flags:#x} "
+            f"(kinds {[int(k) for k in FailKind]}, flag bit 0 = final)"
+        )
+    step = body.text(step_len, f"{what} step")
+    error = body.text(body.u16(f"{what} error length"), f"{what} error")
+    return Cause(FailKind(code), step, error, bool(flags & 1))
+
+
+# ---- a batch sink's held acks (ftlayer.core.sinkholds) -------------------------------
+
+
+def encode_sink_hold(
+    request_id: int,
+    key: int,
+    roots: ArrayLike,
+    values: ArrayLike,
+    *,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """SINK_HOLD: u64 sink key, then XOR's body: the acks of rows that reached a batch
+    sink, held under its key until SINK_SETTLE."""
+    root_array = _u64_column(roots, None, "SINK_HOLD roots")
+    n = len(root_array)
+    value_array = _u64_column(values, n, "SINK_HOLD values")
+    body = b"".join([_sink_key(key), _U32.pack(n), root_array.tobytes(), value_array.tobytes()])
+    return encode_frame(Kind.SINK_HOLD, request_id, body, max_frame=max_frame)
+
+
+def decode_sink_hold(message: Frame | bytes) -> SinkHold:
+    body = _body(message, Kind.SINK_HOLD)
+    (key,) = body.unpack(_SINK_KEY, "sink key")
+    n = body.u32("event count")
+    _expect_size(body, 16 * n, n, "events")
+    roots = body.array("<u8", n, "roots")
+    values = body.array("<u8", n, "values")
+    return SinkHold(int(key), roots, values)
+
+
+def encode_sink_settle(request_id: int, key: int, cause: Cause | None = None) -> bytes:
+    """SINK_SETTLE: u64 sink key, u8 outcome (0: the write succeeded, 1: it failed),
+    and for a failure its cause (as in FAIL)."""
+    parts = [_SINK_SETTLE_HEAD.pack(_sink_key_value(key), 0 if cause is None else 1)]
+    if cause is not None:
+        parts += _cause_parts(cause)
+    return encode_frame(Kind.SINK_SETTLE, request_id, b"".join(parts))
+
+
+def decode_sink_settle(message: Frame | bytes) -> SinkSettle:
+    body = _body(message, Kind.SINK_SETTLE)
+    key, outcome = body.unpack(_SINK_SETTLE_HEAD, "sink key and outcome")
+    if outcome not in (0, 1):
+        raise BadRequest(f"SINK_SETTLE outcome must be 0 (written) or 1 (failed), got {outcome}")
+    cause = _read_cause(body, "SINK_SETTLE cause") if outcome else None
+    body.done()
+    return SinkSettle(int(key), cause)
+
+
+def _sink_key_value(key: int) -> int:
+    if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 1 << 64:
+        raise BadRequest(f"a sink key is a u64, got {key!r}")
+    return key
+
+
+def _sink_key(key: int) -> bytes:
+    return _SINK_KEY.pack(_sink_key_value(key))
 
 
 def _expect_size(body: _Body, size: int, n: int, what: str) -> None:
@@ -1023,6 +1108,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.DEAD_LETTER_RESTORE: decode_dead_letter_restore,
     Kind.HOLD: decode_hold,
     Kind.HEARTBEAT: decode_heartbeat,
+    Kind.SINK_HOLD: decode_sink_hold,
+    Kind.SINK_SETTLE: decode_sink_settle,
     Kind.INSPECT: decode_inspect,
     Kind.INSPECT_REPLY: decode_inspect_reply,
     Kind.CHECKPOINT: decode_checkpoint_reply,

@@ -126,6 +126,7 @@ from pyspark.sql.types import (
 
 from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings
+from ftlayer.integration.sinkhold import holding, named_task
 
 from .aggregate import aggregate_partition, plain_group_fn
 from .anchors import (
@@ -352,7 +353,7 @@ class FTTasks:
             failures=tally.failures if tally else Failures,
         )
         if named is None or tally is None:
-            return shuffled.mapInArrow(run, out_struct)
+            return shuffled.mapInArrow(named_task(run), out_struct)
         return observed_step(shuffled, run, tally, out_struct, named, self._timezone(df))
 
     # ---- plumbing ----
@@ -421,12 +422,17 @@ class FTTasks:
         chain: _Chain | None = getattr(df, _CHAIN_ATTRIBUTE, None) if self.fuse else None
         if chain is None or getattr(df, "is_cached", False):
             chain = _Chain(df, (run,))
-            out = df.mapInArrow(run, out_struct)
+            out = df.mapInArrow(self._step(run), out_struct)
         else:
             chain = _Chain(chain.input, (*chain.runners, run))
-            out = chain.input.mapInArrow(_fused(chain.runners), out_struct)
+            out = chain.input.mapInArrow(self._step(_fused(chain.runners)), out_struct)
         setattr(out, _CHAIN_ATTRIBUTE, chain)
         return out
+
+    def _step(self, run: Runner) -> Runner:
+        """A map or filter step's mapInArrow function: with FT on, one that can hold
+        its rows' acks for a batch sink (integration.sinkhold)."""
+        return holding(run, self.settings) if self.ft else run
 
     def _observed_as(self, observe: Observe, kind: str, fn: Callable[..., Any]) -> str | None:
         """The name of the step's observation, None if it is not observed."""

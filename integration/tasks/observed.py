@@ -57,6 +57,7 @@ import pyarrow as pa
 from pyspark.sql.types import LongType, StructField, StructType
 
 from ftlayer.errors import ConfigError
+from ftlayer.integration.sinkhold import named_task
 
 from .results import Failures
 
@@ -139,7 +140,10 @@ def observed_step(
         + [StructField(SUMMARY_COLUMN, _SUMMARY_TYPE, True)]
     )
     summarised = df.mapInArrow(
-        _summarised(run, tally, to_arrow_schema(struct, timezone=timezone), placeholders), struct
+        named_task(
+            _summarised(run, tally, to_arrow_schema(struct, timezone=timezone), placeholders)
+        ),
+        struct,
     )
     metrics = [
         F.coalesce(F.sum(F.col(SUMMARY_COLUMN).getField(c)), F.lit(0)).alias(c) for c in COUNTS
