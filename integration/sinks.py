@@ -9,6 +9,11 @@ each partition. Nothing but a per-partition count comes back to the driver.
 
 `ft_foreach_batch(fn, settings)`: the user's foreachBatch function under FT.
 
+0. Tree mode, rows straight from FTTasks map and filter steps over an ftkafka
+   source: those steps send the acks of the rows they produce under a key of this
+   call, held by the FT layer, and after `fn` the key is settled: acked when `fn`
+   returned, failed when it raised (integration.sinkhold). Steps 1, 3 and 5 are
+   skipped: nothing is cached or read back.
 1. Persist the micro-batch DataFrame. Every computation of an FT task sends XOR
    events with fresh ids, so a batch computed twice (once by `fn`, once again for
    the acks, or by two actions inside `fn`) leaves its trees unbalanced: they would

@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 
 from ftlayer import wire as p
 from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.persistence import MemoryStorage
@@ -1088,6 +1089,26 @@ def test_hold_has_xors_body_and_register_source_carries_the_completion() -> None
     )
     with pytest.raises(p.BadRequest, match='"completion"'):
         p.decode(reframe(p.Kind.REGISTER_SOURCE, body))
+
+
+def test_sink_hold_and_settle_round_trip_and_refuse_what_they_cannot_mean() -> None:
+    key = 2**63 + 12345
+    roots, values = np.array([5, 6], dtype=np.uint64), np.array([7, 8], dtype=np.uint64)
+    hold = p.decode(frame(p.encode_sink_hold(3, key, roots, values)))
+    assert isinstance(hold, p.SinkHold) and hold.key == key
+    assert hold.roots.tolist() == [5, 6] and hold.values.tolist() == [7, 8]
+    written = p.decode(frame(p.encode_sink_settle(4, key)))
+    assert written == p.SinkSettle(key, None)
+    cause = Cause(FailKind.SINK, "ft_foreach_batch", "OSError: refused", final=True)
+    failed = p.decode(frame(p.encode_sink_settle(5, key, cause)))
+    assert isinstance(failed, p.SinkSettle) and failed.cause == cause
+    body = frame(p.encode_sink_hold(3, key, roots, values)).body
+    with pytest.raises(p.MalformedFrame, match="SINK_HOLD declares 2 events"):
+        p.decode(reframe(p.Kind.SINK_HOLD, body[:-1]))
+    with pytest.raises(p.BadRequest, match="outcome must be 0"):
+        p.decode(reframe(p.Kind.SINK_SETTLE, struct.pack("<QB", key, 2)))
+    with pytest.raises(p.BadRequest, match="u64"):
+        p.encode_sink_settle(4, -1)
 
 
 def test_heartbeat_round_trips() -> None:
