@@ -17,10 +17,12 @@ that live tasks were about to complete. The journal keeps the rest, cheaply:
   emitted again), roots whose trees completed or were taken over (`gone`), barrier
   holds drawn (`hold`) and released (`release`), replay queue prunes (`prune`).
 
-Each snapshot starts a new segment (`rotate`, under the core's lock, at the moment the
-state is copied), so base k plus segments k, k+1, ... is the state now. Once base k is
-written, older segments and bases are deleted: the journal is truncated at every
-checkpoint.
+A snapshot that is to be a base starts a new segment (`rotate`, under the core's lock,
+at the moment the state is copied), so base k plus segments k, k+1, ... is the state
+now. Once base k is written, older segments and bases are deleted: the journal is
+truncated at a checkpoint once it has grown by about a base's size (at least 1 MiB;
+FTLayer._journal_base_due), so a checkpoint per micro-batch does not write a base per
+micro-batch, and recovery reads about twice a base at most.
 
 Recovery (`Journal.recover`) reads the newest complete base and the segments from its
 number on, and gives per root: its ack value (the XOR of the base's and every later

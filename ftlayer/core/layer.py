@@ -120,6 +120,12 @@ _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 CompletionListener = Callable[[Completed], None]
 
 
+JOURNAL_BASE_MIN_BYTES: Final = 1 << 20
+"""A checkpoint's snapshot is the journal's base only once the journal has grown by this
+much (or by a base's size, if larger): FTLayer._journal_base_due."""
+_BASE_BYTES_PER_ROOT: Final = 24
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PersistTicket:
     """A persist between `FTLayer.begin_persist` and its end: the batch, its first ack
@@ -1257,7 +1263,7 @@ class FTLayer:
 
     # ---- checkpoints -------------------------------------------------------------
 
-    def state_snapshot(self) -> dict[str, NDArray[Any]]:
+    def state_snapshot(self, *, journal_base: bool | None = None) -> dict[str, NDArray[Any]]:
         """Copies of the state a checkpoint holds: every pending root with its ack value
         and the storage seq of its record ("acker.*"), the replay queue ("queue.*") and
         the retry counts ("retries.*"). O(pending) array copies and no storage
@@ -1284,7 +1290,9 @@ class FTLayer:
         state["pruned.source"] = np.array([-1 if s is None else s for s in points], dtype=np.int64)
         state["pruned.upto"] = np.array(list(points.values()), dtype=np.int64)
         state["replay.next_seq"] = np.array([self._queue.cursor + 1], dtype=np.uint64)
-        if self._journal is not None:  # this state is the base of the segment begun now
+        if journal_base is None:
+            journal_base = self._journal_base_due()
+        if self._journal is not None and journal_base:  # the base of the segment begun now
             state["journal.segment"] = np.array([self._journal.rotate()], dtype=np.uint64)
             # Records stored from here on are not in this state: a persist begun and not
             # ended may be storing some below the store's next seq (begin_persist).
@@ -1296,6 +1304,18 @@ class FTLayer:
             self._ended = [ended] if len(ended) else []
             state["journal.ended_seqs"] = np.sort(ended)
         return state
+
+    def _journal_base_due(self) -> bool:
+        """Whether a snapshot should also be the journal's base: once the journal has
+        grown by as much as a base would hold (24 bytes per pending root, at least
+        JOURNAL_BASE_MIN_BYTES), so a checkpoint per micro-batch does not write a base
+        each time, and recovery reads at most about twice a base; and at once after a
+        failed journal write (a base starts it again)."""
+        journal = self._journal
+        if journal is None:
+            return False
+        due = max(JOURNAL_BASE_MIN_BYTES, _BASE_BYTES_PER_ROOT * len(self.acker))
+        return journal.broken is not None or journal.segment_bytes >= due
 
     @property
     def journal(self) -> Journal | None:
@@ -1310,7 +1330,7 @@ class FTLayer:
         journal = self._journal
         if journal is None:
             return
-        state = self.state_snapshot()
+        state = self.state_snapshot(journal_base=True)
         journal.write_base(int(state["journal.segment"][0]), bytes(encode_snapshot(state)))
 
     # ---- recovery and status ---------------------------------------------------
