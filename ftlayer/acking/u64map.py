@@ -23,8 +23,9 @@ Invariants:
 - insert() is all or nothing: a reserved key, a key already present or a key repeated
   in the batch raises ValueError and leaves the map as it was.
 
-Costs, n = ids in a batch: find, insert, delete are O(n) expected, in a few numpy
-passes each (probing rounds shrink geometrically at load 1/2). Rows and slots are
+Costs, n = ids in a batch: find, insert, delete are O(n) expected: the probing is one
+numba loop per batch (ftlayer/acking/u64kernels.py; a probe is short at load 1/2),
+the rest a few numpy passes. Rows and slots are
 handles valid until the next change (a delete moves rows, an insert may move slots).
 Memory per live key: the key and the column widths per row, at most 1.25 rows a key
 once the map has grown (rows_for), plus 4 bytes per index slot, 2 to 4 slots a key
@@ -35,7 +36,7 @@ Not thread-safe: one thread owns a map.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -142,24 +143,10 @@ class U64Map:
 
     def find_slots(self, keys: NDArray[np.uint64]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
         """(index slot, row) of each key, -1 and -1 where it is absent."""
-        index, stored, mask = self._index, self.keys, self._mask
-        slot = self._home(keys)
-        row = index[slot]
-        # EMPTY and DELETED read some row too (negative indices wrap); `row >= 0` drops them.
-        hit = (row >= 0) & (stored[row] == keys)
-        slots = np.where(hit, slot, -1)
-        rows = np.where(hit, row.astype(np.intp), -1)
-        idx = np.flatnonzero(~hit & (row != EMPTY))
-        # Most keys sit at their home slot; the others probe on, a shrinking few.
-        k, slot = keys[idx], (slot[idx] + 1) & mask
-        while len(idx):
-            row = index[slot]
-            hit = (row >= 0) & (stored[row] == k)
-            at = np.flatnonzero(hit)
-            slots[idx[at]] = slot[at]
-            rows[idx[at]] = row[at]
-            go = np.flatnonzero(~hit & (row != EMPTY))
-            idx, k, slot = idx[go], k[go], (slot[go] + 1) & mask
+        k = np.ascontiguousarray(keys, dtype=np.uint64)
+        slots = np.empty(len(k), dtype=np.intp)
+        rows = np.empty(len(k), dtype=np.intp)
+        _kernels().find_slots(self._index, self.keys, k, self._shift, self._mask, slots, rows)
         return slots, rows
 
     def find_one(self, key: int) -> int:
@@ -197,20 +184,16 @@ class U64Map:
         self._reserve(n)
         rows = np.arange(self._live, self._live + n, dtype=np.intp)
         self.keys[rows[0] : rows[-1] + 1] = k  # past the live rows: scratch until committed
-        slots = self._place(k, rows)
         # New keys only go to empty slots, past every slot their probe could find first:
-        # a key already present, or repeated in the batch, is found at another slot than
-        # the one just claimed. A key placed at its home slot found it empty, so no copy
-        # of it can be in the table: only displaced keys need the check.
-        displaced = np.flatnonzero(slots != self._home(k))
-        found = self.find_slots(k[displaced])[0]
-        wrong = found != slots[displaced]
-        if bool(wrong.any()):
-            # The claimed slots were empty: emptying them again restores the index.
-            self._index[slots] = EMPTY
-            first = int(np.flatnonzero(wrong)[0])
-            key = int(k[displaced[first]])
-            if not bool(np.isin(found[first], slots)):
+        # a key already present, or earlier in the batch, is met on the way (and the
+        # slots claimed so far are emptied again).
+        slots = np.empty(n, dtype=np.intp)
+        kind, at = _kernels().place(
+            self._index, self.keys, k, rows, self._shift, self._mask, self._live, slots
+        )
+        if kind:
+            key = int(k[at])
+            if kind == _kernels().PRESENT:
                 raise ValueError(f"{self.key_name} {key:#x} is already present")
             raise ValueError(f"{self.key_name} {key:#x} is repeated in the batch")
         for name, column in self.columns.items():
@@ -242,41 +225,9 @@ class U64Map:
     def _slots_of_rows(self, rows: NDArray[np.intp]) -> NDArray[np.intp]:
         """The index slot of each live row: on its key's probe path, the slot that
         holds the row."""
-        index, mask = self._index, self._mask
-        slot = self._home(self.keys[rows])
-        out = slot.copy()
-        want = rows.astype(np.int32)
-        idx = np.flatnonzero(index[slot] != want)
-        want, slot = want[idx], (slot[idx] + 1) & mask
-        while len(idx):
-            hit = index[slot] == want
-            out[idx[hit]] = slot[hit]
-            go = np.flatnonzero(~hit)
-            idx, want, slot = idx[go], want[go], (slot[go] + 1) & mask
-        return out
-
-    def _place(self, keys: NDArray[np.uint64], rows: NDArray[np.intp]) -> NDArray[np.intp]:
-        """Claim an empty slot for each key, holding its row (capacity reserved);
-        returns the slots. Deleted slots are not reused: that keeps every new key past
-        any copy already in the table, so one find after placing detects duplicates,
-        and rebuilds reclaim deleted slots."""
-        index, mask = self._index, self._mask
-        slot = self._home(keys)
-        out = slot.copy()
-        idx = np.arange(len(keys), dtype=np.intp)
-        want = rows.astype(np.int32)
-        while len(idx):
-            free = np.flatnonzero(index[slot] == EMPTY)
-            cslot, cwant = slot[free], want[free]
-            # Several keys may want one empty slot: each writes its row there (rows are
-            # distinct) and the one whose row stuck wins.
-            index[cslot] = cwant
-            won = free[index[cslot] == cwant]
-            out[idx[won]] = slot[won]
-            stay = np.ones(len(idx), dtype=np.bool_)
-            stay[won] = False
-            go = np.flatnonzero(stay)
-            idx, want, slot = idx[go], want[go], (slot[go] + 1) & mask
+        out = np.empty(len(rows), dtype=np.intp)
+        r = np.ascontiguousarray(rows, dtype=np.intp)
+        _kernels().slots_of_rows(self._index, self.keys, r, self._shift, self._mask, out)
         return out
 
     def _reserve(self, n: int) -> None:
@@ -286,7 +237,8 @@ class U64Map:
         An index rebuild that would leave it more than 1/4 full doubles it instead:
         then at least as many inserts as live keys pass before the next rebuild, so
         rebuilds cost O(1) moves per insert even when keys churn (deleted slots are
-        not reused, see _place)."""
+        not reused: every new key goes past any copy already in the table, so placing it
+        meets the copy; u64kernels.place)."""
         live = self._live
         if live + n > len(self.keys):
             grown = rows_for(live + n)
@@ -300,7 +252,30 @@ class U64Map:
         if self._deleted and (live + n) * 4 > new_cap:
             new_cap *= 2
         self._alloc_index(new_cap)
-        self._place(self.keys[:live], np.arange(live, dtype=np.intp))
+        slots = np.empty(live, dtype=np.intp)  # distinct keys: placed without a meeting
+        _kernels().place(
+            self._index,
+            self.keys,
+            self.keys[:live],
+            np.arange(live),
+            self._shift,
+            self._mask,
+            live,
+            slots,
+        )
+
+
+_KERNELS: Any = None
+
+
+def _kernels() -> Any:
+    """ftlayer.acking.u64kernels, imported on first use (numba's import takes a while)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from ftlayer.acking import u64kernels
+
+        _KERNELS = u64kernels
+    return _KERNELS
 
 
 def _regrown(column: NDArray[_T], live: int, rows: int) -> NDArray[_T]:
