@@ -43,7 +43,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ftlayer.core.sinkholds import SINK_KEY_BIT
+from ftlayer.wire.messages import SINK_KEY_BIT
 
 from .ftcolumns import ROOT_COLUMN, FTSettings
 

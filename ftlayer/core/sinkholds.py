@@ -32,11 +32,9 @@ from typing import Final
 
 from ftlayer.causes import Cause
 from ftlayer.errors import ConfigError
+from ftlayer.wire.messages import SINK_KEY_BIT
 
 __all__ = ["SINK_KEY_BIT", "SinkKeys", "check_sink_key"]
-
-SINK_KEY_BIT: Final = 1 << 63
-"""Set in every sink key: source ids are 32-bit, so a key never names a source's holds."""
 
 _SETTLED_KEPT: Final = 4096
 """Settled keys remembered, for stragglers."""

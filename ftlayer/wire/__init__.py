@@ -151,6 +151,7 @@ from .frames import (
 )
 from .messages import (
     DEAD_LETTER_OPS,
+    SINK_KEY_BIT,
     CheckpointReply,
     CheckpointRequest,
     DeadLetterList,
@@ -234,6 +235,7 @@ __all__ = [
     "NONCE_SIZE",
     "PROTOCOL_VERSION",
     "REQUEST_KINDS",
+    "SINK_KEY_BIT",
     "SUPPORTED_VERSIONS",
     "Auth",
     "AuthFailed",

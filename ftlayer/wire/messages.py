@@ -52,6 +52,9 @@ _CAUSE_HEAD: Final = struct.Struct("<BBH")
 _ERROR_HEAD: Final = struct.Struct("<H")
 _MAX_TOPICS: Final = 0xFFFF
 _HEARTBEAT_HEAD: Final = struct.Struct("<II")
+SINK_KEY_BIT: Final = 1 << 63
+"""Set in every sink key (SINK_HOLD, SINK_SETTLE): source ids are u32, so a key never
+names a source's barrier holds (ftlayer.core.sinkholds)."""
 _SINK_KEY: Final = struct.Struct("<Q")
 _SINK_SETTLE_HEAD: Final = struct.Struct("<QB")  # key, outcome (0 written, 1 failed)
 _MAX_HEARTBEAT_SOURCES: Final = 0xFFFF  # a query reads at most this many topics
