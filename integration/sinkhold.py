@@ -26,8 +26,11 @@ rows come from, it leaves the acks to the steps that produce them:
 4. After the function, the sink settles the key (SINK_SETTLE): returned, the held
    acks are XOR-ed and the trees complete; raised, every held root fails.
 
-Rows a plain Spark operator drops between a top step and the sink are acked with the
-rest (the sink's own acks would have left them to time out). The function computing
+The key travels as a local property, so it reaches the jobs `fn` starts in its own
+thread (or in a pyspark InheritableThread), not those of a plain Python thread: such a
+job's rows are never acked, and their trees time out and are replayed (duplicates,
+never a loss). Rows a plain Spark operator drops between a top step and the sink are
+acked with the rest (the sink's own acks would have left them to time out). The function computing
 the batch twice (two actions) reads the source twice: the re-read takes the first
 read's roots over (ftlayer.core.takeover), and only the second computation's acks
 complete trees. That is why a step must be fed by the ftkafka source: rows of a
