@@ -371,19 +371,16 @@ def _chunk_of_buffer(
 ) -> tuple[bytes, NDArray[np.int64]]:
     """encode_chunk of one topic's batch whose payloads are one buffer (as a PERSIST
     frame brings them): the fixed-width header-and-topic prefixes and the payload
-    bytes laid out by two numpy mask assignments, no bytes object per record."""
+    bytes laid out in one pass of a numba kernel (persistence/kernels.py), no bytes
+    object per record."""
+    from ftlayer.persistence.kernels import prefixed  # numba: imported on first use
+
     rows = _prefix_rows(_headers(batch), topic)
-    prefix = rows.shape[1]
-    sizes = prefix + payloads.lengths
-    ends = np.cumsum(sizes)
-    total = int(ends[-1])
-    marks = np.zeros(total + 1, dtype=np.int8)  # +1 where a prefix starts, -1 past it
-    marks[ends - sizes] += 1
-    marks[ends - sizes + prefix] -= 1
-    in_prefix = np.cumsum(marks[:-1], dtype=np.int8).view(np.bool_)
-    out = np.empty(total, dtype=np.uint8)
-    out[in_prefix] = rows.reshape(-1)
-    out[~in_prefix] = np.frombuffer(payloads.blob, dtype=np.uint8)
+    blob = np.frombuffer(payloads.blob, dtype=np.uint8)
+    lengths = np.ascontiguousarray(payloads.lengths, dtype=np.int64)
+    out = np.empty(rows.size + len(blob), dtype=np.uint8)
+    ends = np.empty(len(rows), dtype=np.int64)
+    prefixed(rows, blob, lengths, out, ends)
     return out.tobytes(), ends
 
 

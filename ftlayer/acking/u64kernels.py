@@ -109,6 +109,11 @@ def compile_kernels() -> None:
     calls them with: `make` runs this once, so no server start waits for it."""
     from ftlayer.acking.u64map import U64Map
 
-    table = U64Map({"ack": np.uint64}, 16)
-    table.insert(np.array([5, 7], dtype=np.uint64))
-    table.delete(table.find_slots(np.array([5], dtype=np.uint64))[0])
+    for keys in (
+        np.array([5, 7], dtype=np.uint64),
+        np.frombuffer(np.array([5, 7], np.uint64).tobytes(), np.uint64),
+    ):
+        # Keys decoded off the wire are read-only arrays, which numba types apart.
+        table = U64Map({"ack": np.uint64}, 16)
+        table.insert(keys)
+        table.delete(table.find_slots(keys[:1])[0])

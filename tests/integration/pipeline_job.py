@@ -5,8 +5,10 @@ test runs this job as ``python pipeline_job.py --bootstrap ... --ft-address ...`
 starts Spark with two executor JVMs (each with its own Python workers), waits until both
 have registered, runs ftkafka source -> parse -> flaky enrich -> filter -> Kafka sink
 (the demo's user code) on processing-time triggers until every produced record was read
-and the FT layer holds no pending tree, and prints one JSON object last: the executors
-Spark had, the driver's JVM pid and the seconds each phase took. Each output value names
+and the FT layer holds no pending tree; then reads the topic again in tree mode into an
+`ft_foreach_batch` sink whose acks the steps hold (`held_sink_run`); and prints one JSON
+object last: the executors Spark had, the driver's JVM pid, the seconds each phase took
+and what the second query wrote. Each output value names
 the executor JVM whose Python worker enriched it (`jvm`), so the test can tell where the
 work ran.
 
@@ -35,7 +37,7 @@ from ftlayer.integration.harness.demo import (
     parse,
 )
 from ftlayer.integration.harness.kafka import wait_until
-from ftlayer.integration.sinks import ft_kafka_sink
+from ftlayer.integration.sinks import ft_foreach_batch, ft_kafka_sink
 from ftlayer.integration.source import register
 from ftlayer.integration.spark import local_spark
 from ftlayer.integration.tasks import FTTasks
@@ -116,6 +118,47 @@ def make_located_enrich(flaky_dir: str, fail_rate: float) -> Any:
     return located
 
 
+def held_sink_run(spark: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The same topic read again in tree mode, parse -> filter -> `ft_foreach_batch` whose
+    function counts and then collects its batch (two actions): the sink leaves its acks
+    to the steps on the executors (sink holds, integration.sinkhold). Returns the ids it
+    wrote, whether it held, and the FT layer's status once settled."""
+    settings = FTSettings(args.ft_address)
+    tasks = FTTasks(settings)
+    source = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", args.bootstrap)
+        .option("subscribe", args.source_topic)
+        .option("ft.address", args.ft_address)
+        .option("ft.completion", "tree")
+        .option("ft.sourceName", "held-sink")
+        .load()
+    )
+    kept = tasks.filter(tasks.map(source, parse, PARSED_SCHEMA), keep)
+    written: list[int] = []
+
+    def write(batch: Any, _epoch: int) -> None:
+        count = batch.count()
+        ids = [row["id"] for row in batch.select("id").collect()]
+        assert len(ids) == count
+        written.extend(ids)
+
+    sink = ft_foreach_batch(write, settings)
+    query = (
+        kept.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(workdir / "checkpoint-held"))
+        .trigger(processingTime="500 milliseconds")
+        .start()
+    )
+    try:
+        status = wait_settled(query, args.ft_address, args.source_topic, args.records, args.timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            query.stop()
+    held = sink.last_result is not None and sink.last_result.held
+    return {"ids": written, "held": held, "status": status}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bootstrap", required=True)
@@ -164,12 +207,15 @@ def main() -> None:
         finally:
             with contextlib.suppress(Exception):
                 query.stop()
+        pipeline_s = round(time.monotonic() - started, 1)
+        held_sink = held_sink_run(spark, args, workdir)
         result = {
             "executors": jsc.getExecutorMemoryStatus().size() - 1,  # the driver is listed too
             "driver_jvm": int(spark._jvm.ProcessHandle.current().pid()),
             "startup_s": round(started - began, 1),
-            "pipeline_s": round(time.monotonic() - started, 1),
+            "pipeline_s": pipeline_s,
             "status": status,
+            "held_sink": held_sink,
         }
     finally:
         spark.stop()

@@ -582,3 +582,11 @@ def test_the_pipeline_on_a_local_cluster_of_two_executor_jvms(
     assert result["executors"] == 2
     jvms = {v["jvm"] for v in values}
     assert len(jvms) == 2 and result["driver_jvm"] not in jvms, (jvms, result)
+    # The topic read again in tree mode into ft_foreach_batch: the steps on the executors
+    # held the sink's acks (no cache), every kept record was written once and every tree
+    # completed, although the sink's function computed each batch twice.
+    held = result["held_sink"]
+    assert held["held"]
+    assert sorted(held["ids"]) == sorted(expected_ids(N))
+    assert held["status"]["failed"]["timeout"] == 0 and held["status"]["pending"] == 0
+    assert held["status"]["completed"] >= 2 * N
