@@ -384,9 +384,11 @@ def _print_table(title: str, rows: dict[str, Any]) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from ftlayer.logs import configure
+    from ftlayer.memtune import tune_malloc
     from ftlayer.server import FTServer
 
     configure(args.log_format, sys.stderr)
+    tune_malloc()  # frames and chunks of megabytes, many a second (ftlayer/memtune.py)
     token = None if args.token_file is None else read_token_file(args.token_file)
     if args.http_port is None and (args.http_public or args.http_host != "127.0.0.1"):
         raise ConfigError("--http-host and --http-public go with --http-port")
