@@ -284,6 +284,9 @@ def test_failed_records_come_back_in_a_later_batch_where_their_partitioner_route
         assert client.fail(anchors(failed)[0]) == len(failed)
     ack(ft_layer, [r for r in first if r["offset"] % 5 != 0])
     produce(kafka_bootstrap, topic, records("late", 20))
+    # An AvailableNow run reads the replays queued when it starts: theirs, once their
+    # backoff (ft.retryBackoffMs) has passed.
+    wait_until(lambda: status(ft_layer)["retry_waiting"] == 0, 20, "the backoff")
 
     # The query restarts from its checkpoint: the next batch takes in the replays.
     second, _ = run_available_now(spark, opts, checkpoint)
@@ -342,6 +345,7 @@ def test_kafka_headers_are_read_replayed_with_their_record_and_written_by_the_si
     with ft_layer.client() as client:
         client.fail(anchors(failed)[0])
     ack(ft_layer, [r for r in first if r["offset"] % 4 != 0])
+    wait_until(lambda: status(ft_layer)["retry_waiting"] == 0, 20, "the backoff")
 
     # The replays come back with their headers: the FT layer kept them with the payload.
     second, _ = run_available_now(spark, opts, checkpoint)
