@@ -366,10 +366,7 @@ class FTLayer:
         """The storage write of a begun persist failed: its roots are free again, and
         nothing else changed."""
         if ticket in self._tickets:
-            self._tickets.remove(ticket)
-            self._unreserve(ticket.batch.roots)
-            if not self._tickets:
-                self._ended.clear()
+            self._end_ticket(ticket)
 
     def end_persist(self, ticket: PersistTicket, seqs: NDArray[np.uint64]) -> None:
         """The last step of a persist: its records are stored under `seqs`. The roots
@@ -378,10 +375,7 @@ class FTLayer:
         of the same records (ftlayer.core.takeover) and barrier-mode roots get their
         holds. Only now does a snapshot, a fail or an event see them."""
         self._changing()
-        self._tickets.remove(ticket)
-        self._unreserve(ticket.batch.roots)
-        if not self._tickets:
-            self._ended.clear()
+        self._end_ticket(ticket)
         batch = ticket.batch
         try:
             values, held, locators, superseded = self._to_pend(batch, ticket.initial_values)
@@ -406,6 +400,14 @@ class FTLayer:
         if values is not None and values.shape != batch.roots.shape:
             raise ValueError(f"{len(batch)} roots but {values.shape} initial ack values")
         return values
+
+    def _end_ticket(self, ticket: PersistTicket) -> None:
+        """`ticket`'s persist is over (ended or aborted): its roots are free, and with no
+        persist under way no seq needs remembering for a journal base (`_ended`)."""
+        self._tickets.remove(ticket)
+        self._unreserve(ticket.batch.roots)
+        if not self._tickets:
+            self._ended.clear()
 
     def _unreserve(self, roots: NDArray[np.uint64]) -> None:
         """The reserved `roots` of one persist (distinct, every one reserved) are free;
@@ -657,12 +659,9 @@ class FTLayer:
     def release_barrier(self, source_ids: Sequence[int]) -> int:
         """The batch of these sources is done: release every open barrier hold of
         theirs; roots nobody else holds complete. Returns how many completed."""
-        roots, values = self._holds.release(source_ids)
+        roots, values = self._release_holds(source_ids)
         if not len(roots):
             return 0
-        self._changing()
-        if self._journal is not None:  # the journal knows the holds: no pairs again
-            self._journal.release(source_ids)
         result = self.acker.xor(roots, values)
         self.stats.barrier_released += len(roots)
         if len(result.completed):
@@ -705,12 +704,9 @@ class FTLayer:
         over) are dropped. Returns how many pairs were XOR-ed, or roots failed."""
         check_sink_key(key)
         self._sink_keys.settle(key, cause)
-        roots, values = self._holds.release([key])
+        roots, values = self._release_holds([key])
         if not len(roots):
             return 0
-        self._changing()
-        if self._journal is not None:  # the journal knows the holds: no pairs again
-            self._journal.release([key])
         pending = self.acker.lookup("ack", roots)[0]
         roots, values = roots[pending], values[pending]
         if cause is not None:
@@ -726,10 +722,19 @@ class FTLayer:
         for key in self._sink_keys.older_than(now - self.persistence.timeout_s):
             roots = self._holds.roots_of(key)
             if not bool(self.acker.lookup("ack", roots)[0].any()):
-                self._holds.release([key])
-                if self._journal is not None:
-                    self._journal.release([key])
+                self._release_holds([key])
                 self._sink_keys.forget(key)
+
+    def _release_holds(self, keys: Sequence[int]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+        """Every open hold of these sources (or sink keys), (roots, values), removed
+        here and in the journal (which knows the holds: no pairs are journaled again
+        when the caller XORs them)."""
+        roots, values = self._holds.release(keys)
+        if len(roots):
+            self._changing()
+            if self._journal is not None:
+                self._journal.release(keys)
+        return roots, values
 
     @property
     def open_holds(self) -> int:

@@ -5,7 +5,7 @@ function has written it. Reading the rows' FT columns for those acks after the w
 means computing the batch twice, or caching it (integration.sinks), which costs as much
 as the FT layer's whole budget in a fast pipeline (docs/benchmarks.md). So, when the
 rows reach the sink straight from FTTasks steps over an ftkafka source, the sink asks
-the steps that produce them for the acks instead (integration.tasks, "Sink holds"):
+the steps that produce them for the acks instead (integration.sinkhold):
 each such step, in the sink's own Spark jobs, sends the ack pairs (root, id) of its
 output rows under the sink's *key*, a random 64-bit number with the top bit set (so
 never a source id), and the FT layer keeps them as holds of that key (`OpenHolds`,
@@ -21,8 +21,8 @@ so the pairs held for those are dropped at the settle, and the second computatio
 complete. A task that sends its pairs after the key was settled (a straggler: a
 speculative attempt that lost) has them applied at once, as the settle did. A key
 whose sink never settles (its driver died) keeps its holds until none of their roots
-is pending any more: the trees time out and are replayed, and `SinkKeys.stale` finds
-the key at a later tick.
+is pending any more: the trees time out and are replayed, and the first timeout
+rotation a timeout after its first hold drops the key (`FTLayer._drop_stale_sink_keys`).
 """
 
 from __future__ import annotations
