@@ -300,7 +300,11 @@ class FTForeachBatch:
                 self.fn(self._deduplicated(batch.drop(*ft_columns)), epoch_id)
             except Exception as exc:
                 # Step 4: its failure fails every root of the batch.
-                self._fail_all(batch, epoch_id, exc)
+                self._fail_all(
+                    epoch_id,
+                    exc,
+                    lambda cause: settle(batch, self.settings, ack=False, cause=cause),
+                )
                 if self.on_error == "fail-and-raise":
                     raise
                 log.warning("foreachBatch %d failed; its roots will be replayed: %r", epoch_id, exc)
@@ -329,20 +333,7 @@ class FTForeachBatch:
         try:
             self.fn(self._deduplicated(df.drop(*ft_columns)), epoch_id)
         except Exception as exc:
-            cause = Cause.of_exception(exc, "ft_foreach_batch", FailKind.SINK).clipped()
-            try:
-                failed = channel.sink_settle(key, cause)
-            except Exception as settle_exc:
-                exc.add_note(
-                    f"ftlayer: the batch's roots could not be failed ({settle_exc!r}); "
-                    "they time out and are replayed"
-                )
-                self.last_result = SinkResult(epoch_id, 0, 0, repr(exc))
-            else:
-                exc.add_note(
-                    f"ftlayer: the {failed} rows of batch {epoch_id} were failed for replay"
-                )
-                self.last_result = SinkResult(epoch_id, acked=0, failed=failed, error=repr(exc))
+            self._fail_all(epoch_id, exc, lambda cause: channel.sink_settle(key, cause), held=True)
             if self.on_error == "fail-and-raise":
                 raise
             log.warning("foreachBatch %d failed; its roots will be replayed: %r", epoch_id, exc)
@@ -355,19 +346,23 @@ class FTForeachBatch:
     def _deduplicated(self, df: DataFrame) -> DataFrame:
         return df.dropDuplicates(list(self.key)) if self.key else df
 
-    def _fail_all(self, batch: DataFrame, epoch_id: int, exc: Exception) -> None:
+    def _fail_all(
+        self, epoch_id: int, exc: Exception, fail: Callable[[Cause], int], held: bool = False
+    ) -> None:
+        """`fn` raised `exc`: fail every root of the batch (`fail(cause)`: from the cached
+        rows, or the held acks' roots), and say so on the exception and in last_result."""
         try:
             cause = Cause.of_exception(exc, "ft_foreach_batch", FailKind.SINK).clipped()
-            failed = settle(batch, self.settings, ack=False, cause=cause)
+            failed = fail(cause)
         except Exception as settle_exc:
             exc.add_note(
                 f"ftlayer: the batch's roots could not be failed ({settle_exc!r}); "
                 "they time out and are replayed"
             )
-            self.last_result = SinkResult(epoch_id, 0, 0, repr(exc))
+            self.last_result = SinkResult(epoch_id, 0, 0, repr(exc), held=held)
             return
         exc.add_note(f"ftlayer: the {failed} rows of batch {epoch_id} were failed for replay")
-        self.last_result = SinkResult(epoch_id, acked=0, failed=failed, error=repr(exc))
+        self.last_result = SinkResult(epoch_id, acked=0, failed=failed, error=repr(exc), held=held)
 
 
 def ft_foreach_batch(
