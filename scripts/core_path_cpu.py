@@ -71,7 +71,9 @@ def main() -> None:
         profile.enable()
         micro_batch(ft, storage, first)
         profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+        pstats.Stats(profile).sort_stats(os.environ.get("SORT", "tottime")).print_stats(
+            int(os.environ.get("TOP", "12"))
+        )
         storage.close()
 
 

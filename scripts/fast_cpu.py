@@ -1,6 +1,7 @@
 """Where a vectorized pipeline's CPU goes, per FT mode: one run of `bench_fast`
 (integration/harness/benchfast.py) with the CPU seconds of every process on the machine
-sampled at each run's start and end, grouped as Spark's JVM, its Python workers, the
+sampled at each run's start and one second after its end (the server's deferred deletes
+of the run land in it), grouped as Spark's JVM, its Python workers, the
 FT-layer server, the broker and the rest, and given in µs per record (the machine has
 2 cores, so CPU the server spends is CPU Spark's tasks do not get).
 
@@ -10,6 +11,7 @@ FT-layer server, the broker and the rest, and given in µs per record (the machi
 import collections
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -19,6 +21,7 @@ import ftlayer.integration.harness.benchfast as bf
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 RECORDS = 400_000
+SETTLE_S = 1.0
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -78,16 +81,20 @@ def wait_(*args: Any, **kwargs: Any) -> None:
 def capture(query: Any, records: int) -> float:
     seconds = processing_s(query, records)
     t0, before = marks.pop()
+    wall = time.perf_counter() - t0
+    time.sleep(SETTLE_S)  # the server's deferred deletes of this run land in it
     after = _cpu()
     used = {k: (after[k] - before[k]) / records * 1e6 for k in after}
-    used["wall"] = (time.perf_counter() - t0) / records * 1e6
+    used["wall"] = wall / records * 1e6
     runs.append(used)
     return seconds
 
 
 bf._wait, bf._processing_s = wait_, capture
 result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS)
-names = ["warm-up (tree)"] + ["off", "tree", "barrier"] * ROUNDS
+names = [f"warm-up ({m})" for m in bf.WARM_UP] + [
+    mode for r in range(ROUNDS) for mode in bf._order(r)
+]
 keys = [
     "wall",
     "machine busy",
@@ -101,4 +108,14 @@ keys = [
 print("µs per record   " + " ".join(f"{k:>14}" for k in keys))
 for name, used in zip(names, runs, strict=True):
     print(f"{name:15} " + " ".join(f"{used.get(k, 0.0):14.2f}" for k in keys))
+medians = {
+    mode: {
+        k: statistics.median(u.get(k, 0.0) for n, u in zip(names, runs, strict=True) if n == mode)
+        for k in keys
+    }
+    for mode in ("off", "tree", "barrier")
+}
+print("median")
+for mode, used in medians.items():
+    print(f"{mode:15} " + " ".join(f"{used[k]:14.2f}" for k in keys))
 print(json.dumps(result["batch_sizes"][str(BATCH)]))

@@ -31,6 +31,8 @@ def capture(query: Any, records: int) -> float:
 
 bf._processing_s = capture
 result = bf.bench_fast(records=400_000, batch_sizes=[BATCH], rounds=1)
-for mode, phases in zip(["warm-up (tree)", "off", "tree", "barrier"], calls, strict=False):
+for mode, phases in zip(
+    [*(f"warm-up ({m})" for m in bf.WARM_UP), "off", "tree", "barrier"], calls, strict=False
+):
     print(f"{mode:15} {phases}")
 print(json.dumps(result["batch_sizes"][str(BATCH)]))

@@ -1,7 +1,8 @@
 """Where the FT-layer server's CPU goes in the fast pipeline bench: one run of
 `bench_fast` (integration/harness/benchfast.py) at one batch size, with py-spy sampling
 the `ftlayer serve` process the whole time (threads holding the GIL only: Python at
-work, not numpy or LMDB with the GIL released), folded into the functions that take
+work, not numpy or LMDB with the GIL released; with PROFILE_NATIVE=1 every running
+thread, native frames included), folded into the functions that take
 the most samples, by own time and by time including callees, as a share of all
 samples and in µs per record of FT-on runs; and the server's whole CPU time (from
 /proc) per record. Needs py-spy in the virtualenv (`pip install py-spy`).
@@ -12,6 +13,7 @@ samples and in µs per record of FT-on runs; and the server's whole CPU time (fr
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ import ftlayer.integration.harness.benchfast as bf
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+NATIVE = os.environ.get("PROFILE_NATIVE") == "1"  # every running thread, C frames too
 RATE = 250  # samples per second
 RECORDS = 400_000
 
@@ -60,11 +63,22 @@ def _record(path: str) -> None:
         return
     threading.Thread(target=_watch_cpu, args=(pid,), daemon=True).start()
     spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    which = ["--native"] if NATIVE else ["--gil"]
     subprocess.run(
-        [spy, "record", "-p", str(pid), "-r", str(RATE), "--gil", "--format", "raw", "-o", path],
+        [spy, "record", "-p", str(pid), "-r", str(RATE), *which, "--format", "raw", "-o", path],
         capture_output=True,
         check=False,
     )
+
+
+_WAITS = ("poll", "select", "epoll_wait", "accept", "accept4", "nanosleep", "clock_nanosleep")
+
+
+def _idle(frames: list[str]) -> bool:
+    """A native stack of a thread that waits (py-spy --native samples those too): in a
+    socket wait, a sleep or a lock wait (libc's futex wait, shown as an address)."""
+    leaf = frames[-1]
+    return leaf in _WAITS or (leaf.startswith("0x") and "PyThread_acquire_lock_timed" in frames)
 
 
 def _fold(path: str) -> tuple[int, collections.Counter[str], collections.Counter[str]]:
@@ -76,7 +90,7 @@ def _fold(path: str) -> tuple[int, collections.Counter[str], collections.Counter
             stack, _, count = line.rstrip("\n").rpartition(" ")
             n = int(count)
             frames = [frame.split(" (")[0] for frame in stack.split(";")[1:]]  # no thread
-            if not frames:
+            if not frames or (NATIVE and _idle(frames)):
                 continue
             total += n
             own[frames[-1]] += n
@@ -93,8 +107,10 @@ def main() -> None:
         result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS)
         recorder.join(30)
         total, own, inclusive = _fold(raw)
-    # Records the server saw: the warm-up and each round's tree and barrier runs.
-    ft_records = RECORDS * (1 + 2 * ROUNDS)
+        if os.environ.get("PROFILE_RAW"):  # keep py-spy's raw stacks there
+            shutil.copy(raw, os.environ["PROFILE_RAW"])
+    # Records the server saw: the FT-on warm-up runs and each round's tree and barrier runs.
+    ft_records = RECORDS * (sum(m != "off" for m in bf.WARM_UP) + 2 * ROUNDS)
     us = 1e6 / RATE / ft_records
 
     def table(counter: collections.Counter[str]) -> list[dict[str, object]]:

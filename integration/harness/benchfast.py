@@ -11,9 +11,11 @@ who writes vectorized steps runs:
 on one embedded Tansu broker, one FT-layer process (`ftlayer serve`) and one local Spark
 session (`local[2,64]`), `records` small records produced once to a topic of
 `partitions` partitions. For each batch size (maxOffsetsPerTrigger), `rounds`
-alternating triples of runs: FT off, FT on in tree mode, FT on in barrier mode; each
+alternating triples of runs: FT off, FT on in tree mode, FT on in barrier mode, the
+order rotated by one each round (a run's place weighs on it: see `_order`); each
 run a new query (its own checkpoint and ft.sourceName), timed from its start until the
-sink counted every expected row and (FT on) no tree is pending; its rate is records
+sink counted every expected row and (FT on) no tree is pending, after one untimed
+warm-up run of each mode (`WARM_UP`); its rate is records
 over the time its batches took (Spark's triggerExecution of every batch that read
 records: the query's start-up, the same for every mode, is left out, since it would
 only pull the ratios towards 1; the wall-clock seconds are reported too). Before each
@@ -195,7 +197,8 @@ def bench_fast(
                 finally:
                     stop_when_idle(query)
 
-            run(sizes[0], "tree", None)  # warm-up: Python workers, JIT of the paths
+            for mode in WARM_UP:  # Python workers, the JVM's JIT of each mode's paths
+                run(sizes[-1], mode, None)
             consumer_s: list[float] = []
             seconds: dict[int, dict[str, list[float]]] = {
                 size: {"off": [], "tree": [], "barrier": []} for size in sizes
@@ -206,7 +209,7 @@ def bench_fast(
             for r in range(rounds):
                 consumer_s.append(_bare_consumer(bootstrap, topic, partitions, records))
                 for size in sizes:
-                    for mode in ("off", "tree", "barrier"):
+                    for mode in _order(r):
                         busy, wall = run(size, mode, r)
                         seconds[size][mode].append(busy)
                         walls[size][mode].append(wall)
@@ -255,6 +258,21 @@ def bench_fast(
         "meets_targets": bool(meets),
     }
     return results
+
+
+_MODES = ("off", "tree", "barrier")
+WARM_UP = _MODES
+"""The untimed runs first, one per mode at the largest batch size: the JVM keeps
+compiling the paths of each mode for several runs (a mode run first after a warm-up of
+another paid for it), and a mode's first run starts its Python workers' imports."""
+
+
+def _order(round_: int) -> tuple[str, ...]:
+    """The modes of round `round_`, rotated by one each round: a run's place in the
+    round (after the previous query's clean-up, the server's deferred deletes, the
+    JVM's collections) weighs on it, and rotating spreads that over the modes."""
+    shift = round_ % len(_MODES)
+    return _MODES[shift:] + _MODES[:shift]
 
 
 def _processing_s(query: Any, records: int) -> float:
