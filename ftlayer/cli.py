@@ -384,7 +384,7 @@ def _print_table(title: str, rows: dict[str, Any]) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from ftlayer.logs import configure
-    from ftlayer.memtune import tune_malloc
+    from ftlayer.memtune import settle_heap, tune_malloc
     from ftlayer.server import FTServer
 
     configure(args.log_format, sys.stderr)
@@ -415,6 +415,7 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with server:
+        settle_heap()  # kernels loaded, start-up heap frozen (ftlayer/memtune.py)
         host, port = server.address
         print(f"ftlayer serving on {host}:{port}", flush=True)
         if server.http_url is not None:
