@@ -277,6 +277,29 @@ def columnar_consumer(consumer: Any, chunk_records: int) -> bool:
     return True
 
 
+def probe_consumer(consumer: Any) -> bool:
+    """Make `consumer.poll()` read fetch responses for their high watermarks only: their
+    records are not decoded at all (the driver's end-offset probe, which Tansu's short
+    ListOffsets(latest) makes a fetch). False (and the consumer unchanged) if this
+    kafka-python's fetcher has no PartitionRecords to replace."""
+    fetcher = getattr(consumer, "_fetcher", None)
+    if fetcher is None or getattr(type(fetcher), "PartitionRecords", None) is not _BASE:
+        return False
+    fetcher.PartitionRecords = _HighWatermarkOnly
+    return True
+
+
+class _HighWatermarkOnly(_BASE):  # type: ignore[misc]
+    """A partition's part of a fetch response that gives poll() no record: kafka-python
+    has taken its high watermark already; the position stays where it was."""
+
+    def _unpack_records(
+        self, tp: Any, records: Any, key_deserializer: Any, value_deserializer: Any
+    ) -> Iterator[Any]:
+        self.drain()
+        yield from ()
+
+
 class ColumnarPartitionRecords(_BASE):  # type: ignore[misc]
     """kafka-python's PartitionRecords (one partition's part of a fetch response, taken
     by poll() item by item), whose items are RecordColumns of at most `chunk_records`

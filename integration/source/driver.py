@@ -50,10 +50,11 @@ from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.status import CheckpointReport
 from ftlayer.wire import DeadLetterList
 
+from .columnar import probe_consumer
 from .deadletters import dead_letter_messages
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .options import SourceOptions
-from .reader import POLL_SECONDS, new_consumer
+from .reader import new_consumer
 
 T = TypeVar("T")
 
@@ -64,6 +65,9 @@ log = logging.getLogger("ftlayer.source")
 
 # Driver-side Kafka calls: each attempt is bounded by this unless kafka.* says otherwise.
 _DRIVER_TIMEOUT_MS: Final = 1500
+# _ends polls in short slices: a probe poll returns no record, so poll() would wait out
+# its whole timeout, fetching the same batch again and again meanwhile.
+_PROBE_POLL_MS: Final = 2
 _DELIVER_CHUNK: Final = 500  # dead letters per DEAD_LETTERS request and producer flush
 # Connection settings the group-commit consumer shares with the reading consumers.
 _SECURITY: Final = frozenset(
@@ -488,6 +492,9 @@ class SourceDriver:
                 **self.options.kafka_config,
             }
             self._consumer = new_consumer(self.options.bootstrap, config)
+            # _ends polls only for the high watermark: the fetched batch is not decoded
+            # (kafka-python's decoding made each probe cost 55 ms and 4.4 ms of CPU).
+            probe_consumer(self._consumer)
         return self._consumer
 
     def _drop_consumer(self) -> None:
@@ -547,7 +554,7 @@ class SourceDriver:
             if time.monotonic() > deadline:
                 missing = sorted(f"{tp.topic}-{tp.partition}" for tp in tps if tp not in marks)
                 raise _NoFetchResponse(f"no fetch response for {missing}")
-            consumer.poll(timeout_ms=int(POLL_SECONDS * 1000))
+            consumer.poll(timeout_ms=_PROBE_POLL_MS)
             for tp in tps:
                 mark = consumer.highwater(tp)
                 if mark is not None and tp not in marks:

@@ -700,3 +700,36 @@ def test_a_range_kafka_cannot_deliver_fails_the_read_with_a_clear_error_not_a_ha
     with pytest.raises(SourceError, match=rf"{topic}-0 \[0, 8\).*nothing arrived.*offset 5"):
         read_rows(reader, beyond)
     assert time.monotonic() - began < 10
+
+
+def test_an_idle_query_looks_for_new_records_at_most_every_idle_probe_interval(
+    kafka_bootstrap: str, make_topic: MakeTopic
+) -> None:
+    """Spark asks an idle query for its latest offset every 10 ms; the source looks at
+    Kafka (and the FT layer) at most every idleProbeIntervalMs, so records that come in
+    an idle spell are planned at most that much later, and never lost."""
+    topic = make_topic(1)
+    produce(kafka_bootstrap, topic, records("idle", 3))
+    interval_s = 3.0
+    opts = options(kafka_bootstrap, [topic], idleProbeIntervalMs=int(interval_s * 1000))
+    reader = FTKafkaDataSource(opts).streamReader(source_schema(False))
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert end["kafka"][topic] == {"0": 3}
+    assert reader.latestOffset(end, ReadAllAvailable()) == end  # looked: nothing new
+    looked = time.monotonic()
+    produce(kafka_bootstrap, topic, records("idle-more", 2))
+    answer = reader.latestOffset(end, ReadAllAvailable())
+    if time.monotonic() - looked < interval_s:  # (a machine this slow cannot tell)
+        assert answer == end  # not looked again yet: the two records wait
+    wait_until(lambda: reader.latestOffset(end, ReadAllAvailable()) != end, 15, "the look")
+    assert time.monotonic() - looked >= interval_s
+    assert reader.latestOffset(end, ReadAllAvailable())["kafka"][topic] == {"0": 5}
+
+    # With 0 the source looks at every trigger: new records show at once.
+    eager = FTKafkaDataSource(options(kafka_bootstrap, [topic], idleProbeIntervalMs=0))
+    eager_reader = eager.streamReader(source_schema(False))
+    first = eager_reader.latestOffset(eager_reader.initialOffset(), ReadAllAvailable())
+    assert eager_reader.latestOffset(first, ReadAllAvailable()) == first
+    produce(kafka_bootstrap, topic, records("idle-eager", 1))
+    assert eager_reader.latestOffset(first, ReadAllAvailable())["kafka"][topic] == {"0": 6}
