@@ -118,6 +118,37 @@ def make_located_enrich(flaky_dir: str, fail_rate: float) -> Any:
     return located
 
 
+def ftkafka_source(
+    spark: Any, args: argparse.Namespace, options: dict[str, str] | None = None
+) -> Any:
+    """The job's ftkafka source over --source-topic, FT on, with `options` besides."""
+    reader = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", args.bootstrap)
+        .option("subscribe", args.source_topic)
+        .option("ft.address", args.ft_address)
+    )
+    for name, value in (options or {}).items():
+        reader = reader.option(name, value)
+    return reader.load()
+
+
+def run_settled(df: Any, sink: Any, checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run `df` into `sink` (foreachBatch) until every source record is settled
+    (wait_settled), then stop the query; returns the FT layer's status then."""
+    query = (
+        df.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="500 milliseconds")
+        .start()
+    )
+    try:
+        return wait_settled(query, args.ft_address, args.source_topic, args.records, args.timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            query.stop()
+
+
 def held_sink_run(spark: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """The same topic read again in tree mode, parse -> filter -> `ft_foreach_batch` whose
     function counts and then collects its batch (two actions): the sink leaves its acks
@@ -125,15 +156,7 @@ def held_sink_run(spark: Any, args: argparse.Namespace, workdir: Path) -> dict[s
     wrote, whether it held, and the FT layer's status once settled."""
     settings = FTSettings(args.ft_address)
     tasks = FTTasks(settings)
-    source = (
-        spark.readStream.format("ftkafka")
-        .option("kafka.bootstrap.servers", args.bootstrap)
-        .option("subscribe", args.source_topic)
-        .option("ft.address", args.ft_address)
-        .option("ft.completion", "tree")
-        .option("ft.sourceName", "held-sink")
-        .load()
-    )
+    source = ftkafka_source(spark, args, {"ft.completion": "tree", "ft.sourceName": "held-sink"})
     kept = tasks.filter(tasks.map(source, parse, PARSED_SCHEMA), keep)
     written: list[int] = []
 
@@ -144,17 +167,7 @@ def held_sink_run(spark: Any, args: argparse.Namespace, workdir: Path) -> dict[s
         written.extend(ids)
 
     sink = ft_foreach_batch(write, settings)
-    query = (
-        kept.writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(workdir / "checkpoint-held"))
-        .trigger(processingTime="500 milliseconds")
-        .start()
-    )
-    try:
-        status = wait_settled(query, args.ft_address, args.source_topic, args.records, args.timeout)
-    finally:
-        with contextlib.suppress(Exception):
-            query.stop()
+    status = run_settled(kept, sink, workdir / "checkpoint-held", args)
     held = sink.last_result is not None and sink.last_result.held
     return {"ids": written, "held": held, "status": status}
 
@@ -184,29 +197,11 @@ def main() -> None:
         register(spark)
         settings = FTSettings(args.ft_address)
         tasks = FTTasks(settings)
-        source = (
-            spark.readStream.format("ftkafka")
-            .option("kafka.bootstrap.servers", args.bootstrap)
-            .option("subscribe", args.source_topic)
-            .option("ft.address", args.ft_address)
-            .load()
-        )
-        parsed = tasks.map(source, parse, PARSED_SCHEMA)
+        parsed = tasks.map(ftkafka_source(spark, args), parse, PARSED_SCHEMA)
         enrich = make_located_enrich(str(workdir / "flaky"), args.fail_rate)
         kept = tasks.filter(tasks.map(parsed, enrich, ENRICHED_SCHEMA), keep)
-        query = (
-            kept.writeStream.foreachBatch(ft_kafka_sink(args.bootstrap, args.sink_topic, settings))
-            .option("checkpointLocation", str(workdir / "checkpoint"))
-            .trigger(processingTime="500 milliseconds")
-            .start()
-        )
-        try:
-            status = wait_settled(
-                query, args.ft_address, args.source_topic, args.records, args.timeout
-            )
-        finally:
-            with contextlib.suppress(Exception):
-                query.stop()
+        sink = ft_kafka_sink(args.bootstrap, args.sink_topic, settings)
+        status = run_settled(kept, sink, workdir / "checkpoint", args)
         pipeline_s = round(time.monotonic() - started, 1)
         held_sink = held_sink_run(spark, args, workdir)
         result = {
