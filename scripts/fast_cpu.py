@@ -16,13 +16,14 @@ import sys
 import time
 from typing import Any
 
+from proc_cpu import TICK, processes
+
 import ftlayer.integration.harness.benchfast as bf
 
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 RECORDS = 400_000
 SETTLE_S = 1.0
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _group(cmdline: str) -> str:
@@ -40,31 +41,20 @@ def _group(cmdline: str) -> str:
 def _cpu() -> collections.Counter[str]:
     """CPU seconds per group (own and waited-for children)."""
     seen: collections.Counter[str] = collections.Counter()
-    procs: dict[int, tuple[int, float, str]] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        ticks = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-        procs[int(pid)] = (int(fields[1]), ticks / _TICK, cmdline)
-    for pid, (_, seconds, cmdline) in procs.items():
+    procs = processes()
+    for pid, proc in procs.items():
         up, mine = pid, False  # only this process and its descendants
         while up in procs and up > 1:
             if up == os.getpid():
                 mine = True
                 break
-            up = procs[up][0]
+            up = procs[up].parent
         if mine:
-            seen["this bench" if pid == os.getpid() else _group(cmdline)] += seconds
+            group = "this bench" if pid == os.getpid() else _group(proc.cmdline)
+            seen[group] += proc.own_s + proc.children_s
     with open("/proc/stat") as f:
         total = [int(x) for x in f.readline().split()[1:]]
-    seen["machine busy"] = (sum(total) - total[3] - total[4]) / _TICK
+    seen["machine busy"] = (sum(total) - total[3] - total[4]) / TICK
     return seen
 
 

@@ -6,12 +6,13 @@ core. MODE: barrier (the default), tree or off; extra source options as NAME=VAL
     .venv/bin/python scripts/idle_cpu.py [IDLE_S] [MODE] [NAME=VALUE ...]
 """
 
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from proc_cpu import processes
 
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.broker import TansuBroker
@@ -25,7 +26,6 @@ from ftlayer.integration.tasks import FTTasks
 IDLE_S = float(sys.argv[1]) if len(sys.argv) > 1 else 10.0
 MODE = sys.argv[2] if len(sys.argv) > 2 else "barrier"
 EXTRA = dict(arg.split("=", 1) for arg in sys.argv[3:])
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _values(batch: Any) -> Any:
@@ -35,19 +35,7 @@ def _values(batch: Any) -> Any:
 
 
 def _cpu_by_process() -> dict[int, tuple[float, str]]:
-    found: dict[int, tuple[float, str]] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found[int(pid)] = ((int(fields[11]) + int(fields[12])) / TICK, cmdline[:90])
-    return found
+    return {pid: (p.own_s, p.cmdline[:90]) for pid, p in processes().items()}
 
 
 def main() -> None:
