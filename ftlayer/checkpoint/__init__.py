@@ -14,7 +14,7 @@ from .coordinator import (
     check_position,
     check_query,
 )
-from .snapshot import decode_snapshot, encode_snapshot
+from ftlayer.core.statecodec import decode_snapshot, encode_snapshot
 
 __all__ = [
     "CHECKPOINT_PREFIX",

@@ -95,7 +95,7 @@ from typing import Any
 
 from numpy.typing import NDArray
 
-from ftlayer.checkpoint.snapshot import encode_snapshot
+from ftlayer.core.statecodec import encode_snapshot
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.logs import fields

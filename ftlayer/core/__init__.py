@@ -1,6 +1,7 @@
-"""The FT-layer core: the FTLayer verbs (persist, xor, fail, tick, fetch_replay) over
-the acker table, the timeout persistence layer, the replay queue, the retired roots and
-the source registry. `ftlayer.core.layer` opens with the contract."""
+"""The FT-layer core: `FTLayer` (ftlayer.core.layer, which opens with the contract), a
+facade over one `CoreState` (ftlayer.core.state, which lists the rooms its verbs live
+in) over the acker table, the persistence layer, the timeouts, the replay queue, the
+retry book, the retired roots, the holds and the source registry."""
 
 from .layer import CompletionListener, FTLayer, PersistTicket
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue

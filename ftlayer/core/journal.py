@@ -61,6 +61,8 @@ from numpy.typing import NDArray
 
 from ftlayer.errors import StorageError
 
+from .statecodec import decode_snapshot
+
 __all__ = ["JOURNAL_DIR", "Journal", "JournalState"]
 
 JOURNAL_DIR: Final = "journal"
@@ -263,8 +265,6 @@ class Journal:
         return state
 
     def _read_base(self, k: int) -> dict[str, NDArray[Any]] | None:
-        from ftlayer.checkpoint.snapshot import decode_snapshot  # no cycle at import
-
         try:
             with open(self._path("base", k), "rb") as f:
                 return decode_snapshot(f.read())

@@ -84,6 +84,10 @@ class RetryRecord:
             del self.causes[_FIRST_CAUSES]
             self.omitted += 1
 
+    def copy(self) -> RetryRecord:
+        """A copy to change (the book's own changes only once its write succeeded)."""
+        return dataclasses.replace(self, causes=list(self.causes))
+
     def requeued_copy(self, source_id: int | None = None) -> RetryRecord:
         """A copy for a dead letter put back for replay: not dead, due at once, its
         retry budget counted afresh from now; its history kept."""

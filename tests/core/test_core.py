@@ -2,38 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.core import FailCause, FTLayer, RetiredRoots, SourceConfig
-from ftlayer.core.layer import _min_per_partition
+from ftlayer.core.queries import _min_per_partition
 from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(params=["lmdb", "memory"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PersistenceStorage]:
-    store: PersistenceStorage = (
-        LmdbStorage(tmp_path / "ft") if request.param == "lmdb" else MemoryStorage()
-    )
-    yield store
-    store.close()
 
 
 def _records(

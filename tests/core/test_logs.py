@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
-from ftlayer.core import FTLayer, faillog
-from ftlayer.core import layer as core_layer
+from ftlayer.core import FTLayer
 from ftlayer.core.retries import RetryPolicy
 from ftlayer.errors import StorageError
 from ftlayer.logs import FIELDS_ATTR, JsonFormatter, TextFormatter, configure, fields
@@ -25,14 +25,6 @@ from ftlayer.persistence import MemoryStorage
 from ftlayer.records import RecordBatch
 
 SOURCE = 9
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _record(message: str, *args: Any, extra: dict[str, Any] | None = None) -> logging.LogRecord:
@@ -199,8 +191,5 @@ def test_recovery_and_a_failed_requeue_write_name_their_records(json_log: io.Str
     assert len(ft2) == 2  # still pending
 
 
-def test_the_fate_codes_of_the_log_are_the_cores() -> None:
-    assert (faillog.QUEUED, faillog.WAITING, faillog.DEAD) == (
-        core_layer._QUEUE, core_layer._WAIT, core_layer._DEAD,
-    )  # fmt: skip
+def test_the_log_fields_attribute_keeps_its_name() -> None:
     assert FIELDS_ATTR == "ftlayer_fields"

@@ -1,4 +1,4 @@
-"""The snapshot codec: a checkpoint's copy of the FT layer's state (a dict of numpy
+"""The state codec: a copy of the FT layer's state (a dict of numpy
 arrays, FTLayer.state_snapshot) as one blob and back.
 
 Layout: the magic b"FTSNAP1\n", a u32 (little-endian) header length, a JSON header

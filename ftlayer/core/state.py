@@ -1,0 +1,265 @@
+"""The FT-layer core's one state object, and the primitives every room of the core uses.
+
+`FTLayer` (ftlayer.core.layer) is a facade over one `CoreState`; its verbs live in
+rooms of their own, each a module of functions over the state:
+
+- persist and takeover (ftlayer.core.persist): persist in one or three steps, re-reads
+  taking roots over;
+- XOR and completion (ftlayer.core.completion): xor, completion, deferred deletes;
+- holds (ftlayer.core.holding): barrier holds and their release, sink holds and settles;
+- failure, timeouts, requeue and replay (ftlayer.core.failure, with the table of a
+  root's life): fail, timeouts, retry fates, the replay queue;
+- recovery and state copies (ftlayer.core.recovery): recovery from storage and journal,
+  state_snapshot, journal bases;
+- dead-letter admin (ftlayer.core.deadletters): list, requeue, restore, purge;
+- queries (ftlayer.core.queries): inspect, pending offsets and counts, stats.
+
+The state is what a root's life touches: the acker table (ack value and locator per
+pending root), the persistence layer over the storage, the rotating timeouts, the
+replay queue, the retry book, the retired roots, the open holds, the batch leases,
+the read marks of takeover, the persists under way, and the counters. Only the rooms
+change it, and only one thread at a time (the facade's contract); every change to
+what `state_snapshot` copies calls `changing()` first, so a checkpoint copies lazily.
+
+The primitives here are the few steps several rooms share: start timeouts (`track`),
+route records to replay partitions (`route`), count dropped events, add holds, and
+find the rows of barrier-mode sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Hashable
+from typing import Any, cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.acking.acker import AckerTable
+from ftlayer.acking.u64map import U64Map
+from ftlayer.errors import ConfigError
+from ftlayer.persistence.base import PersistenceStorage
+from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
+from ftlayer.persistence.timeout import TimeoutPersistenceLayer
+from ftlayer.records import RecordBatch
+
+from .barrier import OpenHolds
+from .journal import Journal
+from .leases import BatchLeases, BatchTag
+from .meters import Meters
+from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
+from .retired import RetiredRoots
+from .retries import RetryBook, RetryPolicy
+from .sinkholds import SinkKeys
+from .sources import SourceConfig, SourceRegistry
+from .stats import FTStats
+from .takeover import ReadMarks
+
+__all__ = [
+    "CompletionListener",
+    "CoreState",
+    "PersistTicket",
+    "source_list",
+    "sources_of",
+    "validate_lease",
+]
+
+EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
+CompletionListener = Callable[[Completed], None]
+"""Told of the roots whose records left the pipeline (completed, or dead-lettered) with
+their Kafka coordinates: an observer for a core embedded in process."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PersistTicket:
+    """A persist between `FTLayer.begin_persist` and its end: the batch, its first ack
+    values (checked) and the store's next seq at its beginning."""
+
+    batch: RecordBatch
+    initial_values: NDArray[np.uint64] | None
+    floor: int
+
+
+class CoreState:
+    """Everything the core knows; see the module docstring. Built by FTLayer."""
+
+    def __init__(
+        self,
+        storage: PersistenceStorage,
+        *,
+        timeout_s: float,
+        buckets: int,
+        sources: dict[int, SourceConfig] | None,
+        default_source: SourceConfig | None,
+        retired_ttl_s: float | None,
+        clock: Callable[[], float],
+        defer_deletes: bool,
+        retry: RetryPolicy,
+        wall_clock: Callable[[], float],
+        seed: int | None,
+        journal: Journal | None,
+        on_timeout: Callable[[NDArray[np.uint64], NDArray[np.uint64]], None],
+    ) -> None:
+        self.clock = clock
+        self.wall = wall_clock
+        self.rng = random.Random(seed)
+        self.journal = journal
+        self.default_retry = retry
+        self.storage = storage
+        self.acker = AckerTable(columns=LOCATOR_COLUMNS)
+        self.leases = BatchLeases()
+        self.persistence = TimeoutPersistenceLayer(
+            storage,
+            timeout_s=timeout_s,
+            buckets=buckets,
+            on_timeout=on_timeout,
+            start=clock(),
+            defer_deletes=defer_deletes,
+            postpone=self._batch_running,
+        )
+        self.sources = SourceRegistry(storage, sources, default_source)
+        meta = storage.get_meta(REPLAY_SEQ_META_KEY)
+        self.queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
+        self.retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
+        self.book = RetryBook(storage)
+        self.barrier = self.sources.barrier
+        """The ids of the sources registered with barrier completion."""
+        self.holds = OpenHolds()
+        self.sink_keys = SinkKeys()
+        self.change_hooks: list[Callable[[], None]] = []
+        self.listeners: list[CompletionListener] = []
+        self.stats = FTStats()
+        self.meters = Meters()
+        self.marks = ReadMarks()
+        # Persists begun and not ended (begin_persist), and their roots, reserved: a
+        # map made afresh whenever none is under way (deleted keys cost its lookups).
+        self.tickets: set[PersistTicket] = set()
+        self.persisting = U64Map({}, key_name="root")
+        # The seqs stored by persists that ended (or records stored otherwise) while a
+        # persist was under way: a journal base taken then knows their fate although
+        # they lie at or above a ticket's floor (state_snapshot, "journal.ended_seqs").
+        self.ended: list[NDArray[np.uint64]] = []
+
+    # ---- shared primitives -----------------------------------------------------
+
+    def changing(self) -> None:
+        """Called before every change to what `state_snapshot` copies."""
+        for hook in self.change_hooks:
+            hook()
+
+    def notify(self, done: Completed) -> None:
+        """Tell every completion listener, even if one raises; then raise the first
+        error."""
+        errors: list[BaseException] = []
+        for listener in self.listeners:
+            try:
+                listener(done)
+            except Exception as exc:  # re-raised once every listener was told
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def source_config(self, source_id: int) -> SourceConfig | None:
+        return self.sources.get(source_id)
+
+    def retry_policy(self, source_id: int) -> RetryPolicy:
+        config = self.source_config(source_id)
+        return self.default_retry if config is None else config.retry
+
+    def _batch_running(self, tag: Hashable, now: float) -> bool:
+        """The timeout layer's question at an entry's expiry: postpone it?"""
+        return self.leases.running(cast(BatchTag, tag), now)
+
+    def track(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64], source_ids: NDArray[Any]
+    ) -> None:
+        """Start the timeouts of roots that became pending now (their records' storage
+        seqs aligned), each with its source's timeout (the FT layer's for sources
+        without their own), tagged with its source's open batch (postponed while that
+        batch runs)."""
+        now = self.clock()
+        sources = source_list(source_ids)
+        for source_id in sources:
+            config = self.source_config(source_id)
+            timeout = None if config is None else config.timeout_s
+            tag = self.leases.tag(source_id)
+            if len(sources) == 1:
+                self.persistence.track(roots, seqs, timeout, now, tag)
+            else:
+                rows = source_ids == source_id
+                self.persistence.track(roots[rows], seqs[rows], timeout, now, tag)
+
+    def route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
+        """(record index, target partition) pairs, by each record's source partitioner;
+        sources without a config re-enter their original partition."""
+        index_parts: list[NDArray[np.intp]] = []
+        partition_parts: list[NDArray[np.int32]] = []
+        for source_id in sources_of(batch):
+            rows = np.flatnonzero(batch.source_ids == source_id)
+            config = self.source_config(source_id)
+            if config is None:
+                index_parts.append(rows)
+                partition_parts.append(batch.partitions[rows])
+                continue
+            sub = batch.take(rows) if len(rows) < len(batch) else batch
+            idx, parts = config.partitioner.targets(sub, config.num_partitions)
+            index_parts.append(rows[idx])
+            partition_parts.append(parts.astype(np.int32))
+        if not index_parts:
+            return np.zeros(0, np.intp), np.zeros(0, np.int32)
+        index = np.concatenate(index_parts)
+        order = np.argsort(index, kind="stable")
+        return index[order], np.concatenate(partition_parts)[order]
+
+    def count_dropped(self, roots: NDArray[np.uint64]) -> None:
+        """Events for roots that are not pending: "late" for a root retired recently,
+        "unknown" otherwise."""
+        late = 0
+        if len(self.retired):
+            late = int(np.count_nonzero(self.retired.known(roots, self.clock())))
+        self.stats.late_events += late
+        self.stats.unknown_events += len(roots) - late
+
+    def add_holds(self, key: int, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
+        """Open holds (root, value) under a source id or a sink key, journaled."""
+        self.holds.add(key, roots, values)
+        if self.journal is not None:
+            self.journal.hold(key, roots, values)
+
+    def barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
+        """(source id, rows) of the rows of barrier-mode sources; None if none."""
+        found = [
+            (s, np.flatnonzero(source_ids == s))
+            for s in source_list(source_ids)
+            if s in self.barrier
+        ]
+        return found or None
+
+    def live_with_seqs(
+        self, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]
+    ) -> NDArray[np.bool_]:
+        """Which `roots` are pending under the record `seqs` names (aligned): not
+        completed, failed or persisted again since."""
+        pending, current = self.acker.lookup("seq", roots)
+        live = pending.copy()
+        live[pending] = current == seqs[pending]
+        return live
+
+
+def validate_lease(lease_s: float) -> None:
+    if not 0 <= lease_s < math.inf:  # also NaN
+        raise ConfigError(f"a lease is a finite number of seconds >= 0, got {lease_s!r}")
+
+
+def sources_of(batch: RecordBatch) -> list[int]:
+    """The distinct source ids of a batch (usually one: a batch comes from one source)."""
+    return source_list(batch.source_ids)
+
+
+def source_list(ids: NDArray[Any]) -> list[int]:
+    if len(ids) and bool((ids == ids[0]).all()):
+        return [int(ids[0])]
+    return [int(i) for i in np.unique(ids)]
