@@ -4,15 +4,15 @@
   `MemoryStorage` implement it.
 - `PersistenceLayer` (layer): stores, deletes and re-tags the records of pending
   roots; their locators live in the acker table (LOCATOR_COLUMNS).
-- `TimeoutPersistenceLayer` (timeout): the same, with rotating buckets that time out
-  roots pending for longer than the timeout.
+- `RootTimeouts` (timeout): rotating buckets that time out roots pending for longer
+  than the timeout; the core holds it beside the persistence layer.
 """
 
 from .base import PersistenceStorage, RecordNotStored
 from .layer import LOCATOR_COLUMNS, Completed, PersistenceLayer
 from .lmdb_storage import LmdbStorage
 from .memory import MemoryStorage
-from .timeout import TimeoutPersistenceLayer
+from .timeout import RootTimeouts
 
 __all__ = [
     "LOCATOR_COLUMNS",
@@ -22,5 +22,5 @@ __all__ = [
     "PersistenceLayer",
     "PersistenceStorage",
     "RecordNotStored",
-    "TimeoutPersistenceLayer",
+    "RootTimeouts",
 ]

@@ -1,4 +1,9 @@
-"""The timeout persistence layer: a persistence layer whose pending roots expire.
+"""Rotating timeouts of pending roots: `RootTimeouts`, beside the persistence layer.
+
+The core holds both: the persistence layer (ftlayer.persistence.layer) knows where a
+pending root's record is stored, this knows when the root's tree times out. Neither
+calls the other, and this holds no storage: an entry names its roots and the storage
+seqs of their records, and on_timeout hands both to the core.
 
 Every batch of roots that starts pending together (a persist, or failed records queued
 for replay) is one entry of a RotatingHashMap with n buckets, rotated every T / (n - 1)
@@ -41,8 +46,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.acking.rotating import RotatingHashMap, rotation_interval, validate_timeout
-from ftlayer.persistence.base import PersistenceStorage
-from ftlayer.persistence.layer import PersistenceLayer
 
 #: Receives the roots of batches that timed out and their records' storage seqs, aligned
 #: (some may have completed, failed or been persisted again since).
@@ -52,22 +55,19 @@ Postpone = Callable[[Hashable, float], bool]
 _Entry = tuple[NDArray[np.uint64], NDArray[np.uint64], Hashable | None]
 
 
-class TimeoutPersistenceLayer(PersistenceLayer):
-    """A PersistenceLayer whose tracked roots time out; see the module docstring."""
+class RootTimeouts:
+    """The rotating timeouts of pending roots; see the module docstring."""
 
     def __init__(
         self,
-        storage: PersistenceStorage,
         *,
         timeout_s: float,
         buckets: int = 3,
         on_timeout: TimeoutCallback,
         start: float = 0.0,
-        defer_deletes: bool = False,
         postpone: Postpone | None = None,
     ) -> None:
         validate_timeout(timeout_s, buckets)
-        super().__init__(storage, defer_deletes=defer_deletes)
         self.timeout_s = timeout_s
         self.buckets = buckets
         self.rotation_interval_s = rotation_interval(timeout_s, buckets)

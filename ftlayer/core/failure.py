@@ -115,7 +115,7 @@ def on_timeout(s: CoreState, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]
     except BaseException:
         # The batch left the rotating buckets: time its roots again, or a storage
         # error here would leave them pending with no timeout at all.
-        s.persistence.track(roots, seqs)
+        s.timeouts.track(roots, seqs)
         raise
 
 

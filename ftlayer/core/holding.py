@@ -128,7 +128,7 @@ def sink_settle(s: CoreState, key: int, cause: Cause | None = None) -> int:
 def drop_stale_sink_keys(s: CoreState, now: float) -> None:
     """Forget the holds of sink keys open longer than a timeout whose roots are all gone
     (timed out, failed, taken over): their sink will never settle them."""
-    for key in s.sink_keys.older_than(now - s.persistence.timeout_s):
+    for key in s.sink_keys.older_than(now - s.timeouts.timeout_s):
         roots = s.holds.roots_of(key)
         if not bool(s.acker.lookup("ack", roots)[0].any()):
             _release_holds(s, [key])

@@ -55,7 +55,8 @@ from ftlayer.acking.rotating import validate_timeout
 from ftlayer.causes import Cause, Causes
 from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.persistence.base import PersistenceStorage
-from ftlayer.persistence.timeout import TimeoutPersistenceLayer
+from ftlayer.persistence.layer import PersistenceLayer
+from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch, ReplayRecords
 
 from . import completion, deadletters, failure, holding, persist, queries, recovery
@@ -119,8 +120,14 @@ class FTLayer:
         return self._s.acker
 
     @property
-    def persistence(self) -> TimeoutPersistenceLayer:
+    def persistence(self) -> PersistenceLayer:
+        """Where pending roots' records are stored (and the deletes marked)."""
         return self._s.persistence
+
+    @property
+    def timeouts(self) -> RootTimeouts:
+        """The rotating timeouts of pending roots."""
+        return self._s.timeouts
 
     @property
     def stats(self) -> FTStats:
@@ -172,7 +179,7 @@ class FTLayer:
         ConfigError (nothing changed) for an unknown partitioner or bad options."""
         s = self._s
         if timeout_s is not None:
-            validate_timeout(timeout_s, s.persistence.buckets)
+            validate_timeout(timeout_s, s.timeouts.buckets)
         config = s.sources.register(
             source_id,
             partitioner,
@@ -408,7 +415,7 @@ class FTLayer:
         s.changing()
         now = s.clock() if now is None else now
         s.retired.rotate(now)
-        rotations = s.persistence.tick(now)
+        rotations = s.timeouts.tick(now)
         failure.release_due(s)
         if rotations and len(s.sink_keys):
             holding.drop_stale_sink_keys(s, now)

@@ -171,7 +171,7 @@ def current_stats(s: CoreState) -> FTStats:
     stats.retry_waiting = s.book.waiting
     stats.dead_letters = len(s.book.dead)
     stats.barrier_holds = open_holds_pending(s)
-    stats.timeouts_postponed = s.persistence.postponed
+    stats.timeouts_postponed = s.timeouts.postponed
     stats.batches_running = s.leases.status(s.clock())
     by_source = s.meters.by_source(s.persistence.number_sources())
     queued = s.queue.counts()

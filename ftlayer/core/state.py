@@ -15,7 +15,7 @@ rooms of their own, each a module of functions over the state:
 - queries (ftlayer.core.queries): inspect, pending offsets and counts, stats.
 
 The state is what a root's life touches: the acker table (ack value and locator per
-pending root), the persistence layer over the storage, the rotating timeouts, the
+pending root), the persistence layer over the storage, the rotating timeouts beside it, the
 replay queue, the retry book, the retired roots, the open holds, the batch leases,
 the read marks of takeover, the persists under way, and the counters. Only the rooms
 change it, and only one thread at a time (the facade's contract); every change to
@@ -41,8 +41,8 @@ from ftlayer.acking.acker import AckerTable
 from ftlayer.acking.u64map import U64Map
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import PersistenceStorage
-from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed
-from ftlayer.persistence.timeout import TimeoutPersistenceLayer
+from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed, PersistenceLayer
+from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch
 
 from .barrier import OpenHolds
@@ -111,13 +111,12 @@ class CoreState:
         self.storage = storage
         self.acker = AckerTable(columns=LOCATOR_COLUMNS)
         self.leases = BatchLeases()
-        self.persistence = TimeoutPersistenceLayer(
-            storage,
+        self.persistence = PersistenceLayer(storage, defer_deletes=defer_deletes)
+        self.timeouts = RootTimeouts(
             timeout_s=timeout_s,
             buckets=buckets,
             on_timeout=on_timeout,
             start=clock(),
-            defer_deletes=defer_deletes,
             postpone=self._batch_running,
         )
         self.sources = SourceRegistry(storage, sources, default_source)
@@ -187,10 +186,10 @@ class CoreState:
             timeout = None if config is None else config.timeout_s
             tag = self.leases.tag(source_id)
             if len(sources) == 1:
-                self.persistence.track(roots, seqs, timeout, now, tag)
+                self.timeouts.track(roots, seqs, timeout, now, tag)
             else:
                 rows = source_ids == source_id
-                self.persistence.track(roots[rows], seqs[rows], timeout, now, tag)
+                self.timeouts.track(roots[rows], seqs[rows], timeout, now, tag)
 
     def route(self, batch: RecordBatch) -> tuple[NDArray[np.intp], NDArray[np.int32]]:
         """(record index, target partition) pairs, by each record's source partitioner;

@@ -56,6 +56,8 @@ def test_a_batch_completes_at_its_barrier_but_its_failed_records_are_replayed() 
     _persist(ft, tree_batch)
     assert ft.open_holds == 10 and len(ft) == 13
     ft.fail(batch.roots[[4]], Cause(FailKind.EXPLICIT, "enrich", "FailException: later"))
+    # The failed root holds nothing any more: STATUS counts the 9 holds still open.
+    assert ft.current_stats().barrier_holds == 9
     # Nothing completes before the barrier, not even by the tasks' silence.
     assert not completed
     assert ft.release_barrier([BARRIER]) == 9
