@@ -26,6 +26,14 @@ transaction, or on any error nothing is. Reading operations see committed state 
 - `ConfigError`: an argument is malformed (columns of different lengths, a seq that is
   not a non-negative integer, `batch_size < 1`, an empty or over-long meta key).
 
+Arguments are checked here, once for every storage: each public verb of
+`PersistenceStorage` checks its arguments (the helpers below: `as_seqs`,
+`check_retag_columns`, `check_batch_size`, `encode_meta_key`, `check_meta_value`) and
+that the storage is open, then calls the storage's hook of the same name (`_get`,
+`_delete`, `_set_roots`, `_scan`, `_get_meta`, ...) with them checked. So every storage
+raises the same error, with the same message, for the same bad argument; a storage
+implements the hooks, and `put`, whose batch the codec checks.
+
 A storage is not thread-safe: callers use it from one thread at a time.
 
 Record value layout
@@ -128,21 +136,25 @@ class PersistenceStorage(ABC):
         65535 UTF-8 bytes, and TypeError if a payload is not bytes-like.
         """
 
-    @abstractmethod
     def delete(self, seqs: Seqs) -> int:
         """Delete the records `seqs` in one transaction; return how many were stored.
 
         Seqs that are not stored are ignored; a seq given twice counts once.
         """
+        self._check_open()
+        found = as_seqs(seqs)
+        if not len(found):
+            return 0
+        return self._delete(found)
 
-    @abstractmethod
     def get(self, seqs: Seqs) -> RecordBatch:
         """The stored records `seqs`, in that order (a seq given twice appears twice).
 
         Raises RecordNotStored naming every seq that is not stored.
         """
+        self._check_open()
+        return self._get(as_seqs(seqs))
 
-    @abstractmethod
     def set_roots(
         self,
         seqs: Seqs,
@@ -157,8 +169,11 @@ class PersistenceStorage(ABC):
         Raises RecordNotStored (nothing written) if a seq is not stored, and ConfigError
         if the three columns differ in length.
         """
+        self._check_open()
+        seq_array, root_array, replay_array = check_retag_columns(seqs, roots, replay_seqs)
+        if len(seq_array):
+            self._set_roots(seq_array, root_array, replay_array)
 
-    @abstractmethod
     def scan(
         self, batch_size: int = 65536
     ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
@@ -168,55 +183,59 @@ class PersistenceStorage(ABC):
         records put or deleted while a scan is in progress may or may not appear.
         Raises ConfigError at once if batch_size < 1.
         """
+        self._check_open()
+        check_batch_size(batch_size)
+        return self._scan(batch_size)
 
-    @abstractmethod
     def get_meta(self, key: str) -> bytes | None:
         """The value stored under meta key `key`, or None."""
+        self._check_open()
+        return self._get_meta(encode_meta_key(key))
 
-    @abstractmethod
     def put_meta(self, key: str, value: bytes) -> None:
         """Store `value` under meta key `key` (1 to 511 UTF-8 bytes), replacing any old value.
 
         Meta entries live apart from the records: FT-layer state such as checkpoints.
         """
+        self._check_open()
+        raw_key = encode_meta_key(key)
+        check_meta_value(value)
+        self._put_meta(raw_key, value)
 
-    @abstractmethod
     def delete_meta(self, key: str) -> bool:
         """Remove meta key `key`; True if it was there."""
+        self._check_open()
+        return self._delete_meta(encode_meta_key(key))
 
-    @abstractmethod
     def update_meta(self, puts: Mapping[str, MetaValue], deletes: Sequence[str] = ()) -> None:
         """Store `puts` and remove `deletes` (absent keys are ignored) in one
         transaction: all of it happens, or (on an error) none of it."""
+        self._check_open()
+        self._update_meta(*encode_meta_changes(puts, deletes))
 
-    @abstractmethod
     def meta_keys(self, prefix: str = "") -> list[str]:
         """The meta keys that start with `prefix`, in byte order of their UTF-8 form."""
+        self._check_open()
+        return self._meta_keys(prefix.encode())
 
     def stage_meta(self, puts: Mapping[str, bytes], deletes: Sequence[str] = ()) -> None:
         """Like `update_meta`, but a storage may commit these with its next write
         (records, deletes or meta) rather than in a transaction of their own: not
         durable until then (or `flush_staged`), though readable at once. For small
         bookkeeping written often (checkpoint records), so it never costs a sync of
-        its own. This default commits at once."""
-        self.update_meta(puts, deletes)
+        its own."""
+        self._check_open()
+        self._stage_meta(*encode_meta_changes(puts, deletes))
 
     def stage_deletes(self, seqs: Seqs) -> None:
         """Like `delete`, but a storage may carry out these deletes with its next write
         (say, the next `put`) rather than in a transaction of their own. For records
         whose trees completed: until then they stay stored, and a crash before it
-        replays them after the restart (duplicates, never a loss). This default
-        deletes at once."""
-        self.delete(seqs)
-
-    @property
-    def staged_deletes(self) -> int:
-        """Records staged for deletion and not deleted yet (0 where none are staged)."""
-        return 0
-
-    def flush_staged(self, older_than_s: float = 0.0) -> None:  # noqa: B027 (no-op default)
-        """Commit what `stage_meta` and `stage_deletes` left staged, now; with
-        `older_than_s`, only if something has waited that long (no write carried it)."""
+        replays them after the restart (duplicates, never a loss)."""
+        self._check_open()
+        found = as_seqs(seqs)
+        if len(found):
+            self._stage_deletes(found)
 
     @property
     @abstractmethod
@@ -243,6 +262,62 @@ class PersistenceStorage(ABC):
     @abstractmethod
     def closed(self) -> bool:
         """True once `close` was called."""
+
+    # The hooks behind the verbs above: each is called with the storage open and its
+    # arguments checked (seqs as a 1-d uint64 array, meta keys UTF-8 encoded, meta
+    # values bytes-like); `delete`, `set_roots` and `stage_deletes` call theirs only
+    # with at least one seq.
+
+    @abstractmethod
+    def _check_open(self) -> None:
+        """Raise StorageError if the storage is closed."""
+
+    @abstractmethod
+    def _delete(self, seqs: NDArray[np.uint64]) -> int: ...
+
+    @abstractmethod
+    def _get(self, seq_array: NDArray[np.uint64]) -> RecordBatch: ...
+
+    @abstractmethod
+    def _set_roots(
+        self,
+        seq_array: NDArray[np.uint64],
+        root_array: NDArray[np.uint64],
+        replay_array: NDArray[np.uint64],
+    ) -> None:
+        """`set_roots` of columns of one length, at least one seq."""
+
+    @abstractmethod
+    def _scan(
+        self, batch_size: int
+    ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]: ...
+
+    @abstractmethod
+    def _get_meta(self, key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def _put_meta(self, key: bytes, value: MetaValue) -> None: ...
+
+    @abstractmethod
+    def _delete_meta(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def _update_meta(
+        self, puts: Sequence[tuple[bytes, MetaValue]], deletes: Sequence[bytes]
+    ) -> None: ...
+
+    @abstractmethod
+    def _meta_keys(self, prefix: bytes) -> list[str]: ...
+
+    def _stage_meta(
+        self, puts: Sequence[tuple[bytes, MetaValue]], deletes: Sequence[bytes]
+    ) -> None:
+        """This default commits at once."""
+        self._update_meta(puts, deletes)
+
+    def _stage_deletes(self, seqs: NDArray[np.uint64]) -> None:
+        """This default deletes at once."""
+        self._delete(seqs)
 
     def __enter__(self) -> Self:
         return self
@@ -295,6 +370,7 @@ def check_stored(seqs: NDArray[np.uint64], values: Sequence[bytes | None]) -> No
 
 
 def check_batch_size(batch_size: int) -> None:
+    """ConfigError unless a scan's `batch_size` is at least 1."""
     if batch_size < 1:
         raise ConfigError(f"scan batch_size must be at least 1, got {batch_size}")
 
@@ -310,6 +386,24 @@ def encode_meta_key(key: str) -> bytes:
             f"{key[:40]!r}"
         )
     return encoded
+
+
+def check_meta_value(value: object) -> None:
+    """TypeError unless `value` is bytes-like (a meta value)."""
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"meta values are bytes, got {type(value).__name__}")
+
+
+def encode_meta_changes(
+    puts: Mapping[str, MetaValue], deletes: Sequence[str]
+) -> tuple[list[tuple[bytes, MetaValue]], list[bytes]]:
+    """The keys of `puts` and `deletes` encoded (`encode_meta_key`), then the values of
+    `puts` checked (`check_meta_value`): what `update_meta` and `stage_meta` write."""
+    raw_puts = [(encode_meta_key(key), value) for key, value in puts.items()]
+    raw_deletes = [encode_meta_key(key) for key in deletes]
+    for _, value in raw_puts:
+        check_meta_value(value)
+    return raw_puts, raw_deletes
 
 
 def encode_records(batch: RecordBatch) -> list[bytes]:

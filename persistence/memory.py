@@ -8,12 +8,15 @@ a record costs its encoded bytes plus one dict entry.
 Seqs start at 1 and are never reused within the storage's life. The dict is filled in
 seq order and `set_roots` replaces values in place, so iterating it is seq order and
 `scan` needs no sort.
+
+The arguments of every verb are checked by `PersistenceStorage` (base) before they
+reach the hooks here, as for LMDB.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 
 import numpy as np
@@ -25,13 +28,8 @@ from ftlayer.records import RecordBatch
 from .base import (
     MetaValue,
     PersistenceStorage,
-    Seqs,
-    as_seqs,
-    check_batch_size,
-    check_retag_columns,
     check_stored,
     decode_records,
-    encode_meta_key,
     encode_records,
     retag_records,
 )
@@ -65,40 +63,28 @@ class MemoryStorage(PersistenceStorage):
         self._next_seq = first + n
         return seqs
 
-    def delete(self, seqs: Seqs) -> int:
-        self._check_open()
+    def _delete(self, seqs: NDArray[np.uint64]) -> int:
         before = len(self._values)
-        for _ in map(self._values.pop, as_seqs(seqs).tolist(), repeat(None)):
+        for _ in map(self._values.pop, seqs.tolist(), repeat(None)):
             pass
         return before - len(self._values)
 
-    def get(self, seqs: Seqs) -> RecordBatch:
-        self._check_open()
-        seq_array = as_seqs(seqs)
+    def _get(self, seq_array: NDArray[np.uint64]) -> RecordBatch:
         values = list(map(self._values.get, seq_array.tolist()))
         check_stored(seq_array, values)
         return decode_records(values)[0]  # type: ignore[arg-type]  # checked: no None
 
-    def set_roots(
+    def _set_roots(
         self,
-        seqs: Seqs,
-        roots: NDArray[np.uint64] | Sequence[int],
-        replay_seqs: NDArray[np.uint64] | Sequence[int],
+        seq_array: NDArray[np.uint64],
+        root_array: NDArray[np.uint64],
+        replay_array: NDArray[np.uint64],
     ) -> None:
-        self._check_open()
-        seq_array, root_array, replay_array = check_retag_columns(seqs, roots, replay_seqs)
         keys = seq_array.tolist()
         old = list(map(self._values.get, keys))
         check_stored(seq_array, old)
         new = retag_records(old, root_array, replay_array)  # type: ignore[arg-type]
         self._values.update(zip(keys, new, strict=True))
-
-    def scan(
-        self, batch_size: int = 65536
-    ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
-        self._check_open()
-        check_batch_size(batch_size)
-        return self._scan(batch_size)
 
     def _scan(
         self, batch_size: int
@@ -113,36 +99,24 @@ class MemoryStorage(PersistenceStorage):
                 batch, replay_seqs = decode_records([values[seq] for seq in seqs])
                 yield np.array(seqs, dtype=np.uint64), batch, replay_seqs
 
-    def get_meta(self, key: str) -> bytes | None:
-        self._check_open()
-        return self._meta.get(encode_meta_key(key))
+    def _get_meta(self, key: bytes) -> bytes | None:
+        return self._meta.get(key)
 
-    def put_meta(self, key: str, value: bytes) -> None:
-        self._check_open()
-        raw_key = encode_meta_key(key)
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise TypeError(f"meta values are bytes, got {type(value).__name__}")
-        self._meta[raw_key] = bytes(value)
+    def _put_meta(self, key: bytes, value: MetaValue) -> None:
+        self._meta[key] = bytes(value)
 
-    def delete_meta(self, key: str) -> bool:
-        self._check_open()
-        return self._meta.pop(encode_meta_key(key), None) is not None
+    def _delete_meta(self, key: bytes) -> bool:
+        return self._meta.pop(key, None) is not None
 
-    def update_meta(self, puts: Mapping[str, MetaValue], deletes: Sequence[str] = ()) -> None:
-        self._check_open()
-        raw_puts = {encode_meta_key(key): value for key, value in puts.items()}
-        raw_deletes = [encode_meta_key(key) for key in deletes]
-        for value in raw_puts.values():
-            if not isinstance(value, bytes | bytearray | memoryview):
-                raise TypeError(f"meta values are bytes, got {type(value).__name__}")
-        for key in raw_deletes:
+    def _update_meta(
+        self, puts: Sequence[tuple[bytes, MetaValue]], deletes: Sequence[bytes]
+    ) -> None:
+        for key in deletes:
             self._meta.pop(key, None)
-        self._meta.update((key, bytes(value)) for key, value in raw_puts.items())
+        self._meta.update((key, bytes(value)) for key, value in puts)
 
-    def meta_keys(self, prefix: str = "") -> list[str]:
-        self._check_open()
-        raw = prefix.encode()
-        return [key.decode() for key in sorted(self._meta) if key.startswith(raw)]
+    def _meta_keys(self, prefix: bytes) -> list[str]:
+        return [key.decode() for key in sorted(self._meta) if key.startswith(prefix)]
 
     @property
     def next_seq(self) -> int:

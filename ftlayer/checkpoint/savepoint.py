@@ -53,18 +53,23 @@ empty:
    to N. Then route every stored record as the FT layer's recovery will (a dry run of
    `FTLayer._recover`'s routing), so a partition count a partitioner refuses (key-group
    beyond max_parallelism, forward below a record's original partition) is a clear
-   error now instead of a server that cannot start.
+   error now instead of a server that cannot start. Count the replays per source and
+   partition, and the dead letters per source apart (recovery does not replay them).
 4. Delete the checkpoint records and snapshots: they describe the old job's Spark
    checkpoint, and the restored job starts a new one. Their positions stay in the
    manifest.
 5. Close, fsync, and rename the staging directory to the target.
 
 When `ftlayer serve --data-dir <target>` starts, recovery replays every stored record
-under a new root, routed by its source's partitioner with the restored partition count:
-under `key-group`, each record goes to the partition that owns its key group at the
-new count, where its key's state now lives. A new query of the same sources (same
-`ft.sourceName` and topics) takes all those replays in its first batch. The manifest's
-positions give the Kafka `startingOffsets` that new query should use
+but the dead letters under a new root, routed by its source's partitioner with the
+restored partition count: under `key-group`, each record goes to the partition that
+owns its key group at the new count, where its key's state now lives. A new query of
+the same sources (same `ft.sourceName` and topics) takes all those replays in its first
+batch (a record still waiting for its retry backoff, at the end of the backoff). A dead
+letter is restored as a dead letter, with its retry record: it is not replayed, and
+`ftlayer dead-letters` delivers, requeues or purges it as before the savepoint; its
+routing is checked at the new partition count too, since a requeue routes it. The
+manifest's positions give the Kafka `startingOffsets` that new query should use
 (`RestoreResult.starting_offsets`).
 """
 
@@ -77,6 +82,7 @@ import os
 import re
 import secrets
 import shutil
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -94,6 +100,7 @@ from ftlayer.checkpoint import (
     CheckpointState,
 )
 from ftlayer.core import REPLAY_SEQ_META_KEY, SOURCES_META_KEY, SourceConfig
+from ftlayer.core.retries import DEAD_LETTER
 from ftlayer.errors import ConfigError, FTLayerError, NotAnLmdbEnvironment, StorageError
 from ftlayer.partitioners import KeyGroupPartitioner
 from ftlayer.partitioners.key_groups import check_max_parallelism
@@ -177,11 +184,20 @@ class RestoreResult:
     """The registrations as restored (partition counts rewritten with `partitions`)."""
     partitions: int | None
     replays: dict[str, dict[int, int]]
-    """Per source id: how many replays recovery will queue for each partition."""
+    """Per source id: how many replays recovery will queue for each partition (dead
+    letters are not replayed: they are counted in `dead_letters`)."""
+    dead_letters: dict[str, int]
+    """Per source id with any: how many stored records are dead letters, restored as
+    dead letters."""
     starting_offsets: dict[str, dict[str, dict[str, int]]]
     """Per checkpoint query name: the ftkafka `startingOffsets` ({topic: {partition:
     offset}}) for the restored job; partitions beyond the savepoint's get -2."""
     dropped_checkpoint_entries: int
+
+    @property
+    def replayed_records(self) -> int:
+        """The stored records recovery replays: all but the dead letters."""
+        return sum(n for per_partition in self.replays.values() for n in per_partition.values())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -191,6 +207,7 @@ class RestoreResult:
             "sources": self.sources,
             "partitions": self.partitions,
             "replays": {sid: {str(p): n for p, n in c.items()} for sid, c in self.replays.items()},
+            "dead_letters": self.dead_letters,
             "starting_offsets": self.starting_offsets,
             "dropped_checkpoint_entries": self.dropped_checkpoint_entries,
         }
@@ -462,7 +479,7 @@ def restore_savepoint(
                 storage.update_meta(
                     {SOURCES_META_KEY: json.dumps(sources, sort_keys=True).encode()}
                 )
-            replays = _dry_run_recovery(storage, sources, partitions)
+            replays, dead_letters = _dry_run_recovery(storage, sources, partitions)
             # Step 4.
             checkpoint_keys = storage.meta_keys(CHECKPOINT_PREFIX)
             storage.update_meta({}, [*checkpoint_keys, *storage.meta_keys(SNAPSHOT_PREFIX)])
@@ -488,6 +505,7 @@ def restore_savepoint(
         sources=sources,
         partitions=partitions,
         replays=replays,
+        dead_letters=dead_letters,
         starting_offsets=offsets,
         dropped_checkpoint_entries=len(checkpoint_keys),
     )
@@ -503,22 +521,30 @@ def _check_empty_target(target: Path) -> None:
 
 def _dry_run_recovery(
     storage: LmdbStorage, sources: Mapping[str, Mapping[str, Any]], partitions: int | None
-) -> dict[str, dict[int, int]]:
+) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
     """Route every stored record as FTLayer recovery will, with fresh partitioners
-    from `sources`; returns per source id the replays per target partition. ConfigError
-    naming the source if its partitioner refuses the partition count or a record."""
+    from `sources`; returns per source id the replays per target partition, and per
+    source id the dead letters (which recovery leaves as they are, but which a requeue
+    routes the same way, so they are routed here too). ConfigError naming the source
+    if its partitioner refuses the partition count or a record."""
     configs: dict[int, SourceConfig] = {}
     for sid, spec in sources.items():
         configs[int(sid)] = _config_of(sid, spec)
     counts: dict[str, dict[int, int]] = {}
-    for _seqs, batch, _replay_seqs in storage.scan():
+    dead: Counter[str] = Counter()
+    for _seqs, batch, replay_seqs in storage.scan():
+        is_dead = replay_seqs == DEAD_LETTER
         for source_id in np.unique(batch.source_ids).tolist():
-            rows = batch.take(np.flatnonzero(batch.source_ids == source_id))
+            of_source = batch.source_ids == source_id
+            rows = batch.take(np.flatnonzero(of_source))
             targets = _targets(rows, configs.get(int(source_id)), int(source_id), partitions)
+            replayed = targets[~is_dead[of_source]]
+            dead[str(source_id)] += int(np.count_nonzero(is_dead & of_source))
             per_source = counts.setdefault(str(source_id), {})
-            for partition, n in zip(*np.unique(targets, return_counts=True), strict=True):
+            for partition, n in zip(*np.unique(replayed, return_counts=True), strict=True):
                 per_source[int(partition)] = per_source.get(int(partition), 0) + int(n)
-    return {sid: dict(sorted(c.items())) for sid, c in sorted(counts.items())}
+    replays = {sid: dict(sorted(c.items())) for sid, c in sorted(counts.items())}
+    return replays, {sid: n for sid, n in sorted(dead.items()) if n}
 
 
 def _config_of(sid: str, spec: Mapping[str, Any]) -> SourceConfig:

@@ -15,6 +15,7 @@ topic that does not exist) is checked when the query starts.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import zlib
@@ -475,7 +476,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
             raise ConfigError(f"option {name} is not supported by ftkafka; use {instead}")
     for name in given.raw:
         if name not in _BY_KEY and not any(name.startswith(p.key) for p in _PREFIXES):
-            raise ConfigError(f"unknown option {name!r} for the ftkafka source")
+            raise ConfigError(_unknown_option(name))
     bootstrap = (given.text("kafka.bootstrap.servers") or "").strip()
     if not bootstrap:
         raise ConfigError("option kafka.bootstrap.servers is required (HOST:PORT,...)")
@@ -518,6 +519,14 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         replay_column=given.boolean("ft.replayColumn", False),
         idle_probe_s=_required(given.integer("idleProbeIntervalMs")) / 1000,
     )
+
+
+def _unknown_option(name: str) -> str:
+    """The error for an option nobody declared, with the declared name nearest to it
+    (a misspelling is the usual cause)."""
+    message = f"unknown option {name!r} for the ftkafka source"
+    near = difflib.get_close_matches(name.lower(), _BY_KEY, n=1, cutoff=0.75)
+    return f"{message}; did you mean {_BY_KEY[near[0]].name}?" if near else message
 
 
 def _retry_policy(given: _Given) -> RetryPolicy:

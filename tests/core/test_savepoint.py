@@ -184,6 +184,7 @@ def test_restore_with_twice_the_partitions_replays_every_stored_record_by_key_gr
         str(KEYED): dict(sorted(Counter(keyed.values()).items())),
         str(FORWARD): dict(sorted(Counter(forward.values()).items())),
     }
+    assert result.dead_letters == {} and result.replayed_records == stored
 
 
 def test_restore_without_partitions_keeps_the_partition_counts(job: Job, tmp_path: Path) -> None:
@@ -595,7 +596,9 @@ def test_cli_refuses_the_data_dir_of_a_running_process(
     assert done.stderr.count("\n") == 1
 
 
-def test_a_savepoint_keeps_retry_counts_due_times_and_dead_letters(tmp_path: Path) -> None:
+def test_a_savepoint_keeps_retry_counts_due_times_and_dead_letters_apart_from_replays(
+    tmp_path: Path,
+) -> None:
     from ftlayer.causes import Cause, FailKind
     from ftlayer.policy import RetryPolicy
 
@@ -613,7 +616,13 @@ def test_a_savepoint_keeps_retry_counts_due_times_and_dead_letters(tmp_path: Pat
     assert waiting is not None and ft.dead_letter_count == 1
     create_savepoint(store, tmp_path / "savepoints", "with-retries")
     store.close()
-    restore_savepoint(tmp_path / "savepoints", "with-retries", tmp_path / "restored")
+    result = restore_savepoint(tmp_path / "savepoints", "with-retries", tmp_path / "restored")
+    # The dead letter (b, from partition 1) is stored but not replayed: it is counted
+    # apart, and stays a dead letter. a (waiting) and c (pending) replay into partition 0.
+    assert result.stored_records == 3
+    assert result.replays == {"5": {0: 2}} and result.replayed_records == 2
+    assert result.dead_letters == {"5": 1}
+    assert result.as_dict()["dead_letters"] == {"5": 1}
     restored = LmdbStorage(tmp_path / "restored")
     again = FTLayer(restored, wall_clock=lambda: 1001.0)
     kept = again.retry_record(1)

@@ -19,6 +19,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,41 @@ def test_every_walkthrough_block_is_found() -> None:
         "produce_orders.py",
         "check_totals.py",
     }
+
+
+def saved_file(guide: str, name: str) -> str:
+    """The body of the walkthrough block the guide saves as `name`."""
+    found = [m["body"] for m in _BLOCK.finditer(guide) if m["name"] == name]
+    assert len(found) == 1, f"the guide saves {name} {len(found)} times"
+    return found[0]
+
+
+def test_a_misspelt_option_ends_the_guide_job_in_one_line(tmp_path: Path) -> None:
+    """The guide's job checks its options before Spark starts: a misspelt name ends it
+    within seconds with one plain line naming the option and the nearest valid name,
+    and no trace (no broker, FT layer or token file needed: nothing is reached)."""
+    job = saved_file(GUIDE.read_text(), "job.py")
+    right = '"maxOffsetsPerTrigger": "5000",'
+    assert right in job, "the guide's job no longer sets maxOffsetsPerTrigger"
+    (tmp_path / "job.py").write_text(job.replace(right, '"maxOffsetPerTrigger": "5000",'))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "SPARK"))}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "job.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert done.stdout == ""
+    assert done.stderr == (
+        "orders-job: unknown option 'maxoffsetpertrigger' for the ftkafka source; "
+        "did you mean maxOffsetsPerTrigger?\n"
+    )
+    assert took < 30, f"the job took {took:.0f} s to report a misspelt option"
 
 
 @pytest.mark.integration

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from test_storage_contract import Row, make_batch, rows_of, rows_strategy
 
 from ftlayer.errors import StorageError
-from ftlayer.persistence import lmdb_storage
 from ftlayer.persistence.base import (
     PersistenceStorage,
     RecordNotStored,
@@ -34,6 +33,7 @@ from ftlayer.persistence.base import (
     encode_records,
     retag_records,
 )
+from ftlayer.persistence.lmdb_layout import ChunkHead
 from ftlayer.persistence.lmdb_storage import FORMAT_MARKER, LmdbStorage
 from ftlayer.persistence.memory import MemoryStorage
 from ftlayer.records import Payloads, RecordBatch
@@ -61,7 +61,7 @@ def check_chunks(storage: LmdbStorage) -> None:
     stored byte, at most a quarter of the stored records with an override)."""
     chunks = storage._chunks
 
-    def heads(txn: lmdb.Transaction[bytes]) -> list[lmdb_storage._Head]:
+    def heads(txn: lmdb.Transaction[bytes]) -> list[ChunkHead]:
         cursor = txn.cursor(db=chunks.index_db)
         return [chunks.head_at(txn, cursor) for _ in cursor.iternext(values=False)]
 
@@ -323,6 +323,9 @@ def test_a_few_records_kept_from_many_batches_do_not_keep_the_batches(tmp_path: 
         check_chunks(storage)
 
 
+# No deadline: the first example loads the chunk layout's numba kernel (about a second
+# on a busy machine); speed is the benchmarks' business.
+@settings(deadline=None)
 @given(
     st.lists(st.binary(max_size=40), max_size=60),
     st.lists(st.sampled_from(["in", "other-topic"]), min_size=60, max_size=60),

@@ -132,10 +132,18 @@ def test_threads_putting_deleting_and_reading_while_the_map_grows_lose_nothing(
     tmp_path: Path,
 ) -> None:
     """Three threads put, one deletes what they stored, one reads all along, from a
-    map of 64 KiB that has to grow many times (each resize waits for the reads)."""
+    map of 64 KiB that has to grow many times (each resize waits for the reads).
+
+    Every put and every delete is one batch of 500 records in one transaction, so a
+    read sees a whole number of batches, and no fewer (more) than were stored before
+    (by the end of) the read: puts and deletes that returned, give or take those that
+    were committing while it ran (three puts, one delete)."""
+    per_batch = 500
     with LmdbStorage(tmp_path / "store", map_size=64 * 1024) as storage:
         stored: list[np.ndarray] = []
         stored_lock = threading.Lock()
+        returned = {"put": 0, "deleted": 0}  # records of the puts (deletes) that returned
+        counts_seen: list[int] = []
         errors: list[BaseException] = []
         putting = 3
         done = threading.Event()
@@ -143,9 +151,11 @@ def test_threads_putting_deleting_and_reading_while_the_map_grows_lose_nothing(
         def put(k: int) -> None:
             try:
                 for i in range(20):
-                    seqs = storage.put(batch_of(500, start=(k * 20 + i) * 500, payload_size=200))
+                    start = (k * 20 + i) * per_batch
+                    seqs = storage.put(batch_of(per_batch, start=start, payload_size=200))
                     with stored_lock:
                         stored.append(seqs)
+                        returned["put"] += len(seqs)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -158,6 +168,8 @@ def test_threads_putting_deleting_and_reading_while_the_map_grows_lose_nothing(
                         time.sleep(0.001)
                         continue
                     assert storage.delete(seqs) == len(seqs)
+                    with stored_lock:
+                        returned["deleted"] += len(seqs)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -166,7 +178,14 @@ def test_threads_putting_deleting_and_reading_while_the_map_grows_lose_nothing(
                 while not done.is_set():
                     with stored_lock:
                         seqs = stored[-1] if stored else None
-                    assert len(storage) >= 0
+                        put_before, deleted_before = returned["put"], returned["deleted"]
+                    count = len(storage)
+                    with stored_lock:
+                        put_after, deleted_after = returned["put"], returned["deleted"]
+                    counts_seen.append(count)
+                    assert count % per_batch == 0, f"{count} records: part of a transaction"
+                    assert put_before - deleted_after - per_batch <= count, count
+                    assert count <= put_after + putting * per_batch - deleted_before, count
                     if seqs is not None:
                         try:
                             batch = storage.get(seqs[:5])
@@ -186,8 +205,9 @@ def test_threads_putting_deleting_and_reading_while_the_map_grows_lose_nothing(
         for thread in helpers:
             thread.join(120)
         assert not errors, errors
+        assert max(counts_seen) > 0  # the reads ran while records were stored
         assert len(storage) == 0
-        assert storage.next_seq == 1 + putting * 20 * 500
+        assert storage.next_seq == 1 + putting * 20 * per_batch
         assert storage.map_size > 64 * 1024
 
 
