@@ -2,6 +2,8 @@
 layer at every micro-batch boundary, completion by mode, the group offsets a
 checkpoint allows) and savepoints (`ftlayer.checkpoint.savepoint`)."""
 
+from ftlayer.core.statecodec import decode_snapshot, encode_snapshot
+
 from .coordinator import (
     CHECKPOINT_PREFIX,
     MAX_QUERY_CHARS,
@@ -14,7 +16,6 @@ from .coordinator import (
     check_position,
     check_query,
 )
-from ftlayer.core.statecodec import decode_snapshot, encode_snapshot
 
 __all__ = [
     "CHECKPOINT_PREFIX",

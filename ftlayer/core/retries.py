@@ -121,23 +121,25 @@ class RetryRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RetryRecord:
+        """Strict: ValueError unless `data` is what to_json wrote (counts are ints, times
+        are numbers, never bools or strings)."""
         try:
             causes = [
-                (float(c["at"]), Cause.from_json({k: v for k, v in c.items() if k != "at"}))
+                (_number(c["at"]), Cause.from_json({k: v for k, v in c.items() if k != "at"}))
                 for c in data["causes"]
             ]
             dead_at = data.get("dead_at")
             return cls(
-                source_id=int(data["source_id"]),
-                attempts=int(data["attempts"]),
-                first_failed=float(data["first_failed"]),
-                last_failed=float(data["last_failed"]),
-                due=float(data["due"]),
+                source_id=_integer(data["source_id"]),
+                attempts=_integer(data["attempts"]),
+                first_failed=_number(data["first_failed"]),
+                last_failed=_number(data["last_failed"]),
+                due=_number(data["due"]),
                 causes=causes,
-                omitted=int(data.get("omitted", 0)),
-                dead_at=None if dead_at is None else float(dead_at),
-                requeued=int(data.get("requeued", 0)),
-                budget_from=int(data.get("budget_from", 0)),
+                omitted=_integer(data.get("omitted", 0)),
+                dead_at=None if dead_at is None else _number(dead_at),
+                requeued=_integer(data.get("requeued", 0)),
+                budget_from=_integer(data.get("budget_from", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad retry record {dict(data)!r}: {exc}") from None
@@ -333,3 +335,15 @@ class RetryBook:
         for due, seq, root in self._waiting:
             if self._waiting_roots.get(seq) == root:
                 yield seq, root, due
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)

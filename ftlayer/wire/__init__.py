@@ -1,10 +1,14 @@
 """The FT-layer wire protocol: frames, message bodies and the handshake, as pure functions.
 
-`frames` (the frame codec, kinds, error codes, typed errors), `auth` (the handshake)
-and `messages` (one type and codec per kind; `decode`, the table from kind to decoder).
+`frames` (the frame codec, kinds, error codes, typed errors), `auth` (the handshake),
+`blocks` (what bodies share: the record block, causes, JSON, the integer and text
+rules), one type and codec per kind by concern in `data` (the data path), `control`
+(registration, checkpoints, savepoints, heartbeats, status, OK, ERROR) and `admin`
+(dead letters, INSPECT), and `messages` (`decode`, the table from kind to decoder, and
+every message re-exported).
 
-Sources and tasks talk to the FT-layer server over one byte stream (TCP or a Unix
-socket). This module turns messages into bytes and bytes back into messages; it opens no
+Sources and tasks talk to the FT-layer server over one byte stream (TCP, optionally
+inside TLS). This module turns messages into bytes and bytes back into messages; it opens no
 socket. docs/protocol.md documents every byte; this docstring is the summary.
 
 Frames
@@ -39,21 +43,26 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x15 | REGISTER_SOURCE     | u32 source id, utf-8 JSON object {"partitioner": str,       |
 |      |                     | "num_partitions": int, "options": object[, "timeout_s":     |
 |      |                     | a finite positive number, "retry": object,                  |
-|      |                     | "dead_letter_topic": str, "completion": "tree"|"barrier"]}  |
+|      |                     | "dead_letter_topic": str, "completion": "tree"|"barrier"]}; |
+|      |                     | "retry" has int "max_retries", "backoff_ms",                |
+|      |                     | "backoff_max_ms", each optional                             |
 | 0x20 | CHECKPOINT_BEGIN    | utf-8 JSON object {"query": str, "position": {"kafka":     |
 |      |                     | {topic: {partition: offset}}, "replay": int}, "sources":    |
 |      |                     | [u32], "mode": "aligned" or "unaligned"}                    |
 |      |                     | [, "complete": position: completed first, one round trip]   |
-| 0x21 | CHECKPOINT_DONE | the same JSON object (without "complete")                   |
+| 0x21 | CHECKPOINT_DONE     | the same JSON object (without "complete")                   |
 | 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
 |      |                     | host), "name": str or null}                                 |
 | 0x23 | DEAD_LETTERS        | utf-8 JSON object {"op": "list", "requeue", "purge" or      |
-|      |                     | "delivered", "where": filter object, "limit": int or null}  |
-| 0x24 | DEAD_LETTER_RESTORE | as DEAD_LETTER_LIST: dead letters from a topic to replay      |
+|      |                     | "delivered", "where": filter object, "limit": int (list     |
+|      |                     | only) or null}                                              |
+| 0x24 | DEAD_LETTER_RESTORE | as DEAD_LETTER_LIST: dead letters from a topic to replay    |
 | 0x25 | HOLD                | as XOR: a barrier-mode root goes on in a new batch          |
 | 0x26 | HEARTBEAT           | u32 lease ms, u32 n, source ids u32[n]: their batch runs    |
 | 0x27 | INSPECT             | utf-8 JSON object {"root": u64} or {"topic": str,           |
 |      |                     | "partition": int, "offset": int}                            |
+| 0x28 | SINK_HOLD           | u64 sink key (top bit set), then XOR's body                 |
+| 0x29 | SINK_SETTLE         | u64 sink key, u8 outcome (0 written, 1 failed) [, a cause]  |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -71,8 +80,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | then per record u32 length + the start of its payload       |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
-Retired kinds, never reused: 0x16 (LOWEST_PENDING), 0x17 (PRUNE_REPLAY), 0x93 (OFFSETS);
-they decode as unknown kinds.
+Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
 
 Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
 u64[n], initial u64[n], source ids u32[n], key hashes i64[n], has_key u8[n] (0 or 1),
@@ -98,8 +106,11 @@ IndexError, struct.error or numpy error escapes, and no half-built batch is retu
 `MalformedFrame` means the bytes do not fit the kind's layout (truncated, trailing
 bytes, declared counts that disagree with the byte length, invalid utf-8 or JSON);
 `BadRequest` means they fit, but a value is outside its documented range (topic index,
-has_key, nonce length, filter below -1, reserved flag bits). Encoders raise
-`BadRequest` for values the wire cannot carry and `FrameTooLarge` above max_frame.
+has_key, nonce length, filter below -1, reserved flag bits) or a JSON body has the
+wrong shape: a missing or extra key, a bool where an integer belongs, NaN or an
+infinity, a control character (C0, DEL, C1) in a query name. Encoders raise
+`BadRequest` for values the wire cannot carry or the decoder would refuse, and
+`FrameTooLarge` above max_frame.
 """
 
 from .auth import (

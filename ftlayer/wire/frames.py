@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 import numpy as np
 from numpy.typing import NDArray
@@ -186,16 +186,22 @@ def _join_frame(kind: Kind, request_id: int, parts: list[bytes], max_frame: int)
 
 
 def _frame_head(kind: int, request_id: int, length: int, max_frame: int) -> bytes:
-    if not 0 <= kind <= 0xFF:
-        raise BadRequest(f"frame kind must be a u8, got {kind}")
-    if not 0 <= request_id <= MAX_U32:
-        raise BadRequest(f"request id must be a u32, got {request_id}")
+    if not (_is_int(kind) and 0 <= kind <= 0xFF):
+        raise BadRequest(f"frame kind must be a u8, got {kind!r}")
+    if not (_is_int(request_id) and 0 <= request_id <= MAX_U32):
+        raise BadRequest(f"request id must be a u32, got {request_id!r}")
     if length > max_frame:
         raise FrameTooLarge(
             f"{_kind_name(kind)} frame would be {length} bytes, above max_frame "
             f"{max_frame}: send a smaller batch"
         )
     return _HEAD.pack(length, kind, request_id)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """An integer (a Python or numpy one) and not a bool: `isinstance(True, int)` holds,
+    and struct would pack True as 1."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 class FrameReader:

@@ -20,7 +20,9 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
+from ftlayer.inspection import RecordQuery
 from ftlayer.persistence import MemoryStorage
+from ftlayer.policy import RetryPolicy
 from ftlayer.records import RecordBatch, ReplayRecords
 
 U64_MAX = 2**64 - 1
@@ -633,7 +635,7 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
                 + b"}",
             ),
             p.BadRequest,
-            "finite positive",
+            "finite",  # NaN and the infinities are no JSON numbers; 1e400 parses as one
         )
         for text in ("Infinity", "1e400", "-Infinity", "NaN", "0", "-1", "1" + "0" * 400, "true")
     ],
@@ -881,6 +883,14 @@ def _valid_frames() -> list[bytes]:
         p.encode_savepoint(17, "/sp", "nightly"),
         p.encode_savepoint_created(18, {"name": "nightly", "stored_records": 3}),
         p.encode_heartbeat(19, [7, 2**32 - 1], 1500),
+        p.encode_register_source(20, 3, "rebalance", 4, {"start": 1}, 2.5, {"max_retries": 3}),
+        p.encode_checkpoint_request(
+            21, begin=True, query="q", position={"replay": 1}, sources=[3], mode="aligned"
+        ),
+        p.encode_dead_letters(22, "list", {"source_id": 3}, 10),
+        p.encode_dead_letter_list(23, [{"seq": 1}], small_batch(1), False),
+        p.encode_inspect(24, RecordQuery(topic="t", partition=1, offset=41)),
+        p.encode_sink_settle(25, 2**63 + 1, Cause(FailKind.SINK, "s", "e")),
     ]
 
 
@@ -1066,10 +1076,23 @@ def test_dead_letter_requests_and_lists_round_trip() -> None:
         {"op": "delete", "where": {}, "limit": None},
         {"op": "list", "where": [], "limit": None},
         {"op": "list", "where": {}, "limit": 0},
+        {"op": "list", "where": {}, "limit": True},
         {"op": "list", "where": {}},
     ):
-        with pytest.raises(p.BadRequest, match="DEAD_LETTERS must be"):
+        with pytest.raises(p.BadRequest, match=r"DEAD_LETTERS (must be|limit must be)"):
             p.decode(reframe(p.Kind.DEAD_LETTERS, json.dumps(bad).encode()))
+
+
+@pytest.mark.parametrize("op", ["requeue", "purge", "delivered"])
+def test_a_dead_letters_limit_is_for_list_only(op: str) -> None:
+    # Purging "at most 5" would purge every match: the limit is refused, not ignored.
+    body = json.dumps({"op": op, "where": {"source_id": 3}, "limit": 5}).encode()
+    with pytest.raises(p.BadRequest, match='for "list" only'):
+        p.decode(reframe(p.Kind.DEAD_LETTERS, body))
+    with pytest.raises(p.BadRequest, match='for "list" only'):
+        p.encode_dead_letters(1, op, {"source_id": 3}, 5)
+    request = p.decode(frame(p.encode_dead_letters(1, op, {"source_id": 3})))
+    assert request == p.DeadLettersRequest(op, {"source_id": 3}, None)
 
 
 def test_hold_has_xors_body_and_register_source_carries_the_completion() -> None:
@@ -1117,3 +1140,154 @@ def test_heartbeat_round_trips() -> None:
     assert body_of(data) == struct.pack("<IIIII", 1500, 3, 9, 2**32 - 1, 7)
     assert p.decode(frame(data)) == p.Heartbeat((9, 2**32 - 1, 7), 1500)
     assert p.decode(frame(p.encode_heartbeat(6, [], 0))) == p.Heartbeat((), 0)
+
+
+# ---- what the spec refuses (docs/protocol.md; issue 26's fuzzer findings) ----------------
+
+CONTROL_CHARACTERS = [chr(c) for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))]
+
+
+def _checkpoint_body(query: str, kind: p.Kind = p.Kind.CHECKPOINT_BEGIN) -> p.Frame:
+    body = {"query": query, "position": {"kafka": {}, "replay": 0}, "sources": [1]}
+    return reframe(kind, json.dumps({**body, "mode": "aligned"}).encode())
+
+
+@pytest.mark.parametrize("control", ["\x7f", "\x85"], ids=["DEL", "C1 NEL"])
+def test_a_query_name_with_del_or_a_c1_control_is_refused(control: str) -> None:
+    for kind in (p.Kind.CHECKPOINT_BEGIN, p.Kind.CHECKPOINT_DONE):
+        with pytest.raises(p.BadRequest, match=f"U\\+{ord(control):04X}") as raised:
+            p.decode(_checkpoint_body(f"orders{control}", kind))
+        assert raised.value.code == p.ErrorCode.BAD_REQUEST
+    with pytest.raises(p.BadRequest, match="control character"):
+        p.encode_checkpoint_request(
+            1, begin=True, query=f"q{control}", position={}, sources=[], mode="aligned"
+        )
+
+
+@given(
+    prefix=st.text(max_size=8),
+    control=st.sampled_from(CONTROL_CHARACTERS),
+    suffix=st.text(max_size=8),
+)
+def test_no_query_name_with_a_control_character_decodes(
+    prefix: str, control: str, suffix: str
+) -> None:
+    with pytest.raises(p.BadRequest, match="control character"):
+        p.decode(_checkpoint_body(prefix + control + suffix))
+
+
+@given(st.text(alphabet=st.characters(exclude_categories=("Cc",)), min_size=1, max_size=20))
+def test_query_names_without_control_characters_pass_the_wire(query: str) -> None:
+    # Unicode category Cc is exactly U+0000-U+001F and U+007F-U+009F.
+    request = p.decode(_checkpoint_body(query))
+    assert isinstance(request, p.CheckpointRequest) and request.query == query
+
+
+@pytest.mark.parametrize("flag", [b"true", b"false"])
+def test_a_bool_is_no_root(flag: bytes) -> None:
+    with pytest.raises(p.BadRequest, match="integers") as raised:
+        p.decode(reframe(p.Kind.INSPECT, b'{"root": ' + flag + b"}"))
+    assert raised.value.code == p.ErrorCode.BAD_REQUEST
+    coordinates = b'{"topic": "t", "partition": %s, "offset": 4}' % flag
+    with pytest.raises(p.BadRequest):
+        p.decode(reframe(p.Kind.INSPECT, coordinates))
+    assert p.decode(reframe(p.Kind.INSPECT, b'{"root": 1}')) == RecordQuery(root=1)
+
+
+def test_an_inspect_reply_about_a_bool_root_is_malformed() -> None:
+    head = json.dumps({"query": {"root": True}, "records": [], "retired": False}).encode()
+    with pytest.raises(p.MalformedFrame, match="integers"):
+        p.decode(reframe(p.Kind.INSPECT_REPLY, struct.pack("<I", len(head)) + head))
+
+
+def _register(config: dict[str, object]) -> p.Frame:
+    spec = {"partitioner": "forward", "num_partitions": 2, "options": {}, **config}
+    return reframe(p.Kind.REGISTER_SOURCE, struct.pack("<I", 9) + json.dumps(spec).encode())
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"num_partitions": True}, '"num_partitions"'),
+        ({"num_partitions": 2.0}, '"num_partitions"'),
+        ({"num_partitions": 2**31 + 1}, '"num_partitions"'),
+        ({"retry": {"max_retries": True}}, '"retry"'),
+        ({"retry": {"max_retries": 3.0}}, '"retry"'),
+        ({"retry": {"max_retries": "3"}}, '"retry"'),
+        ({"retry": {"attempts": 3}}, '"retry"'),
+        ({"retry": [3, 100, 1000]}, '"retry"'),
+        ({"completion": ""}, '"completion"'),
+        ({"completion": False}, '"completion"'),
+        ({"dead_letter_topic": ""}, '"dead_letter_topic"'),
+        ({"timeout_s": True}, '"timeout_s"'),
+        ({"partitioner": 7}, '"partitioner"'),
+        ({"options": []}, '"options"'),
+    ],
+)
+def test_register_source_refuses_each_key_of_the_wrong_json_type(
+    config: dict[str, object], match: str
+) -> None:
+    with pytest.raises(p.BadRequest, match=match):
+        p.decode(_register(config))
+
+
+def test_register_source_null_optional_keys_mean_absent() -> None:
+    nulls = {"timeout_s": None, "retry": None, "dead_letter_topic": None, "completion": None}
+    assert p.decode(_register(nulls)) == p.RegisterSource(9, "forward", 2, {})
+    # A partial retry object is the wire's to carry; its ranges are RetryPolicy's.
+    partial = p.decode(_register({"retry": {"max_retries": 3}}))
+    assert isinstance(partial, p.RegisterSource) and partial.retry == {"max_retries": 3}
+    # Values only the FT layer can judge pass the wire (ERROR 102 at the server).
+    assert p.decode(_register({"num_partitions": 0, "retry": {"backoff_ms": -1}}))
+
+
+def test_register_source_encoder_refuses_what_the_decoder_would() -> None:
+    with pytest.raises(p.BadRequest, match='"retry"'):
+        p.encode_register_source(1, 9, "forward", 2, retry={"max_retries": True})
+    with pytest.raises(p.BadRequest, match='"completion"'):
+        p.encode_register_source(1, 9, "forward", 2, completion="soon")
+
+
+def test_register_source_retry_ranges_are_the_ft_layers_to_refuse() -> None:
+    ft = FTLayer(MemoryStorage())
+    request = p.decode(_register({"retry": {"backoff_ms": 60_000}}))
+    assert isinstance(request, p.RegisterSource) and request.retry is not None
+    # backoff_max_ms takes RetryPolicy's default (30 s), below 60 s: a ConfigError (102).
+    with pytest.raises(ConfigError, match="BackoffMaxMs"):
+        ft.register_source(9, "forward", 2, retry=RetryPolicy.from_json(request.retry))
+
+
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_json_bodies_refuse_nan_and_the_infinities(constant: bytes) -> None:
+    for kind, body in (
+        (p.Kind.STATUS_REPLY, b'{"uptime_s": %s}'),
+        (p.Kind.CHECKPOINT, b'{"id": %s}'),
+        (p.Kind.DEAD_LETTERS, b'{"op": "list", "where": {"since": %s}, "limit": null}'),
+    ):
+        with pytest.raises(p.BadRequest, match="not a JSON number"):
+            p.decode(reframe(kind, body % constant))
+    with pytest.raises(p.BadRequest, match="JSON"):
+        p.encode_status_reply(1, {"uptime_s": float("nan")})
+
+
+@pytest.mark.parametrize("request_id", [1.0, True, "1", None])
+def test_a_request_id_is_an_integer(request_id: object) -> None:
+    with pytest.raises(p.BadRequest, match="request id"):
+        p.encode_ok(request_id, 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda: p.encode_ok(1, 1.0),
+        lambda: p.encode_ok(1, True),
+        lambda: p.encode_error(1, 7.0, "x"),
+        lambda: p.encode_fetch_replay(1, 0.5, 1),
+        lambda: p.encode_fetch_replay(1, 0, 1, source_id=True),
+        lambda: p.encode_register_source(1, 2.0, "forward", 1),  # type: ignore[arg-type]
+        lambda: p.encode_heartbeat(1, [True], 10),
+    ],
+)
+def test_encoders_refuse_floats_and_bools_for_integers(encode: Callable[[], bytes]) -> None:
+    with pytest.raises(p.BadRequest):
+        encode()

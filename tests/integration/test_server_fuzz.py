@@ -18,6 +18,7 @@ and a good client still gets correct answers.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import socket
@@ -41,6 +42,8 @@ from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
     MAX_CLIENT_NONCE,
     MIN_CLIENT_NONCE,
+    ErrorCode,
+    ErrorReply,
     Fail,
     FetchReplay,
     Frame,
@@ -49,6 +52,7 @@ from ftlayer.wire import (
     Persist,
     ProtocolError,
     RegisterSource,
+    StatusReply,
     StatusRequest,
     Xor,
     decode,
@@ -436,3 +440,33 @@ def test_model_rejects_streams_that_could_mutate() -> None:
     assert expected is not None and expected.closed and expected.replies == [(9, _ERROR)]
     broken = model(handshake + _PREFIX.pack(DEFAULT_MAX_FRAME + 1))
     assert broken is not None and broken.broken and len(broken.replies) == 2
+
+
+def test_frames_the_spec_refuses_get_bad_request_and_change_nothing(served: Served) -> None:
+    """The independent fuzzer's findings (docs/protocol.md 5.6, 5.8, 5.11): a query name
+    with DEL or a C1 control, a bool as a root, a limit on a purge. Each gets ERROR 7
+    on its own request id, the connection goes on, and no checkpoint exists after."""
+    position = {"kafka": {}, "replay": 0}
+    refused = [
+        {"query": name, "position": position, "sources": [1], "mode": "aligned"}
+        for name in ("orders\x7f", "orders\x85")
+    ]
+    frames = [
+        encode_frame(Kind.CHECKPOINT_BEGIN, 3 + i, json.dumps(body).encode())
+        for i, body in enumerate(refused)
+    ]
+    frames += [
+        encode_frame(Kind.INSPECT, 5, b'{"root": true}'),
+        encode_frame(Kind.INSPECT, 6, b'{"root": false}'),
+        encode_frame(Kind.DEAD_LETTERS, 7, b'{"op": "purge", "where": {}, "limit": 1}'),
+        encode_status_request(8),
+    ]
+    fuzzer = Fuzzer(2, [5])
+    replies, reset, leftover = exchange(served.host_port, b"".join([*fuzzer.handshake(), *frames]))
+    assert not reset and not leftover
+    assert [r.request_id for r in replies] == [1, 2, 3, 4, 5, 6, 7, 8]
+    for reply in replies[2:7]:
+        error = decode(reply)
+        assert isinstance(error, ErrorReply) and error.code == ErrorCode.BAD_REQUEST, error
+    status = decode(replies[7])
+    assert isinstance(status, StatusReply) and status.status["checkpoints"] == {}
