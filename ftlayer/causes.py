@@ -10,8 +10,11 @@ letter says what went wrong each time (ftlayer.core.retries). Kinds:
 - `sink`: a write the sink's target refused;
 - `timeout`: the tree did not complete within its timeout (the FT layer's own verdict).
 
-`final` marks a failure certain to repeat (a schema error, every record of a batch
-failing alike): the record is dead-lettered at once instead of being retried.
+`final` marks a failure certain to repeat (a schema error): the record is dead-lettered
+at once instead of being retried. `final_if_repeated` marks one likely to repeat (a
+programming error that failed every record of its batch alike): the record is retried
+once, in a later batch and so another task attempt (a transient ImportError on one
+executor passes), and dead-lettered if that retry fails the same way.
 """
 
 from __future__ import annotations
@@ -58,12 +61,20 @@ class FailKind(enum.IntEnum):
 class Cause:
     """One failure: its kind, the step (or sink) that failed it, and the error
     ("ExceptionType: message", or the sink's error). `final`: certain to repeat, so
-    the record is dead-lettered now instead of retried."""
+    the record is dead-lettered now instead of retried. `final_if_repeated`: retried
+    once, and final if the retry fails with the same exception type."""
 
     kind: FailKind = FailKind.EXPLICIT
     step: str = ""
     error: str = ""
     final: bool = False
+    final_if_repeated: bool = False
+
+    @property
+    def error_type(self) -> str:
+        """The exception type of an "ExceptionType: message" error ("" for none)."""
+        head, sep, _ = self.error.partition(":")
+        return head if sep else ""
 
     @classmethod
     def of_exception(
@@ -79,6 +90,7 @@ class Cause:
     def describe(self) -> str:
         """One line: `kind[ (final)] in step: error`."""
         text = self.kind.label + (" (final)" if self.final else "")
+        text += " (final if repeated)" if self.final_if_repeated else ""
         if self.step:
             text += f" in {self.step}"
         return f"{text}: {self.error}" if self.error else text
@@ -87,6 +99,8 @@ class Cause:
         out: dict[str, Any] = {"kind": self.kind.label, "step": self.step, "error": self.error}
         if self.final:
             out["final"] = True
+        if self.final_if_repeated:
+            out["final_if_repeated"] = True
         return out
 
     @classmethod
@@ -95,16 +109,19 @@ class Cause:
         if not isinstance(data, dict) or not {"kind", "step", "error"} <= set(data):
             raise ValueError(f"a cause is an object with kind, step and error, got {data!r}")
         step, error, final = data["step"], data["error"], data.get("final", False)
-        if not (isinstance(step, str) and isinstance(error, str) and isinstance(final, bool)):
+        repeated = data.get("final_if_repeated", False)
+        if not (isinstance(step, str) and isinstance(error, str)):
             raise ValueError(f"bad cause {data!r}")
-        return cls(FailKind.from_label(str(data["kind"])), step, error, final)
+        if not (isinstance(final, bool) and isinstance(repeated, bool)):
+            raise ValueError(f"bad cause {data!r}")
+        return cls(FailKind.from_label(str(data["kind"])), step, error, final, repeated)
 
     def clipped(self) -> Cause:
         """This cause with step and error cut to what the wire carries."""
         step, error = _clip(self.step, MAX_STEP_BYTES), _clip(self.error, MAX_ERROR_BYTES)
         if step == self.step and error == self.error:
             return self
-        return Cause(self.kind, step, error, self.final)
+        return Cause(self.kind, step, error, self.final, self.final_if_repeated)
 
 
 UNSPECIFIED: Final = Cause()

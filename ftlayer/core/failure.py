@@ -18,7 +18,8 @@ pending      | barrier mode: timeout, a newer copy pending    | retired, no repl
 pending      | tree mode: the same record persisted again     | retired; the new root pending
 failed       | fate: retries left, no backoff (requeue)       | queued under a new root
 failed       | fate: a backoff                                | waiting under a new root
-failed       | fate: a final cause, or retries spent          | dead letter (root 0, kept)
+failed       | fate: a final cause, a final-if-repeated one   | dead letter (root 0, kept)
+             |   repeated, or retries spent                   |
 waiting      | its backoff ends (tick: release_due)           | queued
 queued       | its source fetches it (fetch_replay)           | pending: timed; barrier: held
 queued       | tree mode: fetched again (a re-run)            | pending, fresh root
@@ -279,9 +280,10 @@ def _fates(
             continue
         cause = causes[i]
         policy = s.retry_policy(int(source_id))
+        repeated = cause.final_if_repeated and _same_error_as_last(record, cause)
         record = record.copy() if record is not None else RetryRecord(int(source_id))
         record.add_failure(now, cause)
-        if cause.final or policy.exhausted(record.failures):
+        if cause.final or repeated or policy.exhausted(record.failures):
             fate[i] = _DEAD
             record.dead_at, record.due = now, 0.0
         else:
@@ -291,6 +293,13 @@ def _fates(
                 fate[i], due[i] = _WAIT, record.due
         changed[seq] = record
     return fate, due, changed
+
+
+def _same_error_as_last(record: RetryRecord | None, cause: Cause) -> bool:
+    """Whether the record's last failure was a final-if-repeated one of the same
+    exception type: then this one repeats it, and is final."""
+    last = None if record is None else record.last_cause
+    return last is not None and last.final_if_repeated and last.error_type == cause.error_type
 
 
 def fetch_replay(

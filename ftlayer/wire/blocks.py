@@ -228,24 +228,26 @@ def _topics(table: list[str], index: NDArray[Any], n: int) -> list[str]:
 
 
 def cause_parts(cause: Cause) -> list[bytes]:
-    """A cause on the wire: u8 kind, u8 flags (bit 0 final), u16 + utf-8 step, u16 +
-    utf-8 error (clipped to fit)."""
+    """A cause on the wire: u8 kind, u8 flags (bit 0 final, bit 1 final if repeated),
+    u16 + utf-8 step, u16 + utf-8 error (clipped to fit)."""
     cause = cause.clipped()
     step, error = cause.step.encode("utf-8"), cause.error.encode("utf-8")
-    head = _CAUSE_HEAD.pack(int(cause.kind), int(cause.final), len(step))
+    flags = int(cause.final) | int(cause.final_if_repeated) << 1
+    head = _CAUSE_HEAD.pack(int(cause.kind), flags, len(step))
     return [head, step, _U16.pack(len(error)), error]
 
 
 def read_cause(body: _Body, what: str) -> Cause:
     code, flags, step_len = body.unpack(_CAUSE_HEAD, what)
-    if code not in FailKind._value2member_map_ or flags & ~1:
+    if code not in FailKind._value2member_map_ or flags & ~3:
         raise BadRequest(
             f"{what} has an unknown encoding: kind {code}, flags {flags:#x} "
-            f"(kinds {[int(k) for k in FailKind]}, flag bit 0 = final)"
+            f"(kinds {[int(k) for k in FailKind]}, flag bit 0 = final, "
+            "bit 1 = final if repeated)"
         )
     step = body.text(step_len, f"{what} step")
     error = body.text(body.u16(f"{what} error length"), f"{what} error")
-    return Cause(FailKind(code), step, error, bool(flags & 1))
+    return Cause(FailKind(code), step, error, bool(flags & 1), bool(flags & 2))
 
 
 # ---- JSON bodies -----------------------------------------------------------------------

@@ -158,9 +158,11 @@ class Failures:
     def take_causes(self, failed: NDArray[np.bool_] | None, n: int) -> Causes | None:
         """The cause of each of the batch's n inputs (only the failed ones matter), and
         forget them. A failure is final (dead-lettered at once, section 4.8 of the user
-        guide) when it is certain to repeat: an OutputSchemaError, or a programming
-        error (TypeError, AttributeError, NameError, ...) that failed every one of at
-        least two records of the batch alike."""
+        guide) when it is certain to repeat: an OutputSchemaError. A programming error
+        (TypeError, AttributeError, NameError, ...) that failed every one of at least
+        two records of the batch alike is final if repeated: retried once, in a later
+        batch (another task attempt, maybe another executor), and dead-lettered if it
+        fails so again."""
         batch, self._batch = self._batch, []
         if failed is None or not batch:
             return None
@@ -175,8 +177,8 @@ class Failures:
         table = list(codes)
         if n >= 2 and bool(failed.all()) and len(np.unique(index)) == 1:
             only = table[int(index[0])]
-            if not only.final and only.error.split(":", 1)[0] in _PROGRAMMING_ERRORS:
-                table[int(index[0])] = dataclasses.replace(only, final=True)
+            if not only.final and only.error_type in _PROGRAMMING_ERRORS:
+                table[int(index[0])] = dataclasses.replace(only, final_if_repeated=True)
         return Causes(tuple(table), index)
 
 
@@ -192,7 +194,8 @@ _PROGRAMMING_ERRORS: Final = frozenset(
         "SyntaxError",
     }
 )
-"""Errors of the code, not of the data: on every record of a batch, certain to repeat."""
+"""Errors of the code, not of the data: on every record of a batch, likely to repeat
+(but an ImportError may be one executor's: retried once)."""
 
 
 def _batch_result(

@@ -1042,7 +1042,7 @@ def test_fail_carries_a_cause_per_root_and_omits_unspecified_ones() -> None:
     ("tail", "error", "match"),
     [
         (struct.pack("<HBBHHH", 1, 7, 0, 0, 0, 0), p.BadRequest, "unknown encoding: kind 7"),
-        (struct.pack("<HBBHHH", 1, 1, 2, 0, 0, 0), p.BadRequest, "flags 0x2"),
+        (struct.pack("<HBBHHH", 1, 1, 4, 0, 0, 0), p.BadRequest, "flags 0x4"),
         (struct.pack("<HBBHHH", 1, 1, 0, 0, 0, 1), p.MalformedFrame, "cause index 1 beyond"),
         (struct.pack("<HBBHH", 1, 1, 0, 0, 0), p.MalformedFrame, "cause index"),
         (

@@ -5,13 +5,13 @@ history across restarts, and can be requeued or purged."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, Causes, FailKind
@@ -22,14 +22,6 @@ from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, Persisten
 from ftlayer.records import RecordBatch
 
 SOURCE = 3
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _records(n: int, source: int = SOURCE) -> RecordBatch:
@@ -60,16 +52,6 @@ def _emit_replays(ft: FTLayer, lo: int) -> tuple[RecordBatch, int]:
     """Fetch the replays after `lo`; returns them and the new cursor."""
     hi = ft.replay_cursor_of(SOURCE)
     return ft.fetch_replay(lo, hi, source_id=SOURCE).records, hi
-
-
-@pytest.fixture(params=["lmdb", "memory"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PersistenceStorage]:
-    store: PersistenceStorage = (
-        LmdbStorage(tmp_path / "ft") if request.param == "lmdb" else MemoryStorage()
-    )
-    yield store
-    if not store.closed:
-        store.close()
 
 
 def test_a_failed_record_waits_for_its_backoff_before_it_gets_a_replay_seq(
@@ -158,6 +140,29 @@ def test_a_final_cause_dead_letters_at_once(storage: PersistenceStorage) -> None
     assert records.offsets.tolist() == [101]
     assert letters[0][1].attempts == 1 and letters[0][1].last_cause == schema_error
     assert ft.waiting_replays == 1  # the other one waits for its backoff
+
+
+def test_a_batch_wide_programming_error_is_retried_once_and_final_when_it_repeats(
+    storage: PersistenceStorage,
+) -> None:
+    ft = _layer(storage, RetryPolicy(max_retries=10, backoff_ms=0), Clock(), Clock(50.0))
+    batch = _records(3)
+    ft.persist(batch)
+    error = Cause(FailKind.ERROR, "map", "ImportError: no module ujson", final_if_repeated=True)
+    ft.fail(batch.roots, error)
+    # Retried once, not dead: a transient ImportError on one executor passes.
+    assert ft.dead_letter_count == 0 and ft.queued_replays == 3
+    replay, _ = _emit_replays(ft, 0)
+    # The retry fails one record alike again (dead), another with another type (retried),
+    # and one completes.
+    again = replay.roots[replay.offsets == 100]
+    other = replay.roots[replay.offsets == 101]
+    ft.fail(again, Cause(FailKind.ERROR, "map", "ImportError: still", final_if_repeated=True))
+    ft.fail(other, Cause(FailKind.ERROR, "map", "TypeError: 1", final_if_repeated=True))
+    letters, records = ft.dead_letters()
+    assert records.offsets.tolist() == [100]
+    assert letters[0][1].attempts == 2
+    assert ft.dead_letter_count == 1 and ft.queued_replays >= 1
 
 
 def test_retry_counts_due_times_and_dead_letters_survive_a_restart(tmp_path: Path) -> None:
