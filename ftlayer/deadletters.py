@@ -13,11 +13,12 @@ with `--topic T --bootstrap B`, on those in the dead-letter topic T:
     ftlayer dead-letters purge   --server HOST:PORT [filters] [--json]
 
 A dead letter in the store is named by its storage seq; one in a topic by its place
-there, `PARTITION:OFFSET`. Requeuing from a topic stores the records in the FT layer
-again, with their history read from their `ftlayer-dlq-*` headers, and replays them
-(the topic keeps its copies: narrow the filters, e.g. `--since`, so a second requeue
-does not take them again). A topic's records leave it by its retention: `purge`
-works on the store only.
+there, `PARTITION:OFFSET`. `show` previews the record's Kafka key and value (text
+clipped to 60 characters, else the first bytes in hex, marked so). Requeuing from a
+topic stores the records in the FT layer again, with their history read from their
+`ftlayer-dlq-*` headers, and replays them (the topic keeps its copies: narrow the
+filters, e.g. `--since`, so a second requeue does not take them again). A topic's
+records leave it by its retention: `purge` works on the store only.
 
 Filters: --source ID, --partition P, --cause explicit|error|sink|timeout (the kind of
 the last failure), --since T, --until T (dead-lettered at or after, before; epoch
@@ -31,14 +32,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-from typing import Any
+import time
+from typing import Any, Final
 
 from ftlayer.causes import FailKind
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "preview", "read_topic", "run"]
+
+_PREVIEW_CHARS: Final = 60
+_TOPIC_TIMEOUT_S: Final = 60.0
 
 
 def add_parser(commands: Any) -> None:
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace, client: FTClient) -> int:
     if action in ("requeue", "purge"):
         count = client.dead_letter_op(action, _where(args))
         key = "requeued" if action == "requeue" else "purged"
-        print(json.dumps({key: count}) if args.json else f"{count:,} dead letters {key}")
+        print(json.dumps({key: count}) if args.json else f"{_dead_letters(count)} {key}")
         return 0
     limit = getattr(args, "limit", None)
     if limit is not None and limit < 1:
@@ -164,7 +169,10 @@ def run(args: argparse.Namespace, client: FTClient) -> int:
     if action == "show":
         if not letters:
             raise ConfigError(f"no dead letter has seq {args.seq}")
-        print(json.dumps(letters[0], sort_keys=True) if args.json else _show(letters[0]))
+        if args.json:
+            print(json.dumps(letters[0], sort_keys=True))
+        else:
+            print(_show(letters[0], _payload_previews(listed.records.payloads[0])))
         return 0
     if args.json:
         print(json.dumps({"letters": letters, "more": listed.more}, sort_keys=True))
@@ -177,25 +185,26 @@ def run(args: argparse.Namespace, client: FTClient) -> int:
 
 
 def _run_on_topic(args: argparse.Namespace, client: FTClient) -> int:
-    from ftlayer.integration.harness.kafka import read_all
-
     if args.topic is None or args.bootstrap is None:
         raise ConfigError("--topic and --bootstrap go together (the dead-letter topic's brokers)")
-    found = read_all(args.bootstrap, args.topic, timeout=60)
+    found = read_topic(args.bootstrap, args.topic, _TOPIC_TIMEOUT_S)
     letters = [x for x in map(_from_topic, found) if x is not None]
     if args.dead_letters == "show":
         chosen = [x for x in letters if x[0]["seq"] == _topic_seq(args.seq)]
         if not chosen:
             raise ConfigError(f"no dead letter at {args.seq} in topic {args.topic!r}")
-        shown = chosen[0][0]
-        print(json.dumps(shown, sort_keys=True) if args.json else _show(shown))
+        letter, record = chosen[0]
+        if args.json:
+            print(json.dumps(letter, sort_keys=True))
+        else:
+            print(_show(letter, _previews(record.key, record.value)))
         return 0
     where = _where(argparse.Namespace(**{**vars(args), "seq": None}))
     seqs = None if not args.seq else {_topic_seq(seq) for seq in args.seq}
     chosen = [x for x in letters if _matches(x[0], where, seqs)]
     if args.dead_letters == "requeue":
         count = _restore(client, chosen)
-        print(json.dumps({"requeued": count}) if args.json else f"{count:,} dead letters requeued")
+        print(json.dumps({"requeued": count}) if args.json else f"{_dead_letters(count)} requeued")
         return 0
     limit = getattr(args, "limit", None)
     shown_letters = [x[0] for x in (chosen if limit is None else chosen[:limit])]
@@ -205,6 +214,60 @@ def _run_on_topic(args: argparse.Namespace, client: FTClient) -> int:
     else:
         _print_list(shown_letters, more)
     return 0
+
+
+def read_topic(bootstrap: str, topic: str, timeout_s: float) -> list[Any]:
+    """Every record of `topic` (kafka-python ConsumerRecords), ordered by partition and
+    offset, up to each partition's end when the read began (the high watermark of its
+    first fetch: records produced meanwhile are left out). Assign and seek, no consumer
+    group; ConfigError naming the topic if it is unknown or not read within
+    `timeout_s`."""
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout_s
+    what = f"the dead-letter topic {topic!r} at {bootstrap}"
+    try:
+        consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            client_id="ftlayer-dead-letters",
+            group_id=None,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=20,
+        )
+    except KafkaError as exc:
+        raise ConfigError(f"cannot read {what}: {exc!r}") from None
+    try:
+        while not (partitions := consumer.partitions_for_topic(topic)):
+            if time.monotonic() > deadline:
+                raise ConfigError(f"cannot read {what}: no such topic")
+            time.sleep(0.05)
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends: dict[Any, int] = {}
+        records: list[Any] = []
+        left = set(tps)
+        while left:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"cannot read {what} within {timeout_s:g} s")
+            polled = consumer.poll(timeout_ms=50)
+            for tp in left - ends.keys():
+                mark = consumer.highwater(tp)
+                if mark is not None:
+                    ends[tp] = int(mark)
+            for tp, batch in polled.items():
+                records += [r for r in batch if r.offset < ends[tp]]
+            # Offsets may have gaps (transaction markers): compare positions.
+            done = {tp for tp in left if tp in ends and consumer.position(tp) >= ends[tp]}
+            if done:
+                consumer.pause(*done)
+                left -= done
+    except KafkaError as exc:
+        raise ConfigError(f"cannot read {what}: {exc!r}") from None
+    finally:
+        consumer.close(autocommit=False)
+    return sorted(records, key=lambda r: (r.partition, r.offset))
 
 
 def _topic_seq(text: str) -> str:
@@ -342,13 +405,60 @@ def _cause_text(cause: dict[str, Any] | None) -> str:
     return f"{text}: {cause['error']}" if cause["error"] else text
 
 
-def _show(letter: dict[str, Any]) -> str:
+_ESCAPES: Final = str.maketrans({"\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def preview(data: bytes | None) -> str:
+    """A key or value as `show` prints it: "none"; its text in quotes when it is UTF-8
+    without control characters (tabs and line breaks escaped), clipped to
+    _PREVIEW_CHARS characters; else its first bytes in hex, marked "hex". The size
+    follows whatever is clipped."""
+    if data is None:
+        return "none"
+    try:
+        text = data.decode("utf-8").translate(_ESCAPES)
+    except UnicodeDecodeError:
+        text = None
+    size = f" ({len(data):,} bytes)"
+    if text is not None and text.isprintable():
+        clipped = len(text) > _PREVIEW_CHARS
+        return f'"{text[:_PREVIEW_CHARS]}' + ('..."' + size if clipped else '"')
+    shown = data[: _PREVIEW_CHARS // 2].hex()
+    return f"hex {shown}" + ("..." if len(data) > _PREVIEW_CHARS // 2 else "") + size
+
+
+def _previews(key: bytes | None, value: bytes | None) -> list[str]:
+    return [f"  key:   {preview(key)}", f"  value: {preview(value)}"]
+
+
+def _payload_previews(payload: bytes) -> list[str]:
+    """The lines of `show` that preview a stored payload: its key and value (the
+    ftkafka payload codec), or the payload itself when it is not an ftkafka one."""
+    from ftlayer.errors import SourceError
+    from ftlayer.integration.source.payloads import decode_payloads
+
+    try:
+        keys, values, _, _ = decode_payloads([payload])
+    except SourceError:
+        return [f"  payload (not an ftkafka record): {preview(payload)}"]
+    return _previews(keys[0].as_py(), values[0].as_py())
+
+
+def _dead_letters(count: int) -> str:
+    return f"{count:,} dead letter" + ("" if count == 1 else "s")
+
+
+def _show(letter: dict[str, Any], previews: list[str]) -> str:
+    """`show`'s text: the record, `previews` (its key and value), its history."""
+    attempts = letter["attempts"]
     lines = [
         f"dead letter {letter['seq']}: {letter['topic']}-{letter['partition']} "
         f"offset {letter['offset']} (source {letter['source_id']}), "
         f"{letter['payload_bytes']:,} payload bytes",
-        f"  {letter['attempts']} attempts, first failed {_when(letter['first_failed'])}, "
-        f"last {_when(letter['last_failed'])}, dead since {_when(letter['dead_at'])} UTC"
+        *previews,
+        f"  {attempts} attempt{'' if attempts == 1 else 's'}, first failed "
+        f"{_when(letter['first_failed'])}, last {_when(letter['last_failed'])}, "
+        f"dead since {_when(letter['dead_at'])} UTC"
         + (f", requeued {letter['requeued']} times" if letter["requeued"] else ""),
     ]
     for n, cause in enumerate(letter["causes"], start=1):
@@ -362,7 +472,7 @@ def _print_list(letters: list[dict[str, Any]], more: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{len(letters):,} dead letters" + (" (more match)" if more else ""))
+    table = Table(title=_dead_letters(len(letters)) + (" (more match)" if more else ""))
     for column in ("seq", "source", "topic-partition@offset", "attempts", "dead since", "cause"):
         table.add_column(column)
     for x in letters:

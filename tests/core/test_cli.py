@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +77,97 @@ def test_http_flags_without_their_port_or_token_are_refused(
 ) -> None:
     assert main(["serve", "--data-dir", f"{tmp_path}/data", *extra]) == 2
     assert words in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def _server_with_dead_letters_and_a_checkpoint(
+    tmp_path: Path,
+) -> Iterator[tuple[str, int]]:
+    """A server whose source "orders" (id 7) has nested settings (its retry policy),
+    a checkpoint of query "orders", and three dead letters: an ftkafka record with a
+    text key and a long JSON value, one with a binary key and no value, and a payload
+    that is not an ftkafka record. Yields (address, source id)."""
+    from ftlayer.acking.ids import new_ids
+    from ftlayer.causes import Cause, FailKind
+    from ftlayer.client import FTClient
+    from ftlayer.integration.source.payloads import encode_payloads
+    from ftlayer.records import RecordBatch
+    from ftlayer.server import FTServer
+
+    source = 7
+    value = json.dumps({"order": 17, "items": ["a" * 10] * 8}).encode()
+    payloads = [
+        *encode_payloads([b"order-17", b"\x00\xff\x10"], [value, None], [1_700_000_000_000] * 2),
+        b"not an ftkafka payload",
+    ]
+    with FTServer(tmp_path / "data") as server:
+        address = "{}:{}".format(*server.address)
+        with FTClient(address) as client:
+            retry = {"max_retries": 0, "backoff_ms": 0, "backoff_max_ms": 0}
+            client.register_source(source, "forward", 2, retry=retry)
+            roots = new_ids(3)
+            client.persist(
+                RecordBatch.build(
+                    roots,
+                    payloads,
+                    source_ids=source,
+                    topics="orders",
+                    partitions=0,
+                    offsets=[0, 1, 2],
+                )
+            )
+            client.fail(roots, Cause(FailKind.ERROR, "map(parse)", "ValueError: bad order"))
+            client.checkpoint(
+                begin=True,
+                query="orders",
+                position={"kafka": {"orders": {"0": 3}}, "replay": 0},
+                sources=[source],
+            )
+        yield address, source
+
+
+def test_status_shows_nested_settings_as_rows_and_each_source_by_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    with _server_with_dead_letters_and_a_checkpoint(tmp_path) as (address, source):
+        assert main(["status", "--server", address]) == 0
+    shown = capsys.readouterr().out
+    assert "{'" not in shown, shown  # no Python dict printed
+    assert re.search(rf"sources\.{source}\.name +│ orders ", shown), shown
+    assert re.search(rf"sources\.{source}\.partitioner +│ forward ", shown), shown
+    assert re.search(rf"sources\.{source}\.retry\.max_retries +│ 0 ", shown), shown
+    assert re.search(rf"sources\.{source}\.options +│ none ", shown), shown
+    # The per-source table: the source's name beside its id, then its counters.
+    assert re.search(rf"│ orders +│ +{source} +│ +3 +│", shown), shown
+
+
+def test_dead_letters_show_previews_the_key_and_value_and_counts_read_right(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    with _server_with_dead_letters_and_a_checkpoint(tmp_path) as (address, _):
+        server = ["--server", address]
+        assert main(["dead-letters", "list", *server, "--json"]) == 0
+        seqs = [x["seq"] for x in _last_json(capsys)["letters"]]  # type: ignore[union-attr]
+        shown = []
+        for seq in seqs:
+            assert main(["dead-letters", "show", str(seq), *server]) == 0
+            shown.append(capsys.readouterr().out)
+        assert main(["dead-letters", "list", *server, "--seq", str(seqs[0])]) == 0
+        listed = capsys.readouterr().out
+        assert main(["dead-letters", "purge", *server, "--seq", str(seqs[0])]) == 0
+        purged = capsys.readouterr().out
+        assert main(["dead-letters", "purge", *server]) == 0
+        purged_rest = capsys.readouterr().out
+    text, binary, raw = shown
+    assert '  key:   "order-17"\n' in text, text
+    assert "\n  1 attempt, first failed " in text, text
+    value = json.dumps({"order": 17, "items": ["a" * 10] * 8})
+    assert f'  value: "{value[:60]}..." ({len(value):,} bytes)\n' in text, text
+    assert "  key:   hex 00ff10 (3 bytes)\n" in binary, binary
+    assert "  value: none\n" in binary, binary
+    assert '  payload (not an ftkafka record): "not an ftkafka payload"\n' in raw, raw
+    assert "1 dead letter " in listed and "1 dead letters" not in listed, listed
+    assert purged.strip() == "1 dead letter purged"
+    assert purged_rest.strip() == "2 dead letters purged"

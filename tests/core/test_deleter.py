@@ -1,4 +1,4 @@
-"""The server deleter's transactions (ftlayer.server._delete_slices): bounded work each,
+"""The server deleter's transactions (ftlayer.server.workers._delete_slices): bounded work each,
 runs of consecutive seqs (a barrier's micro-batch) in far fewer of them than scattered
 completions."""
 
@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftlayer.server import _DELETE_CHUNK, _RUN_WEIGHT, _delete_slices
+from ftlayer.server.state import _DELETE_CHUNK
+from ftlayer.server.workers import _RUN_WEIGHT, _delete_slices
 
 
 def _work(seqs: list[int]) -> list[float]:

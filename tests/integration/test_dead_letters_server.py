@@ -14,11 +14,16 @@ import time
 
 import numpy as np
 import pytest
+from fixture_types import MakeTopic
 from serverproc import Server, StartServer
 
 from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.cli import main
 from ftlayer.client import FTClient
+from ftlayer.integration.harness.kafka import produce
+from ftlayer.integration.source.deadletters import dead_letter_messages
+from ftlayer.integration.source.payloads import encode_payloads
 from ftlayer.policy import RetryPolicy
 from ftlayer.wire import (
     BadRequest,
@@ -219,3 +224,43 @@ def test_the_dead_letters_command_lists_shows_requeues_and_purges(
     with server.client() as client:
         status = client.status()
         assert (status.dead_letters, status.pending) == (0, 2)
+
+
+def test_the_dead_letters_command_reads_a_dead_letter_topic(
+    start_server: StartServer,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Dead letters as a source's driver delivers them, read back by `--topic`.
+    server = start_server()
+    values = [b"order %d" % i for i in range(3)]
+    payloads = encode_payloads([b"k-%d" % i for i in range(3)], values, [1_700_000_000_000] * 3)
+    with server.client() as client:
+        _register(client, RetryPolicy(max_retries=0, backoff_ms=0, backoff_max_ms=0))
+        roots = (
+            Persister(client, source_id=SOURCE)
+            .persist(payloads, topics="events", partitions=0, offsets=np.arange(3))
+            .roots
+        )
+        client.fail(roots, Cause(FailKind.ERROR, "map(parse)", "ValueError: bad order"))
+        listed = client.dead_letters()
+        assert client.dead_letter_op("purge", {}) == 3  # the driver delivered them
+    topic = make_topic(1)
+    produce(kafka_bootstrap, topic, dead_letter_messages(listed.letters, listed.records))
+    on_topic = ["--server", server.address, "--topic", topic, "--bootstrap", kafka_bootstrap]
+
+    assert main(["dead-letters", "list", *on_topic, "--json"]) == 0
+    letters = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["letters"]
+    assert [(x["seq"], x["offset"], x["attempts"]) for x in letters] == [
+        ("0:0", 0, 1),
+        ("0:1", 1, 1),
+        ("0:2", 2, 1),
+    ]
+    assert main(["dead-letters", "show", "0:1", *on_topic]) == 0
+    shown = capsys.readouterr().out
+    assert '  key:   "k-1"\n  value: "order 1"\n  1 attempt, ' in shown, shown
+    assert main(["dead-letters", "requeue", *on_topic, "--seq", "0:2"]) == 0
+    assert capsys.readouterr().out.strip() == "1 dead letter requeued"
+    with server.client() as client:
+        assert client.status().replay_queue == 1

@@ -1,0 +1,115 @@
+"""`ftlayer demo`: the main job end to end on an embedded broker, an FT-layer process
+and local Spark (ftlayer.integration.harness.demo, loaded only when it runs), with a
+live table of its progress and its own verdict; exits 0 only if nothing was lost and
+every produced record completed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .common import count, port, positive_int, print_table, rate
+
+
+def add_parser(commands: Any) -> None:
+    demo = commands.add_parser("demo", help="run the main job end to end and check it")
+    demo.add_argument("--records", type=positive_int, default=100_000, help="events produced")
+    demo.add_argument("--fail-rate", type=rate, default=0.01, help="flaky share (0..1)")
+    demo.add_argument("--partitions", type=positive_int, default=4, help="topic partitions")
+    demo.add_argument(
+        "--kill-workers", type=count, default=0, help="Python workers to SIGKILL meanwhile"
+    )
+    demo.add_argument(
+        "--poison-rate", type=rate, default=0.0, help="share of events that always fail (0..1)"
+    )
+    demo.add_argument(
+        "--max-retries",
+        type=count,
+        default=10,
+        help="ft.maxRetries: replays of a failed event before it is dead-lettered",
+    )
+    demo.add_argument(
+        "--completion",
+        choices=("tree", "barrier"),
+        default="barrier",
+        help="ft.completion: trees complete by XOR events (tree) or at the batch's end",
+    )
+    demo.add_argument(
+        "--http-port",
+        type=port,
+        default=None,
+        help="the FT layer's status page and /metrics on this loopback port (default: off)",
+    )
+    demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object last")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from ftlayer.integration.harness.demo import run_demo
+
+    console = Console(stderr=True)
+
+    def view(progress: dict[str, Any]) -> Table:
+        table = Table(title="ftlayer demo", show_header=True)
+        names = ("produced", "read", "persisted", "completed", "pending", "replayed")
+        for name in (*names, "dead-lettered"):
+            table.add_column(name, justify="right")
+        replayed = sum(progress.get("failed", {}).values())
+        table.add_row(
+            *(f"{progress.get(k, 0):,}" for k in ("produced", "read", "persisted")),
+            *(f"{progress.get(k, 0):,}" for k in ("completed", "pending")),
+            f"{replayed:,}",
+            f"{progress.get('dead_lettered', 0):,}",
+        )
+        return table
+
+    console.print(
+        f"ftlayer demo: {args.records:,} events, {args.partitions} partitions, "
+        f"fail rate {args.fail_rate:g}, poison rate {args.poison_rate:g} (max retries "
+        f"{args.max_retries}), {args.kill_workers} worker kills; starting Tansu, the FT "
+        "layer and Spark ..."
+    )
+    if args.http_port:
+        console.print(
+            f"ftlayer demo: the FT layer's status page: http://127.0.0.1:{args.http_port}/ "
+            f"(metrics: http://127.0.0.1:{args.http_port}/metrics)",
+            soft_wrap=True,
+        )
+    with Live(view({"produced": args.records}), console=console, refresh_per_second=4) as live:
+        result = run_demo(
+            records=args.records,
+            fail_rate=args.fail_rate,
+            partitions=args.partitions,
+            kill_workers=args.kill_workers,
+            poison_rate=args.poison_rate,
+            max_retries=args.max_retries,
+            completion=args.completion,
+            http_port=args.http_port,
+            workdir=args.workdir,
+            on_progress=lambda progress: live.update(view(progress)),
+            on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),
+        )
+    if not console.is_terminal:
+        console.line()  # rich ends its last frame without a newline when not on a terminal
+    summary = result.as_dict()
+    if not result.ok:
+        console.print(
+            f"ftlayer demo: FAILED: lost {result.lost}, completed {result.completed} of "
+            f"{result.produced}, {result.pending_at_end} trees still pending, dead-lettered "
+            f"{result.extra.get('dead_lettered')} of {result.extra.get('poison_events')} "
+            f"poison events, group lag at the end {result.extra.get('group_lag_at_end')}",
+            soft_wrap=True,
+        )
+    console.print(f"ftlayer demo: Spark's log is in {result.extra['spark_log']}", soft_wrap=True)
+    console.file.flush()
+    # Last, and alone on its line of stdout, even when stderr is the same file.
+    if args.json:
+        print(json.dumps(summary, sort_keys=True), flush=True)
+    else:
+        print_table("ftlayer demo: summary", summary)
+    return 0 if result.ok else 1

@@ -1,0 +1,143 @@
+"""`ftlayer status`: a server's counters, settings and sources, its per-source figures
+and each query's checkpoints; `--json` prints the STATUS reply as one JSON object.
+
+A source is named by its id (a crc32 of its `ft.sourceName` and topic) and, where a
+checkpoint of its query lists it, by that query: the source's `ft.sourceName`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .common import non_negative_float, on_server, print_table
+
+
+def add_parser(commands: Any) -> None:
+    status = commands.add_parser("status", help="show an FT-layer server's counters")
+    status.add_argument("--server", required=True, help="HOST:PORT of the server")
+    status.add_argument("--token-file", default=None, help="file holding the auth token")
+    status.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA file")
+    status.add_argument(
+        "--wait-s",
+        type=non_negative_float,
+        default=2.0,
+        help="how long to retry a refused connection (default 2)",
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object last")
+
+
+def run(args: argparse.Namespace) -> int:
+    status = on_server(args, args.wait_s, lambda client: client.status())
+    shown = status.to_json()
+    if args.json:
+        print(json.dumps(shown, sort_keys=True))
+        return 0
+    checkpoints = shown.pop("checkpoints")
+    by_source = shown.pop("by_source")
+    latency = shown.pop("complete_latency")
+    names = _source_names(checkpoints)
+    rows: dict[str, Any] = {}
+    for key, value in shown.items():
+        if key == "sources":  # each registration under its name, then its settings
+            value = {s: {"name": names.get(s, "-"), **spec} for s, spec in value.items()}
+        rows[key] = value
+        if key == "completed":  # the latency of what completed, next to it
+            rows["complete_latency"] = {
+                "p50": _milliseconds(latency["p50_s"]),
+                "p99": _milliseconds(latency["p99_s"]),
+                "trees": latency["count"],
+            }
+    print_table(f"ftlayer status {args.server}", rows)
+    _print_sources(by_source, status.pending_by_source, names)
+    _print_checkpoints(checkpoints)
+    return 0
+
+
+def _source_names(checkpoints: Mapping[str, Any]) -> dict[str, str]:
+    """Source id -> name: the query whose checkpoints list the source (the ftkafka
+    source files its checkpoints under its `ft.sourceName`). A source no checkpoint
+    lists has none here."""
+    names: dict[str, str] = {}
+    for query, found in checkpoints.items():
+        for checkpoint in [*found["recent"], *found["open"]]:
+            for source in checkpoint["sources"]:
+                names[str(source)] = query
+    return names
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.2f} ms"
+
+
+def _print_sources(by_source: dict[str, Any], pending: Any, names: Mapping[str, str]) -> None:
+    """One row per source: its name and id, its counters, pending trees, replay queue
+    and latency."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not by_source:
+        return
+    table = Table(title="per source (complete latency: persist to completion, first attempts)")
+    table.add_column("name")
+    headers = ("source", "persisted", "completed", "failed", "replayed", "dead-lettered")
+    for header in (*headers, "pending", "replay queue", "p50", "p99"):
+        table.add_column(header, justify="right")
+    for source, figures in by_source.items():
+        latency = figures["complete_latency"]
+        table.add_row(
+            names.get(source, "-"),
+            source,
+            *(f"{figures[k]:,}" for k in ("persisted", "completed")),
+            f"{sum(figures['failed'].values()):,}",
+            *(f"{figures[k]:,}" for k in ("replayed", "dead_lettered")),
+            f"{pending.get(source, 0):,}",
+            f"{figures['replay_queue']:,}",
+            _milliseconds(latency["p50_s"]),
+            _milliseconds(latency["p99_s"]),
+        )
+    console = Console()
+    console.width = max(console.width, 132)
+    console.print(table)
+
+
+_CHECKPOINT_COLUMNS = (
+    ("id", "id"),
+    ("state", "state"),
+    ("mode", "mode"),
+    ("pending", "pending_roots"),
+    ("bytes", "size_bytes"),
+    ("copy ms", "copy_s"),
+    ("write ms", "write_s"),
+    ("align ms", "alignment_wait_s"),
+    ("total ms", "duration_s"),
+)
+
+
+def _print_checkpoints(checkpoints: dict[str, Any], last: int = 5) -> None:
+    """Per query, its open checkpoints and its last completed ones, one row each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    for query, found in checkpoints.items():
+        table = Table(
+            title=f"checkpoints of {query!r}: {found['completed']:,} completed "
+            "(align: alignment wait; total: barrier to completion)"
+        )
+        for header, _ in _CHECKPOINT_COLUMNS:
+            table.add_column(header, justify="right")
+        for checkpoint in [*found["recent"][-last:], *found["open"]]:
+            table.add_row(*(_cell(name, checkpoint.get(name)) for _, name in _CHECKPOINT_COLUMNS))
+        console = Console()
+        console.width = max(console.width, 110)  # nine columns: keep them readable
+        console.print(table)
+
+
+def _cell(name: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if name.endswith("_s"):
+        return f"{1000 * float(value):,.1f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)

@@ -1,0 +1,381 @@
+"""The FT-layer server's request handlers, items 3, 7 and 8 of ftlayer.server's
+contract: the table from request kind to handler (`_handlers`) and each handler, which
+decodes its request, calls the core under the lock (`_core`) and encodes the reply.
+PERSIST stores its records outside the lock, between FTLayer.begin_persist and
+end_persist (item 3); CHECKPOINT_BEGIN and CHECKPOINT_DONE go to the checkpoint
+coordinator (item 7); SAVEPOINT deletes the completed records under the lock and copies
+the store outside it, one at a time (item 8). Also the reads of the HTTP port
+(`observe`, `dead_letter_rows`), under the lock as STATUS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from ftlayer import __version__
+from ftlayer.checkpoint import CheckpointMode
+from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
+from ftlayer.core import FTLayer
+from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
+from ftlayer.errors import ConfigError, StorageError
+from ftlayer.records import ReplayRecords
+from ftlayer.wire import (
+    BadRequest,
+    CheckpointRequest,
+    Frame,
+    Kind,
+    SavepointRequest,
+    decode_checkpoint_begin,
+    decode_checkpoint_done,
+    decode_dead_letter_restore,
+    decode_dead_letters,
+    decode_fail,
+    decode_fetch_replay,
+    decode_heartbeat,
+    decode_hold,
+    decode_inspect,
+    decode_persist,
+    decode_register_source,
+    decode_savepoint,
+    decode_sink_hold,
+    decode_sink_settle,
+    decode_status_request,
+    decode_xor,
+    encode_checkpoint_reply,
+    encode_dead_letter_list,
+    encode_inspect_reply,
+    encode_ok,
+    encode_replay,
+    encode_savepoint_created,
+    encode_status_reply,
+)
+
+from .state import Handler, ServerState
+
+if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
+    from ftlayer.web import DeadLetterRows, Observation
+
+log = logging.getLogger("ftlayer.server")
+
+# A savepoint waits this long at most for a round the deleter took (item 8).
+_DELETES_MAX_WAIT_S: Final = 60.0
+
+
+class RequestHandlers(ServerState):
+    """One handler per request kind: (request id, frame) -> the reply frame."""
+
+    def _handlers(self) -> dict[Kind, Handler]:
+        return {
+            Kind.PERSIST: self._persist,
+            Kind.XOR: self._xor,
+            Kind.FAIL: self._fail,
+            Kind.FETCH_REPLAY: self._fetch_replay,
+            Kind.STATUS: self._status_request,
+            Kind.REGISTER_SOURCE: self._register_source,
+            Kind.CHECKPOINT_BEGIN: self._checkpoint_request,
+            Kind.CHECKPOINT_DONE: self._checkpoint_request,
+            Kind.SAVEPOINT: self._savepoint_request,
+            Kind.DEAD_LETTERS: self._dead_letters,
+            Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
+            Kind.HOLD: self._hold,
+            Kind.HEARTBEAT: self._heartbeat,
+            Kind.SINK_HOLD: self._sink_hold,
+            Kind.SINK_SETTLE: self._sink_settle,
+            Kind.INSPECT: self._inspect,
+        }
+
+    def _persist(self, rid: int, frame: Frame) -> bytes:
+        """Step 3 of the module docstring: checked and its roots reserved under the
+        lock, stored (group commit) outside it, pending under it again; OK once all
+        three are done."""
+        message = decode_persist(frame)
+        with self._core() as ft:
+            ticket = ft.begin_persist(message.batch, message.initial_values)
+            storage = self._storage
+        assert storage is not None
+        try:
+            seqs = storage.put(message.batch)
+        except BaseException:
+            with self._lock:
+                if self._ft is not None:
+                    self._ft.abort_persist(ticket)
+            raise
+        # Stopping now leaves the records stored, and not pending: the restart replays
+        # them (the client gets an error, not OK).
+        with self._core() as ft:
+            ft.end_persist(ticket, seqs)
+        return encode_ok(rid, len(message.batch))
+
+    def _xor(self, rid: int, frame: Frame) -> bytes:
+        message = decode_xor(frame)
+        with self._core() as ft:
+            ft.xor(message.roots, message.values)
+        return encode_ok(rid, len(message.roots))
+
+    def _hold(self, rid: int, frame: Frame) -> bytes:
+        message = decode_hold(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.hold(message.roots, message.values))
+
+    def _sink_hold(self, rid: int, frame: Frame) -> bytes:
+        message = decode_sink_hold(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.sink_hold(message.key, message.roots, message.values))
+
+    def _sink_settle(self, rid: int, frame: Frame) -> bytes:
+        message = decode_sink_settle(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.sink_settle(message.key, message.cause))
+
+    def _heartbeat(self, rid: int, frame: Frame) -> bytes:
+        message = decode_heartbeat(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.heartbeat(message.source_ids, message.lease_ms / 1000))
+
+    def _fail(self, rid: int, frame: Frame) -> bytes:
+        message = decode_fail(frame)
+        with self._core() as ft:
+            return encode_ok(rid, ft.fail(message.roots, message.causes))
+
+    def _fetch_replay(self, rid: int, frame: Frame) -> bytes:
+        m = decode_fetch_replay(frame)
+        with self._core() as ft:
+            replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
+        return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
+
+    def _status_request(self, rid: int, frame: Frame) -> bytes:
+        decode_status_request(frame)
+        with self._core() as ft:
+            status = self._status(ft)
+        return encode_status_reply(rid, status, max_frame=self.max_frame)
+
+    def _register_source(self, rid: int, frame: Frame) -> bytes:
+        m = decode_register_source(frame)
+        with self._core() as ft:
+            ft.register_source(
+                m.source_id,
+                m.partitioner,
+                m.num_partitions,
+                m.options,
+                m.timeout_s,
+                None if m.retry is None else RetryPolicy.from_json(m.retry),
+                m.dead_letter_topic,
+                m.completion,
+            )
+        return encode_ok(rid, 1)
+
+    def _dead_letters(self, rid: int, frame: Frame) -> bytes:
+        m = decode_dead_letters(frame)
+        try:
+            where = DeadLetterFilter.from_json(m.where)
+        except ValueError as exc:
+            raise BadRequest(f"DEAD_LETTERS: {exc}") from None
+        with self._core() as ft:
+            if m.op == "requeue":
+                return encode_ok(rid, ft.requeue_dead_letters(where))
+            if m.op in ("purge", "delivered"):
+                return encode_ok(rid, ft.purge_dead_letters(where, delivered=m.op == "delivered"))
+            # One more than asked, to know whether more match; never more than a reply
+            # can carry, whatever the store holds.
+            limit = min(m.limit or _MAX_LISTED_DEAD_LETTERS, _MAX_LISTED_DEAD_LETTERS) + 1
+            letters, records = ft.dead_letters(where, limit)
+        # At most `limit` of them, and no more than fit one frame (half of it for the
+        # payloads leaves room for the JSON); "more" tells the caller to ask again.
+        sizes = np.cumsum([len(p) + _DEAD_LETTER_ROW_BYTES for p in records.payloads])
+        fit = int(np.searchsorted(sizes, self.max_frame // 2, side="right"))
+        keep = min(len(letters), fit if m.limit is None else min(fit, m.limit))
+        more = keep < len(letters)
+        listed = [{"seq": seq, **record.to_json()} for seq, record in letters[:keep]]
+        taken = records.take(np.arange(keep, dtype=np.intp))
+        return encode_dead_letter_list(rid, listed, taken, more, max_frame=self.max_frame)
+
+    def _inspect(self, rid: int, frame: Frame) -> bytes:
+        query = decode_inspect(frame)
+        with self._core() as ft:
+            found = ft.inspect(query)
+        return encode_inspect_reply(rid, found, max_frame=self.max_frame)
+
+    def _dead_letter_restore(self, rid: int, frame: Frame) -> bytes:
+        m = decode_dead_letter_restore(frame)
+        try:
+            history = [RetryRecord.from_json(letter) for letter in m.letters]
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(f"DEAD_LETTER_RESTORE: {exc}") from None
+        with self._core() as ft:
+            return encode_ok(rid, ft.restore_dead_letters(m.records, history))
+
+    def _checkpoint_request(self, rid: int, frame: Frame) -> bytes:
+        begin = frame.kind == Kind.CHECKPOINT_BEGIN
+        message = (decode_checkpoint_begin if begin else decode_checkpoint_done)(frame)
+        with self._core():
+            checkpoint = self._checkpoint(message)
+        return encode_checkpoint_reply(rid, checkpoint)
+
+    def _savepoint_request(self, rid: int, frame: Frame) -> bytes:
+        saved = self._savepoint(decode_savepoint(frame))  # takes the core lock only briefly
+        return encode_savepoint_created(rid, saved.as_dict())
+
+    def _checkpoint(self, message: CheckpointRequest) -> dict[str, Any]:
+        """Called under the lock: the reply's JSON."""
+        checkpoints = self._checkpoints
+        assert checkpoints is not None
+        mode = CheckpointMode.named(message.mode)
+        query, sources = message.query, message.sources
+        if not message.begin:
+            return checkpoints.done(query, message.position, sources, mode).to_json()
+        completed = None
+        if message.complete is not None:  # the batch before, done: one round trip
+            completed = checkpoints.done(query, message.complete, sources, mode).to_json()
+        reply = checkpoints.begin(query, message.position, sources, mode).to_json()
+        if completed is not None:
+            reply["completed"] = completed
+        return reply
+
+    def _savepoint(self, message: SavepointRequest) -> Savepoint:
+        """Step 8 of the module docstring. Called without the core lock: the copy runs
+        while events go on."""
+        if not self._savepoint_lock.acquire(blocking=False):
+            running_s = time.monotonic() - self._savepoint_started
+            raise ConfigError(
+                f"another savepoint of this server is being written (for {running_s:.1f} s); "
+                "it takes one at a time: send SAVEPOINT again once that one is done"
+            )
+        try:
+            self._savepoint_started = time.monotonic()
+            with self._lock:
+                ft, storage = self._ft, self._storage
+                if ft is None or storage is None:
+                    raise StorageError("the server is stopping")
+                # Completed records leave the store first: a restore replays only
+                # records whose trees are not complete. Those the deleter took
+                # before are being deleted: the copy waits for them.
+                ft.flush_deletes()
+                with self._deletes_changed:
+                    taken = self._delete_rounds
+            with self._deletes_changed:
+                self._deletes_changed.wait_for(
+                    lambda: self._deletes_done >= taken, _DELETES_MAX_WAIT_S
+                )
+            saved = create_savepoint(storage, message.directory, message.name)
+        finally:
+            self._savepoint_lock.release()
+        log.info(
+            "savepoint %s written to %s: %d stored records, %d bytes",
+            saved.name,
+            saved.path,
+            saved.stored_records,
+            saved.data_bytes,
+        )
+        return saved
+
+    def observe(self) -> Observation:
+        """The STATUS reply and each source's latency histogram, copied together under
+        the lock (for the HTTP port: ftlayer.web)."""
+        from ftlayer.web import Observation
+
+        with self._core() as ft:
+            status = self._status(ft)
+            by_source = ft.meters.by_source(ft.persistence.number_sources())
+        return Observation(status, {str(s): m.latency for s, m in by_source.items()})
+
+    def dead_letter_rows(self, limit: int) -> DeadLetterRows:
+        """The oldest `limit` dead letters without their payloads, and how many there
+        are (for the status page)."""
+        from ftlayer.web import DeadLetterRows
+
+        with self._core() as ft:
+            stats = ft.stats
+            # The page asks every second; the letters change only with these counts.
+            key = (
+                limit,
+                ft.dead_letter_count,
+                stats.dead_lettered,
+                stats.dead_letters_purged,
+                stats.dead_letters_delivered,
+                stats.dead_letters_requeued,
+            )
+            cached = self._dead_letter_rows
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            letters, records = ft.dead_letters(None, limit)
+            total = ft.dead_letter_count
+        rows = []
+        for i, (seq, record) in enumerate(letters):
+            cause = record.last_cause
+            rows.append(
+                {
+                    "seq": seq,
+                    "source_id": record.source_id,
+                    "topic": records.topics[i],
+                    "partition": int(records.partitions[i]),
+                    "offset": int(records.offsets[i]),
+                    "attempts": record.attempts,
+                    "dead_at": record.dead_at,
+                    "cause": None if cause is None else cause.kind.label,
+                    "step": None if cause is None else cause.step,
+                    "error": None if cause is None else cause.error,
+                }
+            )
+        found = DeadLetterRows(rows, total)
+        self._dead_letter_rows = (key, found)
+        return found
+
+    def _status(self, ft: FTLayer) -> dict[str, Any]:
+        """Called under the lock."""
+        status = dataclasses.asdict(ft.current_stats())
+        assert self._storage is not None
+        with self._connections_lock:
+            connections = len(self._connections)
+        status.update(
+            pending_by_source={str(s): n for s, n in ft.pending_by_source().items()},
+            stored_records=len(self._storage),
+            deletes_pending=ft.persistence.marked + self._storage.staged_deletes + self._deleting,
+            lmdb_size_bytes=self._storage.size_bytes(),
+            connections=connections,
+            max_connections=self.max_connections,
+            uptime_s=round(time.monotonic() - self._started_at, 3),
+            checkpoints={} if self._checkpoints is None else self._checkpoints.status(),
+            sources=ft.source_specs(),
+            timeout_s=self.timeout_s,
+            buckets=self.buckets,
+            version=__version__,
+        )
+        return status
+
+
+# A REPLAY row's bytes besides its payload: replay seq, partition, then root, source id,
+# key hash, has_key, partition, offset, topic index and payload length.
+_REPLAY_ROW_BYTES: Final = 8 + 4 + 8 + 4 + 8 + 1 + 4 + 8 + 2 + 4
+_REPLAY_SLACK: Final = 64
+# A dead letter's bytes besides its payload: its record columns and a retry record of
+# up to 16 causes of up to 1,200 bytes each, as JSON.
+_DEAD_LETTER_ROW_BYTES: Final = _REPLAY_ROW_BYTES + 20_000
+_MAX_LISTED_DEAD_LETTERS: Final = 10_000
+
+
+def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:
+    """The rows of `replay` that fit one REPLAY frame: all of them, or the longest
+    prefix that ends at a replay seq boundary (a broadcast replay has one row per
+    partition under one seq, and they travel together). The client asks again from the
+    last seq it got (docs/protocol.md, 5.2). A first seq too large for a frame is left
+    to the encoder's FrameTooLarge."""
+    n = len(replay)
+    if n < 2:
+        return replay
+    records = replay.records
+    lengths = np.fromiter(map(len, records.payloads), dtype=np.int64, count=n)
+    topics = {t: len(t.encode()) for t in dict.fromkeys(records.topics)}
+    budget = max_frame - _REPLAY_SLACK - 2 - sum(2 + size for size in topics.values())
+    sizes = np.cumsum(lengths + _REPLAY_ROW_BYTES)
+    if int(sizes[-1]) <= budget:
+        return replay
+    fits = int(np.searchsorted(sizes, budget, side="right"))
+    seqs = replay.replay_seqs
+    while 0 < fits < n and seqs[fits] == seqs[fits - 1]:
+        fits -= 1  # never split the rows of one replay seq
+    return replay if fits == 0 else replay.take(np.arange(fits))

@@ -1,0 +1,170 @@
+"""The FT-layer server's worker threads, items 5, 6 and 7 of ftlayer.server's
+contract: the ticker (FTLayer.tick every min(0.5 s, the shortest rotation interval in
+use / 10), checkpoints polled, staged checkpoint records flushed on an idle store), the
+deleter (completed records deleted outside the lock, in transactions of bounded work,
+`_delete_slices`, each after the requests under way) and the checkpoint writer
+(queued snapshots and records written outside the lock).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.errors import StorageError
+from ftlayer.logs import fields
+from ftlayer.persistence.lmdb_storage import LmdbStorage
+
+from .state import _DELETE_CHUNK, _POLL_S, ServerState
+
+log = logging.getLogger("ftlayer.server")
+
+_STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
+# A record whose seq follows the one deleted before it in the same transaction weighs
+# this fraction of one that starts a run: a run of records lies in one chunk, or drops
+# whole chunks, which LMDB does for far less than a chunk state rewritten per record.
+_RUN_WEIGHT: Final = 8
+# Each delete transaction waits for the requests under way (_after_requests), at most
+# this long.
+_REQUESTS_FIRST_MAX_WAIT_S: Final = 1.0
+_EMPTY_SEQS: Final = np.zeros(0, dtype=np.uint64)
+
+
+class Workers(ServerState):
+    """The ticker, deleter and checkpoint-writer threads' loops (started by FTServer)."""
+
+    def _tick_interval(self) -> float:
+        """min(0.5 s, the shortest rotation interval in use / 10): sources may register
+        timeouts shorter than the server's own."""
+        ft = self._ft
+        if ft is None:
+            return self._interval_s
+        return min(self._interval_s, ft.timeouts.shortest_rotation_interval_s / 10)
+
+    def _tick_loop(self) -> None:
+        while not self._stopping.wait(self._tick_interval()):
+            with self._lock:
+                ft = self._ft
+                if ft is None:
+                    return
+                try:  # the core logs the trees that time out, by source and partition
+                    ft.tick()
+                    if self._checkpoints is not None:
+                        self._checkpoints.poll()
+                except Exception:
+                    log.exception("tick failed; the roots stay pending and are retried")
+                    continue
+                storage = self._storage
+            if storage is not None:
+                try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
+                    storage.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
+                except StorageError as exc:
+                    log.error("could not write staged checkpoint records: %s", exc)
+
+    def _delete_loop(self) -> None:
+        """Step 6 of the module docstring: take the completed records' seqs from the
+        core (under the lock) as soon as a request left _DELETE_CHUNK of them, or
+        every `delete_interval_s`, and delete them outside the lock, in transactions
+        of their own of bounded work (`_delete_slices`), each after the requests
+        under way. Seqs whose delete failed go back to the core, tried again after
+        `delete_interval_s`."""
+        while not self._stopping.is_set():
+            self._deletes_due.wait(self._delete_interval_s)
+            self._deletes_due.clear()
+            if self._stopping.is_set():
+                return  # stop() deletes what is left, under the lock
+            with self._lock:
+                ft, storage = self._ft, self._storage
+                if ft is None or storage is None:
+                    return
+                seqs = ft.take_deletes()
+                if not len(seqs):
+                    continue
+                with self._deletes_changed:
+                    self._deleting = len(seqs)
+                    self._delete_rounds += 1
+                    round_ = self._delete_rounds
+            left = seqs
+            try:
+                left = self._delete_chunks(storage, np.sort(seqs))
+            except Exception:  # a bug: the thread goes on (deleting twice does no harm)
+                log.exception("deleting completed records failed; they are tried again")
+            finally:
+                if len(left):
+                    with self._lock:
+                        if self._ft is not None:
+                            self._ft.retry_deletes(left)
+                with self._deletes_changed:
+                    self._deleting = 0
+                    self._deletes_done = round_
+                    self._deletes_changed.notify_all()
+            if len(left):
+                self._stopping.wait(self._delete_interval_s)
+
+    def _after_requests(self, timeout_s: float) -> None:
+        """Until the requests under way now have ended (at most `timeout_s`): the
+        deleter goes after them, and still gets its turn between them."""
+        with self._requests_changed:
+            begun = self._requests_begun
+            self._requests_changed.wait_for(lambda: self._requests_ended >= begun, timeout_s)
+
+    def _delete_chunks(self, storage: LmdbStorage, seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
+        """Delete `seqs` (sorted) a slice per transaction; returns those not deleted."""
+        for lo, hi in _delete_slices(seqs):
+            self._after_requests(_REQUESTS_FIRST_MAX_WAIT_S)
+            try:
+                storage.delete(seqs[lo:hi])
+            except StorageError as exc:
+                log.error(
+                    "could not delete completed records; they stay stored and are tried "
+                    "again (a restart before that replays them: duplicates, not losses): %s",
+                    exc,
+                    extra=fields(count=len(seqs) - lo),
+                )
+                return seqs[lo:]
+            with self._deletes_changed:
+                self._deleting = len(seqs) - hi
+        return _EMPTY_SEQS
+
+    def _checkpoint_write_loop(self) -> None:
+        """Write queued checkpoint snapshots and records, outside the core lock: woken
+        after a CHECKPOINT_BEGIN's reply; the records of checkpoints completed since
+        go with that write, or, on an idle stream, within _POLL_S."""
+        while not self._stopping.is_set():
+            woken = self._checkpoints_queued.wait(_POLL_S)
+            self._checkpoints_queued.clear()
+            checkpoints = self._checkpoints
+            if checkpoints is None:
+                return
+            if not woken and not checkpoints.has_writes:
+                continue
+            if checkpoints.write_pending():
+                with self._lock:  # a checkpoint completed by its commit before the write
+                    if self._checkpoints is not None:
+                        self._checkpoints.poll()
+
+
+def _delete_slices(seqs: NDArray[np.uint64], limit: int = _DELETE_CHUNK) -> list[tuple[int, int]]:
+    """[lo, hi) slices of `seqs` (sorted, distinct), one per delete transaction, each of
+    at most `limit` in work: a record that starts a run of consecutive seqs
+    weighs 1, one that goes on a run 1/_RUN_WEIGHT. Scattered completions (a record here
+    and there in each chunk, each rewriting a chunk's state) go _DELETE_CHUNK at a
+    time, as before; a barrier's micro-batch, one run of seqs over whole chunks that
+    LMDB drops, goes in _RUN_WEIGHT times fewer transactions, each with its commit and
+    fsync. Every slice holds at least one record."""
+    n = len(seqs)
+    if n == 0:
+        return []
+    starts = np.ones(n, dtype=np.int64)
+    starts[1:] = np.diff(seqs) != 1
+    work = np.cumsum(starts * (_RUN_WEIGHT - 1) + 1)  # in 1/_RUN_WEIGHT units
+    slices: list[tuple[int, int]] = []
+    lo, done = 0, 0
+    while lo < n:  # each slice as long as the limit allows
+        hi = max(lo + 1, int(np.searchsorted(work, done + limit * _RUN_WEIGHT, side="right")))
+        slices.append((lo, hi))
+        lo, done = hi, int(work[hi - 1])
+    return slices
