@@ -89,7 +89,7 @@ class RecordQuery:
                 "look a record up by its root, or by its topic, partition and offset "
                 f"(all three), got {self.to_json()}"
             )
-        if by_root and not (_is_int(self.root) and 0 <= self.root <= _U64_MAX):
+        if by_root and not (_is_int(self.root) and 0 <= int(self.root or 0) <= _U64_MAX):
             raise ValueError(f"a root is an unsigned 64-bit integer, got {self.root!r}")
         if not by_root and not (
             isinstance(self.topic, str)

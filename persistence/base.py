@@ -227,6 +227,16 @@ class PersistenceStorage(ABC):
         self._check_open()
         self._stage_meta(*encode_meta_changes(puts, deletes))
 
+    def flush_staged(self, older_than_s: float = 0.0) -> None:
+        """Commit what `stage_meta` and `stage_deletes` left staged, if it has waited at
+        least `older_than_s` (a storage that stages nothing has nothing to do)."""
+        del older_than_s
+
+    @property
+    def staged_deletes(self) -> int:
+        """Records whose staged delete is not committed yet."""
+        return 0
+
     def stage_deletes(self, seqs: Seqs) -> None:
         """Like `delete`, but a storage may carry out these deletes with its next write
         (say, the next `put`) rather than in a transaction of their own. For records

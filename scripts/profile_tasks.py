@@ -113,7 +113,7 @@ def main() -> None:
     server_cpu: dict[str, dict[str, list[float]]] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        FTServerProcess(Path(tmp) / "ft", "--timeout-s", "600") as process,
+        FTServerProcess(Path(tmp) / "ft", "--tree-timeout-s", "600") as process,
     ):
         server = Server(process)
         source_id = 0

@@ -48,7 +48,7 @@ def main() -> None:
     no_keys = np.zeros(PIECE, np.int64), np.zeros(PIECE, np.bool_)
     per_partition = PER_BATCH // PARTITIONS
     with tempfile.TemporaryDirectory() as tmp:
-        server = FTServerProcess(Path(tmp) / "data", "--timeout-s", "120").start()
+        server = FTServerProcess(Path(tmp) / "data", "--tree-timeout-s", "120").start()
         try:
             pid = server.pid
             assert pid is not None

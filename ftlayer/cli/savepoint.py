@@ -79,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict(), sort_keys=True))
         return 0
+    dead = sum(result.dead_letters.values())
     print(
-        f"restored savepoint {args.name} into {result.data_dir}: {result.stored_records:,} "
-        f"stored records, replayed when `ftlayer serve --data-dir {result.data_dir}` starts"
+        f"restored savepoint {args.name} into {result.data_dir}: {result.replayed_records:,} "
+        f"stored records replayed when `ftlayer serve --data-dir {result.data_dir}` starts"
+        + (f", {dead:,} dead letter{'' if dead == 1 else 's'} kept as dead letters" if dead else "")
     )
     for sid, spec in result.sources.items():
         counts = result.replays.get(sid, {})

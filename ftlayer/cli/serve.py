@@ -15,12 +15,39 @@ from ftlayer.errors import ConfigError
 from .common import buckets, port, positive_float, positive_int
 
 
+class _DeprecatedSpelling(argparse.Action):
+    """Stores the value; warns on stderr when the option came under its old spelling
+    (the last of its option strings)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string == self.option_strings[-1]:
+            print(
+                f"ftlayer serve: {option_string} is deprecated: use {self.option_strings[0]}",
+                file=sys.stderr,
+            )
+        setattr(namespace, self.dest, values)
+
+
 def add_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the FT-layer server on an LMDB data dir")
     serve.add_argument("--data-dir", required=True, help="the LMDB directory (created if missing)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     serve.add_argument("--port", type=port, default=0, help="TCP port (default: 0, any free)")
-    serve.add_argument("--timeout-s", type=positive_float, default=30.0, help="tree timeout T")
+    serve.add_argument(
+        "--tree-timeout-s",
+        "--timeout-s",
+        dest="timeout_s",
+        type=positive_float,
+        default=30.0,
+        action=_DeprecatedSpelling,
+        help="tree timeout T (--timeout-s: a deprecated spelling)",
+    )
     serve.add_argument("--buckets", type=buckets, default=3, help="rotating buckets n (>= 2)")
     serve.add_argument("--token-file", default=None, help="file holding the auth token")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS")

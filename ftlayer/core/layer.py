@@ -43,6 +43,7 @@ thread drives a core at a time (the server serializes its clients with a lock); 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -67,7 +68,17 @@ from .sources import SourceConfig
 from .state import CompletionListener, CoreState, PersistTicket, validate_lease
 from .stats import FTStats
 
-__all__ = ["CompletionListener", "FTLayer", "PersistTicket"]
+__all__ = ["CompletionListener", "FTLayer", "PersistTicket", "StoreFigures"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreFigures:
+    """The store's figures for STATUS: records stored, completed records whose delete is
+    not committed yet (marked in the core, or staged in the store), bytes."""
+
+    stored_records: int
+    deletes_pending: int
+    size_bytes: int
 
 
 class FTLayer:
@@ -333,6 +344,20 @@ class FTLayer:
         """Delete records taken with `take_deletes` from storage, in one transaction.
         Safe to call without serializing the core (the storage is thread-safe)."""
         self._s.storage.delete(seqs)
+
+    def flush_staged(self, older_than_s: float = 0.0) -> None:
+        """Commit the storage's staged writes (checkpoint records, deletes) that waited
+        at least `older_than_s`. Safe to call without serializing the core."""
+        self._s.storage.flush_staged(older_than_s)
+
+    def store_figures(self) -> StoreFigures:
+        """What the store holds: records, deletes not committed yet, size."""
+        storage = self._s.storage
+        return StoreFigures(
+            stored_records=len(storage),
+            deletes_pending=self._s.persistence.marked + storage.staged_deletes,
+            size_bytes=storage.size_bytes(),
+        )
 
     def retry_deletes(self, seqs: NDArray[np.uint64]) -> None:
         """With defer_deletes: seqs from `take_deletes` whose delete failed, marked

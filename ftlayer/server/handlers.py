@@ -96,10 +96,8 @@ class RequestHandlers(ServerState):
         message = decode_persist(frame)
         with self._core() as ft:
             ticket = ft.begin_persist(message.batch, message.initial_values)
-            storage = self._storage
-        assert storage is not None
         try:
-            seqs = storage.put(message.batch)
+            seqs = ft.write_persist(ticket)
         except BaseException:
             with self._lock:
                 if self._ft is not None:
@@ -261,6 +259,7 @@ class RequestHandlers(ServerState):
                 self._deletes_changed.wait_for(
                     lambda: self._deletes_done >= taken, _DELETES_MAX_WAIT_S
                 )
+            # The savepoint copies the LMDB environment this process opened.
             saved = create_savepoint(storage, message.directory, message.name)
         finally:
             self._savepoint_lock.release()
@@ -328,14 +327,14 @@ class RequestHandlers(ServerState):
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
         status = dataclasses.asdict(ft.current_stats())
-        assert self._storage is not None
+        store = ft.store_figures()
         with self._connections_lock:
             connections = len(self._connections)
         status.update(
             pending_by_source={str(s): n for s, n in ft.pending_by_source().items()},
-            stored_records=len(self._storage),
-            deletes_pending=ft.persistence.marked + self._storage.staged_deletes + self._deleting,
-            lmdb_size_bytes=self._storage.size_bytes(),
+            stored_records=store.stored_records,
+            deletes_pending=store.deletes_pending + self._deleting,
+            lmdb_size_bytes=store.size_bytes,
             connections=connections,
             max_connections=self.max_connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),

@@ -14,9 +14,9 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.core import FTLayer
 from ftlayer.errors import StorageError
 from ftlayer.logs import fields
-from ftlayer.persistence.lmdb_storage import LmdbStorage
 
 from .state import _DELETE_CHUNK, _POLL_S, ServerState
 
@@ -57,12 +57,10 @@ class Workers(ServerState):
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
                     continue
-                storage = self._storage
-            if storage is not None:
-                try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
-                    storage.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
-                except StorageError as exc:
-                    log.error("could not write staged checkpoint records: %s", exc)
+            try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
+                ft.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
+            except StorageError as exc:
+                log.error("could not write staged checkpoint records: %s", exc)
 
     def _delete_loop(self) -> None:
         """Step 6 of the module docstring: take the completed records' seqs from the
@@ -77,8 +75,8 @@ class Workers(ServerState):
             if self._stopping.is_set():
                 return  # stop() deletes what is left, under the lock
             with self._lock:
-                ft, storage = self._ft, self._storage
-                if ft is None or storage is None:
+                ft = self._ft
+                if ft is None:
                     return
                 seqs = ft.take_deletes()
                 if not len(seqs):
@@ -89,7 +87,7 @@ class Workers(ServerState):
                     round_ = self._delete_rounds
             left = seqs
             try:
-                left = self._delete_chunks(storage, np.sort(seqs))
+                left = self._delete_chunks(ft, np.sort(seqs))
             except Exception:  # a bug: the thread goes on (deleting twice does no harm)
                 log.exception("deleting completed records failed; they are tried again")
             finally:
@@ -111,12 +109,12 @@ class Workers(ServerState):
             begun = self._requests_begun
             self._requests_changed.wait_for(lambda: self._requests_ended >= begun, timeout_s)
 
-    def _delete_chunks(self, storage: LmdbStorage, seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    def _delete_chunks(self, ft: FTLayer, seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
         """Delete `seqs` (sorted) a slice per transaction; returns those not deleted."""
         for lo, hi in _delete_slices(seqs):
             self._after_requests(_REQUESTS_FIRST_MAX_WAIT_S)
             try:
-                storage.delete(seqs[lo:hi])
+                ft.delete_stored(seqs[lo:hi])
             except StorageError as exc:
                 log.error(
                     "could not delete completed records; they stay stored and are tried "

@@ -9,6 +9,10 @@ STATUS names it) where the figure is kept per source, and `query` (a checkpoint 
 the source's `ft.sourceName`) on checkpoint figures. The table of every metric is in
 docs/user-guide.md, section 6.9; counters restart from 0 when the server restarts, as
 Prometheus' rate() expects.
+
+The families that count roots are named for roots (the glossary's word); their former
+"trees" names (`DEPRECATED_NAMES`) are still served, as copies whose help text starts
+"Deprecated: use <new name>.", so dashboards and alerts keep working until they move.
 """
 
 from __future__ import annotations
@@ -29,9 +33,18 @@ from ftlayer.core.meters import LatencyHistogram
 
 from .observation import Observation
 
-__all__ = ["FTCollector", "families", "registry"]
+__all__ = ["DEPRECATED_NAMES", "FTCollector", "families", "registry"]
 
 _CAUSES = ("explicit", "timeout", "recovery")
+
+DEPRECATED_NAMES: dict[str, str] = {
+    "ftlayer_trees_completed": "ftlayer_roots_completed",
+    "ftlayer_trees_failed": "ftlayer_roots_failed",
+    "ftlayer_pending_trees": "ftlayer_pending_roots",
+    "ftlayer_last_checkpoint_pending_trees": "ftlayer_last_checkpoint_pending_roots",
+}
+"""{old family name: new family name}: each old name is still served as a copy of the
+new family (counters get `_total` appended on the wire, under either name)."""
 
 
 class FTCollector(Collector):
@@ -77,15 +90,15 @@ def families(observation: Observation) -> list[Metric]:
     )
     per_source(
         CounterMetricFamily(
-            "ftlayer_trees_completed",
-            "Trees completed (their ack value returned to 0), replays included.",
+            "ftlayer_roots_completed",
+            "Roots completed (their ack value returned to 0), replays included.",
             labels=["source"],
         ),
         "completed",
     )
     failed = CounterMetricFamily(
-        "ftlayer_trees_failed",
-        "Trees failed, by cause: explicit (a fail event), timeout, recovery (at start).",
+        "ftlayer_roots_failed",
+        "Roots failed, by cause: explicit (a fail event), timeout, recovery (at start).",
         labels=["source", "cause"],
     )
     for source in sources:
@@ -109,14 +122,14 @@ def families(observation: Observation) -> list[Metric]:
         ),
         "dead_lettered",
     )
-    pending_trees = GaugeMetricFamily(
-        "ftlayer_pending_trees",
+    pending_roots = GaugeMetricFamily(
+        "ftlayer_pending_roots",
         "Roots whose tree is not complete: in flight, or waiting as a replay.",
         labels=["source"],
     )
     for source in sources:
-        pending_trees.add_metric([source], pending.get(source, 0))
-    out.append(pending_trees)
+        pending_roots.add_metric([source], pending.get(source, 0))
+    out.append(pending_roots)
     per_source(
         GaugeMetricFamily(
             "ftlayer_replay_queue_entries",
@@ -141,6 +154,25 @@ def families(observation: Observation) -> list[Metric]:
     out += _totals(status)
     out += _checkpoints(status["checkpoints"])
     out.append(InfoMetricFamily("ftlayer", "The server's version.", {"version": status["version"]}))
+    return out + _deprecated(out)
+
+
+def _deprecated(current: list[Metric]) -> list[Metric]:
+    """The families of `DEPRECATED_NAMES` under their old names: the same samples, help
+    text "Deprecated: use <new name>. ..." (a counter's new name with its `_total`)."""
+    new_to_old = {new: old for old, new in DEPRECATED_NAMES.items()}
+    out: list[Metric] = []
+    for family in current:
+        old = new_to_old.get(family.name)
+        if old is None:
+            continue
+        shown = family.name + ("_total" if family.type == "counter" else "")
+        copy = Metric(old, f"Deprecated: use {shown}. {family.documentation}", family.type)
+        for sample in family.samples:
+            copy.add_sample(
+                old + sample.name.removeprefix(family.name), sample.labels, sample.value
+            )
+        out.append(copy)
     return out
 
 
@@ -216,7 +248,7 @@ def _checkpoints(checkpoints: Mapping[str, Mapping[str, Any]]) -> list[Metric]:
             labels=["query"],
         ),
         "pending_roots": GaugeMetricFamily(
-            "ftlayer_last_checkpoint_pending_trees",
+            "ftlayer_last_checkpoint_pending_roots",
             "The last completed checkpoint: pending roots at its barrier.",
             labels=["query"],
         ),

@@ -146,7 +146,7 @@ def bench_fast(
         bootstrap, topic = broker.bootstrap, "bench-fast"
         create_topic(bootstrap, topic, partitions)
         produce(bootstrap, topic, ((None, _value(i)) for i in range(records)), timeout=600)
-        with FTServerProcess(work / "ft", "--timeout-s", "120") as server:
+        with FTServerProcess(work / "ft", "--tree-timeout-s", "120") as server:
             spark = local_spark(master="local[2,64]", app_name="ftlayer-bench-fast")
             register(spark)
             runs = 0

@@ -164,7 +164,7 @@ def bench_pipeline(
         source_topic = "bench-events"
         create_topic(bootstrap, source_topic, partitions)
         produce(bootstrap, source_topic, (event(i, users) for i in range(records)), timeout=600)
-        with FTServerProcess(work / "ft", "--timeout-s", "60") as server:
+        with FTServerProcess(work / "ft", "--tree-timeout-s", "60") as server:
             spark = local_spark(master="local[2,64]", app_name="ftlayer-bench-pipeline")
             register(spark)
             runs = 0

@@ -321,7 +321,7 @@ class SourceDriver:
             self._heartbeat.idle()
 
     def _tree_timeout_s(self) -> float:
-        """This query's tree timeout T: its ft.timeoutMs, or the server's."""
+        """This query's tree timeout T: its ft.treeTimeoutMs, or the server's."""
         if self.options.timeout_s is not None:
             return self.options.timeout_s
         if self._server_timeout_s is None:

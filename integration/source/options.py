@@ -7,6 +7,11 @@ ConfigError naming the option and the value), and the option table of
 docs/user-guide.md section 3.1 (`markdown_table`; `make docs` writes it, and a test
 fails when the guide and this table differ).
 
+An option renamed keeps its former spelling as an alias (`Option.aliases`): the alias is
+accepted and means the same, parsing logs one deprecation warning naming the new
+spelling, and giving both spellings is a ConfigError. The table shows the alias in the
+option's row.
+
 Names follow Spark's own Kafka source where they overlap (kafka.bootstrap.servers,
 subscribe, startingOffsets, maxOffsetsPerTrigger, kafka.*); ftlayer's own options are
 under `ft.`. Parsing needs neither Kafka nor the FT layer: what needs the broker (a
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import re
 import zlib
 from collections.abc import Mapping
@@ -44,6 +50,8 @@ __all__ = [
     "source_id",
     "write_markdown_table",
 ]
+
+log = logging.getLogger("ftlayer.source")
 
 OptionType = Literal["text", "integer", "boolean", "choice", "prefix"]
 
@@ -80,6 +88,8 @@ class Option:
     """The table's default column when it is not `default` itself (e.g. "required")."""
     minimum: int | None = None
     choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    """Former spellings, deprecated: accepted with a warning naming `name`."""
 
     @property
     def key(self) -> str:
@@ -100,8 +110,15 @@ class Option:
         return f"`{self.default}`"
 
 
-def _ms(name: str, default: int | None, minimum: int, doc: str, shown: str | None = None) -> Option:
-    return Option(name, "integer", doc, default, shown, minimum)
+def _ms(
+    name: str,
+    default: int | None,
+    minimum: int,
+    doc: str,
+    shown: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Option:
+    return Option(name, "integer", doc, default, shown, minimum, aliases=aliases)
 
 
 OPTIONS: Final[tuple[Option, ...]] = (
@@ -267,14 +284,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "`SourceError`: a restart of the FT layer within it costs the query nothing",
     ),
     _ms(
-        "ft.timeoutMs",
+        "ft.treeTimeoutMs",
         None,
         1,
         "this query's own tree timeout: a tree not complete between T and "
         "T·(1+1/(n\N{MINUS SIGN}1)) after its persist (a replay: after a batch read it) "
         "fails and is replayed, unless its batch is still running (`ft.heartbeatMs`; "
         "section 4.5)",
-        shown="the server's `--timeout-s`",
+        shown="the server's `--tree-timeout-s`",
+        aliases=("ft.timeoutMs",),
     ),
     _ms(
         "ft.heartbeatMs",
@@ -337,6 +355,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
 
 _BY_KEY: Final = {option.key: option for option in OPTIONS if option.type != "prefix"}
 _PREFIXES: Final = tuple(option for option in OPTIONS if option.type == "prefix")
+_ALIASES: Final = {a.lower(): (a, option) for option in OPTIONS for a in option.aliases}
+"""{lower-cased deprecated spelling: (the spelling, its option)}."""
 _UNSUPPORTED: Final = {
     "subscribepattern": "subscribe with a comma-separated list of topics",
     "assign": "subscribe with a comma-separated list of topics",
@@ -366,7 +386,7 @@ class SourceOptions:
     group_id: str | None = None
     """The consumer group whose committed offsets commit() moves (kafka.group.id)."""
     timeout_s: float | None = None
-    """The tree timeout of this source's records (ft.timeoutMs); None: the server's."""
+    """The tree timeout of this source's records (ft.treeTimeoutMs); None: the server's."""
     checkpoint_mode: str = "unaligned"
     """ft.checkpointMode: "aligned" or "unaligned" (ftlayer.checkpoint)."""
     include_headers: bool = False
@@ -417,6 +437,15 @@ class _Given:
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.raw = {str(k).lower(): str(v) for k, v in options.items()}
+        for alias, (spelled, option) in _ALIASES.items():
+            if alias not in self.raw:
+                continue
+            if option.key in self.raw:
+                raise ConfigError(
+                    f"give option {option.name} or its deprecated spelling {spelled}, not both"
+                )
+            log.warning("option %s is deprecated: use %s (same meaning)", spelled, option.name)
+            self.raw[option.key] = self.raw.pop(alias)
 
     def text(self, name: str) -> str | None:
         option = _BY_KEY[name.lower()]
@@ -491,7 +520,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
             f"that option subscribe ({subscribe!r}) does not"
         )
     partitioner, partitioner_options = _partitioner(given)
-    timeout_ms = given.integer("ft.timeoutMs")
+    timeout_ms = given.integer("ft.treeTimeoutMs")
     return SourceOptions(
         bootstrap=bootstrap,
         topics=topics,
@@ -705,9 +734,18 @@ def markdown_table() -> str:
     """The option table of docs/user-guide.md section 3.1."""
     lines = ["| option | default | meaning |", "|---|---|---|"]
     lines += [
-        f"| `{o.name}` | {o.default_cell()} | {o.doc} |".replace("|  |", "| |") for o in OPTIONS
+        f"| `{o.name}` | {o.default_cell()} | {o.doc}{_alias_note(o)} |".replace("|  |", "| |")
+        for o in OPTIONS
     ]
     return "\n".join(lines) + "\n"
+
+
+def _alias_note(option: Option) -> str:
+    """The table's note on an option's deprecated spellings."""
+    if not option.aliases:
+        return ""
+    spellings = " and ".join(f"`{alias}`" for alias in option.aliases)
+    return f". Deprecated spelling: {spellings} (accepted, with a warning)"
 
 
 def write_markdown_table(guide: Path, *, check: bool = False) -> bool:

@@ -79,6 +79,18 @@ def test_http_flags_without_their_port_or_token_are_refused(
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "warned"), [("--tree-timeout-s", False), ("--timeout-s", True)])
+def test_the_tree_timeout_flag_and_its_deprecated_spelling_mean_the_same(
+    flag: str, warned: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ftlayer.cli import _parser
+
+    args = _parser().parse_args(["serve", "--data-dir", "d", flag, "12.5"])
+    assert args.timeout_s == 12.5
+    err = capsys.readouterr().err
+    assert ("--timeout-s is deprecated: use --tree-timeout-s" in err) is warned
+
+
 @contextlib.contextmanager
 def _server_with_dead_letters_and_a_checkpoint(
     tmp_path: Path,

@@ -110,3 +110,88 @@ def test_api_status_gives_the_samples_after_since(web: WebServer) -> None:
     assert data["dead_letters"] == {"total": 0, "rows": []}
     later = json.loads(web.respond(f"/api/status?since={data['now'] + 60}", None)[2])
     assert later["history"]["rows"] == []
+
+
+_FULL_STATUS: dict[str, Any] = {
+    "version": "0.test",
+    "by_source": {"7": _STATUS},
+    "pending_by_source": {"7": 1},
+    "checkpoints": {
+        "q": {
+            "completed": 1,
+            "open": [],
+            "recent": [{"state": "complete", "id": 1, "pending_roots": 4, "duration_s": 0.5}],
+        }
+    },
+    "late_events": 0,
+    "unknown_events": 0,
+    **dict.fromkeys(
+        [
+            "retry_waiting",
+            "dead_letters",
+            "barrier_holds",
+            "stored_records",
+            "deletes_pending",
+            "lmdb_size_bytes",
+            "connections",
+            "max_connections",
+            "replay_cursor",
+            "xor_events",
+            "barrier_released",
+            "dead_letters_delivered",
+            "dead_letters_purged",
+            "dead_letters_requeued",
+            "timeouts_postponed",
+            "recovered_pending",
+            "recovered_completed",
+        ],
+        0,
+    ),
+    "timeout_s": 30.0,
+}
+
+
+def test_metrics_count_roots_and_still_serve_the_deprecated_tree_names() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ftlayer.web.metrics import DEPRECATED_NAMES
+
+    open_web = WebServer(
+        "127.0.0.1",
+        0,
+        observe=lambda: Observation(_FULL_STATUS, {"7": LatencyHistogram()}),
+        dead_letters=lambda limit: DeadLetterRows([], 0),
+    )
+    try:
+        status, _, body = open_web.respond("/metrics", None)
+    finally:
+        open_web.stop()
+    assert status == 200
+    found = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in found.values()
+        for s in family.samples
+    }
+    source, failed = (("source", "7"),), (("cause", "explicit"), ("source", "7"))
+    assert samples["ftlayer_roots_completed_total", source] == 2
+    assert samples["ftlayer_roots_failed_total", failed] == 1
+    assert samples["ftlayer_pending_roots", source] == 1
+    assert samples["ftlayer_last_checkpoint_pending_roots", (("query", "q"),)] == 4
+    assert samples["ftlayer_tree_timeout_seconds", ()] == 30.0  # the setting's one name
+    assert DEPRECATED_NAMES == {
+        "ftlayer_trees_completed": "ftlayer_roots_completed",
+        "ftlayer_trees_failed": "ftlayer_roots_failed",
+        "ftlayer_pending_trees": "ftlayer_pending_roots",
+        "ftlayer_last_checkpoint_pending_trees": "ftlayer_last_checkpoint_pending_roots",
+    }
+    for old, new in DEPRECATED_NAMES.items():
+        suffix = "_total" if found[new].type == "counter" else ""
+        assert found[old].type == found[new].type
+        assert found[old].documentation.startswith(f"Deprecated: use {new}{suffix}.")
+        assert not found[new].documentation.startswith("Deprecated")
+        assert [(s.name.replace(old, new, 1), s.labels, s.value) for s in found[old].samples] == [
+            (s.name, s.labels, s.value) for s in found[new].samples
+        ]
+    trees = {name for name in found if "tree" in name} - set(DEPRECATED_NAMES)
+    assert trees == {"ftlayer_tree_timeout_seconds"}

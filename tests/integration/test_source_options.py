@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,24 @@ def test_the_retry_options_make_the_sources_retry_policy() -> None:
         parse_options({**BASE, "ft.retryBackoffMs": "500", "ft.retryBackoffMaxMs": "100"})
     with pytest.raises(ConfigError, match=r"ft\.maxRetries must be an integer from -1 to"):
         parse_options({**BASE, "ft.maxRetries": "1000000000"})
+
+
+def test_the_deprecated_spelling_ft_timeout_ms_still_works_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="ftlayer.source"):
+        old = parse_options({**BASE, "ft.timeoutMs": "2500"})
+    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert warnings == ["option ft.timeoutMs is deprecated: use ft.treeTimeoutMs (same meaning)"]
+    assert old.timeout_s == 2.5
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ftlayer.source"):
+        assert parse_options({**BASE, "FT.TIMEOUTMS": "2500"}) == old  # any case, as Spark
+        assert parse_options({**BASE, "ft.treeTimeoutMs": "2500"}) == old
+    assert len([r for r in caplog.records if "deprecated" in r.getMessage()]) == 1
+    with pytest.raises(ConfigError, match=r"option ft\.treeTimeoutMs must be at least 1"):
+        parse_options({**BASE, "ft.timeoutMs": "0"})
+    both = {**BASE, "ft.timeoutMs": "2500", "ft.treeTimeoutMs": "2500"}
+    with pytest.raises(ConfigError, match=r"ft\.treeTimeoutMs or .* ft\.timeoutMs, not both"):
+        parse_options(both)
+    assert "Deprecated spelling: `ft.timeoutMs`" in markdown_table()
