@@ -51,7 +51,7 @@ empty:
 2. Copy data.mdb into a staging directory beside the target.
 3. Open the copy. With `partitions=N`, set every registered source's partition count
    to N. Then route every stored record as the FT layer's recovery will (a dry run of
-   `FTLayer._recover`'s routing), so a partition count a partitioner refuses (key-group
+   ftlayer.core.recovery's routing), so a partition count a partitioner refuses (key-group
    beyond max_parallelism, forward below a record's original partition) is a clear
    error now instead of a server that cannot start. Count the replays per source and
    partition, and the dead letters per source apart (recovery does not replay them).

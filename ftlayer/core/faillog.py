@@ -1,7 +1,7 @@
 """The core's log lines about failed records, each naming what it concerns.
 
 One line per (fate, source, topic, partition) of a requeue (ftlayer.core.layer,
-FTLayer._requeue): trees failed and queued for replay, waiting for their backoff, or
+ftlayer.core.failure.requeue): trees failed and queued for replay, waiting for their backoff, or
 dead-lettered. Its fields (ftlayer.logs.fields) name the source, topic and partition,
 the count, the Kafka offsets, the failed roots and the roots the records go on under
 (0x hex, as `ftlayer inspect --root` takes them), the cause (and, for an explicit

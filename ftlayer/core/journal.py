@@ -21,13 +21,13 @@ A snapshot that is to be a base starts a new segment (`rotate`, under the core's
 at the moment the state is copied), so base k plus segments k, k+1, ... is the state
 now. Once base k is written, older segments and bases are deleted: the journal is
 truncated at a checkpoint once it has grown by about a base's size (at least 1 MiB;
-FTLayer._journal_base_due), so a checkpoint per micro-batch does not write a base per
+ftlayer.core.recovery.journal_base_due), so a checkpoint per micro-batch does not write a base per
 micro-batch, and recovery reads about twice a base at most.
 
 Recovery (`Journal.recover`) reads the newest complete base and the segments from its
 number on, and gives per root: its ack value (the XOR of the base's and every later
 pair of that root; root ids are random and never reused, so pairs of other roots do
-not mix in), whether it is gone, and the open holds per source. `FTLayer._recover`
+not mix in), whether it is gone, and the open holds per source. Recovery (ftlayer.core.recovery)
 then restores each stored record whose root the journal knows (pending, with its ack
 value; in the replay queue under its old replay seq if no finished batch took it in),
 deletes the stored records of trees that completed (their delete was still staged),

@@ -22,7 +22,8 @@ complete. A task that sends its pairs after the key was settled (a straggler: a
 speculative attempt that lost) has them applied at once, as the settle did. A key
 whose sink never settles (its driver died) keeps its holds until none of their roots
 is pending any more: the trees time out and are replayed, and the first timeout
-rotation a timeout after its first hold drops the key (`FTLayer._drop_stale_sink_keys`).
+rotation a timeout after its first hold drops the key
+(`drop_stale_sink_keys` in ftlayer.core.holding).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ batch's barrier, with the retry's; but that barrier comes after the retry, and a
 batch lets them time out first. So in barrier mode the takeover happens at the
 timeout instead: a root that times out while a newer copy of its record (same
 coordinates, a later storage seq, the same bytes) is pending retires like a
-taken-over root, without a replay (`FTLayer._covered_at_timeout`). By then a first
+taken-over root, without a replay (`covered_at_timeout` in ftlayer.core.persist). By then a first
 computation that failed its record has long sent the fail (a task's fails are stored
 before the task ends), so only a copy nobody finished retires, and the newer copy
 still covers the record.
