@@ -7,8 +7,10 @@
   fresh uniquely named topic that is ready (every partition has a leader).
   `kafka_topic` is ``make_topic(4)``.
 - `spark` (session): `ftlayer.integration.spark.local_spark` on ``local[2,4]``, with the
-  quick-starting JVM (C1 JIT only). Without Java the fixture fails the test with the
-  reason; it never skips.
+  quick-starting JVM (C1 JIT only), and the `ftkafka` source registered in it. Without
+  Java the fixture fails the test with the reason; it never skips.
+
+`MakeTopic`, the type of `make_topic`, is in `fixture_types`.
 
 A test that uses any of these is marked `integration` automatically, so
 ``pytest -m "not integration"`` runs only the tests that need neither.
@@ -18,16 +20,16 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from fixture_types import MakeTopic
 from pyspark.sql import SparkSession
 
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.kafka import create_topic
+from ftlayer.integration.source import register
 from ftlayer.integration.spark import SparkSetupError, local_spark
-
-MakeTopic = Callable[..., str]
 
 _INTEGRATION_FIXTURES = frozenset(
     {"tansu_broker", "kafka_bootstrap", "make_topic", "kafka_topic", "spark"}
@@ -84,5 +86,6 @@ def spark() -> Iterator[SparkSession]:
         problem = str(exc)
     if problem is not None:  # outside `except`, so the report is the reason alone
         pytest.fail(f"the integration tests need local Spark: {problem}", pytrace=False)
+    register(session)
     yield session
     session.stop()

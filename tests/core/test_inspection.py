@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
@@ -44,14 +45,6 @@ from ftlayer.wire import (
 
 SOURCE = 5
 TOPIC = "orders"
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _layer(policy: RetryPolicy, *, completion: str = "tree") -> tuple[FTLayer, Clock, Clock]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.checkpoint import CheckpointCoordinator, CheckpointMode
@@ -25,14 +26,6 @@ T = 10.0  # with 3 buckets a tree times out between 10 and 15 s after its persis
 BOUND = 15.0
 TICK = 0.5
 SOURCE, OTHER = 7, 8
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _layer() -> tuple[FTLayer, Clock]:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause
@@ -25,15 +26,6 @@ from ftlayer.core.meters import (
 from ftlayer.persistence import MemoryStorage
 from ftlayer.policy import RetryPolicy
 from ftlayer.records import RecordBatch
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
 
 _NEXT_OFFSET = itertools.count()
 

@@ -23,6 +23,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka.partitioner.default import murmur2  # type: ignore[import-untyped]
+from manual_clock import Clock
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
@@ -33,13 +34,6 @@ from ftlayer.records import RecordBatch
 
 PARTITIONS = 3
 TIMEOUT = 10.0
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -4,7 +4,6 @@ by a live root at every moment."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from manual_clock import Clock
 from numpy.typing import NDArray
 
 from ftlayer.acking.handlers import Persister
@@ -26,24 +26,6 @@ from ftlayer.records import RecordBatch
 
 SOURCE = 5
 T = 10.0  # tree timeout; 3 buckets: a root expires between T and 1.5 T after tracking
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(params=["lmdb", "memory"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PersistenceStorage]:
-    store: PersistenceStorage = (
-        LmdbStorage(tmp_path / "ft") if request.param == "lmdb" else MemoryStorage()
-    )
-    yield store
-    if not store.closed:
-        store.close()
 
 
 def _layer(

@@ -2,9 +2,11 @@
 
 A subprocess, as a user runs it: its own Tansu broker, FT-layer process and Spark JVM.
 It must exit 0 and report what the issue asks for: nothing lost and every produced
-event completed. Its stdout and stderr go to one file, as with `make demo ... > log
-2>&1`: the JSON object must still be alone on the last line, each worker kill shows
-as one line, and Spark's stack traces stay in the Spark log the summary names.
+event completed, by two counts measured apart: the trees the FT layer completed (its
+STATUS) and the events the output topic accounts for. Its stdout and stderr go to one
+file, as with `make demo ... > log 2>&1`: the JSON object must still be alone on the
+last line, each worker kill shows as one line, and Spark's stack traces stay in the
+Spark log the summary names, which holds Spark's log.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 REQUIRED = (
     "produced",
     "completed",
+    "completed_at_sink",
     "lost",
     "replayed",
     "failed_explicit",
@@ -45,7 +48,15 @@ def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> 
     assert done.returncode == 0, text[-3000:]
     result = json.loads(text.rstrip("\n").splitlines()[-1])
     assert set(REQUIRED) <= result.keys()
-    assert result["produced"] == result["completed"] == 3000
+    # The FT layer's count, checked against the sink's: every event not dead-lettered is
+    # accounted for by the output topic (its output is there, or the filter drops it),
+    # and completed one tree, or two where the source persisted its record again (the
+    # worker kill: Spark computed a task's input again).
+    assert result["produced"] == 3000
+    at_sink = result["completed_at_sink"]
+    assert at_sink == 3000 - result["dead_lettered"]
+    assert at_sink <= result["completed"] <= at_sink + result["persisted_again"]
+    assert result["trees_completed"] == result["completed"]
     assert result["lost"] == 0 and result["pending_at_end"] == 0
     # 2% of the events fail on first sight: each is replayed once and then written.
     assert result["replayed"] >= result["failed_explicit"] > 0
@@ -58,5 +69,6 @@ def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> 
     # One line per kill; Spark's log (stack traces of killed tasks) in the named file.
     assert text.count("ftlayer demo: killed Python worker") == result["workers_killed"]
     assert Path(result["spark_log"]).is_file()
+    assert Path(result["spark_log"]).read_text(errors="replace").strip()  # never empty
     assert f"Spark's log is in {result['spark_log']}" in text
     assert "\tat org.apache.spark" not in text and "Traceback" not in text

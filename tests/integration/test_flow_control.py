@@ -19,11 +19,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fixture_types import MakeTopic
 from hypothesis import given
 from hypothesis import strategies as st
 from pyspark.sql import DataFrame, SparkSession
@@ -33,7 +33,6 @@ from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import ft_foreach_batch
-from ftlayer.integration.source import register
 from ftlayer.integration.source.driver import share_out
 from ftlayer.integration.source.options import (
     DEFAULT_MAX_PENDING_RECORDS,
@@ -41,13 +40,12 @@ from ftlayer.integration.source.options import (
     source_id,
 )
 
-MakeTopic = Callable[..., str]
 BASE = {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "ft.address": "h:2"}
 
 PARTITIONS = 4
 PER_PARTITION = 1000
 LIMIT = 1000  # ft.maxPendingRecords: a quarter of the backlog
-TIMEOUT_MS = 10_000  # ft.timeoutMs: a tree fails between 10 and 15 s (3 buckets)
+TIMEOUT_MS = 10_000  # ft.treeTimeoutMs: a tree fails between 10 and 15 s (3 buckets)
 STALL_S = 60.0  # the sink hangs this long, in the second batch
 STALLED_EPOCH = 1
 
@@ -103,11 +101,6 @@ class Sample:
     timeouts: int
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
-
-
 def test_a_stalled_sink_keeps_pending_and_the_store_bounded_and_loses_nothing(
     spark: SparkSession,
     kafka_bootstrap: str,
@@ -161,7 +154,7 @@ def test_a_stalled_sink_keeps_pending_and_the_store_bounded_and_loses_nothing(
         .option("kafka.bootstrap.servers", kafka_bootstrap)
         .option("subscribe", topic)
         .option("ft.address", server.address)
-        .option("ft.timeoutMs", str(TIMEOUT_MS))
+        .option("ft.treeTimeoutMs", str(TIMEOUT_MS))
         .option("ft.maxPendingRecords", str(LIMIT))
         .option("ft.heartbeatMs", "0")
         .load()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
-import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import Server, StartServer
@@ -23,19 +22,12 @@ from test_barrier_pipelines import settle, start
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.sinks import ft_foreach_batch
-from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 N = 400
 SCHEMA = "id long, value string"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def parse(row: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +82,7 @@ def _run(
     written: Written,
     observe: bool = False,
 ) -> tuple[Any, Any]:
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     settings = FTSettings(server.address)
     topic = make_topic(2)
     produce(kafka_bootstrap, topic, [(str(i).encode(), b"v%d" % i) for i in range(N)])

@@ -57,7 +57,7 @@ def _settled(client: FTClient, url: str) -> tuple[Status, dict[str, Any]]:
 
 
 def test_metrics_agree_with_status_and_with_the_traffic(start_server: StartServer) -> None:
-    server = start_server(None, "--http-port", "0", "--timeout-s", "300")
+    server = start_server(None, "--http-port", "0", "--tree-timeout-s", "300")
     assert server.http_url is not None and server.http_url.startswith("http://127.0.0.1:")
     rounds = 3
     with server.client() as client:

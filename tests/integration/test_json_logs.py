@@ -38,7 +38,7 @@ def _wait_for(log: Path, predicate: Any, timeout_s: float = 60.0) -> list[dict[s
 
 
 def test_failure_lines_are_json_and_name_what_failed(start_server: StartServer) -> None:
-    server = start_server(None, "--log-format", "json", "--timeout-s", "1")
+    server = start_server(None, "--log-format", "json", "--tree-timeout-s", "1")
     with server.client() as client:
         client.register_source(
             SOURCE, "forward", 2, retry=RetryPolicy(max_retries=1, backoff_ms=0).to_json()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -31,20 +32,13 @@ from ftlayer.errors import ConfigError, FailException
 from ftlayer.integration.ftcolumns import LOOP_HEADER, FTSettings, loop_header
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import ft_kafka_sink, settle
-from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 EVENTS = 200
 STEP_SCHEMA = "key binary, value binary, event long, n long"
 LOOP_KEY = "the pipeline's loop key"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def make_step(flaky_dir: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -95,7 +89,7 @@ def test_a_loop_keeps_each_tree_across_iterations_and_updates_state_once(
 ) -> None:
     """In barrier mode too (issue 13): a record in transit holds its tree open past its
     batch, and the batch that reads it back holds it until its own barrier."""
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     settings = FTSettings(server.address, loop_key=LOOP_KEY.encode())
     topic = make_topic(2)
     produce(
@@ -174,7 +168,7 @@ def test_a_copied_or_forged_loop_header_starts_a_tree_of_its_own(
     """Only a header signed with the pipeline's loop key continues a tree: a record that
     carries any other `ftlayer-anchor` header is persisted and tracked like any source
     record, so it is never processed untracked."""
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     settings = FTSettings(server.address, loop_key=LOOP_KEY.encode())
     topic = make_topic(1)
     signed_elsewhere = loop_header(7, 8, b"another pipeline's key")

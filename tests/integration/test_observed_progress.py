@@ -15,26 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import StartServer
 from sparkprogress import Progress, first_sight
 
 from ftlayer.errors import FailException
-from ftlayer.integration import FTSettings, FTTasks, ft_foreach_batch, ft_observe, register
+from ftlayer.integration import FTSettings, FTTasks, ft_foreach_batch, ft_observe
 from ftlayer.integration.ftcolumns import REPLAY_COLUMN
 from ftlayer.integration.harness.kafka import produce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 N = 3_000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def fails_once(i: int) -> bool:
@@ -68,7 +62,7 @@ def test_each_batch_progress_carries_what_ftlayer_read_replayed_and_delivered(
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
-    server = start_server(None, "--timeout-s", "60")
+    server = start_server(None, "--tree-timeout-s", "60")
     settings = FTSettings(server.address)
     topic = make_topic(2)
     produce(kafka_bootstrap, topic, [(str(i).encode(), b"v%d" % i) for i in range(N)])

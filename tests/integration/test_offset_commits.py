@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
+from fixture_types import MakeTopic
 from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -27,15 +26,8 @@ from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import FTSettings, to_unsigned
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import settle
-from ftlayer.integration.source import register
 
-MakeTopic = Callable[..., str]
 HELD = (0, 3)  # (partition, offset) of the record the sink does not ack at first
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int | None]:
@@ -84,7 +76,7 @@ def test_group_offsets_never_pass_an_incomplete_record(
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
-    server: Server = start_server(None, "--timeout-s", "600")
+    server: Server = start_server(None, "--tree-timeout-s", "600")
     settings = FTSettings(server.address)
     topic, group = make_topic(2), f"g-{uuid.uuid4().hex[:8]}"
     for p in range(2):  # 20 records in each partition, offsets 0..19
@@ -127,7 +119,7 @@ def test_aligned_checkpoints_hold_every_partition_until_the_record_completes(
     its barrier is pending, in any partition; only then do the group offsets move, to
     the barrier. The unaligned test above moves partition 1 past the held record's
     batch at once; here neither partition moves until the held record completes."""
-    server: Server = start_server(None, "--timeout-s", "600")
+    server: Server = start_server(None, "--tree-timeout-s", "600")
     settings = FTSettings(server.address)
     topic, group = make_topic(2), f"g-{uuid.uuid4().hex[:8]}"
     for p in range(2):
@@ -180,7 +172,7 @@ def test_commit_prunes_the_replay_entries_of_finished_batches(
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
-    server: Server = start_server(None, "--timeout-s", "600")
+    server: Server = start_server(None, "--tree-timeout-s", "600")
     settings = FTSettings(server.address)
     topic = make_topic(2)
     for p in range(2):  # offsets 0..9 in each partition: 4 records with offset % 5 == 0

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_types import MakeTopic
 from kafka.partitioner.default import DefaultPartitioner
 from pipeline_job import wait_settled
 from pyspark import cloudpickle
@@ -52,13 +53,11 @@ from ftlayer.integration.harness.demo import (
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.harness.kafka import create_topic, produce, read_all
 from ftlayer.integration.sinks import ft_kafka_sink
-from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks, OnError
 
 # Spark's Python workers cannot import this module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 Enrich = Callable[[dict[str, Any]], dict[str, Any]]
 N = 3000
 USERS = 50
@@ -75,11 +74,6 @@ def start_cluster_job_early(request: pytest.FixtureRequest) -> None:
     anything else, so that it runs alongside this module's other tests."""
     if any("cluster_job" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("cluster_job")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def produce_events(bootstrap: str, topic: str, n: int) -> None:
@@ -117,15 +111,21 @@ def start_pipeline(
     available_now: bool = False,
     resume: bool = True,
     producer_config: dict[str, Any] | None = None,
+    ft_off: bool = False,
 ) -> tuple[StreamingQuery, list[DataFrame]]:
-    """Start the demo's chain from topics[0] into topics[1], FT on iff `server` is given:
-    ftkafka -> parse -> `enrich` -> (`between`) -> filter -> ft_kafka_sink. Returns the
-    query and every step's DataFrame."""
-    settings = FTSettings(server.address) if server else FTSettings(enabled=False)
+    """Start the demo's chain from topics[0] into topics[1]:
+    ftkafka -> parse -> `enrich` -> (`between`) -> filter -> ft_kafka_sink. FT is on iff
+    `server` is given and not `ft_off`; with `ft_off` the source, the steps and the sink
+    are still given the server's address (FT off must not use it). Returns the query
+    and every step's DataFrame."""
+    address = server.address if server else None
+    on = address is not None and not ft_off
+    settings = FTSettings(address, enabled=on)
     tasks = FTTasks(settings, on_error=on_error)
     options = {"kafka.bootstrap.servers": bootstrap, "subscribe": topics[0]}
-    if server is not None:
-        options["ft.address"] = server.address
+    if address is not None:
+        options["ft.address"] = address
+        options["ft.enabled"] = str(on).lower()
         # Tree mode: these tests follow trees through wrapped steps (a plain where's
         # drops time out); barrier mode has tests/integration/test_barrier_pipelines.py.
         options["ft.completion"] = "tree"
@@ -171,7 +171,7 @@ def test_records_failed_explicitly_are_replayed_and_reach_the_sink(
     tmp_path: Path,
 ) -> None:
     # Trees time out only after 2 minutes: nothing but the flaky records may fail.
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     topics = make_topic(4), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
     flaky_dir = tmp_path / "flaky"
@@ -204,7 +204,7 @@ def test_records_a_plain_where_drops_time_out_and_their_replays_reach_the_sink(
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
-    server = start_server(None, "--timeout-s", "3")
+    server = start_server(None, "--tree-timeout-s", "3")
     topics = make_topic(4), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
     seen_dir = tmp_path / "seen"
@@ -265,7 +265,7 @@ def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
     flight or (if its 3 s timeout fired first on a busy machine) waiting as a replay.
     Without the takeover each dead attempt's records time out and are written again:
     about half the output twice."""
-    server = start_server(None, "--timeout-s", "3")
+    server = start_server(None, "--tree-timeout-s", "3")
     topics = make_topic(4), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
     firsts = {
@@ -331,7 +331,7 @@ def test_a_sink_writer_killed_mid_partition_is_resumed_without_writing_twice(
     kill were not flushed, and each row of the chunks before it is in the topic with
     its write tag, which the retry finds and skips. With `resume=False` the retry
     writes them all again (measured: 1,950 duplicates of 3,000)."""
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     topics = make_topic(1), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
     seen_dir = tmp_path / "seen"
@@ -373,7 +373,7 @@ def test_ft_off_writes_the_same_output_with_no_ft_columns_and_no_ft_traffic(
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     source_topic, off_topic, on_topic = make_topic(4), make_topic(2), make_topic(2)
     produce_events(kafka_bootstrap, source_topic, N)
 
@@ -382,10 +382,11 @@ def test_ft_off_writes_the_same_output_with_no_ft_columns_and_no_ft_traffic(
         spark,
         kafka_bootstrap,
         off_topics,
-        None,
+        server,
         tmp_path / "off",
         RELIABLE_ENRICH,
         available_now=True,
+        ft_off=True,
     )
     run_available_now(query)
     with server.client() as client:
@@ -414,9 +415,13 @@ def test_ft_off_writes_the_same_output_with_no_ft_columns_and_no_ft_traffic(
         assert not set(FT_COLUMNS) & set(frame.columns), frame.columns
     for frame in on_frames:
         assert set(FT_COLUMNS) <= set(frame.columns), frame.columns
-    # With FT off the FT layer saw nothing; with FT on every tree completed.
+    # With FT off the FT layer, whose address every part was given, saw nothing: no
+    # connection but the one asking, no source, no checkpoint, no record, no event.
+    # With FT on every tree completed.
     for counter in ("persisted", "stored_records", "xor_events", "replay_cursor"):
         assert off_status[counter] == 0, counter
+    assert off_status.connections == 1
+    assert not off_status.sources and not off_status.checkpoints
     assert (on_status["persisted"], on_status["completed"], on_status["pending"]) == (N, N, 0)
 
 
@@ -452,7 +457,7 @@ def test_rows_that_do_not_fit_the_declared_schema_stop_the_query_naming_the_prob
     enrich: Enrich,
     problem: str,
 ) -> None:
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     topics = make_topic(1), make_topic(1)
     produce_events(kafka_bootstrap, topics[0], 20)
     # fail-task: the error stops the query (under fail-record the record would fail,
@@ -490,7 +495,7 @@ def test_a_record_whose_output_does_not_fit_fails_alone_instead_of_writing_nulls
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     topics = make_topic(1), make_topic(1)
     n = 200
     produce_events(kafka_bootstrap, topics[0], n)
@@ -549,7 +554,7 @@ def cluster_job(
     job += ["--records", str(N), "--fail-rate", str(FAIL_RATE), "--timeout", str(SETTLE_S)]
     stdout, stderr = workdir / "job.out", workdir / "job.err"
     # Trees time out only after 2 minutes: nothing but the flaky records may fail.
-    with FTServerProcess(workdir / "ft", "--timeout-s", "120") as server:
+    with FTServerProcess(workdir / "ft", "--tree-timeout-s", "120") as server:
         with stdout.open("wb") as out, stderr.open("wb") as err:
             proc = subprocess.Popen([*job, "--ft-address", server.address], stdout=out, stderr=err)
         try:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_types import MakeTopic
 from kafka import KafkaConsumer, TopicPartition
 from pyspark import cloudpickle
 from pyspark.errors.exceptions.captured import StreamingQueryException
@@ -36,23 +37,16 @@ from ftlayer.errors import FailException
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import end_offsets, produce, read_all
 from ftlayer.integration.sinks import ft_foreach_batch
-from ftlayer.integration.source import register
 from ftlayer.integration.source.deadletters import history_of
 from ftlayer.integration.tasks import FTTasks
 from ftlayer.policy import RetryPolicy
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 SCHEMA = "id long, value binary"
 MAX_RETRIES = 3
 BACKOFF_MS, BACKOFF_MAX_MS = 400, 1200
 TRIGGER_S = 0.25
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def is_poison(i: int) -> bool:
@@ -124,7 +118,7 @@ def test_poison_events_are_dead_lettered_with_their_causes_and_the_rest_flows(
     tmp_path: Path,
 ) -> None:
     n = 50_000
-    server: Server = start_server(None, "--timeout-s", "60")
+    server: Server = start_server(None, "--tree-timeout-s", "60")
     settings = FTSettings(server.address)
     topic, dead_topic = make_topic(4), make_topic(1)
     group = f"poison-{uuid.uuid4().hex[:8]}"

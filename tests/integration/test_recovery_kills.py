@@ -335,7 +335,7 @@ def start_stream(bootstrap: str, workdir: Path) -> Stream:
     create_topic(bootstrap, sink_topic, PARTITIONS)
     server = FTServerProcess(
         workdir / "ft-data",
-        *("--port", str(free_port()), "--timeout-s", str(TREE_TIMEOUT_S)),
+        *("--port", str(free_port()), "--tree-timeout-s", str(TREE_TIMEOUT_S)),
         log_path=workdir / "ft.log",
     ).start()
     checkpoint = Checkpoint(workdir / "checkpoint")

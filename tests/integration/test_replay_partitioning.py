@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_types import MakeTopic
 from numpy.typing import NDArray
 from pyspark.sql import SparkSession
 
@@ -40,8 +41,6 @@ from ftlayer.partitioners import (
 )
 from ftlayer.persistence import LmdbStorage
 from ftlayer.records import ReplayRecords
-
-MakeTopic = Callable[..., str]
 
 PARTITIONS = 4
 SEED = 1234

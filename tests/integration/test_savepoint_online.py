@@ -123,7 +123,7 @@ def test_a_running_server_saves_exactly_its_incomplete_records_and_goes_on(
 ) -> None:
     # The deleter is idle (an hour apart): only the savepoint's own flush deletes the
     # completed records, so the test sees that it does.
-    server = start_server(None, "--timeout-s", "600", "--delete-interval-s", "3600")
+    server = start_server(None, "--tree-timeout-s", "600", "--delete-interval-s", "3600")
     savepoints = tmp_path / "savepoints"
     orders = Orders()
     with server.client() as client:
@@ -171,7 +171,7 @@ def test_a_running_server_saves_exactly_its_incomplete_records_and_goes_on(
     for name, expected in (("via-cli", pending), ("via-client", pending | later)):
         restored = tmp_path / f"restored-{name}"
         restore_savepoint(savepoints, name, restored, partitions=2 * N)
-        with start_server(restored, "--timeout-s", "600").client() as client:
+        with start_server(restored, "--tree-timeout-s", "600").client() as client:
             status = client.status()
             assert status["failed"]["recovery"] == len(expected)
             replay = client.fetch_replay(0, status["replay_cursor"], source_id=SOURCE)
@@ -184,7 +184,7 @@ def test_a_running_server_saves_exactly_its_incomplete_records_and_goes_on(
 def test_savepoint_mistakes_are_clear_errors_and_the_server_goes_on(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    server = start_server(None, "--timeout-s", "600")
+    server = start_server(None, "--tree-timeout-s", "600")
     savepoints = tmp_path / "savepoints"
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a directory\n")
@@ -234,7 +234,7 @@ def test_a_reply_that_never_comes_says_the_savepoint_may_exist(
     """The server is frozen (SIGSTOP) after it got the request: no reply within the
     client's wait. The client does not resend; it says the savepoint may or may not
     exist, and once the server runs again, it does."""
-    server = start_server(None, "--timeout-s", "600")
+    server = start_server(None, "--tree-timeout-s", "600")
     savepoints = tmp_path / "savepoints"
     client = server.client()
     with client:

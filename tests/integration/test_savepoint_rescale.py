@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+from fixture_types import MakeTopic
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from serverproc import Server, StartServer
@@ -40,7 +40,6 @@ from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.kafka import create_topic, produce, wait_until
 from ftlayer.integration.sinks import settle
-from ftlayer.integration.source import register
 from ftlayer.partitioners import (
     DEFAULT_MAX_PARALLELISM,
     assign_key_groups,
@@ -48,16 +47,10 @@ from ftlayer.partitioners import (
     key_group_partitions,
 )
 
-MakeTopic = Callable[..., str]
 P = 2
 SOURCE_NAME = "savepoint-job"
 KEYS = [f"user-{i}".encode() for i in range(160)]
 QUERY_TIMEOUT_S = 90
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def key_group_partition(key: bytes, partitions: int) -> int:
@@ -159,7 +152,7 @@ def test_a_savepoint_restores_into_a_job_with_twice_the_partitions(
     old_data = tmp_path / "old-data"
     savepoints = tmp_path / "savepoints"
     new_data = tmp_path / "new-data"
-    old_server = start_server(old_data, "--timeout-s", "600")
+    old_server = start_server(old_data, "--tree-timeout-s", "600")
     held = {b"old-" + k for k in KEYS[::5]}
     first = run_query(
         spark,
@@ -239,7 +232,7 @@ def test_a_savepoint_restores_into_a_job_with_twice_the_partitions(
     with TansuBroker(log_path=tmp_path / "new-broker.log") as broker:
         create_topic(broker.bootstrap, topic, 2 * P)
         produce_by_key_group(broker.bootstrap, topic, b"new-", 2 * P)
-        new_server = start_server(new_data, "--timeout-s", "600")
+        new_server = start_server(new_data, "--tree-timeout-s", "600")
         assert status(new_server)["failed"]["recovery"] == len(held)
         second = run_query(spark, broker.bootstrap, topic, new_server, tmp_path / "cp-new")
         wait_until(

@@ -772,7 +772,7 @@ def test_heartbeats_keep_a_running_batch_from_timing_out_until_they_stop(
     """ftkafka's driver heartbeats while its batch runs (HEARTBEAT from a client of its
     own): the batch's trees outlive three tree timeouts, STATUS shows the lease; once
     the heartbeats stop the trees time out and are queued for replay."""
-    server = start_server(None, "--timeout-s", "1")
+    server = start_server(None, "--tree-timeout-s", "1")
     position = {"kafka": {"events": {"0": 4}}, "replay": 0}
     batch = RecordBatch.build(
         new_ids(4), PAYLOADS[:4], source_ids=5, topics="events", partitions=0, offsets=None

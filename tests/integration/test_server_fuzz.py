@@ -95,7 +95,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
     log = tmp_path / "server.log"
     with log.open("wb") as stderr:
         proc = subprocess.Popen(
-            serve_command(tmp_path / "data", "--timeout-s", "3600"),
+            serve_command(tmp_path / "data", "--tree-timeout-s", "3600"),
             stdout=subprocess.PIPE,
             stderr=stderr,
         )

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from fixture_types import MakeTopic
 from pyspark import TaskContext, cloudpickle
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
@@ -32,22 +33,15 @@ from ftlayer.integration import (
     SinkError,
     ft_kafka_stream,
     ft_observe,
-    register,
 )
 from ftlayer.integration.harness.kafka import produce, read_all
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 N = 1_500
 LIMIT = 16_000  # the producer's max_request_size
 BIG = b"x" * 20_000
 TOO_LARGE = "MessageSizeTooLargeError"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def once(i: int) -> bool:
@@ -80,7 +74,7 @@ def test_each_batch_progress_carries_the_sinks_acked_and_failed_by_cause(
     tmp_path: Path,
     completion: str,
 ) -> None:
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     settings = FTSettings(server.address)
     topic, out = make_topic(2), make_topic(2)
     produce(kafka_bootstrap, topic, [(str(i).encode(), b"in") for i in range(N)])

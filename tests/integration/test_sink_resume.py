@@ -8,9 +8,8 @@ write job, and when two rows count as the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
+from fixture_types import MakeTopic
 from hypothesis import given
 from hypothesis import strategies as st
 from kafka import KafkaProducer
@@ -25,8 +24,6 @@ from ftlayer.integration.resume import (
     tag_prefix,
     written_rows,
 )
-
-MakeTopic = Callable[..., str]
 
 maybe_bytes = st.one_of(st.none(), st.binary(max_size=16))
 headers = st.lists(st.tuples(st.text(max_size=6), maybe_bytes), max_size=3)

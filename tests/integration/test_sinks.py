@@ -8,13 +8,13 @@ sees: the server's counters, the replayed records' bytes, the records in the top
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import Server
@@ -30,7 +30,6 @@ from ftlayer.integration.tasks import FTTasks
 # Spark's Python workers cannot import this module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 N = 2000
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import Server, StartServer
@@ -26,27 +27,20 @@ from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import ft_foreach_batch
-from ftlayer.integration.source import register
 from ftlayer.integration.source.options import source_id
 from ftlayer.integration.tasks import FTTasks
 from ftlayer.status import Status
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 PARTITIONS = 2
 PER_PARTITION = 100
-TIMEOUT_MS = 2000  # ft.timeoutMs: a tree would fail between 2 and 3 s after its persist
+TIMEOUT_MS = 2000  # ft.treeTimeoutMs: a tree would fail between 2 and 3 s after its persist
 STEP_S = 6.0  # the slow step: three times the timeout
 # After the last heartbeat: the lease (3 heartbeats of T/4) and one expiry, T*1.5.
 TIMED_OUT_WITHIN_S = 0.75 * TIMEOUT_MS / 1000 + 1.5 * TIMEOUT_MS / 1000
 SCHEDULING_S = 3.0  # what a busy machine may add to the server's ticks
 SCHEMA = "partition int, offset long"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def slow_step(marks: str, seconds: float) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -94,7 +88,7 @@ def start_query(
         .option("kafka.bootstrap.servers", bootstrap)
         .option("subscribe", topic)
         .option("ft.address", server.address)
-        .option("ft.timeoutMs", str(TIMEOUT_MS))
+        .option("ft.treeTimeoutMs", str(TIMEOUT_MS))
         .option("ft.completion", completion)
         .option("ft.retryBackoffMs", "0")
         .load()

@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from fixture_types import MakeTopic
 from kafka.partitioner import murmur2
 from pyspark.rdd import portable_hash
 from pyspark.sql import SparkSession
@@ -29,7 +30,6 @@ from ftlayer.integration.spark import SparkSetupError, find_java
 
 pytestmark = pytest.mark.integration
 
-MakeTopic = Callable[..., str]
 
 RECORDS = 10_000
 KEYS = 1_000

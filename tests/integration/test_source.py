@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from fixture_types import MakeTopic
 from pyspark import TaskContext
 from pyspark.errors import AnalysisException
 from pyspark.errors.exceptions.captured import StreamingQueryException
@@ -47,21 +48,14 @@ from ftlayer.integration.source import (
     FTKafkaStreamReader,
     SourceError,
     parse_options,
-    register,
     source_schema,
 )
 from ftlayer.partitioners import kafka_key_hash
 
-MakeTopic = Callable[..., str]
 # (topic, partition, offset) -> (key, value, timestamp in ms)
 Coords = tuple[str, int, int]
 KAFKA_COLUMNS = ["key", "value", "topic", "partition", "offset", "timestamp"]
 QUERY_TIMEOUT_S = 90
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 @pytest.fixture
@@ -69,7 +63,7 @@ def ft_layer(start_server: StartServer) -> Server:
     """An FT-layer server whose trees time out only after 10 minutes: these tests ack
     rows after their query ends, and a slow, shared machine must not turn a late ack
     into a timeout and a replay."""
-    return start_server(None, "--timeout-s", "600")
+    return start_server(None, "--tree-timeout-s", "600")
 
 
 def options(bootstrap: str, topics: Iterable[str], **extra: object) -> dict[str, str]:
@@ -234,7 +228,7 @@ def test_ft_timeout_ms_gives_the_querys_trees_their_own_timeout(
     produce(kafka_bootstrap, topic, records("t", 30))
     rows, _ = run_available_now(
         spark,
-        ft_options(kafka_bootstrap, [topic], ft_layer, ft_timeoutMs=2000),
+        ft_options(kafka_bootstrap, [topic], ft_layer, ft_treeTimeoutMs=2000),
         tmp_path / "checkpoint",
     )
     assert len(rows) == 30
@@ -398,7 +392,7 @@ def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(
 ) -> None:
     """Spark re-runs a batch (an uncommitted batch after a restart, a retried task) by
     calling read() again for the same offsets; here read() is called twice directly."""
-    server = start_server(None, "--timeout-s", "3")
+    server = start_server(None, "--tree-timeout-s", "3")
     topic = make_topic(2)
     produce(kafka_bootstrap, topic, records("t", 60))
     opts = ft_options(kafka_bootstrap, [topic], server)
@@ -588,8 +582,11 @@ BAD_OPTIONS = [
     ({"kafka.nonsense.setting": "1"}, "kafka.nonsense.setting"),
     ({"subscribePattern": "t.*"}, "subscribepattern is not supported"),
     ({"failOnDataLoss": "false"}, "unknown option 'failondataloss'"),
-    ({"ft.address": "h:1", "ft.timeoutMs": "0"}, "option ft.timeoutMs must be at least 1"),
-    ({"ft.address": "h:1", "ft.timeoutMs": "soon"}, "option ft.timeoutMs must be an integer"),
+    ({"ft.address": "h:1", "ft.treeTimeoutMs": "0"}, "option ft.treeTimeoutMs must be at least 1"),
+    (
+        {"ft.address": "h:1", "ft.treeTimeoutMs": "soon"},
+        "option ft.treeTimeoutMs must be an integer",
+    ),
 ]
 
 

@@ -194,7 +194,7 @@ def _mismatches(status: Status, page: dict[str, Any], client: FTClient) -> list[
 def test_the_status_page_shows_what_status_says(
     start_server: StartServer, browser: Any, tmp_path: Path
 ) -> None:
-    server = start_server(None, "--http-port", "0", "--timeout-s", "300")
+    server = start_server(None, "--http-port", "0", "--tree-timeout-s", "300")
     assert server.http_url is not None
     with server.client() as client:
         drive(client, rounds=8, pause_s=1.0, ramp=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from serverproc import StartServer
@@ -25,20 +26,14 @@ from sparkprogress import Progress, first_sight
 
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, FailException
-from ftlayer.integration import FTSettings, FTTasks, ft_foreach_batch, ft_observe, register
+from ftlayer.integration import FTSettings, FTTasks, ft_foreach_batch, ft_observe
 from ftlayer.integration.harness.kafka import produce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 N = 2_000
 PARSE = "ftlayer.step.map(parse)"
 KEEP = "ftlayer.step.filter(keep)"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def pick(i: int) -> int:
@@ -93,7 +88,7 @@ def test_each_batch_progress_carries_the_steps_failures_by_cause(
     tmp_path: Path,
     completion: str,
 ) -> None:
-    server = start_server(None, "--timeout-s", "120")
+    server = start_server(None, "--tree-timeout-s", "120")
     settings = FTSettings(server.address)
     topic = make_topic(2)
     produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(N)])

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from fixture_types import MakeTopic
 from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 from serverproc import StartServer
@@ -25,18 +25,11 @@ from serverproc import StartServer
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.sinks import ft_foreach_batch
-from ftlayer.integration.source import register
 from ftlayer.integration.tasks import FTTasks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MakeTopic = Callable[..., str]
 N = 600
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ftkafka(spark: SparkSession) -> None:
-    register(spark)
 
 
 def parse(row: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +50,7 @@ def test_a_streaming_aggregate_sums_every_record_and_completes_every_tree(
     tmp_path: Path,
     ft: bool,
 ) -> None:
-    server = start_server(None, "--timeout-s", "600")
+    server = start_server(None, "--tree-timeout-s", "600")
     settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
     topic = make_topic(3)
     events = [(f"u{i % 7}".encode(), f"u{i % 7}:{i}".encode()) for i in range(N)]

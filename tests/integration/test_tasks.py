@@ -225,7 +225,7 @@ def test_batch_forms_give_the_record_forms_output_and_complete(
 def test_records_a_plain_spark_filter_drops_time_out_and_are_replayed(
     spark: SparkSession, start_server: StartServer
 ) -> None:
-    server = start_server(None, "--timeout-s", "2")
+    server = start_server(None, "--tree-timeout-s", "2")
     client = server.client()
     settings = FTSettings(server.address)
     mapped = FTTasks(settings).map(source_frame(spark, client), decode, SCHEMA)
