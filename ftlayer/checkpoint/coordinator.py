@@ -115,7 +115,7 @@ SNAPSHOT_DIR = "checkpoints"
 """The LMDB environment of snapshots (and copies of the checkpoint records) inside a
 server's data dir."""
 MAX_QUERY_CHARS = 200
-_QUERY_OK = re.compile(r"^[^\x00-\x1f/]+$")
+_QUERY_OK = re.compile(r"^[^\x00-\x1f\x7f-\x9f/]+$")
 _RECENT = 20  # checkpoint records kept in memory per query, for status
 _MAX_OPEN = 1000  # open (begun or aligning) checkpoints per query before the oldest go
 _FAILURE_LOG_S = 60.0  # while snapshot writes keep failing, one error line per this
