@@ -95,8 +95,8 @@ from typing import Any
 
 from numpy.typing import NDArray
 
-from ftlayer.core.statecodec import encode_snapshot
 from ftlayer.core import FTLayer
+from ftlayer.core.statecodec import encode_snapshot
 from ftlayer.errors import ConfigError
 from ftlayer.logs import fields
 from ftlayer.persistence.base import MetaValue, PersistenceStorage
