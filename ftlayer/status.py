@@ -120,8 +120,8 @@ class CheckpointReport(Mapping[str, Any]):
     commit_offsets: KafkaOffsets | None
     """The consumer-group offsets this checkpoint allows (set at completion)."""
     superseded: bool = False
-    """Its snapshot could not be written: it completes with a later snapshot of its query
-    (ftlayer.checkpoint.coordinator, "A failed write")."""
+    """The journal base copied at its barrier could not be written: it completes once a
+    later base is (ftlayer.checkpoint.coordinator, "A failed write")."""
     completed: CheckpointReport | None = None
     """In a CHECKPOINT_BEGIN reply that completed the batch before: that checkpoint."""
 

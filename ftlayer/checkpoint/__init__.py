@@ -1,6 +1,6 @@
-"""Barrier checkpoints and savepoints: the `CheckpointCoordinator` (a snapshot of the FT
-layer at every micro-batch boundary, completion by mode, the group offsets a
-checkpoint allows) and savepoints (`ftlayer.checkpoint.savepoint`)."""
+"""Barrier checkpoints and savepoints: the `CheckpointCoordinator` (a checkpoint at every
+micro-batch boundary, with a journal base when one is due; completion by mode; the group
+offsets a checkpoint allows) and savepoints (`ftlayer.checkpoint.savepoint`)."""
 
 from ftlayer.core.statecodec import decode_snapshot, encode_snapshot
 

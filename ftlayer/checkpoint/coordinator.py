@@ -7,19 +7,23 @@ the batch (CHECKPOINT_BEGIN) and reports the batch done through its commit(end),
 batch late (CHECKPOINT_DONE). A checkpoint belongs to a *query*: the ftkafka
 source name (`ft.sourceName`, by default its topics).
 
-Begin: the FT layer takes a snapshot of its state, pending roots with their ack
-values and locators, the replay queue and the retry counts (`FTLayer.state_snapshot`):
-array copies under the core's lock, O(pending), with no storage access. The copy is
-lazy: the barrier only marks the state as owed, and the copy is taken before the next
-change to it (`FTLayer.add_change_hook`) or by the writer, whichever comes first, so
-it is the state at the barrier and the reply to CHECKPOINT_BEGIN does not wait for
-it. Writing the snapshot to LMDB happens afterwards and elsewhere (the server's
-checkpoint writer thread), so event processing does not wait for it: this is the
-asynchronous phase of an asynchronous barrier snapshot. The stored records need no
-copy: they are already in LMDB, and the snapshot names them by their storage seqs.
-The barrier also opens the batch of the query's sources (`FTLayer.batch_began`), and
+Begin: the barrier opens the batch of the query's sources (`FTLayer.batch_began`), and
 its completion closes it (`FTLayer.batch_done`): while it is open and its driver
-heartbeats, its trees do not time out (ftlayer.core.leases).
+heartbeats, its trees do not time out (ftlayer.core.leases). If the acker journal is
+due a new base at the barrier (ftlayer.core.recovery.journal_base_due: it has grown by
+about a base's size since the last one, or a write to it failed), the barrier also
+owes the journal that base: a copy of the FT state, pending roots with their ack
+values and record seqs, the replay queue, the retry counts, the open holds
+(`FTLayer.state_snapshot`), array copies under the core's lock, O(pending), with no
+storage access. The copy is lazy: the barrier only marks the state as owed, and the
+copy is taken before the next change to it (`FTLayer.add_change_hook`) or by the
+writer, whichever comes first, so it is the state at the barrier and the reply to
+CHECKPOINT_BEGIN does not wait for it. Taking it starts the journal's next segment k,
+so base k and segments k, k+1, ... are the state from then on (ftlayer.core.journal).
+Writing it (`Journal.write_base`, which then deletes the older segments and bases)
+happens afterwards and elsewhere (the server's checkpoint writer thread), so event
+processing does not wait for it. One copy serves every barrier, of any query, begun
+before the next change. A barrier with no base due copies and writes nothing.
 
 Complete: Spark will never run batch n again. The FT layer prunes the replay queue
 entries batch n took in (replay seq <= S_n's cursor) and decides the consumer-group
@@ -34,48 +38,68 @@ offsets the source may commit, by the query's mode:
   tick. Group offsets then move to S_n. The time from the batch being done to the
   completion is the checkpoint's alignment wait.
 
-A checkpoint also completes only once its snapshot is written, or a later snapshot
-of its query is (see "A failed write" below). The newest `retain`
-snapshots of each query stay in LMDB (meta keys "snapshot/<query>/<id>"; the server
-keeps them in an LMDB environment of their own, `<data dir>/checkpoints`, written
-without fsync, so they never queue behind the records' transactions: a snapshot lost
-to an OS crash loses no record). The record of each completed checkpoint
-("checkpoint/<query>/<id>", JSON: position, figures, group offsets) goes to the FT
-layer's own store for the newest `retain` completed checkpoints, so a restarted FT
-layer goes on numbering and knows each query's last completed position. Records are
-staged (PersistenceStorage.stage_meta): they commit with the store's next write (a
-persist, the deletes of completed records) or the server's next tick, never with an
-fsync of their own. The writer also commits them, right away and without fsync, to
-the store of snapshots, so a killed process loses none; an OS crash may lose the
-newest, which only makes the restarted FT layer know an older position (a savepoint
-starts further back: duplicates, no loss).
-Savepoints (ftlayer.checkpoint.savepoint) copy the FT layer's store.
+A checkpoint that owed a base completes, besides, only once that base or a later one
+is written; a checkpoint with no base due waits for nothing more. Checkpoints of a
+query complete in order.
 
-A failed write stalls nothing. `write_pending` writes its snapshots and records in one
-transaction; if that fails, none of it is stored and all of it is kept for the next
-write (the server's writer tries again on its next round, which an idle stream
-has too, and with every barrier):
+Durability, and why completion waits for a due base. The FT state survives a killed
+process without any base: every record that is not complete is in the FT layer's
+store (LMDB, fsync'ed when persisted), and what happens to the ack values, holds and
+the replay queue is in the journal's segments, one os.write per request as it is
+applied (the kernel keeps it when the process dies; an OS crash makes the journal
+untrusted, and then every stored record is replayed). A base only lets the journal
+drop what came before it, and `Journal.write_base` deletes the older segments only
+once base k is whole on disk (written to a temporary file and renamed). So a base not
+written yet, or whose write failed, loses nothing: recovery (`Journal.recover`,
+`FTLayer`'s start) reads the last base written and the longer run of segments after it,
+which is the same state; it costs disk and recovery time, no record and no ack value.
+Group offsets never depend on a base either: they come from the roots pending at
+completion, whose records are in LMDB. Completion waits for a due base, although
+durability does not need it, so that a completed checkpoint says something an
+operator can rely on: recovery after it starts from its barrier's base or a later one,
+and its figures (copy, write, size) are final. In steady state the wait costs nothing
+(the writer writes the base right after the reply to BEGIN; Spark reports the batch
+done a batch later); while base writes fail, it holds group offsets (below).
 
-1. The records go back to the front of the queue: the next write stores them.
-2. Of each query's snapshots only the newest is kept, and retried. The older ones are
-   *superseded*: never written, they complete (by their mode, in order) once a later
-   snapshot of their query is written. That later snapshot is the state at a later
-   barrier of the same query, so it holds every root still pending of theirs; a
-   restore from it loses nothing they would have kept, and group offsets never
-   depended on the snapshot (they come from the roots pending at completion). Keeping
-   one snapshot per query bounds the memory of a store that keeps failing: one copy of
-   the state per query, not one per barrier.
-3. The snapshot count per query (`retain`) moves only when the write succeeds, so a
-   retried snapshot is counted once and the expiry deletes what was stored.
+Records: the record of each completed checkpoint ("checkpoint/<query>/<id>", JSON:
+position, figures, group offsets) goes to the FT layer's own store for the newest
+`retain` completed checkpoints of its query, so a restarted FT layer goes on numbering
+and knows each query's last completed position (savepoints read it:
+ftlayer.checkpoint.savepoint). Records are staged (PersistenceStorage.stage_meta): they
+commit with the store's next write (a persist, the deletes of completed records) or
+the server's next tick, never with an fsync of their own. With a store of records of
+its own (`snapshots`: the server's `<data dir>/checkpoints`, an LMDB environment
+without fsync), the writer also commits them there right away, so a killed process
+loses none; an OS crash may lose the newest, which only makes the restarted FT layer
+know an older position (a savepoint starts further back: duplicates, no loss).
+Either store may also hold "snapshot/<query>/<id>" entries (SNAPSHOT_PREFIX), copies
+of the state per query that nothing reads: the coordinator deletes them when it
+starts (once: it writes none) and goes on if that fails.
 
-While writes fail, no checkpoint completes and group offsets hold (as they must: no
-snapshot is durable); the write that succeeds completes the whole backlog at once.
-The FT layer's own store keeps a staged record staged when its commit fails, so its
-next write carries it.
+A failed write stalls no event. `write_pending` writes the due base and the records
+apart (a journal file, an LMDB transaction); what fails is kept for the next call
+(the server's writer tries again on its next round, which an idle stream has too, and
+with every barrier):
 
-Not thread-safe: the caller serializes begin, complete and poll with the core they
+1. Records: a failed write puts them back at the front of the queue, and the next
+   write stores them. It holds no checkpoint: records are bookkeeping.
+2. Base: a failed write leaves base k absent (never half written) and the journal as
+   long as it was; the copy is kept and retried, until a later barrier copies a newer
+   base. The older copy is then dropped and its checkpoints *superseded*: they
+   complete (by their mode, in order) once the newer base is written, since it is the
+   state at a later moment and the journal after it holds everything since. Keeping
+   one copy bounds the memory of a journal that keeps failing: one copy of the state,
+   not one per barrier.
+3. While base writes fail, the checkpoints that owed a base (and the later ones of
+   their queries) stay open and group offsets hold at the newest completed
+   checkpoint's; the write that succeeds completes the backlog at once (the writer
+   polls after it). The FT layer's own store keeps a staged record staged when its
+   commit fails, so its next write carries it.
+
+Not thread-safe: the caller serializes begin, done and poll with the core they
 belong to (`lock`, which `write_pending` takes for the copy it owes; the server's
-lock); `write_pending` may run in another thread (LmdbStorage is thread-safe).
+lock); `write_pending` may run in another thread (Journal.write_base and LmdbStorage
+are safe to call outside the core's lock).
 """
 
 from __future__ import annotations
@@ -99,7 +123,7 @@ from ftlayer.core import FTLayer
 from ftlayer.core.statecodec import encode_snapshot
 from ftlayer.errors import ConfigError
 from ftlayer.logs import fields
-from ftlayer.persistence.base import MetaValue, PersistenceStorage
+from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.position import (
     KafkaOffsets,
     Position,
@@ -111,14 +135,16 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint/"
 SNAPSHOT_PREFIX = "snapshot/"
+"""Meta keys of per-query state copies a data dir may hold: nothing reads them, and the
+coordinator deletes them when it starts."""
 SNAPSHOT_DIR = "checkpoints"
-"""The LMDB environment of snapshots (and copies of the checkpoint records) inside a
-server's data dir."""
+"""The LMDB environment inside a server's data dir that takes the checkpoint records at
+once, without fsync (`CheckpointCoordinator(snapshots=...)`)."""
 MAX_QUERY_CHARS = 200
 _QUERY_OK = re.compile(r"^[^\x00-\x1f\x7f-\x9f/]+$")
 _RECENT = 20  # checkpoint records kept in memory per query, for status
 _MAX_OPEN = 1000  # open (begun or aligning) checkpoints per query before the oldest go
-_FAILURE_LOG_S = 60.0  # while snapshot writes keep failing, one error line per this
+_FAILURE_LOG_S = 60.0  # while writes of one kind keep failing, one error line per this
 
 
 class CheckpointMode(enum.Enum):
@@ -155,20 +181,27 @@ class Checkpoint:
     pending_roots: int = 0
     replay_queue: int = 0
     copy_s: float = 0.0
-    """Time the snapshot's array copy held the core (the only part that stops events)."""
+    """Time the copy of the journal base due at its barrier held the core (the only part
+    that stops events); 0 if none was due."""
     write_s: float | None = None
-    """Time writing the snapshot took (None until written)."""
+    """Time writing that base (or the later one that superseded it) took: None until
+    written, 0 if none was due."""
     size_bytes: int = 0
+    """That base's size in bytes; 0 if none was due."""
     done_at: float | None = None
     completed_at: float | None = None
     alignment_wait_s: float | None = None
     commit_offsets: KafkaOffsets | None = None
     """The consumer-group offsets this checkpoint allows (set at completion)."""
     pruned: int = 0
-    snapshot_written: bool = False
     superseded: bool = False
-    """Its snapshot could not be written and a later one of its query replaces it: it
-    completes once that one is written."""
+    """The base copied at its barrier could not be written and a later one replaced it:
+    it completes once that one is written."""
+    owes_base: bool = False
+    """A journal base was due at its barrier: it completes once that base (or a later
+    one) is written."""
+    journal_base: int | None = None
+    """The number of that base, once copied (ftlayer.core.journal: base k)."""
     key: str = ""
     """position.key(), kept: the lookup of a barrier begun before."""
 
@@ -210,7 +243,7 @@ class Checkpoint:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Checkpoint:
-        checkpoint = cls(
+        return cls(
             query=str(data["query"]),
             id=int(data["id"]),
             mode=CheckpointMode.named(str(data["mode"])),
@@ -230,8 +263,6 @@ class Checkpoint:
             pruned=int(data.get("pruned", 0)),
             superseded=bool(data.get("superseded", False)),
         )
-        checkpoint.snapshot_written = True
-        return checkpoint
 
 
 @dataclass(slots=True)
@@ -244,12 +275,49 @@ class _Query:
     last_complete: Checkpoint | None = None
     completed: int = 0
     stored: deque[int] = field(default_factory=deque)  # ids with a stored record, ascending
-    snapshots: deque[int] = field(default_factory=deque)  # ids with a stored snapshot, ascending
-    written_through: int = 0  # the highest id whose snapshot this process wrote
+
+
+@dataclass(slots=True)
+class _Base:
+    """A journal base copied and not written yet, and the checkpoints it serves."""
+
+    segment: int
+    state: dict[str, NDArray[Any]]
+    checkpoints: list[Checkpoint]
+    blob: bytes | None = None  # encoded by the first attempt to write it
+
+
+@dataclass(slots=True)
+class _Failures:
+    """Consecutive failed writes of one kind: logged at the first, then once a minute."""
+
+    what: str
+    count: int = 0
+    logged_at: float = 0.0  # monotonic
+
+    def failed(self, exc: BaseException, detail: str, **extra: Any) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self.count == 1 or now - self.logged_at >= _FAILURE_LOG_S:
+            self.logged_at = now
+            log.error(
+                "could not write %s (%s, attempt %d): %s; retried with the next write",
+                self.what,
+                detail,
+                self.count,
+                exc,
+                extra=fields(attempt=self.count, **extra),
+            )
+
+    def succeeded(self) -> None:
+        if self.count:
+            log.info("%s written after %d failed attempts", self.what, self.count)
+            self.count = 0
 
 
 class CheckpointCoordinator:
-    """Begins, completes and stores the checkpoints of every query of one FT layer."""
+    """Begins, completes and stores the checkpoints of every query of one FT layer, and
+    writes the journal bases due at their barriers."""
 
     def __init__(
         self,
@@ -265,18 +333,21 @@ class CheckpointCoordinator:
         self._core_lock = contextlib.nullcontext() if lock is None else lock
         """Serializes this coordinator with the core (reentrant if the caller of
         write_pending may hold it)."""
-        self._uncopied: list[Checkpoint] = []
-        ft.add_change_hook(self.copy_pending)
         self.retain = retain
+        """Completed checkpoints whose record each query keeps."""
         self.snapshots = ft.storage if snapshots is None else snapshots
-        """Where snapshots go (meta entries): the FT layer's storage, or a store of
-        their own, so their writes do not queue behind the records' transactions."""
+        """The store that takes the checkpoint records at once (module docstring,
+        "Records"): the FT layer's storage, or a store of its own."""
+        self._owed: list[Checkpoint] = []  # begun with a base due, not copied yet
+        self._base: _Base | None = None  # copied, not written yet (at most one)
+        self._base_lock = threading.Lock()  # guards _base between copy and writer
+        self._written_base = 0  # the highest base number this coordinator wrote
         self._queries: dict[str, _Query] = {}
-        self._writes: deque[tuple[Checkpoint, dict[str, NDArray[Any]]]] = deque()
         self._record_writes: deque[tuple[dict[str, bytes], list[str]]] = deque()
         self._write_lock = threading.Lock()
-        self._failed_writes = 0  # consecutive failed write rounds
-        self._failure_logged_at = 0.0  # monotonic
+        self._base_failures = _Failures("the acker journal's base")
+        self._record_failures = _Failures("checkpoint records")
+        ft.add_change_hook(self.copy_pending)
         self._load()
 
     # ---- begin -----------------------------------------------------------------
@@ -289,11 +360,12 @@ class CheckpointCoordinator:
         mode: CheckpointMode,
         now: float | None = None,
     ) -> Checkpoint:
-        """Barrier `position` of `query`: the state is owed a snapshot, copied before
-        its next change (`copy_pending`) and then queued for writing. Idempotent: a
-        position already begun (Spark plans a batch again after a restart) returns its
-        checkpoint. Either way the sources' batch is running from now
-        (FTLayer.batch_began: the timeouts of its trees follow its heartbeats)."""
+        """Barrier `position` of `query`: if the journal is due a base, the state is
+        owed a copy, taken before its next change (`copy_pending`) and then queued for
+        writing. Idempotent: a position already begun (Spark plans a batch again after
+        a restart) returns its checkpoint. Either way the sources' batch is running
+        from now (FTLayer.batch_began: the timeouts of its trees follow its
+        heartbeats)."""
         checkpoint = self._begin(check_query(query), check_position(position), sources, mode, now)
         self.ft.batch_began(sources)
         return checkpoint
@@ -312,6 +384,8 @@ class CheckpointCoordinator:
         found = q.open.get(key) or self._find_recent(q, key)
         if found is not None:
             return found
+        # A base copy owed but not taken yet is still the state now: it is due again.
+        owes_base = bool(self._owed) or self._base_due()
         checkpoint = Checkpoint(
             query=query,
             id=q.next_id,
@@ -322,6 +396,8 @@ class CheckpointCoordinator:
             begun_at=time.time() if now is None else now,
             pending_roots=len(self.ft),
             replay_queue=self.ft.queued_replays,
+            write_s=None if owes_base else 0.0,
+            owes_base=owes_base,
         )
         q.next_id += 1
         q.open[key] = checkpoint
@@ -337,28 +413,40 @@ class CheckpointCoordinator:
                 dropped.state.value,
                 extra=fields(query=query, checkpoint=dropped.id),
             )
-        self._uncopied.append(checkpoint)
+        if owes_base:
+            self._owed.append(checkpoint)
         return checkpoint
+
+    def _base_due(self) -> bool:
+        """Whether the journal is due a base now (FTLayer.journal_base_due)."""
+        return self.ft.journal_base_due()
 
     @property
     def has_writes(self) -> bool:
-        """Whether a snapshot is owed or waits to be written (`write_pending`)."""
-        return bool(self._uncopied or self._writes or self._record_writes)
+        """Whether a base is owed or waits to be written, or records wait to be
+        (`write_pending`)."""
+        return bool(self._owed or self._base is not None or self._record_writes)
 
     def copy_pending(self) -> None:
-        """Copy the state for the checkpoints begun since the last copy (one copy
-        serves them all: nothing changed in between) and queue it for writing. Runs
-        before every change to the core (its change hook) and in `write_pending`;
-        the caller holds the core's lock."""
-        if not self._uncopied:
+        """Copy the state owed to the journal as its next base, for the checkpoints
+        begun since the last copy (one copy serves them all: nothing changed in
+        between), and queue it for writing; a base copied before and still unwritten
+        is superseded by it. Runs before every change to the core (its change hook)
+        and in `write_pending`; the caller holds the core's lock."""
+        if not self._owed:
             return
         began = time.perf_counter()
-        state = self.ft.state_snapshot()
+        state = self.ft.state_snapshot(journal_base=True)
         copy_s = round(time.perf_counter() - began, 6)
-        for checkpoint in self._uncopied:
+        base = _Base(int(state["journal.segment"][0]), state, self._owed)
+        self._owed = []
+        for checkpoint in base.checkpoints:
             checkpoint.copy_s = copy_s
-            self._writes.append((checkpoint, state))
-        self._uncopied.clear()
+            checkpoint.journal_base = base.segment
+        with self._base_lock:
+            older, self._base = self._base, base
+            if older is not None:
+                _supersede(older, base)
 
     # ---- done (Spark finished the batch) -------------------------------------------
 
@@ -401,8 +489,9 @@ class CheckpointCoordinator:
         return self._answer(q, checkpoint)
 
     def poll(self, now: float | None = None) -> int:
-        """Complete the aligning checkpoints whose roots are done (the server calls
-        this on every tick); returns how many completed."""
+        """Complete the aligning checkpoints whose roots are done and whose due base is
+        written (the server calls this on every tick and after a write); returns how
+        many completed."""
         now = time.time() if now is None else now
         done = 0
         for query, q in self._queries.items():
@@ -417,11 +506,10 @@ class CheckpointCoordinator:
         for key, checkpoint in list(q.open.items()):
             if checkpoint.state is not CheckpointState.ALIGNING:
                 break  # a later checkpoint completes only after the earlier ones
-            if not (
-                checkpoint.snapshot_written
-                or (checkpoint.superseded and q.written_through > checkpoint.id)
+            if checkpoint.owes_base and (
+                checkpoint.journal_base is None or checkpoint.journal_base > self._written_base
             ):
-                break  # its snapshot is still being written: the next poll sees it
+                break  # its base is still being written: the poll after the write sees it
             if lowest is None:
                 topics = list(checkpoint.position.kafka)
                 lowest = self.ft.lowest_pending_offsets(topics)
@@ -453,126 +541,76 @@ class CheckpointCoordinator:
     # ---- storage ---------------------------------------------------------------
 
     def write_pending(self) -> int:
-        """Write the queued snapshots to `snapshots` in one transaction and drop those
-        past `retain`, with the records of checkpoints completed since (see
-        `_store_record`); returns how many snapshots were written. Takes the snapshot
-        still owed first (under `lock`); the write runs outside it, in queue order. A
-        failed write is logged and kept for the next call, each query's older snapshots
-        superseded by its newest (module docstring, "A failed write")."""
+        """Write the journal base owed or queued, and commit the records of the
+        checkpoints completed since to `snapshots` (one transaction); returns how many
+        were written (the base counts one, each record one). Takes the copy still owed
+        first (under `lock`); the writes run outside it. What fails is logged and kept
+        for the next call (module docstring, "A failed write")."""
         with self._core_lock:
             self.copy_pending()
         with self._write_lock:
-            items: list[tuple[Checkpoint, dict[str, NDArray[Any]]]] = []
-            while self._writes:
-                items.append(self._writes.popleft())
-            records: dict[str, bytes] = {}
-            dropped: list[str] = []
-            while self._record_writes:
-                puts, expired = self._record_writes.popleft()
-                records.update(puts)
-                dropped.extend(expired)
-            if not items and not records:
-                return 0
-            began = time.perf_counter()
-            snapshots: dict[str, MetaValue] = {}
-            newest: tuple[int, bytes | bytearray] | None = None  # the journal's next base
-            for checkpoint, state in items:
-                snapshot = encode_snapshot(state)
-                snapshots[_entry_key(SNAPSHOT_PREFIX, checkpoint.query, checkpoint.id)] = snapshot
-                checkpoint.size_bytes = len(snapshot)
-                if "journal.segment" in state:
-                    segment = int(state["journal.segment"][0])
-                    if newest is None or segment > newest[0]:
-                        newest = (segment, snapshot)
-            stored, expired = self._expire_snapshots(items)
-            try:
-                if self.snapshots is not self.ft.storage:
-                    # The store of snapshots keeps the records too: committed now, without
-                    # an fsync, they survive the process being killed before the FT
-                    # layer's store commits its staged copy.
-                    snapshots.update(records)
-                    expired.extend(key for key in dropped if key not in records)
-                self.snapshots.update_meta(snapshots, expired)
-            except Exception as exc:
-                self._keep_for_retry(items, records, dropped, exc)
-                return 0
-            write_s = round(time.perf_counter() - began, 6)
-            for query, ids in stored.items():
-                q = self._queries[query]
-                q.snapshots = ids
-                q.written_through = max(q.written_through, ids[-1])
-            for checkpoint, _state in items:
-                checkpoint.write_s = write_s
-                checkpoint.snapshot_written = True
-            if newest is not None:
-                self._write_journal_base(*newest)
-            if self._failed_writes:
-                log.info(
-                    "checkpoint snapshots written after %d failed attempts", self._failed_writes
-                )
-                self._failed_writes = 0
-            return len(items)
+            return self._write_base() + self._write_records()
 
-    def _write_journal_base(self, segment: int, snapshot: bytes | bytearray) -> None:
-        """The snapshot just written is also the acker journal's base: write it there and
-        truncate the journal (ftlayer.core.journal). A failure only leaves the journal
-        longer: the next snapshot tries again."""
+    def _write_base(self) -> int:
+        """Step 2 of "A failed write": write the queued base, or keep it for the next
+        call unless a newer one was queued meanwhile."""
+        with self._base_lock:
+            base, self._base = self._base, None
         journal = self.ft.journal
-        if journal is None:
-            return
+        if base is None or journal is None:
+            return 0
+        began = time.perf_counter()
+        if base.blob is None:
+            base.blob = bytes(encode_snapshot(base.state))
         try:
-            journal.write_base(segment, bytes(snapshot))
+            journal.write_base(base.segment, base.blob)
         except OSError as exc:
-            log.error(
-                "could not write the journal base %d (the journal is not truncated "
-                "until a later one is written): %s",
-                segment,
+            with self._base_lock:
+                if self._base is None:
+                    self._base = base
+                else:  # a newer copy came meanwhile: it is written instead
+                    _supersede(base, self._base)
+            self._base_failures.failed(
                 exc,
+                f"base {base.segment}; the journal keeps its older base and segments, and "
+                "checkpoints that owe a base do not complete until one is written",
+                checkpoints=[c.id for c in base.checkpoints],
             )
+            return 0
+        write_s = round(time.perf_counter() - began, 6)
+        for checkpoint in base.checkpoints:
+            checkpoint.write_s = write_s
+            checkpoint.size_bytes = len(base.blob)
+        self._written_base = max(self._written_base, base.segment)
+        self._base_failures.succeeded()
+        return 1
 
-    def _keep_for_retry(
-        self,
-        items: Sequence[tuple[Checkpoint, dict[str, NDArray[Any]]]],
-        records: dict[str, bytes],
-        dropped: list[str],
-        exc: Exception,
-    ) -> None:
-        """Steps 1 and 2 of "A failed write" (module docstring): requeue the records and
-        each query's newest snapshot ahead of what was queued since; supersede the
-        older snapshots. Logs the first failure of a run and then one line a minute."""
-        if records or dropped:
+    def _write_records(self) -> int:
+        """Step 1 of "A failed write": commit the queued records to `snapshots`, or put
+        them back at the front of the queue."""
+        records: dict[str, bytes] = {}
+        dropped: list[str] = []
+        while self._record_writes:
+            puts, expired = self._record_writes.popleft()
+            records.update(puts)
+            dropped.extend(expired)
+        if not records and not dropped:
+            return 0
+        try:
+            self.snapshots.update_meta(records, [k for k in dropped if k not in records])
+        except Exception as exc:
             self._record_writes.appendleft((records, dropped))
-        newest: dict[str, tuple[Checkpoint, dict[str, NDArray[Any]]]] = {}
-        for item in items:  # id order per query
-            older = newest.get(item[0].query)
-            if older is not None:
-                older[0].superseded = True
-            newest[item[0].query] = item
-        kept = {id(item) for item in newest.values()}
-        for item in reversed(items):  # ahead of the snapshots queued since, in order
-            if id(item) in kept:
-                self._writes.appendleft(item)
-        self._failed_writes += 1
-        now = time.monotonic()
-        if self._failed_writes == 1 or now - self._failure_logged_at >= _FAILURE_LOG_S:
-            self._failure_logged_at = now
-            log.error(
-                "could not write %d checkpoint snapshots (queries %s) and %d checkpoint "
-                "records (attempt %d): %s; retried with the next write, and until one "
-                "succeeds no checkpoint completes and group offsets hold",
-                len(items),
-                sorted(newest),
-                len(records),
-                self._failed_writes,
-                exc,
-                extra=fields(queries=sorted(newest), count=len(items), attempt=self._failed_writes),
-            )
+            self._record_failures.failed(exc, f"{len(records)} of them; they hold nothing")
+            return 0
+        self._record_failures.succeeded()
+        return len(records)
 
     def _store_record(self, query: str, q: _Query, checkpoint: Checkpoint) -> None:
         """Stage a completed checkpoint's record in the FT layer's store (committed
         with its next write, see PersistenceStorage.stage_meta) and drop the records
-        past `retain`. A failure is logged: the record is bookkeeping, no record of
-        data depends on it."""
+        past `retain`; queue it for `snapshots` if that is a store of its own. A
+        failure is logged: the record is bookkeeping, no record of data depends on
+        it."""
         q.stored.append(checkpoint.id)
         expired: list[str] = []
         while len(q.stored) > self.retain:
@@ -588,36 +626,24 @@ class CheckpointCoordinator:
                 exc,
                 extra=fields(query=query, checkpoint=checkpoint.id),
             )
-        self._record_writes.append(({key: record}, expired))
-
-    def _expire_snapshots(
-        self, items: Sequence[tuple[Checkpoint, Any]]
-    ) -> tuple[dict[str, deque[int]], list[str]]:
-        """The snapshot ids each query of `items` keeps once they are stored, and the
-        keys of those past `retain` (tracked in memory: no read of the store per
-        write). The caller adopts the ids only if the write succeeds, so a retried
-        snapshot is counted once."""
-        stored: dict[str, deque[int]] = {}
-        expired: list[str] = []
-        for checkpoint, _state in items:
-            query = checkpoint.query
-            ids = stored.setdefault(query, deque(self._queries[query].snapshots))
-            ids.append(checkpoint.id)
-            while len(ids) > self.retain:
-                expired.append(_entry_key(SNAPSHOT_PREFIX, query, ids.popleft()))
-        return stored, expired
+        if self.snapshots is not self.ft.storage:
+            self._record_writes.append(({key: record}, expired))
 
     def _load(self) -> None:
         """Pick up each query's stored checkpoint records (after a restart), from the
-        FT layer's store and the store of snapshots (which has the newest if the
-        process was killed before the FT layer's store committed it)."""
-        self._load_snapshot_ids()
+        FT layer's store and `snapshots` (which has the newest if the process was
+        killed before the FT layer's store committed it); delete the state copies
+        stored under SNAPSHOT_PREFIX."""
         found: dict[str, bytes] = {}
-        for store in (self.ft.storage, self.snapshots):
+        stores = [self.ft.storage]
+        if self.snapshots is not self.ft.storage:
+            stores.append(self.snapshots)
+        for store in stores:
             for key in store.meta_keys(CHECKPOINT_PREFIX):
                 raw = store.get_meta(key)
                 if raw is not None:
                     found.setdefault(key, raw)
+            _delete_snapshots(store)
         for key in sorted(found):
             raw = found[key]
             try:
@@ -632,12 +658,6 @@ class CheckpointCoordinator:
                 q.recent.append(checkpoint)
                 if q.last_complete is None or checkpoint.id > q.last_complete.id:
                     q.last_complete = checkpoint
-
-    def _load_snapshot_ids(self) -> None:
-        for key in self.snapshots.meta_keys(SNAPSHOT_PREFIX):
-            query, _, number = key[len(SNAPSHOT_PREFIX) :].rpartition("/")
-            if query and number.isdigit():  # key order: id order per query
-                self._queries.setdefault(query, _Query()).snapshots.append(int(number))
 
     def _find_recent(self, q: _Query, key: str) -> Checkpoint | None:
         for checkpoint in reversed(q.recent):
@@ -664,12 +684,34 @@ class CheckpointCoordinator:
         return result
 
 
-# ---- snapshots ----------------------------------------------------------------------
+# ---- stored entries ----------------------------------------------------------------
 
 
 def _entry_key(prefix: str, query: str, checkpoint_id: int) -> str:
-    """The meta key of a checkpoint's record or snapshot: `<prefix><query>/<id>`."""
+    """The meta key of a checkpoint's record: `<prefix><query>/<id>`."""
     return f"{prefix}{query}/{checkpoint_id:012d}"
+
+
+def _delete_snapshots(store: PersistenceStorage) -> None:
+    """Delete the state copies a store holds under SNAPSHOT_PREFIX (nothing reads
+    them). A failure is logged: they only take room, and the next start tries again."""
+    keys = store.meta_keys(SNAPSHOT_PREFIX)
+    if not keys:
+        return
+    try:
+        store.update_meta({}, keys)
+    except Exception as exc:
+        log.warning("could not delete %d unused checkpoint snapshots: %s", len(keys), exc)
+    else:
+        log.info("deleted %d unused checkpoint snapshots (%s...)", len(keys), SNAPSHOT_PREFIX)
+
+
+def _supersede(older: _Base, newer: _Base) -> None:
+    """`older` will never be written: its checkpoints complete with `newer`, the state
+    at a later moment (module docstring, "A failed write", step 2)."""
+    for checkpoint in older.checkpoints:
+        checkpoint.superseded = True
+    newer.checkpoints.extend(older.checkpoints)
 
 
 # ---- positions ----------------------------------------------------------------------

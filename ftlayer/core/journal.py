@@ -6,9 +6,9 @@ values, so without more a restart can only replay every stored record, including
 that live tasks were about to complete. The journal keeps the rest, cheaply:
 
 - a *base*: the state at one moment (every pending root with its ack value, the replay
-  queue, its prune points, the open barrier holds): the same arrays a checkpoint
-  snapshot copies (`FTLayer.state_snapshot`), written to `base-<k>` by the thread that
-  writes the checkpoint's snapshot, or by the core itself when no checkpoint came for
+  queue, its prune points, the open barrier holds): the state snapshot
+  (`FTLayer.state_snapshot`), written to `base-<k>` by the server's checkpoint writer
+  when a base was due at a barrier, or by the core itself when no checkpoint came for
   `max_segment_bytes` of journal;
 - *segments* `seg-<k>`: what happened to the ack values since base k, appended as it is
   applied, one os.write per request (no user-space buffer, no fsync: a killed process

@@ -481,12 +481,18 @@ class FTLayer:
     # ---- state copies and recovery (ftlayer.core.recovery) --------------------------
 
     def state_snapshot(self, *, journal_base: bool | None = None) -> dict[str, NDArray[Any]]:
-        """Copies of the state a checkpoint holds: every pending root with its ack value
+        """Copies of the state a journal base holds: every pending root with its ack value
         and the storage seq of its record ("acker.*"), the replay queue ("queue.*"), the
         retry counts ("retries.*") and the open holds. O(pending) array copies and no
         storage access, so a caller that serializes this core holds its lock only for
         the copy; writing it can happen elsewhere (ftlayer.checkpoint)."""
         return recovery.state_snapshot(self._s, journal_base=journal_base)
+
+    def journal_base_due(self) -> bool:
+        """Whether a state copy taken now should be the journal's base: the journal has
+        grown by as much as a base would hold (at least JOURNAL_BASE_MIN_BYTES), or its
+        last write failed. False without a journal."""
+        return recovery.journal_base_due(self._s)
 
     def write_journal_base(self) -> None:
         """Write the journal's base now (the state, O(pending)) and truncate it: when its

@@ -58,10 +58,10 @@ format). The contract:
    undeleted is deleted at the restart if the journal knows its tree completed, and
    otherwise replayed (a duplicate, never a loss); a delete that fails is tried again;
    stop() deletes what is left before closing the storage.
-7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN marks the state owed a copy
-   and replies at once; the copy is taken under the lock before the next change to
-   the core or by the checkpoint-writer thread (woken after the reply), which writes
-   the snapshot to LMDB outside the lock. CHECKPOINT_DONE prunes and completes
+7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN replies at once; when the acker
+   journal is due a new base, it marks the state owed a copy, taken under the lock
+   before the next change to the core or by the checkpoint-writer thread (woken after
+   the reply), which writes the base outside the lock. CHECKPOINT_DONE prunes and completes
    (unaligned) or starts aligning (aligned), staging the checkpoint's record in the
    store (it commits with the next write, or the ticker flushes it); the ticker
    completes aligning checkpoints once no root before their barrier is pending.

@@ -63,8 +63,8 @@ class FTServer(Transport, RequestHandlers, Workers):
                 defer_deletes=True,
                 journal=Journal(os.path.join(self.data_dir, JOURNAL_DIR)) if self.journal else None,
             )
-            # Checkpoint snapshots: an LMDB environment of their own, without fsync (a
-            # snapshot lost to an OS crash loses no record; see ftlayer.checkpoint).
+            # Checkpoint records: an LMDB environment of their own, without fsync (a
+            # record lost to an OS crash loses no source record; see ftlayer.checkpoint).
             snapshots = LmdbStorage(os.path.join(self.data_dir, SNAPSHOT_DIR), sync=False)
             self._checkpoints = CheckpointCoordinator(
                 self._ft, snapshots=snapshots, lock=self._lock

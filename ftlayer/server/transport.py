@@ -138,7 +138,7 @@ class Transport(ServerState):
                 checkpoints = self._checkpoints
                 if frame.kind == Kind.CHECKPOINT_BEGIN and checkpoints and checkpoints.has_writes:
                     # The checkpoint writer copies the state owed (unless the next
-                    # change did), writes the snapshot and completes what it can, all
+                    # change did), writes the base and completes what it can, all
                     # after this reply: the client goes on meanwhile. (Not after a
                     # COMPLETE: its record waits for the next BEGIN's write, which in a
                     # Spark job comes right after, rather than contend with it.)

@@ -3,7 +3,7 @@ contract: the ticker (FTLayer.tick every min(0.5 s, the shortest rotation interv
 use / 10), checkpoints polled, staged checkpoint records flushed on an idle store), the
 deleter (completed records deleted outside the lock, in transactions of bounded work,
 `_delete_slices`, each after the requests under way) and the checkpoint writer
-(queued snapshots and records written outside the lock).
+(a due journal base and the checkpoint records written outside the lock).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class Workers(ServerState):
         return _EMPTY_SEQS
 
     def _checkpoint_write_loop(self) -> None:
-        """Write queued checkpoint snapshots and records, outside the core lock: woken
+        """Write a due journal base and the checkpoint records, outside the core lock: woken
         after a CHECKPOINT_BEGIN's reply; the records of checkpoints completed since
         go with that write, or, on an idle stream, within _POLL_S."""
         while not self._stopping.is_set():

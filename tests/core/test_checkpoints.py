@@ -1,12 +1,16 @@
-"""Barrier checkpoints (ftlayer.checkpoint): snapshots, aligned and unaligned
-completion, pruning, group offsets, and what a restarted FT layer knows of them.
+"""Barrier checkpoints (ftlayer.checkpoint): aligned and unaligned completion, pruning,
+group offsets, the acker journal's base written at a barrier where one is due, failed
+writes, recovery after a kill, and what a restarted FT layer knows of them.
 
-Real LMDB on disk throughout; batches carry Kafka coordinates (topic "orders",
-partition i % 2, offset i) so positions mean what they mean in a Spark job.
+Real LMDB and a real journal on disk throughout; batches carry Kafka coordinates
+(topic "orders", partition i % 2, offset i) so positions mean what they mean in a
+Spark job.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +28,10 @@ from ftlayer.checkpoint import (
     CheckpointMode,
     CheckpointState,
     decode_snapshot,
+    encode_snapshot,
 )
-from ftlayer.core import FTLayer
+from ftlayer.core import FTLayer, recovery
+from ftlayer.core.journal import Journal
 from ftlayer.errors import ConfigError, StorageError
 from ftlayer.persistence import LmdbStorage, MemoryStorage
 from ftlayer.records import RecordBatch
@@ -38,6 +44,30 @@ SOURCES = [7]
 def storage(tmp_path: Path) -> Iterator[LmdbStorage]:
     with LmdbStorage(tmp_path / "ft") as store:
         yield store
+
+
+@pytest.fixture
+def base_at_every_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal is due a base at every barrier (journal_base_due: it has grown by at
+    least 0 bytes), so every checkpoint owes one."""
+    monkeypatch.setattr(recovery, "JOURNAL_BASE_MIN_BYTES", 0)
+    monkeypatch.setattr(recovery, "_BASE_BYTES_PER_ROOT", 0)
+
+
+def journaled(storage: LmdbStorage, directory: Path, **kwargs: Any) -> FTLayer:
+    """An FT layer with an acker journal in `directory`/journal, as a server runs it."""
+    return FTLayer(storage, journal=Journal(directory / "journal"), **kwargs)
+
+
+def journal_files(directory: Path) -> list[str]:
+    """The journal's bases and segments, in order."""
+    return sorted(n for n in os.listdir(directory / "journal") if n[:4] in ("base", "seg-"))
+
+
+def base_state(directory: Path, k: int | None) -> dict[str, Any]:
+    """Journal base k as written, in the canonical form of `_normal`."""
+    assert k is not None
+    return _normal(decode_snapshot((directory / "journal" / f"base-{k:012d}").read_bytes()))
 
 
 def records(lo: int, hi: int) -> RecordBatch:
@@ -181,8 +211,9 @@ def test_complete_prunes_the_replays_the_batch_took_in(storage: LmdbStorage) -> 
     assert ft.replay_start_of(7) == 3
 
 
-def test_the_snapshot_is_the_state_at_the_barrier(storage: LmdbStorage) -> None:
-    ft = FTLayer(storage)
+@pytest.mark.usefixtures("base_at_every_barrier")
+def test_the_journal_base_is_the_state_at_the_barrier(storage: LmdbStorage, tmp_path: Path) -> None:
+    ft = journaled(storage, tmp_path)
     cps = CheckpointCoordinator(ft)
     batch = records(0, 8)
     ids = emit(ft, batch)
@@ -192,19 +223,43 @@ def test_the_snapshot_is_the_state_at_the_barrier(storage: LmdbStorage) -> None:
     roots, acks = ft.acker.items()
     expected = dict(zip(roots.tolist(), acks.tolist(), strict=True))
     seqs_at_barrier = sorted(ft.acker.snapshot("seq")["seq"].tolist())
-    cps.begin("q", position(8, 9, ft.replay_cursor), SOURCES, UNALIGNED)
-    ft.xor(batch.roots[5:8], ids[5:8])  # after the barrier: not in the snapshot
-    cps.write_pending()
-    keys = storage.meta_keys(SNAPSHOT_PREFIX)
-    assert keys == [f"{SNAPSHOT_PREFIX}q/{1:012d}"]
-    raw = storage.get_meta(keys[0])
-    assert raw is not None
+    begun = cps.begin("q", position(8, 9, ft.replay_cursor), SOURCES, UNALIGNED)
+    ft.xor(batch.roots[5:8], ids[5:8])  # after the barrier: not in the base
+    assert cps.write_pending() == 1
+    assert begun.journal_base is not None
+    assert journal_files(tmp_path) == [
+        f"base-{begun.journal_base:012d}",
+        f"seg-{begun.journal_base:012d}",
+    ]
+    raw = (tmp_path / "journal" / f"base-{begun.journal_base:012d}").read_bytes()
+    assert begun.size_bytes == len(raw) and begun.write_s is not None
     snap = decode_snapshot(raw)
     got = dict(zip(snap["acker.root"].tolist(), snap["acker.ack"].tolist(), strict=True))
     assert got == expected and len(got) == 6
     assert sorted(snap["acker.seq"].tolist()) == seqs_at_barrier
     assert snap["queue.replay_seq"].tolist() == [1]
     assert snap["retries.count"].tolist() == [1]
+    # Nothing else is stored for the checkpoint but its record.
+    assert storage.meta_keys(SNAPSHOT_PREFIX) == []
+
+
+def test_a_barrier_with_no_base_due_copies_and_writes_nothing(
+    storage: LmdbStorage, tmp_path: Path
+) -> None:
+    """A small journal (less than a base's worth since the last one) is due no base: the
+    checkpoint copies nothing, writes nothing and completes at once."""
+    ft = journaled(storage, tmp_path)
+    cps = CheckpointCoordinator(ft)
+    batch = records(0, 8)
+    ids = emit(ft, batch)
+    begun = cps.begin("q", position(8, 9), SOURCES, UNALIGNED)
+    ft.xor(batch.roots, ids)
+    assert not cps.has_writes and cps.write_pending() == 0
+    done = cps.done("q", position(8, 9), SOURCES, UNALIGNED)
+    assert done is begun and done.state is CheckpointState.COMPLETE
+    assert done.commit_offsets == {"orders": {0: 8, 1: 9}}
+    assert (done.copy_s, done.write_s, done.size_bytes, done.journal_base) == (0, 0, 0, None)
+    assert [n for n in journal_files(tmp_path) if n.startswith("base")] == []
 
 
 def _normal(state: dict[str, np.ndarray]) -> dict[str, list[Any]]:
@@ -218,12 +273,6 @@ def _normal(state: dict[str, np.ndarray]) -> dict[str, list[Any]]:
     return found
 
 
-def _snapshot_state(storage: LmdbStorage, checkpoint_id: int, query: str = "q") -> dict[str, Any]:
-    raw = storage.get_meta(f"{SNAPSHOT_PREFIX}{query}/{checkpoint_id:012d}")
-    assert raw is not None
-    return _normal(decode_snapshot(raw))
-
-
 CHANGES = {
     "persist": lambda ft, batch, ids: emit(ft, records(100, 104)),
     "xor": lambda ft, batch, ids: ft.xor(batch.roots[:3], ids[:3]),
@@ -233,42 +282,47 @@ CHANGES = {
 }
 
 
+@pytest.mark.usefixtures("base_at_every_barrier")
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_the_copy_owed_at_a_barrier_is_taken_before_any_change(
-    storage: LmdbStorage, change: str
+    storage: LmdbStorage, tmp_path: Path, change: str
 ) -> None:
     """The barrier copies nothing at once (its reply does not wait for the copy); the
-    first change after it, whatever it is, takes the copy first, so the snapshot is
-    the state at the barrier."""
-    ft = FTLayer(storage, timeout_s=30.0)
+    first change after it, whatever it is, takes the copy first, so the journal base
+    written is the state at the barrier."""
+    ft = journaled(storage, tmp_path, timeout_s=30.0)
     cps = CheckpointCoordinator(ft)
     batch = records(0, 8)
     ids = emit(ft, batch)
     ft.fail(batch.roots[6:8])  # a replay queue and retry counts to copy
     ft.xor(batch.roots[:1], np.array([5], np.uint64))  # a changed ack value
-    at_barrier = _normal(ft.state_snapshot())
+    at_barrier = _normal(ft.state_snapshot(journal_base=False))
     begun = cps.begin("q", position(8, 9, ft.replay_cursor), SOURCES, UNALIGNED)
     CHANGES[change](ft, batch, ids)
-    assert _normal(ft.state_snapshot()) != at_barrier  # the change changed the state
+    assert _normal(ft.state_snapshot(journal_base=False)) != at_barrier  # the change changed it
     cps.write_pending()
-    assert _snapshot_state(storage, begun.id) == at_barrier
+    assert base_state(tmp_path, begun.journal_base) == at_barrier
     assert begun.pending_roots == len(at_barrier["acker.root"]) == 8
 
 
-def test_checkpoints_begun_with_no_change_between_share_one_copy(storage: LmdbStorage) -> None:
-    ft = FTLayer(storage)
+@pytest.mark.usefixtures("base_at_every_barrier")
+def test_checkpoints_begun_with_no_change_between_share_one_copy(
+    storage: LmdbStorage, tmp_path: Path
+) -> None:
+    ft = journaled(storage, tmp_path)
     cps = CheckpointCoordinator(ft)
     emit(ft, records(0, 4))
     first = cps.begin("q", position(4, 5), SOURCES, UNALIGNED)
     second = cps.begin("other", position(4, 5), SOURCES, ALIGNED)
     emit(ft, records(4, 6))
-    cps.write_pending()
-    assert _snapshot_state(storage, first.id) == _snapshot_state(storage, second.id, "other")
-    assert len(_snapshot_state(storage, first.id)["acker.root"]) == 4
+    assert cps.write_pending() == 1  # one base for both
+    assert first.journal_base == second.journal_base
+    assert len(base_state(tmp_path, first.journal_base)["acker.root"]) == 4
     assert first.copy_s == second.copy_s
+    assert first.size_bytes == second.size_bytes > 0
 
 
-def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
+def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_records(
     tmp_path: Path,
 ) -> None:
     with LmdbStorage(tmp_path / "ft") as storage:
@@ -279,7 +333,7 @@ def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
             cps.write_pending()
             cps.done("q", position(n, n), SOURCES, UNALIGNED)
             cps.write_pending()
-        assert len(storage.meta_keys(SNAPSHOT_PREFIX)) == 2
+        assert len(storage.meta_keys(CHECKPOINT_PREFIX)) == 2
     with LmdbStorage(tmp_path / "ft") as storage:
         cps = CheckpointCoordinator(FTLayer(storage), retain=2)
         last = cps.last_complete("q")
@@ -288,18 +342,22 @@ def test_a_restarted_layer_goes_on_numbering_and_keeps_the_newest_snapshots(
         again = cps.done("q", position(5, 5), SOURCES, UNALIGNED)  # Spark commits again
         assert again.id == 5 and again.state is CheckpointState.COMPLETE
         assert cps.begin("q", position(6, 6), SOURCES, UNALIGNED).id == 6
+        cps.done("q", position(6, 6), SOURCES, UNALIGNED)
         cps.write_pending()
-        # The snapshots stored before the restart count towards `retain`.
-        assert storage.meta_keys(SNAPSHOT_PREFIX) == [
-            f"{SNAPSHOT_PREFIX}q/{n:012d}" for n in (5, 6)
+        # The records stored before the restart count towards `retain`.
+        assert storage.meta_keys(CHECKPOINT_PREFIX) == [
+            f"{CHECKPOINT_PREFIX}q/{n:012d}" for n in (5, 6)
         ]
 
 
-def test_a_position_never_begun_is_begun_at_completion(storage: LmdbStorage) -> None:
-    ft = FTLayer(storage)
+@pytest.mark.usefixtures("base_at_every_barrier")
+def test_a_position_never_begun_is_begun_at_completion(
+    storage: LmdbStorage, tmp_path: Path
+) -> None:
+    ft = journaled(storage, tmp_path)
     cps = CheckpointCoordinator(ft)
     answer = cps.done("q", position(3, 3), SOURCES, UNALIGNED)
-    # Its snapshot is not written yet: it completes on the poll after the write.
+    # Its journal base is not written yet: it completes on the poll after the write.
     assert answer.state is CheckpointState.ALIGNING
     cps.write_pending()
     assert cps.poll() == 1
@@ -321,29 +379,48 @@ class FailingWrites:
         self._write(puts, deletes)
 
 
+class FailingBases:
+    """Injected journal-base write failures: the next `times` bases `ft` writes raise
+    OSError before anything is written (as a full disk does)."""
+
+    def __init__(self, ft: FTLayer, monkeypatch: pytest.MonkeyPatch) -> None:
+        assert ft.journal is not None
+        self.times = 0
+        self._write = ft.journal.write_base
+        monkeypatch.setattr(ft.journal, "write_base", self._write_base)
+
+    def _write_base(self, k: int, blob: bytes) -> None:
+        if self.times:
+            self.times -= 1
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        self._write(k, blob)
+
+
 @pytest.fixture
 def snapshots(tmp_path: Path) -> Iterator[LmdbStorage]:
-    """A store of snapshots of its own, as the server has."""
+    """A store of checkpoint records of its own, as the server has."""
     with LmdbStorage(tmp_path / "checkpoints", sync=False) as store:
         yield store
 
 
+@pytest.mark.usefixtures("base_at_every_barrier")
 @pytest.mark.parametrize("mode", [UNALIGNED, ALIGNED])
-def test_a_failed_snapshot_write_is_retried_and_later_checkpoints_complete(
+def test_a_failed_base_write_holds_completion_and_is_retried(
     storage: LmdbStorage,
     snapshots: LmdbStorage,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     mode: CheckpointMode,
 ) -> None:
-    """Checkpoint 1's write fails once: it stays incomplete (its snapshot is not
-    durable, the group holds), the next write stores it, and it and every later
-    checkpoint complete, moving the group offsets."""
-    ft = FTLayer(storage)
+    """Checkpoint 1's journal base fails to write once: it stays incomplete and the group
+    holds, the next write stores the base, and it and every later checkpoint
+    complete, moving the group offsets. The journal keeps only the newest base."""
+    ft = journaled(storage, tmp_path)
     cps = CheckpointCoordinator(ft, retain=2, snapshots=snapshots)
-    fail = FailingWrites(snapshots, monkeypatch)
+    fail = FailingBases(ft, monkeypatch)
     batch = records(0, 4)
     ids = emit(ft, batch)
-    cps.begin("q", position(2, 3), SOURCES, mode)
+    first = cps.begin("q", position(2, 3), SOURCES, mode)
     fail.times = 1
     assert cps.write_pending() == 0
     ft.xor(batch.roots, ids)
@@ -352,26 +429,37 @@ def test_a_failed_snapshot_write_is_retried_and_later_checkpoints_complete(
     assert cps.has_writes  # the server's writer comes back for it
     assert cps.write_pending() == 1  # the retry
     assert cps.poll() == 1
+    assert first.state is CheckpointState.COMPLETE and first.size_bytes > 0
+    assert first.commit_offsets == {"orders": {0: 2, 1: 3}}
+    last = first
     for n in (4, 6):
-        cps.begin("q", position(n, n + 1), SOURCES, mode)
+        last = cps.begin("q", position(n, n + 1), SOURCES, mode)
         cps.write_pending()
         completed = cps.done("q", position(n, n + 1), SOURCES, mode)
         assert completed.state is CheckpointState.COMPLETE
         assert completed.commit_offsets == {"orders": {0: n, 1: n + 1}}
     cps.write_pending()
-    assert snapshots.meta_keys(SNAPSHOT_PREFIX) == [f"{SNAPSHOT_PREFIX}q/{n:012d}" for n in (2, 3)]
+    assert journal_files(tmp_path)[0] == f"base-{last.journal_base:012d}"
+    assert snapshots.meta_keys(CHECKPOINT_PREFIX) == [
+        f"{CHECKPOINT_PREFIX}q/{n:012d}" for n in (2, 3)
+    ]
     assert cps.status()["q"]["completed"] == 3 and not cps.has_writes
 
 
-def test_a_snapshot_that_keeps_failing_is_superseded_by_the_next_barriers(
-    storage: LmdbStorage, snapshots: LmdbStorage, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.usefixtures("base_at_every_barrier")
+def test_a_base_that_keeps_failing_is_superseded_by_the_next_barriers(
+    storage: LmdbStorage,
+    snapshots: LmdbStorage,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two failed writes in a row: checkpoint 1's snapshot is superseded by checkpoint
-    2's (only the newest is kept), and it completes with the write that stores a
-    later one; the records of checkpoints completed meanwhile are stored too."""
-    ft = FTLayer(storage)
+    """Two failed base writes in a row: checkpoint 1's base is superseded by checkpoint
+    2's, and 2's by 3's (only the newest copy is kept); 1 completes with the write
+    that stores 3's, and the records of the checkpoints completed meanwhile are
+    stored too."""
+    ft = journaled(storage, tmp_path)
     cps = CheckpointCoordinator(ft, snapshots=snapshots)
-    fail = FailingWrites(snapshots, monkeypatch)
+    fail = FailingBases(ft, monkeypatch)
     batch = records(0, 8)
     ids = emit(ft, batch)
     cps.begin("q", position(2, 3), SOURCES, UNALIGNED)
@@ -379,31 +467,154 @@ def test_a_snapshot_that_keeps_failing_is_superseded_by_the_next_barriers(
     assert cps.write_pending() == 0
     ft.xor(batch.roots[:4], ids[:4])  # offsets 0 to 3 complete
     cps.begin("q", position(4, 5), SOURCES, UNALIGNED)
-    assert cps.write_pending() == 0  # 1 and 2 fail: 2 is kept, 1 superseded
+    assert cps.write_pending() == 0  # 2's copy supersedes 1's, and its write fails
     first = cps.done("q", position(2, 3), SOURCES, UNALIGNED)
     assert first.state is CheckpointState.ALIGNING and first.superseded
     assert cps.status()["q"]["open"][0]["superseded"] is True
     cps.begin("q", position(8, 9), SOURCES, UNALIGNED)
-    assert cps.write_pending() == 2  # 2 (retried) and 3
+    assert cps.write_pending() == 1  # 3's base, which covers 1 and 2
     assert cps.poll() == 1
     assert first.state is CheckpointState.COMPLETE
     assert first.commit_offsets == {"orders": {0: 2, 1: 3}}
     second = cps.done("q", position(4, 5), SOURCES, UNALIGNED)
     third = cps.done("q", position(8, 9), SOURCES, UNALIGNED)
     assert second.state is third.state is CheckpointState.COMPLETE
+    assert second.superseded and not third.superseded
+    assert first.size_bytes == second.size_bytes == third.size_bytes > 0
     assert third.commit_offsets == {"orders": {0: 4, 1: 5}}  # offsets 4 to 7 pending
     cps.write_pending()
-    assert snapshots.meta_keys(SNAPSHOT_PREFIX) == [f"{SNAPSHOT_PREFIX}q/{n:012d}" for n in (2, 3)]
+    assert [n for n in journal_files(tmp_path) if n.startswith("base")] == [
+        f"base-{third.journal_base:012d}"
+    ]
     assert snapshots.meta_keys(CHECKPOINT_PREFIX) == [
         f"{CHECKPOINT_PREFIX}q/{n:012d}" for n in (1, 2, 3)
     ]
 
 
+class Process:
+    """An FT layer and its coordinator as a server runs them (LMDB, a journal, a store
+    of checkpoint records), which can be killed: nothing is flushed or written on the
+    way out, the journal's file is dropped as the kernel would close it, and a new
+    process recovers from what is on disk."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.storage = LmdbStorage(data / "ft")
+        self.records = LmdbStorage(data / "checkpoints", sync=False)
+        self.ft = journaled(self.storage, data, timeout_s=60)
+        self.checkpoints = CheckpointCoordinator(self.ft, snapshots=self.records)
+
+    def kill(self) -> None:
+        assert self.ft.journal is not None
+        self.ft.journal.close()
+        self.records.close()
+        self.storage.close()
+
+    def restart(self) -> FTLayer:
+        self.kill()
+        self.__init__(self.data)  # type: ignore[misc]
+        return self.ft
+
+
+def test_recovery_after_a_kill_starts_from_the_base_written_at_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Checkpoint -> kill -> restart: the journal was truncated at the base the
+    checkpoint wrote, and the new FT layer restores from it (and the segment after it)
+    every pending root with its ack value, the replay queue and the retry counts;
+    nothing is replayed."""
+    proc = Process(tmp_path)
+    ft, cps = proc.ft, proc.checkpoints
+    journal = ft.journal
+    assert journal is not None
+    # Completed traffic grows the journal until it is due a base.
+    offset = 0
+    while journal.segment_bytes < recovery.JOURNAL_BASE_MIN_BYTES:
+        done = records(offset, offset + 5000)
+        ft.xor(done.roots, emit(ft, done))
+        offset += 5000
+    batch = records(offset, offset + 8)
+    ids = emit(ft, batch)
+    ft.xor(batch.roots[:2], np.array([11, 12], np.uint64))  # partly acked
+    ft.fail(batch.roots[2:4])  # queued for replay
+    barrier = position(offset + 8, offset + 9)
+    begun = cps.begin("q", barrier, SOURCES, UNALIGNED)
+    assert begun.owes_base
+    ft.xor(batch.roots[4:5], ids[4:5])  # after the barrier: in the segment after the base
+    cps.write_pending()
+    assert cps.done("q", barrier, SOURCES, UNALIGNED).state is CheckpointState.COMPLETE
+    k = begun.journal_base
+    assert k is not None and journal_files(tmp_path) == [f"base-{k:012d}", f"seg-{k:012d}"]
+    expected = _normal(ft.state_snapshot(journal_base=False))
+    assert len(expected["acker.root"]) == 7 and len(expected["queue"]) == 2
+
+    ft = proc.restart()
+    stats = ft.current_stats()
+    assert stats.failed["recovery"] == 0 and stats.recovered_pending == 7
+    assert _normal(ft.state_snapshot(journal_base=False)) == expected
+    last = proc.checkpoints.last_complete("q")
+    assert last is not None and last.id == begun.id
+
+
+@pytest.mark.usefixtures("base_at_every_barrier")
+def test_a_kill_while_base_writes_fail_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base a checkpoint owes cannot be written, and the process is killed: the
+    journal still holds the older base and every segment since, so the restart
+    restores the same state (the base only truncates the journal)."""
+    proc = Process(tmp_path)
+    ft, cps = proc.ft, proc.checkpoints
+    batch = records(0, 8)
+    ids = emit(ft, batch)
+    cps.begin("q", position(2, 3), SOURCES, UNALIGNED)
+    cps.write_pending()  # the first base: written
+    ft.xor(batch.roots[:3], ids[:3])
+    ft.fail(batch.roots[3:5])
+    fail = FailingBases(ft, monkeypatch)
+    fail.times = 1
+    second = cps.begin("q", position(8, 9), SOURCES, UNALIGNED)
+    ft.xor(batch.roots[5:6], np.array([3], np.uint64))  # after the barrier
+    assert cps.write_pending() == 0
+    assert cps.done("q", position(8, 9), SOURCES, UNALIGNED).state is CheckpointState.ALIGNING
+    assert f"base-{second.journal_base:012d}" not in journal_files(tmp_path)
+    expected = _normal(ft.state_snapshot(journal_base=False))
+
+    ft = proc.restart()
+    stats = ft.current_stats()
+    assert stats.failed["recovery"] == 0 and stats.recovered_pending == 5
+    assert _normal(ft.state_snapshot(journal_base=False)) == expected
+
+
+def test_state_copies_an_older_store_holds_are_deleted_at_start(tmp_path: Path) -> None:
+    """A data dir may hold per-query "snapshot/" entries in either store: a coordinator
+    starting on it deletes them and keeps the checkpoint records."""
+    old = {f"{SNAPSHOT_PREFIX}q/{n:012d}": encode_snapshot({}) for n in (1, 2)}
+    with (
+        LmdbStorage(tmp_path / "ft") as storage,
+        LmdbStorage(tmp_path / "checkpoints", sync=False) as snapshots,
+    ):
+        cps = CheckpointCoordinator(FTLayer(storage), snapshots=snapshots)
+        cps.done("q", position(1, 1), SOURCES, UNALIGNED)
+        cps.write_pending()
+        storage.update_meta(old)
+        snapshots.update_meta(old)
+    with (
+        LmdbStorage(tmp_path / "ft") as storage,
+        LmdbStorage(tmp_path / "checkpoints", sync=False) as snapshots,
+    ):
+        cps = CheckpointCoordinator(FTLayer(storage), snapshots=snapshots)
+        assert storage.meta_keys(SNAPSHOT_PREFIX) == snapshots.meta_keys(SNAPSHOT_PREFIX) == []
+        last = cps.last_complete("q")
+        assert last is not None and last.id == 1
+        assert cps.begin("q", position(2, 2), SOURCES, UNALIGNED).id == 2
+
+
 def test_a_failed_record_write_is_retried(
     storage: LmdbStorage, snapshots: LmdbStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The write that carries a completed checkpoint's record to the store of
-    snapshots fails: the next one stores it, and a restarted layer knows it."""
+    """The write that carries a completed checkpoint's record to the store of records
+    fails: the next one stores it, and a restarted layer knows it."""
     ft = FTLayer(storage)
     cps = CheckpointCoordinator(ft, snapshots=snapshots)
     fail = FailingWrites(snapshots, monkeypatch)

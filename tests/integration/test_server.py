@@ -6,6 +6,7 @@ is stopped by the fixture's finalizer even when a test fails.
 
 from __future__ import annotations
 
+import errno
 import re
 import resource
 import signal
@@ -23,7 +24,7 @@ from serverproc import Server, StartServer, read_address, serve_command
 from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
-from ftlayer.errors import StorageError
+from ftlayer.core import recovery
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import LmdbStorage
@@ -404,7 +405,7 @@ def test_a_full_disk_is_a_clear_error_and_loses_nothing_confirmed(
 
 
 def test_checkpoints_over_the_wire_survive_a_restart(start_server: StartServer) -> None:
-    """CHECKPOINT_BEGIN / COMPLETE against a real server: the snapshot lands in its own
+    """CHECKPOINT_BEGIN / COMPLETE against a real server: the record lands in its own
     LMDB environment, aligned completion waits for the pending record, bad requests
     are refused, and a restarted server knows the last completed checkpoint."""
     server = start_server()
@@ -438,7 +439,7 @@ def test_checkpoints_over_the_wire_survive_a_restart(start_server: StartServer) 
             time.sleep(0.05)
         done = call(client, False, 4)
         assert done["commit_offsets"] == {"events": {"0": 4}}
-        assert done["alignment_wait_s"] > 0 and done["size_bytes"] > 0
+        assert done["alignment_wait_s"] > 0 and done["write_s"] is not None
         with pytest.raises(RequestRejected, match="query name"):
             client.checkpoint(begin=True, query="a/b", position=position(1), sources=[5])
         with pytest.raises(RequestRejected, match="checkpoint offset"):
@@ -495,32 +496,35 @@ def test_a_begin_completes_the_batch_before_in_one_round_trip(start_server: Star
         assert client.status()["checkpoints"]["job"]["completed"] == 1
 
 
-def test_checkpoints_go_on_completing_after_failed_snapshot_writes(
+def test_checkpoints_go_on_completing_after_failed_journal_base_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The store of snapshots refuses writes (injected) across two barriers, then
-    recovers: while it fails nothing completes and the group holds; then the writer's
-    own retry completes checkpoint 1 (superseded by 2's snapshot) without another
-    barrier, and the next BEGIN completes checkpoint 2. In process, to inject the
-    failure into the server's writer thread."""
+    """The journal refuses to write bases (injected: a full disk) across two barriers,
+    each due a base, then recovers: while it fails nothing completes and the group
+    holds; then the writer's own retry completes checkpoint 1 (superseded by 2's base)
+    without another barrier, and the next BEGIN completes checkpoint 2. In process, to
+    inject the failure into the server's writer thread."""
 
     def position(offset: int) -> dict[str, Any]:
         return {"kafka": {"events": {"0": offset}}, "replay": 0}
 
+    # Every barrier is due a base.
+    monkeypatch.setattr(recovery, "JOURNAL_BASE_MIN_BYTES", 0)
+    monkeypatch.setattr(recovery, "_BASE_BYTES_PER_ROOT", 0)
     with FTServer(tmp_path / "data") as server:
-        checkpoints = server._checkpoints
-        assert checkpoints is not None
-        snapshots = checkpoints.snapshots
-        write = snapshots.update_meta
+        assert server._ft is not None
+        journal = server._ft.journal
+        assert journal is not None
+        write = journal.write_base
         broken = threading.Event()
         broken.set()
 
-        def update_meta(puts: Any, deletes: Any = ()) -> None:
+        def write_base(k: int, blob: bytes) -> None:
             if broken.is_set():
-                raise StorageError("injected: no space left on device")
-            write(puts, deletes)
+                raise OSError(errno.ENOSPC, "injected: no space left on device")
+            write(k, blob)
 
-        monkeypatch.setattr(snapshots, "update_meta", update_meta)
+        monkeypatch.setattr(journal, "write_base", write_base)
         host, port = server.address
         with FTClient(f"{host}:{port}") as client:
 
