@@ -24,6 +24,7 @@ from ftlayer.core import FTLayer
 from ftlayer.core.journal import Journal
 from ftlayer.persistence import LmdbStorage
 from ftlayer.records import Payloads, RecordBatch
+from ftlayer.registration import SourceRegistration
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
 PIECE, PIECES, SOURCE = 10_000, 20, 7
@@ -60,7 +61,7 @@ def main() -> None:
         ft = FTLayer(
             storage, timeout_s=3600, defer_deletes=True, journal=Journal(os.path.join(tmp, "j"))
         )
-        ft.register_source(SOURCE, "forward", 4, completion="barrier")
+        ft.register_source(SourceRegistration(SOURCE, "forward", 4, completion="barrier"))
         first = micro_batch(ft, storage, 0)
         began = _cpu()
         for _ in range(ROUNDS):

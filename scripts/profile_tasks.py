@@ -37,6 +37,7 @@ from ftlayer.integration.source.payloads import encode_payloads
 from ftlayer.integration.tasks import _with_ft_fields
 from ftlayer.integration.tasks.results import Failures, run_batch_fn, run_batch_predicate
 from ftlayer.integration.tasks.runners import filter_partition, map_partition
+from ftlayer.registration import SourceRegistration
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 RECORDS = int(sys.argv[2]) if len(sys.argv) > 2 else 200_000
@@ -143,7 +144,9 @@ def main() -> None:
                 if ft:
                     source_id += 1
                     with FTClient(server.address) as client:
-                        client.register_source(source_id, "forward", 1, completion=mode)
+                        client.register_source(
+                            SourceRegistration(source_id, "forward", 1, completion=mode)
+                        )
                     persister = Persister(
                         settings.channel(), source_id=source_id, barrier=mode == "barrier"
                     )

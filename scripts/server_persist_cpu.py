@@ -26,6 +26,7 @@ from ftlayer.acking.handlers import Persister
 from ftlayer.client import FTClient
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.source.payloads import encode_payload_columns
+from ftlayer.registration import SourceRegistration
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "barrier"
 BATCHES = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -53,7 +54,9 @@ def main() -> None:
             pid = server.pid
             assert pid is not None
             driver = FTClient(server.address, name="driver")
-            driver.register_source(SOURCE, "forward", PARTITIONS, completion=MODE)
+            driver.register_source(
+                SourceRegistration(SOURCE, "forward", PARTITIONS, completion=MODE)
+            )
             clients = [FTClient(server.address, name=f"task-{i}") for i in range(2)]
             offsets = [0] * PARTITIONS
             previous: list[dict[str, object] | None] = [None]

@@ -1,8 +1,9 @@
 """`ftlayer status`: a server's counters, settings and sources, its per-source figures
 and each query's checkpoints; `--json` prints the STATUS reply as one JSON object.
 
-A source is named by its id (a crc32 of its `ft.sourceName` and topic) and, where a
-checkpoint of its query lists it, by that query: the source's `ft.sourceName`.
+A source is named by its id (a crc32 of its `ft.sourceName` and topic) and by the name
+it registered (its `ft.sourceName`), or, for a registration without one, by the query
+whose checkpoints list it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ def run(args: argparse.Namespace) -> int:
     checkpoints = shown.pop("checkpoints")
     by_source = shown.pop("by_source")
     latency = shown.pop("complete_latency")
-    names = _source_names(checkpoints)
+    names = _source_names(checkpoints, shown.get("sources", {}))
     rows: dict[str, Any] = {}
     for key, value in shown.items():
         if key == "sources":  # each registration under its name, then its settings
-            value = {s: {"name": names.get(s, "-"), **spec} for s, spec in value.items()}
+            value = {s: {**spec, "name": names.get(s, "-")} for s, spec in value.items()}
         rows[key] = value
         if key == "completed":  # the latency of what completed, next to it
             rows["complete_latency"] = {
@@ -56,15 +57,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _source_names(checkpoints: Mapping[str, Any]) -> dict[str, str]:
-    """Source id -> name: the query whose checkpoints list the source (the ftkafka
-    source files its checkpoints under its `ft.sourceName`). A source no checkpoint
-    lists has none here."""
+def _source_names(
+    checkpoints: Mapping[str, Any], sources: Mapping[str, Mapping[str, Any]]
+) -> dict[str, str]:
+    """Source id -> name: the name it registered, else the query whose checkpoints list
+    it (the ftkafka source files its checkpoints under its `ft.sourceName`)."""
     names: dict[str, str] = {}
     for query, found in checkpoints.items():
         for checkpoint in [*found["recent"], *found["open"]]:
             for source in checkpoint["sources"]:
                 names[str(source)] = query
+    for source, spec in sources.items():
+        if spec.get("name"):
+            names[str(source)] = str(spec["name"])
     return names
 
 

@@ -10,9 +10,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -21,6 +20,7 @@ from ftlayer.acking.events import EventBuffer
 from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.registration import SourceRegistration
 from ftlayer.status import Status
 
 from .connection import FTClient
@@ -142,28 +142,9 @@ class BatchingChannel:
         """`FTClient.fetch_replay` (nothing buffered is involved)."""
         return self.client.fetch_replay(lo, hi, source_id, partition)
 
-    def register_source(
-        self,
-        source_id: int,
-        partitioner: str,
-        num_partitions: int,
-        options: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-        retry: Mapping[str, Any] | None = None,
-        dead_letter_topic: str | None = None,
-        completion: str = "tree",
-    ) -> None:
+    def register_source(self, registration: SourceRegistration) -> None:
         """`FTClient.register_source`."""
-        self.client.register_source(
-            source_id,
-            partitioner,
-            num_partitions,
-            options,
-            timeout_s,
-            retry,
-            dead_letter_topic,
-            completion,
-        )
+        self.client.register_source(registration)
 
     def hold(self, roots: ArrayLike, values: ArrayLike) -> int:
         """`FTClient.hold`, after what is buffered (so an XOR buffered before it is

@@ -49,6 +49,7 @@ from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.registration import SourceRegistration
 from ftlayer.status import CheckpointReport, Status
 from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
@@ -334,30 +335,13 @@ class FTClient:
 
     # ---- idempotent calls --------------------------------------------------------
 
-    def register_source(
-        self,
-        source_id: int,
-        partitioner: str,
-        num_partitions: int,
-        options: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-        retry: Mapping[str, Any] | None = None,
-        dead_letter_topic: str | None = None,
-        completion: str = "tree",
-    ) -> None:
-        """`FTLayer.register_source` on the server: how `source_id`'s records are replayed,
-        their own tree timeout if `timeout_s` is given, their retry policy
-        (RetryPolicy.to_json; None: the defaults) and dead-letter topic (stored by the
-        server, so it survives restarts). RequestRejected for an unknown partitioner or
-        bad options."""
-
-        def encode(rid: int) -> bytes:
-            return encode_register_source(
-                rid, source_id, partitioner, num_partitions, options, timeout_s, retry,
-                dead_letter_topic, completion,
-            )  # fmt: skip
-
-        self._call(encode, Kind.OK, retry=True)
+    def register_source(self, registration: SourceRegistration) -> None:
+        """`FTLayer.register_source` on the server: how the source's records are
+        replayed and retried, its own tree timeout, dead-letter topic, completion mode
+        and name (ftlayer.registration; stored by the server, so it survives restarts).
+        RequestRejected for an unknown partitioner, bad options or a retry policy out
+        of range."""
+        self._call(lambda rid: encode_register_source(rid, registration), Kind.OK, retry=True)
 
     def fetch_replay(
         self, lo: int, hi: int, source_id: int | None = None, partition: int | None = None

@@ -29,11 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["COMPLETIONS", "OpenHolds"]
-
-COMPLETIONS = ("tree", "barrier")
-"""How a source's trees complete: by XOR events of every step (tree), or at the end of
-the batch that carried them (barrier; failures and holders still per record)."""
+__all__ = ["OpenHolds"]
 
 _EMPTY: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 

@@ -59,6 +59,7 @@ from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import PersistenceLayer
 from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.registration import SourceRegistration
 
 from . import completion, deadletters, failure, holding, persist, queries, recovery
 from .journal import Journal
@@ -166,41 +167,18 @@ class FTLayer:
         """The registered sources as stored (SourceRegistry.specs), by source id."""
         return self._s.sources.specs()
 
-    def register_source(
-        self,
-        source_id: int,
-        partitioner: str,
-        num_partitions: int,
-        options: Mapping[str, object] | None = None,
-        timeout_s: float | None = None,
-        retry: RetryPolicy | None = None,
-        dead_letter_topic: str | None = None,
-        completion: str = "tree",
-    ) -> SourceConfig:
-        """Configure how `source_id`'s records are replayed, and store that in the
-        storage's meta entries, so a restarted FT layer routes its recovered records the
-        same way (the registrations load before recovery). Registering again replaces
-        the config; records already queued keep the partitions they were routed to.
-        `timeout_s` gives the source's trees their own timeout (None: the FT layer's);
-        it applies to roots that start pending from now on. `retry`: how often and how
-        soon its failed records are replayed (None: RetryPolicy's defaults);
-        `dead_letter_topic`: where its source's driver writes its dead letters (None:
-        they stay in the store); `completion`: "tree" or "barrier"
-        (ftlayer.core.barrier).
-        ConfigError (nothing changed) for an unknown partitioner or bad options."""
+    def register_source(self, registration: SourceRegistration) -> SourceConfig:
+        """Configure how a source's records are replayed (ftlayer.registration), and
+        store that in the storage's meta entries, so a restarted FT layer routes its
+        recovered records the same way (the registrations load before recovery).
+        Registering again replaces the config; records already queued keep the
+        partitions they were routed to, and its own tree timeout applies to roots that
+        start pending from then on. ConfigError (nothing changed) for an unknown
+        partitioner, bad options, a timeout or retry policy out of range."""
         s = self._s
-        if timeout_s is not None:
-            validate_timeout(timeout_s, s.timeouts.buckets)
-        config = s.sources.register(
-            source_id,
-            partitioner,
-            num_partitions,
-            options,
-            timeout_s,
-            retry,
-            dead_letter_topic,
-            completion,
-        )
+        if registration.timeout_s is not None:
+            validate_timeout(registration.timeout_s, s.timeouts.buckets)
+        config = s.sources.register(registration)
         s.barrier = s.sources.barrier
         return config
 

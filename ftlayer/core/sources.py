@@ -14,8 +14,8 @@ from ftlayer.acking.rotating import validate_timeout
 from ftlayer.errors import ConfigError
 from ftlayer.partitioners import ReplayPartitioner, create_partitioner
 from ftlayer.persistence.base import PersistenceStorage
+from ftlayer.registration import COMPLETIONS, SourceRegistration
 
-from .barrier import COMPLETIONS
 from .retries import IMMEDIATE, RetryPolicy
 
 __all__ = ["SOURCES_META_KEY", "SourceConfig", "SourceRegistry", "source_from_spec"]
@@ -123,38 +123,21 @@ class SourceRegistry:
 
     def specs(self) -> dict[str, dict[str, Any]]:
         """Every registration as stored, by source id (a string): partitioner,
-        partition count, options, timeout, and the retry policy and dead-letter topic
-        where set."""
+        partition count, options, timeout, and the retry policy, dead-letter topic,
+        completion and name where set (SourceRegistration.stored_spec)."""
         return {key: dict(spec) for key, spec in self._specs.items()}
 
-    def register(
-        self,
-        source_id: int,
-        partitioner: str,
-        num_partitions: int,
-        options: Mapping[str, object] | None = None,
-        timeout_s: float | None = None,
-        retry: RetryPolicy | None = None,
-        dead_letter_topic: str | None = None,
-        completion: str = "tree",
-    ) -> SourceConfig:
-        """Register (or replace) `source_id`'s config and store every registration;
-        ConfigError, nothing changed, for a bad id, partitioner or option."""
+    def register(self, registration: SourceRegistration) -> SourceConfig:
+        """Register (or replace) a source's config and store every registration;
+        ConfigError, nothing changed, for a bad id, partitioner, option or retry
+        policy."""
+        source_id = registration.source_id
         if isinstance(source_id, bool) or not 0 <= source_id <= 0xFFFFFFFF:
             raise ConfigError(f"a source id is a u32, got {source_id!r}")
-        spec: dict[str, Any] = {
-            "partitioner": partitioner,
-            "num_partitions": num_partitions,
-            "options": dict(options or {}),
-            "timeout_s": timeout_s,
-        }
-        # Stored only when set, so registrations without them read as before.
-        if retry is not None and retry != IMMEDIATE:
-            spec["retry"] = retry.to_json()
-        if dead_letter_topic is not None:
-            spec["dead_letter_topic"] = dead_letter_topic
-        if completion != "tree":
-            spec["completion"] = completion
+        name = registration.name
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"a source's name is a non-empty str, got {name!r}")
+        spec = registration.stored_spec(registration.retry_policy())
         config = source_from_spec(spec)
         specs = {**self._specs, str(source_id): spec}
         self._storage.put_meta(SOURCES_META_KEY, json.dumps(specs, sort_keys=True).encode())

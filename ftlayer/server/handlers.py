@@ -21,7 +21,7 @@ from ftlayer import __version__
 from ftlayer.checkpoint import CheckpointMode
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
-from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
+from ftlayer.core.retries import DeadLetterFilter, RetryRecord
 from ftlayer.errors import ConfigError, StorageError
 from ftlayer.records import ReplayRecords
 from ftlayer.wire import (
@@ -155,16 +155,7 @@ class RequestHandlers(ServerState):
     def _register_source(self, rid: int, frame: Frame) -> bytes:
         m = decode_register_source(frame)
         with self._core() as ft:
-            ft.register_source(
-                m.source_id,
-                m.partitioner,
-                m.num_partitions,
-                m.options,
-                m.timeout_s,
-                None if m.retry is None else RetryPolicy.from_json(m.retry),
-                m.dead_letter_topic,
-                m.completion,
-            )
+            ft.register_source(m.registration)
         return encode_ok(rid, 1)
 
     def _dead_letters(self, rid: int, frame: Frame) -> bytes:

@@ -18,6 +18,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ftlayer.registration import COMPLETIONS, SourceRegistration
+
 from .blocks import (
     control_character,
     decode_object,
@@ -83,31 +85,21 @@ _MAX_ERROR_MESSAGE: Final = 4096
 _HEARTBEAT_HEAD: Final = struct.Struct("<II")
 _MAX_HEARTBEAT_SOURCES: Final = 0xFFFF  # a query reads at most this many topics
 _CHECKPOINT_MODES: Final = ("aligned", "unaligned")
-COMPLETIONS: Final = ("tree", "barrier")
-"""REGISTER_SOURCE "completion" values (ftlayer.core.barrier)."""
 RETRY_KEYS: Final = ("max_retries", "backoff_ms", "backoff_max_ms")
 """The keys of a REGISTER_SOURCE "retry" object (ftlayer.policy.RetryPolicy.to_json)."""
 MAX_SOURCE_PARTITIONS: Final = 1 << 31
 """A source's partitions are i32 on the wire (0 .. 2**31 - 1), so at most this many."""
 _REGISTER_REQUIRED: Final = frozenset({"partitioner", "num_partitions", "options"})
-_REGISTER_OPTIONAL: Final = frozenset({"timeout_s", "retry", "dead_letter_topic", "completion"})
+_REGISTER_OPTIONAL: Final = frozenset(
+    {"timeout_s", "retry", "dead_letter_topic", "completion", "name"}
+)
 
 
 @dataclass(frozen=True, slots=True)
 class RegisterSource:
-    """`FTLayer.register_source`: how one source's records are replayed."""
+    """`FTLayer.register_source`: one source's registration (ftlayer.registration)."""
 
-    source_id: int
-    partitioner: str
-    num_partitions: int
-    options: dict[str, Any]
-    timeout_s: float | None = None
-    retry: dict[str, Any] | None = None
-    """The retry policy's settings (RETRY_KEYS, each optional: a missing one takes
-    RetryPolicy's default); None: no policy, replay at once for ever (IMMEDIATE)."""
-    dead_letter_topic: str | None = None
-    completion: str = "tree"
-    """"tree" or "barrier" (ftlayer.core.barrier)."""
+    registration: SourceRegistration
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,34 +177,14 @@ class ErrorReply:
 # ---- REGISTER_SOURCE -------------------------------------------------------------------
 
 
-def encode_register_source(
-    request_id: int,
-    source_id: int,
-    partitioner: str,
-    num_partitions: int,
-    options: Mapping[str, Any] | None = None,
-    timeout_s: float | None = None,
-    retry: Mapping[str, Any] | None = None,
-    dead_letter_topic: str | None = None,
-    completion: str = "tree",
-) -> bytes:
-    """REGISTER_SOURCE: u32 source id, then the config as a JSON object (only the
-    optional keys that differ from their defaults are written)."""
+def encode_register_source(request_id: int, registration: SourceRegistration) -> bytes:
+    """REGISTER_SOURCE: u32 source id, then `registration.to_spec()` as a JSON object
+    (only the optional keys that differ from their defaults are written); checked as
+    the decoder checks it."""
+    source_id = registration.source_id
     if not is_u32(source_id):
         raise BadRequest(f"REGISTER_SOURCE needs a u32 source id, got {source_id!r}")
-    spec: dict[str, Any] = {
-        "partitioner": partitioner,
-        "num_partitions": num_partitions,
-        "options": dict(options or {}),
-    }
-    if timeout_s is not None:
-        spec["timeout_s"] = timeout_s
-    if retry is not None:
-        spec["retry"] = dict(retry)
-    if dead_letter_topic is not None:
-        spec["dead_letter_topic"] = dead_letter_topic
-    if completion != "tree":
-        spec["completion"] = completion
+    spec = registration.to_spec()
     _register_source(source_id, spec)
     config = dump_json(spec, "REGISTER_SOURCE config")
     return encode_frame(Kind.REGISTER_SOURCE, request_id, _U32.pack(source_id) + config)
@@ -226,18 +198,21 @@ def decode_register_source(message: Frame | bytes) -> RegisterSource:
 
 def _register_source(source_id: int, spec: Any) -> RegisterSource:
     """The registration `spec` describes; BadRequest naming the first key at fault. A
-    null optional key means the same as an absent one."""
+    null optional key means the same as an absent one. Ranges are the core's to check
+    (ERROR 102)."""
     if not isinstance(spec, dict) or not (
         _REGISTER_REQUIRED <= set(spec) <= _REGISTER_REQUIRED | _REGISTER_OPTIONAL
     ):
         raise BadRequest(
             'REGISTER_SOURCE config must be a JSON object with "partitioner", '
             '"num_partitions" and "options", optionally "timeout_s", "retry", '
-            f'"dead_letter_topic" and "completion", and nothing else; got {str(spec)[:200]!r}'
+            '"dead_letter_topic", "completion" and "name", and nothing else; '
+            f"got {str(spec)[:200]!r}"
         )
     partitioner, partitions, options = spec["partitioner"], spec["num_partitions"], spec["options"]
     timeout, retry = spec.get("timeout_s"), spec.get("retry")
     topic, completion = spec.get("dead_letter_topic"), spec.get("completion")
+    name = spec.get("name")
     checks = (
         (isinstance(partitioner, str), '"partitioner" must be a str'),
         (
@@ -258,19 +233,27 @@ def _register_source(source_id: int, spec: Any) -> RegisterSource:
             completion is None or completion in COMPLETIONS,
             f'"completion" must be one of {COMPLETIONS}, or null',
         ),
+        (
+            name is None
+            or (isinstance(name, str) and bool(name) and control_character(name) is None),
+            '"name" must be a non-empty str without control characters, or null',
+        ),
     )
     problem = next((what for ok, what in checks if not ok), None)
     if problem is not None:
         raise BadRequest(f"REGISTER_SOURCE {problem}; got {str(spec)[:200]!r}")
     return RegisterSource(
-        source_id,
-        partitioner,
-        partitions,
-        options,
-        None if timeout is None else float(timeout),
-        retry,
-        topic,
-        completion or "tree",
+        SourceRegistration(
+            source_id,
+            partitioner,
+            partitions,
+            options,
+            None if timeout is None else float(timeout),
+            retry,
+            topic,
+            completion or "tree",
+            name,
+        )
     )
 
 

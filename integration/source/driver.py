@@ -47,6 +47,7 @@ from kafka.structs import OffsetAndMetadata
 from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
+from ftlayer.registration import SourceRegistration
 from ftlayer.status import CheckpointReport
 from ftlayer.wire import DeadLetterList
 
@@ -598,14 +599,17 @@ class SourceDriver:
 
             def register(client: FTClient, topic: str = topic) -> None:
                 client.register_source(
-                    self.source_ids[topic],
-                    options.partitioner,
-                    self._partition_counts[topic],
-                    options.partitioner_options,
-                    options.timeout_s,
-                    options.retry.to_json(),
-                    options.dead_letter_topic,
-                    options.completion,
+                    SourceRegistration(
+                        self.source_ids[topic],
+                        options.partitioner,
+                        self._partition_counts[topic],
+                        options.partitioner_options,
+                        options.timeout_s,
+                        options.retry,
+                        options.dead_letter_topic,
+                        options.completion,
+                        options.source_name,
+                    )
                 )
 
             self._ft_call(f"register the source of topic {topic!r}", register)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ftlayer.cli import main
+from ftlayer.registration import SourceRegistration
 
 
 def _last_json(capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
@@ -116,7 +117,9 @@ def _server_with_dead_letters_and_a_checkpoint(
         address = "{}:{}".format(*server.address)
         with FTClient(address) as client:
             retry = {"max_retries": 0, "backoff_ms": 0, "backoff_max_ms": 0}
-            client.register_source(source, "forward", 2, retry=retry)
+            client.register_source(SourceRegistration(source, "forward", 2, retry=retry))
+            # A source with a registered name and no checkpoint yet.
+            client.register_source(SourceRegistration(8, "forward", 1, name="payments"))
             roots = new_ids(3)
             client.persist(
                 RecordBatch.build(
@@ -150,6 +153,7 @@ def test_status_shows_nested_settings_as_rows_and_each_source_by_name(
     assert re.search(rf"sources\.{source}\.partitioner +│ forward ", shown), shown
     assert re.search(rf"sources\.{source}\.retry\.max_retries +│ 0 ", shown), shown
     assert re.search(rf"sources\.{source}\.options +│ none ", shown), shown
+    assert re.search(r"sources\.8\.name +│ payments ", shown), shown
     # The per-source table: the source's name beside its id, then its counters.
     assert re.search(rf"│ orders +│ +{source} +│ +3 +│", shown), shown
 

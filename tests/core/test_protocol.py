@@ -24,6 +24,7 @@ from ftlayer.inspection import RecordQuery
 from ftlayer.persistence import MemoryStorage
 from ftlayer.policy import RetryPolicy
 from ftlayer.records import RecordBatch, ReplayRecords
+from ftlayer.registration import SourceRegistration
 
 U64_MAX = 2**64 - 1
 I64 = st.integers(-(2**63), 2**63 - 1)
@@ -208,13 +209,19 @@ def test_fetch_replay_round_trips(
 
 
 def test_register_source_round_trips() -> None:
-    data = p.encode_register_source(7, 2**32 - 1, "key-group", 8, {"max_parallelism": 64})
+    data = p.encode_register_source(
+        7, SourceRegistration(2**32 - 1, "key-group", 8, {"max_parallelism": 64})
+    )
     message = p.decode(frame(data))
-    assert message == p.RegisterSource(2**32 - 1, "key-group", 8, {"max_parallelism": 64})
-    timed = p.decode(frame(p.encode_register_source(7, 3, "forward", 2, timeout_s=2.5)))
-    assert timed == p.RegisterSource(3, "forward", 2, {}, 2.5)
+    assert message == p.RegisterSource(
+        SourceRegistration(2**32 - 1, "key-group", 8, {"max_parallelism": 64})
+    )
+    timed = p.decode(
+        frame(p.encode_register_source(7, SourceRegistration(3, "forward", 2, timeout_s=2.5)))
+    )
+    assert timed == p.RegisterSource(SourceRegistration(3, "forward", 2, {}, 2.5))
     with pytest.raises(p.BadRequest, match="u32 source id"):
-        p.encode_register_source(1, 2**32, "forward", 1)
+        p.encode_register_source(1, SourceRegistration(2**32, "forward", 1))
 
 
 @pytest.mark.parametrize("kind", [0x16, 0x17, 0x93])
@@ -883,7 +890,9 @@ def _valid_frames() -> list[bytes]:
         p.encode_savepoint(17, "/sp", "nightly"),
         p.encode_savepoint_created(18, {"name": "nightly", "stored_records": 3}),
         p.encode_heartbeat(19, [7, 2**32 - 1], 1500),
-        p.encode_register_source(20, 3, "rebalance", 4, {"start": 1}, 2.5, {"max_retries": 3}),
+        p.encode_register_source(
+            20, SourceRegistration(3, "rebalance", 4, {"start": 1}, 2.5, {"max_retries": 3})
+        ),
         p.encode_checkpoint_request(
             21, begin=True, query="q", position={"replay": 1}, sources=[3], mode="aligned"
         ),
@@ -1100,10 +1109,14 @@ def test_hold_has_xors_body_and_register_source_carries_the_completion() -> None
     hold = p.decode(frame(p.encode_hold(3, roots, values)))
     assert isinstance(hold, p.Xor) and hold.roots.tolist() == [5, 6]
     assert frame(p.encode_hold(3, roots, values)).kind == p.Kind.HOLD
-    register = p.decode(frame(p.encode_register_source(4, 9, "forward", 2, completion="barrier")))
-    assert isinstance(register, p.RegisterSource) and register.completion == "barrier"
-    plain = p.decode(frame(p.encode_register_source(4, 9, "forward", 2)))
-    assert isinstance(plain, p.RegisterSource) and plain.completion == "tree"
+    register = p.decode(
+        frame(
+            p.encode_register_source(4, SourceRegistration(9, "forward", 2, completion="barrier"))
+        )
+    )
+    assert isinstance(register, p.RegisterSource) and register.registration.completion == "barrier"
+    plain = p.decode(frame(p.encode_register_source(4, SourceRegistration(9, "forward", 2))))
+    assert isinstance(plain, p.RegisterSource) and plain.registration.completion == "tree"
     body = (
         struct.pack("<I", 9)
         + json.dumps(
@@ -1233,28 +1246,36 @@ def test_register_source_refuses_each_key_of_the_wrong_json_type(
 
 def test_register_source_null_optional_keys_mean_absent() -> None:
     nulls = {"timeout_s": None, "retry": None, "dead_letter_topic": None, "completion": None}
-    assert p.decode(_register(nulls)) == p.RegisterSource(9, "forward", 2, {})
+    assert p.decode(_register(nulls)) == p.RegisterSource(SourceRegistration(9, "forward", 2, {}))
     # A partial retry object is the wire's to carry; its ranges are RetryPolicy's.
     partial = p.decode(_register({"retry": {"max_retries": 3}}))
-    assert isinstance(partial, p.RegisterSource) and partial.retry == {"max_retries": 3}
+    assert isinstance(partial, p.RegisterSource) and partial.registration.retry == {
+        "max_retries": 3
+    }
     # Values only the FT layer can judge pass the wire (ERROR 102 at the server).
     assert p.decode(_register({"num_partitions": 0, "retry": {"backoff_ms": -1}}))
 
 
 def test_register_source_encoder_refuses_what_the_decoder_would() -> None:
     with pytest.raises(p.BadRequest, match='"retry"'):
-        p.encode_register_source(1, 9, "forward", 2, retry={"max_retries": True})
+        p.encode_register_source(
+            1, SourceRegistration(9, "forward", 2, retry={"max_retries": True})
+        )
     with pytest.raises(p.BadRequest, match='"completion"'):
-        p.encode_register_source(1, 9, "forward", 2, completion="soon")
+        p.encode_register_source(1, SourceRegistration(9, "forward", 2, completion="soon"))
 
 
 def test_register_source_retry_ranges_are_the_ft_layers_to_refuse() -> None:
     ft = FTLayer(MemoryStorage())
     request = p.decode(_register({"retry": {"backoff_ms": 60_000}}))
-    assert isinstance(request, p.RegisterSource) and request.retry is not None
+    assert isinstance(request, p.RegisterSource) and request.registration.retry is not None
     # backoff_max_ms takes RetryPolicy's default (30 s), below 60 s: a ConfigError (102).
     with pytest.raises(ConfigError, match="BackoffMaxMs"):
-        ft.register_source(9, "forward", 2, retry=RetryPolicy.from_json(request.retry))
+        ft.register_source(
+            SourceRegistration(
+                9, "forward", 2, retry=RetryPolicy.from_json(request.registration.retry)
+            )
+        )
 
 
 @pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
@@ -1284,7 +1305,7 @@ def test_a_request_id_is_an_integer(request_id: object) -> None:
         lambda: p.encode_error(1, 7.0, "x"),
         lambda: p.encode_fetch_replay(1, 0.5, 1),
         lambda: p.encode_fetch_replay(1, 0, 1, source_id=True),
-        lambda: p.encode_register_source(1, 2.0, "forward", 1),  # type: ignore[arg-type]
+        lambda: p.encode_register_source(1, SourceRegistration(2.0, "forward", 1)),  # type: ignore[arg-type]
         lambda: p.encode_heartbeat(1, [True], 10),
     ],
 )
