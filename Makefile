@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python -c 'from ftlayer.integration.source.columnar import compile_kernels; compile_kernels()'
-	$(BIN)/python -c 'from ftlayer.acking.u64kernels import compile_kernels; compile_kernels()'
+	$(BIN)/python -c 'from ftlayer.acking.u64map import compile_kernels; compile_kernels()'
 	$(BIN)/python -c 'from ftlayer.persistence.kernels import compile_kernels; compile_kernels()'
 	touch $(STAMP)
 

@@ -143,19 +143,23 @@ def save_results(results: Mapping[str, Any], out: Path) -> Path:
 
 def load_results(path: Path) -> dict[str, Any]:
     """A saved results.json, checked for the fields the page needs."""
-    from ftlayer.errors import ConfigError
+    from ftlayer.errors import ConfigError, CorruptData
 
     try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
         raise ConfigError(f"cannot read the bench results {path}: {exc}") from None
+    try:
+        results = json.loads(text)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise CorruptData(f"cannot read the bench results {path}: {exc}") from None
     if not isinstance(results, dict) or results.get("format") != RESULTS_FORMAT:
-        raise ConfigError(
+        raise CorruptData(
             f"{path} is not a results.json of `ftlayer bench report` (format {RESULTS_FORMAT})"
         )
     for key, kind in (("benches", dict), ("machine", dict), ("generated_at", str)):
         if not isinstance(results.get(key), kind):
-            raise ConfigError(f"{path}: {key!r} is missing or not a {kind.__name__}")
+            raise CorruptData(f"{path}: {key!r} is missing or not a {kind.__name__}")
     return results
 
 

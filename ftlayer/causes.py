@@ -27,6 +27,8 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.errors import ConfigError, CorruptData
+
 __all__ = ["MAX_ERROR_BYTES", "MAX_STEP_BYTES", "Cause", "Causes", "FailKind"]
 
 MAX_STEP_BYTES: Final = 200
@@ -54,7 +56,7 @@ class FailKind(enum.IntEnum):
             return cls[label.upper()]
         except KeyError:
             known = ", ".join(k.label for k in cls)
-            raise ValueError(f"unknown fail cause {label!r}; known: {known}") from None
+            raise ConfigError(f"unknown fail cause {label!r}; known: {known}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,15 +107,15 @@ class Cause:
 
     @classmethod
     def from_json(cls, data: Any) -> Cause:
-        """Strict: ValueError unless `data` is what to_json wrote."""
+        """Strict: CorruptData unless `data` is what to_json wrote."""
         if not isinstance(data, dict) or not {"kind", "step", "error"} <= set(data):
-            raise ValueError(f"a cause is an object with kind, step and error, got {data!r}")
+            raise CorruptData(f"a cause is an object with kind, step and error, got {data!r}")
         step, error, final = data["step"], data["error"], data.get("final", False)
         repeated = data.get("final_if_repeated", False)
         if not (isinstance(step, str) and isinstance(error, str)):
-            raise ValueError(f"bad cause {data!r}")
+            raise CorruptData(f"bad cause {data!r}")
         if not (isinstance(final, bool) and isinstance(repeated, bool)):
-            raise ValueError(f"bad cause {data!r}")
+            raise CorruptData(f"bad cause {data!r}")
         return cls(FailKind.from_label(str(data["kind"])), step, error, final, repeated)
 
     def clipped(self) -> Cause:
@@ -144,9 +146,9 @@ class Causes:
 
     def __post_init__(self) -> None:
         if len(self.table) > MAX_CAUSES:
-            raise ValueError(f"at most {MAX_CAUSES} distinct causes, got {len(self.table)}")
+            raise ConfigError(f"at most {MAX_CAUSES} distinct causes, got {len(self.table)}")
         if len(self.index) and int(self.index.max()) >= len(self.table):
-            raise ValueError(f"cause index {int(self.index.max())} beyond {len(self.table)}")
+            raise ConfigError(f"cause index {int(self.index.max())} beyond {len(self.table)}")
 
     @classmethod
     def one(cls, cause: Cause | None, n: int) -> Causes:

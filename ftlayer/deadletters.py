@@ -37,7 +37,7 @@ from typing import Any, Final
 
 from ftlayer.causes import FailKind
 from ftlayer.client import FTClient
-from ftlayer.errors import ConfigError
+from ftlayer.errors import ConfigError, StateConflict
 from ftlayer.records import RecordBatch
 
 __all__ = ["add_parser", "preview", "read_topic", "run"]
@@ -337,7 +337,7 @@ def _restore(client: FTClient, chosen: list[tuple[dict[str, Any], Any]]) -> int:
     for source_id in sorted({letter["source_id"] for letter, _ in chosen}):
         spec = sources.get(str(source_id))
         if spec is None:
-            raise ConfigError(
+            raise StateConflict(
                 f"source {source_id} is not registered with the FT layer: start its query "
                 "once, then requeue its dead letters"
             )

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterable
 from typing import IO, Any, Final
 
+from ftlayer.errors import ConfigError
+
 __all__ = ["LOG_FORMATS", "JsonFormatter", "TextFormatter", "configure", "fields", "hex_ids"]
 
 LOG_FORMATS: Final = ("text", "json")
@@ -100,9 +102,9 @@ def _text(value: Any) -> str:
 
 def configure(log_format: str = "text", stream: IO[str] | None = None) -> logging.Handler:
     """Send INFO and above of every logger to `stream` (stderr) in `log_format`; returns
-    the handler. ValueError for a format not in LOG_FORMATS."""
+    the handler. ConfigError for a format not in LOG_FORMATS."""
     if log_format not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
+        raise ConfigError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()

@@ -60,7 +60,7 @@ def settle_heap() -> threading.Thread:
     comes first waits for the kernels as it would have anyway."""
 
     def settle() -> None:
-        from ftlayer.acking.u64kernels import compile_kernels as acker_kernels
+        from ftlayer.acking.u64map import compile_kernels as acker_kernels
         from ftlayer.persistence.kernels import compile_kernels as chunk_kernels
 
         try:

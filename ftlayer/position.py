@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ftlayer.errors import ConfigError
+from ftlayer.errors import PositionError
 
 __all__ = [
     "EARLIEST",
@@ -52,10 +52,6 @@ LATEST: Final = -1
 
 KafkaOffsets = dict[str, dict[int, int]]
 """{topic: {partition: offset}}."""
-
-
-class PositionError(ConfigError):
-    """A position (or a map of Kafka offsets) that is not of the documented form."""
 
 
 @dataclass(frozen=True, slots=True)

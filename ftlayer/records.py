@@ -30,6 +30,8 @@ from typing import overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ftlayer.errors import ConfigError
+
 U64 = NDArray[np.uint64]
 I64 = NDArray[np.int64]
 I32 = NDArray[np.int32]
@@ -48,7 +50,7 @@ class Payloads(Sequence[bytes]):
         if (int(ends[-1]) if len(ends) else 0) != len(blob) or (
             len(lengths) and int(np.min(lengths)) < 0
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"payload lengths add up to {int(ends[-1]) if len(ends) else 0} bytes, "
                 f"the buffer has {len(blob)}"
             )
@@ -159,7 +161,7 @@ class RecordBatch:
         }
         for name, column in columns.items():
             if len(column) != n:
-                raise ValueError(
+                raise ConfigError(
                     f"RecordBatch column {name!r} has {len(column)} entries, roots has {n}"
                 )
 

@@ -19,14 +19,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftlayer.errors import FTLayerError
-from ftlayer.position import (
-    KafkaOffsets,
-    Position,
-    PositionError,
-    offsets_from_json,
-    offsets_to_json,
-)
+from ftlayer.errors import CorruptData, PositionError
+from ftlayer.position import KafkaOffsets, Position, offsets_from_json, offsets_to_json
 
 __all__ = [
     "CheckpointReport",
@@ -38,7 +32,7 @@ __all__ = [
 ]
 
 
-class StatusError(FTLayerError):
+class StatusError(CorruptData):
     """A STATUS or CHECKPOINT reply that is not of the documented form."""
 
 

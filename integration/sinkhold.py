@@ -46,6 +46,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from ftlayer.integration.anchors import read_anchors
 from ftlayer.wire.messages import SINK_KEY_BIT
 
 from .ftcolumns import ROOT_COLUMN, FTSettings
@@ -104,8 +105,6 @@ def holding(run: Runner, settings: FTSettings) -> Runner:
     """A map or filter step's mapInArrow function, named `ftlayer_step_<id>`, which in
     a sink's job where it is a top step sends its output rows' acks under the sink's
     key at the end of its partition (module docstring, step 3)."""
-    from .tasks.anchors import read_anchors
-
     step = secrets.token_hex(6)
 
     def hold_or_run(batches: Iterator[Any]) -> Iterator[Any]:

@@ -24,7 +24,8 @@ transaction, or on any error nothing is. Reading operations see committed state 
 - `RecordNotStored` (a `StorageError` and a `KeyError`): `get` or `set_roots` named a seq
   that is not stored; its message names the seqs.
 - `ConfigError`: an argument is malformed (columns of different lengths, a seq that is
-  not a non-negative integer, `batch_size < 1`, an empty or over-long meta key).
+  not a non-negative integer, `batch_size < 1`, an empty or over-long meta key, a meta
+  value that is not bytes).
 
 Arguments are checked here, once for every storage: each public verb of
 `PersistenceStorage` checks its arguments (the helpers below: `as_seqs`,
@@ -399,9 +400,9 @@ def encode_meta_key(key: str) -> bytes:
 
 
 def check_meta_value(value: object) -> None:
-    """TypeError unless `value` is bytes-like (a meta value)."""
+    """ConfigError unless `value` is bytes-like (a meta value)."""
     if not isinstance(value, bytes | bytearray | memoryview):
-        raise TypeError(f"meta values are bytes, got {type(value).__name__}")
+        raise ConfigError(f"meta values are bytes, got {type(value).__name__}")
 
 
 def encode_meta_changes(

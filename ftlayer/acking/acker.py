@@ -51,6 +51,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from ftlayer.acking.u64map import U64Map
+from ftlayer.errors import ConfigError
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
@@ -86,7 +87,7 @@ class AckerTable:
     ) -> None:
         """`capacity`: roots to make room for up front; `columns`: the owner's columns."""
         if columns and ("ack" in columns or "root" in columns):
-            raise ValueError("the column names 'root' and 'ack' are the table's own")
+            raise ConfigError("the column names 'root' and 'ack' are the table's own")
         self._owned = list(columns or {})
         self._map = U64Map({"ack": np.uint64, **(columns or {})}, capacity, key_name="root")
         self.completed_total = 0
@@ -137,8 +138,8 @@ class AckerTable:
         """Register pending roots with initial ack values (default 0) and values of the
         owner's columns (default 0); returns their rows, for set_column.
 
-        Raises ValueError, and changes nothing, if a root is reserved (0 or 1), already
-        pending, or repeated in the batch.
+        Changes nothing and raises ConfigError if a root is reserved (0 or 1) or
+        repeated in the batch, StateConflict if one is already pending.
         """
         if values is not None:
             columns["ack"] = np.asarray(values, dtype=np.uint64)
@@ -163,7 +164,7 @@ class AckerTable:
         keys = np.ascontiguousarray(roots, dtype=np.uint64)
         vals = np.ascontiguousarray(values, dtype=np.uint64)
         if len(vals) != len(keys):
-            raise ValueError(f"xor: {len(keys)} roots but {len(vals)} values")
+            raise ConfigError(f"xor: {len(keys)} roots but {len(vals)} values")
         if len(keys) == 0:
             return XorResult(_EMPTY_U64, _EMPTY_U64, self._take(np.zeros(0, np.intp)))
         slots, rows = self._map.find_slots(keys)

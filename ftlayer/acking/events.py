@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.causes import Cause, Causes
+from ftlayer.errors import ConfigError
 
 __all__ = ["Drained", "EventBuffer"]
 
@@ -63,7 +64,7 @@ class EventBuffer:
             if not isinstance(causes, Causes):
                 causes = Causes.one(causes, len(roots))
             elif len(causes) != len(roots):
-                raise ValueError(f"fail: {len(roots)} roots but {len(causes)} causes")
+                raise ConfigError(f"fail: {len(roots)} roots but {len(causes)} causes")
             self._fails.append(roots)
             self._causes.append(causes)
             self._count += len(roots)

@@ -37,7 +37,7 @@ from numpy.typing import ArrayLike, NDArray
 from ftlayer.acking.events import EventBuffer
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, Causes
-from ftlayer.errors import FailException
+from ftlayer.errors import ConfigError, FailException
 from ftlayer.records import RecordBatch
 
 __all__ = [
@@ -80,7 +80,7 @@ class Anchors:
         r = np.ascontiguousarray(roots, dtype=np.uint64)
         i = np.ascontiguousarray(ids, dtype=np.uint64)
         if len(r) != len(i):
-            raise ValueError(f"anchors: {len(r)} roots but {len(i)} ids")
+            raise ConfigError(f"anchors: {len(r)} roots but {len(i)} ids")
         return cls(np.arange(len(r) + 1, dtype=np.int64), r, i, True)
 
     def __len__(self) -> int:
@@ -322,7 +322,7 @@ class TaskHandler:
         (an aggregation). Failed inputs are left out of their group's output."""
         group = np.ascontiguousarray(groups, dtype=np.intp)
         if len(group) != len(inputs):
-            raise ValueError(f"process_grouped: {len(inputs)} inputs but {len(group)} groups")
+            raise ConfigError(f"process_grouped: {len(inputs)} inputs but {len(group)} groups")
         edge_parent = np.arange(len(inputs), dtype=np.intp)
         if failed is not None:
             edge_parent = edge_parent[~np.asarray(failed, dtype=np.bool_)]
@@ -435,15 +435,15 @@ class TaskHandler:
         n = len(inputs)
         failed_mask = np.asarray(failed, dtype=np.bool_)
         if len(failed_mask) != n:
-            raise ValueError(f"{n} inputs but {len(failed_mask)} failed flags")
+            raise ConfigError(f"{n} inputs but {len(failed_mask)} failed flags")
         if bool(failed_mask[edge_parent].any()):
-            raise ValueError("a failed input cannot have outputs")
+            raise ConfigError("a failed input cannot have outputs")
         bad = failed_mask[pair_input]
         if bool(bad.any()):
             roots, first = np.unique(inputs.roots[bad], return_index=True)
             if isinstance(causes, Causes):
                 if len(causes) != n:
-                    raise ValueError(f"{n} inputs but {len(causes)} causes")
+                    raise ConfigError(f"{n} inputs but {len(causes)} causes")
                 causes = causes.take(pair_input[bad][first])
             self._events.fail(roots, causes)
         return bad

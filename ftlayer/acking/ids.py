@@ -22,6 +22,8 @@ import threading
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.errors import ConfigError
+
 #: Smallest id ever generated; 0 and 1 are reserved (0: no id).
 MIN_ID = 2
 
@@ -40,7 +42,7 @@ def _generator() -> np.random.Generator:
 def new_ids(n: int) -> NDArray[np.uint64]:
     """`n` fresh random ids in [2, 2**64), as a uint64 array."""
     if n < 0:
-        raise ValueError(f"cannot generate a negative number of ids: {n}")
+        raise ConfigError(f"cannot generate a negative number of ids: {n}")
     ids = _generator().integers(MIN_ID, 2**64, size=n, dtype=np.uint64, endpoint=False)
     return ids
 

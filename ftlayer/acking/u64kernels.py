@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 from numba import njit
 
-__all__ = ["OK", "PRESENT", "REPEATED", "compile_kernels", "find_slots", "place", "slots_of_rows"]
+__all__ = ["OK", "PRESENT", "REPEATED", "find_slots", "place", "slots_of_rows"]
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
 _EMPTY: Final = -1
@@ -102,18 +102,3 @@ def slots_of_rows(
         while index[slot] != row:
             slot = (slot + 1) & mask
         slots[i] = slot
-
-
-def compile_kernels() -> None:
-    """Compile the kernels (or load them from numba's cache) with the types U64Map
-    calls them with: `make` runs this once, so no server start waits for it."""
-    from ftlayer.acking.u64map import U64Map
-
-    for keys in (
-        np.array([5, 7], dtype=np.uint64),
-        np.frombuffer(np.array([5, 7], np.uint64).tobytes(), np.uint64),
-    ):
-        # Keys decoded off the wire are read-only arrays, which numba types apart.
-        table = U64Map({"ack": np.uint64}, 16)
-        table.insert(keys)
-        table.delete(table.find_slots(keys[:1])[0])

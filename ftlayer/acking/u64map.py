@@ -20,8 +20,8 @@ Invariants:
   insert and never found).
 - Every live key has exactly one index slot, which holds its row; the index holds no
   other row. A key's slot lies on its probe path before any EMPTY slot.
-- insert() is all or nothing: a reserved key, a key already present or a key repeated
-  in the batch raises ValueError and leaves the map as it was.
+- insert() is all or nothing: a reserved key or a key repeated in the batch raises
+  ConfigError, a key already present StateConflict, and the map is left as it was.
 
 Costs, n = ids in a batch: find, insert, delete are O(n) expected: the probing is one
 numba loop per batch (ftlayer/acking/u64kernels.py; a probe is short at load 1/2),
@@ -40,6 +40,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+from ftlayer.errors import ConfigError, StateConflict
 
 EMPTY = -1
 DELETED = -2
@@ -75,7 +77,7 @@ class U64Map:
         self.key_name = key_name
         self._dtypes = {name: np.dtype(dtype) for name, dtype in columns.items()}
         if key_name in self._dtypes:
-            raise ValueError(f"column name {key_name!r} names the keys")
+            raise ConfigError(f"column name {key_name!r} names the keys")
         self._live = 0
         rows = rows_for(capacity)
         self.keys: NDArray[np.uint64] = np.zeros(rows, dtype=np.uint64)
@@ -167,20 +169,21 @@ class U64Map:
 
     def insert(self, keys: ArrayLike, **values: ArrayLike) -> NDArray[np.intp]:
         """Add new keys with their column values (missing columns are zero); returns
-        their rows. ValueError, and no change, on a reserved, present or repeated key."""
+        their rows. No change, and ConfigError on a reserved or repeated key,
+        StateConflict on a present one."""
         k = np.ascontiguousarray(keys, dtype=np.uint64)
         unknown = set(values) - set(self._dtypes)
         if unknown:
-            raise ValueError(f"unknown columns {sorted(unknown)}; have {sorted(self._dtypes)}")
+            raise ConfigError(f"unknown columns {sorted(unknown)}; have {sorted(self._dtypes)}")
         for name, column in values.items():
             if np.ndim(column) and len(np.asarray(column)) != len(k):
-                raise ValueError(f"{len(k)} keys but {len(np.asarray(column))} {name!r} values")
+                raise ConfigError(f"{len(k)} keys but {len(np.asarray(column))} {name!r} values")
         n = len(k)
         if n == 0:
             return np.zeros(0, dtype=np.intp)
         if bool((k <= 1).any()):
             bad = int(k[k <= 1][0])
-            raise ValueError(f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))")
+            raise ConfigError(f"{self.key_name} {bad} is reserved (ids are drawn from [2, 2**64))")
         self._reserve(n)
         rows = np.arange(self._live, self._live + n, dtype=np.intp)
         self.keys[rows[0] : rows[-1] + 1] = k  # past the live rows: scratch until committed
@@ -194,8 +197,8 @@ class U64Map:
         if kind:
             key = int(k[at])
             if kind == _kernels().PRESENT:
-                raise ValueError(f"{self.key_name} {key:#x} is already present")
-            raise ValueError(f"{self.key_name} {key:#x} is repeated in the batch")
+                raise StateConflict(f"{self.key_name} {key:#x} is already present")
+            raise ConfigError(f"{self.key_name} {key:#x} is repeated in the batch")
         for name, column in self.columns.items():
             column[rows[0] : rows[-1] + 1] = values.get(name, 0)
         self._live += n
@@ -276,6 +279,20 @@ def _kernels() -> Any:
 
         _KERNELS = u64kernels
     return _KERNELS
+
+
+def compile_kernels() -> None:
+    """Compile U64Map's numba kernels (ftlayer.acking.u64kernels), or load them from
+    numba's cache, with the types U64Map calls them with: `make` runs this once, so no
+    server start waits for it."""
+    for keys in (
+        np.array([5, 7], dtype=np.uint64),
+        np.frombuffer(np.array([5, 7], np.uint64).tobytes(), np.uint64),
+    ):
+        # Keys decoded off the wire are read-only arrays, which numba types apart.
+        table = U64Map({"ack": np.uint64}, 16)
+        table.insert(keys)
+        table.delete(table.find_slots(keys[:1])[0])
 
 
 def _regrown(column: NDArray[_T], live: int, rows: int) -> NDArray[_T]:

@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.acking.ids import new_ids
+from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
 from .timing import _cpu_times, _machine, _steal_percent
@@ -61,7 +62,7 @@ def bench_checkpoint(
     from ftlayer.integration.harness.ftprocess import FTServerProcess
 
     if rounds < 1 or batches < 2 or batch < 1:
-        raise ValueError(
+        raise ConfigError(
             f"need rounds >= 1, batches >= 2, batch >= 1; got {rounds}, {batches}, {batch}"
         )
     payload = os.urandom(payload_bytes)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
 from .acker import bench_acker, tree_events
@@ -65,9 +66,9 @@ def bench_server(
     fresh server with its journal: the `mixed` figures pool the rounds' samples.
     """
     if clients < 1:
-        raise ValueError(f"clients must be at least 1, got {clients}")
+        raise ConfigError(f"clients must be at least 1, got {clients}")
     if mixed_batches < 0:
-        raise ValueError(f"mixed_batches must be at least 0, got {mixed_batches}")
+        raise ConfigError(f"mixed_batches must be at least 0, got {mixed_batches}")
     per_tree = _SERVER_BENCH_DEPTH + 1
     roots_each = max(1, events // clients // per_tree)
     records_each = max(1, records // clients)

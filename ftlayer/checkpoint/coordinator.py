@@ -732,7 +732,7 @@ def check_query(query: object) -> str:
 
 def check_position(position: object) -> Position:
     """A barrier position (the JSON form of ftlayer.position, "replay" included);
-    PositionError (a ConfigError) naming the problem otherwise."""
+    PositionError naming the problem otherwise."""
     return Position.parse(position, need_replay=True, what="checkpoint")
 
 

@@ -101,12 +101,21 @@ from ftlayer.checkpoint import (
 )
 from ftlayer.core import REPLAY_SEQ_META_KEY, SOURCES_META_KEY, SourceConfig
 from ftlayer.core.retries import DEAD_LETTER
-from ftlayer.errors import ConfigError, FTLayerError, NotAnLmdbEnvironment, StorageError
+from ftlayer.errors import (
+    ConfigError,
+    CorruptData,
+    FTLayerError,
+    NotAnLmdbEnvironment,
+    PartitioningError,
+    PositionError,
+    StateConflict,
+    StorageError,
+)
 from ftlayer.partitioners import KeyGroupPartitioner
 from ftlayer.partitioners.key_groups import check_max_parallelism
 from ftlayer.persistence import LmdbStorage
 from ftlayer.persistence import lmdb_storage as _lmdb_storage
-from ftlayer.position import EARLIEST, KafkaOffsets, Position, PositionError
+from ftlayer.position import EARLIEST, KafkaOffsets, Position
 from ftlayer.records import RecordBatch
 
 __all__ = [
@@ -230,8 +239,8 @@ def create_savepoint(
     ones: see `create_savepoint_from_data_dir`).
 
     Only reads `storage` (one LMDB read transaction), so a running server may call it
-    while it serves. ConfigError for a bad name or one that exists, or a savepoints
-    directory that is a file; StorageError if the copy or a file cannot be written
+    while it serves. ConfigError for a bad name or a savepoints directory that is a
+    file, StateConflict for a name that exists; StorageError if the copy or a file cannot be written
     (disk full, no permission); a failed create leaves no savepoint behind (its
     staging directory is removed)."""
     root = Path(savepoints_dir)
@@ -242,7 +251,7 @@ def create_savepoint(
     if root.exists() and not root.is_dir():
         raise ConfigError(f"the savepoints directory {root} exists and is not a directory")
     if final.exists():
-        raise ConfigError(f"a savepoint named {name!r} already exists in {root}")
+        raise StateConflict(f"a savepoint named {name!r} already exists in {root}")
     staging = root / f".{name}.partial-{secrets.token_hex(4)}"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -281,7 +290,7 @@ def create_savepoint(
         try:
             staging.rename(final)
         except OSError as exc:
-            raise ConfigError(
+            raise StateConflict(
                 f"a savepoint named {name!r} already exists in {root} ({exc.strerror})"
             ) from None
     except BaseException as exc:
@@ -319,7 +328,7 @@ def create_savepoint_from_data_dir(
     if name is not None:  # checked before the store is opened, too
         _check_name(name)
         if (Path(savepoints_dir) / name).exists():
-            raise ConfigError(f"a savepoint named {name!r} already exists in {savepoints_dir}")
+            raise StateConflict(f"a savepoint named {name!r} already exists in {savepoints_dir}")
     with open_stopped_store(data_dir) as storage:
         snapshots = Path(data_dir) / SNAPSHOT_DIR
         if not (snapshots / _DATA_FILE).is_file():
@@ -385,7 +394,7 @@ def list_savepoints(savepoints_dir: str | os.PathLike[str]) -> list[Savepoint]:
             continue
         try:
             found.append(_read_manifest(entry))
-        except ConfigError as exc:
+        except CorruptData as exc:
             log.warning("skipping %s: %s", entry, exc)
     return sorted(found, key=lambda s: (s.created_at, s.name))
 
@@ -407,9 +416,9 @@ def _read_manifest(path: Path) -> Savepoint:
     try:
         raw = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         if not isinstance(raw, dict):
-            raise TypeError("not a JSON object")
+            raise CorruptData("not a JSON object")
         if raw.get("format") != FORMAT:
-            raise ConfigError(
+            raise CorruptData(
                 f"savepoint {path} has format {raw.get('format')!r}; this version of "
                 f"ftlayer reads format {FORMAT}"
             )
@@ -427,7 +436,7 @@ def _read_manifest(path: Path) -> Savepoint:
             format=FORMAT,
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"the manifest of savepoint {path} is unreadable: {exc!r}") from None
+        raise CorruptData(f"the manifest of savepoint {path} is unreadable: {exc!r}") from None
 
 
 # ---- restore -----------------------------------------------------------------------
@@ -442,9 +451,10 @@ def restore_savepoint(
 ) -> RestoreResult:
     """Restore savepoint `name` into `data_dir` (new or empty) for `ftlayer serve
     --data-dir` (steps in the module docstring). With `partitions`, every registered
-    source replays into that many partitions. ConfigError, with nothing written, for
-    an unknown name, a non-empty target, or a partition count that a source's
-    partitioner or a stored record refuses."""
+    source replays into that many partitions. With nothing written: ConfigError for
+    an unknown name, StateConflict for a non-empty target, PartitioningError for a
+    partition count that a source's partitioner or a stored record refuses, and
+    CorruptData for an incomplete savepoint or a registration it cannot read."""
     # Step 1.
     savepoint = load_savepoint(savepoints_dir, name)
     if partitions is not None and (
@@ -455,7 +465,7 @@ def restore_savepoint(
     _check_empty_target(target)
     source_file = savepoint.data_dir / _DATA_FILE
     if not source_file.is_file():
-        raise ConfigError(f"savepoint {savepoint.path} has no {DATA}/{_DATA_FILE}: incomplete")
+        raise CorruptData(f"savepoint {savepoint.path} has no {DATA}/{_DATA_FILE}: incomplete")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.restore-{secrets.token_hex(4)}"
     staging.mkdir()
@@ -513,7 +523,7 @@ def restore_savepoint(
 
 def _check_empty_target(target: Path) -> None:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(
+        raise StateConflict(
             f"cannot restore into {target}: it exists and is not an empty directory; "
             "restore into a new data dir"
         )
@@ -525,8 +535,8 @@ def _dry_run_recovery(
     """Route every stored record as FTLayer recovery will, with fresh partitioners
     from `sources`; returns per source id the replays per target partition, and per
     source id the dead letters (which recovery leaves as they are, but which a requeue
-    routes the same way, so they are routed here too). ConfigError naming the source
-    if its partitioner refuses the partition count or a record."""
+    routes the same way, so they are routed here too). PartitioningError naming the
+    source if its partitioner refuses the partition count or a record."""
     configs: dict[int, SourceConfig] = {}
     for sid, spec in sources.items():
         configs[int(sid)] = _config_of(sid, spec)
@@ -548,8 +558,9 @@ def _dry_run_recovery(
 
 
 def _config_of(sid: str, spec: Mapping[str, Any]) -> SourceConfig:
-    """The SourceConfig of a registration; ConfigError naming the source if it is bad
-    or its partitioner cannot take its partition count (with no record to route)."""
+    """The SourceConfig of a registration (its partition count maybe the restore's);
+    PartitioningError naming the source if its partitioner cannot take that count (with
+    no record to route), CorruptData if the registration is not one."""
     where = f"source {sid} ({spec.get('partitioner')!r}, {spec.get('num_partitions')} partitions)"
     try:
         config = SourceConfig.named(
@@ -560,8 +571,10 @@ def _config_of(sid: str, spec: Mapping[str, Any]) -> SourceConfig:
         )
         if isinstance(config.partitioner, KeyGroupPartitioner):
             check_max_parallelism(config.partitioner.max_parallelism, config.num_partitions)
-    except (FTLayerError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{where} cannot be restored: {exc}") from None
+    except FTLayerError as exc:  # its partitioner refuses the partition count
+        raise PartitioningError(f"{where} cannot be restored: {exc}") from None
+    except (KeyError, TypeError) as exc:  # not a registration this version wrote
+        raise CorruptData(f"{where} cannot be restored: {exc}") from None
     return config
 
 
@@ -571,7 +584,7 @@ def _targets(
     if config is None:  # recovery sends records of unregistered sources back home
         beyond = rows.partitions >= partitions if partitions is not None else None
         if beyond is not None and bool(beyond.any()):
-            raise ConfigError(
+            raise PartitioningError(
                 f"source {source_id} has no registered replay partitioner, so its records "
                 f"replay into their original partitions, and {int(beyond.sum())} of them "
                 f"came from partitions >= {partitions}, which a job with {partitions} "
@@ -581,7 +594,7 @@ def _targets(
     try:
         return config.partitioner.targets(rows, config.num_partitions)[1]
     except FTLayerError as exc:
-        raise ConfigError(
+        raise PartitioningError(
             f"source {source_id} cannot replay its stored records into "
             f"{config.num_partitions} partitions: {exc}"
         ) from None

@@ -18,7 +18,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.events import EventBuffer
 from ftlayer.causes import Cause, Causes
-from ftlayer.errors import ConfigError, FTLayerError
+from ftlayer.errors import ConfigError, StateConflict
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import Status
@@ -103,7 +103,7 @@ class BatchingChannel:
         r = np.ascontiguousarray(roots, dtype=np.uint64)
         v = np.ascontiguousarray(values, dtype=np.uint64)
         if r.shape != v.shape or r.ndim != 1:
-            raise ValueError(f"xor: {r.shape} roots but {v.shape} values")
+            raise ConfigError(f"xor: {r.shape} roots but {v.shape} values")
         with self._cond:
             self._check()
             if len(r) > self.max_buffered_events:
@@ -120,7 +120,7 @@ class BatchingChannel:
         unspecified); returns how many were buffered (not yet applied)."""
         r = np.ascontiguousarray(roots, dtype=np.uint64)
         if r.ndim != 1:
-            raise ValueError(f"fail: roots must be one-dimensional, got shape {r.shape}")
+            raise ConfigError(f"fail: roots must be one-dimensional, got shape {r.shape}")
         if not isinstance(causes, Causes):
             causes = Causes.one(causes, len(r))
         with self._cond:
@@ -228,7 +228,7 @@ class BatchingChannel:
             error, self._error = self._error, None
             raise error
         if self._closed:
-            raise FTLayerError("the batching channel is closed")
+            raise StateConflict("the batching channel is closed")
 
     def _make_room(self, n: int) -> None:
         if len(self._buffer) + n > self.max_buffered_events:

@@ -382,7 +382,7 @@ class FTClient:
         reply then also has "completed": that checkpoint. All are idempotent, so they
         are resent after a reconnect."""
         if complete is not None and not begin:
-            raise ValueError("complete= goes with a CHECKPOINT_BEGIN (begin=True)")
+            raise ConfigError("complete= goes with a CHECKPOINT_BEGIN (begin=True)")
 
         def request(rid: int) -> bytes:
             return encode_checkpoint_request(

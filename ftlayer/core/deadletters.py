@@ -29,6 +29,7 @@ from typing import Final
 import numpy as np
 
 from ftlayer.acking.ids import new_ids
+from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
 from .failure import enqueue
@@ -113,7 +114,7 @@ def restore_dead_letters(s: CoreState, batch: RecordBatch, history: Sequence[Ret
     replay now with a fresh retry budget. Returns how many."""
     n = len(batch)
     if len(history) != n:
-        raise ValueError(f"{n} records but {len(history)} histories")
+        raise ConfigError(f"{n} records but {len(history)} histories")
     if not n:
         return 0
     s.changing()

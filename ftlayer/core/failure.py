@@ -50,6 +50,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.errors import ConfigError
 from ftlayer.persistence.layer import Completed
 from ftlayer.records import RecordBatch, ReplayRecords
 
@@ -85,7 +86,7 @@ def fail(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None = None) -
     if not isinstance(causes, Causes):
         causes = Causes.one(causes, len(root_array))
     elif len(causes) != len(root_array):
-        raise ValueError(f"fail: {len(root_array)} roots but {len(causes)} causes")
+        raise ConfigError(f"fail: {len(root_array)} roots but {len(causes)} causes")
     keys, first = np.unique(root_array, return_index=True)
     pending, seqs = s.acker.lookup("seq", keys)
     if not bool(pending.all()):

@@ -27,6 +27,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause
+from ftlayer.errors import ConfigError
 
 from .completion import complete, xor
 from .failure import fail
@@ -50,7 +51,7 @@ def hold(s: CoreState, roots: ArrayLike, values: ArrayLike) -> int:
     keys = np.ascontiguousarray(roots, dtype=np.uint64)
     vals = np.ascontiguousarray(values, dtype=np.uint64)
     if keys.shape != vals.shape:
-        raise ValueError(f"hold: {keys.shape} roots but {vals.shape} values")
+        raise ConfigError(f"hold: {keys.shape} roots but {vals.shape} values")
     pending, topics = s.acker.lookup("topic", keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
@@ -87,7 +88,7 @@ def sink_hold(s: CoreState, key: int, roots: ArrayLike, values: ArrayLike) -> in
     keys = np.ascontiguousarray(roots, dtype=np.uint64)
     vals = np.ascontiguousarray(values, dtype=np.uint64)
     if keys.shape != vals.shape:
-        raise ValueError(f"sink hold: {keys.shape} roots but {vals.shape} values")
+        raise ConfigError(f"sink hold: {keys.shape} roots but {vals.shape} values")
     s.changing()
     pending = s.acker.lookup("ack", keys)[0]
     if not bool(pending.all()):

@@ -59,7 +59,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.errors import StorageError
+from ftlayer.errors import ConfigError, StorageError
 
 from .statecodec import decode_snapshot
 
@@ -149,7 +149,7 @@ class Journal:
         max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
     ) -> None:
         if max_segment_bytes < 1:
-            raise ValueError(f"max_segment_bytes must be positive, got {max_segment_bytes}")
+            raise ConfigError(f"max_segment_bytes must be positive, got {max_segment_bytes}")
         self.directory = os.fspath(directory)
         self.max_segment_bytes = max_segment_bytes
         os.makedirs(self.directory, exist_ok=True)

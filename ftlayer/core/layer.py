@@ -23,7 +23,7 @@ three ways:
 Events for roots that are not pending are dropped: "late" when the root failed or was
 taken over recently (RetiredRoots remembers them for 2T by default), "unknown"
 otherwise. They never create pending entries that could not complete. Persisting a
-root that is pending or remembered as retired is refused (ConfigError, nothing
+root that is pending or remembered as retired is refused (StateConflict, nothing
 stored): late events of the old tree would corrupt the new one. A completed root is
 not remembered (that would cost memory per completed record); persisting it again
 starts a new tree, and the completed tree's timeout entry cannot touch it (timeouts
@@ -252,10 +252,10 @@ class FTLayer:
 
         `initial_values` are the roots' first ack values: the XOR of the record ids the
         source emits for each record (0, the default, when it sends those as events).
-        Raises, with nothing stored, on a reserved root (0 or 1), a root repeated in the
-        batch, pending, being persisted or failed within the retired TTL (ValueError,
-        ConfigError), or a record its source's replay partitioner could not route (no
-        key for a hash partitioner).
+        Raises, with nothing stored: ConfigError for a reserved root (0 or 1) or a root
+        repeated in the batch; StateConflict for a root pending, being persisted or
+        failed within the retired TTL; PartitioningError for a record its source's
+        replay partitioner could not route (no key for a hash partitioner).
 
         In one call, the storage write under the caller's lock if it has one; a caller
         that would rather write outside it calls `begin_persist`, `write_persist` and

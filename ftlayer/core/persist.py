@@ -38,7 +38,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.acking.u64map import U64Map
-from ftlayer.errors import ConfigError
+from ftlayer.errors import ConfigError, StateConflict
 from ftlayer.records import RecordBatch
 
 from .retries import RetryRecord
@@ -98,7 +98,7 @@ def begin_persist(
     if bool(pending.any()):
         _unreserve(s, batch.roots)
         root = int(batch.roots[int(np.argmax(pending))])
-        raise ValueError(f"root {root:#x} is already present")
+        raise StateConflict(f"root {root:#x} is already present")
     ticket = PersistTicket(batch, values, s.storage.next_seq)
     s.tickets.add(ticket)
     return ticket
@@ -161,7 +161,7 @@ def _checked(
         _check_not_retired(s, batch.roots)
     values = None if initial_values is None else np.asarray(initial_values, dtype=np.uint64)
     if values is not None and values.shape != batch.roots.shape:
-        raise ValueError(f"{len(batch)} roots but {values.shape} initial ack values")
+        raise ConfigError(f"{len(batch)} roots but {values.shape} initial ack values")
     return values
 
 
@@ -231,7 +231,7 @@ def _check_not_retired(s: CoreState, roots: NDArray[np.uint64]) -> None:
     retired = s.retired.known(roots, s.clock())
     if bool(retired.any()):
         root = int(roots[int(np.argmax(retired))])
-        raise ConfigError(
+        raise StateConflict(
             f"repeated root {root:#x}: it failed recently and late events of its old "
             f"tree could still arrive ({int(retired.sum())} such roots in the batch); "
             "persist every record under a fresh random root"
@@ -242,7 +242,7 @@ def _check_not_persisting(s: CoreState, roots: NDArray[np.uint64]) -> None:
     persisting = s.persisting.find(np.ascontiguousarray(roots, dtype=np.uint64)) >= 0
     if bool(persisting.any()):
         root = int(roots[int(np.argmax(persisting))])
-        raise ValueError(f"root {root:#x} is already present")
+        raise StateConflict(f"root {root:#x} is already present")
 
 
 def _check_routable(s: CoreState, batch: RecordBatch) -> None:

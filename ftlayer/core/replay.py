@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.errors import ConfigError
+from ftlayer.errors import StateConflict
 
 __all__ = ["REPLAY_SEQ_META_KEY", "Fetched", "ReplayQueue"]
 
@@ -174,13 +174,13 @@ class ReplayQueue:
         """Entries with lo < replay_seq <= hi (of one source and target partition if
         given), marked as fetched from now on; `again` tells which were before.
 
-        ConfigError if the range starts below the point the source (or every source)
+        StateConflict if the range starts below the point the source (or every source)
         was pruned to: those entries are gone, and a batch that needs them again means
         the caller's position is older than a completed checkpoint of it."""
         pruned = self._pruned_upto.get(None, 0) if source_id is None else self.start_of(source_id)
         if lo < pruned:
             which = "" if source_id is None else f" of source {source_id}"
-            raise ConfigError(
+            raise StateConflict(
                 f"replay range ({lo}, {hi}]{which} starts before its pruned point {pruned}"
             )
         if not self._columns[0]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ftlayer.causes import Cause, FailKind
+from ftlayer.errors import ConfigError, CorruptData
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.policy import IMMEDIATE, RetryPolicy
 
@@ -121,7 +122,7 @@ class RetryRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RetryRecord:
-        """Strict: ValueError unless `data` is what to_json wrote (counts are ints, times
+        """Strict: CorruptData unless `data` is what to_json wrote (counts are ints, times
         are numbers, never bools or strings)."""
         try:
             causes = [
@@ -142,7 +143,7 @@ class RetryRecord:
                 budget_from=_integer(data.get("budget_from", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad retry record {dict(data)!r}: {exc}") from None
+            raise CorruptData(f"bad retry record {dict(data)!r}: {exc}") from None
 
     def encode(self) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":")).encode()
@@ -175,27 +176,29 @@ class DeadLetterFilter:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DeadLetterFilter:
-        """Strict: ValueError naming what is wrong."""
+        """Strict: ConfigError naming what is wrong."""
         allowed = {"source_id", "partition", "cause", "since", "until", "seqs"}
         unknown = set(data) - allowed
         if unknown:
-            raise ValueError(f"unknown dead-letter filter fields {sorted(unknown)}")
+            raise ConfigError(f"unknown dead-letter filter fields {sorted(unknown)}")
 
         def number(name: str, kind: type) -> Any:
             value = data.get(name)
             if value is None:
                 return None
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"dead-letter filter {name} must be a number, got {value!r}")
+                raise ConfigError(f"dead-letter filter {name} must be a number, got {value!r}")
             if kind is int and not isinstance(value, int):
-                raise ValueError(f"dead-letter filter {name} must be an integer, got {value!r}")
+                raise ConfigError(f"dead-letter filter {name} must be an integer, got {value!r}")
             return value
 
         seqs = data.get("seqs")
         if seqs is not None and not (
             isinstance(seqs, list) and all(type(s) is int and s >= 0 for s in seqs)
         ):
-            raise ValueError(f"dead-letter filter seqs must be non-negative integers, got {seqs!r}")
+            raise ConfigError(
+                f"dead-letter filter seqs must be non-negative integers, got {seqs!r}"
+            )
         cause = data.get("cause")
         return cls(
             source_id=number("source_id", int),
@@ -339,11 +342,11 @@ class RetryBook:
 
 def _integer(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
+        raise CorruptData(f"expected an integer, got {value!r}")
     return value
 
 
 def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise CorruptData(f"expected a number, got {value!r}")
     return float(value)

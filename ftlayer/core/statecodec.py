@@ -4,7 +4,7 @@ arrays, FTLayer.state_snapshot) as one blob and back.
 Layout: the magic b"FTSNAP1\n", a u32 (little-endian) header length, a JSON header
 listing per array its name, dtype and length, then each array's bytes in that order.
 Encoding makes one copy of each array, into the blob; decoding checks the magic, the
-header and the total length, and raises ConfigError for anything else.
+header and the total length, and raises CorruptData for anything else.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.errors import ConfigError
+from ftlayer.errors import CorruptData
 
 __all__ = ["decode_snapshot", "encode_snapshot"]
 
@@ -43,12 +43,12 @@ def encode_snapshot(state: Mapping[str, NDArray[Any]]) -> bytearray:
 
 
 def decode_snapshot(raw: bytes) -> dict[str, NDArray[Any]]:
-    """The arrays of a stored snapshot (see FTLayer.state_snapshot); ConfigError if
+    """The arrays of a stored snapshot (see FTLayer.state_snapshot); CorruptData if
     `raw` is not one."""
     view = memoryview(raw)
     start = len(_SNAPSHOT_MAGIC) + _HEADER_LEN.size
     if bytes(view[: len(_SNAPSHOT_MAGIC)]) != _SNAPSHOT_MAGIC or len(view) < start:
-        raise ConfigError("not an ftlayer checkpoint snapshot")
+        raise CorruptData("not an ftlayer checkpoint snapshot")
     (size,) = _HEADER_LEN.unpack_from(view, len(_SNAPSHOT_MAGIC))
     try:
         header = json.loads(bytes(view[start : start + size]))
@@ -59,7 +59,7 @@ def decode_snapshot(raw: bytes) -> dict[str, NDArray[Any]]:
             found[name] = array.copy()
             offset += array.nbytes
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"a damaged checkpoint snapshot: {exc}") from None
+        raise CorruptData(f"a damaged checkpoint snapshot: {exc}") from None
     if offset != len(view):
-        raise ConfigError("a damaged checkpoint snapshot: trailing bytes")
+        raise CorruptData("a damaged checkpoint snapshot: trailing bytes")
     return found

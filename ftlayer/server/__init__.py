@@ -41,7 +41,8 @@ format). The contract:
    that request id (an unknown kind is 3, a reply kind or a second HELLO 9, checked
    before the body is decoded), and serving goes on. A request is dispatched by the
    table in `_request_handlers`. Core errors map to ERROR 101 (StorageError) or 102
-   (ValueError, ConfigError, PartitioningError: nothing applied); anything else is
+   (any other FTLayerError or ValueError: ConfigError, StateConflict, CorruptData,
+   PositionError, PartitioningError; nothing applied); anything else is
    100 and is logged with its traceback. Other connections are never affected.
 5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
    shortest rotation interval of any timeout in use (sources may register their own),

@@ -22,7 +22,7 @@ from ftlayer.checkpoint import CheckpointMode
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import DeadLetterFilter, RetryRecord
-from ftlayer.errors import ConfigError, StorageError
+from ftlayer.errors import StateConflict, StorageError
 from ftlayer.records import ReplayRecords
 from ftlayer.wire import (
     BadRequest,
@@ -230,7 +230,7 @@ class RequestHandlers(ServerState):
         while events go on."""
         if not self._savepoint_lock.acquire(blocking=False):
             running_s = time.monotonic() - self._savepoint_started
-            raise ConfigError(
+            raise StateConflict(
                 f"another savepoint of this server is being written (for {running_s:.1f} s); "
                 "it takes one at a time: send SAVEPOINT again once that one is done"
             )

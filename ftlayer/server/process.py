@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Final, Self
 from ftlayer.checkpoint import SNAPSHOT_DIR, CheckpointCoordinator
 from ftlayer.core import FTLayer
 from ftlayer.core.journal import JOURNAL_DIR, Journal
-from ftlayer.errors import ConfigError, StorageError
+from ftlayer.errors import StateConflict, StorageError
 from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 
@@ -40,14 +40,14 @@ class FTServer(Transport, RequestHandlers, Workers):
     def address(self) -> tuple[str, int]:
         """(host, port) actually bound; the port is known once start() returned."""
         if self._listener is None:
-            raise ConfigError("the server is not started")
+            raise StateConflict("the server is not started")
         host, port = self._listener.getsockname()[:2]
         return str(host), int(port)
 
     def start(self) -> Self:
         """Open the storage (recovering what it holds), bind, and start serving."""
         if self._listener is not None:
-            raise ConfigError("the server is already started")
+            raise StateConflict("the server is already started")
         storage = LmdbStorage(self.data_dir)
         snapshots: LmdbStorage | None = None
         try:
@@ -188,7 +188,7 @@ SERVE_LOCK_FILE: Final = "serve.lock"
 def _lock_data_dir(data_dir: str | os.PathLike[str]) -> int:
     """Take the data dir's serve lock (an flock, which conflicts with another open of
     the file also within one process) and write this pid into it; the descriptor
-    holds the lock until closed. ConfigError naming the holder if another server has
+    holds the lock until closed. StateConflict naming the holder if another server has
     it."""
     path = os.path.join(os.fspath(data_dir), SERVE_LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -197,7 +197,7 @@ def _lock_data_dir(data_dir: str | os.PathLike[str]) -> int:
     except OSError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise ConfigError(
+        raise StateConflict(
             f"the data dir {os.fspath(data_dir)} is served by another `ftlayer serve` "
             f"(pid {holder}); one server per data dir: stop it first, or give this one "
             "a data dir of its own"

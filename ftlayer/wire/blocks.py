@@ -78,7 +78,7 @@ def is_u64(value: object) -> TypeGuard[int]:
 def u64_column(values: ArrayLike, n: int | None, what: str) -> NDArray[np.uint64]:
     """`values` as a 1-d uint64 array (of length n, unless n is None); BadRequest for
     another length or a value that is not a u64."""
-    try:
+    try:  # the bare errors below only carry their text into the BadRequest
         array = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=np.uint64)
         if array.dtype.kind not in "iu":
             raise TypeError(f"got dtype {array.dtype}")

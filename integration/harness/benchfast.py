@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ftlayer.client import FTClient
+from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
@@ -133,7 +134,7 @@ def bench_fast(
     from ftlayer.integration.tasks import FTTasks
 
     if records < 1 or partitions < 1 or rounds < 1 or not batch_sizes:
-        raise ValueError("need records, partitions, rounds >= 1 and a batch size")
+        raise ConfigError("need records, partitions, rounds >= 1 and a batch size")
     expected = _expected(records)
     schema = "value binary, size int"
     sizes = sorted({int(b) for b in batch_sizes})

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ftlayer.client import FTClient
-from ftlayer.errors import FailException
+from ftlayer.errors import ConfigError, FailException
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
@@ -152,7 +152,7 @@ def bench_pipeline(
     from ftlayer.integration.tasks import FTTasks
 
     if records < 1 or partitions < 1 or rounds < 1 or not 0 < fail_rate < 1:
-        raise ValueError("need records, partitions, rounds >= 1 and 0 < fail_rate < 1")
+        raise ConfigError("need records, partitions, rounds >= 1 and 0 < fail_rate < 1")
     users = 1_000
     expected = sum(1 for i in range(records) if passes_filter(i))
     with (

@@ -386,6 +386,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         if not isinstance(partition, FTKafkaPartition):
+            # Spark hands back the partitions planPartitions made: another is a bug, not input.
             raise TypeError(f"ftkafka cannot read {partition!r}")
         return read_partition(self.options, self.schema, partition)
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ftlayer.client import FTClient
-from ftlayer.errors import FTLayerError
+from ftlayer.errors import ConfigError, FTLayerError
 
 __all__ = ["LEASE_INTERVALS", "Heartbeat", "heartbeat_interval_s"]
 
@@ -56,7 +56,7 @@ class Heartbeat:
         interval_s: float,
     ) -> None:
         if not interval_s > 0:
-            raise ValueError(f"a heartbeat interval is a positive number, got {interval_s!r}")
+            raise ConfigError(f"a heartbeat interval is a positive number, got {interval_s!r}")
         self.source_ids = tuple(sorted(set(source_ids)))
         self.interval_s = interval_s
         self.lease_s = LEASE_INTERVALS * interval_s

@@ -125,11 +125,7 @@ from pyspark.sql.types import (
 )
 
 from ftlayer.errors import ConfigError
-from ftlayer.integration.ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings
-from ftlayer.integration.sinkhold import holding, named_task
-
-from .aggregate import aggregate_partition, plain_group_fn
-from .anchors import (
+from ftlayer.integration.anchors import (
     ALL_FT_COLUMNS,
     EXTRA_ANCHORS_COLUMN,
     EXTRA_ANCHORS_TYPE,
@@ -137,6 +133,10 @@ from .anchors import (
     ft_columns_of,
     read_anchors,
 )
+from ftlayer.integration.ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings
+from ftlayer.integration.sinkhold import holding, named_task
+
+from .aggregate import aggregate_partition, plain_group_fn
 from .observed import StepTally, observed_step, step_name
 from .results import (
     Failures,

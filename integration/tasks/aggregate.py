@@ -16,12 +16,12 @@ import pyarrow.compute as pc
 from numpy.typing import NDArray
 
 from ftlayer.acking.handlers import NoFTTaskHandler, TaskHandler
-from ftlayer.errors import FailException
+from ftlayer.errors import FailException, TaskOutputError
+from ftlayer.integration.anchors import anchor_columns
 from ftlayer.integration.ftcolumns import (
     FTSettings,
 )
 
-from .anchors import anchor_columns
 from .results import (
     Failures,
     GroupKey,
@@ -127,7 +127,7 @@ def _aggregate_groups(
             group_failed = None
             if isinstance(result, TaskOutput):
                 if result.parents is not None:
-                    raise ValueError("aggregate: TaskOutput.parents must be None")
+                    raise TaskOutputError("aggregate: TaskOutput.parents must be None")
                 if result.failed is not None:
                     group_failed = as_bool_mask(result.failed, hi - lo, "TaskOutput.failed")
                 result = result.rows

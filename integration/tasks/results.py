@@ -25,7 +25,8 @@ from pyspark.sql.types import (
 )
 
 from ftlayer.causes import Cause, Causes, FailKind
-from ftlayer.errors import FailException, FTLayerError
+from ftlayer.errors import FailException, TaskOutputError
+from ftlayer.errors import OutputSchemaError as OutputSchemaError  # re-exported by .tasks
 
 # One logger for every part of the task wrappers: its name is what users configure.
 log = logging.getLogger("ftlayer.integration.tasks")
@@ -45,11 +46,6 @@ _tracebacks_logged: TTLCache[tuple[str, str, str], str] = TTLCache(
 )
 _traceback_lock = threading.Lock()
 _NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
-
-
-class OutputSchemaError(FTLayerError, ValueError):
-    """User code returned rows that do not fit its declared output schema: a column is
-    missing, or holds a value of another type. The message names the column."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +72,8 @@ def conform(rows: Any, schema: Any) -> Any:
     if isinstance(rows, pa.Table):
         rows = single_batch(rows)
     if not isinstance(rows, pa.RecordBatch):
+        # A TypeError on purpose: a wrong return type is a programming error, which
+        # take_causes retries only once (_PROGRAMMING_ERRORS), not ft.maxRetries times.
         raise TypeError(f"expected a pyarrow RecordBatch or Table, got {type(rows).__name__}")
     missing = [name for name in schema.names if name not in rows.schema.names]
     if missing:
@@ -116,7 +114,7 @@ def as_bool_mask(value: Any, n: int, what: str) -> NDArray[np.bool_]:
         value = pc.fill_null(value, False).to_numpy(zero_copy_only=False)
     mask = np.asarray(value, dtype=np.bool_)
     if mask.shape != (n,):
-        raise ValueError(f"{what}: expected {n} flags, got shape {mask.shape}")
+        raise TaskOutputError(f"{what}: expected {n} flags, got shape {mask.shape}")
     return mask
 
 
@@ -215,16 +213,16 @@ def _batch_result(
     else:
         rows, parents, failed = conform(result, schema), np.arange(n, dtype=np.intp), None
         if rows.num_rows != n:
-            raise ValueError(
+            raise TaskOutputError(
                 f"{rows.num_rows} rows returned for {n} inputs; return "
                 "TaskOutput(rows, parents) when output rows are not one per input"
             )
     if len(parents) != rows.num_rows:
-        raise ValueError(f"{rows.num_rows} output rows but {len(parents)} parents")
+        raise TaskOutputError(f"{rows.num_rows} output rows but {len(parents)} parents")
     if rows.num_rows and (int(parents.min()) < 0 or int(parents.max()) >= n):
-        raise ValueError(f"parents must index the {n} inputs")
+        raise TaskOutputError(f"parents must index the {n} inputs")
     if failed is not None and bool(failed[parents].any()):
-        raise ValueError("a failed input cannot have output rows")
+        raise TaskOutputError("a failed input cannot have output rows")
     return rows, parents, failed
 
 

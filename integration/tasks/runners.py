@@ -13,6 +13,12 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from ftlayer.acking.handlers import Anchors, NoFTTaskHandler, TaskHandler
+from ftlayer.integration.anchors import (
+    ALL_FT_COLUMNS,
+    EXTRA_ANCHORS_COLUMN,
+    anchor_columns,
+    read_anchors,
+)
 from ftlayer.integration.ftcolumns import (
     FT_COLUMNS,
     ID_COLUMN,
@@ -20,7 +26,6 @@ from ftlayer.integration.ftcolumns import (
     FTSettings,
 )
 
-from .anchors import ALL_FT_COLUMNS, EXTRA_ANCHORS_COLUMN, anchor_columns, read_anchors
 from .results import Failures, log_failures, log_with_time_and_level
 
 # ---- the partition runners (run on executors) ------------------------------------------

@@ -13,6 +13,7 @@ from ftlayer.acking.acker import AckerTable
 from ftlayer.acking.ids import new_ids
 from ftlayer.acking.u64map import DELETED, EMPTY, U64Map, rows_for
 from ftlayer.core import FTLayer
+from ftlayer.errors import ConfigError
 from ftlayer.persistence import MemoryStorage
 
 
@@ -296,7 +297,7 @@ def test_the_index_never_points_at_an_empty_marker_row() -> None:
 
 
 def test_column_names_of_the_table_are_its_own() -> None:
-    with pytest.raises(ValueError, match="ack"):
+    with pytest.raises(ConfigError, match="ack"):
         AckerTable(columns={"ack": np.uint64})
-    with pytest.raises(ValueError, match="root"):
+    with pytest.raises(ConfigError, match="root"):
         AckerTable(columns={"root": np.uint64})

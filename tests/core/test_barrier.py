@@ -18,6 +18,7 @@ from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 BARRIER, TREE = 21, 22
 
@@ -35,8 +36,8 @@ def _records(n: int, source: int = BARRIER, first_offset: int = 0) -> RecordBatc
 
 def _layer() -> FTLayer:
     ft = FTLayer(MemoryStorage(), timeout_s=60)
-    ft.register_source(BARRIER, "forward", 2, completion="barrier")
-    ft.register_source(TREE, "forward", 2)
+    ft.register_source(SourceRegistration(BARRIER, "forward", 2, completion="barrier"))
+    ft.register_source(SourceRegistration(TREE, "forward", 2))
     return ft
 
 
@@ -92,7 +93,7 @@ def test_a_root_held_past_its_batch_completes_by_xor_and_a_loop_goes_on_under_a_
 
 def test_a_replay_fetched_twice_or_broadcast_is_held_once() -> None:
     ft = FTLayer(MemoryStorage(), timeout_s=60)
-    ft.register_source(BARRIER, "broadcast", 3, completion="barrier")
+    ft.register_source(SourceRegistration(BARRIER, "broadcast", 3, completion="barrier"))
     batch = _records(2)
     _persist(ft, batch)
     ft.fail(batch.roots)
@@ -108,7 +109,7 @@ def test_a_replay_fetched_twice_or_broadcast_is_held_once() -> None:
 def test_the_done_of_a_checkpoint_releases_its_querys_holds(tmp_path: Path) -> None:
     store = LmdbStorage(tmp_path / "ft")
     ft = FTLayer(store, timeout_s=60)
-    ft.register_source(BARRIER, "forward", 2, completion="barrier")
+    ft.register_source(SourceRegistration(BARRIER, "forward", 2, completion="barrier"))
     coordinator = CheckpointCoordinator(ft)
     position = {"kafka": {"events": {"0": 0, "1": 0}}, "replay": 0}
     coordinator.begin("q", position, [BARRIER], CheckpointMode.UNALIGNED)
@@ -127,14 +128,14 @@ def test_a_barrier_registration_survives_a_restart_and_bad_modes_are_refused(
     tmp_path: Path,
 ) -> None:
     store = LmdbStorage(tmp_path / "ft")
-    FTLayer(store).register_source(BARRIER, "forward", 2, completion="barrier")
+    FTLayer(store).register_source(SourceRegistration(BARRIER, "forward", 2, completion="barrier"))
     store.close()
     store = LmdbStorage(tmp_path / "ft")
     ft = FTLayer(store)
     config = ft.source_config(BARRIER)
     assert config is not None and config.completion == "barrier"
     with pytest.raises(ConfigError, match="completion must be one of"):
-        ft.register_source(TREE, "forward", 2, completion="eventually")
+        ft.register_source(SourceRegistration(TREE, "forward", 2, completion="eventually"))
     store.close()
 
 

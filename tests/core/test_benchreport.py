@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ftlayer import benchreport
 from ftlayer.benchplots import PLOTS
 from ftlayer.cli import main
-from ftlayer.errors import ConfigError
+from ftlayer.errors import CorruptData
 
 _PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -213,7 +213,7 @@ def test_bad_report_arguments_are_clear_errors(
 def test_results_of_another_tool_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"bench": "acker"}), encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"not a results\.json of `ftlayer bench report`"):
+    with pytest.raises(CorruptData, match=r"not a results\.json of `ftlayer bench report`"):
         benchreport.load_results(path)
 
 

@@ -32,7 +32,7 @@ from ftlayer.checkpoint import (
 )
 from ftlayer.core import FTLayer, recovery
 from ftlayer.core.journal import Journal
-from ftlayer.errors import ConfigError, StorageError
+from ftlayer.errors import ConfigError, CorruptData, PositionError, StorageError
 from ftlayer.persistence import LmdbStorage, MemoryStorage
 from ftlayer.records import RecordBatch
 
@@ -657,7 +657,7 @@ def test_bad_query_names_are_refused(storage: LmdbStorage, query: Any) -> None:
 )
 def test_bad_positions_are_refused(storage: LmdbStorage, bad: Any) -> None:
     cps = CheckpointCoordinator(FTLayer(storage))
-    with pytest.raises(ConfigError, match=r"position|offset"):
+    with pytest.raises(PositionError, match=r"position|offset"):
         cps.begin("q", bad, SOURCES, UNALIGNED)
     assert storage.meta_keys(SNAPSHOT_PREFIX) == []
 
@@ -709,5 +709,5 @@ def test_aligned_offsets_never_pass_a_pending_root(
     "raw", [b"", b"garbage", b"FTSNAP1\n\xff\xff\xff\xff{}", b"FTSNAP1\n\x02\x00\x00\x00[]x"]
 )
 def test_a_damaged_snapshot_is_a_clear_error(raw: bytes) -> None:
-    with pytest.raises(ConfigError, match="snapshot"):
+    with pytest.raises(CorruptData, match="snapshot"):
         decode_snapshot(raw)

@@ -13,10 +13,17 @@ from manual_clock import Clock
 from ftlayer.acking.ids import new_ids
 from ftlayer.core import FailCause, FTLayer, RetiredRoots, SourceConfig
 from ftlayer.core.queries import _min_per_partition
-from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, PartitioningError, StorageError
+from ftlayer.errors import (
+    ConfigError,
+    NotAnLmdbEnvironment,
+    PartitioningError,
+    StateConflict,
+    StorageError,
+)
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 
 def _records(
@@ -204,7 +211,7 @@ def test_a_root_that_failed_recently_cannot_be_persisted_again(
     reuse = _records(2, first_offset=200).with_roots(
         np.array([new_ids(1)[0], batch.roots[1]], np.uint64)
     )
-    with pytest.raises(ConfigError, match="repeated root"):
+    with pytest.raises(StateConflict, match="repeated root"):
         ft.persist(reuse)
     assert len(storage) == 3 and len(ft) == 3  # nothing stored, nothing pending
     clock.now = 31.0  # past 2T * 1.5: forgotten
@@ -246,7 +253,7 @@ def test_fetch_replay_is_repeatable_until_the_replay_completes() -> None:
     ft.xor_one(int(latest.records.roots[0]), emit)
     assert ft.fetch_replay(0, 3).records.offsets.tolist() == [102, 105]
     assert ft.prune_replay(2) == 2
-    with pytest.raises(ConfigError, match="pruned"):
+    with pytest.raises(StateConflict, match="pruned"):
         ft.fetch_replay(0, 3)
     assert ft.fetch_replay(2, 3).records.offsets.tolist() == [105]
 
@@ -265,7 +272,7 @@ def test_pruning_one_source_keeps_the_other_sources_replays() -> None:
     assert ft.prune_replay(4, source_id=0) == 2  # source 0's two; source 9's stay
     assert ft.current_stats().replay_queue == 2
     assert len(ft.fetch_replay(0, 4, source_id=9)) == 2  # below 0's pruned point: fine
-    with pytest.raises(ConfigError, match="of source 0 starts before its pruned point 4"):
+    with pytest.raises(StateConflict, match="of source 0 starts before its pruned point 4"):
         ft.fetch_replay(0, 4, source_id=0)
     assert ft.prune_replay(4) == 2  # every source
     assert ft.current_stats().replay_queue == 0
@@ -307,12 +314,12 @@ def test_persist_refuses_bad_batches_and_writes_nothing(storage: PersistenceStor
     ft = FTLayer(storage, default_source=SourceConfig.named("kafka-hash", 4))
     ok = _records(3)
     _emit(ft, ok)
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(StateConflict, match="already"):
         ft.persist(ok.take(np.array([0])))
     with pytest.raises(PartitioningError, match="no key"):
         ft.persist(_records(3, keyed=False))
     reserved = _records(2).with_roots(np.array([5, 0], dtype=np.uint64))
-    with pytest.raises(ValueError, match="reserved"):
+    with pytest.raises(ConfigError, match="reserved"):
         ft.persist(reserved)
     assert len(storage) == 3 and len(ft) == 3
 
@@ -345,7 +352,7 @@ def test_registered_sources_route_recovered_records_after_a_restart(tmp_path: Pa
     # from: the recovered replay must follow the registered partitioner, not forward.
     storage = LmdbStorage(tmp_path / "db")
     ft = FTLayer(storage)
-    ft.register_source(0, "kafka-hash", 4)
+    ft.register_source(SourceRegistration(0, "kafka-hash", 4))
     batch = _records(40)
     ft.persist(batch, new_ids(len(batch)))
     storage.close()
@@ -364,13 +371,13 @@ def test_registered_sources_route_recovered_records_after_a_restart(tmp_path: Pa
 
 def test_a_bad_registration_changes_nothing(storage: PersistenceStorage) -> None:
     ft = FTLayer(storage)
-    ft.register_source(3, "forward", 2)
+    ft.register_source(SourceRegistration(3, "forward", 2))
     with pytest.raises(ConfigError, match="does not take options"):
-        ft.register_source(3, "forward", 2, {"colour": "red"})
+        ft.register_source(SourceRegistration(3, "forward", 2, {"colour": "red"}))
     with pytest.raises(PartitioningError, match="unknown replay partitioner"):
-        ft.register_source(3, "nope", 2)
+        ft.register_source(SourceRegistration(3, "nope", 2))
     with pytest.raises(ConfigError, match="at least 1 partition"):
-        ft.register_source(3, "forward", 0)
+        ft.register_source(SourceRegistration(3, "forward", 0))
     for layer in (ft, FTLayer(storage)):  # also as stored, for a restarted FT layer
         config = layer.source_config(3)
         assert config is not None
@@ -545,7 +552,7 @@ def test_a_source_with_its_own_timeout_times_out_on_its_own_clock(tmp_path: Path
     storage = LmdbStorage(tmp_path / "db")
     try:
         ft = FTLayer(storage, timeout_s=100.0, buckets=3, clock=clock)
-        ft.register_source(7, "forward", 4, timeout_s=4.0)
+        ft.register_source(SourceRegistration(7, "forward", 4, timeout_s=4.0))
         quick = RecordBatch.build(
             new_ids(3), [b"q"] * 3, source_ids=7, topics="t", partitions=0, offsets=None
         )
@@ -573,7 +580,7 @@ def test_a_source_with_its_own_timeout_times_out_on_its_own_clock(tmp_path: Path
         config = FTLayer(storage, timeout_s=100.0, clock=clock).source_config(7)
         assert config is not None and config.timeout_s == 4.0
         with pytest.raises(ConfigError, match="timeout"):
-            ft.register_source(8, "forward", 1, timeout_s=0.0)
+            ft.register_source(SourceRegistration(8, "forward", 1, timeout_s=0.0))
     finally:
         storage.close()
 

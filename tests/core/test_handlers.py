@@ -16,7 +16,7 @@ from ftlayer.acking.handlers import (
     handlers,
 )
 from ftlayer.core import FTLayer
-from ftlayer.errors import FailException
+from ftlayer.errors import ConfigError, FailException
 from ftlayer.persistence import MemoryStorage
 from ftlayer.records import RecordBatch
 
@@ -198,7 +198,7 @@ def test_failed_inputs_fail_their_tree_only() -> None:
     stats = ft.current_stats()
     assert stats.completed == 3 and stats.failed["explicit"] == 1
     assert ft.fetch_replay(0, ft.replay_cursor).records.payloads == [b"r1"]
-    with pytest.raises(ValueError, match="failed input cannot have outputs"):
+    with pytest.raises(ConfigError, match="failed input cannot have outputs"):
         task.process(inputs, np.arange(4), failed=failed)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ftlayer.acking.ids import MIN_ID, new_id, new_ids
+from ftlayer.errors import ConfigError
 
 
 def test_ids_are_uint64_and_never_reserved() -> None:
@@ -21,7 +22,7 @@ def test_ids_are_uint64_and_never_reserved() -> None:
 
 
 def test_negative_count_is_an_error() -> None:
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(ConfigError, match="negative"):
         new_ids(-1)
 
 

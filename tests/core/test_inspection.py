@@ -15,22 +15,16 @@ from manual_clock import Clock
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
+from ftlayer.cli.inspect import describe, parse_root, query_of
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import RetryPolicy
 from ftlayer.errors import ConfigError
-from ftlayer.inspection import (
-    InspectedRecord,
-    Inspection,
-    RecordQuery,
-    RecordState,
-    describe,
-    parse_root,
-    query_of,
-)
+from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
 from ftlayer.integration.source.payloads import decode_key, encode_payloads
 from ftlayer.persistence import MemoryStorage
 from ftlayer.policy import JITTER
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 from ftlayer.wire import (
     BadRequest,
     Frame,
@@ -50,7 +44,9 @@ TOPIC = "orders"
 def _layer(policy: RetryPolicy, *, completion: str = "tree") -> tuple[FTLayer, Clock, Clock]:
     clock, wall = Clock(), Clock(1_000.0)
     ft = FTLayer(MemoryStorage(), timeout_s=30, clock=clock, wall_clock=wall, seed=3)
-    ft.register_source(SOURCE, "forward", 2, retry=policy, completion=completion)
+    ft.register_source(
+        SourceRegistration(SOURCE, "forward", 2, retry=policy, completion=completion)
+    )
     return ft, clock, wall
 
 

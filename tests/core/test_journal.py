@@ -18,6 +18,7 @@ from ftlayer.core.journal import Journal
 from ftlayer.core.retries import RetryPolicy
 from ftlayer.persistence import LmdbStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 TREE, BARRIER = 31, 32
 
@@ -63,8 +64,8 @@ class Process:
 
 
 def _register(ft: FTLayer) -> None:
-    ft.register_source(TREE, "forward", 2)
-    ft.register_source(BARRIER, "forward", 2, completion="barrier")
+    ft.register_source(SourceRegistration(TREE, "forward", 2))
+    ft.register_source(SourceRegistration(BARRIER, "forward", 2, completion="barrier"))
 
 
 def test_after_a_kill_live_trees_are_restored_and_complete_and_none_is_replayed(
@@ -172,10 +173,12 @@ def test_a_record_waiting_for_its_backoff_still_waits_after_a_kill(tmp_path: Pat
     proc = Process(tmp_path)
     ft = proc.ft
     ft.register_source(
-        TREE,
-        "forward",
-        2,
-        retry=RetryPolicy(max_retries=5, backoff_ms=60_000, backoff_max_ms=60_000),
+        SourceRegistration(
+            TREE,
+            "forward",
+            2,
+            retry=RetryPolicy(max_retries=5, backoff_ms=60_000, backoff_max_ms=60_000),
+        )
     )
     batch = _records(3)
     ft.persist(batch, new_ids(3))

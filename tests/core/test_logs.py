@@ -19,10 +19,11 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import RetryPolicy
-from ftlayer.errors import StorageError
+from ftlayer.errors import ConfigError, StorageError
 from ftlayer.logs import FIELDS_ATTR, JsonFormatter, TextFormatter, configure, fields
 from ftlayer.persistence import MemoryStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 SOURCE = 9
 
@@ -68,7 +69,7 @@ def test_text_lines_append_the_fields() -> None:
     text = TextFormatter().format(_record("failed", extra=fields(topic="orders", offsets=[3, 4])))
     assert text.endswith("ftlayer.test failed [topic=orders offsets=[3,4]]")
     assert TextFormatter().format(_record("plain")).endswith("ftlayer.test plain")
-    with pytest.raises(ValueError, match="log format"):
+    with pytest.raises(ConfigError, match="log format"):
         configure("xml")
 
 
@@ -110,7 +111,9 @@ def test_failed_trees_are_logged_per_partition_with_offsets_and_roots(
 ) -> None:
     clock = Clock()
     ft = FTLayer(MemoryStorage(), timeout_s=10, clock=clock, seed=1)
-    ft.register_source(SOURCE, "forward", 2, retry=RetryPolicy(max_retries=1, backoff_ms=0))
+    ft.register_source(
+        SourceRegistration(SOURCE, "forward", 2, retry=RetryPolicy(max_retries=1, backoff_ms=0))
+    )
     batch = _persist(ft, 6)
     roots = batch.roots
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from ftlayer.acking.ids import new_ids
 from ftlayer.core import FTLayer, PersistTicket
 from ftlayer.core.journal import Journal
-from ftlayer.errors import StorageError
+from ftlayer.errors import StateConflict, StorageError
 from ftlayer.persistence import LmdbStorage
 from ftlayer.records import RecordBatch
 
@@ -64,9 +64,9 @@ def test_a_persist_begun_is_invisible_until_it_ends_but_its_roots_are_taken(
         emitted = new_ids(5)
         ticket = ft.begin_persist(batch, emitted)
         # A second persist of the same roots is refused, in one step or in three.
-        with pytest.raises(ValueError, match="already present"):
+        with pytest.raises(StateConflict, match="already present"):
             ft.begin_persist(batch, emitted)
-        with pytest.raises(ValueError, match="already present"):
+        with pytest.raises(StateConflict, match="already present"):
             ft.persist(batch.take(np.arange(2)))
         seqs = storage.put(batch)
         # Stored, not pending: events and fails for its roots are dropped as unknown,

@@ -20,6 +20,7 @@ from ftlayer.core.retries import DeadLetterFilter, RetryPolicy, RetryRecord
 from ftlayer.errors import ConfigError
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 SOURCE = 3
 
@@ -44,7 +45,9 @@ def _layer(
     topic: str | None = None,
 ) -> FTLayer:
     ft = FTLayer(storage, timeout_s=30, clock=clock, wall_clock=wall, seed=7)
-    ft.register_source(SOURCE, "forward", 2, retry=policy, dead_letter_topic=topic)
+    ft.register_source(
+        SourceRegistration(SOURCE, "forward", 2, retry=policy, dead_letter_topic=topic)
+    )
     return ft
 
 
@@ -255,7 +258,7 @@ def test_dead_letter_filters(storage: PersistenceStorage) -> None:
     assert ft.dead_letters(limit=2)[1].offsets.tolist() == [100, 101]
     round_trip = DeadLetterFilter.from_json(DeadLetterFilter(kind=FailKind.SINK).to_json())
     assert round_trip == DeadLetterFilter(kind=FailKind.SINK)
-    with pytest.raises(ValueError, match="unknown fail cause 'bogus'"):
+    with pytest.raises(ConfigError, match="unknown fail cause 'bogus'"):
         DeadLetterFilter.from_json({"cause": "bogus"})
 
 
@@ -300,7 +303,7 @@ def test_every_record_waits_is_queued_or_is_a_dead_letter_after_its_exact_attemp
     wall = Clock(0.0)
     policy = RetryPolicy(max_retries=max_retries, backoff_ms=100, backoff_max_ms=400)
     ft = FTLayer(MemoryStorage(), wall_clock=wall, clock=Clock(), seed=3)
-    ft.register_source(SOURCE, "forward", 2, retry=policy)
+    ft.register_source(SourceRegistration(SOURCE, "forward", 2, retry=policy))
     batch = _records(10)
     ft.persist(batch)
     root_of: dict[int, int | None] = dict(
@@ -363,5 +366,5 @@ def test_dead_letters_restored_from_a_topic_are_replayed_with_their_history(
         "ValueError: still bad",
     ]
     assert ft.current_stats().dead_letters_requeued == 2
-    with pytest.raises(ValueError, match="2 records but 1 histories"):
+    with pytest.raises(ConfigError, match="2 records but 1 histories"):
         ft.restore_dead_letters(_records(2), [history])

@@ -37,7 +37,13 @@ from ftlayer.checkpoint.savepoint import (
 )
 from ftlayer.cli import main
 from ftlayer.core import FailCause, FTLayer
-from ftlayer.errors import ConfigError, NotAnLmdbEnvironment, StorageError
+from ftlayer.errors import (
+    ConfigError,
+    NotAnLmdbEnvironment,
+    PartitioningError,
+    StateConflict,
+    StorageError,
+)
 from ftlayer.partitioners import (
     DEFAULT_MAX_PARALLELISM,
     assign_key_groups,
@@ -45,6 +51,7 @@ from ftlayer.partitioners import (
     key_group_partitions,
 )
 from ftlayer.persistence import LmdbStorage
+from ftlayer.registration import SourceRegistration
 
 KEYED = 7  # a key-group source
 FORWARD = 9  # a forward source
@@ -71,8 +78,8 @@ class Job:
     def __init__(self, path: Path) -> None:
         self.storage = LmdbStorage(path)
         self.ft = FTLayer(self.storage)
-        self.ft.register_source(KEYED, "key-group", N)
-        self.ft.register_source(FORWARD, "forward", N)
+        self.ft.register_source(SourceRegistration(KEYED, "key-group", N))
+        self.ft.register_source(SourceRegistration(FORWARD, "forward", N))
         self.payload_key: dict[bytes, bytes] = {}
         self.incomplete: set[bytes] = set()
 
@@ -429,7 +436,7 @@ def test_an_existing_name_is_refused_and_the_savepoint_kept(job: Job, tmp_path: 
     first = create_savepoint(job.storage, tmp_path / "sp", "daily")
     before = digest(first.path)
     job.run(30, "d")
-    with pytest.raises(ConfigError, match="a savepoint named 'daily' already exists"):
+    with pytest.raises(StateConflict, match="a savepoint named 'daily' already exists"):
         create_savepoint(job.storage, tmp_path / "sp", "daily")
     assert digest(first.path) == before
     assert [p.name for p in (tmp_path / "sp").iterdir()] == ["daily"]  # no staging left
@@ -462,15 +469,15 @@ def test_restore_errors_write_nothing(job: Job, tmp_path: Path) -> None:
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "data.mdb").write_bytes(b"somebody's data")
-    with pytest.raises(ConfigError, match="not an empty directory"):
+    with pytest.raises(StateConflict, match="not an empty directory"):
         restore_savepoint(savepoints, "one", occupied)
     assert (occupied / "data.mdb").read_bytes() == b"somebody's data"
 
     # Key groups are never split: no more partitions than max_parallelism (128).
-    with pytest.raises(ConfigError, match=f"source {KEYED} .*exceeds max_parallelism 128"):
+    with pytest.raises(PartitioningError, match=f"source {KEYED} .*exceeds max_parallelism 128"):
         restore_savepoint(savepoints, "one", tmp_path / "new", partitions=129)
     # Forward cannot send a record from partition 3 back to a job with 2 partitions.
-    with pytest.raises(ConfigError, match=f"source {FORWARD} cannot replay"):
+    with pytest.raises(PartitioningError, match=f"source {FORWARD} cannot replay"):
         restore_savepoint(savepoints, "one", tmp_path / "new", partitions=2)
     for bad in (0, -1, True):
         with pytest.raises(ConfigError, match="partitions must be an integer >= 1"):
@@ -603,7 +610,7 @@ def test_a_savepoint_keeps_retry_counts_due_times_and_dead_letters_apart_from_re
 
     store = LmdbStorage(tmp_path / "live")
     ft = FTLayer(store, wall_clock=lambda: 1000.0)
-    ft.register_source(5, "forward", 2, retry=RetryPolicy(1, 60_000, 60_000))
+    ft.register_source(SourceRegistration(5, "forward", 2, retry=RetryPolicy(1, 60_000, 60_000)))
     roots = (
         Persister(ft, source_id=5)
         .persist([b"a", b"b", b"c"], topics="t", partitions=[0, 1, 0], offsets=[0, 0, 1])

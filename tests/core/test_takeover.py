@@ -23,6 +23,7 @@ from ftlayer.core.takeover import ReadMarks, chunk_groups
 from ftlayer.errors import StorageError
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 SOURCE = 5
 T = 10.0  # tree timeout; 3 buckets: a root expires between T and 1.5 T after tracking
@@ -38,11 +39,13 @@ def _layer(
 ) -> FTLayer:
     ft = FTLayer(storage, timeout_s=T, clock=clock, wall_clock=clock)
     ft.register_source(
-        SOURCE,
-        partitioner,
-        2,
-        completion=completion,
-        retry=retry or RetryPolicy(max_retries=-1, backoff_ms=0, backoff_max_ms=0),
+        SourceRegistration(
+            SOURCE,
+            partitioner,
+            2,
+            completion=completion,
+            retry=retry or RetryPolicy(max_retries=-1, backoff_ms=0, backoff_max_ms=0),
+        )
     )
     return ft
 

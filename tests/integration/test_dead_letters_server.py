@@ -25,6 +25,7 @@ from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.source.deadletters import dead_letter_messages
 from ftlayer.integration.source.payloads import encode_payloads
 from ftlayer.policy import RetryPolicy
+from ftlayer.registration import SourceRegistration
 from ftlayer.wire import (
     BadRequest,
     ErrorCode,
@@ -42,7 +43,7 @@ SOURCE = 11
 
 
 def _register(client: FTClient, policy: RetryPolicy) -> None:
-    client.register_source(SOURCE, "forward", 2, retry=policy.to_json())
+    client.register_source(SourceRegistration(SOURCE, "forward", 2, retry=policy.to_json()))
 
 
 def _persist_pending(client: FTClient, n: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from ftlayer.client import FTClient
 from ftlayer.inspection import RecordQuery, RecordState
 from ftlayer.integration.source.payloads import encode_payloads
 from ftlayer.policy import JITTER, RetryPolicy
+from ftlayer.registration import SourceRegistration
 
 SOURCE = 21
 TOPIC = "payments"
@@ -58,7 +59,7 @@ def test_inspect_follows_one_record_through_the_server(start_server: StartServer
     at = ("--topic", TOPIC, "--partition", "1", "--offset", "41")
     with server.client() as client:
         policy = RetryPolicy(max_retries=1, backoff_ms=600_000, backoff_max_ms=600_000)
-        client.register_source(SOURCE, "forward", 2, retry=policy.to_json())
+        client.register_source(SourceRegistration(SOURCE, "forward", 2, retry=policy.to_json()))
         roots, ids = _persist(client, 3)
         root = int(roots[1])
 
@@ -99,7 +100,9 @@ def test_inspect_follows_one_record_through_the_server(start_server: StartServer
         assert "dead-lettered" in text and "key 'card-1'" in text
 
         # Requeued from the dead letters with no backoff: queued for replay.
-        client.register_source(SOURCE, "forward", 2, retry=RetryPolicy(max_retries=3).to_json())
+        client.register_source(
+            SourceRegistration(SOURCE, "forward", 2, retry=RetryPolicy(max_retries=3).to_json())
+        )
         assert client.dead_letter_op("requeue", {"seqs": [dead["seq"]]}) == 1
         queued = client.inspect(RecordQuery(topic=TOPIC, partition=1, offset=41))
         (record_q,) = queued.records

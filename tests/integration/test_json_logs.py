@@ -17,6 +17,7 @@ from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, FailKind
 from ftlayer.inspection import RecordQuery
 from ftlayer.policy import RetryPolicy
+from ftlayer.registration import SourceRegistration
 
 SOURCE = 31
 
@@ -41,7 +42,9 @@ def test_failure_lines_are_json_and_name_what_failed(start_server: StartServer) 
     server = start_server(None, "--log-format", "json", "--tree-timeout-s", "1")
     with server.client() as client:
         client.register_source(
-            SOURCE, "forward", 2, retry=RetryPolicy(max_retries=1, backoff_ms=0).to_json()
+            SourceRegistration(
+                SOURCE, "forward", 2, retry=RetryPolicy(max_retries=1, backoff_ms=0).to_json()
+            )
         )
         persister = Persister(client, source_id=SOURCE)
         anchors = persister.persist(

@@ -34,6 +34,7 @@ from ftlayer.partitioners import (
     key_group_partitions,
 )
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 from ftlayer.wire import BadRequest, Kind
 
 SOURCE = 5
@@ -127,7 +128,7 @@ def test_a_running_server_saves_exactly_its_incomplete_records_and_goes_on(
     savepoints = tmp_path / "savepoints"
     orders = Orders()
     with server.client() as client:
-        client.register_source(SOURCE, "key-group", N)
+        client.register_source(SourceRegistration(SOURCE, "key-group", N))
         pending = run(client, orders, "a", 200, np.arange(200) % 5 < 3)  # 120 complete
         position = orders.position()
         complete_checkpoint(client, position)
@@ -190,7 +191,7 @@ def test_savepoint_mistakes_are_clear_errors_and_the_server_goes_on(
     a_file.write_text("not a directory\n")
     orders = Orders()
     with server.client() as client:
-        client.register_source(SOURCE, "key-group", N)
+        client.register_source(SourceRegistration(SOURCE, "key-group", N))
         run(client, orders, "a", 20, np.zeros(20, dtype=np.bool_))
         assert client.savepoint(str(savepoints), "daily")["stored_records"] == 20
         mistakes: list[tuple[str, str | None, type[Exception], str]] = [

@@ -25,10 +25,12 @@ from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
 from ftlayer.core import recovery
+from ftlayer.errors import ConfigError
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import LmdbStorage
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 from ftlayer.server import FTServer
 from ftlayer.wire import (
     AuthFailed,
@@ -241,9 +243,9 @@ def test_a_registered_source_routes_replays_also_after_a_restart(
     keys = [f"key-{i}".encode() for i in range(30)]
     hashes, has_key = kafka_key_hashes(keys)
     with server.client() as client:
-        client.register_source(5, "kafka-hash", 3)
+        client.register_source(SourceRegistration(5, "kafka-hash", 3))
         with pytest.raises(RequestRejected, match="unknown replay partitioner 'nope'"):
-            client.register_source(5, "nope", 3)
+            client.register_source(SourceRegistration(5, "nope", 3))
         anchors = Persister(client, source_id=5).persist(
             PAYLOADS * 3,
             topics="events",
@@ -345,7 +347,7 @@ def test_a_replay_larger_than_a_frame_comes_back_in_pages(tmp_path: Path) -> Non
     with FTServer(tmp_path / "data", max_frame=65_536) as server:
         host, port = server.address
         with FTClient(f"{host}:{port}") as client:
-            client.register_source(0, "broadcast", 2)  # two rows per replay seq
+            client.register_source(SourceRegistration(0, "broadcast", 2))  # two rows per replay seq
             roots = []
             for lo in range(0, 30, 5):
                 anchors = Persister(client).persist(
@@ -489,7 +491,7 @@ def test_a_begin_completes_the_batch_before_in_one_round_trip(start_server: Star
         completed = second["completed"]
         assert (completed["id"], completed["state"]) == (first["id"], "complete")
         assert completed["commit_offsets"] == {"events": {"0": 2}}  # the lowest pending
-        with pytest.raises(ValueError, match="BEGIN"):
+        with pytest.raises(ConfigError, match="BEGIN"):
             client.checkpoint(
                 begin=False, query="job", position=position(9), sources=[5], complete=position(4)
             )

@@ -28,6 +28,7 @@ from ftlayer.integration import FTTasks
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.sinks import ft_foreach_batch
+from ftlayer.registration import SourceRegistration
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -48,7 +49,7 @@ def test_a_second_server_on_a_served_data_dir_is_refused_and_recovers_nothing(
 
     first = start_server()
     with first.client() as client:
-        client.register_source(3, "forward", 1)
+        client.register_source(SourceRegistration(3, "forward", 1))
     second = subprocess.run(
         serve_command(first.data_dir, "--port", "0"),
         capture_output=True,

@@ -14,6 +14,7 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
 from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
 
 __all__ = ["ORDERS", "PAYMENTS", "QUERY", "drive", "get"]
 
@@ -39,8 +40,8 @@ def drive(client: FTClient, rounds: int = 4, pause_s: float = 0.7, *, ramp: bool
     dead letter each: one retry), 5 orders fail and are queued for replay, 3 stay
     pending; a checkpoint of QUERY per round, the last one left open. The pauses give
     the page's chart several samples."""
-    client.register_source(ORDERS, "forward", 2, retry=_ONE_RETRY)
-    client.register_source(PAYMENTS, "forward", 2)
+    client.register_source(SourceRegistration(ORDERS, "forward", 2, retry=_ONE_RETRY))
+    client.register_source(SourceRegistration(PAYMENTS, "forward", 2))
     cause = Cause(FailKind.ERROR, "enrich", "ValueError: no price for sku-17")
     replayed_to, offset = 0, 0
     for n in range(rounds):

@@ -320,7 +320,7 @@ def test_update_meta_puts_and_deletes_together_or_not_at_all(
     storage.update_meta({"new/a": b"a", "new/b": b"b"}, ["old", "never-there"])
     assert storage.meta_keys() == ["new/a", "new/b"]
     bad: Any = {"new/c": b"c", "new/d": "text"}
-    with pytest.raises(TypeError, match="bytes"):
+    with pytest.raises(ConfigError, match="bytes"):
         storage.update_meta(bad, ["new/a"])
     with pytest.raises(ConfigError, match="meta key"):
         storage.update_meta({"new/e": b"e"}, [""])
@@ -337,7 +337,7 @@ def test_bad_meta_keys_are_a_config_error(storage: PersistenceStorage, key: Any)
 
 def test_meta_value_must_be_bytes(storage: PersistenceStorage) -> None:
     text: Any = "text"
-    with pytest.raises(TypeError, match="bytes"):
+    with pytest.raises(ConfigError, match="bytes"):
         storage.put_meta("k", text)
     assert storage.get_meta("k") is None
 

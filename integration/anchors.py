@@ -20,6 +20,7 @@ from pyspark.sql.types import (
 )
 
 from ftlayer.acking.handlers import Anchors
+from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import (
     FT_COLUMNS,
     ID_COLUMN,
@@ -54,7 +55,7 @@ def ft_columns_of(names: Iterable[str]) -> tuple[str, ...]:
 def _ids(batch: Any, name: str) -> NDArray[np.uint64]:
     column = batch.column(name)
     if column.null_count:
-        raise ValueError(f"{column.null_count} rows have a null {name}: every FT row needs one")
+        raise ConfigError(f"{column.null_count} rows have a null {name}: every FT row needs one")
     return to_unsigned(column.to_numpy(zero_copy_only=False))
 
 
