@@ -43,6 +43,8 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.status import LatencySummary, SourceFigures
+
 __all__ = [
     "CAPACITY",
     "EDGES_S",
@@ -175,14 +177,15 @@ class LatencyHistogram:
         buckets = [(float(EDGES_S[i]), int(cumulative[i])) for i in _EXPORTED.tolist()]
         return [*buckets, (float("inf"), int(cumulative[-1]))]
 
-    def summary(self) -> dict[str, Any]:
-        """The STATUS form: count, sum_s, p50_s, p99_s (None when nothing was measured)."""
-        return {
-            "count": self.count,
-            "sum_s": round(self.sum_s, 6),
-            "p50_s": _rounded(self.quantile(0.5)),
-            "p99_s": _rounded(self.quantile(0.99)),
-        }
+    def summary(self) -> LatencySummary:
+        """Count, sum and the two quantiles STATUS shows (ftlayer.status, which writes
+        their JSON form); the quantiles None when nothing was measured."""
+        return LatencySummary(
+            count=self.count,
+            sum_s=round(self.sum_s, 6),
+            p50_s=_rounded(self.quantile(0.5)),
+            p99_s=_rounded(self.quantile(0.99)),
+        )
 
     def add(self, other: LatencyHistogram) -> None:
         self.counts += other.counts
@@ -204,17 +207,18 @@ class SourceMeters:
     dead_lettered: int = 0
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
-    def to_json(self, replay_queue: int) -> dict[str, Any]:
-        """The STATUS form (docs/protocol.md, 6.2, `by_source`)."""
-        return {
-            "persisted": self.persisted,
-            "completed": self.completed,
-            "failed": dict(self.failed),
-            "replayed": self.replayed,
-            "dead_lettered": self.dead_lettered,
-            "replay_queue": replay_queue,
-            "complete_latency": self.latency.summary(),
-        }
+    def figures(self, replay_queue: int) -> SourceFigures:
+        """The STATUS figures of the source (docs/protocol.md, 6.2, `by_source`), with its
+        replay queue entries now; ftlayer.status writes their one JSON form."""
+        return SourceFigures(
+            persisted=self.persisted,
+            completed=self.completed,
+            failed=dict(self.failed),
+            replayed=self.replayed,
+            dead_lettered=self.dead_lettered,
+            replay_queue=replay_queue,
+            complete_latency=self.latency.summary(),
+        )
 
 
 class Meters:

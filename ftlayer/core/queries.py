@@ -175,8 +175,10 @@ def current_stats(s: CoreState) -> FTStats:
     stats.batches_running = s.leases.status(s.clock())
     by_source = s.meters.by_source(s.persistence.number_sources())
     queued = s.queue.counts()
-    stats.by_source = {str(k): meters.to_json(queued.get(k, 0)) for k, meters in by_source.items()}
-    stats.complete_latency = total_latency(by_source).summary()
+    stats.by_source = {
+        str(k): meters.figures(queued.get(k, 0)).to_json() for k, meters in by_source.items()
+    }
+    stats.complete_latency = total_latency(by_source).summary().to_json()
     return stats
 
 

@@ -79,4 +79,5 @@ class FTStats:
     sum_s, p50_s, p99_s (ftlayer.core.meters)."""
     by_source: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per source id (a string): persisted, completed, failed by cause, replayed,
-    dead_lettered, replay_queue and complete_latency (SourceMeters.to_json)."""
+    dead_lettered, replay_queue and complete_latency (SourceMeters.figures, written by
+    ftlayer.status.SourceFigures)."""
