@@ -6,8 +6,8 @@ from ftlayer.core.statecodec import decode_snapshot, encode_snapshot
 
 from .coordinator import (
     CHECKPOINT_PREFIX,
+    CHECKPOINT_STORE_DIR,
     MAX_QUERY_CHARS,
-    SNAPSHOT_DIR,
     SNAPSHOT_PREFIX,
     Checkpoint,
     CheckpointCoordinator,
@@ -19,8 +19,8 @@ from .coordinator import (
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "CHECKPOINT_STORE_DIR",
     "MAX_QUERY_CHARS",
-    "SNAPSHOT_DIR",
     "SNAPSHOT_PREFIX",
     "Checkpoint",
     "CheckpointCoordinator",

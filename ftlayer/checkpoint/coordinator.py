@@ -68,7 +68,7 @@ and knows each query's last completed position (savepoints read it:
 ftlayer.checkpoint.savepoint). Records are staged (PersistenceStorage.stage_meta): they
 commit with the store's next write (a persist, the deletes of completed records) or
 the server's next tick, never with an fsync of their own. With a store of records of
-its own (`snapshots`: the server's `<data dir>/checkpoints`, an LMDB environment
+its own (`record_store`: the server's `<data dir>/checkpoints`, an LMDB environment
 without fsync), the writer also commits them there right away, so a killed process
 loses none; an OS crash may lose the newest, which only makes the restarted FT layer
 know an older position (a savepoint starts further back: duplicates, no loss).
@@ -137,9 +137,9 @@ CHECKPOINT_PREFIX = "checkpoint/"
 SNAPSHOT_PREFIX = "snapshot/"
 """Meta keys of per-query state copies a data dir may hold: nothing reads them, and the
 coordinator deletes them when it starts."""
-SNAPSHOT_DIR = "checkpoints"
+CHECKPOINT_STORE_DIR = "checkpoints"
 """The LMDB environment inside a server's data dir that takes the checkpoint records at
-once, without fsync (`CheckpointCoordinator(snapshots=...)`)."""
+once, without fsync (`CheckpointCoordinator(record_store=...)`)."""
 MAX_QUERY_CHARS = 200
 _QUERY_OK = re.compile(r"^[^\x00-\x1f\x7f-\x9f/]+$")
 _RECENT = 20  # checkpoint records kept in memory per query, for status
@@ -324,7 +324,7 @@ class CheckpointCoordinator:
         ft: FTLayer,
         *,
         retain: int = 3,
-        snapshots: PersistenceStorage | None = None,
+        record_store: PersistenceStorage | None = None,
         lock: contextlib.AbstractContextManager[Any] | None = None,
     ) -> None:
         if isinstance(retain, bool) or retain < 1:
@@ -335,7 +335,7 @@ class CheckpointCoordinator:
         write_pending may hold it)."""
         self.retain = retain
         """Completed checkpoints whose record each query keeps."""
-        self.snapshots = ft.storage if snapshots is None else snapshots
+        self.record_store = ft.storage if record_store is None else record_store
         """The store that takes the checkpoint records at once (module docstring,
         "Records"): the FT layer's storage, or a store of its own."""
         self._owed: list[Checkpoint] = []  # begun with a base due, not copied yet
@@ -542,7 +542,7 @@ class CheckpointCoordinator:
 
     def write_pending(self) -> int:
         """Write the journal base owed or queued, and commit the records of the
-        checkpoints completed since to `snapshots` (one transaction); returns how many
+        checkpoints completed since to `record_store` (one transaction); returns how many
         were written (the base counts one, each record one). Takes the copy still owed
         first (under `lock`); the writes run outside it. What fails is logged and kept
         for the next call (module docstring, "A failed write")."""
@@ -586,7 +586,7 @@ class CheckpointCoordinator:
         return 1
 
     def _write_records(self) -> int:
-        """Step 1 of "A failed write": commit the queued records to `snapshots`, or put
+        """Step 1 of "A failed write": commit the queued records to `record_store`, or put
         them back at the front of the queue."""
         records: dict[str, bytes] = {}
         dropped: list[str] = []
@@ -597,7 +597,7 @@ class CheckpointCoordinator:
         if not records and not dropped:
             return 0
         try:
-            self.snapshots.update_meta(records, [k for k in dropped if k not in records])
+            self.record_store.update_meta(records, [k for k in dropped if k not in records])
         except Exception as exc:
             self._record_writes.appendleft((records, dropped))
             self._record_failures.failed(exc, f"{len(records)} of them; they hold nothing")
@@ -608,7 +608,7 @@ class CheckpointCoordinator:
     def _store_record(self, query: str, q: _Query, checkpoint: Checkpoint) -> None:
         """Stage a completed checkpoint's record in the FT layer's store (committed
         with its next write, see PersistenceStorage.stage_meta) and drop the records
-        past `retain`; queue it for `snapshots` if that is a store of its own. A
+        past `retain`; queue it for `record_store` if that is a store of its own. A
         failure is logged: the record is bookkeeping, no record of data depends on
         it."""
         q.stored.append(checkpoint.id)
@@ -626,18 +626,18 @@ class CheckpointCoordinator:
                 exc,
                 extra=fields(query=query, checkpoint=checkpoint.id),
             )
-        if self.snapshots is not self.ft.storage:
+        if self.record_store is not self.ft.storage:
             self._record_writes.append(({key: record}, expired))
 
     def _load(self) -> None:
         """Pick up each query's stored checkpoint records (after a restart), from the
-        FT layer's store and `snapshots` (which has the newest if the process was
+        FT layer's store and `record_store` (which has the newest if the process was
         killed before the FT layer's store committed it); delete the state copies
         stored under SNAPSHOT_PREFIX."""
         found: dict[str, bytes] = {}
         stores = [self.ft.storage]
-        if self.snapshots is not self.ft.storage:
-            stores.append(self.snapshots)
+        if self.record_store is not self.ft.storage:
+            stores.append(self.record_store)
         for store in stores:
             for key in store.meta_keys(CHECKPOINT_PREFIX):
                 raw = store.get_meta(key)

@@ -95,7 +95,7 @@ from numpy.typing import NDArray
 from ftlayer import __version__
 from ftlayer.checkpoint import (
     CHECKPOINT_PREFIX,
-    SNAPSHOT_DIR,
+    CHECKPOINT_STORE_DIR,
     SNAPSHOT_PREFIX,
     CheckpointState,
 )
@@ -235,7 +235,7 @@ def create_savepoint(
     """Write a savepoint of the open `storage` to `<savepoints_dir>/<name>` (steps in
     the module docstring); `name` defaults to `savepoint-<UTC time>-<random>`. The
     positions come from the checkpoint records in `storage` and, if given, in
-    `checkpoint_records` (a stopped server's snapshot store, which may hold newer
+    `checkpoint_records` (a stopped server's checkpoint record store, which may hold newer
     ones: see `create_savepoint_from_data_dir`).
 
     Only reads `storage` (one LMDB read transaction), so a running server may call it
@@ -323,17 +323,17 @@ def create_savepoint_from_data_dir(
 ) -> Savepoint:
     """`create_savepoint` on the data dir of a stopped FT-layer server (see
     `open_stopped_store` for what is refused). The positions also come from the
-    checkpoint records in its snapshot store (`<data dir>/checkpoints`): a server
+    checkpoint records in its record store (`<data dir>/checkpoints`): a server
     killed before its main store committed the newest record has it only there."""
     if name is not None:  # checked before the store is opened, too
         _check_name(name)
         if (Path(savepoints_dir) / name).exists():
             raise StateConflict(f"a savepoint named {name!r} already exists in {savepoints_dir}")
     with open_stopped_store(data_dir) as storage:
-        snapshots = Path(data_dir) / SNAPSHOT_DIR
-        if not (snapshots / _DATA_FILE).is_file():
+        record_store = Path(data_dir) / CHECKPOINT_STORE_DIR
+        if not (record_store / _DATA_FILE).is_file():
             return create_savepoint(storage, savepoints_dir, name)
-        with LmdbStorage(snapshots, sync=False) as records:
+        with LmdbStorage(record_store, sync=False) as records:
             return create_savepoint(storage, savepoints_dir, name, checkpoint_records=records)
 
 

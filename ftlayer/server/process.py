@@ -15,7 +15,7 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
-from ftlayer.checkpoint import SNAPSHOT_DIR, CheckpointCoordinator
+from ftlayer.checkpoint import CHECKPOINT_STORE_DIR, CheckpointCoordinator
 from ftlayer.core import FTLayer
 from ftlayer.core.journal import JOURNAL_DIR, Journal
 from ftlayer.errors import StateConflict, StorageError
@@ -49,7 +49,7 @@ class FTServer(Transport, RequestHandlers, Workers):
         if self._listener is not None:
             raise StateConflict("the server is already started")
         storage = LmdbStorage(self.data_dir)
-        snapshots: LmdbStorage | None = None
+        record_store: LmdbStorage | None = None
         try:
             # One server per data dir: a second one would recover (and replay) what
             # the first one's jobs are processing. Taken before recovery writes.
@@ -65,9 +65,11 @@ class FTServer(Transport, RequestHandlers, Workers):
             )
             # Checkpoint records: an LMDB environment of their own, without fsync (a
             # record lost to an OS crash loses no source record; see ftlayer.checkpoint).
-            snapshots = LmdbStorage(os.path.join(self.data_dir, SNAPSHOT_DIR), sync=False)
+            record_store = LmdbStorage(
+                os.path.join(self.data_dir, CHECKPOINT_STORE_DIR), sync=False
+            )
             self._checkpoints = CheckpointCoordinator(
-                self._ft, snapshots=snapshots, lock=self._lock
+                self._ft, record_store=record_store, lock=self._lock
             )
             self._listener = _listen(self.host, self.port)
             if self.http_port is not None:
@@ -79,8 +81,8 @@ class FTServer(Transport, RequestHandlers, Workers):
             self._ft = self._checkpoints = None
             self._release_serve_lock()
             storage.close()
-            if snapshots is not None:
-                snapshots.close()
+            if record_store is not None:
+                record_store.close()
             raise
         self._storage = storage
         self._listener.settimeout(_POLL_S)
@@ -155,7 +157,7 @@ class FTServer(Transport, RequestHandlers, Workers):
                     )
             if self._checkpoints is not None:
                 self._checkpoints.write_pending()
-                self._checkpoints.snapshots.close()
+                self._checkpoints.record_store.close()
             if self._storage is not None:
                 self._storage.close()
             if self._ft is not None and self._ft.journal is not None:

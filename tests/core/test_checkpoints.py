@@ -416,7 +416,7 @@ def test_a_failed_base_write_holds_completion_and_is_retried(
     holds, the next write stores the base, and it and every later checkpoint
     complete, moving the group offsets. The journal keeps only the newest base."""
     ft = journaled(storage, tmp_path)
-    cps = CheckpointCoordinator(ft, retain=2, snapshots=snapshots)
+    cps = CheckpointCoordinator(ft, retain=2, record_store=snapshots)
     fail = FailingBases(ft, monkeypatch)
     batch = records(0, 4)
     ids = emit(ft, batch)
@@ -458,7 +458,7 @@ def test_a_base_that_keeps_failing_is_superseded_by_the_next_barriers(
     that stores 3's, and the records of the checkpoints completed meanwhile are
     stored too."""
     ft = journaled(storage, tmp_path)
-    cps = CheckpointCoordinator(ft, snapshots=snapshots)
+    cps = CheckpointCoordinator(ft, record_store=snapshots)
     fail = FailingBases(ft, monkeypatch)
     batch = records(0, 8)
     ids = emit(ft, batch)
@@ -502,7 +502,7 @@ class Process:
         self.storage = LmdbStorage(data / "ft")
         self.records = LmdbStorage(data / "checkpoints", sync=False)
         self.ft = journaled(self.storage, data, timeout_s=60)
-        self.checkpoints = CheckpointCoordinator(self.ft, snapshots=self.records)
+        self.checkpoints = CheckpointCoordinator(self.ft, record_store=self.records)
 
     def kill(self) -> None:
         assert self.ft.journal is not None
@@ -594,7 +594,7 @@ def test_state_copies_an_older_store_holds_are_deleted_at_start(tmp_path: Path) 
         LmdbStorage(tmp_path / "ft") as storage,
         LmdbStorage(tmp_path / "checkpoints", sync=False) as snapshots,
     ):
-        cps = CheckpointCoordinator(FTLayer(storage), snapshots=snapshots)
+        cps = CheckpointCoordinator(FTLayer(storage), record_store=snapshots)
         cps.done("q", position(1, 1), SOURCES, UNALIGNED)
         cps.write_pending()
         storage.update_meta(old)
@@ -603,7 +603,7 @@ def test_state_copies_an_older_store_holds_are_deleted_at_start(tmp_path: Path) 
         LmdbStorage(tmp_path / "ft") as storage,
         LmdbStorage(tmp_path / "checkpoints", sync=False) as snapshots,
     ):
-        cps = CheckpointCoordinator(FTLayer(storage), snapshots=snapshots)
+        cps = CheckpointCoordinator(FTLayer(storage), record_store=snapshots)
         assert storage.meta_keys(SNAPSHOT_PREFIX) == snapshots.meta_keys(SNAPSHOT_PREFIX) == []
         last = cps.last_complete("q")
         assert last is not None and last.id == 1
@@ -616,7 +616,7 @@ def test_a_failed_record_write_is_retried(
     """The write that carries a completed checkpoint's record to the store of records
     fails: the next one stores it, and a restarted layer knows it."""
     ft = FTLayer(storage)
-    cps = CheckpointCoordinator(ft, snapshots=snapshots)
+    cps = CheckpointCoordinator(ft, record_store=snapshots)
     fail = FailingWrites(snapshots, monkeypatch)
     cps.begin("q", position(2, 2), SOURCES, UNALIGNED)
     cps.write_pending()
@@ -628,7 +628,7 @@ def test_a_failed_record_write_is_retried(
     cps.write_pending()
     assert snapshots.meta_keys(CHECKPOINT_PREFIX) == [f"{CHECKPOINT_PREFIX}q/{1:012d}"]
     # The FT layer's store never committed its staged copy: the restart reads this one.
-    restarted = CheckpointCoordinator(FTLayer(MemoryStorage()), snapshots=snapshots)
+    restarted = CheckpointCoordinator(FTLayer(MemoryStorage()), record_store=snapshots)
     last = restarted.last_complete("q")
     assert last is not None and last.id == 1
 
