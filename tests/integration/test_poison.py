@@ -302,3 +302,91 @@ def test_a_dead_letter_topic_that_does_not_exist_is_an_error_at_query_start(
     ):
         query.awaitTermination(60)
     query.stop()
+
+
+def make_broken_step(marker: str, always: bool) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A step whose code is broken on one executor: every record of the first task that
+    runs it (the one that creates `marker`) raises ImportError, as a module missing
+    from one worker's environment would; with `always`, every record of every task."""
+
+    def step(row: dict[str, Any]) -> dict[str, Any]:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        task = f"{context.stageId()}-{context.partitionId()}" if context else "driver"
+        if always:
+            raise ImportError("No module named 'ujson'")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            with open(marker, "w") as f:
+                f.write(task)
+        except FileExistsError:
+            pass
+        with open(marker) as f:
+            if f.read() == task:
+                raise ImportError("No module named 'ujson'")
+        return {"id": int(row["key"]), "value": row["value"]}
+
+    return step
+
+
+@pytest.mark.parametrize("always", [False, True], ids=["one-executor", "every-executor"])
+def test_a_batch_wide_import_error_is_retried_once_before_it_dead_letters(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+    always: bool,
+) -> None:
+    """A programming error that fails every record of a task alike (ImportError here)
+    is likely to repeat, but may be one executor's: its records are retried once, in a
+    later batch (another task), whatever ft.maxRetries allows, and dead-lettered only if
+    that retry fails the same way. One executor's: nothing is dead-lettered and every
+    event reaches the sink. Every executor's: every event is dead-lettered after
+    exactly 2 attempts, not maxRetries + 1."""
+    n = 400
+    server: Server = start_server()
+    settings = FTSettings(server.address)
+    topic = make_topic(2)
+    produce(kafka_bootstrap, topic, [(str(i).encode(), b"v%d" % i) for i in range(n)])
+    source = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("ft.address", server.address)
+        .option("ft.maxRetries", "10")
+        .option("ft.retryBackoffMs", "100")
+        .load()
+    )
+    stepped = FTTasks(settings).map(
+        source, make_broken_step(str(tmp_path / "broken"), always), SCHEMA
+    )
+    collected = Collected()
+    query = (
+        stepped.writeStream.foreachBatch(ft_foreach_batch(collected, settings))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="250 milliseconds")
+        .start()
+    )
+    try:
+        with FTClient(server.address) as client:
+            wait_for(
+                "every tree to complete or be dead-lettered",
+                lambda: client.status().persisted >= n and client.status().pending == 0,
+                120,
+                query,
+            )
+            status = client.status()
+            letters = client.dead_letters({}, 1000).letters
+    finally:
+        query.stop()
+    failed = status.failed["explicit"]
+    if always:
+        assert status.dead_lettered == n and not collected.ids
+        assert failed == 2 * n  # each event: its first failure and the one retry
+        assert {letter["attempts"] for letter in letters} == {2}
+        assert all("ImportError" in c["error"] for x in letters for c in x["causes"])
+    else:
+        assert status.dead_lettered == 0 and sorted(collected.ids) == list(range(n))
+        assert 2 <= failed < n  # the broken task's records, retried once and then fine
