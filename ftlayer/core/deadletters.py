@@ -33,7 +33,7 @@ from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
 from .failure import enqueue
-from .persist import check_new_roots, stored_meanwhile
+from .persist import check_new_roots, pend_while_storing, stored_meanwhile
 from .retries import DeadLetterFilter, RetryRecord
 from .state import CoreState
 from .takeover import chunk_groups
@@ -120,15 +120,9 @@ def restore_dead_letters(s: CoreState, batch: RecordBatch, history: Sequence[Ret
     s.changing()
     check_new_roots(s, batch)
     locators = s.persistence.locators(batch)
-    slots = s.acker.add(batch.roots, None, **locators)
-    try:
-        # Not persistence.persist: the marked deletes stay marked, for the deleter of a
-        # server (its own transactions) or the next persist.
-        seqs = s.storage.put(batch)
-    except BaseException:
-        s.acker.remove(batch.roots)
-        raise
-    s.acker.set_column("seq", slots, seqs)
+    # Not persistence.persist: the marked deletes stay marked, for the deleter of a
+    # server (its own transactions) or the next persist.
+    seqs = pend_while_storing(s, batch, None, locators, lambda: s.storage.put(batch))
     stored_meanwhile(s, seqs)
     if s.journal is not None:
         s.journal.add(batch.roots)

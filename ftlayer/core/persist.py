@@ -30,7 +30,7 @@ timeout instead (`covered_at_timeout`, asked by ftlayer.core.failure).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,7 @@ __all__ = [
     "check_new_roots",
     "covered_at_timeout",
     "end_persist",
+    "pend_while_storing",
     "persist",
     "retire_covered",
     "stored_meanwhile",
@@ -69,17 +70,10 @@ def persist(s: CoreState, batch: RecordBatch, initial_values: ArrayLike | None =
         _check_not_persisting(s, batch.roots)
     # Step 1: the barrier holds, the locators, and a re-read's takeover.
     values, held, locators, superseded = _to_pend(s, batch, values)
-    # Step 2: the acker validates the roots (reserved, repeated, already pending).
-    rows = s.acker.add(batch.roots, values, **locators)
-    # Step 3: the storage confirms the records are durable; on any error the roots
-    # leave the acker again and the error propagates: nothing is half-persisted
-    # (and nothing taken over: the old roots still cover their records).
-    try:
-        seqs = s.persistence.persist(batch)
-    except BaseException:
-        s.acker.remove(batch.roots)
-        raise
-    s.acker.set_column("seq", rows, seqs)
+    # Steps 2-3: the acker validates the roots (reserved, repeated, already pending),
+    # the storage confirms the records are durable (and nothing is taken over on an
+    # error: the old roots still cover their records).
+    seqs = pend_while_storing(s, batch, values, locators, lambda: s.persistence.persist(batch))
     # Step 4: timeouts, journal, takeover, holds.
     _pended(s, batch, values, seqs, held, locators, superseded)
 
@@ -131,6 +125,27 @@ def end_persist(s: CoreState, ticket: PersistTicket, seqs: NDArray[np.uint64]) -
         s.persistence.discard(seqs)
         raise
     _pended(s, batch, values, seqs, held, locators, superseded)
+
+
+def pend_while_storing(
+    s: CoreState,
+    batch: RecordBatch,
+    values: NDArray[np.uint64] | None,
+    locators: dict[str, NDArray[Any]],
+    store: Callable[[], NDArray[np.uint64]],
+) -> NDArray[np.uint64]:
+    """Add the batch's roots to the acker (which refuses reserved, repeated and pending
+    roots), then store the records with `store()`; on any error the roots leave the
+    acker again and the error propagates: nothing is half-persisted. Returns the seqs,
+    set in the acker."""
+    rows = s.acker.add(batch.roots, values, **locators)
+    try:
+        seqs = store()
+    except BaseException:
+        s.acker.remove(batch.roots)
+        raise
+    s.acker.set_column("seq", rows, seqs)
+    return seqs
 
 
 def check_new_roots(s: CoreState, batch: RecordBatch) -> None:
