@@ -15,6 +15,8 @@ from numpy.typing import NDArray
 
 from ftlayer.records import RecordBatch
 
+from .timing import _drained_status, _join
+
 MIXED_BATCH_RECORDS = 200_000
 MIXED_CHUNK_RECORDS = 50_000
 MIXED_PERSISTERS = 2
@@ -38,7 +40,6 @@ def mixed_server_run(batches: int, directory: str | None = None) -> dict[str, li
     frame for nothing but the core."""
     import multiprocessing
 
-    from ftlayer.client import FTClient
     from ftlayer.server import FTServer
 
     ctx = multiprocessing.get_context("spawn")
@@ -72,17 +73,9 @@ def mixed_server_run(batches: int, directory: str | None = None) -> dict[str, li
                         raise AssertionError(f"mixed server bench: {name} failed: {error}")
                     samples[name] += found
             finally:
-                for worker in workers:
-                    worker.join(timeout=30)
-                    if worker.is_alive():
-                        worker.terminate()
+                _join(workers)
             samples["batch_s"].pop()  # the untimed last completion
-            with FTClient(address, name="bench-status") as client:
-                status = client.status()
-                deadline = time.monotonic() + 120
-                while status["stored_records"] and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    status = client.status()
+            status = _drained_status(address)
         finally:
             server.stop()
     expected = batches * MIXED_BATCH_RECORDS

@@ -19,7 +19,7 @@ from ftlayer.records import RecordBatch
 from .acker import bench_acker, tree_events
 from .mixed import _mixed_figures, mixed_server_run
 from .persist import _payload_batches, _persist_and_complete, bench_persist
-from .timing import _machine
+from .timing import _drained_status, _join, _machine
 
 SERVER_TARGET_XOR_RATE = 1_500_000
 SERVER_TARGET_RECORD_RATE = 150_000
@@ -148,7 +148,6 @@ def _server_run(
     """One round of bench_server on a fresh server: (xor seconds, persist seconds)."""
     import multiprocessing
 
-    from ftlayer.client import FTClient
     from ftlayer.server import FTServer
 
     ctx = multiprocessing.get_context("spawn")
@@ -182,18 +181,8 @@ def _server_run(
                 xor_s = _server_phase(barrier, results, clients, "xor")
                 persist_s = _server_phase(barrier, results, clients, "persist")
             finally:
-                for worker in workers:
-                    worker.join(timeout=30)
-                    if worker.is_alive():
-                        worker.terminate()
-            with FTClient(f"{host}:{port}", name="bench-status") as client:
-                status = client.status()
-                # Completed records leave LMDB in the background (the deleter thread):
-                # the storage must end empty, or the bench lost track of something.
-                deadline = time.monotonic() + 120
-                while status["stored_records"] and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    status = client.status()
+                _join(workers)
+            status = _drained_status(f"{host}:{port}")
         finally:
             server.stop()
     expected = roots_each * clients + records_each * clients

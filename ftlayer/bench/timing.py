@@ -42,3 +42,26 @@ def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _join(workers: list[Any]) -> None:
+    """Wait for the bench's worker processes; terminate one that does not end in 30 s."""
+    for worker in workers:
+        worker.join(timeout=30)
+        if worker.is_alive():
+            worker.terminate()
+
+
+def _drained_status(address: str) -> Any:
+    """The server's STATUS once its storage is empty: completed records leave LMDB in the
+    background (the deleter thread), and the storage must end empty, or the bench lost
+    track of something. Gives up after 120 s (the caller's check then fails)."""
+    from ftlayer.client import FTClient
+
+    with FTClient(address, name="bench-status") as client:
+        status = client.status()
+        deadline = time.monotonic() + 120
+        while status["stored_records"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            status = client.status()
+    return status
