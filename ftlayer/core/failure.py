@@ -107,7 +107,7 @@ def on_timeout(s: CoreState, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]
         roots, first = np.unique(roots, return_index=True)
         seqs = seqs[first]
     try:
-        if s.barrier:  # a newer copy pending covers it: retire, no replay
+        if s.barrier_mode:  # a newer copy pending covers it: retire, no replay
             covered = covered_at_timeout(s, roots, seqs)
             if bool(covered.any()):
                 retire_covered(s, roots[covered])
@@ -326,7 +326,7 @@ def fetch_replay(
     records = s.storage.get(seqs).with_roots(roots)
     if len(roots):
         s.track(roots, seqs, records.source_ids)
-        if s.barrier:
+        if s.barrier_mode:
             _hold_replays(s, records)
     return ReplayRecords(replay_seqs=rseqs, partitions=parts, records=records)
 
@@ -338,8 +338,8 @@ def _renew(
     which take the old ones over: same record, same locator, ack value 0 (the re-run
     emits it again), no replay; the queue entries follow."""
     rows = np.flatnonzero(again)
-    if s.barrier:  # a barrier-mode replay completes at its batch's barrier
-        rows = rows[~np.isin(sources[rows], np.fromiter(s.barrier, np.uint32))]
+    if s.barrier_mode:  # a barrier-mode replay completes at its batch's barrier
+        rows = rows[~np.isin(sources[rows], np.fromiter(s.barrier_mode, np.uint32))]
     if len(rows):
         rows = rows[s.queue.entries_of(roots[rows]) == 1]
     if not len(rows):
@@ -360,7 +360,7 @@ def _renew(
 def _hold_replays(s: CoreState, records: RecordBatch) -> None:
     """Barrier-mode replays a batch takes in get their barrier holds (once, also when
     the range is fetched again, or a broadcast replay has several rows)."""
-    for source_id, rows in s.barrier_rows(records.source_ids) or []:
+    for source_id, rows in s.barrier_mode_rows(records.source_ids) or []:
         roots = np.unique(records.roots[rows])
         fresh = roots[s.holds.new_roots(source_id, roots)]
         if len(fresh):

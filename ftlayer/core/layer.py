@@ -179,7 +179,7 @@ class FTLayer:
         if registration.timeout_s is not None:
             validate_timeout(registration.timeout_s, s.timeouts.buckets)
         config = s.sources.register(registration)
-        s.barrier = s.sources.barrier
+        s.barrier_mode = s.sources.barrier_mode
         return config
 
     def add_change_hook(self, hook: Callable[[], None]) -> None:

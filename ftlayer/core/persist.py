@@ -203,7 +203,7 @@ def _to_pend(
     """What the roots of a persist need to become pending: their first ack values with
     the barrier holds of barrier-mode rows (and those rows), the locators, and the
     pending roots a re-read takes over."""
-    held = s.barrier_rows(batch.source_ids) if s.barrier else None
+    held = s.barrier_mode_rows(batch.source_ids) if s.barrier_mode else None
     if held is not None:
         zeros = np.zeros(len(batch), np.uint64) if values is None else None
         values = _with_holds(values, held, zeros)
@@ -281,9 +281,9 @@ def _superseded(
     marks."""
     groups = chunk_groups(locators["topic"], locators["partition"], locators["offset"])
     rereads = s.marks.read(groups)
-    if rereads and s.barrier:  # a row may be computed twice there: no takeover
+    if rereads and s.barrier_mode:  # a row may be computed twice there: no takeover
         sources = s.persistence.number_sources()
-        rereads = [g for g in rereads if int(sources[g.topic]) not in s.barrier]
+        rereads = [g for g in rereads if int(sources[g.topic]) not in s.barrier_mode]
     if not rereads or not len(s.acker):
         return None
     live = s.acker.live_columns("root", "seq", "topic", "partition", "offset", copy=False)
@@ -381,7 +381,7 @@ def covered_at_timeout(
     covered = np.zeros(len(roots), dtype=np.bool_)
     _, topics = s.acker.lookup("topic", roots)
     sources = s.persistence.number_sources()[topics.astype(np.intp)]
-    rows = np.flatnonzero(np.isin(sources, np.fromiter(s.barrier, np.uint32)))
+    rows = np.flatnonzero(np.isin(sources, np.fromiter(s.barrier_mode, np.uint32)))
     if not len(rows):
         return covered
     _, partitions = s.acker.lookup("partition", roots[rows])

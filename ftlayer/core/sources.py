@@ -117,7 +117,7 @@ class SourceRegistry:
         return self._configs.get(source_id, self._default)
 
     @property
-    def barrier(self) -> frozenset[int]:
+    def barrier_mode(self) -> frozenset[int]:
         """The sources whose trees complete at the barrier."""
         return frozenset(s for s, c in self._configs.items() if c.completion == "barrier")
 

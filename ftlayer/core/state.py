@@ -124,7 +124,7 @@ class CoreState:
         self.queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self.retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self.book = RetryBook(storage)
-        self.barrier = self.sources.barrier
+        self.barrier_mode = self.sources.barrier_mode
         """The ids of the sources registered with barrier completion."""
         self.holds = OpenHolds()
         self.sink_keys = SinkKeys()
@@ -228,12 +228,14 @@ class CoreState:
         if self.journal is not None:
             self.journal.hold(key, roots, values)
 
-    def barrier_rows(self, source_ids: NDArray[Any]) -> list[tuple[int, NDArray[np.intp]]] | None:
+    def barrier_mode_rows(
+        self, source_ids: NDArray[Any]
+    ) -> list[tuple[int, NDArray[np.intp]]] | None:
         """(source id, rows) of the rows of barrier-mode sources; None if none."""
         found = [
             (s, np.flatnonzero(source_ids == s))
             for s in source_list(source_ids)
-            if s in self.barrier
+            if s in self.barrier_mode
         ]
         return found or None
 
