@@ -50,13 +50,16 @@ def bench_checkpoint(
     a hypervisor took meanwhile (Linux; the per-batch cost of checkpoints is mostly
     latency, which grows with it).
 
-    Then, for each count in `pending_points`, roots that never complete are added until
-    that many are pending and 5 checkpoints are taken: the client's round trip of
-    CHECKPOINT_BEGIN (the server replies at once; the copy is taken before the core's
-    next change or by the writer thread, which then writes the snapshot), the time
-    until CHECKPOINT_DONE reports it complete (written), the copy's time under the
-    server's lock (the only part that stops events), the write time and the
-    snapshot's size, as medians.
+    The throughput rounds run with the server's default journal bases (a barrier writes
+    one once the journal grew by max(1 MiB, 24 B per pending root)). Then, on a server
+    that writes a journal base at every barrier (`--journal-base-bytes 0`: what a
+    barrier that writes one costs), for each count in `pending_points`, roots that
+    never complete are added until that many are pending and 5 checkpoints are taken:
+    the client's round trip of CHECKPOINT_BEGIN (the server replies at once; the state
+    snapshot is copied before the core's next change or by the writer thread, which
+    then writes the base), the time until CHECKPOINT_DONE reports it complete
+    (written), the copy's time under the server's lock (the only part that stops
+    events), the write time and the base's size, as medians.
     """
     from ftlayer.client import FTClient
     from ftlayer.integration.harness.ftprocess import FTServerProcess
@@ -67,7 +70,7 @@ def bench_checkpoint(
         )
     payload = os.urandom(payload_bytes)
     with tempfile.TemporaryDirectory(dir=directory, prefix="ftlayer-bench-checkpoint-") as tmp:
-        server = FTServerProcess(Path(tmp) / "data", "--timeout-s", "3600").start()
+        server = FTServerProcess(Path(tmp) / "data", "--tree-timeout-s", "3600").start()
         try:
             with FTClient(server.address, name="bench-checkpoint") as client:
                 offset = 0
@@ -97,9 +100,18 @@ def bench_checkpoint(
                         f"{2 * rounds * batches * batch} and 0"
                     )
                 completed_checkpoints = status["checkpoints"][_CHECKPOINT_QUERY]["completed"]
-                by_pending = _checkpoint_times(client, pending_points, offset)
         finally:
             server.stop()
+        # A barrier writes a journal base only when one is due: the times by pending
+        # roots are those of barriers that write one (a server told to at every one).
+        base_server = FTServerProcess(
+            Path(tmp) / "data-bases", "--tree-timeout-s", "3600", "--journal-base-bytes", "0"
+        ).start()
+        try:
+            with FTClient(base_server.address, name="bench-checkpoint-bases") as client:
+                by_pending = _checkpoint_times(client, pending_points, 0)
+        finally:
+            base_server.stop()
     records = rounds * batches * batch
     without, with_ = records / seconds[False], records / seconds[True]
     ratio = with_ / without

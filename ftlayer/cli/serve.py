@@ -12,7 +12,7 @@ from typing import Any
 from ftlayer.client import read_token_file
 from ftlayer.errors import ConfigError
 
-from .common import buckets, port, positive_float, positive_int
+from .common import buckets, non_negative_int, port, positive_float, positive_int
 
 
 class _DeprecatedSpelling(argparse.Action):
@@ -95,6 +95,14 @@ def add_parser(commands: Any) -> None:
         "crash does either way)",
     )
     serve.add_argument(
+        "--journal-base-bytes",
+        type=non_negative_int,
+        default=None,
+        help="a checkpoint writes a journal base once the journal grew by this many bytes "
+        "since the last one (default: 1 MiB or 24 bytes per pending root, the larger; "
+        "smaller: shorter recoveries, more writes; 0: at every checkpoint)",
+    )
+    serve.add_argument(
         "--http-port",
         type=port,
         default=None,
@@ -138,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         journal=not args.no_journal,
+        journal_base_bytes=args.journal_base_bytes,
         http_port=args.http_port,
         http_host=args.http_host,
         http_public=args.http_public,

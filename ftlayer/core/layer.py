@@ -100,6 +100,7 @@ class FTLayer:
         wall_clock: Callable[[], float] = time.time,
         seed: int | None = None,
         journal: Journal | None = None,
+        journal_base_bytes: int | None = None,
     ) -> None:
         def on_timeout(roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
             failure.on_timeout(self._s, roots, seqs)
@@ -117,6 +118,7 @@ class FTLayer:
             wall_clock=wall_clock,
             seed=seed,
             journal=journal,
+            journal_base_bytes=journal_base_bytes,
             on_timeout=on_timeout,
         )
         recovery.recover(self._s)

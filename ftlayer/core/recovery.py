@@ -101,12 +101,15 @@ def journal_base_due(s: CoreState) -> bool:
     """Whether a state copy should also be the journal's base: once the journal has
     grown by as much as a base would hold (24 bytes per pending root, at least
     JOURNAL_BASE_MIN_BYTES), so a checkpoint per micro-batch does not write a base each
-    time, and recovery reads at most about twice a base; and at once after a failed
-    journal write (a base starts it again)."""
+    time, and recovery reads at most about twice a base; or by `journal_base_bytes`
+    when the FT layer was given it (`ftlayer serve --journal-base-bytes`); and at once
+    after a failed journal write (a base starts it again)."""
     journal = s.journal
     if journal is None:
         return False
-    due = max(JOURNAL_BASE_MIN_BYTES, _BASE_BYTES_PER_ROOT * len(s.acker))
+    due = s.journal_base_bytes
+    if due is None:
+        due = max(JOURNAL_BASE_MIN_BYTES, _BASE_BYTES_PER_ROOT * len(s.acker))
     return journal.broken is not None or journal.segment_bytes >= due
 
 

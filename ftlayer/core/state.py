@@ -101,12 +101,22 @@ class CoreState:
         wall_clock: Callable[[], float],
         seed: int | None,
         journal: Journal | None,
+        journal_base_bytes: int | None,
         on_timeout: Callable[[NDArray[np.uint64], NDArray[np.uint64]], None],
     ) -> None:
         self.clock = clock
         self.wall = wall_clock
         self.rng = random.Random(seed)
         self.journal = journal
+        if journal_base_bytes is not None and (
+            isinstance(journal_base_bytes, bool) or journal_base_bytes < 0
+        ):
+            raise ConfigError(
+                f"journal_base_bytes is a byte count >= 0 or None, got {journal_base_bytes!r}"
+            )
+        self.journal_base_bytes = journal_base_bytes
+        """The journal growth after which a state copy is due as its base (None: the
+        default of ftlayer.core.recovery.journal_base_due)."""
         self.default_retry = retry
         self.storage = storage
         self.acker = AckerTable(columns=LOCATOR_COLUMNS)

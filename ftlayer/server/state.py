@@ -85,6 +85,7 @@ class ServerState:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         journal: bool = True,
+        journal_base_bytes: int | None = None,
         http_port: int | None = None,
         http_host: str = "127.0.0.1",
         http_public: bool = False,
@@ -138,6 +139,7 @@ class ServerState:
         self._requests_begun = 0
         self._requests_ended = 0
         self.journal = journal
+        self.journal_base_bytes = journal_base_bytes
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
         self._storage: LmdbStorage | None = None

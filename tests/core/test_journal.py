@@ -16,7 +16,8 @@ from ftlayer.causes import Cause, FailKind
 from ftlayer.core import FTLayer
 from ftlayer.core.journal import Journal
 from ftlayer.core.retries import RetryPolicy
-from ftlayer.persistence import LmdbStorage
+from ftlayer.errors import ConfigError
+from ftlayer.persistence import LmdbStorage, MemoryStorage
 from ftlayer.records import RecordBatch
 from ftlayer.registration import SourceRegistration
 
@@ -231,6 +232,20 @@ def test_a_journal_that_outgrows_its_limit_writes_its_own_base(tmp_path: Path) -
     assert journal is not None and journal.bases_written >= 1
     size = sum(os.path.getsize(tmp_path / "journal" / n) for n in os.listdir(tmp_path / "journal"))
     assert size < 3 * 4096 + 200 * 40  # segments and one base, not the whole history
+
+
+def test_journal_base_bytes_sets_when_a_checkpoint_writes_a_base(tmp_path: Path) -> None:
+    storage = LmdbStorage(tmp_path)
+    ft = FTLayer(storage, journal=Journal(tmp_path / "journal"))
+    batch = _records(50)
+    ft.persist(batch, new_ids(50))
+    assert not ft.journal_base_due()  # the default: once the journal grew by 1 MiB
+    every = FTLayer(MemoryStorage(), journal=Journal(tmp_path / "j2"), journal_base_bytes=0)
+    assert every.journal_base_due()  # 0: at every checkpoint
+    assert not FTLayer(MemoryStorage(), journal_base_bytes=0).journal_base_due()  # no journal
+    with pytest.raises(ConfigError, match="journal_base_bytes"):
+        FTLayer(MemoryStorage(), journal_base_bytes=-1)
+    storage.close()
 
 
 def test_a_journal_from_before_a_reboot_is_not_trusted_and_everything_is_replayed(
