@@ -10,10 +10,12 @@ export PYTHONHASHSEED := 0
 
 .PHONY: test demo lint typecheck unit bench docs clean browser
 
+# The editable install's build warns (in a box) that folders named like the package may
+# shadow it on import: here they are the package (package-dir), so the box is noise.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python -c 'from ftlayer.integration.source.columnar import compile_kernels; compile_kernels()'
 	$(BIN)/python -c 'from ftlayer.acking.u64map import compile_kernels; compile_kernels()'
 	$(BIN)/python -c 'from ftlayer.persistence.kernels import compile_kernels; compile_kernels()'
