@@ -18,7 +18,6 @@ A test that uses any of these is marked `integration` automatically, so
 
 from __future__ import annotations
 
-import logging
 import re
 import uuid
 from collections.abc import Iterator
@@ -31,12 +30,6 @@ from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.kafka import create_topic
 from ftlayer.integration.source import register
 from ftlayer.integration.spark import SparkSetupError, local_spark
-
-# py4j logs at INFO when a gateway connection is garbage-collected, which can happen
-# in a later test's teardown, after pytest closed the stream that test's capture
-# handler wrote to: a "--- Logging error ---" traceback in the output. Its INFO lines
-# say nothing a test needs.
-logging.getLogger("py4j").setLevel(logging.WARNING)
 
 _INTEGRATION_FIXTURES = frozenset(
     {"tansu_broker", "kafka_bootstrap", "make_topic", "kafka_topic", "spark"}

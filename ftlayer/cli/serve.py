@@ -126,11 +126,12 @@ def run(args: argparse.Namespace) -> int:
     from ftlayer.memtune import settle_heap, tune_malloc
     from ftlayer.server import FTServer
 
-    configure(args.log_format, sys.stderr)
-    tune_malloc()  # frames and chunks of megabytes, many a second (ftlayer/memtune.py)
-    token = None if args.token_file is None else read_token_file(args.token_file)
+    # Flags first: a bad one ends the command before it touches logging or malloc.
     if args.http_port is None and (args.http_public or args.http_host != "127.0.0.1"):
         raise ConfigError("--http-host and --http-public go with --http-port")
+    token = None if args.token_file is None else read_token_file(args.token_file)
+    configure(args.log_format, sys.stderr)
+    tune_malloc()  # frames and chunks of megabytes, many a second (ftlayer/memtune.py)
     server = FTServer(
         args.data_dir,
         host=args.host,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +64,23 @@ def test_status_of_an_unreachable_server_is_a_clear_error(
     assert main(["status", "--server", address, "--wait-s", "0.2"]) == 2
     err = capsys.readouterr().err
     assert f"the FT-layer server at {address} could not be opened" in err
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """`ftlayer serve` run in process sends the root logger to the stream it was given
+    (here pytest's capture, closed after the test): put the root logger back, or every
+    later log line of the session (py4j's, kafka-python's) goes to a closed stream."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.mark.parametrize(
