@@ -44,6 +44,7 @@ thread drives a core at a time (the server serializes its clients with a lock); 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,7 @@ from numpy.typing import ArrayLike, NDArray
 from ftlayer.acking.acker import AckerTable, XorResult
 from ftlayer.acking.rotating import validate_timeout
 from ftlayer.causes import Cause, Causes
+from ftlayer.errors import ConfigError
 from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import PersistenceLayer
@@ -66,7 +68,7 @@ from .journal import Journal
 from .meters import Meters
 from .retries import IMMEDIATE, DeadLetterFilter, RetryPolicy, RetryRecord
 from .sources import SourceConfig
-from .state import CompletionListener, CoreState, PersistTicket, validate_lease
+from .state import CompletionListener, CoreState, PersistTicket
 from .stats import FTStats
 
 __all__ = ["CompletionListener", "FTLayer", "PersistTicket", "StoreFigures"]
@@ -398,7 +400,8 @@ class FTLayer:
         stays open and `lease_s` has not passed since this call, the timeouts of its
         trees are postponed (0 ends the lease). Returns how many of the sources have
         an open batch (a heartbeat for one without is ignored)."""
-        validate_lease(lease_s)
+        if not 0 <= lease_s < math.inf:  # also NaN
+            raise ConfigError(f"a lease is a finite number of seconds >= 0, got {lease_s!r}")
         return self._s.leases.renew(source_ids, lease_s, self._s.clock())
 
     # ---- fail, timeouts and replay (ftlayer.core.failure) ---------------------------

@@ -29,7 +29,6 @@ find the rows of barrier-mode sources.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections.abc import Callable, Hashable
 from typing import Any, cast
@@ -63,7 +62,6 @@ __all__ = [
     "PersistTicket",
     "source_list",
     "sources_of",
-    "validate_lease",
 ]
 
 EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
@@ -258,11 +256,6 @@ class CoreState:
         live = pending.copy()
         live[pending] = current == seqs[pending]
         return live
-
-
-def validate_lease(lease_s: float) -> None:
-    if not 0 <= lease_s < math.inf:  # also NaN
-        raise ConfigError(f"a lease is a finite number of seconds >= 0, got {lease_s!r}")
 
 
 def sources_of(batch: RecordBatch) -> list[int]:
