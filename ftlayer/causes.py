@@ -8,7 +8,9 @@ letter says what went wrong each time (ftlayer.core.retries). Kinds:
 - `explicit`: a step raised FailException (the user's own decision);
 - `error`: another exception in user code, under on_error="fail-record";
 - `sink`: a write the sink's target refused;
-- `timeout`: the tree did not complete within its timeout (the FT layer's own verdict).
+- `timeout`: the tree did not complete within its timeout (the FT layer's own verdict);
+- `source-expired`: the record was stored by reference and its source no longer has it
+  (retention, compaction, a deleted topic): always final (ftlayer.core.fills).
 
 `final` marks a failure certain to repeat (a schema error): the record is dead-lettered
 at once instead of being retried. `final_if_repeated` marks one likely to repeat (a
@@ -45,15 +47,16 @@ class FailKind(enum.IntEnum):
     ERROR = 2
     SINK = 3
     TIMEOUT = 4
+    SOURCE_EXPIRED = 5
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return self.name.lower().replace("_", "-")
 
     @classmethod
     def from_label(cls, label: str) -> FailKind:
         try:
-            return cls[label.upper()]
+            return cls[label.upper().replace("-", "_")]
         except KeyError:
             known = ", ".join(k.label for k in cls)
             raise ConfigError(f"unknown fail cause {label!r}; known: {known}") from None
@@ -184,6 +187,13 @@ class Causes:
             (self.table[code], np.flatnonzero(self.index == code))
             for code in np.unique(self.index).tolist()
         ]
+
+    def of_kind(self, kind: FailKind) -> NDArray[np.bool_]:
+        """Per root: whether its cause is of `kind`."""
+        codes = [code for code, cause in enumerate(self.table) if cause.kind is kind]
+        if not codes:
+            return np.zeros(len(self.index), dtype=np.bool_)
+        return np.isin(self.index, np.array(codes, dtype=np.uint16))
 
     @property
     def unspecified(self) -> bool:

@@ -13,6 +13,8 @@ fields the fault-tolerance logic needs (the blueprint's "semi-deserialized" reco
 | partitions  | int32   | ... partition (the source partition the record first entered)  |
 | offsets     | int64   | ... and offset (-1: none; the coordinates identify a record)   |
 | payloads    | bytes   | the raw record bytes, opaque to the FT layer                   |
+| references  | bool    | True: the payload is not stored (empty here); the record is    |
+|             |         | where its coordinates say (`ft.persist=reference`)             |
 
 Batches are columnar so the hot paths (persist, delete, replay) work on arrays, not on
 one Python object per record; only topics are a Python list, and payloads are one too
@@ -147,9 +149,16 @@ class RecordBatch:
     partitions: NDArray[np.int32]
     offsets: NDArray[np.int64]
     payloads: Sequence[bytes]
+    references: NDArray[np.bool_] | None = None
+    """True for a record stored by reference (its payload empty: the bytes are at its
+    coordinates in its source); None: no record is."""
 
     def __post_init__(self) -> None:
         n = len(self.roots)
+        if self.references is not None and len(self.references) != n:
+            raise ConfigError(
+                f"RecordBatch column 'references' has {len(self.references)} entries, roots has {n}"
+            )
         columns: dict[str, Sized] = {
             "source_ids": self.source_ids,
             "key_hashes": self.key_hashes,
@@ -168,6 +177,17 @@ class RecordBatch:
     def __len__(self) -> int:
         return len(self.roots)
 
+    @property
+    def reference_mask(self) -> NDArray[np.bool_]:
+        """Per record: stored by reference (its bytes are not in the FT layer)."""
+        if self.references is None:
+            return np.zeros(len(self.roots), dtype=np.bool_)
+        return self.references
+
+    @property
+    def any_references(self) -> bool:
+        return self.references is not None and bool(self.references.any())
+
     @classmethod
     def build(
         cls,
@@ -180,13 +200,15 @@ class RecordBatch:
         topics: Sequence[str] | str = "",
         partitions: ArrayLike = 0,
         offsets: ArrayLike | None = None,
+        references: ArrayLike | None = None,
     ) -> RecordBatch:
         """Build a batch from sequences or arrays; scalars broadcast to every record.
 
         Without key_hashes no record has a key; without offsets no record has a Kafka
         offset (-1): a record's coordinates identify it (a record persisted again at
         the same coordinates takes the earlier copy over, ftlayer.core.takeover), so
-        none are made up.
+        none are made up. `references` (a scalar or a column): records stored by
+        reference, whose payloads are empty.
         """
         n = len(roots)
         roots_a = np.asarray(roots, dtype=np.uint64)
@@ -205,6 +227,7 @@ class RecordBatch:
             partitions=_column(partitions, n).astype(np.int32, copy=False),
             offsets=np.full(n, -1, dtype=np.int64) if offsets is None else _column(offsets, n),
             payloads=payloads if isinstance(payloads, Payloads) else list(payloads),
+            references=_flags(references, n),
         )
 
     def take(self, index: NDArray[np.intp] | NDArray[np.bool_]) -> RecordBatch:
@@ -220,6 +243,7 @@ class RecordBatch:
             partitions=self.partitions[positions],
             offsets=self.offsets[positions],
             payloads=[self.payloads[i] for i in pos_list],
+            references=None if self.references is None else self.references[positions],
         )
 
     def with_roots(self, roots: NDArray[np.uint64]) -> RecordBatch:
@@ -233,6 +257,28 @@ class RecordBatch:
             partitions=self.partitions,
             offsets=self.offsets,
             payloads=self.payloads,
+            references=self.references,
+        )
+
+    def with_payloads(self, rows: NDArray[np.intp], payloads: Sequence[bytes]) -> RecordBatch:
+        """The same records with the payloads of `rows` given (the bytes of records
+        stored by reference, read from their source): those rows are references no
+        more."""
+        merged = list(self.payloads)
+        for row, payload in zip(rows.tolist(), payloads, strict=True):
+            merged[row] = payload
+        references = self.reference_mask.copy()
+        references[rows] = False
+        return RecordBatch(
+            roots=self.roots,
+            source_ids=self.source_ids,
+            key_hashes=self.key_hashes,
+            has_key=self.has_key,
+            topics=self.topics,
+            partitions=self.partitions,
+            offsets=self.offsets,
+            payloads=merged,
+            references=references if references.any() else None,
         )
 
     @classmethod
@@ -255,6 +301,11 @@ class RecordBatch:
             partitions=np.concatenate([b.partitions for b in batches]),
             offsets=np.concatenate([b.offsets for b in batches]),
             payloads=[p for b in batches for p in b.payloads],
+            references=(
+                np.concatenate([b.reference_mask for b in batches])
+                if any(b.references is not None for b in batches)
+                else None
+            ),
         )
 
 
@@ -285,6 +336,15 @@ class ReplayRecords:
             np.concatenate([p.partitions for p in pages] or [np.zeros(0, np.int32)]),
             RecordBatch.concat([p.records for p in pages]),
         )
+
+
+def _flags(value: ArrayLike | None, n: int) -> NDArray[np.bool_] | None:
+    """A bool column from a sequence or a scalar; None (no record set) stays None."""
+    if value is None:
+        return None
+    column = np.asarray(value, dtype=np.bool_)
+    column = np.full(n, bool(column), dtype=np.bool_) if column.ndim == 0 else column
+    return column if column.any() else None
 
 
 def _column(value: ArrayLike, n: int) -> NDArray[np.int64]:

@@ -248,6 +248,9 @@ class SourceFigures:
     dead_lettered: int
     replay_queue: int
     complete_latency: LatencySummary
+    unfilled: int = 0
+    """Failed records stored by reference whose bytes the source has not copied into
+    the FT layer yet (ftlayer.core.fills)."""
 
     @classmethod
     def from_json(cls, data: object, source: str) -> SourceFigures:
@@ -264,6 +267,7 @@ class SourceFigures:
             complete_latency=LatencySummary.from_json(
                 _field(data, "complete_latency", dict, what), f"{what}'s complete_latency"
             ),
+            unfilled=_field(data, "unfilled", int, what),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -274,6 +278,7 @@ class SourceFigures:
             "replayed": self.replayed,
             "dead_lettered": self.dead_lettered,
             "replay_queue": self.replay_queue,
+            "unfilled": self.unfilled,
             "complete_latency": self.complete_latency.to_json(),
         }
 
@@ -298,6 +303,11 @@ class Status(Mapping[str, Any]):
     """Per source id (a string; "*": every source): where its queue rows were pruned to."""
     retry_waiting: int
     """Failed records waiting for their backoff before they enter the replay queue."""
+    unfilled: int
+    """Failed records stored by reference whose bytes their source has not copied into
+    the FT layer yet (ftlayer.core.fills)."""
+    filled: int
+    """Records stored by reference whose bytes their source copied in, since the start."""
     dead_lettered: int
     """Records dead-lettered since the start."""
     dead_letters: int
@@ -370,6 +380,8 @@ class Status(Mapping[str, Any]):
             replay_cursor_at_start=_field(data, "replay_cursor_at_start", int, what),
             replay_pruned=_counts(data, "replay_pruned", what),
             retry_waiting=_field(data, "retry_waiting", int, what),
+            unfilled=_field(data, "unfilled", int, what),
+            filled=_field(data, "filled", int, what),
             dead_lettered=_field(data, "dead_lettered", int, what),
             dead_letters=_field(data, "dead_letters", int, what),
             dead_letters_delivered=_field(data, "dead_letters_delivered", int, what),

@@ -49,7 +49,8 @@ persisted batch back to back in one value (`encode_chunk`; lmdb_storage's chunks
 | 0         | 8    | root       | u64  | root id the record is tracked under               |
 | 8         | 8    | replay_seq | u64  | position in the replay queue; 0 = not queued      |
 | 16        | 4    | source_id  | u32  | the source that emitted it                        |
-| 20        | 1    | has_key    | u8   | 1 if the Kafka record had a key, else 0           |
+| 20        | 1    | flags      | u8   | bit 0: the Kafka record had a key; bit 1: stored  |
+|           |      |            |      | by reference (no payload: `fill` may add it)      |
 | 21        | 8    | key_hash   | i64  | stored key hash (hash/key-group partitioners)     |
 | 29        | 4    | partition  | i32  | Kafka partition the record first entered          |
 | 33        | 8    | offset     | i64  | Kafka offset                                      |
@@ -60,11 +61,24 @@ persisted batch back to back in one value (`encode_chunk`; lmdb_storage's chunks
 Headers are built and parsed a batch at a time with numpy (`HEADER` below), so the
 per-record Python work is one concatenation when storing (none for a chunk of one topic
 and one payload length) and three slices when reading.
+
+Records stored by reference
+---------------------------
+A record stored by reference (flag bit 1, `RecordBatch.references`) has no payload:
+its bytes are in its source, at its coordinates. `fill` stores the bytes of such
+records later (a failed record's, copied from its source so that its retries and its
+dead letter do not depend on the source's retention), in one transaction, as meta
+values under `fill/<seq>` (FILL_META_PREFIX, the seq as 20 decimal digits). From then
+on `get` and `scan` return the record with its bytes and without the flag; deleting
+the record deletes its bytes (in the same transaction where the storage stages both,
+else just after: a fill a crash leaves behind its deleted record is dropped at the next
+`fill`/open check, `drop_stale_fills`).
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
@@ -94,6 +108,10 @@ MetaValue = bytes | bytearray | memoryview
 """What a meta value may be given as (it is stored as bytes)."""
 
 HEADER_SIZE: Final = HEADER.itemsize
+HAS_KEY_FLAG: Final = 1
+REFERENCE_FLAG: Final = 2
+FILL_META_PREFIX: Final = "fill/"
+"""Meta keys of the bytes `fill` stored for records stored by reference."""
 MAX_TOPIC_BYTES: Final = 0xFFFF
 MAX_META_KEY_BYTES: Final = 511
 """LMDB's key size limit; the memory storage enforces it too so both behave alike."""
@@ -146,7 +164,9 @@ class PersistenceStorage(ABC):
         found = as_seqs(seqs)
         if not len(found):
             return 0
-        return self._delete(found)
+        deleted = self._delete(found)
+        self._forget_fills(found, staged=False)
+        return deleted
 
     def get(self, seqs: Seqs) -> RecordBatch:
         """The stored records `seqs`, in that order (a seq given twice appears twice).
@@ -154,7 +174,57 @@ class PersistenceStorage(ABC):
         Raises RecordNotStored naming every seq that is not stored.
         """
         self._check_open()
-        return self._get(as_seqs(seqs))
+        seq_array = as_seqs(seqs)
+        batch = self._get(seq_array)
+        return self._filled_in(seq_array, batch) if batch.any_references else batch
+
+    def fill(self, seqs: Seqs, payloads: Sequence[bytes]) -> int:
+        """Store the bytes of records stored by reference (read from their source), in
+        one transaction; from then on they are returned with them. Seqs not stored, not
+        stored by reference, or filled before are left alone. Returns how many were
+        filled. ConfigError if the columns differ in length."""
+        self._check_open()
+        seq_array = as_seqs(seqs)
+        if len(seq_array) != len(payloads):
+            raise ConfigError(
+                f"fill needs one payload per seq: got {len(seq_array)} seqs, "
+                f"{len(payloads)} payloads"
+            )
+        stored = self._stored_among(seq_array)
+        if not len(stored):
+            return 0
+        batch = self._get(seq_array[stored])
+        filled = self._fill_index()
+        rows = stored[batch.reference_mask]
+        puts = {
+            _fill_key(seq): bytes(payloads[row])
+            for row, seq in zip(rows.tolist(), seq_array[rows].tolist(), strict=True)
+            if seq not in filled
+        }
+        if puts:
+            self._update_meta(*encode_meta_changes(puts, ()))
+            with self._fill_lock():
+                filled.update(int(key[len(FILL_META_PREFIX) :]) for key in puts)
+        return len(puts)
+
+    @property
+    def filled(self) -> int:
+        """Records whose bytes `fill` stored, still stored."""
+        self._check_open()
+        return len(self._fill_index())
+
+    def drop_stale_fills(self) -> int:
+        """Delete the bytes `fill` stored for records no longer stored (a crash between
+        a record's delete and its bytes' delete); returns how many."""
+        self._check_open()
+        filled = self._fill_index()
+        if not filled:
+            return 0
+        seqs = np.array(sorted(filled), dtype=np.uint64)
+        stale = seqs[~self._stored_mask(seqs)]
+        if len(stale):
+            self._forget_fills(stale, staged=False)
+        return len(stale)
 
     def set_roots(
         self,
@@ -186,7 +256,15 @@ class PersistenceStorage(ABC):
         """
         self._check_open()
         check_batch_size(batch_size)
-        return self._scan(batch_size)
+        return self._scan_filled_in(batch_size)
+
+    def _scan_filled_in(
+        self, batch_size: int
+    ) -> Iterator[tuple[NDArray[np.uint64], RecordBatch, NDArray[np.uint64]]]:
+        for seqs, batch, replay_seqs in self._scan(batch_size):
+            if batch.any_references:
+                batch = self._filled_in(seqs, batch)
+            yield seqs, batch, replay_seqs
 
     def get_meta(self, key: str) -> bytes | None:
         """The value stored under meta key `key`, or None."""
@@ -247,6 +325,7 @@ class PersistenceStorage(ABC):
         found = as_seqs(seqs)
         if len(found):
             self._stage_deletes(found)
+            self._forget_fills(found, staged=True)
 
     @property
     @abstractmethod
@@ -330,6 +409,76 @@ class PersistenceStorage(ABC):
         """This default deletes at once."""
         self._delete(seqs)
 
+    # ---- bytes of records stored by reference (`fill`) ------------------------------
+
+    def _fill_lock(self) -> threading.Lock:
+        lock: threading.Lock | None = self.__dict__.get("_fills_guard")
+        if lock is None:
+            lock = self.__dict__.setdefault("_fills_guard", threading.Lock())
+        return lock
+
+    def _fill_index(self) -> set[int]:
+        """The seqs whose bytes `fill` stored (read from the meta keys once)."""
+        filled: set[int] | None = self.__dict__.get("_fills")
+        if filled is None:
+            keys = self._meta_keys(FILL_META_PREFIX.encode())
+            with self._fill_lock():
+                filled = self.__dict__.setdefault(
+                    "_fills", {int(key[len(FILL_META_PREFIX) :]) for key in keys}
+                )
+        return filled
+
+    def _filled_in(self, seqs: NDArray[np.uint64], batch: RecordBatch) -> RecordBatch:
+        """`batch` (the records `seqs`) with the bytes `fill` stored for its records
+        stored by reference."""
+        filled = self._fill_index()
+        if not filled:
+            return batch
+        rows = np.flatnonzero(batch.reference_mask)
+        rows = rows[np.isin(seqs[rows], np.fromiter(filled, np.uint64, len(filled)))]
+        if not len(rows):
+            return batch
+        payloads = [self._get_meta(_fill_key(seq).encode()) for seq in seqs[rows].tolist()]
+        if any(payload is None for payload in payloads):  # deleted meanwhile: not filled
+            kept = [i for i, payload in enumerate(payloads) if payload is not None]
+            rows, payloads = rows[kept], [payloads[i] for i in kept]
+        return batch.with_payloads(rows, [bytes(p) for p in payloads if p is not None])
+
+    def _forget_fills(self, seqs: NDArray[np.uint64], *, staged: bool) -> None:
+        """Delete the bytes `fill` stored for `seqs` (records deleted), if any."""
+        filled = self._fill_index()
+        if not filled:
+            return
+        with self._fill_lock():
+            gone = [seq for seq in seqs.tolist() if seq in filled]
+            filled.difference_update(gone)
+        if gone:
+            deletes = [_fill_key(seq).encode() for seq in gone]
+            if staged:
+                self._stage_meta([], deletes)
+            else:
+                self._update_meta([], deletes)
+
+    def contains(self, seqs: Seqs) -> NDArray[np.bool_]:
+        """Per seq: stored (a bool array in the order of `seqs`)."""
+        self._check_open()
+        seq_array = as_seqs(seqs)
+        if not len(seq_array):
+            return np.zeros(0, dtype=np.bool_)
+        return self._stored_mask(seq_array)
+
+    def _stored_mask(self, seqs: NDArray[np.uint64]) -> NDArray[np.bool_]:
+        """Per seq: stored."""
+        try:
+            self._get(seqs)
+        except RecordNotStored as exc:
+            return ~np.isin(seqs, exc.missing)
+        return np.ones(len(seqs), dtype=np.bool_)
+
+    def _stored_among(self, seqs: NDArray[np.uint64]) -> NDArray[np.intp]:
+        """The rows of `seqs` that are stored."""
+        return np.flatnonzero(self._stored_mask(seqs))
+
     def __enter__(self) -> Self:
         return self
 
@@ -340,6 +489,10 @@ class PersistenceStorage(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _fill_key(seq: int) -> str:
+    return f"{FILL_META_PREFIX}{seq:020d}"
 
 
 def as_seqs(seqs: Seqs) -> NDArray[np.uint64]:
@@ -495,7 +648,9 @@ def _headers(batch: RecordBatch) -> NDArray[np.void]:
     head["root"] = batch.roots
     head["replay_seq"] = 0
     head["source_id"] = batch.source_ids
-    head["has_key"] = batch.has_key
+    head["has_key"] = batch.has_key.astype(np.uint8)
+    if batch.references is not None:
+        head["has_key"] |= batch.references.astype(np.uint8) << 1
     head["key_hash"] = batch.key_hashes
     head["partition"] = batch.partitions
     head["offset"] = batch.offsets
@@ -575,15 +730,18 @@ def decode_records(values: Sequence[bytes]) -> tuple[RecordBatch, NDArray[np.uin
         if topic is None:
             topic = names[raw] = raw.decode("utf-8")
         topics.append(topic)
+    flags = head["has_key"]
+    references = (flags & REFERENCE_FLAG).astype(np.bool_)
     batch = RecordBatch(
         roots=head["root"].astype(np.uint64),
         source_ids=head["source_id"].astype(np.uint32),
         key_hashes=head["key_hash"].astype(np.int64),
-        has_key=head["has_key"].astype(np.bool_),
+        has_key=(flags & HAS_KEY_FLAG).astype(np.bool_),
         topics=topics,
         partitions=head["partition"].astype(np.int32),
         offsets=head["offset"].astype(np.int64),
         payloads=[value[end:] for value, end in zip(values, topic_ends, strict=True)],
+        references=references if references.any() else None,
     )
     return batch, head["replay_seq"].astype(np.uint64)
 

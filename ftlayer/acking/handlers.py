@@ -199,11 +199,14 @@ class Persister:
         offsets: ArrayLike,
         key_hashes: ArrayLike | None = None,
         has_key: ArrayLike | None = None,
+        references: bool = False,
     ) -> Anchors:
         """Persist one batch of source records; returns one (root, id) pair per record.
 
         Returns only once the channel confirmed the records are stored, so a source
-        that emits after this call never emits an unpersisted record.
+        that emits after this call never emits an unpersisted record. `references`:
+        the payloads are empty and the records are stored by reference (their bytes
+        stay in the source, at their coordinates; ftlayer.core.fills).
         """
         n = len(payloads)
         roots, ids = new_ids(n), new_ids(n)
@@ -216,6 +219,7 @@ class Persister:
             topics=topics,
             partitions=partitions,
             offsets=offsets,
+            references=references or None,
         )
         self._channel.persist(batch, ids)
         return Anchors.single(roots, np.zeros(n, np.uint64) if self.barrier else ids)

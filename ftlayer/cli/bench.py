@@ -88,7 +88,19 @@ def add_parser(commands: Any) -> None:
         help="--fast: maxOffsetsPerTrigger values, comma-separated",
     )
     pipeline.add_argument("--partitions", type=positive_int, default=4)
-    pipeline.add_argument("--fail-rate", type=rate, default=0.001, help="flaky share (0..1)")
+    pipeline.add_argument(
+        "--fail-rate",
+        type=rate,
+        default=None,
+        help="flaky share (0..1): 0.001 in the failure runs; --fast: the share each FT-on "
+        "run fails once and replays (default 0)",
+    )
+    pipeline.add_argument(
+        "--persist",
+        choices=("reference", "payload"),
+        default="reference",
+        help="ft.persist of the FT-on runs: where each record is in Kafka, or its bytes too",
+    )
     pipeline.add_argument("--rounds", type=positive_int, default=2, help="alternating pairs")
     pipeline.add_argument(
         "--observe",
@@ -130,7 +142,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         rows = {k: v for k, v in result.items() if k not in ("bench", "machine")}
         print_table(f"ftlayer bench {result['bench']}", rows)
+        if "server_cpu_us_per_record" in result:
+            print(_server_cost(result))
     return 0
+
+
+def _server_cost(result: dict[str, Any]) -> str:
+    """The pipeline benches' summary line: the FT-layer server's cost per record."""
+    cpu, written = result["server_cpu_us_per_record"], result["lmdb_bytes_per_record"]
+    cpu_text = "no CPU figure" if cpu is None else f"{cpu:g} µs of CPU"
+    written_text = (
+        "no write figure (/proc/<pid>/io not readable)"
+        if written is None
+        else f"{written:g} bytes written"
+    )
+    failing = f", fail rate {result['fail_rate']:g}" if result["bench"] == "pipeline-fast" else ""
+    return (
+        f"ftlayer bench {result['bench']}: the FT-layer server in barrier mode: {cpu_text} "
+        f"and {written_text} per record (ft.persist {result['persist']}{failing})"
+    )
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -157,6 +187,8 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             partitions=args.partitions,
             batch_sizes=args.batch_sizes,
             rounds=args.rounds,
+            fail_rate=args.fail_rate or 0.0,
+            persist=args.persist,
         )
     if args.bench == "pipeline":
         from ftlayer.integration.harness.benchpipe import bench_pipeline
@@ -164,9 +196,10 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
         return bench_pipeline(
             records=args.records or 100_000,
             partitions=args.partitions,
-            fail_rate=args.fail_rate,
+            fail_rate=0.001 if args.fail_rate is None else args.fail_rate,
             rounds=args.rounds,
             observe=args.observe,
+            persist=args.persist,
         )
     if args.bench == "checkpoint":
         return bench.bench_checkpoint(

@@ -36,6 +36,12 @@ def add_parser(commands: Any) -> None:
         help="ft.completion: trees complete by XOR events (tree) or at the batch's end",
     )
     demo.add_argument(
+        "--persist",
+        choices=("reference", "payload"),
+        default="reference",
+        help="ft.persist: the FT layer stores where each event is in Kafka, or its bytes too",
+    )
+    demo.add_argument(
         "--http-port",
         type=port,
         default=None,
@@ -71,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"ftlayer demo: {args.records:,} events, {args.partitions} partitions, "
         f"fail rate {args.fail_rate:g}, poison rate {args.poison_rate:g} (max retries "
-        f"{args.max_retries}), {args.kill_workers} worker kills; starting Tansu, the FT "
-        "layer and Spark ..."
+        f"{args.max_retries}), {args.kill_workers} worker kills, {args.completion} mode, "
+        f"persist {args.persist}; starting Tansu, the FT layer and Spark ..."
     )
     if args.http_port:
         console.print(
@@ -89,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             poison_rate=args.poison_rate,
             max_retries=args.max_retries,
             completion=args.completion,
+            persist=args.persist,
             http_port=args.http_port,
             workdir=args.workdir,
             on_progress=lambda progress: live.update(view(progress)),

@@ -43,7 +43,7 @@ from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
@@ -67,6 +67,7 @@ from ftlayer.wire import (
     NotAuthenticated,
     ProtocolError,
     UnexpectedKind,
+    UnfilledList,
     UnknownKind,
     UnsupportedVersion,
     auth_digest,
@@ -79,6 +80,7 @@ from ftlayer.wire import (
     decode_replay,
     decode_savepoint_created,
     decode_status_reply,
+    decode_unfilled_list,
     decode_welcome,
     encode_auth,
     encode_checkpoint_request,
@@ -86,6 +88,7 @@ from ftlayer.wire import (
     encode_dead_letters,
     encode_fail,
     encode_fetch_replay,
+    encode_fill,
     encode_heartbeat,
     encode_hello,
     encode_hold,
@@ -96,6 +99,7 @@ from ftlayer.wire import (
     encode_sink_hold,
     encode_sink_settle,
     encode_status_request,
+    encode_unfilled,
     encode_xor,
     new_nonce,
 )
@@ -408,6 +412,30 @@ class FTClient:
             lambda rid: encode_heartbeat(rid, source_ids, lease_ms), Kind.OK, retry=True
         )
         return decode_ok(frame).count
+
+    def unfilled(self, source_id: int, limit: int = 10_000) -> UnfilledList:
+        """`FTLayer.unfilled`: up to `limit` failed records of `source_id` stored by
+        reference whose bytes the FT layer does not hold: seqs and coordinates."""
+
+        def encode(rid: int) -> bytes:
+            return encode_unfilled(rid, source_id, limit)
+
+        return decode_unfilled_list(self._call(encode, Kind.UNFILLED_LIST, retry=True))
+
+    def fill(
+        self,
+        seqs: NDArray[np.uint64],
+        found: NDArray[np.bool_],
+        payloads: Sequence[bytes],
+    ) -> int:
+        """`FTLayer.fill`: the bytes of records `unfilled` listed (where `found`), or
+        that their source no longer has them. Durable once this returns; idempotent, so
+        retried. Returns how many were filled."""
+
+        def encode(rid: int) -> bytes:
+            return encode_fill(rid, seqs, found, payloads, max_frame=self.max_frame)
+
+        return decode_ok(self._call(encode, Kind.OK, retry=True)).count
 
     def status(self) -> Status:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""

@@ -58,6 +58,7 @@ from .faillog import DEAD as _DEAD
 from .faillog import QUEUED as _QUEUE
 from .faillog import WAITING as _WAIT
 from .faillog import log_failed, log_requeue_error
+from .fills import note_failed
 from .persist import covered_at_timeout, retire_covered
 from .replay import REPLAY_SEQ_META_KEY
 from .retries import DEAD_LETTER, RetryRecord
@@ -92,7 +93,12 @@ def fail(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None = None) -
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
     if bool(pending.any()):
-        requeue(s, keys[pending], seqs, FailCause.EXPLICIT, causes.take(first[pending]))
+        roots, causes = keys[pending], causes.take(first[pending])
+        # Counted by who decided: a task (explicit), or the source (source-expired).
+        expired = causes.of_kind(FailKind.SOURCE_EXPIRED)
+        for rows, counted in ((~expired, FailCause.EXPLICIT), (expired, FailCause.SOURCE_EXPIRED)):
+            if bool(rows.any()):
+                requeue(s, roots[rows], seqs[rows], counted, causes.take(np.flatnonzero(rows)))
     return int(np.count_nonzero(pending))
 
 
@@ -237,6 +243,7 @@ def requeue(
     for row in np.flatnonzero(waiting).tolist():
         s.book.wait(int(seqs[row]), int(new_roots[row]), float(due[row]))
     s.retired.add(old_roots, s.clock())
+    note_failed(s, seqs, batch, dead)  # records stored by reference: their bytes wanted
     # Step 5: count.
     s.stats.failed[cause.value] += n
     s.meters.failed(cause.value, batch.source_ids)

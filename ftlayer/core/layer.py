@@ -63,7 +63,7 @@ from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 
-from . import completion, deadletters, failure, holding, persist, queries, recovery
+from . import completion, deadletters, failure, fills, holding, persist, queries, recovery
 from .journal import Journal
 from .meters import Meters
 from .retries import IMMEDIATE, DeadLetterFilter, RetryPolicy, RetryRecord
@@ -460,6 +460,29 @@ class FTLayer:
         Returns how many entries were dropped. Their roots stay pending: a replay that
         fails again is queued again under a new replay seq."""
         return failure.prune_replay(self._s, upto, source_id)
+
+    # ---- records stored by reference (ftlayer.core.fills) ----------------------------
+
+    def unfilled(self, source_id: int, limit: int = 10_000) -> fills.UnfilledRecords:
+        """Up to `limit` failed records of `source_id` stored by reference whose bytes
+        the source has not copied in yet, oldest first: their seqs and coordinates."""
+        return fills.unfilled(self._s, source_id, limit)
+
+    def fill(
+        self, seqs: ArrayLike, payloads: Sequence[bytes], found: ArrayLike
+    ) -> fills.FillResult:
+        """The source read records stored by reference (`seqs`, from `unfilled`): the
+        `found` ones' bytes are stored (durable on return); the others are gone from
+        the source: a pending one fails, final (`source-expired`), into the dead
+        letters; a dead letter gets the cause added to its history."""
+        seq_array = np.asarray(seqs, dtype=np.uint64)
+        found_array = np.asarray(found, dtype=np.bool_)
+        if not len(seq_array) == len(payloads) == len(found_array):
+            raise ConfigError(
+                f"fill needs a payload and a found flag per seq: got {len(seq_array)} "
+                f"seqs, {len(payloads)} payloads, {len(found_array)} flags"
+            )
+        return fills.fill(self._s, seq_array, payloads, found_array, failure.requeue)
 
     # ---- state copies and recovery (ftlayer.core.recovery) --------------------------
 

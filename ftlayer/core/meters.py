@@ -71,7 +71,7 @@ EXPORTED_EDGES_S: Final[tuple[float, ...]] = (
 )
 _EXPORTED: Final = np.searchsorted(EDGES_S, EXPORTED_EDGES_S)
 _BUCKETS: Final = len(EDGES_S) + 1  # the last one: above the top edge (+Inf)
-_CAUSES: Final = ("explicit", "timeout", "recovery")
+_CAUSES: Final = ("explicit", "timeout", "recovery", "source-expired")
 
 
 class PersistTimes:
@@ -207,9 +207,10 @@ class SourceMeters:
     dead_lettered: int = 0
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
-    def figures(self, replay_queue: int) -> SourceFigures:
+    def figures(self, replay_queue: int, unfilled: int = 0) -> SourceFigures:
         """The STATUS figures of the source (docs/protocol.md, 6.2, `by_source`), with its
-        replay queue entries now; ftlayer.status writes their one JSON form."""
+        replay queue entries and unfilled records now; ftlayer.status writes their one
+        JSON form."""
         return SourceFigures(
             persisted=self.persisted,
             completed=self.completed,
@@ -217,6 +218,7 @@ class SourceMeters:
             replayed=self.replayed,
             dead_lettered=self.dead_lettered,
             replay_queue=replay_queue,
+            unfilled=unfilled,
             complete_latency=self.latency.summary(),
         )
 

@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
 
 from .deadletters import DEAD_LETTER_CHUNK
+from .fills import counts_by_source
 from .holding import open_holds_pending
 from .meters import total_latency
 from .state import EMPTY_U64, CoreState
@@ -169,14 +170,17 @@ def current_stats(s: CoreState) -> FTStats:
     stats.replay_cursor_at_start = s.queue.cursor_at_start
     stats.replay_pruned = s.queue.pruned()
     stats.retry_waiting = s.book.waiting
+    stats.unfilled = len(s.unfilled)
     stats.dead_letters = len(s.book.dead)
     stats.barrier_holds = open_holds_pending(s)
     stats.timeouts_postponed = s.timeouts.postponed
     stats.batches_running = s.leases.status(s.clock())
     by_source = s.meters.by_source(s.persistence.number_sources())
     queued = s.queue.counts()
+    unfilled = counts_by_source(s)
     stats.by_source = {
-        str(k): meters.figures(queued.get(k, 0)).to_json() for k, meters in by_source.items()
+        str(k): meters.figures(queued.get(k, 0), unfilled.get(k, 0)).to_json()
+        for k, meters in by_source.items()
     }
     stats.complete_latency = total_latency(by_source).summary().to_json()
     return stats

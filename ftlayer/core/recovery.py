@@ -14,6 +14,9 @@ Contract:
    backoff of its last failure ends. Dead letters stay as they are.
 4. A re-read of a recovered record (a re-run of the last batch, a new query from the
    group offsets) takes over its root: the read marks are rebuilt from what is pending.
+5. Failed records stored by reference whose bytes their source has not copied in are
+   listed again (ftlayer.core.fills.rebuild), and bytes left behind by a record deleted
+   just before a crash are dropped.
 
 `state_snapshot` copies the state a journal base holds (every pending root with its
 ack value and record seq, the replay queue, retry counts, open holds, prune points):
@@ -33,6 +36,7 @@ from numpy.typing import NDArray
 from ftlayer.records import RecordBatch
 
 from .failure import requeue
+from .fills import rebuild as rebuild_unfilled
 from .journal import JournalState
 from .retries import DEAD_LETTER
 from .sinkholds import SINK_KEY_BIT
@@ -170,6 +174,9 @@ def recover(s: CoreState) -> None:
     if len(s.acker):
         live = s.acker.live_columns("topic", "partition", "offset", copy=False)
         s.marks.rebuild(live["topic"], live["partition"], live["offset"])
+    # Step 5: failed records stored by reference whose bytes are still wanted.
+    s.storage.drop_stale_fills()
+    rebuild_unfilled(s)
 
 
 def _restore(

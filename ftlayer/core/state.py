@@ -12,6 +12,8 @@ rooms of their own, each a module of functions over the state:
 - recovery and state copies (ftlayer.core.recovery): recovery from storage and journal,
   state_snapshot, journal bases;
 - dead-letter admin (ftlayer.core.deadletters): list, requeue, restore, purge;
+- records stored by reference (ftlayer.core.fills): the failed ones whose bytes their
+  source has not copied in, filling them, and those the source no longer has;
 - queries (ftlayer.core.queries): inspect, pending offsets and counts, stats.
 
 The state is what a root's life touches: the acker table (ack value and locator per
@@ -132,6 +134,9 @@ class CoreState:
         self.queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self.retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self.book = RetryBook(storage)
+        self.unfilled: dict[int, int] = {}
+        """Failed records stored by reference whose bytes their source has not copied
+        in yet: storage seq -> source id (ftlayer.core.fills)."""
         self.barrier_mode = self.sources.barrier_mode
         """The ids of the sources registered with barrier completion."""
         self.holds = OpenHolds()

@@ -15,6 +15,7 @@ class FailCause(enum.Enum):
     EXPLICIT = "explicit"
     TIMEOUT = "timeout"
     RECOVERY = "recovery"
+    SOURCE_EXPIRED = "source-expired"
 
 
 @dataclass(slots=True)
@@ -40,6 +41,11 @@ class FTStats:
     took in (those queued before it started, and those a restart recovered)."""
     retry_waiting: int = 0
     """Failed records waiting for their backoff before they enter the replay queue."""
+    unfilled: int = 0
+    """Failed records stored by reference whose bytes their source has not copied in
+    (ftlayer.core.fills)."""
+    filled: int = 0
+    """Records stored by reference whose bytes their source copied in, since the start."""
     dead_lettered: int = 0
     """Records dead-lettered since the start (their retries spent, or a final cause)."""
     dead_letters: int = 0

@@ -36,6 +36,7 @@ from ftlayer.wire import (
     decode_dead_letters,
     decode_fail,
     decode_fetch_replay,
+    decode_fill,
     decode_heartbeat,
     decode_hold,
     decode_inspect,
@@ -45,6 +46,7 @@ from ftlayer.wire import (
     decode_sink_hold,
     decode_sink_settle,
     decode_status_request,
+    decode_unfilled,
     decode_xor,
     encode_checkpoint_reply,
     encode_dead_letter_list,
@@ -53,6 +55,7 @@ from ftlayer.wire import (
     encode_replay,
     encode_savepoint_created,
     encode_status_reply,
+    encode_unfilled_list,
 )
 
 from .state import Handler, ServerState
@@ -87,6 +90,8 @@ class RequestHandlers(ServerState):
             Kind.SINK_HOLD: self._sink_hold,
             Kind.SINK_SETTLE: self._sink_settle,
             Kind.INSPECT: self._inspect,
+            Kind.UNFILLED: self._unfilled,
+            Kind.FILL: self._fill,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -134,6 +139,20 @@ class RequestHandlers(ServerState):
         message = decode_heartbeat(frame)
         with self._core() as ft:
             return encode_ok(rid, ft.heartbeat(message.source_ids, message.lease_ms / 1000))
+
+    def _unfilled(self, rid: int, frame: Frame) -> bytes:
+        message = decode_unfilled(frame)
+        with self._core() as ft:
+            found = ft.unfilled(message.source_id, message.limit)
+        return encode_unfilled_list(rid, found.seqs, found.records, max_frame=self.max_frame)
+
+    def _fill(self, rid: int, frame: Frame) -> bytes:
+        """The bytes are stored (one transaction, synced) before the OK: once the
+        source has it, it may forget them."""
+        message = decode_fill(frame)
+        with self._core() as ft:
+            result = ft.fill(message.seqs, message.payloads, message.found)
+        return encode_ok(rid, result.filled)
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
         message = decode_fail(frame)

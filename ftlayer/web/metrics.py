@@ -35,7 +35,7 @@ from .observation import Observation
 
 __all__ = ["DEPRECATED_NAMES", "FTCollector", "families", "registry"]
 
-_CAUSES = ("explicit", "timeout", "recovery")
+_CAUSES = ("explicit", "timeout", "recovery", "source-expired")
 
 DEPRECATED_NAMES: dict[str, str] = {
     "ftlayer_trees_completed": "ftlayer_roots_completed",
@@ -98,7 +98,8 @@ def families(observation: Observation) -> list[Metric]:
     )
     failed = CounterMetricFamily(
         "ftlayer_roots_failed",
-        "Roots failed, by cause: explicit (a fail event), timeout, recovery (at start).",
+        "Roots failed, by cause: explicit (a fail event), timeout, recovery (at start), "
+        "source-expired (stored by reference, gone from its source).",
         labels=["source", "cause"],
     )
     for source in sources:
@@ -137,6 +138,14 @@ def families(observation: Observation) -> list[Metric]:
             labels=["source"],
         ),
         "replay_queue",
+    )
+    per_source(
+        GaugeMetricFamily(
+            "ftlayer_unfilled_records",
+            "Failed records stored by reference whose bytes the source has not copied in.",
+            labels=["source"],
+        ),
+        "unfilled",
     )
     latency = HistogramMetricFamily(
         "ftlayer_complete_latency_seconds",
@@ -192,6 +201,7 @@ def _totals(status: Mapping[str, Any]) -> list[Metric]:
     )
     counters = (
         ("ftlayer_xor_events", "xor_events", "XOR events received."),
+        ("ftlayer_records_filled", "filled", "Bytes of records stored by reference copied in."),
         ("ftlayer_barrier_holds_released", "barrier_released", "Barrier holds released."),
         ("ftlayer_dead_letters_delivered", "dead_letters_delivered", "Delivered to a topic."),
         ("ftlayer_dead_letters_purged", "dead_letters_purged", "Dead letters purged."),

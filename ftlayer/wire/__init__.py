@@ -63,6 +63,9 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | "partition": int, "offset": int}                            |
 | 0x28 | SINK_HOLD           | u64 sink key (top bit set), then XOR's body                 |
 | 0x29 | SINK_SETTLE         | u64 sink key, u8 outcome (0 written, 1 failed) [, a cause]  |
+| 0x2A | UNFILLED            | u32 source id, u32 limit                                    |
+| 0x2B | FILL                | u32 n, seqs u64[n], found u8[n], payload lengths u32[n],    |
+|      |                     | the payloads (none where not found)                         |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -78,14 +81,16 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | u32 n and record columns without initial values (below)     |
 | 0x97 | INSPECT_REPLY       | u32 J, utf-8 JSON {"query", "records": [...], "retired"},   |
 |      |                     | then per record u32 length + the start of its payload       |
+| 0x98 | UNFILLED_LIST       | u32 n, seqs u64[n], record columns without initial values   |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
 
 Record columns (PERSIST; REPLAY has the same without `initial`): u32 n, then roots
-u64[n], initial u64[n], source ids u32[n], key hashes i64[n], has_key u8[n] (0 or 1),
-partitions i32[n], offsets i64[n], topic index u16[n]; a topic table (u16 count, then
-per topic u16 length + utf-8); payload lengths u32[n]; the payloads, concatenated.
+u64[n], initial u64[n], source ids u32[n], key hashes i64[n], flags u8[n] (bit 0: has a
+key; bit 1: stored by reference, its payload empty), partitions i32[n], offsets i64[n],
+topic index u16[n]; a topic table (u16 count, then per topic u16 length + utf-8);
+payload lengths u32[n]; the payloads, concatenated.
 Columns are decoded with `np.frombuffer`: the only Python objects built per record
 are its payload bytes (sliced from the body) and a reference to its topic's str.
 
@@ -106,7 +111,7 @@ IndexError, struct.error or numpy error escapes, and no half-built batch is retu
 `MalformedFrame` means the bytes do not fit the kind's layout (truncated, trailing
 bytes, declared counts that disagree with the byte length, invalid utf-8 or JSON);
 `BadRequest` means they fit, but a value is outside its documented range (topic index,
-has_key, nonce length, filter below -1, reserved flag bits) or a JSON body has the
+record flags, nonce length, filter below -1, reserved flag bits) or a JSON body has the
 wrong shape: a missing or extra key, a bool where an integer belongs, NaN or an
 infinity, a control character (C0, DEL, C1) in a query name. Encoders raise
 `BadRequest` for values the wire cannot carry or the decoder would refuse, and
@@ -170,6 +175,7 @@ from .messages import (
     ErrorReply,
     Fail,
     FetchReplay,
+    Fill,
     Heartbeat,
     Message,
     Ok,
@@ -181,6 +187,8 @@ from .messages import (
     SinkSettle,
     StatusReply,
     StatusRequest,
+    Unfilled,
+    UnfilledList,
     Xor,
     decode,
     decode_checkpoint_begin,
@@ -192,6 +200,7 @@ from .messages import (
     decode_error,
     decode_fail,
     decode_fetch_replay,
+    decode_fill,
     decode_heartbeat,
     decode_hold,
     decode_inspect,
@@ -206,6 +215,8 @@ from .messages import (
     decode_sink_settle,
     decode_status_reply,
     decode_status_request,
+    decode_unfilled,
+    decode_unfilled_list,
     decode_xor,
     encode_checkpoint_reply,
     encode_checkpoint_request,
@@ -215,6 +226,7 @@ from .messages import (
     encode_error_for,
     encode_fail,
     encode_fetch_replay,
+    encode_fill,
     encode_heartbeat,
     encode_hold,
     encode_inspect,
@@ -229,6 +241,8 @@ from .messages import (
     encode_sink_settle,
     encode_status_reply,
     encode_status_request,
+    encode_unfilled,
+    encode_unfilled_list,
     encode_xor,
 )
 
@@ -260,6 +274,7 @@ __all__ = [
     "ErrorReply",
     "Fail",
     "FetchReplay",
+    "Fill",
     "Frame",
     "FrameReader",
     "FrameTooLarge",
@@ -280,6 +295,8 @@ __all__ = [
     "StatusReply",
     "StatusRequest",
     "UnexpectedKind",
+    "Unfilled",
+    "UnfilledList",
     "UnknownKind",
     "UnsupportedVersion",
     "Welcome",
@@ -298,6 +315,7 @@ __all__ = [
     "decode_error",
     "decode_fail",
     "decode_fetch_replay",
+    "decode_fill",
     "decode_heartbeat",
     "decode_hello",
     "decode_hold",
@@ -313,6 +331,8 @@ __all__ = [
     "decode_sink_settle",
     "decode_status_reply",
     "decode_status_request",
+    "decode_unfilled",
+    "decode_unfilled_list",
     "decode_welcome",
     "decode_xor",
     "encode_auth",
@@ -325,6 +345,7 @@ __all__ = [
     "encode_error_for",
     "encode_fail",
     "encode_fetch_replay",
+    "encode_fill",
     "encode_frame",
     "encode_heartbeat",
     "encode_hello",
@@ -341,6 +362,8 @@ __all__ = [
     "encode_sink_settle",
     "encode_status_reply",
     "encode_status_request",
+    "encode_unfilled",
+    "encode_unfilled_list",
     "encode_welcome",
     "encode_xor",
     "kind_of",

@@ -164,7 +164,7 @@ def record_parts(
     parts += [
         np.ascontiguousarray(batch.source_ids, dtype="<u4").tobytes(),
         np.ascontiguousarray(batch.key_hashes, dtype="<i8").tobytes(),
-        np.ascontiguousarray(batch.has_key, dtype=np.bool_).astype("u1").tobytes(),
+        _flags(batch).tobytes(),
         np.ascontiguousarray(batch.partitions, dtype="<i4").tobytes(),
         np.ascontiguousarray(batch.offsets, dtype="<i8").tobytes(),
         index,
@@ -172,6 +172,14 @@ def record_parts(
         lengths.astype("<u4").tobytes(),
     ]
     parts += payload_parts
+
+
+def _flags(batch: RecordBatch) -> NDArray[np.uint8]:
+    """Each record's flags byte: bit 0 has a key, bit 1 stored by reference."""
+    flags = np.ascontiguousarray(batch.has_key, dtype=np.bool_).astype("u1")
+    if batch.references is not None:
+        flags |= batch.references.astype("u1") << 1
+    return flags
 
 
 def read_records(body: _Body, n: int, with_initial: bool) -> tuple[RecordBatch, NDArray[Any]]:
@@ -195,8 +203,11 @@ def read_records(body: _Body, n: int, with_initial: bool) -> tuple[RecordBatch, 
             f"{body.kind.name} payload lengths add up to {total} bytes, but {len(blob)} "
             "bytes follow them"
         )
-    if n and int(has_key.max()) > 1:
-        raise BadRequest(f"{body.kind.name} has_key must be 0 or 1, got {int(has_key.max())}")
+    if n and int(has_key.max()) > 3:
+        raise BadRequest(
+            f"{body.kind.name} record flags must be 0 to 3 (bit 0 key, bit 1 by "
+            f"reference), got {int(has_key.max())}"
+        )
     if n and int(topic_index.max()) >= count:
         raise BadRequest(
             f"{body.kind.name} topic index {int(topic_index.max())} is out of range: "
@@ -206,11 +217,12 @@ def read_records(body: _Body, n: int, with_initial: bool) -> tuple[RecordBatch, 
         roots=roots,
         source_ids=source_ids,
         key_hashes=key_hashes,
-        has_key=has_key.astype(np.bool_),
+        has_key=(has_key & 1).astype(np.bool_),
         topics=_topics(table, topic_index, n),
         partitions=partitions,
         offsets=offsets,
         payloads=Payloads(blob, lengths),
+        references=(has_key & 2).astype(np.bool_) if n and int(has_key.max()) > 1 else None,
     )
     return batch, initial
 

@@ -50,6 +50,8 @@ class Kind(enum.IntEnum):
     INSPECT = 0x27
     SINK_HOLD = 0x28
     SINK_SETTLE = 0x29
+    UNFILLED = 0x2A
+    FILL = 0x2B
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -59,6 +61,7 @@ class Kind(enum.IntEnum):
     SAVEPOINT_CREATED = 0x95
     DEAD_LETTER_LIST = 0x96
     INSPECT_REPLY = 0x97
+    UNFILLED_LIST = 0x98
     ERROR = 0xFF
 
 

@@ -1,10 +1,11 @@
 """Every message after the handshake, and `decode`: one table from kind to decoder.
 
 The codecs live by concern: `data` (PERSIST, REPLAY, XOR, HOLD, FAIL, SINK_HOLD,
-SINK_SETTLE, FETCH_REPLAY), `control` (REGISTER_SOURCE, the checkpoint and savepoint
-requests and replies, HEARTBEAT, STATUS, OK, ERROR) and `admin` (the dead letters,
-INSPECT); `blocks` has the pieces they share. This module re-exports them all, so
-`ftlayer.wire.messages.X` names every message type and codec."""
+SINK_SETTLE, FETCH_REPLAY), `fills` (UNFILLED, UNFILLED_LIST, FILL), `control`
+(REGISTER_SOURCE, the checkpoint and savepoint requests and replies, HEARTBEAT,
+STATUS, OK, ERROR) and `admin` (the dead letters, INSPECT); `blocks` has the pieces
+they share. This module re-exports them all, so `ftlayer.wire.messages.X` names every
+message type and codec."""
 
 from __future__ import annotations
 
@@ -97,6 +98,17 @@ from .data import (
     encode_sink_settle,
     encode_xor,
 )
+from .fills import (
+    Fill,
+    Unfilled,
+    UnfilledList,
+    decode_fill,
+    decode_unfilled,
+    decode_unfilled_list,
+    encode_fill,
+    encode_unfilled,
+    encode_unfilled_list,
+)
 from .frames import Frame, Kind, kind_of
 
 __all__ = [
@@ -109,6 +121,7 @@ __all__ = [
     "ErrorReply",
     "Fail",
     "FetchReplay",
+    "Fill",
     "Heartbeat",
     "Message",
     "Ok",
@@ -120,6 +133,8 @@ __all__ = [
     "SinkSettle",
     "StatusReply",
     "StatusRequest",
+    "Unfilled",
+    "UnfilledList",
     "Xor",
     "decode",
     "decode_checkpoint_begin",
@@ -131,6 +146,7 @@ __all__ = [
     "decode_error",
     "decode_fail",
     "decode_fetch_replay",
+    "decode_fill",
     "decode_heartbeat",
     "decode_hold",
     "decode_inspect",
@@ -145,6 +161,8 @@ __all__ = [
     "decode_sink_settle",
     "decode_status_reply",
     "decode_status_request",
+    "decode_unfilled",
+    "decode_unfilled_list",
     "decode_xor",
     "encode_checkpoint_reply",
     "encode_checkpoint_request",
@@ -154,6 +172,7 @@ __all__ = [
     "encode_error_for",
     "encode_fail",
     "encode_fetch_replay",
+    "encode_fill",
     "encode_heartbeat",
     "encode_hold",
     "encode_inspect",
@@ -168,6 +187,8 @@ __all__ = [
     "encode_sink_settle",
     "encode_status_reply",
     "encode_status_request",
+    "encode_unfilled",
+    "encode_unfilled_list",
     "encode_xor",
 ]
 
@@ -196,6 +217,9 @@ Message = (
     | RecordQuery
     | Inspection
     | DeadLetterList
+    | Unfilled
+    | UnfilledList
+    | Fill
     | ErrorReply
 )
 
@@ -226,6 +250,9 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.SINK_SETTLE: decode_sink_settle,
     Kind.INSPECT: decode_inspect,
     Kind.INSPECT_REPLY: decode_inspect_reply,
+    Kind.UNFILLED: decode_unfilled,
+    Kind.UNFILLED_LIST: decode_unfilled_list,
+    Kind.FILL: decode_fill,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

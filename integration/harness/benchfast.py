@@ -13,16 +13,29 @@ session (`local[2,64]`), `records` small records produced once to a topic of
 `partitions` partitions. For each batch size (maxOffsetsPerTrigger), `rounds`
 alternating triples of runs: FT off, FT on in tree mode, FT on in barrier mode, the
 order rotated by one each round (a run's place weighs on it: see `_order`); each
-run a new query (its own checkpoint and ft.sourceName), timed from its start until the
+run a new query (its own checkpoint and ft.sourceName, FT on with `ft.persist` =
+`persist`), timed from its start until the
 sink counted every expected row and (FT on) no tree is pending, after one untimed
-warm-up run of each mode (`WARM_UP`); its rate is records
+warm-up run of each mode (`WARM_UP`), and followed by a pause of a second (the
+server's deferred deletes of the run: `benchcost.SETTLE_S`); its rate is records
 over the time its batches took (Spark's triggerExecution of every batch that read
 records: the query's start-up, the same for every mode, is left out, since it would
 only pull the ratios towards 1; the wall-clock seconds are reported too). Before each
 round, one bare kafka-python consumer (assign/seek, the source's own fetch settings)
 reads the whole topic. Reported per batch size: the median records/s of each mode and
-the ratios tree/off, barrier/off and off/consumer; and the complete latency of each
-FT-on run where the server measures it (`integration.harness.benchlatency`).
+the ratios tree/off, barrier/off and off/consumer; the complete latency of each
+FT-on run where the server measures it (`integration.harness.benchlatency`); and the
+FT-layer server process's CPU and storage writes per record over the timed runs of
+each FT-on mode (`integration.harness.benchcost`), those of barrier mode over every
+batch size at the top level.
+
+With `fail_rate` > 0 the map step of the FT-on runs fails that share of the records
+(picked by a hash of the record's number, `_fails`) the first time it sees each (an
+O_EXCL marker file per record and run, as the demo's flaky step does): it fails them
+by a `TaskOutput.failed` mask, an explicit failure like a FailException's, and the FT
+layer replays them, so each still reaches the sink once and the run ends as without
+failures, its batches' rows being the records and their replays. FT-off runs fail
+nothing: there a failure fails the task, and Spark retries the whole task.
 
 Targets (issue 15): tree/off >= 0.9 and barrier/off >= 0.95 at 50,000 and 200,000;
 off/consumer >= 0.8 at the largest batch size.
@@ -31,6 +44,7 @@ off/consumer >= 0.8 at the largest batch size.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -39,9 +53,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.benchcost import ServerCost
 from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demo import stop_when_idle
@@ -77,6 +94,45 @@ def _measure(batch: Any) -> Any:
     return pa.RecordBatch.from_arrays([values, pc.binary_length(values)], names=["value", "size"])
 
 
+def _fails(numbers: Any, fail_rate: float) -> Any:
+    """Which of the records numbered `numbers` (a numpy integer array) fail once: a
+    `fail_rate` share, picked by a multiplicative hash."""
+    mixed = (numbers.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
+    return mixed % np.uint64(1_000_000) < np.uint64(round(fail_rate * 1_000_000))
+
+
+class _FailingMeasure:
+    """map_batches' function with failures: `_measure`, failing the records `_fails`
+    picks the first time it sees each (first sight: an O_EXCL marker file in
+    `directory`, which holds across Python workers) with a `TaskOutput.failed` mask."""
+
+    def __init__(self, fail_rate: float, directory: str) -> None:
+        self.fail_rate = fail_rate
+        self.directory = directory
+
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from ftlayer.integration.tasks import TaskOutput
+
+        out = _measure(batch)
+        head = pc.binary_slice(batch.column("value"), 0, 8)  # the record's number, %08d
+        numbers = pc.cast(pc.cast(head, pa.string()), pa.int64()).to_numpy()
+        failed = np.zeros(batch.num_rows, dtype=np.bool_)
+        for row in np.flatnonzero(_fails(numbers, self.fail_rate)):
+            marker = os.path.join(self.directory, str(numbers[row]))
+            try:
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue  # seen before: this is its replay
+            failed[row] = True
+        if not failed.any():
+            return out
+        kept = np.flatnonzero(~failed)
+        return TaskOutput(out.take(pa.array(kept)), parents=kept, failed=failed)
+
+
 def _long(batch: Any) -> Any:
     """filter_batches' predicate: drops the short values."""
     import pyarrow.compute as pc
@@ -89,7 +145,7 @@ def _bare_consumer(bootstrap: str, topic: str, partitions: int, records: int) ->
     settings, assign/seek), counting records only."""
     from kafka import TopicPartition
 
-    from ftlayer.integration.source.reader import (
+    from ftlayer.integration.source.kafkaread import (
         _FETCH_MAX_BYTES,
         _MAX_POLL_RECORDS,
         _PARTITION_FETCH_MAX_BYTES,
@@ -126,6 +182,8 @@ def bench_fast(
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     rounds: int = 2,
     deadline_s: float = 900.0,
+    fail_rate: float = 0.0,
+    persist: str = "reference",
 ) -> dict[str, Any]:
     """See the module docstring; returns the figures."""
     from ftlayer.integration.sinks import ft_foreach_batch
@@ -135,7 +193,10 @@ def bench_fast(
 
     if records < 1 or partitions < 1 or rounds < 1 or not batch_sizes:
         raise ConfigError("need records, partitions, rounds >= 1 and a batch size")
+    if not 0 <= fail_rate < 1 or persist not in ("reference", "payload"):
+        raise ConfigError("need 0 <= fail_rate < 1 and persist 'reference' or 'payload'")
     expected = _expected(records)
+    failing = int(_fails(np.arange(records), fail_rate).sum()) if fail_rate else 0
     schema = "value binary, size int"
     sizes = sorted({int(b) for b in batch_sizes})
     results: dict[str, Any] = {}
@@ -152,6 +213,7 @@ def bench_fast(
             register(spark)
             runs = 0
             timed: list[LatencyRun] = []
+            cost = ServerCost(server.pid)
 
             def run(max_per_trigger: int, mode: str, round_: int | None) -> tuple[float, float]:
                 """One run; with `round_`, a timed one whose latency is reported."""
@@ -160,6 +222,11 @@ def bench_fast(
                 ft = mode != "off"
                 if ft and round_ is not None:
                     timed.append(LatencyRun(f"fast-{runs}", mode, max_per_trigger, round_))
+                measure: Any = _measure
+                if ft and fail_rate:
+                    markers = work / f"flaky-{runs}"
+                    markers.mkdir()
+                    measure = _FailingMeasure(fail_rate, str(markers))
                 settings = FTSettings(server.address) if ft else FTSettings(enabled=False)
                 tasks = FTTasks(settings, on_error="fail-record" if ft else "fail-task")
                 reader = (
@@ -171,10 +238,12 @@ def bench_fast(
                     .option("ft.sourceName", f"fast-{runs}")
                 )
                 if ft:
-                    reader = reader.option("ft.address", server.address).option(
-                        "ft.completion", mode
+                    reader = (
+                        reader.option("ft.address", server.address)
+                        .option("ft.completion", mode)
+                        .option("ft.persist", persist)
                     )
-                measured = tasks.map_batches(reader.load(), _measure, schema)
+                measured = tasks.map_batches(reader.load(), measure, schema)
                 kept = tasks.filter_batches(measured, _long)
                 counted = [0]
                 lock = threading.Lock()
@@ -184,19 +253,22 @@ def bench_fast(
                     with lock:
                         counted[0] += n
 
-                started = time.perf_counter()
-                query = (
-                    kept.writeStream.foreachBatch(ft_foreach_batch(count, settings))
-                    .option("checkpointLocation", str(work / f"checkpoint-{runs}"))
-                    .trigger(processingTime="0 seconds")
-                    .start()
-                )
-                try:
-                    _wait(query, counted, expected, server.address, ft, deadline_s)
-                    wall = time.perf_counter() - started
-                    return _processing_s(query, records), wall
-                finally:
-                    stop_when_idle(query)
+                measured_as = (max_per_trigger, mode) if ft and round_ is not None else None
+                with cost.run(measured_as, records):
+                    started = time.perf_counter()
+                    query = (
+                        kept.writeStream.foreachBatch(ft_foreach_batch(count, settings))
+                        .option("checkpointLocation", str(work / f"checkpoint-{runs}"))
+                        .trigger(processingTime="0 seconds")
+                        .start()
+                    )
+                    try:
+                        _wait(query, counted, expected, server.address, ft, deadline_s)
+                        wall = time.perf_counter() - started
+                        busy = _processing_s(query, records + (failing if ft else 0))
+                    finally:
+                        stop_when_idle(query)
+                return busy, wall
 
             for mode in WARM_UP:  # Python workers, the JVM's JIT of each mode's paths
                 run(sizes[-1], mode, None)
@@ -230,6 +302,7 @@ def bench_fast(
             "ratio_off_vs_consumer": round(rate["off"] / consumer_rate, 3),
             "seconds": {m: [round(x, 2) for x in s] for m, s in seconds[size].items()},
             "wall_seconds": {m: [round(x, 2) for x in s] for m, s in walls[size].items()},
+            **cost.by_mode({m: [(size, m)] for m in ("tree", "barrier")}),
         }
         per_size[str(size)] = row
         if size in _TARGET_SIZES:
@@ -244,6 +317,10 @@ def bench_fast(
         "rounds": rounds,
         "value_bytes": _VALUE_BYTES,
         "expected_rows": expected,
+        "fail_rate": fail_rate,
+        "failing_records_per_ft_run": failing,
+        "persist": persist,
+        **cost.figures((size, "barrier") for size in sizes),
         "consumer_records_per_s": round(consumer_rate),
         "consumer_seconds": [round(s, 2) for s in consumer_s],
         "batch_sizes": per_size,

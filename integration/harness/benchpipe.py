@@ -9,22 +9,25 @@ each phase writing to its own output topic and checkpoint.
 
 1. Throughput. After an untimed warm-up run, `rounds` alternating triples of runs, FT
    off, FT on in tree mode and FT on in barrier mode (`ft.completion`), without
-   failures. A run is timed from the query's start until every expected output is in
-   its topic (and, FT on, no tree is pending). Reported: the median records/s of each
-   and the ratios on/off (target >= 0.9 in tree mode, >= 0.95 in barrier mode), and
-   the complete latency of each FT-on run where the server measures it
-   (`integration.harness.benchlatency`). With `observe`, each round also runs barrier
-   mode with `ft.replayColumn` and `ft_observe` at the source and before the sink
-   (integration.observe): its ratio to barrier mode is the cost of ftlayer's figures
-   in Spark's progress. And barrier mode with `ft_observe` at the source and the
-   Kafka sink inside the query's plan (`ft_kafka_stream`, integration.kafkastream:
-   acked and failed rows in the progress too) instead of the foreachBatch sink: its
-   ratio to barrier mode, and the rows its progress says it acked (the expected
-   outputs, when the progress of every batch is still in `recentProgress`). And
-   barrier mode with the tasks observed (`FTTasks(settings, observe=True)`,
-   integration.tasks.observed: each step's records, outputs and failures by cause in
-   the progress): its ratio to barrier mode, and the records its parse step's progress
-   says it read (the source's records, when every batch is still in `recentProgress`).
+   failures. A run is timed from the query's start until every expected output is in its
+   topic (and, FT on, no tree is pending). Reported: the median records/s of each and
+   the ratios on/off (target >= 0.9 in tree mode, >= 0.95 in barrier mode), the
+   complete latency of each FT-on run where the server measures it
+   (`integration.harness.benchlatency`), and the FT-layer server process's CPU and
+   storage writes per record over the timed runs of each mode
+   (`integration.harness.benchcost`; barrier mode's at the top level). With `observe`,
+   each round also runs barrier mode with `ft.replayColumn` and `ft_observe` at the
+   source and before the sink (integration.observe): its ratio to barrier mode is the
+   cost of ftlayer's figures in Spark's progress. And barrier mode with `ft_observe` at
+   the source and the Kafka sink inside the query's plan (`ft_kafka_stream`,
+   integration.kafkastream: acked and failed rows in the progress too) instead of the
+   foreachBatch sink: its ratio to barrier mode, and the rows its progress says it acked
+   (the expected outputs, when the progress of every batch is still in
+   `recentProgress`). And barrier mode with the tasks observed (`FTTasks(settings,
+   observe=True)`, integration.tasks.observed: each step's records, outputs and failures
+   by cause in the progress): its ratio to barrier mode, and the records its parse
+   step's progress says it read (the source's records, when every batch is still in
+   `recentProgress`).
 2. Failures. The same pipeline where enrich fails a `fail_rate` share of the events
    the first time it sees each (first sight = an O_EXCL marker file), once under
    ftlayer (FailException: that record's tree fails and is replayed) and once under
@@ -33,6 +36,9 @@ each phase writing to its own output topic and checkpoint.
    byte appended to a per-process file, so calls in failed task attempts count too).
    Reported per side: records processed again per failed record, (calls - events) /
    failed events; target for ftlayer <= 1.05.
+
+Every FT-on run has `ft.persist` = `persist`; every run is followed by a pause of a
+second (the server's deferred deletes of the run: `benchcost.SETTLE_S`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from typing import Any
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, FailException
 from ftlayer.integration.ftcolumns import FTSettings
+from ftlayer.integration.harness.benchcost import ServerCost
 from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demo import (
@@ -142,6 +149,7 @@ def bench_pipeline(
     max_per_trigger: int = 50_000,
     deadline_s: float = 900.0,
     observe: bool = False,
+    persist: str = "reference",
 ) -> dict[str, Any]:
     """See the module docstring; returns the figures."""
     from ftlayer.integration.kafkastream import ft_kafka_stream
@@ -153,6 +161,8 @@ def bench_pipeline(
 
     if records < 1 or partitions < 1 or rounds < 1 or not 0 < fail_rate < 1:
         raise ConfigError("need records, partitions, rounds >= 1 and 0 < fail_rate < 1")
+    if persist not in ("reference", "payload"):
+        raise ConfigError(f"persist is 'reference' or 'payload', not {persist!r}")
     users = 1_000
     expected = sum(1 for i in range(records) if passes_filter(i))
     with (
@@ -169,6 +179,7 @@ def bench_pipeline(
             register(spark)
             runs = 0
             timed: list[LatencyRun] = []
+            cost = ServerCost(server.pid)
 
             def run(
                 ft: bool,
@@ -204,6 +215,7 @@ def bench_pipeline(
                         reader.option("ft.address", server.address)
                         .option("ft.partitioner", "kafka-hash")
                         .option("ft.completion", completion)
+                        .option("ft.persist", persist)
                         .option("ft.replayColumn", str(observed).lower())
                     )
                 source = reader.load()
@@ -213,24 +225,25 @@ def bench_pipeline(
                 kept = tasks.filter(tasks.map(parsed, enrich, ENRICHED_SCHEMA), keep)
                 if observed and not in_plan:
                     kept = ft_observe(kept, "ftlayer.sink")
-                started = time.perf_counter()
-                writer = (
-                    ft_kafka_stream(kept, bootstrap, out, settings)
-                    if in_plan
-                    else kept.writeStream.foreachBatch(ft_kafka_sink(bootstrap, out, settings))
-                )
-                query = (
-                    writer.option("checkpointLocation", str(work / f"checkpoint-{runs}"))
-                    .trigger(processingTime="200 milliseconds")
-                    .start()
-                )
-                try:
-                    _wait_for_outputs(
-                        query, bootstrap, out, expected, server.address, ft, deadline_s
+                with cost.run(completion if ft and round_ is not None else None, records):
+                    started = time.perf_counter()
+                    writer = (
+                        ft_kafka_stream(kept, bootstrap, out, settings)
+                        if in_plan
+                        else kept.writeStream.foreachBatch(ft_kafka_sink(bootstrap, out, settings))
                     )
-                    elapsed = time.perf_counter() - started
-                finally:
-                    stop_when_idle(query)
+                    query = (
+                        writer.option("checkpointLocation", str(work / f"checkpoint-{runs}"))
+                        .trigger(processingTime="200 milliseconds")
+                        .start()
+                    )
+                    try:
+                        _wait_for_outputs(
+                            query, bootstrap, out, expected, server.address, ft, deadline_s
+                        )
+                        elapsed = time.perf_counter() - started
+                    finally:
+                        stop_when_idle(query)
                 if in_plan:
                     in_plan_acked.append(_observed_acked(query))
                 if steps_observed:
@@ -314,6 +327,9 @@ def bench_pipeline(
         "ft_off_seconds": [round(s, 2) for s in off_s],
         "ft_on_seconds": [round(s, 2) for s in on_s],
         "ft_on_barrier_seconds": [round(s, 2) for s in barrier_s],
+        "persist": persist,
+        **cost.figures(["barrier"]),
+        **cost.by_mode({"tree": ["tree"], "barrier": ["barrier"]}),
         "reprocessed_per_failed_ftlayer": reprocessed["ftlayer"],
         "reprocessed_per_failed_spark": reprocessed["spark"],
         "failed_events_ftlayer": reprocessed["ftlayer_failed_events"],

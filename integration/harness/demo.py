@@ -324,9 +324,11 @@ def run_demo(
     max_retries: int = 10,
     completion: str = "barrier",
     http_port: int | None = None,
+    persist: str = "reference",
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts. With `http_port`,
-    the FT-layer process serves its status page and /metrics on that loopback port."""
+    the FT-layer process serves its status page and /metrics on that loopback port;
+    `completion` and `persist` are the source's ft.completion and ft.persist."""
     from ftlayer.integration.sinks import ft_kafka_sink
     from ftlayer.integration.source import register
     from ftlayer.integration.spark import local_spark
@@ -368,6 +370,7 @@ def run_demo(
                 .option("ft.partitioner", "kafka-hash")
                 .option("ft.maxRetries", str(max_retries))
                 .option("ft.completion", completion)
+                .option("ft.persist", persist)
                 .option("ft.deadLetterTopic", dead_topic)
                 .option("kafka.group.id", group)
                 .load()
@@ -451,6 +454,7 @@ def run_demo(
             ),
             "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
             "completion": completion,
+            "persist": persist,
             "group_lag_at_end": lag,
             # Records read again by a re-run (a retried task): each retired its earlier
             # root instead of leaving it to time out (ftlayer.core.takeover).

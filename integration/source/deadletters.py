@@ -14,6 +14,10 @@ headers that say where it came from and why it died:
 | `ftlayer-dlq-first-failed`, `-last-failed`, `-dead-at` | epoch ms |
 | `ftlayer-dlq-causes` | JSON list of its failures' causes (at, kind, step, error, final) |
 
+A dead letter stored by reference (`ft.persist=reference`) is written once its bytes
+were copied into the FT layer; one whose record Kafka no longer had (its last cause
+`source-expired`) is written without key and value, its headers saying where it was.
+
 A dead letter leaves the FT layer's store only after the broker confirmed its write
 (DEAD_LETTERS "delivered"): a crash between the two writes it again (a duplicate in
 the topic), never loses it.
@@ -25,11 +29,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+import numpy as np
+
 from ftlayer.records import RecordBatch
 
 from .payloads import decode_payloads
 
-__all__ = ["DLQ_HEADER_PREFIX", "dead_letter_messages", "history_of"]
+__all__ = ["DLQ_HEADER_PREFIX", "dead_letter_messages", "deliverable", "history_of"]
 
 DLQ_HEADER_PREFIX: Final = "ftlayer-dlq-"
 
@@ -38,13 +44,32 @@ def _ms(seconds: float | None) -> bytes:
     return b"" if seconds is None else str(round(seconds * 1000)).encode()
 
 
+def deliverable(letters: Sequence[Mapping[str, Any]], records: RecordBatch) -> list[int]:
+    """The rows that can be written now: all but those stored by reference whose bytes
+    are not copied in yet (unless Kafka no longer had them: last cause source-expired)."""
+    references = records.reference_mask
+    return [i for i, letter in enumerate(letters) if not references[i] or _expired(letter)]
+
+
+def _expired(letter: Mapping[str, Any]) -> bool:
+    causes = letter.get("causes") or []
+    return bool(causes) and causes[-1].get("kind") == "source-expired"
+
+
 def dead_letter_messages(
     letters: Sequence[Mapping[str, Any]], records: RecordBatch
 ) -> list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]:
-    """(key, value, headers) of each dead letter, as written to the dead-letter topic."""
-    keys, values, timestamps, headers = decode_payloads(records.payloads)
-    messages = []
+    """(key, value, headers) of each dead letter, as written to the dead-letter topic
+    (rows stored by reference: no key, value nor original headers)."""
+    references = records.reference_mask
+    stored = np.flatnonzero(~references)
+    keys, values, timestamps, headers = decode_payloads(
+        [records.payloads[i] for i in stored.tolist()]
+    )
+    at = {int(row): j for j, row in enumerate(stored.tolist())}
+    messages: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
     for i, letter in enumerate(letters):
+        j = at.get(i)
         causes = [
             {k: v for k, v in cause.items() if k != "final" or v} for cause in letter["causes"]
         ]
@@ -52,7 +77,7 @@ def dead_letter_messages(
             "topic": records.topics[i].encode(),
             "partition": str(int(records.partitions[i])).encode(),
             "offset": str(int(records.offsets[i])).encode(),
-            "timestamp": str(int(timestamps[i])).encode(),
+            "timestamp": b"" if j is None else str(int(timestamps[j])).encode(),
             "source-id": str(int(letter["source_id"])).encode(),
             "attempts": str(int(letter["attempts"])).encode(),
             "first-failed": _ms(letter["first_failed"]),
@@ -60,9 +85,12 @@ def dead_letter_messages(
             "dead-at": _ms(letter.get("dead_at")),
             "causes": json.dumps(causes, separators=(",", ":")).encode(),
         }
-        kept = [(k, v if v is not None else b"") for k, v in headers[i]]
         added = [(DLQ_HEADER_PREFIX + name, value) for name, value in history.items()]
-        messages.append((keys[i].as_py(), values[i].as_py(), [*kept, *added]))
+        if j is None:
+            messages.append((None, None, added))
+            continue
+        kept = [(k, v if v is not None else b"") for k, v in headers[j]]
+        messages.append((keys[j].as_py(), values[j].as_py(), [*kept, *added]))
     return messages
 
 

@@ -43,19 +43,21 @@ import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
+from numpy.typing import NDArray
 
 from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import CheckpointReport
-from ftlayer.wire import DeadLetterList
+from ftlayer.wire import DeadLetterList, UnfilledList
 
 from .columnar import probe_consumer
-from .deadletters import dead_letter_messages
+from .deadletters import dead_letter_messages, deliverable
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
+from .kafkaread import new_consumer
 from .options import SourceOptions
-from .reader import new_consumer
+from .refetch import read_at
 
 T = TypeVar("T")
 
@@ -70,6 +72,7 @@ _DRIVER_TIMEOUT_MS: Final = 1500
 # its whole timeout, fetching the same batch again and again meanwhile.
 _PROBE_POLL_MS: Final = 2
 _DELIVER_CHUNK: Final = 500  # dead letters per DEAD_LETTERS request and producer flush
+_FILL_CHUNK: Final = 10_000  # failed records per UNFILLED request and Kafka read
 # Connection settings the group-commit consumer shares with the reading consumers.
 _SECURITY: Final = frozenset(
     k for k in KafkaConsumer.DEFAULT_CONFIG if k.startswith(("ssl_", "sasl_", "security_"))
@@ -422,10 +425,12 @@ class SourceDriver:
         delivered = 0
         while True:
             listed = self._ft_call("read the dead letters", partial(_list_dead, source_id))
-            if not listed.letters:
+            rows = deliverable(listed.letters, listed.records)
+            if not rows:  # none, or only records whose bytes are still to be copied in
                 return delivered
+            letters = [listed.letters[i] for i in rows]
             producer = self._dead_letter_producer()
-            messages = dead_letter_messages(listed.letters, listed.records)
+            messages = dead_letter_messages(letters, listed.records.take(np.array(rows)))
             futures = [
                 producer.send(topic, key=key, value=value, headers=headers)
                 for key, value, headers in messages
@@ -433,13 +438,15 @@ class SourceDriver:
             producer.flush(timeout=self._timeout_ms() * 4 / 1000)
             confirmed = [
                 letter["seq"]
-                for letter, future in zip(listed.letters, futures, strict=True)
+                for letter, future in zip(letters, futures, strict=True)
                 if future.is_done and future.succeeded()
             ]
             if confirmed:
                 self._ft_call("mark dead letters delivered", partial(_delivered, confirmed))
                 delivered += len(confirmed)
-            if len(confirmed) < len(listed.letters):
+            if len(rows) < len(listed.letters):  # the rest after their bytes are copied
+                return delivered
+            if len(confirmed) < len(letters):
                 failed = next(f for f in futures if not (f.is_done and f.succeeded()))
                 raise KafkaError(f"the broker did not confirm a dead letter: {failed.exception}")
             if not listed.more:
@@ -631,7 +638,55 @@ class SourceDriver:
         status = self._ft_call("read the replay cursor", lambda client: client.status())
         self._server_timeout_s = status.timeout_s
         self.pending = {t: status.pending_of(s) for t, s in self.source_ids.items()}
+        unfilled = [
+            s
+            for s in sorted(set(self.source_ids.values()))
+            if (figures := status.by_source.get(str(s))) is not None and figures.unfilled
+        ]
+        if unfilled:
+            self.fill_failed(unfilled)
         return status.replay_cursor_of(list(self.source_ids.values()))
+
+    def fill_failed(self, source_ids: list[int]) -> int:
+        """Copy the bytes of these sources' failed records stored by reference from
+        Kafka into the FT layer (ftlayer.core.fills), so their retries, dead letters
+        and `ftlayer inspect` no longer depend on the topic's retention; a record Kafka
+        no longer has becomes a dead letter (source-expired) there. Returns how many
+        were copied. A Kafka error is logged and the rest waits for the next trigger."""
+        copied = 0
+        for source_id in source_ids:
+            while True:
+                listed = self._ft_call(
+                    "list the failed records to copy", partial(_unfilled, source_id)
+                )
+                if not len(listed):
+                    break
+                try:
+                    found, payloads = read_at(self.options, listed.records)
+                except (SourceError, KafkaError, OSError) as exc:
+                    log.warning(
+                        "could not read %d failed records of source %d from Kafka to copy "
+                        "them into the FT layer (tried again at the next trigger): %r",
+                        len(listed), source_id, exc,
+                    )  # fmt: skip
+                    return copied
+                self._ft_call(
+                    "copy failed records into the FT layer",
+                    partial(_fill, listed.seqs, found, payloads),
+                )
+                copied += int(found.sum())
+                if not found.all():
+                    gone = listed.records.take(np.flatnonzero(~found))
+                    log.warning(
+                        "%d failed records of source %d are no longer in Kafka (retention, "
+                        "compaction or a deleted topic): dead letters with the cause "
+                        "source-expired; the first is %s-%d at offset %d",
+                        len(gone), source_id, gone.topics[0], int(gone.partitions[0]),
+                        int(gone.offsets[0]),
+                    )  # fmt: skip
+                if len(listed) < _FILL_CHUNK:
+                    break
+        return copied
 
 
 def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
@@ -649,6 +704,16 @@ def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
     for k in by_remainder[:left]:
         shares[k] += 1
     return shares
+
+
+def _unfilled(source_id: int, client: FTClient) -> UnfilledList:
+    return client.unfilled(source_id, _FILL_CHUNK)
+
+
+def _fill(
+    seqs: NDArray[np.uint64], found: NDArray[np.bool_], payloads: list[bytes], client: FTClient
+) -> int:
+    return client.fill(seqs, found, payloads)
 
 
 def _list_dead(source_id: int, client: FTClient) -> DeadLetterList:

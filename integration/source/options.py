@@ -342,6 +342,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
         choices=("tree", "barrier"),
     ),
     Option(
+        "ft.persist",
+        "choice",
+        "what the FT layer stores of each record before Spark sees it (section 4.10): "
+        "`reference` where the record is in Kafka (topic, partition, offset, key hash), "
+        "its bytes copied into the FT layer only once it fails; `payload` its bytes too "
+        "(for a topic whose retention may be shorter than a failure can last)",
+        "reference",
+        choices=("reference", "payload"),
+    ),
+    Option(
         "ft.checkpointMode",
         "choice",
         "how the FT layer's checkpoint of each batch boundary completes (section 6.6): "
@@ -399,6 +409,9 @@ class SourceOptions:
     """ft.deadLetterTopic; None: dead letters stay in the FT layer's store."""
     completion: str = "barrier"
     """ft.completion: "barrier" (the default) or "tree" (ftlayer.core.barrier)."""
+    persist: str = "reference"
+    """ft.persist: "reference" (the default: where each record is in Kafka) or "payload"
+    (its bytes too)."""
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
     """ft.heartbeatMs: how often the driver heartbeats a running batch; 0: never."""
     replay_column: bool = False
@@ -544,6 +557,7 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         retry=_retry_policy(given),
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
         completion=given.choice("ft.completion"),
+        persist=given.choice("ft.persist"),
         heartbeat_ms=_required(given.integer("ft.heartbeatMs")),
         replay_column=given.boolean("ft.replayColumn", False),
         idle_probe_s=_required(given.integer("idleProbeIntervalMs")) / 1000,

@@ -18,14 +18,11 @@ import itertools
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
-from kafka import KafkaConsumer, TopicPartition
-from kafka.errors import KafkaError
 from numpy.typing import NDArray
 from pyspark.sql.datasource import InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -33,27 +30,26 @@ from pyspark.sql.types import StructType
 
 from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
 from ftlayer.client import BatchingChannel
-from ftlayer.errors import SourceError
 from ftlayer.integration.ftcolumns import LOOP_HEADER, read_loop_headers, to_signed
 from ftlayer.partitioners import (
     kafka_key_hashes,
     spark_key_hashes,
 )
-from ftlayer.records import Payloads
+from ftlayer.records import Payloads, ReplayRecords
 
-from .columnar import RecordColumns, columnar_consumer
+from .columnar import RecordColumns
+from .kafkaread import read_kafka, user_headers
 from .options import SourceOptions
 from .payloads import decode_payloads, encode_payload_columns, encode_payloads, headers_array
 
 log = logging.getLogger("ftlayer.source")
 
-# An executor reads one partition, so one partition's fetch may use most of the fetch.
-_FETCH_MAX_BYTES: Final = 32 * 1024 * 1024
-_PARTITION_FETCH_MAX_BYTES: Final = 16 * 1024 * 1024
-_MAX_POLL_RECORDS: Final = 50_000
-# kafka-python's poll() returns early only with records; poll in short slices.
-POLL_SECONDS: Final = 0.05
+SOURCE_EXPIRED: Final = Cause(
+    FailKind.SOURCE_EXPIRED, "ftkafka", "Kafka no longer has the record", final=True
+)
+
 # A PERSIST frame is at most 64 MiB: persist in chunks well below that.
 _PERSIST_CHUNK_BYTES: Final = 16 * 1024 * 1024
 # FT on, a polled chunk is persisted and yielded in pieces of at most this many
@@ -112,19 +108,25 @@ def read_partition(
         _spark_key_hashes if options.partitioner == "spark-hash" else kafka_key_hashes
     )
     mark_replays = options.replay_column and persister is not None  # the ft_replay column
+    by_reference = options.persist == "reference"  # where each record is, not its bytes
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
     # on, the next chunk is fetched and decoded while this one's persist is confirmed.
-    chunks = _read_kafka(options, part)
+    chunks = read_kafka(options, part)
     for chunk in chunks if persister is None else _pieces(_prefetched(chunks)):
         n = len(chunk)
-        kept = _user_headers(chunk.header_lists()) if options.keeps_headers else None
+        kept = user_headers(chunk.header_lists()) if options.keeps_headers else None
         anchors = None
         if persister is not None and channel is not None and chunk.headers is None:
             # The usual chunk: no record has a Kafka header, so none was looped, and
-            # every record starts a tree; its payloads are built column-wise.
-            columns = encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
+            # every record starts a tree; its payloads are built column-wise (none by
+            # reference: the FT layer stores where each record is).
+            columns = (
+                _no_payloads(n)
+                if by_reference
+                else encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
+            )
             hashes = _key_hashes_of(chunk.keys, key_hashes)
-            anchors = _persist(persister, part, columns, chunk.offsets, *hashes)
+            anchors = _persist(persister, part, columns, chunk.offsets, *hashes, by_reference)
         elif persister is not None and channel is not None and chunk.headers is not None:
             keys, values = chunk.keys.to_pylist(), chunk.values.to_pylist()
             loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, loop_secret)
@@ -135,8 +137,14 @@ def read_partition(
                     refused, part.topic, part.partition, LOOP_HEADER,
                 )  # fmt: skip
             if not loop_roots.any():  # no loop record: every record starts a tree
-                payloads = encode_payloads(keys, values, chunk.timestamps, kept)
-                anchors = _persist(persister, part, payloads, chunk.offsets, *key_hashes(keys))
+                payloads = (
+                    _no_payloads(n)
+                    if by_reference
+                    else encode_payloads(keys, values, chunk.timestamps, kept)
+                )
+                anchors = _persist(
+                    persister, part, payloads, chunk.offsets, *key_hashes(keys), by_reference
+                )
             else:
                 anchors = _persist_or_continue(
                     persister,
@@ -150,6 +158,7 @@ def read_partition(
                     kept,
                     loop_roots,
                     loop_ids,
+                    by_reference,
                 )
         yield _arrow_batch(
             arrow_schema,
@@ -170,6 +179,8 @@ def read_partition(
         replay = channel.fetch_replay(
             part.replay_lo, part.replay_hi, part.source_id, part.partition
         )
+        if len(replay) and replay.records.any_references:
+            replay = _read_back(options, channel, replay)
         if len(replay):
             records = replay.records
             emitted = persister.emit_replays(records.roots)
@@ -188,6 +199,34 @@ def read_partition(
             )
     # Step 4: the emission events of the replays (and anything else buffered) go now.
     channel.flush()
+
+
+def _read_back(
+    options: SourceOptions, channel: BatchingChannel, replay: ReplayRecords
+) -> ReplayRecords:
+    """Replays fetched before their source copied their bytes into the FT layer (stored
+    by reference): read from Kafka at their coordinates. Those Kafka no longer has
+    fail, final (`source-expired`: dead letters) and are not emitted."""
+    from .refetch import read_at  # only when a replay lacks its bytes
+
+    records = replay.records
+    rows = np.flatnonzero(records.reference_mask)
+    found, payloads = read_at(options, records.take(rows))
+    if not found.all():
+        gone = rows[~found]
+        channel.fail(records.roots[gone], SOURCE_EXPIRED)
+        log.warning(
+            "%d replayed records are no longer in Kafka (retention, compaction or a "
+            "deleted topic): dead letters with the cause source-expired",
+            len(gone),
+        )
+    records = records.with_payloads(
+        rows[found], [p for p, f in zip(payloads, found, strict=True) if f]
+    )
+    keep = np.ones(len(records), dtype=np.bool_)
+    keep[rows[~found]] = False
+    replay = ReplayRecords(replay.replay_seqs, replay.partitions, records)
+    return replay if keep.all() else replay.take(np.flatnonzero(keep))
 
 
 def _pieces(chunks: Iterator[RecordColumns]) -> Iterator[RecordColumns]:
@@ -260,6 +299,7 @@ def _persist_or_continue(
     headers: list[list[tuple[str, bytes | None]]] | None,
     loop_roots: NDArray[np.uint64],
     loop_ids: NDArray[np.uint64],
+    by_reference: bool,
 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """The (ft_root, ft_id) columns of a chunk holding records a loop fed back (step 2):
     the others are persisted as new trees; a looped record starts none: one XOR event
@@ -268,14 +308,18 @@ def _persist_or_continue(
     fresh = np.flatnonzero(loop_roots == 0)
     if len(fresh):
         keys_f = [keys[i] for i in fresh.tolist()]
-        payloads = encode_payloads(
-            keys_f,
-            [values[i] for i in fresh.tolist()],
-            timestamps[fresh],
-            None if headers is None else [headers[i] for i in fresh.tolist()],
+        payloads = (
+            _no_payloads(len(fresh))
+            if by_reference
+            else encode_payloads(
+                keys_f,
+                [values[i] for i in fresh.tolist()],
+                timestamps[fresh],
+                None if headers is None else [headers[i] for i in fresh.tolist()],
+            )
         )
         roots[fresh], ids[fresh] = _persist(
-            persister, part, payloads, offsets[fresh], *key_hashes(keys_f)
+            persister, part, payloads, offsets[fresh], *key_hashes(keys_f), by_reference
         )
     looped = np.flatnonzero(loop_roots)
     if persister.barrier:  # the transit is released; a barrier hold takes its place
@@ -286,6 +330,11 @@ def _persist_or_continue(
     channel.xor(loop_roots[looped], loop_ids[looped] ^ new)
     roots[looped], ids[looped] = to_signed(loop_roots[looped]), to_signed(new)
     return roots, ids
+
+
+def _no_payloads(n: int) -> Payloads:
+    """The payloads of n records stored by reference: none."""
+    return Payloads(b"", np.zeros(n, dtype=np.int64))
 
 
 def _spark_key_hashes(keys: Sequence[bytes | None]) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
@@ -309,10 +358,12 @@ def _persist(
     offsets: NDArray[np.int64],
     hashes: NDArray[np.int64],
     has_key: NDArray[np.bool_],
+    by_reference: bool = False,
 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """Persist one polled chunk in PERSIST frames of about 16 MiB of payloads (a frame
     holds at most 64 MiB); returns the (ft_root, ft_id) columns once the FT layer
-    confirmed every frame."""
+    confirmed every frame. `by_reference`: the payloads are empty, the records stored
+    by reference."""
     sizes = (
         payloads.lengths
         if isinstance(payloads, Payloads)
@@ -330,6 +381,7 @@ def _persist(
             offsets=offsets[lo:hi],
             key_hashes=hashes[lo:hi],
             has_key=has_key[lo:hi],
+            references=by_reference,
         )
         roots.append(anchors.roots)
         ids.append(anchors.ids)
@@ -372,78 +424,3 @@ def _repeated(text: str, n: int) -> Any:
     return pa.Array.from_buffers(
         pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(raw * n)]
     )
-
-
-def _read_kafka(
-    options: SourceOptions, part: FTKafkaPartition
-) -> Generator[RecordColumns, None, None]:
-    """Kafka [start, end) of one partition, in polled chunks of records as columns.
-    SourceError if no record arrives for pollTimeoutMs."""
-    if part.end <= part.start:
-        return
-    timeout_ms = int(options.poll_timeout_s * 1000)
-    config: dict[str, Any] = {
-        "bootstrap_timeout_ms": min(timeout_ms, 30_000),
-        "fetch_max_bytes": _FETCH_MAX_BYTES,
-        "max_partition_fetch_bytes": _PARTITION_FETCH_MAX_BYTES,
-        "max_poll_records": _MAX_POLL_RECORDS,
-        "fetch_max_wait_ms": 100,
-        **options.kafka_config,
-    }
-    where = f"{part.topic}-{part.partition} [{part.start}, {part.end})"
-    try:
-        consumer = new_consumer(options.bootstrap, config)
-        # Records as columns, one chunk per poll (the module docstring of .columnar).
-        columnar = columnar_consumer(consumer, int(config["max_poll_records"]))
-        max_records = 1 if columnar else None
-    except KafkaError as exc:
-        raise SourceError(
-            f"cannot reach Kafka at {options.bootstrap} to read {where}: {exc!r}"
-        ) from exc
-    try:
-        tp = TopicPartition(part.topic, part.partition)
-        consumer.assign([tp])
-        consumer.seek(tp, part.start)
-        position = part.start
-        last_progress = time.monotonic()
-        while position < part.end:
-            polled = consumer.poll(timeout_ms=int(POLL_SECONDS * 1000), max_records=max_records)
-            found = polled.get(tp)
-            records = RecordColumns.of_polled(found).before(part.end) if found else None
-            # Offsets may have gaps (compaction, transaction markers): go by position.
-            new_position = int(consumer.position(tp))
-            if records or new_position > position:
-                last_progress = time.monotonic()
-            position = max(position, new_position)
-            if records:
-                if records.offsets[0] < part.start:  # paranoid: seek must not go back
-                    raise SourceError(f"Kafka returned offset {records.offsets[0]} for {where}")
-                yield records
-            elif time.monotonic() - last_progress > options.poll_timeout_s:
-                raise SourceError(
-                    f"reading {where} from Kafka at {options.bootstrap}: nothing arrived "
-                    f"for {options.poll_timeout_s:.1f} s (kafkaConsumer.pollTimeoutMs) at "
-                    f"offset {position}"
-                )
-    except KafkaError as exc:
-        raise SourceError(f"reading {where} from Kafka at {options.bootstrap}: {exc!r}") from exc
-    finally:
-        consumer.close(autocommit=False)
-
-
-def new_consumer(bootstrap: str, config: Mapping[str, Any]) -> Any:
-    return KafkaConsumer(
-        bootstrap_servers=bootstrap,
-        group_id=None,
-        enable_auto_commit=False,
-        allow_auto_create_topics=False,
-        **{"client_id": "ftkafka", **config},
-    )
-
-
-def _user_headers(
-    headers: Sequence[Sequence[tuple[str, bytes | None]] | None],
-) -> list[list[tuple[str, bytes | None]]]:
-    """Each record's Kafka headers as the `headers` column shows them and the payload
-    keeps them: in order, without the loop header (ftlayer's own, see ftcolumns)."""
-    return [[(k, v) for k, v in (found or ()) if k != LOOP_HEADER] for found in headers]

@@ -47,6 +47,61 @@ def test_bench_persist_json_reports_both_sides(
     assert float(result["ratio_vs_raw_lmdb"]) > 0  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("argv", "module", "function", "passed"),
+    [
+        (
+            ["--fast", "--persist", "payload", "--fail-rate", "0.01"],
+            "benchfast",
+            "bench_fast",
+            {"fail_rate": 0.01, "persist": "payload"},
+        ),
+        (["--fast"], "benchfast", "bench_fast", {"fail_rate": 0.0, "persist": "reference"}),
+        ([], "benchpipe", "bench_pipeline", {"fail_rate": 0.001, "persist": "reference"}),
+    ],
+)
+def test_bench_pipeline_passes_persist_and_fail_rate_and_prints_the_server_cost(
+    argv: list[str],
+    module: str,
+    function: str,
+    passed: dict[str, object],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib
+
+    harness = importlib.import_module(f"ftlayer.integration.harness.{module}")
+    given: dict[str, object] = {}
+
+    def bench(**kwargs: object) -> dict[str, object]:
+        given.update(kwargs)
+        return {
+            "bench": "pipeline",
+            "persist": kwargs["persist"],
+            "server_cpu_us_per_record": 2.5,
+            "lmdb_bytes_per_record": None,
+        }
+
+    monkeypatch.setattr(harness, function, bench)
+    assert main(["bench", "pipeline", *argv]) == 0
+    assert {k: given[k] for k in passed} == passed
+    out = capsys.readouterr().out
+    assert "server_cpu_us_per_record" in out and "lmdb_bytes_per_record" in out
+    assert out.rstrip().endswith(
+        "ftlayer bench pipeline: the FT-layer server in barrier mode: 2.5 µs of CPU and no "
+        f"write figure (/proc/<pid>/io not readable) per record (ft.persist {passed['persist']})"
+    )
+
+
+def test_demo_takes_persist_reference_by_default_and_refuses_another() -> None:
+    from ftlayer.cli import _parser
+
+    assert _parser().parse_args(["demo"]).persist == "reference"
+    assert _parser().parse_args(["demo", "--persist", "payload"]).persist == "payload"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["demo", "--persist", "bytes"])
+
+
 @pytest.mark.parametrize("argv", [["bench", "acker", "--roots", "0"], ["bench", "nope"], []])
 def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -160,7 +160,7 @@ def test_a_replay_waiting_to_be_read_never_times_out_and_times_out_once_fetched(
         clock.now = float(t)
         ft.tick()
     stats = ft.current_stats()
-    assert stats.failed == {"explicit": 4, "timeout": 0, "recovery": 0}
+    assert stats.failed == {"explicit": 4, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert stats.pending == 4 and ft.replay_cursor == 4
     first = ft.fetch_replay(0, ft.replay_cursor)  # read at t = 99.5
     clock.now = 101.0

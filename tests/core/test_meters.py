@@ -165,7 +165,7 @@ def test_replays_count_as_completed_but_not_in_the_latency() -> None:
     stats = ft.current_stats()
     source = stats.by_source["7"]
     assert stats.completed == 3 and source["completed"] == 3
-    assert source["failed"] == {"explicit": 3, "timeout": 0, "recovery": 0}
+    assert source["failed"] == {"explicit": 3, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert source["replayed"] == stats.replayed == 2
     assert source["dead_lettered"] == stats.dead_lettered == 1
     latency = stats.complete_latency

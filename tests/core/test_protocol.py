@@ -54,6 +54,11 @@ def batches(draw: st.DrawFn, max_size: int = 20) -> RecordBatch:
         partitions=np.array(draw(column(I32, min_size=n, max_size=n)), dtype=np.int32),
         offsets=np.array(draw(column(I64, min_size=n, max_size=n)), dtype=np.int64),
         payloads=payloads,
+        references=(
+            np.array(draw(column(st.booleans(), min_size=n, max_size=n)), dtype=np.bool_)
+            if draw(st.booleans())
+            else None
+        ),
     )
 
 
@@ -63,6 +68,7 @@ def assert_same_batch(got: RecordBatch, want: RecordBatch) -> None:
         actual = getattr(got, name)
         assert actual.dtype == expected.dtype, name
         np.testing.assert_array_equal(actual, expected, err_msg=name)
+    np.testing.assert_array_equal(got.reference_mask, want.reference_mask, err_msg="references")
     assert list(got.topics) == list(want.topics)
     assert list(got.payloads) == list(want.payloads)
     assert all(type(payload) is bytes for payload in got.payloads)
@@ -489,10 +495,10 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
         "topic index 1 is out of range",
     ),
     (
-        "persist has_key not 0 or 1",
-        reframe(p.Kind.PERSIST, _patch(_persist_body(), _HAS_KEY_AT, b"\x02")),
+        "persist record flags beyond bits 0 and 1",
+        reframe(p.Kind.PERSIST, _patch(_persist_body(), _HAS_KEY_AT, b"\x04")),
         p.BadRequest,
-        "has_key",
+        "record flags",
     ),
     (
         "persist topic not utf-8",

@@ -109,7 +109,12 @@ def test_a_reread_retires_the_earlier_roots_without_replay_or_completion_notice(
     ft.xor(retry.roots, retry_ids)
     assert sorted(heard) == [(0, 0), (0, 1), (0, 2), (0, 3)] and len(storage) == 0
     _timeouts(ft, clock, 4 * T)
-    assert ft.current_stats().failed == {"explicit": 0, "timeout": 0, "recovery": 0}
+    assert ft.current_stats().failed == {
+        "explicit": 0,
+        "timeout": 0,
+        "recovery": 0,
+        "source-expired": 0,
+    }
     assert ft.replay_cursor == 0 and ft.fetch_replay(0, 0).records.offsets.tolist() == []
 
 

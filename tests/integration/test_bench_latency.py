@@ -17,7 +17,7 @@ def _figures(latency: dict[str, Any]) -> dict[str, Any]:
     return {
         "persisted": 10,
         "completed": latency["count"],
-        "failed": {"explicit": 0, "timeout": 0, "recovery": 0},
+        "failed": {"explicit": 0, "timeout": 0, "recovery": 0, "source-expired": 0},
         "replayed": 0,
         "dead_lettered": 0,
         "replay_queue": 0,

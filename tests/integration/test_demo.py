@@ -53,6 +53,7 @@ def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> 
     # and completed one tree, or two where the source persisted its record again (the
     # worker kill: Spark computed a task's input again).
     assert result["produced"] == 3000
+    assert result["persist"] == "reference"  # ft.persist, the default
     at_sink = result["completed_at_sink"]
     assert at_sink == 3000 - result["dead_lettered"]
     assert at_sink <= result["completed"] <= at_sink + result["persisted_again"]

@@ -188,7 +188,12 @@ def test_records_failed_explicitly_are_replayed_and_reach_the_sink(
     # A failed record leaves nothing at the sink: its one replay writes it once.
     assert len(found) == len(set(found)), "duplicates without any fault that allows them"
     assert {int(p.name) for p in flaky_dir.iterdir()} == flaky  # each raised on first sight
-    assert status["failed"] == {"explicit": len(flaky), "timeout": 0, "recovery": 0}
+    assert status["failed"] == {
+        "explicit": len(flaky),
+        "timeout": 0,
+        "recovery": 0,
+        "source-expired": 0,
+    }
     # One completed tree per event: the flaky ones complete under their replay roots.
     assert (status["completed"], status["pending"]) == (N, 0)
     assert status["replay_cursor"] == len(flaky)
@@ -581,7 +586,12 @@ def test_the_pipeline_on_a_local_cluster_of_two_executor_jvms(
     assert len(found) == len(set(found)), "duplicates without any fault that allows them"
     flaky = {i for i in range(N) if is_flaky(i, FAIL_RATE)}
     status = result["status"]
-    assert status["failed"] == {"explicit": len(flaky), "timeout": 0, "recovery": 0}
+    assert status["failed"] == {
+        "explicit": len(flaky),
+        "timeout": 0,
+        "recovery": 0,
+        "source-expired": 0,
+    }
     assert (status["completed"], status["pending"]) == (N, 0)
     # The work ran in both executor JVMs, neither of them the driver's.
     assert result["executors"] == 2

@@ -139,7 +139,7 @@ def test_each_batch_progress_carries_the_sinks_acked_and_failed_by_cause(
     failures = len(retried) + 2 * len(dead)
     assert listener.total("ftlayer.sink", "failed") == failures
     assert listener.failed_by_error("ftlayer.sink") == {TOO_LARGE: failures}
-    assert status.failed == {"explicit": failures, "timeout": 0, "recovery": 0}
+    assert status.failed == {"explicit": failures, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert status.dead_lettered == len(dead)
     assert all(
         cause["kind"] == "sink" and TOO_LARGE in cause["error"]

@@ -149,7 +149,7 @@ def test_a_step_three_times_the_timeout_times_nothing_out_and_replays_nothing(
     # The trees outlived their timeout (their entries expired and were postponed) ...
     assert status.timeouts_postponed >= len(everything)
     # ... yet none failed, nothing was replayed, and each record reached the sink once.
-    assert status.failed == {"explicit": 0, "timeout": 0, "recovery": 0}
+    assert status.failed == {"explicit": 0, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert status.persisted == status.completed == len(everything)
     assert status.replay_cursor == 0
     assert sorted(rows.rows) == everything

@@ -148,7 +148,7 @@ def test_each_batch_progress_carries_the_steps_failures_by_cause(
     assert listener.total(PARSE, "explicit") == len(explicit)
     assert listener.total(PARSE, "error") == len(errors)
     assert listener.total(PARSE, "failed") == failures
-    assert status.failed == {"explicit": failures, "timeout": 0, "recovery": 0}
+    assert status.failed == {"explicit": failures, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert listener.total("ftlayer.source", "replays") == failures
     # The map read every event once and each failed one again; the filter failed none.
     assert listener.total(PARSE, "records") == N + failures

@@ -143,7 +143,7 @@ def test_map_filter_sink_chain_completes_every_tree_in_a_streaming_query(
     status = client.status()
     # Dropped records' trees complete too: the filter acks what it drops.
     assert (status["pending"], status["completed"]) == (0, N)
-    assert status["failed"] == {"explicit": 0, "timeout": 0, "recovery": 0}
+    assert status["failed"] == {"explicit": 0, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert status["unknown_events"] == status["late_events"] == 0
 
 

@@ -1,0 +1,211 @@
+"""Records stored by reference: the failed ones whose bytes the FT layer does not hold.
+
+A source that can replay by offset (Kafka) persists its records by reference
+(`ft.persist=reference`): the FT layer stores where each record is, not its bytes
+(`RecordBatch.references`). A record that completes never needs its bytes. One that
+fails does: its retries, its dead letter and `ftlayer inspect` must not depend on the
+source's retention. So a failed record stored by reference is *unfilled* until its
+source copies its bytes in:
+
+- `note_failed` (from every failure path, through requeue) lists the failed records
+  still stored by reference;
+- the source asks for its unfilled records (`unfilled`: the ftkafka driver, at every
+  trigger), reads each at its coordinates and hands the bytes back (`fill`): stored in
+  one transaction before the reply (`PersistenceStorage.fill`), and from then on every
+  read of the record (a replay, a dead letter, inspect) has them;
+- a record the source no longer has (retention, compaction, a deleted topic) is
+  *expired*: a pending one (queued, waiting for its backoff, or replaying) fails with
+  the final cause `source-expired` and becomes a dead letter; a dead letter gets that
+  cause added to its history. Either way it is no longer unfilled, is counted
+  (`failed["source-expired"]`, per source too), and is never skipped silently.
+
+A queued replay its source fetches before it was filled is read at its coordinates by
+the reader that fetched it (or failed `source-expired` there).
+
+The list is in memory only: `rebuild` makes it again at start from the failed records
+in storage (queued, waiting and dead-lettered records still stored by reference),
+leaving out the dead letters whose last cause is source-expired. A seq that left
+storage since it was listed (completed, purged) is dropped when `unfilled` meets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.records import RecordBatch
+
+from .state import CoreState
+from .stats import FailCause
+
+__all__ = ["FillResult", "UnfilledRecords", "fill", "note_failed", "rebuild", "unfilled"]
+
+Requeue = Callable[[CoreState, NDArray[np.uint64], NDArray[np.uint64], FailCause, Causes], None]
+
+SOURCE_EXPIRED: Final = Cause(
+    FailKind.SOURCE_EXPIRED, error="the source no longer has the record", final=True
+)
+
+
+class UnfilledRecords:
+    """Failed records of one source stored by reference: their storage seqs and the
+    stored records (coordinates, key hashes; payloads empty)."""
+
+    __slots__ = ("records", "seqs")
+
+    def __init__(self, seqs: NDArray[np.uint64], records: RecordBatch) -> None:
+        self.seqs = seqs
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class FillResult:
+    """What a `fill` did: records whose bytes it stored, and records found expired."""
+
+    __slots__ = ("expired", "filled")
+
+    def __init__(self, filled: int, expired: int) -> None:
+        self.filled = filled
+        self.expired = expired
+
+    def as_dict(self) -> dict[str, int]:
+        return {"filled": self.filled, "expired": self.expired}
+
+
+def note_failed(
+    s: CoreState, seqs: NDArray[np.uint64], batch: RecordBatch, dead: NDArray[np.bool_]
+) -> None:
+    """Records that just failed (`batch`, stored under `seqs`): those stored by
+    reference are unfilled, except dead letters that expired in their source."""
+    if not batch.any_references:
+        return
+    rows = np.flatnonzero(batch.reference_mask)
+    for row, seq, source_id in zip(
+        rows.tolist(), seqs[rows].tolist(), batch.source_ids[rows].tolist(), strict=True
+    ):
+        if dead[row] and _expired_dead_letter(s, seq):
+            s.unfilled.pop(seq, None)
+        else:
+            s.unfilled[seq] = int(source_id)
+
+
+def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
+    """Up to `limit` unfilled records of `source_id`, oldest first."""
+    listed = sorted(seq for seq, source in s.unfilled.items() if source == source_id)
+    seqs = np.array(listed[: max(0, limit)], dtype=np.uint64)
+    if not len(seqs):
+        return UnfilledRecords(seqs, RecordBatch.empty())
+    stored = s.storage.contains(seqs)
+    for seq in seqs[~stored].tolist():  # completed or purged since
+        del s.unfilled[seq]
+    seqs = seqs[stored]
+    records = s.storage.get(seqs)
+    still = records.reference_mask
+    for seq in seqs[~still].tolist():  # filled meanwhile
+        del s.unfilled[seq]
+    if not bool(still.all()):
+        seqs, records = seqs[still], records.take(np.flatnonzero(still))
+    return UnfilledRecords(seqs, records)
+
+
+def fill(
+    s: CoreState,
+    seqs: NDArray[np.uint64],
+    payloads: Sequence[bytes],
+    found: NDArray[np.bool_],
+    requeue: Requeue,
+) -> FillResult:
+    """The source read records stored by reference (`seqs`): `found` ones with these
+    `payloads` (stored now), the others expired in the source (see the module
+    docstring); `requeue` is ftlayer.core.failure's, which fails the pending ones.
+    Seqs not stored, or not unfilled, are left alone."""
+    rows = np.flatnonzero(found)
+    filled = s.storage.fill(seqs[rows], [payloads[i] for i in rows.tolist()]) if len(rows) else 0
+    s.stats.filled += filled
+    for seq in seqs[rows].tolist():
+        s.unfilled.pop(seq, None)
+    gone = seqs[~found]
+    gone = gone[s.storage.contains(gone)] if len(gone) else gone
+    if not len(gone):
+        return FillResult(filled, 0)
+    s.changing()
+    # Pending ones (queued, waiting or replaying) fail, final: dead letters.
+    live = s.acker.live_columns("root", "seq", copy=False)
+    pending = np.isin(live["seq"], gone)
+    roots, pending_seqs = live["root"][pending], live["seq"][pending]
+    if len(roots):
+        requeue(s, roots, pending_seqs, FailCause.SOURCE_EXPIRED, _expired(len(roots)))
+    # Dead letters already: the cause goes into their history.
+    now = s.wall()
+    changed = {}
+    for seq in np.setdiff1d(gone, pending_seqs).tolist():
+        record = s.book.dead.get(seq)
+        if record is not None and not _expired_dead_letter(s, seq):
+            record = record.copy()
+            record.add_failure(now, SOURCE_EXPIRED)
+            record.dead_at = now
+            changed[seq] = record
+    if changed:
+        old = s.book.stage(changed)
+        try:
+            s.storage.flush_staged()
+        except BaseException:
+            s.book.unstage(old)
+            raise
+        s.book.commit(changed)
+        s.stats.failed[FailCause.SOURCE_EXPIRED.value] += len(changed)
+        s.meters.failed(
+            FailCause.SOURCE_EXPIRED.value,
+            np.array([r.source_id for r in changed.values()], dtype=np.uint32),
+        )
+    for seq in gone.tolist():
+        s.unfilled.pop(seq, None)
+    return FillResult(filled, len(roots) + len(changed))
+
+
+def rebuild(s: CoreState) -> None:
+    """The unfilled list at start: failed records (queued, waiting, dead letters) still
+    stored by reference, but dead letters that expired in their source."""
+    queued = s.queue.columns()["seq"] if len(s.queue) else np.zeros(0, np.uint64)
+    candidates = np.union1d(
+        np.asarray(queued, dtype=np.uint64),
+        np.fromiter(s.book.seqs(), dtype=np.uint64, count=len(s.book)),
+    )
+    if not len(candidates):
+        return
+    candidates = candidates[s.storage.contains(candidates)]
+    for start in range(0, len(candidates), 65536):
+        chunk = candidates[start : start + 65536]
+        records = s.storage.get(chunk)
+        if not records.any_references:
+            continue
+        rows = np.flatnonzero(records.reference_mask)
+        for seq, source_id in zip(
+            chunk[rows].tolist(), records.source_ids[rows].tolist(), strict=True
+        ):
+            if not _expired_dead_letter(s, seq):
+                s.unfilled[seq] = int(source_id)
+
+
+def counts_by_source(s: CoreState) -> dict[int, int]:
+    """Unfilled records per source id."""
+    counts: dict[int, int] = {}
+    for source_id in s.unfilled.values():
+        counts[source_id] = counts.get(source_id, 0) + 1
+    return counts
+
+
+def _expired(n: int) -> Causes:
+    return Causes.one(SOURCE_EXPIRED, n)
+
+
+def _expired_dead_letter(s: CoreState, seq: int) -> bool:
+    record: Any = s.book.dead.get(seq)
+    cause = None if record is None else record.last_cause
+    return cause is not None and cause.kind is FailKind.SOURCE_EXPIRED

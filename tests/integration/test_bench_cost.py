@@ -1,0 +1,89 @@
+"""The pipeline benches' server cost per record (integration.harness.benchcost), read
+from /proc for a process: here this test's own, which burns CPU and writes a file."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ftlayer.integration.harness import benchcost
+from ftlayer.integration.harness.benchcost import ServerCost, Usage
+
+
+def _burn_and_write(path: Path, size: int) -> None:
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    with path.open("wb") as f:
+        f.write(b"x" * size)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def test_cpu_and_bytes_per_record_over_the_runs_of_a_mode(tmp_path: Path) -> None:
+    cost = ServerCost(os.getpid(), settle_s=0)
+    with cost.run("barrier", 1_000):
+        _burn_and_write(tmp_path / "a", 200_000)
+    with cost.run("tree", 1_000):
+        _burn_and_write(tmp_path / "b", 100_000)
+    with cost.run(None, 1_000):  # an untimed run: not measured
+        _burn_and_write(tmp_path / "c", 100_000)
+    with pytest.raises(RuntimeError), cost.run("barrier", 1_000):  # a failed run: neither
+        raise RuntimeError("the run failed")
+    assert [(r.key, r.records) for r in cost.runs] == [("barrier", 1_000), ("tree", 1_000)]
+    barrier = cost.figures(["barrier"])
+    assert set(barrier) == {"server_cpu_us_per_record", "lmdb_bytes_per_record"}
+    # 50 ms of CPU: a few clock ticks; the bytes are 0 where /tmp is a tmpfs.
+    assert barrier["server_cpu_us_per_record"] >= 0
+    assert barrier["lmdb_bytes_per_record"] >= 0
+    assert cost.by_mode({"tree": ["tree"], "barrier": ["barrier"]}) == {
+        "server_cpu_us_per_record_by_mode": {
+            "tree": cost.figures(["tree"])["server_cpu_us_per_record"],
+            "barrier": barrier["server_cpu_us_per_record"],
+        },
+        "lmdb_bytes_per_record_by_mode": {
+            "tree": cost.figures(["tree"])["lmdb_bytes_per_record"],
+            "barrier": barrier["lmdb_bytes_per_record"],
+        },
+    }
+    assert cost.figures(["off"]) == {
+        "server_cpu_us_per_record": None,
+        "lmdb_bytes_per_record": None,
+    }
+
+
+def test_figures_sum_the_runs_and_bytes_are_none_when_proc_io_cannot_be_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readings = iter(
+        [
+            *(Usage(1.0, 1_000), Usage(1.5, 5_001_000)),  # barrier, then barrier again
+            *(Usage(2.0, 5_001_000), Usage(2.1, 6_001_000)),
+            *(Usage(3.0, None), Usage(3.5, None)),  # tree, /proc/<pid>/io unreadable
+        ]
+    )
+    monkeypatch.setattr(benchcost, "usage", lambda pid: next(readings))
+    cost = ServerCost(os.getpid(), settle_s=0)
+    for mode in ("barrier", "barrier"):
+        with cost.run(mode, 100_000):
+            pass
+    # 0.6 s of CPU and 6,000,000 bytes over 200,000 records.
+    assert cost.figures(["barrier"]) == {
+        "server_cpu_us_per_record": 3.0,
+        "lmdb_bytes_per_record": 30.0,
+    }
+    with cost.run("tree", 100_000):
+        pass
+    assert cost.figures(["tree"]) == {
+        "server_cpu_us_per_record": 5.0,
+        "lmdb_bytes_per_record": None,
+    }
+
+
+def test_usage_reads_this_process() -> None:
+    before = benchcost.usage(os.getpid())
+    assert before.cpu_s > 0
+    assert before.write_bytes is None or before.write_bytes >= 0

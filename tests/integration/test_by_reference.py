@@ -1,0 +1,142 @@
+"""Records stored by reference (`ft.persist=reference`) on real parts: a real broker, a
+real FT-layer server, the ftkafka source's own driver and reader (no Spark needed for
+these steps). A failed record's bytes are copied from Kafka into the FT layer by the
+driver; a replay fetched before that is read from Kafka by its reader; a record Kafka
+no longer has (its topic deleted) becomes a dead letter with the cause source-expired,
+counted in STATUS, never skipped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from fixture_types import MakeTopic
+from kafka import KafkaAdminClient
+from serverproc import Server
+
+from ftlayer.acking.handlers import Persister
+from ftlayer.causes import Cause, FailKind
+from ftlayer.client import FTClient
+from ftlayer.integration.harness.kafka import produce, wait_until
+from ftlayer.integration.source import parse_options, source_schema
+from ftlayer.integration.source.driver import SourceDriver
+from ftlayer.integration.source.options import SourceOptions
+from ftlayer.integration.source.payloads import decode_payloads
+from ftlayer.integration.source.reader import FTKafkaPartition, read_partition
+
+N = 12
+
+
+def _setup(
+    kafka_bootstrap: str, make_topic: MakeTopic, server: Server
+) -> tuple[str, SourceOptions, int, FTClient, SourceDriver, list[tuple[int, int]]]:
+    topic = make_topic(2)
+    make_topic(1)  # a cluster with a topic besides the one deleted (an empty listing is no answer)
+    positions = produce(kafka_bootstrap, topic, [(b"k%d" % i, b"value-%d" % i) for i in range(N)])
+    options = parse_options(
+        {
+            "kafka.bootstrap.servers": kafka_bootstrap,
+            "subscribe": topic,
+            "ft.address": server.address,
+            "ft.retryBackoffMs": "0",
+            "ft.completion": "tree",
+        }
+    )
+    assert options.persist == "reference"  # the default
+    source_id = options.source_ids()[topic]
+    driver = SourceDriver(options, options.source_ids())
+    driver.start()  # registers the source
+    return (
+        topic,
+        options,
+        source_id,
+        FTClient(server.address),
+        driver,
+        [(p.partition, p.offset) for p in positions],
+    )
+
+
+def _persist_by_reference(
+    client: FTClient, topic: str, source_id: int, where: list[tuple[int, int]]
+) -> np.ndarray:
+    """What the reader does with ft.persist=reference: the coordinates, no bytes."""
+    persister = Persister(client, source_id=source_id)
+    anchors = persister.persist(
+        [b""] * len(where),
+        topics=topic,
+        partitions=[p for p, _ in where],
+        offsets=[o for _, o in where],
+        references=True,
+    )
+    return anchors.roots
+
+
+def _delete(kafka_bootstrap: str, topic: str) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.delete_topics([topic])
+    finally:
+        admin.close()
+
+
+def test_the_driver_copies_failed_records_in_and_dead_letters_those_kafka_lost(
+    kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
+) -> None:
+    topic, _, source_id, client, driver, where = _setup(kafka_bootstrap, make_topic, ft_server)
+    try:
+        roots = _persist_by_reference(client, topic, source_id, where)
+        explicit = Cause(FailKind.EXPLICIT, "enrich", "FailException: lookup failed")
+        client.fail(roots[:3], explicit)
+        status = client.status()
+        assert status.unfilled == 3 and status.by_source[str(source_id)].unfilled == 3
+        # The driver's next trigger copies their bytes from Kafka.
+        driver.available(None)
+        status = client.status()
+        assert (status.unfilled, status.filled) == (0, 3)
+        replay = client.fetch_replay(0, status.replay_cursor_of([source_id]), source_id)
+        keys, values, _, _ = decode_payloads(replay.records.payloads)
+        got = sorted(zip(keys.to_pylist(), values.to_pylist(), strict=True))
+        assert got == [(b"k%d" % i, b"value-%d" % i) for i in range(3)]
+        # Two more fail; then the topic is deleted before the driver copies them.
+        client.fail(roots[3:5], explicit)
+        _delete(kafka_bootstrap, topic)
+        assert driver.fill_failed([source_id]) == 0
+        status = client.status()
+        assert status.unfilled == 0
+        assert status.failed["source-expired"] == 2
+        assert status.by_source[str(source_id)].failed["source-expired"] == 2
+        listed = client.dead_letters({"source_id": source_id})
+        assert sorted(listed.records.offsets.tolist()) == sorted(o for _, o in where[3:5])
+        assert {letter["causes"][-1]["kind"] for letter in listed.letters} == {"source-expired"}
+    finally:
+        driver.close()
+        client.close()
+
+
+def test_a_replay_fetched_before_its_bytes_were_copied_is_read_from_kafka(
+    kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
+) -> None:
+    topic, options, source_id, client, driver, where = _setup(
+        kafka_bootstrap, make_topic, ft_server
+    )
+    try:
+        roots = _persist_by_reference(client, topic, source_id, where)
+        failed = [i for i, (p, _) in enumerate(where) if p == 0][:3]
+        client.fail(roots[failed], Cause(FailKind.EXPLICIT, "s", "FailException: no"))
+        cursor = client.status().replay_cursor_of([source_id])
+        end = max(o for p, o in where if p == 0) + 1
+        part = FTKafkaPartition(topic, 0, end, end, source_id, 0, cursor)
+        schema = source_schema(True)
+        table = pa.Table.from_batches(list(read_partition(options, schema, part)))
+        assert sorted(table.column("value").to_pylist()) == sorted(b"value-%d" % i for i in failed)
+        assert sorted(table.column("offset").to_pylist()) == sorted(where[i][1] for i in failed)
+        # The driver has not copied them in: still unfilled.
+        assert client.status().unfilled == 3
+        # Kafka loses the topic: the reader emits none of them and fails each, final.
+        _delete(kafka_bootstrap, topic)
+        rows = list(read_partition(options, schema, part))
+        assert sum(batch.num_rows for batch in rows) == 0
+        wait_until(lambda: client.status().failed["source-expired"] == 3, 10, "the reader's fails")
+        assert client.status().dead_lettered == 3
+    finally:
+        driver.close()
+        client.close()
