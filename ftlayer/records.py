@@ -27,12 +27,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
-from typing import overload
+from typing import Final, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import ConfigError
+
+KEY_UNKNOWN: Final = -(2**63)
+"""The key hash of a record whose key the FT layer does not know yet (has_key False): a
+record of a batch range, stored by reference when an event named it; its source tells
+the key when it copies the bytes in (ftlayer.core.ranges, ftlayer.core.fills)."""
 
 U64 = NDArray[np.uint64]
 I64 = NDArray[np.int64]
@@ -185,6 +190,12 @@ class RecordBatch:
         return self.references
 
     @property
+    def key_unknown(self) -> NDArray[np.bool_]:
+        """Per record: its key is not known yet (KEY_UNKNOWN)."""
+        unknown: NDArray[np.bool_] = (self.key_hashes == KEY_UNKNOWN) & ~self.has_key
+        return unknown
+
+    @property
     def any_references(self) -> bool:
         return self.references is not None and bool(self.references.any())
 
@@ -260,20 +271,32 @@ class RecordBatch:
             references=self.references,
         )
 
-    def with_payloads(self, rows: NDArray[np.intp], payloads: Sequence[bytes]) -> RecordBatch:
+    def with_payloads(
+        self,
+        rows: NDArray[np.intp],
+        payloads: Sequence[bytes],
+        keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
+    ) -> RecordBatch:
         """The same records with the payloads of `rows` given (the bytes of records
         stored by reference, read from their source): those rows are references no
-        more."""
+        more. `keys`: their (key hashes, has_key), set where the key was unknown."""
         merged = list(self.payloads)
         for row, payload in zip(rows.tolist(), payloads, strict=True):
             merged[row] = payload
         references = self.reference_mask.copy()
         references[rows] = False
+        key_hashes, has_key = self.key_hashes, self.has_key
+        if keys is not None:
+            unknown = self.key_unknown[rows]
+            if bool(unknown.any()):
+                key_hashes, has_key = key_hashes.copy(), has_key.copy()
+                key_hashes[rows[unknown]] = keys[0][unknown]
+                has_key[rows[unknown]] = keys[1][unknown]
         return RecordBatch(
             roots=self.roots,
             source_ids=self.source_ids,
-            key_hashes=self.key_hashes,
-            has_key=self.has_key,
+            key_hashes=key_hashes,
+            has_key=has_key,
             topics=self.topics,
             partitions=self.partitions,
             offsets=self.offsets,

@@ -308,6 +308,8 @@ class Status(Mapping[str, Any]):
     the FT layer yet (ftlayer.core.fills)."""
     filled: int
     """Records stored by reference whose bytes their source copied in, since the start."""
+    open_ranges: int
+    """Batch ranges open now (ftlayer.core.ranges)."""
     dead_lettered: int
     """Records dead-lettered since the start."""
     dead_letters: int
@@ -382,6 +384,7 @@ class Status(Mapping[str, Any]):
             retry_waiting=_field(data, "retry_waiting", int, what),
             unfilled=_field(data, "unfilled", int, what),
             filled=_field(data, "filled", int, what),
+            open_ranges=_field(data, "open_ranges", int, what),
             dead_lettered=_field(data, "dead_lettered", int, what),
             dead_letters=_field(data, "dead_letters", int, what),
             dead_letters_delivered=_field(data, "dead_letters_delivered", int, what),

@@ -68,8 +68,10 @@ A record stored by reference (flag bit 1, `RecordBatch.references`) has no paylo
 its bytes are in its source, at its coordinates. `fill` stores the bytes of such
 records later (a failed record's, copied from its source so that its retries and its
 dead letter do not depend on the source's retention), in one transaction, as meta
-values under `fill/<seq>` (FILL_META_PREFIX, the seq as 20 decimal digits). From then
-on `get` and `scan` return the record with its bytes and without the flag; deleting
+values under `fill/<seq>` (FILL_META_PREFIX, the seq as 20 decimal digits): a byte 1
+then the key (key hash i64, has_key u8) where the source gave it, else a byte 0; then
+the payload. From then on `get` and `scan` return the record with its bytes and
+without the flag, and with that key where its key was unknown (KEY_UNKNOWN); deleting
 the record deletes its bytes (in the same transaction where the storage stages both,
 else just after: a fill a crash leaves behind its deleted record is dropped at the next
 `fill`/open check, `drop_stale_fills`).
@@ -88,7 +90,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.errors import ConfigError, StorageError
-from ftlayer.records import Payloads, RecordBatch
+from ftlayer.records import KEY_UNKNOWN, Payloads, RecordBatch
 
 HEADER: Final = np.dtype(
     [
@@ -178,14 +180,22 @@ class PersistenceStorage(ABC):
         batch = self._get(seq_array)
         return self._filled_in(seq_array, batch) if batch.any_references else batch
 
-    def fill(self, seqs: Seqs, payloads: Sequence[bytes]) -> int:
+    def fill(
+        self,
+        seqs: Seqs,
+        payloads: Sequence[bytes],
+        keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
+    ) -> int:
         """Store the bytes of records stored by reference (read from their source), in
-        one transaction; from then on they are returned with them. Seqs not stored, not
-        stored by reference, or filled before are left alone. Returns how many were
-        filled. ConfigError if the columns differ in length."""
+        one transaction; from then on they are returned with them, and (with `keys`,
+        their key hashes and has_key) with their key where it was unknown. Seqs not
+        stored, not stored by reference, or filled before are left alone. Returns how
+        many were filled. ConfigError if the columns differ in length."""
         self._check_open()
         seq_array = as_seqs(seqs)
-        if len(seq_array) != len(payloads):
+        if len(seq_array) != len(payloads) or (
+            keys is not None and not len(keys[0]) == len(keys[1]) == len(seq_array)
+        ):
             raise ConfigError(
                 f"fill needs one payload per seq: got {len(seq_array)} seqs, "
                 f"{len(payloads)} payloads"
@@ -197,7 +207,7 @@ class PersistenceStorage(ABC):
         filled = self._fill_index()
         rows = stored[batch.reference_mask]
         puts = {
-            _fill_key(seq): bytes(payloads[row])
+            _fill_key(seq): _fill_value(payloads[row], keys, row)
             for row, seq in zip(rows.tolist(), seq_array[rows].tolist(), strict=True)
             if seq not in filled
         }
@@ -438,11 +448,14 @@ class PersistenceStorage(ABC):
         rows = rows[np.isin(seqs[rows], np.fromiter(filled, np.uint64, len(filled)))]
         if not len(rows):
             return batch
-        payloads = [self._get_meta(_fill_key(seq).encode()) for seq in seqs[rows].tolist()]
-        if any(payload is None for payload in payloads):  # deleted meanwhile: not filled
-            kept = [i for i, payload in enumerate(payloads) if payload is not None]
-            rows, payloads = rows[kept], [payloads[i] for i in kept]
-        return batch.with_payloads(rows, [bytes(p) for p in payloads if p is not None])
+        values = [self._get_meta(_fill_key(seq).encode()) for seq in seqs[rows].tolist()]
+        if any(value is None for value in values):  # deleted meanwhile: not filled
+            kept = [i for i, value in enumerate(values) if value is not None]
+            rows, values = rows[kept], [values[i] for i in kept]
+        decoded = [_split_fill(bytes(v)) for v in values if v is not None]
+        key_hashes = np.array([d[0] for d in decoded], dtype=np.int64)
+        has_key = np.array([d[1] for d in decoded], dtype=np.bool_)
+        return batch.with_payloads(rows, [d[2] for d in decoded], (key_hashes, has_key))
 
     def _forget_fills(self, seqs: NDArray[np.uint64], *, staged: bool) -> None:
         """Delete the bytes `fill` stored for `seqs` (records deleted), if any."""
@@ -493,6 +506,28 @@ class PersistenceStorage(ABC):
 
 def _fill_key(seq: int) -> str:
     return f"{FILL_META_PREFIX}{seq:020d}"
+
+
+_FILL_KEY: Final = np.dtype([("key_hash", "<i8"), ("has_key", "u1")])
+
+
+def _fill_value(
+    payload: bytes, keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None, row: int
+) -> bytes:
+    """A fill's meta value: its key (b"\x01", key hash i64, has_key u8; b"\x00": none
+    given), then the payload."""
+    if keys is None:
+        return b"\x00" + bytes(payload)
+    key = np.array([(keys[0][row], keys[1][row])], dtype=_FILL_KEY).tobytes()
+    return b"\x01" + key + bytes(payload)
+
+
+def _split_fill(value: bytes) -> tuple[int, bool, bytes]:
+    """(key hash, has_key, payload) of a fill's meta value (KEY_UNKNOWN where none)."""
+    if value[:1] == b"\x01":
+        key = np.frombuffer(value, dtype=_FILL_KEY, count=1, offset=1)[0]
+        return int(key["key_hash"]), bool(key["has_key"]), value[1 + _FILL_KEY.itemsize :]
+    return KEY_UNKNOWN, False, value[1:]
 
 
 def as_seqs(seqs: Seqs) -> NDArray[np.uint64]:

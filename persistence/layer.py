@@ -159,6 +159,10 @@ class PersistenceLayer:
         known = [n for (_, t), n in self._topic_numbers.items() if t in wanted]
         return np.asarray(sorted(known), dtype=np.uint32)
 
+    def topic_number(self, source_id: int, topic: str) -> int:
+        """The number of (source id, topic), given one if it has none yet."""
+        return self._number((source_id, topic))
+
     def topic_names(self, numbers: NDArray[Any]) -> list[str]:
         """The topic names of locator topic numbers."""
         return self._names_of(numbers)

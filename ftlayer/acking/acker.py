@@ -4,7 +4,7 @@ Invariant (Storm's acker): every record id of a tree is XOR-ed into its root's a
 value exactly twice, once when the record is emitted and once when it is processed
 (acked). A root is complete the first time its ack value returns to 0 after an event;
 it is then removed, so it is reported complete exactly once. A set of events whose ids
-do not all pair up reaches 0 by accident with probability 2**-64 (docs/guarantees.md).
+do not all pair up reaches 0 by accident with probability 2**-63 (docs/guarantees.md).
 
 Operations and costs (n = events in a batch, m = pending roots):
 - add(roots, values): register pending roots with their initial ack values (the XOR
@@ -28,7 +28,7 @@ A batch is applied as one update: a root is complete when its value is 0 after t
 whole batch. For a correct event stream this is exactly the one-at-a-time rule,
 because a tree's ack value can only reach 0 at its last event (the events of a tree
 form a connected graph over its ids; no proper subset of them XORs to 0 barring the
-2**-64 collision). With late or duplicated events the batch rule may miss a completion
+2**-63 collision). With late or duplicated events the batch rule may miss a completion
 the one-at-a-time rule would report; the root then times out and is replayed: a
 duplicate, never a loss.
 

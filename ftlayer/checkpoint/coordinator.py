@@ -471,6 +471,7 @@ class CheckpointCoordinator:
         # whatever the checkpoint's state (ftlayer.core.barrier); its trees' timeouts
         # are no longer postponed (ftlayer.core.leases).
         self.ft.release_barrier(sources)
+        self.ft.complete_ranges(sources, barrier.kafka)
         self.ft.batch_done(sources)
         checkpoint = self._begin(check_query(query), barrier, sources, mode, now)
         q = self._queries[query]

@@ -77,12 +77,14 @@ from ftlayer.wire import (
     decode_error,
     decode_inspect_reply,
     decode_ok,
+    decode_range_numbers,
     decode_replay,
     decode_savepoint_created,
     decode_status_reply,
     decode_unfilled_list,
     decode_welcome,
     encode_auth,
+    encode_batch_ranges,
     encode_checkpoint_request,
     encode_dead_letter_list,
     encode_dead_letters,
@@ -422,18 +424,30 @@ class FTClient:
 
         return decode_unfilled_list(self._call(encode, Kind.UNFILLED_LIST, retry=True))
 
+    def register_ranges(self, ranges: Sequence[tuple[int, str, int, int, int]]) -> list[int]:
+        """`FTLayer.register_ranges`: open a barrier-mode batch's offset ranges, (source
+        id, topic, partition, start, end) each; durable once this returns; their numbers
+        (0 for an empty range). Idempotent (the same range gets its number back), so
+        retried."""
+
+        def encode(rid: int) -> bytes:
+            return encode_batch_ranges(rid, ranges)
+
+        return decode_range_numbers(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
+
     def fill(
         self,
         seqs: NDArray[np.uint64],
         found: NDArray[np.bool_],
         payloads: Sequence[bytes],
+        keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
     ) -> int:
         """`FTLayer.fill`: the bytes of records `unfilled` listed (where `found`), or
         that their source no longer has them. Durable once this returns; idempotent, so
         retried. Returns how many were filled."""
 
         def encode(rid: int) -> bytes:
-            return encode_fill(rid, seqs, found, payloads, max_frame=self.max_frame)
+            return encode_fill(rid, seqs, found, payloads, keys, max_frame=self.max_frame)
 
         return decode_ok(self._call(encode, Kind.OK, retry=True)).count
 

@@ -60,6 +60,7 @@ from .faillog import WAITING as _WAIT
 from .faillog import log_failed, log_requeue_error
 from .fills import note_failed
 from .persist import covered_at_timeout, retire_covered
+from .ranges import materialize
 from .replay import REPLAY_SEQ_META_KEY
 from .retries import DEAD_LETTER, RetryRecord
 from .state import CoreState
@@ -89,6 +90,7 @@ def fail(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None = None) -
     elif len(causes) != len(root_array):
         raise ConfigError(f"fail: {len(root_array)} roots but {len(causes)} causes")
     keys, first = np.unique(root_array, return_index=True)
+    materialize(s, keys)  # records of a batch range become records of their own
     pending, seqs = s.acker.lookup("seq", keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
@@ -144,6 +146,15 @@ def release_due(s: CoreState, now: float | None = None) -> int:
     order = np.argsort(seqs, kind="stable")
     seqs, roots = seqs[order], roots[order]
     batch = s.storage.get(seqs)
+    if batch.any_references:  # key unknown: routed once the source copied it in
+        unknown = batch.key_unknown
+        if bool(unknown.any()):
+            for seq, root in zip(seqs[unknown].tolist(), roots[unknown].tolist(), strict=True):
+                s.unrouted[seq] = (root, 0.0)
+            keep = np.flatnonzero(~unknown)
+            seqs, roots, batch = seqs[keep], roots[keep], batch.take(keep)
+            if not len(seqs):
+                return 0
     try:
         enqueue(s, roots, seqs, batch)
     except BaseException as exc:
@@ -202,6 +213,11 @@ def requeue(
     now = s.wall()
     fate, due, records = _fates(s, seqs, batch.source_ids, causes, now)
     queued, waiting, dead = fate == _QUEUE, fate == _WAIT, fate == _DEAD
+    # A record whose key is not known yet (of a batch range) is routed only once its
+    # source copied its bytes in (ftlayer.core.fills): unrouted until then.
+    unrouted = queued & batch.key_unknown if batch.any_references else None
+    if unrouted is not None and bool(unrouted.any()):
+        queued = queued & ~unrouted
     new_roots = new_ids(n)
     new_roots[dead] = 0
     replay_seqs = np.zeros(n, dtype=np.uint64)
@@ -242,6 +258,9 @@ def requeue(
         )
     for row in np.flatnonzero(waiting).tolist():
         s.book.wait(int(seqs[row]), int(new_roots[row]), float(due[row]))
+    if unrouted is not None:
+        for row in np.flatnonzero(unrouted).tolist():
+            s.unrouted[int(seqs[row])] = (int(new_roots[row]), now)
     s.retired.add(old_roots, s.clock())
     note_failed(s, seqs, batch, dead)  # records stored by reference: their bytes wanted
     # Step 5: count.

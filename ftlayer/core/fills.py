@@ -10,9 +10,11 @@ source copies its bytes in:
 - `note_failed` (from every failure path, through requeue) lists the failed records
   still stored by reference;
 - the source asks for its unfilled records (`unfilled`: the ftkafka driver, at every
-  trigger), reads each at its coordinates and hands the bytes back (`fill`): stored in
-  one transaction before the reply (`PersistenceStorage.fill`), and from then on every
-  read of the record (a replay, a dead letter, inspect) has them;
+  trigger), reads each at its coordinates and hands the bytes back (`fill`), with each
+  record's key hash: stored in one transaction before the reply
+  (`PersistenceStorage.fill`), and from then on every read of the record (a replay, a
+  dead letter, inspect) has them. A record of a batch range, whose key the FT layer
+  did not know, waits *unrouted* until then: its key picks its replay partition;
 - a record the source no longer has (retention, compaction, a deleted topic) is
   *expired*: a pending one (queued, waiting for its backoff, or replaying) fails with
   the final cause `source-expired` and becomes a dead letter; a dead letter gets that
@@ -120,16 +122,25 @@ def fill(
     payloads: Sequence[bytes],
     found: NDArray[np.bool_],
     requeue: Requeue,
+    keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
 ) -> FillResult:
     """The source read records stored by reference (`seqs`): `found` ones with these
     `payloads` (stored now), the others expired in the source (see the module
     docstring); `requeue` is ftlayer.core.failure's, which fails the pending ones.
     Seqs not stored, or not unfilled, are left alone."""
+    if keys is not None:
+        found = _without_needed_keys(s, seqs, found, keys, requeue)
     rows = np.flatnonzero(found)
-    filled = s.storage.fill(seqs[rows], [payloads[i] for i in rows.tolist()]) if len(rows) else 0
+    filled = 0
+    if len(rows):
+        found_keys = None if keys is None else (keys[0][rows], keys[1][rows])
+        filled = s.storage.fill(seqs[rows], [payloads[i] for i in rows.tolist()], found_keys)
     s.stats.filled += filled
     for seq in seqs[rows].tolist():
         s.unfilled.pop(seq, None)
+        waiting = s.unrouted.pop(seq, None)  # its key known now: it can be routed
+        if waiting is not None:
+            s.book.wait(seq, waiting[0], waiting[1])
     gone = seqs[~found]
     gone = gone[s.storage.contains(gone)] if len(gone) else gone
     if not len(gone):
@@ -166,7 +177,63 @@ def fill(
         )
     for seq in gone.tolist():
         s.unfilled.pop(seq, None)
+        s.unrouted.pop(seq, None)
     return FillResult(filled, len(roots) + len(changed))
+
+
+def _without_needed_keys(
+    s: CoreState,
+    seqs: NDArray[np.uint64],
+    found: NDArray[np.bool_],
+    keys: tuple[NDArray[np.int64], NDArray[np.bool_]],
+    requeue: Requeue,
+) -> NDArray[np.bool_]:
+    """Records whose key was unknown, turns out absent, and is needed by their source's
+    replay partitioner fail, final (they could never be replayed), and leave the
+    unrouted list; their bytes are stored all the same (`found` is returned)."""
+    keyless = found & ~keys[1]
+    if not bool(keyless.any()):
+        return found
+    candidates = seqs[keyless]
+    candidates = candidates[s.storage.contains(candidates)]
+    if not len(candidates):
+        return found
+    records = s.storage.get(candidates)
+    needs = np.array(
+        [
+            bool(unknown) and _requires_key(s, int(source))
+            for unknown, source in zip(records.key_unknown, records.source_ids, strict=True)
+        ],
+        dtype=np.bool_,
+    )
+    if not bool(needs.any()):
+        return found
+    doomed = candidates[needs]
+    live = s.acker.live_columns("root", "seq", copy=False)
+    pending = np.isin(live["seq"], doomed)
+    if bool(pending.any()):
+        cause = Cause(
+            FailKind.ERROR,
+            "ftlayer",
+            "PartitioningError: the record has no key and its source's replay "
+            "partitioner replays by key",
+            final=True,
+        )
+        requeue(
+            s,
+            live["root"][pending],
+            live["seq"][pending],
+            FailCause.EXPLICIT,
+            Causes.one(cause, int(pending.sum())),
+        )
+    for seq in doomed.tolist():
+        s.unrouted.pop(seq, None)
+    return found  # their bytes are still stored: the dead letters keep them
+
+
+def _requires_key(s: CoreState, source_id: int) -> bool:
+    config = s.source_config(source_id)
+    return config is not None and config.partitioner.requires_key
 
 
 def rebuild(s: CoreState) -> None:

@@ -31,6 +31,7 @@ from ftlayer.errors import ConfigError
 
 from .completion import complete, xor
 from .failure import fail
+from .ranges import materialize
 from .sinkholds import check_sink_key
 from .state import CoreState, source_list
 
@@ -52,6 +53,7 @@ def hold(s: CoreState, roots: ArrayLike, values: ArrayLike) -> int:
     vals = np.ascontiguousarray(values, dtype=np.uint64)
     if keys.shape != vals.shape:
         raise ConfigError(f"hold: {keys.shape} roots but {vals.shape} values")
+    materialize(s, keys)  # a loop's record of a batch range: a record of its own
     pending, topics = s.acker.lookup("topic", keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])

@@ -63,7 +63,17 @@ from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 
-from . import completion, deadletters, failure, fills, holding, persist, queries, recovery
+from . import (
+    completion,
+    deadletters,
+    failure,
+    fills,
+    holding,
+    persist,
+    queries,
+    ranges,
+    recovery,
+)
 from .journal import Journal
 from .meters import Meters
 from .retries import IMMEDIATE, DeadLetterFilter, RetryPolicy, RetryRecord
@@ -461,6 +471,26 @@ class FTLayer:
         fails again is queued again under a new replay seq."""
         return failure.prune_replay(self._s, upto, source_id)
 
+    # ---- batch ranges (ftlayer.core.ranges) ------------------------------------------
+
+    def register_ranges(self, opened: Sequence[tuple[int, str, int, int, int]]) -> list[int]:
+        """Open a batch's ranges, (source id, topic, partition, start, end) each, durable
+        on return; their numbers in order (0 for an empty one). The rows of a range
+        carry range roots (ftlayer.rangeroots); its records are pending until a barrier
+        of their source at or past its end is done (`complete_ranges`)."""
+        return ranges.register(self._s, opened)
+
+    def complete_ranges(
+        self, source_ids: Sequence[int], kafka: Mapping[str, Mapping[Any, int]]
+    ) -> int:
+        """The batches of `source_ids` are done up to the barrier `kafka`: their open
+        ranges wholly below it complete. Returns how many records completed."""
+        return ranges.complete(self._s, source_ids, kafka)
+
+    @property
+    def open_ranges(self) -> int:
+        return len(self._s.ranges)
+
     # ---- records stored by reference (ftlayer.core.fills) ----------------------------
 
     def unfilled(self, source_id: int, limit: int = 10_000) -> fills.UnfilledRecords:
@@ -469,12 +499,18 @@ class FTLayer:
         return fills.unfilled(self._s, source_id, limit)
 
     def fill(
-        self, seqs: ArrayLike, payloads: Sequence[bytes], found: ArrayLike
+        self,
+        seqs: ArrayLike,
+        payloads: Sequence[bytes],
+        found: ArrayLike,
+        keys: tuple[ArrayLike, ArrayLike] | None = None,
     ) -> fills.FillResult:
         """The source read records stored by reference (`seqs`, from `unfilled`): the
         `found` ones' bytes are stored (durable on return); the others are gone from
         the source: a pending one fails, final (`source-expired`), into the dead
-        letters; a dead letter gets the cause added to its history."""
+        letters; a dead letter gets the cause added to its history. `keys`: each
+        record's (key hash, has_key), which routes a record whose key was unknown (of a
+        batch range); those due are queued at once."""
         seq_array = np.asarray(seqs, dtype=np.uint64)
         found_array = np.asarray(found, dtype=np.bool_)
         if not len(seq_array) == len(payloads) == len(found_array):
@@ -482,7 +518,17 @@ class FTLayer:
                 f"fill needs a payload and a found flag per seq: got {len(seq_array)} "
                 f"seqs, {len(payloads)} payloads, {len(found_array)} flags"
             )
-        return fills.fill(self._s, seq_array, payloads, found_array, failure.requeue)
+        key_arrays = None
+        if keys is not None:
+            key_arrays = (
+                np.asarray(keys[0], dtype=np.int64),
+                np.asarray(keys[1], dtype=np.bool_),
+            )
+            if not len(key_arrays[0]) == len(key_arrays[1]) == len(seq_array):
+                raise ConfigError("fill needs a key hash and a has_key flag per seq")
+        result = fills.fill(self._s, seq_array, payloads, found_array, failure.requeue, key_arrays)
+        failure.release_due(self._s)
+        return result
 
     # ---- state copies and recovery (ftlayer.core.recovery) --------------------------
 

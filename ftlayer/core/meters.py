@@ -246,6 +246,16 @@ class Meters:
             self.persist_times.add(first_seq, now)
             _count(self._persisted, source_ids)
 
+    def ranged(self, source_id: int, n: int) -> None:
+        """A batch range of `n` records opened (counted persisted: ftlayer.core.ranges)."""
+        self._persisted[source_id] = self._persisted.get(source_id, 0) + n
+
+    def range_completed(self, number: int, n: int) -> None:
+        """`n` records of a batch range of topic number `number` completed (no latency:
+        a range's records complete with their batch)."""
+        self._grow(number + 1)
+        self._completed[number] += n
+
     def failed(self, cause: str, source_ids: NDArray[Any]) -> None:
         _count(self._failed[cause], source_ids)
 

@@ -61,9 +61,16 @@ __all__ = [
 _Held = list[tuple[int, NDArray[np.intp]]] | None
 
 
-def persist(s: CoreState, batch: RecordBatch, initial_values: ArrayLike | None = None) -> None:
+def persist(
+    s: CoreState,
+    batch: RecordBatch,
+    initial_values: ArrayLike | None = None,
+    *,
+    counted: bool = True,
+) -> None:
     """Persist source records before their source emits them, in one call (the storage
-    write under the caller's lock, if it has one)."""
+    write under the caller's lock, if it has one). `counted=False`: records counted
+    persisted before (of a batch range, ftlayer.core.ranges)."""
     s.changing()
     values = _checked(s, batch, initial_values)
     if s.tickets:
@@ -75,7 +82,7 @@ def persist(s: CoreState, batch: RecordBatch, initial_values: ArrayLike | None =
     # error: the old roots still cover their records).
     seqs = pend_while_storing(s, batch, values, locators, lambda: s.persistence.persist(batch))
     # Step 4: timeouts, journal, takeover, holds.
-    _pended(s, batch, values, seqs, held, locators, superseded)
+    _pended(s, batch, values, seqs, held, locators, superseded, counted=counted)
 
 
 def begin_persist(
@@ -219,20 +226,23 @@ def _pended(
     held: _Held,
     locators: dict[str, NDArray[Any]],
     superseded: NDArray[np.uint64] | None,
+    *,
+    counted: bool = True,
 ) -> None:
     """The roots of a persist are pending (in the acker, with their seqs): their
     timeouts start, the journal learns them, the re-read roots retire, and the
     barrier-mode roots get their holds."""
     s.track(batch.roots, seqs, batch.source_ids)
     stored_meanwhile(s, seqs)
-    s.stats.persisted += len(batch)
+    if counted:
+        s.stats.persisted += len(batch)
     journal = s.journal
     if journal is not None:
         if values is None:
             journal.add(batch.roots)
         else:
             journal.xor(batch.roots, values)
-    if len(seqs):
+    if len(seqs) and counted:
         s.meters.persisted(batch.source_ids, int(seqs[0]), s.clock())
     if superseded is not None:
         _take_over(s, superseded, {**locators, "seq": seqs})
@@ -261,6 +271,10 @@ def _check_not_persisting(s: CoreState, roots: NDArray[np.uint64]) -> None:
 
 
 def _check_routable(s: CoreState, batch: RecordBatch) -> None:
+    if batch.any_references:  # a key not known yet is checked when it is (fills)
+        known = ~batch.key_unknown
+        if not bool(known.all()):
+            batch = batch.take(np.flatnonzero(known))
     for source_id in sources_of(batch):
         config = s.source_config(source_id)
         if config is not None:

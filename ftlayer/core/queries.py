@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
 
+from . import ranges
 from .deadletters import DEAD_LETTER_CHUNK
 from .fills import counts_by_source
 from .holding import open_holds_pending
@@ -46,7 +47,7 @@ def lowest_pending_offsets(
         keep &= topic == wanted[0] if len(wanted) == 1 else np.isin(topic, wanted)
     if not bool(keep.all()):
         topic, partition, offsets = topic[keep], partition[keep], offsets[keep]
-    result: dict[str, dict[int, int]] = {}
+    result = ranges.lowest_offsets(s, topics)  # open batch ranges hold their start
     if not len(offsets):
         return result
     topic_nums, partitions, lowest = _min_per_partition(topic, partition, offsets)
@@ -61,11 +62,11 @@ def pending_by_source(s: CoreState) -> dict[int, int]:
     """{source id: its pending roots}, sources with none left out: records in flight and
     records waiting in the replay queue alike."""
     numbers = s.acker.live_columns("topic", copy=False)["topic"]
+    result = ranges.pending_counts(s)  # records of open batch ranges
     if not len(numbers):
-        return {}
+        return result
     sources = s.persistence.number_sources()
     counts = np.bincount(numbers, minlength=len(sources))
-    result: dict[int, int] = {}
     for number in np.flatnonzero(counts).tolist():
         source = int(sources[number])
         result[source] = result.get(source, 0) + int(counts[number])
@@ -163,7 +164,7 @@ def current_stats(s: CoreState) -> FTStats:
     """The counters, with the current state filled in: pending roots, the replay queue's
     length and cursors, open holds, running batches, per-source meters."""
     stats = s.stats
-    stats.pending = len(s.acker)
+    stats.pending = len(s.acker) + sum(ranges.pending_counts(s).values())
     stats.replay_queue = len(s.queue)
     stats.replay_cursor = s.queue.cursor
     stats.replay_cursors = s.queue.cursors()
@@ -171,6 +172,7 @@ def current_stats(s: CoreState) -> FTStats:
     stats.replay_pruned = s.queue.pruned()
     stats.retry_waiting = s.book.waiting
     stats.unfilled = len(s.unfilled)
+    stats.open_ranges = len(s.ranges)
     stats.dead_letters = len(s.book.dead)
     stats.barrier_holds = open_holds_pending(s)
     stats.timeouts_postponed = s.timeouts.postponed

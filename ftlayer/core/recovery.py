@@ -38,6 +38,7 @@ from ftlayer.records import RecordBatch
 from .failure import requeue
 from .fills import rebuild as rebuild_unfilled
 from .journal import JournalState
+from .ranges import note_stored
 from .retries import DEAD_LETTER
 from .sinkholds import SINK_KEY_BIT
 from .state import CoreState
@@ -133,6 +134,7 @@ def recover(s: CoreState) -> None:
     found = []
     stored_dead: set[int] = set()
     for seqs, batch, replay in s.storage.scan():
+        note_stored(s, batch)  # records of an open batch range that became records
         dead = replay == DEAD_LETTER
         if bool(dead.any()):
             stored_dead.update(seqs[dead].tolist())
@@ -235,11 +237,18 @@ def _restore(
         )
         queued[rows] = True
     # Waiting for their backoff: no replay seq yet, a retry record with a due time.
+    # Failed with their key unknown: waiting for their source to copy their bytes in.
     waiting = np.zeros(len(roots), dtype=np.bool_)
     if len(s.book):
+        unknown = batch.key_unknown
         for row in np.flatnonzero((replay == 0) & ~queued).tolist():
             record = s.book.get(int(seqs[row]))
-            if record is not None and record.dead_at is None and record.due > 0:
+            if record is None or record.dead_at is not None:
+                continue
+            if unknown[row]:
+                s.unrouted[int(seqs[row])] = (int(roots[row]), record.due)
+                waiting[row] = True
+            elif record.due > 0:
                 s.book.wait(int(seqs[row]), int(roots[row]), record.due)
                 waiting[row] = True
     # The rest are in flight: timed from now.

@@ -50,6 +50,7 @@ from .barrier import OpenHolds
 from .journal import Journal
 from .leases import BatchLeases, BatchTag
 from .meters import Meters
+from .rangetable import OpenRanges
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import RetryBook, RetryPolicy
@@ -134,6 +135,11 @@ class CoreState:
         self.queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self.retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self.book = RetryBook(storage)
+        self.ranges = OpenRanges(storage)
+        """The open batch ranges (ftlayer.core.ranges)."""
+        self.unrouted: dict[int, tuple[int, float]] = {}
+        """Failed records whose key (so their replay partition) is not known until their
+        source copies their bytes in: storage seq -> (root, due time)."""
         self.unfilled: dict[int, int] = {}
         """Failed records stored by reference whose bytes their source has not copied
         in yet: storage seq -> source id (ftlayer.core.fills)."""

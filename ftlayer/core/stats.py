@@ -46,6 +46,9 @@ class FTStats:
     (ftlayer.core.fills)."""
     filled: int = 0
     """Records stored by reference whose bytes their source copied in, since the start."""
+    open_ranges: int = 0
+    """Batch ranges open now: a barrier-mode batch read by reference, one offset range
+    per partition, whose records complete with their batch (ftlayer.core.ranges)."""
     dead_lettered: int = 0
     """Records dead-lettered since the start (their retries spent, or a final cause)."""
     dead_letters: int = 0

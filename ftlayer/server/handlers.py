@@ -30,6 +30,7 @@ from ftlayer.wire import (
     Frame,
     Kind,
     SavepointRequest,
+    decode_batch_ranges,
     decode_checkpoint_begin,
     decode_checkpoint_done,
     decode_dead_letter_restore,
@@ -52,6 +53,7 @@ from ftlayer.wire import (
     encode_dead_letter_list,
     encode_inspect_reply,
     encode_ok,
+    encode_range_numbers,
     encode_replay,
     encode_savepoint_created,
     encode_status_reply,
@@ -92,6 +94,7 @@ class RequestHandlers(ServerState):
             Kind.INSPECT: self._inspect,
             Kind.UNFILLED: self._unfilled,
             Kind.FILL: self._fill,
+            Kind.BATCH_RANGES: self._batch_ranges,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -151,8 +154,18 @@ class RequestHandlers(ServerState):
         source has it, it may forget them."""
         message = decode_fill(frame)
         with self._core() as ft:
-            result = ft.fill(message.seqs, message.payloads, message.found)
+            result = ft.fill(
+                message.seqs, message.payloads, message.found, (message.key_hashes, message.has_key)
+            )
         return encode_ok(rid, result.filled)
+
+    def _batch_ranges(self, rid: int, frame: Frame) -> bytes:
+        """The ranges are stored (one transaction, synced) before the reply: the source
+        emits no row of them before it has their numbers."""
+        message = decode_batch_ranges(frame)
+        with self._core() as ft:
+            numbers = ft.register_ranges(message.ranges)
+        return encode_range_numbers(rid, numbers)
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
         message = decode_fail(frame)

@@ -191,6 +191,7 @@ def _totals(status: Mapping[str, Any]) -> list[Metric]:
         ("ftlayer_retry_waiting_records", "retry_waiting", "Failed records in their backoff."),
         ("ftlayer_dead_letters", "dead_letters", "Dead letters stored now."),
         ("ftlayer_barrier_holds", "barrier_holds", "Barrier holds open now."),
+        ("ftlayer_open_batch_ranges", "open_ranges", "Batch ranges open now."),
         ("ftlayer_stored_records", "stored_records", "Records in LMDB."),
         ("ftlayer_deletes_pending_records", "deletes_pending", "Completed, not deleted yet."),
         ("ftlayer_store_size_bytes", "lmdb_size_bytes", "Size of the LMDB data file."),

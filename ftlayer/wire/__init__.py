@@ -64,8 +64,11 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x28 | SINK_HOLD           | u64 sink key (top bit set), then XOR's body                 |
 | 0x29 | SINK_SETTLE         | u64 sink key, u8 outcome (0 written, 1 failed) [, a cause]  |
 | 0x2A | UNFILLED            | u32 source id, u32 limit                                    |
-| 0x2B | FILL                | u32 n, seqs u64[n], found u8[n], payload lengths u32[n],    |
-|      |                     | the payloads (none where not found)                         |
+| 0x2B | FILL                | u32 n, seqs u64[n], found u8[n], key hashes i64[n], has_key |
+|      |                     | u8[n], payload lengths u32[n], the payloads (none where not |
+|      |                     | found)                                                      |
+| 0x2C | BATCH_RANGES        | utf-8 JSON {"ranges": [[source id, topic, partition, start, |
+|      |                     | end]]}: a barrier-mode batch's offset ranges to open        |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -82,6 +85,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x97 | INSPECT_REPLY       | u32 J, utf-8 JSON {"query", "records": [...], "retired"},   |
 |      |                     | then per record u32 length + the start of its payload       |
 | 0x98 | UNFILLED_LIST       | u32 n, seqs u64[n], record columns without initial values   |
+| 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n]: the reply to BATCH_RANGES            |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
@@ -168,6 +172,7 @@ from .frames import (
 from .messages import (
     DEAD_LETTER_OPS,
     SINK_KEY_BIT,
+    BatchRanges,
     CheckpointReply,
     CheckpointRequest,
     DeadLetterList,
@@ -191,6 +196,7 @@ from .messages import (
     UnfilledList,
     Xor,
     decode,
+    decode_batch_ranges,
     decode_checkpoint_begin,
     decode_checkpoint_done,
     decode_checkpoint_reply,
@@ -207,6 +213,7 @@ from .messages import (
     decode_inspect_reply,
     decode_ok,
     decode_persist,
+    decode_range_numbers,
     decode_register_source,
     decode_replay,
     decode_savepoint,
@@ -218,6 +225,7 @@ from .messages import (
     decode_unfilled,
     decode_unfilled_list,
     decode_xor,
+    encode_batch_ranges,
     encode_checkpoint_reply,
     encode_checkpoint_request,
     encode_dead_letter_list,
@@ -233,6 +241,7 @@ from .messages import (
     encode_inspect_reply,
     encode_ok,
     encode_persist,
+    encode_range_numbers,
     encode_register_source,
     encode_replay,
     encode_savepoint,
@@ -265,6 +274,7 @@ __all__ = [
     "Auth",
     "AuthFailed",
     "BadRequest",
+    "BatchRanges",
     "Challenge",
     "CheckpointReply",
     "CheckpointRequest",
@@ -305,6 +315,7 @@ __all__ = [
     "check_auth",
     "decode",
     "decode_auth",
+    "decode_batch_ranges",
     "decode_challenge",
     "decode_checkpoint_begin",
     "decode_checkpoint_done",
@@ -323,6 +334,7 @@ __all__ = [
     "decode_inspect_reply",
     "decode_ok",
     "decode_persist",
+    "decode_range_numbers",
     "decode_register_source",
     "decode_replay",
     "decode_savepoint",
@@ -336,6 +348,7 @@ __all__ = [
     "decode_welcome",
     "decode_xor",
     "encode_auth",
+    "encode_batch_ranges",
     "encode_challenge",
     "encode_checkpoint_reply",
     "encode_checkpoint_request",
@@ -354,6 +367,7 @@ __all__ = [
     "encode_inspect_reply",
     "encode_ok",
     "encode_persist",
+    "encode_range_numbers",
     "encode_register_source",
     "encode_replay",
     "encode_savepoint",

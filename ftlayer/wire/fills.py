@@ -1,7 +1,9 @@
-"""The messages of records stored by reference (docs/protocol.md 5.12): UNFILLED asks
-for a source's failed records whose bytes the FT layer does not hold, UNFILLED_LIST
-answers with their storage seqs and coordinates, FILL hands their bytes back (or says
-the source no longer has them). ftlayer.core.fills has the contract."""
+"""The messages of records stored by reference (docs/protocol.md 5.12 and 5.13):
+UNFILLED asks for a source's failed records whose bytes the FT layer does not hold,
+UNFILLED_LIST answers with their storage seqs and coordinates, FILL hands their bytes
+and key hashes back (or says the source no longer has them); BATCH_RANGES opens a
+barrier-mode batch's offset ranges, and RANGE_NUMBERS answers their numbers.
+ftlayer.core.fills and ftlayer.core.ranges have the contracts."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from numpy.typing import NDArray
 
 from ftlayer.records import Payloads, RecordBatch
 
-from .blocks import is_u32, read_records, record_parts
+from .blocks import dump_json, is_int, is_u32, parse_json, read_records, record_parts
 from .frames import (
     _U32,
     DEFAULT_MAX_FRAME,
@@ -30,13 +32,18 @@ from .frames import (
 )
 
 __all__ = [
+    "BatchRanges",
     "Fill",
     "Unfilled",
     "UnfilledList",
+    "decode_batch_ranges",
     "decode_fill",
+    "decode_range_numbers",
     "decode_unfilled",
     "decode_unfilled_list",
+    "encode_batch_ranges",
     "encode_fill",
+    "encode_range_numbers",
     "encode_unfilled",
     "encode_unfilled_list",
 ]
@@ -71,6 +78,15 @@ class Fill:
     seqs: NDArray[np.uint64]
     found: NDArray[np.bool_]
     payloads: Sequence[bytes]
+    key_hashes: NDArray[np.int64]
+    has_key: NDArray[np.bool_]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRanges:
+    """BATCH_RANGES: (source id, topic, partition, start, end) ranges to open."""
+
+    ranges: list[tuple[int, str, int, int, int]]
 
 
 def encode_unfilled(request_id: int, source_id: int, limit: int) -> bytes:
@@ -116,15 +132,18 @@ def encode_fill(
     seqs: NDArray[np.uint64] | Sequence[int],
     found: NDArray[np.bool_] | Sequence[bool],
     payloads: Sequence[bytes],
+    keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
     *,
     max_frame: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
-    """FILL: u32 n, seqs u64[n], found u8[n] (0 or 1), payload lengths u32[n] (0 where
-    not found), the payloads concatenated."""
+    """FILL: u32 n, seqs u64[n], found u8[n] (0 or 1), key hashes i64[n], has_key
+    u8[n], payload lengths u32[n] (0 where not found), the payloads concatenated."""
     seq_array = np.asarray(seqs, dtype="<u8")
     found_array = np.asarray(found, dtype=np.bool_)
     n = len(seq_array)
-    if not n == len(found_array) == len(payloads):
+    if keys is None:
+        keys = (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_))
+    if not n == len(found_array) == len(payloads) == len(keys[0]) == len(keys[1]):
         raise BadRequest(
             f"FILL needs a found flag and a payload per seq: {n} seqs, {len(found_array)} "
             f"flags, {len(payloads)} payloads"
@@ -136,6 +155,8 @@ def encode_fill(
         _U32.pack(n),
         seq_array.tobytes(),
         found_array.astype("u1").tobytes(),
+        np.asarray(keys[0], dtype="<i8").tobytes(),
+        np.asarray(keys[1], dtype=np.bool_).astype("u1").tobytes(),
         lengths.astype("<u4").tobytes(),
         *payloads,
     ]
@@ -147,6 +168,8 @@ def decode_fill(message: Frame | bytes) -> Fill:
     n = body.u32("record count")
     seqs = body.array("<u8", n, "seqs")
     found = body.array("u1", n, "found flags")
+    key_hashes = body.array("<i8", n, "key hashes")
+    has_key = body.array("u1", n, "has_key")
     lengths = body.array("<u4", n, "payload lengths")
     blob = body.rest()
     total = int(lengths.sum(dtype=np.uint64))
@@ -154,6 +177,71 @@ def decode_fill(message: Frame | bytes) -> Fill:
         raise MalformedFrame(
             f"FILL payload lengths add up to {total} bytes, but {len(blob)} bytes follow them"
         )
-    if n and (int(found.max()) > 1 or bool((lengths[found == 0] > 0).any())):
-        raise BadRequest("FILL found flags are 0 or 1, and a record not found has no payload")
-    return Fill(seqs, found.astype(np.bool_), Payloads(blob, lengths))
+    if n and (
+        int(found.max()) > 1 or int(has_key.max()) > 1 or bool((lengths[found == 0] > 0).any())
+    ):
+        raise BadRequest(
+            "FILL found and has_key flags are 0 or 1, and a record not found has no payload"
+        )
+    return Fill(
+        seqs, found.astype(np.bool_), Payloads(blob, lengths), key_hashes, has_key.astype(np.bool_)
+    )
+
+
+def encode_batch_ranges(request_id: int, ranges: Sequence[tuple[int, str, int, int, int]]) -> bytes:
+    """BATCH_RANGES: utf-8 JSON {"ranges": [[source id, topic, partition, start, end]]}."""
+    body = {"ranges": [list(r) for r in ranges]}
+    _check_ranges(body)
+    return encode_frame(Kind.BATCH_RANGES, request_id, dump_json(body, "BATCH_RANGES body"))
+
+
+def decode_batch_ranges(message: Frame | bytes) -> BatchRanges:
+    body = parse_json(_body(message, Kind.BATCH_RANGES).rest(), Kind.BATCH_RANGES)
+    _check_ranges(body)
+    return BatchRanges(
+        [(int(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in body["ranges"]]
+    )
+
+
+def _check_ranges(body: object) -> None:
+    ok = (
+        isinstance(body, dict)
+        and set(body) == {"ranges"}
+        and isinstance(body["ranges"], list)
+        and len(body["ranges"]) <= MAX_U32
+        and all(
+            isinstance(r, list)
+            and len(r) == 5
+            and is_u32(r[0])
+            and isinstance(r[1], str)
+            and is_int(r[2])
+            and 0 <= r[2] < 2**31
+            and is_int(r[3])
+            and is_int(r[4])
+            and 0 <= r[3] <= r[4] < 2**63
+            for r in body["ranges"]
+        )
+    )
+    if not ok:
+        raise BadRequest(
+            'BATCH_RANGES body must be {"ranges": [[u32 source id, topic, partition, start, '
+            f"end]]}} with 0 <= start <= end, got {body!r}"[:600]
+        )
+
+
+def encode_range_numbers(request_id: int, numbers: Sequence[int]) -> bytes:
+    """RANGE_NUMBERS: u32 n, u32 numbers[n] (0: an empty range, none opened)."""
+    array = np.asarray(list(numbers), dtype=np.int64)
+    if len(array) and (int(array.min()) < 0 or int(array.max()) > MAX_U32):
+        raise BadRequest("range numbers are u32")
+    return encode_frame(
+        Kind.RANGE_NUMBERS, request_id, _U32.pack(len(array)) + array.astype("<u4").tobytes()
+    )
+
+
+def decode_range_numbers(message: Frame | bytes) -> list[int]:
+    body = _body(message, Kind.RANGE_NUMBERS)
+    n = body.u32("count")
+    numbers = body.array("<u4", n, "range numbers")
+    body.done()
+    return [int(x) for x in numbers.tolist()]

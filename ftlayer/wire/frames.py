@@ -52,6 +52,7 @@ class Kind(enum.IntEnum):
     SINK_SETTLE = 0x29
     UNFILLED = 0x2A
     FILL = 0x2B
+    BATCH_RANGES = 0x2C
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -62,6 +63,7 @@ class Kind(enum.IntEnum):
     DEAD_LETTER_LIST = 0x96
     INSPECT_REPLY = 0x97
     UNFILLED_LIST = 0x98
+    RANGE_NUMBERS = 0x99
     ERROR = 0xFF
 
 

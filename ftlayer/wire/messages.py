@@ -99,13 +99,18 @@ from .data import (
     encode_xor,
 )
 from .fills import (
+    BatchRanges,
     Fill,
     Unfilled,
     UnfilledList,
+    decode_batch_ranges,
     decode_fill,
+    decode_range_numbers,
     decode_unfilled,
     decode_unfilled_list,
+    encode_batch_ranges,
     encode_fill,
+    encode_range_numbers,
     encode_unfilled,
     encode_unfilled_list,
 )
@@ -114,6 +119,7 @@ from .frames import Frame, Kind, kind_of
 __all__ = [
     "DEAD_LETTER_OPS",
     "SINK_KEY_BIT",
+    "BatchRanges",
     "CheckpointReply",
     "CheckpointRequest",
     "DeadLetterList",
@@ -137,6 +143,7 @@ __all__ = [
     "UnfilledList",
     "Xor",
     "decode",
+    "decode_batch_ranges",
     "decode_checkpoint_begin",
     "decode_checkpoint_done",
     "decode_checkpoint_reply",
@@ -153,6 +160,7 @@ __all__ = [
     "decode_inspect_reply",
     "decode_ok",
     "decode_persist",
+    "decode_range_numbers",
     "decode_register_source",
     "decode_replay",
     "decode_savepoint",
@@ -164,6 +172,7 @@ __all__ = [
     "decode_unfilled",
     "decode_unfilled_list",
     "decode_xor",
+    "encode_batch_ranges",
     "encode_checkpoint_reply",
     "encode_checkpoint_request",
     "encode_dead_letter_list",
@@ -179,6 +188,7 @@ __all__ = [
     "encode_inspect_reply",
     "encode_ok",
     "encode_persist",
+    "encode_range_numbers",
     "encode_register_source",
     "encode_replay",
     "encode_savepoint",
@@ -220,6 +230,8 @@ Message = (
     | Unfilled
     | UnfilledList
     | Fill
+    | BatchRanges
+    | list[int]
     | ErrorReply
 )
 
@@ -253,6 +265,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.UNFILLED: decode_unfilled,
     Kind.UNFILLED_LIST: decode_unfilled_list,
     Kind.FILL: decode_fill,
+    Kind.BATCH_RANGES: decode_batch_ranges,
+    Kind.RANGE_NUMBERS: decode_range_numbers,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

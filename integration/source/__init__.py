@@ -323,6 +323,10 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # Spark logged `end` before planning the batch: it is barrier n. The commit
             # of batch n - 1, which Spark made just before, goes in the same request.
             driver = self._driver_side()
+            if self.options.by_range:
+                # Barrier mode by reference: the batch's records are one offset range per
+                # partition, stored by the FT layer before any row of them is emitted.
+                parts = driver.open_ranges(parts)
             done, self._deferred_commit = self._deferred_commit, None
             answer = driver.checkpoint(barrier, begin=True, complete=done)
             if answer is not None:  # the batch is open: its timeouts follow heartbeats

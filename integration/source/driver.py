@@ -57,6 +57,7 @@ from .deadletters import dead_letter_messages, deliverable
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .kafkaread import new_consumer
 from .options import SourceOptions
+from .reader import FTKafkaPartition
 from .refetch import read_at
 
 T = TypeVar("T")
@@ -647,6 +648,22 @@ class SourceDriver:
             self.fill_failed(unfilled)
         return status.replay_cursor_of(list(self.source_ids.values()))
 
+    def open_ranges(self, parts: list[FTKafkaPartition]) -> list[FTKafkaPartition]:
+        """`parts` with the range numbers the FT layer gave their Kafka ranges (stored
+        before this returns: BATCH_RANGES), one request for the batch."""
+        ranges = [(p.source_id, p.topic, p.partition, p.start, p.end) for p in parts]
+        if not any(end > start for _, _, _, start, end in ranges):
+            return parts
+        numbers = self._ft_call(
+            "open the batch's ranges in the FT layer", partial(_register_ranges, ranges)
+        )
+        return [
+            FTKafkaPartition(
+                p.topic, p.partition, p.start, p.end, p.source_id, p.replay_lo, p.replay_hi, n
+            )
+            for p, n in zip(parts, numbers, strict=True)
+        ]
+
     def fill_failed(self, source_ids: list[int]) -> int:
         """Copy the bytes of these sources' failed records stored by reference from
         Kafka into the FT layer (ftlayer.core.fills), so their retries, dead letters
@@ -662,7 +679,7 @@ class SourceDriver:
                 if not len(listed):
                     break
                 try:
-                    found, payloads = read_at(self.options, listed.records)
+                    found, payloads, keys = read_at(self.options, listed.records)
                 except (SourceError, KafkaError, OSError) as exc:
                     log.warning(
                         "could not read %d failed records of source %d from Kafka to copy "
@@ -672,7 +689,7 @@ class SourceDriver:
                     return copied
                 self._ft_call(
                     "copy failed records into the FT layer",
-                    partial(_fill, listed.seqs, found, payloads),
+                    partial(_fill, listed.seqs, found, payloads, keys),
                 )
                 copied += int(found.sum())
                 if not found.all():
@@ -706,14 +723,22 @@ def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
     return shares
 
 
+def _register_ranges(ranges: list[tuple[int, str, int, int, int]], client: FTClient) -> list[int]:
+    return client.register_ranges(ranges)
+
+
 def _unfilled(source_id: int, client: FTClient) -> UnfilledList:
     return client.unfilled(source_id, _FILL_CHUNK)
 
 
 def _fill(
-    seqs: NDArray[np.uint64], found: NDArray[np.bool_], payloads: list[bytes], client: FTClient
+    seqs: NDArray[np.uint64],
+    found: NDArray[np.bool_],
+    payloads: list[bytes],
+    keys: tuple[NDArray[np.int64], NDArray[np.bool_]],
+    client: FTClient,
 ) -> int:
-    return client.fill(seqs, found, payloads)
+    return client.fill(seqs, found, payloads, keys)
 
 
 def _list_dead(source_id: int, client: FTClient) -> DeadLetterList:

@@ -430,6 +430,13 @@ class SourceOptions:
         return self.ft.enabled
 
     @property
+    def by_range(self) -> bool:
+        """FT on, barrier completion and ft.persist=reference: a batch's records are one
+        offset range per partition in the FT layer (ftlayer.core.ranges), nothing is
+        persisted per record, and rows carry range roots (ftlayer.rangeroots)."""
+        return self.ft_on and self.completion == "barrier" and self.persist == "reference"
+
+    @property
     def keeps_headers(self) -> bool:
         """Whether the FT layer keeps each record's Kafka headers with its payload: for
         the `headers` column, and for the dead-letter topic (which writes them back)."""

@@ -28,6 +28,7 @@ from pyspark.sql.datasource import InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
+from ftlayer import rangeroots
 from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
@@ -62,7 +63,10 @@ PERSIST_PIECE_RECORDS: Final = 10_000
 
 class FTKafkaPartition(InputPartition):
     """One input partition of a batch: Kafka [start, end) of (topic, partition), and the
-    replays of its source routed to `partition` with replay_lo < seq <= replay_hi."""
+    replays of its source routed to `partition` with replay_lo < seq <= replay_hi.
+    `range_number`: the FT layer's number of [start, end) as a batch range (barrier
+    mode, ft.persist=reference): its rows carry range roots and nothing is persisted
+    (0: none, each record is persisted)."""
 
     def __init__(
         self,
@@ -73,6 +77,7 @@ class FTKafkaPartition(InputPartition):
         source_id: int,
         replay_lo: int,
         replay_hi: int,
+        range_number: int = 0,
     ) -> None:
         super().__init__((topic, partition))
         self.topic = topic
@@ -82,11 +87,13 @@ class FTKafkaPartition(InputPartition):
         self.source_id = source_id
         self.replay_lo = replay_lo
         self.replay_hi = replay_hi
+        self.range_number = range_number
 
     def __repr__(self) -> str:
         return (
             f"FTKafkaPartition({self.topic}-{self.partition} [{self.start}, {self.end}) "
-            f"replay ({self.replay_lo}, {self.replay_hi}])"
+            f"replay ({self.replay_lo}, {self.replay_hi}]"
+            + (f" range {self.range_number})" if self.range_number else ")")
         )
 
 
@@ -109,6 +116,7 @@ def read_partition(
     )
     mark_replays = options.replay_column and persister is not None  # the ft_replay column
     by_reference = options.persist == "reference"  # where each record is, not its bytes
+    ranged = persister is not None and part.range_number > 0  # nothing persisted at all
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
     # on, the next chunk is fetched and decoded while this one's persist is confirmed.
     chunks = read_kafka(options, part)
@@ -116,7 +124,12 @@ def read_partition(
         n = len(chunk)
         kept = user_headers(chunk.header_lists()) if options.keeps_headers else None
         anchors = None
-        if persister is not None and channel is not None and chunk.headers is None:
+        if ranged and chunk.headers is None:
+            # A batch range (barrier mode, by reference): the FT layer has the range;
+            # each row's root names its record by its offset (ftlayer.rangeroots).
+            roots = rangeroots.encode(part.range_number, part.start, chunk.offsets)
+            anchors = (to_signed(roots), np.zeros(n, dtype=np.int64))
+        elif persister is not None and channel is not None and chunk.headers is None:
             # The usual chunk: no record has a Kafka header, so none was looped, and
             # every record starts a tree; its payloads are built column-wise (none by
             # reference: the FT layer stores where each record is).
@@ -136,7 +149,10 @@ def read_partition(
                     "pipeline's loop key (copied or forged): each starts a tree of its own",
                     refused, part.topic, part.partition, LOOP_HEADER,
                 )  # fmt: skip
-            if not loop_roots.any():  # no loop record: every record starts a tree
+            if ranged and not loop_roots.any():
+                roots = rangeroots.encode(part.range_number, part.start, chunk.offsets)
+                anchors = (to_signed(roots), np.zeros(n, dtype=np.int64))
+            elif not loop_roots.any():  # no loop record: every record starts a tree
                 payloads = (
                     _no_payloads(n)
                     if by_reference
@@ -159,6 +175,7 @@ def read_partition(
                     loop_roots,
                     loop_ids,
                     by_reference,
+                    part.range_number,
                 )
         yield _arrow_batch(
             arrow_schema,
@@ -211,7 +228,7 @@ def _read_back(
 
     records = replay.records
     rows = np.flatnonzero(records.reference_mask)
-    found, payloads = read_at(options, records.take(rows))
+    found, payloads, _ = read_at(options, records.take(rows))
     if not found.all():
         gone = rows[~found]
         channel.fail(records.roots[gone], SOURCE_EXPIRED)
@@ -300,13 +317,16 @@ def _persist_or_continue(
     loop_roots: NDArray[np.uint64],
     loop_ids: NDArray[np.uint64],
     by_reference: bool,
+    range_number: int = 0,
 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """The (ft_root, ft_id) columns of a chunk holding records a loop fed back (step 2):
     the others are persisted as new trees; a looped record starts none: one XOR event
     acks the id it was in transit under and anchors a fresh id under its root."""
     roots, ids = np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64)
     fresh = np.flatnonzero(loop_roots == 0)
-    if len(fresh):
+    if len(fresh) and range_number:  # a batch range: the fresh records' range roots
+        roots[fresh] = to_signed(rangeroots.encode(range_number, part.start, offsets[fresh]))
+    elif len(fresh):
         keys_f = [keys[i] for i in fresh.tolist()]
         payloads = (
             _no_payloads(len(fresh))

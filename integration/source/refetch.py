@@ -22,7 +22,7 @@ seek per record.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -30,6 +30,7 @@ from kafka import TopicPartition
 from numpy.typing import NDArray
 
 from ftlayer.errors import SourceError
+from ftlayer.partitioners import kafka_key_hashes, spark_key_hashes
 from ftlayer.records import RecordBatch
 
 from .kafkaread import new_consumer, read_kafka, user_headers
@@ -44,14 +45,21 @@ _LISTINGS: Final = 2  # a topic is gone only if absent from this many listings
 _LISTING_PAUSE_S: Final = 0.5
 
 
-def read_at(options: SourceOptions, records: RecordBatch) -> tuple[NDArray[np.bool_], list[bytes]]:
-    """Per record: whether Kafka still has it at (topic, partition, offset), and its
-    payload as the ftkafka reader persists it (b"" where not found)."""
+Keys = tuple[NDArray[np.int64], NDArray[np.bool_]]
+"""Key hashes and has_key per record, as the source's replay partitioner hashes keys."""
+
+
+def read_at(
+    options: SourceOptions, records: RecordBatch
+) -> tuple[NDArray[np.bool_], list[bytes], Keys]:
+    """Per record: whether Kafka still has it at (topic, partition, offset), its payload
+    as the ftkafka reader persists it (b"" where not found), and its key hash."""
     n = len(records)
     found = np.zeros(n, dtype=np.bool_)
     payloads = [b""] * n
+    hashes, has_key = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_)
     if not n:
-        return found, payloads
+        return found, payloads, (hashes, has_key)
     places = list(zip(records.topics, records.partitions.tolist(), strict=True))
     groups: dict[tuple[str, int], list[int]] = {}
     for row, place in enumerate(places):
@@ -60,22 +68,31 @@ def read_at(options: SourceOptions, records: RecordBatch) -> tuple[NDArray[np.bo
         offsets = records.offsets[rows]
         bytes_at = _read_partition(options, topic, partition, offsets)
         for row, offset in zip(rows, offsets.tolist(), strict=True):
-            payload = bytes_at.get(offset)
-            if payload is not None:
+            got = bytes_at.get(offset)
+            if got is not None:
                 found[row] = True
-                payloads[row] = payload
-    return found, payloads
+                payloads[row], hashes[row], has_key[row] = got
+    return found, payloads, (hashes, has_key)
+
+
+def key_hashes(options: SourceOptions, keys: Sequence[bytes | None]) -> Keys:
+    """The key hashes the source's replay partitioner routes by, as the reader stores
+    them: portable_hash for spark-hash (None is a key too), else Kafka's murmur2."""
+    if options.partitioner == "spark-hash":
+        return spark_key_hashes(keys), np.ones(len(keys), dtype=np.bool_)
+    return kafka_key_hashes(keys)
 
 
 def _read_partition(
     options: SourceOptions, topic: str, partition: int, offsets: NDArray[np.int64]
-) -> dict[int, bytes]:
-    """The payloads Kafka still has at `offsets` of one partition, by offset."""
+) -> dict[int, tuple[bytes, int, bool]]:
+    """The payloads and key hashes Kafka still has at `offsets` of one partition, by
+    offset."""
     start = _log_start(options, topic, partition)
     if start is None:
         return {}
     wanted = np.unique(offsets[offsets >= start])
-    out: dict[int, bytes] = {}
+    out: dict[int, tuple[bytes, int, bool]] = {}
     for run in _runs(wanted):
         for chunk in read_kafka(options, _Range(topic, partition, int(run[0]), int(run[-1]) + 1)):
             hit = np.flatnonzero(np.isin(chunk.offsets, run))
@@ -89,7 +106,14 @@ def _read_partition(
                 every = user_headers(chunk.header_lists())
                 headers = [every[i] for i in index]
             encoded = encode_payloads(keys, values, chunk.timestamps[hit], headers)
-            out.update(zip(chunk.offsets[hit].tolist(), encoded, strict=True))
+            hashes, has_key = key_hashes(options, keys)
+            out.update(
+                zip(
+                    chunk.offsets[hit].tolist(),
+                    zip(encoded, hashes.tolist(), has_key.tolist(), strict=True),
+                    strict=True,
+                )
+            )
     return out
 
 

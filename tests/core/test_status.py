@@ -54,6 +54,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "retry_waiting": 1,
         "unfilled": 1,
         "filled": 3,
+        "open_ranges": 2,
         "dead_lettered": 2,
         "dead_letters": 1,
         "dead_letters_delivered": 1,

@@ -138,6 +138,7 @@ _FULL_STATUS: dict[str, Any] = {
             "replay_cursor",
             "xor_events",
             "filled",
+            "open_ranges",
             "barrier_released",
             "dead_letters_delivered",
             "dead_letters_purged",

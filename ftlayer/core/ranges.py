@@ -1,0 +1,209 @@
+"""Batch ranges: a barrier-mode batch read by reference, as one offset range per partition.
+
+With barrier completion and `ft.persist=reference`, a source persists nothing per
+record. At the barrier its driver registers the batch's new records as one Kafka offset
+range per partition (`register`, BATCH_RANGES), and every row carries its record's
+range root (ftlayer.rangeroots). The contract:
+
+- `register` stores each range (meta `range/<number>`, one transaction) before it
+  returns the range numbers, so a range is durable before a row of it is emitted. A
+  range registered again (the same batch planned again: a driver restart, a re-run)
+  gets its number back and counts once.
+- An open range's records are pending without an entry each: `lowest_offsets` holds
+  the group offset of a partition at its lowest open range's start, and
+  `pending_counts` counts them for flow control.
+- `complete`: a batch of these sources is done up to a barrier position: every open
+  range wholly below it completes (its records counted completed, its meta deleted).
+  A range left behind by a batch planned differently (a restart) is below a later
+  barrier too, so it completes with it: Spark processed every offset below a done
+  barrier. Ranges do not time out: Kafka and Spark's offset log re-read an unfinished
+  batch when its query runs again.
+- `materialize`: an event naming range roots (a FAIL, a HOLD of a loop, a sink's held
+  ack) first turns each into a record of its own, stored by reference with its key
+  unknown (ftlayer.records.KEY_UNKNOWN) and pending under that same root (the persist
+  room), so the event then applies as to any root: a failed one is replayed once its
+  source copied its bytes in (which gives the key its replay partition needs,
+  ftlayer.core.fills), a held one stays past its batch. Each offset materializes once:
+  a second event for it names a root that is no longer pending (late). A range root of
+  no open range is left alone (the event counts as unknown).
+- Recovery: the open ranges come back from their meta, and which offsets were
+  materialized from the stored records (`note_stored`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.errors import ConfigError
+from ftlayer.rangeroots import MAX_RANGE, decode, is_range_root
+from ftlayer.records import KEY_UNKNOWN, RecordBatch
+
+from .persist import persist
+from .rangetable import RANGE_META_PREFIX, BatchRange, OpenRanges
+from .state import CoreState
+
+__all__ = [
+    "RANGE_META_PREFIX",
+    "BatchRange",
+    "OpenRanges",
+    "complete",
+    "lowest_offsets",
+    "materialize",
+    "note_stored",
+    "pending_counts",
+    "register",
+]
+
+
+def _key(number: int) -> str:
+    return f"{RANGE_META_PREFIX}{number}"
+
+
+def register(s: CoreState, ranges: Sequence[tuple[int, str, int, int, int]]) -> list[int]:
+    """Open (source id, topic, partition, start, end) ranges; returns their numbers in
+    order (0 for an empty range, which needs none). Durable on return."""
+    numbers: list[int] = []
+    new: dict[int, BatchRange] = {}
+    for source_id, topic, partition, start, end in ranges:
+        if end <= start:
+            numbers.append(0)
+            continue
+        if end - start > MAX_RANGE or start < 0:
+            raise ConfigError(
+                f"a batch range holds 1 to {MAX_RANGE} offsets from 0 on, got "
+                f"{topic}-{partition} [{start}, {end})"
+            )
+        number = s.ranges.find(source_id, topic, partition, start, end)
+        if not number:
+            twin = [
+                n
+                for n, r in new.items()
+                if (r.source_id, r.topic, r.partition, r.start)
+                == (source_id, topic, partition, start)
+            ]
+            number = twin[0] if twin else s.ranges.allocate(set(new))
+            new[number] = BatchRange(number, source_id, topic, partition, start, end)
+        numbers.append(number)
+    if new:
+        s.changing()
+        s.storage.update_meta({_key(n): r.to_json() for n, r in new.items()})
+        s.ranges.by_number.update(new)
+        for r in new.values():
+            s.stats.persisted += len(r)
+            s.meters.ranged(r.source_id, len(r))
+    return numbers
+
+
+def complete(
+    s: CoreState, source_ids: Iterable[int], kafka: Mapping[str, Mapping[Any, int]]
+) -> int:
+    """The batches of `source_ids` are done up to the barrier `kafka` ({topic:
+    {partition: offset}}): complete every open range of theirs wholly below it.
+    Returns how many records completed."""
+    sources = set(source_ids)
+    done = [
+        r
+        for r in s.ranges.by_number.values()
+        if r.source_id in sources and r.end <= _offset(kafka, r.topic, r.partition)
+    ]
+    if not done:
+        return 0
+    s.changing()
+    s.storage.update_meta({}, [_key(r.number) for r in done])
+    completed = 0
+    for r in done:
+        del s.ranges.by_number[r.number]
+        completed += r.pending
+        number = s.persistence.topic_number(r.source_id, r.topic)
+        s.meters.range_completed(number, r.pending)
+    s.stats.completed += completed
+    s.stats.barrier_released += completed  # they entered a batch that is done
+    return completed
+
+
+def _offset(kafka: Mapping[str, Mapping[Any, int]], topic: str, partition: int) -> int:
+    offsets = kafka.get(topic, {})
+    found = offsets.get(partition, offsets.get(str(partition)))
+    return -1 if found is None else int(found)
+
+
+def materialize(s: CoreState, roots: NDArray[np.uint64]) -> None:
+    """Range roots of open ranges among `roots` that are not pending become records of
+    their own, pending under that root (see the module docstring)."""
+    if not len(s.ranges):
+        return
+    ranged = is_range_root(roots)
+    if not bool(ranged.any()):
+        return
+    candidates = np.unique(roots[ranged])
+    pending = s.acker.lookup("seq", candidates)[0]
+    candidates = candidates[~pending]
+    if not len(candidates):
+        return
+    numbers, deltas = decode(candidates)
+    rows: list[int] = []
+    ranges: list[BatchRange] = []
+    for i, (number, delta) in enumerate(zip(numbers.tolist(), deltas.tolist(), strict=True)):
+        r = s.ranges.by_number.get(number)
+        if r is None or delta >= len(r) or (r.start + delta) in r.materialized:
+            continue
+        rows.append(i)
+        ranges.append(r)
+    if not rows:
+        return
+    offsets = [r.start + int(deltas[i]) for i, r in zip(rows, ranges, strict=True)]
+    batch = RecordBatch.build(
+        candidates[rows],
+        [b""] * len(rows),
+        source_ids=[r.source_id for r in ranges],
+        key_hashes=np.full(len(rows), KEY_UNKNOWN, dtype=np.int64),
+        has_key=np.zeros(len(rows), dtype=np.bool_),
+        topics=[r.topic for r in ranges],
+        partitions=[r.partition for r in ranges],
+        offsets=offsets,
+        references=True,
+    )
+    persist(s, batch, counted=False)  # counted persisted when its range opened
+    for r, offset in zip(ranges, offsets, strict=True):
+        r.materialized.add(offset)
+
+
+def note_stored(s: CoreState, batch: RecordBatch) -> None:
+    """Stored records found at recovery: those inside an open range of their source
+    were materialized."""
+    if not len(s.ranges) or not len(batch):
+        return
+    for r in s.ranges.by_number.values():
+        rows = (
+            (batch.source_ids == r.source_id)
+            & (batch.partitions == r.partition)
+            & (batch.offsets >= r.start)
+            & (batch.offsets < r.end)
+        )
+        if bool(rows.any()):
+            for row in np.flatnonzero(rows).tolist():
+                if batch.topics[row] == r.topic:
+                    r.materialized.add(int(batch.offsets[row]))
+
+
+def lowest_offsets(s: CoreState, topics: Sequence[str] | None) -> dict[str, dict[int, int]]:
+    """{topic: {partition: the lowest start of an open range}}."""
+    out: dict[str, dict[int, int]] = {}
+    wanted = None if topics is None else set(topics)
+    for r in s.ranges.by_number.values():
+        if r.pending and (wanted is None or r.topic in wanted):
+            lowest = out.setdefault(r.topic, {})
+            lowest[r.partition] = min(r.start, lowest.get(r.partition, r.start))
+    return out
+
+
+def pending_counts(s: CoreState) -> dict[int, int]:
+    """{source id: records pending in its open ranges}."""
+    out: dict[int, int] = {}
+    for r in s.ranges.by_number.values():
+        out[r.source_id] = out.get(r.source_id, 0) + r.pending
+    return out

@@ -1,0 +1,213 @@
+"""Batch ranges (ftlayer.core.ranges): a barrier-mode batch read by reference is one
+offset range per partition; its records are pending without an entry each, complete
+with their batch, and a record an event names (a fail, a loop's hold) becomes a record
+of its own, replayed once its source copied its bytes (and so its key) in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from manual_clock import Clock
+
+from ftlayer import rangeroots
+from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
+from ftlayer.core import FTLayer
+from ftlayer.core.retries import RetryPolicy
+from ftlayer.errors import ConfigError
+from ftlayer.persistence import LmdbStorage, MemoryStorage, PersistenceStorage
+from ftlayer.registration import SourceRegistration
+
+SOURCE = 9
+TOPIC = "orders"
+FAILED = Cause(FailKind.EXPLICIT, "enrich", "FailException: no")
+
+
+def _layer(
+    storage: PersistenceStorage, partitioner: str = "forward", backoff_ms: int = 0
+) -> FTLayer:
+    ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=Clock(1000.0), seed=1)
+    ft.register_source(
+        SourceRegistration(
+            SOURCE,
+            partitioner,
+            4,
+            retry=RetryPolicy(5, backoff_ms, max(backoff_ms, 1)),
+            completion="barrier",
+        )
+    )
+    return ft
+
+
+def _bytes(offset: int) -> bytes:
+    return b"record-%d" % offset
+
+
+def _fill_all(ft: FTLayer, key_hash: int = 0, has_key: bool = False) -> None:
+    """What the driver does: copy every unfilled record's bytes (and key) in."""
+    wanted = ft.unfilled(SOURCE)
+    n = len(wanted)
+    ft.fill(
+        wanted.seqs,
+        [_bytes(o) for o in wanted.records.offsets.tolist()],
+        np.ones(n, dtype=np.bool_),
+        (np.full(n, key_hash, dtype=np.int64), np.full(n, has_key, dtype=np.bool_)),
+    )
+
+
+def _replays(ft: FTLayer) -> list[tuple[int, int, bytes]]:
+    found = ft.fetch_replay(0, ft.replay_cursor_of(SOURCE), source_id=SOURCE)
+    return sorted(
+        zip(
+            found.records.offsets.tolist(),
+            found.partitions.tolist(),
+            [bytes(p) for p in found.records.payloads],
+            strict=True,
+        )
+    )
+
+
+def test_a_batch_is_one_range_per_partition_pending_until_its_barrier_is_done(
+    storage: PersistenceStorage,
+) -> None:
+    ft = _layer(storage)
+    numbers = ft.register_ranges(
+        [(SOURCE, TOPIC, 0, 100, 150), (SOURCE, TOPIC, 1, 7, 7), (SOURCE, TOPIC, 2, 0, 20)]
+    )
+    assert numbers[1] == 0 and numbers[0] and numbers[2] and numbers[0] != numbers[2]
+    # Planned again (a driver restart): the same numbers, counted once.
+    assert ft.register_ranges([(SOURCE, TOPIC, 0, 100, 150)]) == [numbers[0]]
+    stats = ft.current_stats()
+    assert (stats.persisted, stats.open_ranges, len(ft)) == (70, 2, 0)
+    assert len(storage) == 0  # nothing stored per record
+    assert ft.pending_by_source() == {SOURCE: 70}
+    assert ft.lowest_pending_offsets([TOPIC]) == {TOPIC: {0: 100, 2: 0}}
+    # A barrier below a range's end leaves it open; the batch's barrier completes it.
+    assert ft.complete_ranges([SOURCE], {TOPIC: {0: 120, 2: 20}}) == 20
+    assert ft.lowest_pending_offsets([TOPIC]) == {TOPIC: {0: 100}}
+    assert ft.complete_ranges([SOURCE + 1], {TOPIC: {0: 150}}) == 0  # another source's
+    assert ft.complete_ranges([SOURCE], {TOPIC: {"0": 150}}) == 50
+    stats = ft.current_stats()
+    assert (stats.completed, stats.open_ranges, ft.pending_by_source()) == (70, 0, {})
+    assert stats.by_source[str(SOURCE)]["completed"] == 70
+
+
+def test_a_failed_record_of_a_range_is_replayed_once_its_bytes_and_key_are_in(
+    storage: PersistenceStorage,
+) -> None:
+    ft = _layer(storage, partitioner="kafka-hash")
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, 1000, 1100)])
+    roots = rangeroots.encode(number, 1000, [1003, 1050])
+    assert ft.fail(roots, FAILED) == 2
+    # Failed, but not queued: its key (so its replay partition) is not known yet.
+    assert ft.replay_cursor_of(SOURCE) == 0 and ft.current_stats().unfilled == 2
+    # A second fail of the same row (a retried task) changes nothing.
+    assert ft.fail(roots[:1], FAILED) == 0
+    assert ft.current_stats().failed["explicit"] == 2
+    _fill_all(ft, key_hash=6, has_key=True)  # kafka-hash: (6 & 0x7fffffff) % 4 = 2
+    assert _replays(ft) == [(1003, 2, _bytes(1003)), (1050, 2, _bytes(1050))]
+    # The batch's barrier completes the other 98; the failed two are pending as replays.
+    assert ft.complete_ranges([SOURCE], {TOPIC: {1: 1100}}) == 98
+    assert ft.lowest_pending_offsets([TOPIC]) == {TOPIC: {1: 1003}}
+    # A fail naming the range after it completed is unknown: nothing happens.
+    assert ft.fail(rangeroots.encode(number, 1000, [1004]), FAILED) == 0
+
+
+def test_a_keyless_record_of_a_key_partitioned_source_is_a_dead_letter_not_an_error(
+    storage: PersistenceStorage,
+) -> None:
+    ft = _layer(storage, partitioner="kafka-hash")
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 10)])
+    ft.fail(rangeroots.encode(number, 0, [4]), FAILED)
+    _fill_all(ft, has_key=False)
+    _, records = ft.dead_letters()
+    assert records.offsets.tolist() == [4] and list(records.payloads) == [_bytes(4)]
+    assert ft.current_stats().unfilled == 0 and ft.replay_cursor_of(SOURCE) == 0
+
+
+def test_a_loops_hold_keeps_a_range_record_past_its_batch(storage: PersistenceStorage) -> None:
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 10)])
+    root = rangeroots.encode(number, 0, [3])
+    transit = new_ids(1)
+    assert ft.hold(root, transit) == 1  # the loop sink sends it round
+    assert ft.complete_ranges([SOURCE], {TOPIC: {0: 10}}) == 9
+    assert len(ft) == 1 and ft.lowest_pending_offsets() == {TOPIC: {0: 3}}
+    # The loop reads it back in a later batch, whose barrier completes it.
+    ft.batch_began([SOURCE])
+    ft.hold(root, transit)
+    ft.release_barrier([SOURCE])
+    assert len(ft) == 0 and len(storage) == 0
+
+
+def test_ranges_and_their_failed_records_survive_a_restart(tmp_path: Path) -> None:
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 3, 500, 600)])
+    roots = rangeroots.encode(number, 500, [510, 520])
+    ft.fail(roots, FAILED)
+    storage.close()
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    assert ft.current_stats().open_ranges == 1
+    assert ft.pending_by_source() == {SOURCE: 100}
+    # Materialized once: the same rows failing again after the restart add nothing.
+    ft.fail(roots, FAILED)
+    assert ft.pending_by_source() == {SOURCE: 100}
+    _fill_all(ft)
+    assert [r[0] for r in _replays(ft)] == [510, 520]  # forward: partition 3
+    assert ft.complete_ranges([SOURCE], {TOPIC: {3: 600}}) == 98
+    storage.close()
+
+
+def test_bad_ranges_are_refused(storage: PersistenceStorage) -> None:
+    ft = _layer(storage)
+    with pytest.raises(ConfigError, match="batch range holds"):
+        ft.register_ranges([(SOURCE, TOPIC, 0, 0, rangeroots.MAX_RANGE + 1)])
+    with pytest.raises(ConfigError, match="range number"):
+        rangeroots.encode(0, 0, [1])
+    with pytest.raises(ConfigError, match="not all in range"):
+        rangeroots.encode(1, 10, [9])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    fails=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 29)), max_size=25),
+    restart=st.booleans(),
+)
+def test_every_record_of_a_range_completes_once_or_is_replayed_once(
+    sizes: list[int],
+    fails: list[tuple[int, int]],
+    restart: bool,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """However rows of a batch fail (twice, across a restart), each record of its ranges
+    either completes with its batch or is replayed, exactly once; nothing is lost."""
+    path = tmp_path_factory.mktemp("ranges") / "ft"
+    storage: PersistenceStorage = LmdbStorage(path) if restart else MemoryStorage()
+    ft = _layer(storage)
+    ranges = [(SOURCE, TOPIC, p, 100 * p, 100 * p + n) for p, n in enumerate(sizes)]
+    numbers = ft.register_ranges(ranges)
+    picked = {(p, o) for p, o in fails if p < len(sizes) and o < sizes[p]}
+    for p, o in sorted(picked) * 2:  # each fail sent twice (a retried task)
+        ft.fail(rangeroots.encode(numbers[p], 100 * p, [100 * p + o]), FAILED)
+    if restart:
+        storage.close()
+        storage = LmdbStorage(path)
+        ft = _layer(storage)
+    _fill_all(ft)
+    end = {TOPIC: {p: 100 * p + n for p, n in enumerate(sizes)}}
+    completed = ft.complete_ranges([SOURCE], end)
+    replayed = _replays(ft)
+    assert completed == sum(sizes) - len(picked)
+    assert sorted((part, off) for off, part, _ in replayed) == sorted(
+        (p, 100 * p + o) for p, o in picked
+    )
+    assert all(payload == _bytes(off) for off, _, payload in replayed)
+    assert ft.current_stats().open_ranges == 0
+    storage.close()
