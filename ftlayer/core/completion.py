@@ -27,6 +27,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.acker import XorResult
 
+from . import ranges
 from .recovery import write_journal_base
 from .state import CoreState
 
@@ -34,7 +35,12 @@ __all__ = ["complete", "flush_deletes", "retry_deletes", "take_deletes", "xor"]
 
 
 def xor(s: CoreState, roots: ArrayLike, values: ArrayLike) -> XorResult:
-    """Apply XOR events; completes the roots whose ack value returns to 0."""
+    """Apply XOR events; completes the roots whose ack value returns to 0. Events for
+    range roots (ftlayer.core.ranges): value 0 says the offset is no record of its
+    range (a record a loop fed back, read under its own tree's root); any other value
+    makes the record one of its own first (a loop sink's ack and anchor)."""
+    if len(s.ranges):
+        roots, values = ranges.sort_out(s, roots, values)
     s.changing()
     result = s.acker.xor(roots, values)
     if s.journal is not None:

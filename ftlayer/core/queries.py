@@ -90,6 +90,9 @@ def inspect(s: CoreState, query: RecordQuery) -> Inspection:
     else:
         found += _pending_at(s, query)
         found += [(0, seq) for seq in _dead_letters_at(s, query)]
+    in_range = ranges.inspect(s, query) if not found else ()
+    if in_range:
+        return Inspection(query, in_range, False)
     if not found:
         return Inspection(query, (), retired)
     seqs = np.array([seq for _, seq in found], dtype=np.uint64)

@@ -28,6 +28,11 @@ range root (ftlayer.rangeroots). The contract:
   no open range is left alone (the event counts as unknown).
 - Recovery: the open ranges come back from their meta, and which offsets were
   materialized from the stored records (`note_stored`).
+- `inspect`: a record pending as part of a range shows as pending, held to its
+  batch's barrier, with nothing stored (seq 0).
+- `sort_out`: an XOR event of value 0 for a range root says its offset is no record of
+  the range (the reader's word for a record a loop fed back: it runs under its own
+  tree's root); it is excluded, counted neither persisted nor completed.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.errors import ConfigError
-from ftlayer.rangeroots import MAX_RANGE, decode, is_range_root
+from ftlayer.inspection import InspectedRecord, RecordQuery, RecordState
+from ftlayer.rangeroots import MAX_RANGE, decode, encode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
 from .persist import persist
@@ -172,6 +178,36 @@ def materialize(s: CoreState, roots: NDArray[np.uint64]) -> None:
         r.materialized.add(offset)
 
 
+def sort_out(
+    s: CoreState, roots: ArrayLike, values: ArrayLike
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """XOR events with their range roots sorted out: those with value 0 exclude their
+    offset from its range (no record of its own: a record a loop fed back, which runs
+    under its tree's root; counted neither persisted nor completed), the others are
+    materialized. Returns the events left to apply."""
+    keys = np.ascontiguousarray(roots, dtype=np.uint64)
+    vals = np.ascontiguousarray(values, dtype=np.uint64)
+    ranged = is_range_root(keys)
+    if not bool(ranged.any()):
+        return keys, vals
+    excluded = ranged & (vals == 0)
+    if bool(excluded.any()):
+        _exclude(s, keys[excluded])
+        keys, vals = keys[~excluded], vals[~excluded]
+    materialize(s, keys)
+    return keys, vals
+
+
+def _exclude(s: CoreState, roots: NDArray[np.uint64]) -> None:
+    numbers, deltas = decode(roots)
+    for number, delta in zip(numbers.tolist(), deltas.tolist(), strict=True):
+        r = s.ranges.by_number.get(number)
+        if r is not None and delta < len(r) and (r.start + delta) not in r.materialized:
+            r.materialized.add(r.start + delta)
+            s.stats.persisted -= 1
+            s.meters.ranged(r.source_id, -1)
+
+
 def note_stored(s: CoreState, batch: RecordBatch) -> None:
     """Stored records found at recovery: those inside an open range of their source
     were materialized."""
@@ -188,6 +224,43 @@ def note_stored(s: CoreState, batch: RecordBatch) -> None:
             for row in np.flatnonzero(rows).tolist():
                 if batch.topics[row] == r.topic:
                     r.materialized.add(int(batch.offsets[row]))
+
+
+def inspect(s: CoreState, query: RecordQuery) -> tuple[InspectedRecord, ...]:
+    """A record `query` names that is pending as part of an open range (by its range
+    root or its coordinates): pending, held to its batch's barrier, nothing stored."""
+    for r in s.ranges.by_number.values():
+        if query.root is not None:
+            if not is_range_root([query.root])[0]:
+                return ()
+            numbers, deltas = decode([query.root])
+            if int(numbers[0]) != r.number or int(deltas[0]) >= len(r):
+                continue
+            offset = r.start + int(deltas[0])
+        elif (query.topic, query.partition) == (r.topic, r.partition) and (
+            r.start <= int(query.offset or 0) < r.end
+        ):
+            offset = int(query.offset or 0)
+        else:
+            continue
+        if offset in r.materialized:
+            continue
+        return (
+            InspectedRecord(
+                state=RecordState.PENDING,
+                root=int(encode(r.number, r.start, [offset])[0]),
+                seq=0,
+                source_id=r.source_id,
+                topic=r.topic,
+                partition=r.partition,
+                offset=offset,
+                payload_bytes=0,
+                has_key=False,
+                key_hash=KEY_UNKNOWN,
+                barrier_hold=True,
+            ),
+        )
+    return ()
 
 
 def lowest_offsets(s: CoreState, topics: Sequence[str] | None) -> dict[str, dict[int, int]]:

@@ -1,4 +1,4 @@
-"""The messages of records stored by reference (docs/protocol.md 5.12 and 5.13):
+"""The messages of records stored by reference (docs/protocol.md 5.13 and 5.14):
 UNFILLED asks for a source's failed records whose bytes the FT layer does not hold,
 UNFILLED_LIST answers with their storage seqs and coordinates, FILL hands their bytes
 and key hashes back (or says the source no longer has them); BATCH_RANGES opens a

@@ -644,8 +644,10 @@ class SourceDriver:
             for s in sorted(set(self.source_ids.values()))
             if (figures := status.by_source.get(str(s))) is not None and figures.unfilled
         ]
-        if unfilled:
-            self.fill_failed(unfilled)
+        if unfilled and self.fill_failed(unfilled):
+            # Records copied in may be queued now (a batch range's, routed by the key
+            # they brought): this batch takes them in.
+            status = self._ft_call("read the replay cursor", lambda client: client.status())
         return status.replay_cursor_of(list(self.source_ids.values()))
 
     def open_ranges(self, parts: list[FTKafkaPartition]) -> list[FTKafkaPartition]:

@@ -342,6 +342,9 @@ def _persist_or_continue(
             persister, part, payloads, offsets[fresh], *key_hashes(keys_f), by_reference
         )
     looped = np.flatnonzero(loop_roots)
+    if range_number:  # these offsets are no records of the range: they run under a loop
+        skipped = rangeroots.encode(range_number, part.start, offsets[looped])
+        channel.xor(skipped, np.zeros(len(skipped), dtype=np.uint64))
     if persister.barrier:  # the transit is released; a barrier hold takes its place
         channel.hold(loop_roots[looped], loop_ids[looped])
         roots[looped] = to_signed(loop_roots[looped])  # ids stay 0

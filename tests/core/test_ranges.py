@@ -211,3 +211,42 @@ def test_every_record_of_a_range_completes_once_or_is_replayed_once(
     assert all(payload == _bytes(off) for off, _, payload in replayed)
     assert ft.current_stats().open_ranges == 0
     storage.close()
+
+
+def test_inspect_finds_a_record_pending_in_a_range_by_root_or_coordinates(
+    storage: PersistenceStorage,
+) -> None:
+    from ftlayer.inspection import RecordQuery, RecordState
+
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 2, 40, 60)])
+    root = int(rangeroots.encode(number, 40, [45])[0])
+    by_place = ft.inspect(RecordQuery(topic=TOPIC, partition=2, offset=45))
+    by_root = ft.inspect(RecordQuery(root=root))
+    for found in (by_place, by_root):
+        (record,) = found.records
+        assert (record.state, record.root, record.offset, record.seq) == (
+            RecordState.PENDING,
+            root,
+            45,
+            0,
+        )
+        assert record.barrier_hold
+    assert ft.inspect(RecordQuery(topic=TOPIC, partition=2, offset=60)).records == ()
+    # Failed, it is a record of its own: inspect shows that one.
+    ft.fail([root], FAILED)
+    (record,) = ft.inspect(RecordQuery(topic=TOPIC, partition=2, offset=45)).records
+    assert record.seq > 0 and record.root != root
+
+
+def test_a_zero_xor_says_an_offset_is_no_record_of_its_range(storage: PersistenceStorage) -> None:
+    """A record a loop fed back is read in a range but runs under its own tree's root:
+    the reader's XOR of 0 for its range root leaves it out of the range's counts."""
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 10)])
+    looped = rangeroots.encode(number, 0, [7, 8])
+    ft.xor(looped, np.zeros(2, dtype=np.uint64))
+    ft.xor(looped, np.zeros(2, dtype=np.uint64))  # a retried task: counted once
+    assert ft.current_stats().persisted == 8 and ft.pending_by_source() == {SOURCE: 8}
+    assert len(storage) == 0 and ft.current_stats().xor_events == 0
+    assert ft.complete_ranges([SOURCE], {TOPIC: {0: 10}}) == 8

@@ -63,13 +63,17 @@ def make_parse(marks: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return parse
 
 
-def barrier_source(spark: SparkSession, bootstrap: str, topic: str, server: Server) -> DataFrame:
+def barrier_source(
+    spark: SparkSession, bootstrap: str, topic: str, server: Server, persist: str = "reference"
+) -> DataFrame:
+    """Barrier mode; by reference (the default: batches by range) unless `persist`."""
     return (
         spark.readStream.format("ftkafka")
         .option("kafka.bootstrap.servers", bootstrap)
         .option("subscribe", topic)
         .option("ft.address", server.address)
         .option("ft.completion", "barrier")
+        .option("ft.persist", persist)
         .option("ft.retryBackoffMs", "100")
         .load()
     )
@@ -114,12 +118,14 @@ def start(frame: DataFrame, sink: Any, checkpoint: Path, mode: str = "append") -
     )
 
 
+@pytest.mark.parametrize("persist", ["reference", "payload"])
 def test_where_select_explode_and_a_static_join_need_nothing_of_the_user(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
     start_server: StartServer,
     tmp_path: Path,
+    persist: str,
 ) -> None:
     n = 2000
     server = start_server(None, "--tree-timeout-s", "120")
@@ -129,7 +135,7 @@ def test_where_select_explode_and_a_static_join_need_nothing_of_the_user(
     (tmp_path / "marks").mkdir()
     names = spark.createDataFrame([(k, f"name-{k}") for k in range(7)], "k long, name string")
     parsed = FTTasks(settings).map(
-        barrier_source(spark, kafka_bootstrap, topic, server),
+        barrier_source(spark, kafka_bootstrap, topic, server, persist),
         make_parse(str(tmp_path / "marks")),
         SCHEMA,
     )
@@ -155,6 +161,11 @@ def test_where_select_explode_and_a_static_join_need_nothing_of_the_user(
     # Released: every root's hold once, a failed record's under its replay's root (the
     # failed root's hold is dropped at its barrier, not counted).
     assert status.barrier_released == n and status.completed == n
+    # By reference, nothing was persisted per record but the failed ones (their bytes
+    # copied in from Kafka); with payload, every record's bytes.
+    assert status.persisted == n
+    if persist == "reference":
+        assert status.filled == len(failing) and status.open_ranges == 0
     # The sink knew from the ft_id column's metadata that it had nothing to ack.
     assert sink.last_result is not None and sink.last_result.at_barrier
 

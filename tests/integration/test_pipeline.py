@@ -112,6 +112,7 @@ def start_pipeline(
     resume: bool = True,
     producer_config: dict[str, Any] | None = None,
     ft_off: bool = False,
+    persist: str = "reference",
 ) -> tuple[StreamingQuery, list[DataFrame]]:
     """Start the demo's chain from topics[0] into topics[1]:
     ftkafka -> parse -> `enrich` -> (`between`) -> filter -> ft_kafka_sink. FT is on iff
@@ -129,6 +130,7 @@ def start_pipeline(
         # Tree mode: these tests follow trees through wrapped steps (a plain where's
         # drops time out); barrier mode has tests/integration/test_barrier_pipelines.py.
         options["ft.completion"] = "tree"
+        options["ft.persist"] = persist
     source = spark.readStream.format("ftkafka").options(**options).load()
     parsed = tasks.map(source, parse, PARSED_SCHEMA)
     enriched = between(tasks.map(parsed, enrich, ENRICHED_SCHEMA))
@@ -249,12 +251,14 @@ def test_records_a_plain_where_drops_time_out_and_their_replays_reach_the_sink(
 # ---- c. a Python worker killed mid-batch ----------------------------------------------------
 
 
+@pytest.mark.parametrize("persist", ["reference", "payload"])
 def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
     start_server: StartServer,
     tmp_path: Path,
+    persist: str,
 ) -> None:
     """Tree mode: the enrich step's Python worker dies on the first record of two
     partitions (once each), while the batch's other tasks run. The dead attempts had
@@ -288,7 +292,7 @@ def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
         return RELIABLE_ENRICH(row)
 
     query, _ = start_pipeline(
-        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich_or_die
+        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich_or_die, persist=persist
     )
     status = run_until_settled(query, server, topics[0])
 
