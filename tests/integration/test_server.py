@@ -743,7 +743,7 @@ def test_status_has_exactly_the_fields_the_spec_lists(start_server: StartServer)
     with start_server().client() as client:
         status = client.status()
     assert set(status) == documented
-    assert set(status["failed"]) == {"explicit", "timeout", "recovery"}
+    assert set(status["failed"]) == {"explicit", "timeout", "recovery", "source-expired"}
 
 
 def test_every_request_kind_is_served_by_its_own_handler(start_server: StartServer) -> None:

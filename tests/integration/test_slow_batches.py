@@ -81,6 +81,7 @@ def start_query(
     rows: Rows,
     checkpoint: Path,
     completion: str,
+    persist: str = "reference",
 ) -> Any:
     settings = FTSettings(server.address)
     source = (
@@ -90,6 +91,7 @@ def start_query(
         .option("ft.address", server.address)
         .option("ft.treeTimeoutMs", str(TIMEOUT_MS))
         .option("ft.completion", completion)
+        .option("ft.persist", persist)
         .option("ft.retryBackoffMs", "0")
         .load()
     )
@@ -118,9 +120,14 @@ def settle(query: Any, client: FTClient, ready: Callable[[Status], bool]) -> Sta
         time.sleep(0.3)
 
 
-@pytest.mark.parametrize("completion", ["tree", "barrier"])
+@pytest.mark.parametrize(
+    ("completion", "persist"),
+    [("tree", "reference"), ("barrier", "payload"), ("barrier", "reference")],
+    ids=["tree", "barrier", "barrier-ranges"],
+)
 def test_a_step_three_times_the_timeout_times_nothing_out_and_replays_nothing(
     completion: str,
+    persist: str,
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
@@ -138,7 +145,7 @@ def test_a_step_three_times_the_timeout_times_nothing_out_and_replays_nothing(
     rows = Rows()
     step = slow_step(str(tmp_path / "marks"), STEP_S)
     query = start_query(
-        spark, kafka_bootstrap, topic, server, step, rows, tmp_path / "cp", completion
+        spark, kafka_bootstrap, topic, server, step, rows, tmp_path / "cp", completion, persist
     )
     try:
         with server.client() as client:
@@ -146,8 +153,12 @@ def test_a_step_three_times_the_timeout_times_nothing_out_and_replays_nothing(
     finally:
         query.stop()
     assert len(os.listdir(tmp_path / "marks")) == PARTITIONS  # both partitions were slow
-    # The trees outlived their timeout (their entries expired and were postponed) ...
-    assert status.timeouts_postponed >= len(everything)
+    if completion == "barrier" and persist == "reference":
+        # A batch range has no timeout to postpone: it completes with its batch.
+        assert status.timeouts_postponed == 0 and status.open_ranges == 0
+    else:
+        # The trees outlived their timeout (their entries expired and were postponed) ...
+        assert status.timeouts_postponed >= len(everything)
     # ... yet none failed, nothing was replayed, and each record reached the sink once.
     assert status.failed == {"explicit": 0, "timeout": 0, "recovery": 0, "source-expired": 0}
     assert status.persisted == status.completed == len(everything)
@@ -162,6 +173,9 @@ def test_a_query_stopped_mid_batch_lets_its_trees_time_out_and_loses_nothing(
     start_server: StartServer,
     tmp_path: Path,
 ) -> None:
+    """Per-record persists (payload): a stopped batch's trees time out once its lease
+    lapses, and a restart reads them again. (By reference a batch is a range, which
+    does not time out: the next test.)"""
     server = start_server()
     topic = make_topic(PARTITIONS)
     for p in range(PARTITIONS):
@@ -175,7 +189,7 @@ def test_a_query_stopped_mid_batch_lets_its_trees_time_out_and_loses_nothing(
     rows = Rows()
     hung = slow_step(str(marks), 3600.0)  # a step that hangs: only a stop ends it
     query = start_query(
-        spark, kafka_bootstrap, topic, server, hung, rows, tmp_path / "cp", "barrier"
+        spark, kafka_bootstrap, topic, server, hung, rows, tmp_path / "cp", "barrier", "payload"
     )
     with server.client() as client:
         try:
@@ -215,7 +229,15 @@ def test_a_query_stopped_mid_batch_lets_its_trees_time_out_and_loses_nothing(
         # A restarted query runs the batch again, then the replays: nothing is lost.
         quick = slow_step(str(marks), 0.0)
         query = start_query(
-            spark, kafka_bootstrap, topic, server, quick, rows, tmp_path / "cp", "barrier"
+            spark,
+            kafka_bootstrap,
+            topic,
+            server,
+            quick,
+            rows,
+            tmp_path / "cp",
+            "barrier",
+            "payload",
         )
         try:
             status = settle(
@@ -225,3 +247,52 @@ def test_a_query_stopped_mid_batch_lets_its_trees_time_out_and_loses_nothing(
             query.stop()
     assert set(rows.rows) == everything
     assert status.failed["timeout"] + status.taken_over >= len(everything)
+
+
+def test_a_query_stopped_mid_batch_by_range_times_nothing_out_and_loses_nothing(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """By reference, a stopped batch's ranges stay open (pending, holding their group
+    offsets) and never time out; the restarted query runs the batch again from Spark's
+    offset log, whose barrier completes them: nothing lost, no timeout."""
+    server = start_server()
+    topic = make_topic(PARTITIONS)
+    for p in range(PARTITIONS):
+        produce(
+            kafka_bootstrap, topic, [(None, b"r%d" % i) for i in range(PER_PARTITION)], partition=p
+        )
+    everything = {(p, o) for p in range(PARTITIONS) for o in range(PER_PARTITION)}
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    rows = Rows()
+    hung = slow_step(str(marks), 3600.0)  # a step that hangs: only a stop ends it
+    query = start_query(
+        spark, kafka_bootstrap, topic, server, hung, rows, tmp_path / "cp", "barrier"
+    )
+    with server.client() as client:
+        try:
+            wait_until(
+                lambda: len(os.listdir(marks)) == PARTITIONS and client.status().open_ranges > 0,
+                60,
+                "the batch to hang in the step",
+            )
+        finally:
+            query.stop()
+        time.sleep(3 * TIMEOUT_MS / 1000)  # three timeouts, no heartbeats: nothing times out
+        status = client.status()
+        assert status.failed["timeout"] == 0 and status.open_ranges > 0
+        assert status.pending_of(source_id(topic, topic)) == len(everything)
+        quick = slow_step(str(marks), 0.0)
+        query = start_query(
+            spark, kafka_bootstrap, topic, server, quick, rows, tmp_path / "cp", "barrier"
+        )
+        try:
+            status = settle(query, client, lambda s: s.open_ranges == 0 and s.replay_queue == 0)
+        finally:
+            query.stop()
+    assert set(rows.rows) == everything
+    assert status.failed["timeout"] == 0 and status.completed >= len(everything)

@@ -5,7 +5,7 @@
 
 const POLL_MS = 1000;
 const HISTORY_S = 900; // what the server keeps, too (ftlayer.web.http)
-const CAUSES = ["explicit", "timeout", "recovery"];
+const CAUSES = ["explicit", "timeout", "recovery", "source-expired"];
 const RATE_WINDOW = 5; // samples (seconds) a rate is averaged over
 
 let fields = [];
