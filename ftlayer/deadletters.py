@@ -437,6 +437,8 @@ def _payload_previews(payload: bytes) -> list[str]:
     from ftlayer.errors import SourceError
     from ftlayer.integration.source.payloads import decode_payloads
 
+    if not payload:  # an ftkafka payload is never empty: stored by reference
+        return ["  its bytes are in Kafka (stored by reference, not copied in)"]
     try:
         keys, values, _, _ = decode_payloads([payload])
     except SourceError:

@@ -409,6 +409,10 @@ class PersistenceStorage(ABC):
     @abstractmethod
     def _meta_keys(self, prefix: bytes) -> list[str]: ...
 
+    def _get_metas(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Several meta values; a storage may read them at once."""
+        return [self._get_meta(key) for key in keys]
+
     def _stage_meta(
         self, puts: Sequence[tuple[bytes, MetaValue]], deletes: Sequence[bytes]
     ) -> None:
@@ -448,7 +452,7 @@ class PersistenceStorage(ABC):
         rows = rows[np.isin(seqs[rows], np.fromiter(filled, np.uint64, len(filled)))]
         if not len(rows):
             return batch
-        values = [self._get_meta(_fill_key(seq).encode()) for seq in seqs[rows].tolist()]
+        values = self._get_metas([_fill_key(seq).encode() for seq in seqs[rows].tolist()])
         if any(value is None for value in values):  # deleted meanwhile: not filled
             kept = [i for i, value in enumerate(values) if value is not None]
             rows, values = rows[kept], [values[i] for i in kept]

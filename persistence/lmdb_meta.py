@@ -30,6 +30,10 @@ from .lmdb_env import LmdbEnvironment
 __all__ = ["LmdbMeta"]
 
 
+def _copied(value: bytes | None) -> bytes | None:
+    return None if value is None else bytes(value)
+
+
 class LmdbMeta(LmdbEnvironment):
     """The meta entries of `LmdbStorage`; see the module docstring."""
 
@@ -38,6 +42,16 @@ class LmdbMeta(LmdbEnvironment):
             if key in self._staged:
                 return self._staged[key]
         return self._read(lambda txn: txn.get(key), db=self._meta)
+
+    def _get_metas(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Several meta values in one read transaction (staged ones first)."""
+        with self._staged_lock:
+            staged = {key: self._staged[key] for key in keys if key in self._staged}
+
+        def read(txn: lmdb.Transaction[bytes]) -> list[bytes | None]:
+            return [staged[key] if key in staged else _copied(txn.get(key)) for key in keys]
+
+        return self._read(read, db=self._meta)
 
     def _put_meta(self, key: bytes, value: MetaValue) -> None:
         self._write(lambda txn: txn.put(key, value), db=self._meta)

@@ -98,6 +98,8 @@ def _key_of(record: InspectedRecord) -> dict[str, Any]:
     from ftlayer.errors import SourceError
     from ftlayer.integration.source.payloads import decode_key
 
+    if not record.payload_bytes:  # an ftkafka payload is never empty: by reference
+        return {"key_error": "its bytes are in Kafka (stored by reference, not copied in)"}
     try:
         key, timestamp_ms = decode_key(record.payload)
     except SourceError as exc:
@@ -146,7 +148,9 @@ def describe(found: Inspection) -> str:
 
 def _describe_record(record: InspectedRecord) -> list[str]:
     key = _key_of(record)
-    if "key_error" in key:
+    if not record.payload_bytes:
+        key_text = str(key["key_error"])
+    elif "key_error" in key:
         key_text = f"key not readable ({key['key_error']})"
     elif key["key"] is None:
         key_text = "no key"
