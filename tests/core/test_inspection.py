@@ -272,3 +272,16 @@ def test_the_report_says_where_the_record_is_and_what_happened() -> None:
     assert "sink in kafka sink to 'out': KafkaTimeoutError" in text
     assert "unknown or completed" in describe(ft.inspect(_at(999)))
     assert "failed recently" in describe(ft.inspect(RecordQuery(root=int(batch.roots[0]))))
+
+
+def test_a_record_stored_by_reference_says_its_bytes_are_in_kafka() -> None:
+    from ftlayer import rangeroots
+
+    ft = FTLayer(MemoryStorage(), timeout_s=30, clock=Clock(), seed=2)
+    ft.register_source(SourceRegistration(4, "forward", 2, completion="barrier"))
+    (number,) = ft.register_ranges([(4, "orders", 1, 10, 20)])
+    found = ft.inspect(RecordQuery(topic="orders", partition=1, offset=12))
+    text = describe(found)
+    assert "its bytes are in Kafka (stored by reference, not copied in)" in text
+    assert f"root {int(rangeroots.encode(number, 10, [12])[0]):#x}" in text
+    assert "held at its batch's barrier" in text
