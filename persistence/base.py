@@ -200,10 +200,13 @@ class PersistenceStorage(ABC):
                 f"fill needs one payload per seq: got {len(seq_array)} seqs, "
                 f"{len(payloads)} payloads"
             )
-        stored = self._stored_among(seq_array)
-        if not len(stored):
-            return 0
-        batch = self._get(seq_array[stored])
+        try:  # one read of the records; a second only when some are not stored
+            stored, batch = np.arange(len(seq_array)), self._get(seq_array)
+        except RecordNotStored as exc:
+            stored = np.flatnonzero(~np.isin(seq_array, exc.missing))
+            if not len(stored):
+                return 0
+            batch = self._get(seq_array[stored])
         filled = self._fill_index()
         rows = stored[batch.reference_mask]
         puts = {
@@ -491,10 +494,6 @@ class PersistenceStorage(ABC):
         except RecordNotStored as exc:
             return ~np.isin(seqs, exc.missing)
         return np.ones(len(seqs), dtype=np.bool_)
-
-    def _stored_among(self, seqs: NDArray[np.uint64]) -> NDArray[np.intp]:
-        """The rows of `seqs` that are stored."""
-        return np.flatnonzero(self._stored_mask(seqs))
 
     def __enter__(self) -> Self:
         return self
