@@ -80,9 +80,10 @@ else just after: a fill a crash leaves behind its deleted record is dropped at t
 from __future__ import annotations
 
 import operator
+import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Final, Self
 
@@ -124,6 +125,9 @@ TAGS: Final = np.dtype([("root", "<u8"), ("replay_seq", "<u8")])
 Seqs = NDArray[np.uint64] | Sequence[int]
 """Storage sequence numbers: a uint64 array, or any sequence of non-negative ints."""
 
+MetaOfSeqs = Callable[[NDArray[np.uint64]], Mapping[str, bytes]]
+"""Meta entries to store with a put, given the seqs its records got (`put`)."""
+
 
 class RecordNotStored(StorageError, KeyError):
     """A seq given to `get` or `set_roots` is not stored (never was, or was deleted)."""
@@ -148,13 +152,18 @@ class PersistenceStorage(ABC):
     """
 
     @abstractmethod
-    def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
         """Store every record of `batch` in one transaction; return their seqs in batch order.
 
         The seqs are the next `len(batch)` numbers, consecutive. Every record is stored
         with replay_seq 0 (not queued for replay). An empty batch stores nothing and uses
         no seq. Raises StorageError (nothing stored, no seq used) if a topic is longer than
         65535 UTF-8 bytes, and TypeError if a payload is not bytes-like.
+
+        `meta`, if given, is called with the seqs once they are known and the meta
+        entries it returns ({key: value}, keys as for `put_meta`) are stored in the same
+        transaction as the records (what belongs to the records by seq, such as their
+        retry records): both are stored, or neither. It may be called more than once.
         """
 
     def delete(self, seqs: Seqs) -> int:
@@ -209,8 +218,9 @@ class PersistenceStorage(ABC):
             batch = self._get(seq_array[stored])
         filled = self._fill_index()
         rows = stored[batch.reference_mask]
+        listed = None if keys is None else (keys[0].tolist(), keys[1].tolist())
         puts = {
-            _fill_key(seq): _fill_value(payloads[row], keys, row)
+            _fill_key(seq): _fill_value(payloads[row], listed, row)
             for row, seq in zip(rows.tolist(), seq_array[rows].tolist(), strict=True)
             if seq not in filled
         }
@@ -511,25 +521,23 @@ def _fill_key(seq: int) -> str:
     return f"{FILL_META_PREFIX}{seq:020d}"
 
 
-_FILL_KEY: Final = np.dtype([("key_hash", "<i8"), ("has_key", "u1")])
+_FILL_KEY: Final = struct.Struct("<cqB")
+"""A fill's head: b"\x01", the key hash (i64), has_key (u8)."""
 
 
-def _fill_value(
-    payload: bytes, keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None, row: int
-) -> bytes:
+def _fill_value(payload: bytes, keys: tuple[list[int], list[bool]] | None, row: int) -> bytes:
     """A fill's meta value: its key (b"\x01", key hash i64, has_key u8; b"\x00": none
     given), then the payload."""
     if keys is None:
         return b"\x00" + bytes(payload)
-    key = np.array([(keys[0][row], keys[1][row])], dtype=_FILL_KEY).tobytes()
-    return b"\x01" + key + bytes(payload)
+    return _FILL_KEY.pack(b"\x01", keys[0][row], keys[1][row]) + bytes(payload)
 
 
 def _split_fill(value: bytes) -> tuple[int, bool, bytes]:
     """(key hash, has_key, payload) of a fill's meta value (KEY_UNKNOWN where none)."""
     if value[:1] == b"\x01":
-        key = np.frombuffer(value, dtype=_FILL_KEY, count=1, offset=1)[0]
-        return int(key["key_hash"]), bool(key["has_key"]), value[1 + _FILL_KEY.itemsize :]
+        _, key_hash, has_key = _FILL_KEY.unpack_from(value)
+        return key_hash, bool(has_key), value[_FILL_KEY.size :]
     return KEY_UNKNOWN, False, value[1:]
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from ftlayer.persistence.base import PersistenceStorage
+from ftlayer.persistence.base import MetaOfSeqs, PersistenceStorage
 from ftlayer.records import RecordBatch
 
 #: What the acker table keeps per pending root for this layer.
@@ -75,13 +75,14 @@ class PersistenceLayer:
         self._sources: list[int] = []
         self._topic_numbers: dict[tuple[int, str], int] = {}
 
-    def persist(self, batch: RecordBatch) -> NDArray[np.uint64]:
-        """Store the batch durably; returns the storage seqs. With defer_deletes, the
-        records marked for deletion go with it (`stage_deletes`: the LMDB store deletes
-        them in the batch's transaction, one commit and one fsync for both)."""
+    def persist(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
+        """Store the batch durably (with `meta`, as `PersistenceStorage.put` does);
+        returns the storage seqs. With defer_deletes, the records marked for deletion go
+        with it (`stage_deletes`: the LMDB store deletes them in the batch's
+        transaction, one commit and one fsync for both)."""
         if self._marked:
             self.storage.stage_deletes(self.take_marked())
-        return self.storage.put(batch)
+        return self.storage.put(batch, meta)
 
     def locators(self, batch: RecordBatch) -> dict[str, NDArray[Any]]:
         """The locator columns of a batch, but its seqs (set once stored)."""

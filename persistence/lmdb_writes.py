@@ -64,7 +64,7 @@ from numpy.typing import NDArray
 from ftlayer.errors import StorageError
 from ftlayer.records import RecordBatch
 
-from .base import TAGS, RecordNotStored, encode_chunk
+from .base import TAGS, MetaOfSeqs, RecordNotStored, encode_chunk, encode_meta_key
 from .lmdb_env import LmdbEnvironment
 from .lmdb_layout import (
     NEXT_SEQ_KEY,
@@ -90,14 +90,15 @@ class LmdbWrites(LmdbEnvironment):
         self._queued_lock = threading.Lock()
         super().__init__(path, map_size=map_size, sync=sync, chunk_bytes=chunk_bytes)
 
-    def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
         """Store `batch` (see the contract); with other threads putting at once, in one
         transaction with theirs (group commit, see the module docstring): each put's
-        batch is encoded in its own thread and written as its own chunk(s)."""
+        batch is encoded in its own thread and written as its own chunk(s), its `meta`
+        entries with it."""
         self._live_env()
         if len(batch) == 0:
             return np.zeros(0, dtype=np.uint64)
-        queued = _QueuedPut(len(batch), encode_chunk(batch))
+        queued = _QueuedPut(len(batch), encode_chunk(batch), meta)
         with self._queued_lock:
             self._queued.append(queued)
         with self._lock:
@@ -129,6 +130,10 @@ class LmdbWrites(LmdbEnvironment):
             for queued, start in zip(group, starts, strict=True):
                 assert queued.encoded is not None
                 self._add_chunks(txn, start, *queued.encoded)
+                if queued.meta is not None:
+                    seqs = np.arange(start, start + queued.n, dtype=np.uint64)
+                    for key, value in queued.meta(seqs).items():
+                        txn.put(encode_meta_key(key), value, db=self._meta)
             txn.put(NEXT_SEQ_KEY, chunk_key(first + n), db=self._store)
             self._count_stored(txn, n)
 
@@ -245,11 +250,14 @@ class _QueuedPut:
     (`encode_chunk`), then its seqs or the error of the transaction (set under the
     store's write lock)."""
 
-    __slots__ = ("encoded", "error", "n", "seqs")
+    __slots__ = ("encoded", "error", "meta", "n", "seqs")
 
-    def __init__(self, n: int, encoded: tuple[bytes, NDArray[np.int64]]) -> None:
+    def __init__(
+        self, n: int, encoded: tuple[bytes, NDArray[np.int64]], meta: MetaOfSeqs | None
+    ) -> None:
         self.n = n
         self.encoded: tuple[bytes, NDArray[np.int64]] | None = encoded
+        self.meta = meta
         self.seqs: NDArray[np.uint64] | None = None
         self.error: BaseException | None = None
 

@@ -26,10 +26,12 @@ from ftlayer.errors import StorageError
 from ftlayer.records import RecordBatch
 
 from .base import (
+    MetaOfSeqs,
     MetaValue,
     PersistenceStorage,
     check_stored,
     decode_records,
+    encode_meta_key,
     encode_records,
     retag_records,
 )
@@ -51,7 +53,7 @@ class MemoryStorage(PersistenceStorage):
         state = " (closed)" if self._closed else ""
         return f"MemoryStorage({len(self._values)} records){state}"
 
-    def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
         self._check_open()
         n = len(batch)
         first = self._next_seq
@@ -59,6 +61,9 @@ class MemoryStorage(PersistenceStorage):
         if n == 0:
             return seqs
         values = encode_records(batch)
+        if meta is not None:
+            entries = [(encode_meta_key(k), bytes(v)) for k, v in meta(seqs).items()]
+            self._meta.update(entries)
         self._values.update(zip(range(first, first + n), values, strict=True))
         self._next_seq = first + n
         return seqs

@@ -60,6 +60,7 @@ from .faillog import WAITING as _WAIT
 from .faillog import log_failed, log_requeue_error
 from .fills import note_failed
 from .persist import covered_at_timeout, retire_covered
+from .rangefail import fail_fresh
 from .ranges import materialize
 from .replay import REPLAY_SEQ_META_KEY
 from .retries import DEAD_LETTER, RetryRecord
@@ -90,18 +91,26 @@ def fail(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None = None) -
     elif len(causes) != len(root_array):
         raise ConfigError(f"fail: {len(root_array)} roots but {len(causes)} causes")
     keys, first = np.unique(root_array, return_index=True)
-    materialize(s, keys)  # records of a batch range become records of their own
+    causes = causes.take(first)
+    # A batch range's rows failed for the first time: in one write (rangefail).
+    fresh = fail_fresh(s, keys, causes)
+    taken = int(np.count_nonzero(fresh))
+    if taken:
+        keys, causes = keys[~fresh], causes.take(np.flatnonzero(~fresh))
+        if not len(keys):
+            return taken
+    materialize(s, keys)  # other records of a batch range become records of their own
     pending, seqs = s.acker.lookup("seq", keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
     if bool(pending.any()):
-        roots, causes = keys[pending], causes.take(first[pending])
+        roots, causes = keys[pending], causes.take(np.flatnonzero(pending))
         # Counted by who decided: a task (explicit), or the source (source-expired).
         expired = causes.of_kind(FailKind.SOURCE_EXPIRED)
         for rows, counted in ((~expired, FailCause.EXPLICIT), (expired, FailCause.SOURCE_EXPIRED)):
             if bool(rows.any()):
                 requeue(s, roots[rows], seqs[rows], counted, causes.take(np.flatnonzero(rows)))
-    return int(np.count_nonzero(pending))
+    return taken + int(np.count_nonzero(pending))
 
 
 def on_timeout(s: CoreState, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:

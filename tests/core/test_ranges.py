@@ -164,6 +164,29 @@ def test_ranges_and_their_failed_records_survive_a_restart(tmp_path: Path) -> No
     storage.close()
 
 
+def test_a_range_rows_first_failure_is_stored_at_once_with_its_history(tmp_path: Path) -> None:
+    """The record and its retry record are durable when fail returns: after a restart
+    it waits out its backoff, its key unknown until its bytes come, then replays."""
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage, partitioner="kafka-hash", backoff_ms=60_000)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 2, 0, 10)])
+    assert ft.fail(rangeroots.encode(number, 0, [4, 7]), FAILED) == 2
+    storage.close()
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage, partitioner="kafka-hash", backoff_ms=60_000)
+    wanted = ft.unfilled(SOURCE)
+    assert wanted.records.offsets.tolist() == [4, 7]
+    assert bool(wanted.records.key_unknown.all()) and ft.waiting_replays == 2
+    for seq in wanted.seqs.tolist():
+        record = ft.retry_record(seq)
+        assert record is not None and record.attempts == 1 and record.last_cause == FAILED
+        assert 1000.0 + 30 <= record.due <= 1000.0 + 60  # the backoff, less its jitter
+    _fill_all(ft, key_hash=5, has_key=True)  # kafka-hash: 5 % 4 = 1
+    assert ft.release_due(now=1000.0 + 61) == 2
+    assert _replays(ft) == [(4, 1, _bytes(4)), (7, 1, _bytes(7))]
+    storage.close()
+
+
 def test_bad_ranges_are_refused(storage: PersistenceStorage) -> None:
     ft = _layer(storage)
     with pytest.raises(ConfigError, match="batch range holds"):

@@ -22,6 +22,7 @@ from ftlayer.core.retries import RetryPolicy
 from ftlayer.core.takeover import ReadMarks, chunk_groups
 from ftlayer.errors import StorageError
 from ftlayer.persistence import Completed, LmdbStorage, MemoryStorage, PersistenceStorage
+from ftlayer.persistence.base import MetaOfSeqs
 from ftlayer.records import RecordBatch
 from ftlayer.registration import SourceRegistration
 
@@ -187,10 +188,10 @@ class RefusingPuts(MemoryStorage):
 
     refuse = False
 
-    def put(self, batch: RecordBatch) -> NDArray[np.uint64]:
+    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
         if self.refuse:
             raise StorageError("disk full")
-        return super().put(batch)
+        return super().put(batch, meta)
 
 
 def test_a_reread_that_cannot_be_stored_takes_nothing_over() -> None:

@@ -327,6 +327,23 @@ def test_update_meta_puts_and_deletes_together_or_not_at_all(
     assert storage.meta_keys() == ["new/a", "new/b"]
 
 
+def test_a_put_stores_its_meta_entries_with_its_records_or_neither(
+    storage: PersistenceStorage,
+) -> None:
+    def history(seqs: Any) -> dict[str, bytes]:
+        return {f"retry/{seq:016x}": b"attempt %d" % seq for seq in seqs.tolist()}
+
+    seqs = storage.put(make_batch(sample_rows()), history)
+    assert storage.meta_keys("retry/") == [f"retry/{seq:016x}" for seq in seqs.tolist()]
+    assert storage.get_meta(f"retry/{int(seqs[1]):016x}") == b"attempt %d" % seqs[1]
+    # A bad entry: neither the records nor any entry is stored, and no seq is used.
+    with pytest.raises(ConfigError, match="meta key"):
+        storage.put(make_batch(sample_rows()), lambda seqs: {"ok/1": b"1", "": b"bad"})
+    assert (len(storage), storage.next_seq) == (3, 4)
+    assert storage.meta_keys("ok/") == []
+    assert rows_of(storage.get(seqs)) == sample_rows()
+
+
 @pytest.mark.parametrize("key", ["", "k" * 512, "é" * 256, b"bytes-key"])
 def test_bad_meta_keys_are_a_config_error(storage: PersistenceStorage, key: Any) -> None:
     with pytest.raises(ConfigError, match="meta key"):

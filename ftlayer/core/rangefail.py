@@ -1,0 +1,215 @@
+"""The first failure of a record of a batch range, in one write.
+
+A batch read by reference (ftlayer.core.ranges) has no record stored per row. When a
+task fails one of its rows (FAIL naming its range root), the record must become a
+failed record like any other: stored by reference (its key unknown until its source
+copies its bytes in, ftlayer.core.fills), under a new root, with a retry record of its
+first failure, waiting for its backoff or for its key. The general path gets there in
+two steps, each its own transaction: `ranges.materialize` stores the record pending
+under its range root, then `failure.requeue` reads it back, decides its fate and
+retags it. A row failed for the first time needs neither: its fate follows from its
+cause and its source's retry policy alone (no history), so `fail_fresh` stores the
+record already tagged with its new root, and its retry record with it, in one write
+transaction (`PersistenceStorage.put` with `meta`), and does the rest in memory with
+one vectorized step per column.
+
+Rows this path leaves to the general one: a root of no open range, an offset already
+materialized (a second event for it), and a row whose first failure is its last (a
+final cause, or a policy with no retries), whose dead letter the general path makes.
+The state a fresh failure leaves (stored record, retry record, acker entry, journal,
+waiting or unrouted, unfilled, counts, log lines) is the same either way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.rangeroots import decode, is_range_root
+from ftlayer.records import KEY_UNKNOWN, RecordBatch
+
+from .faillog import log_failed
+from .persist import stored_meanwhile
+from .rangetable import BatchRange
+from .retries import RETRY_PREFIX, RetryRecord
+from .state import CoreState
+from .stats import FailCause
+
+__all__ = ["fail_fresh"]
+
+_WAIT: Final = 1  # faillog's WAITING
+_QUEUE: Final = 0  # faillog's QUEUED: unrouted until the key is known
+
+
+def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArray[np.bool_]:
+    """Fail the rows of `keys` (distinct roots, `causes` aligned) that this path takes
+    (module docstring); returns which keys it took (failed, counted)."""
+    taken = np.zeros(len(keys), dtype=np.bool_)
+    if not len(s.ranges) or not len(keys):
+        return taken
+    ranged = np.flatnonzero(is_range_root(keys))
+    if not len(ranged):
+        return taken
+    rows, ranges, offsets = _fresh_rows(s, keys, ranged)
+    if not len(rows):
+        return taken
+    # Fates: only rows whose first failure leaves them a replay.
+    now = s.wall()
+    source_ids = np.array([ranges[i].source_id for i in range(len(rows))], dtype=np.uint32)
+    row_causes = causes.take(rows)
+    keep = np.ones(len(rows), dtype=np.bool_)
+    for cause, at in row_causes.groups():
+        if cause.final or cause.kind is FailKind.SOURCE_EXPIRED:
+            keep[at] = False
+    for source_id in np.unique(source_ids).tolist():
+        if s.retry_policy(source_id).exhausted(1):
+            keep[source_ids == source_id] = False
+    if not bool(keep.all()):
+        chosen = np.flatnonzero(keep)
+        rows, source_ids, offsets = rows[chosen], source_ids[chosen], offsets[chosen]
+        ranges = [ranges[i] for i in chosen.tolist()]
+        row_causes = row_causes.take(chosen)
+        if not len(rows):
+            return taken
+    n = len(rows)
+    due = _due(s, source_ids, now)
+    new_roots = new_ids(n)
+    batch = RecordBatch.build(
+        new_roots,
+        [b""] * n,
+        source_ids=source_ids,
+        key_hashes=np.full(n, KEY_UNKNOWN, dtype=np.int64),
+        has_key=np.zeros(n, dtype=np.bool_),
+        topics=[r.topic for r in ranges],
+        partitions=[r.partition for r in ranges],
+        offsets=offsets,
+        references=True,
+    )
+    records, values = _retry_records(source_ids, row_causes, due, now)
+
+    def meta(seqs: NDArray[np.uint64]) -> dict[str, bytes]:
+        return {
+            f"{RETRY_PREFIX}{seq:016x}": value
+            for seq, value in zip(seqs.tolist(), values, strict=True)
+        }
+
+    s.changing()
+    seqs = s.persistence.persist(batch, meta)  # records and retry records: one write
+    # In memory: the book, the acker, the journal, and where each record waits.
+    seq_list = seqs.tolist()
+    s.book.commit(dict(zip(seq_list, records, strict=True)))
+    s.acker.add(new_roots, None, seq=seqs, **s.persistence.locators(batch))
+    if s.journal is not None:
+        s.journal.add(new_roots)
+    stored_meanwhile(s, seqs)
+    waiting = due > 0
+    fate = np.where(waiting, _WAIT, _QUEUE).astype(np.int8)
+    for seq, root, at, wait in zip(
+        seq_list, new_roots.tolist(), due.tolist(), waiting.tolist(), strict=True
+    ):
+        if wait:
+            s.book.wait(seq, root, at)
+        else:  # its key (so its replay partition) comes with its bytes
+            s.unrouted[seq] = (root, now)
+    s.unfilled.update(zip(seq_list, source_ids.tolist(), strict=True))
+    for r, offset in zip(ranges, offsets.tolist(), strict=True):
+        r.materialized.add(offset)
+    # Counts and log lines, as a requeue's (no source-expired cause among them).
+    s.stats.failed[FailCause.EXPLICIT.value] += n
+    s.meters.failed(FailCause.EXPLICIT.value, source_ids)
+    log_failed(
+        FailCause.EXPLICIT.value,
+        keys[rows],
+        new_roots,
+        seqs,
+        batch,
+        fate,
+        row_causes,
+        due,
+        dict(zip(seq_list, records, strict=True)),
+    )
+    taken[rows] = True
+    return taken
+
+
+def _fresh_rows(
+    s: CoreState, keys: NDArray[np.uint64], ranged: NDArray[np.intp]
+) -> tuple[NDArray[np.intp], list[BatchRange], NDArray[np.int64]]:
+    """The rows of `keys` (among `ranged`) naming an offset of an open range that is
+    not materialized: their rows, ranges and offsets."""
+    numbers, deltas = decode(keys[ranged])
+    rows: list[NDArray[np.intp]] = []
+    offsets: list[NDArray[np.int64]] = []
+    ranges: list[BatchRange] = []
+    for number in np.unique(numbers).tolist():
+        r = s.ranges.by_number.get(number)
+        if r is None:
+            continue
+        at = np.flatnonzero((numbers == number) & (deltas < len(r)))
+        found = r.start + deltas[at].astype(np.int64)
+        if r.materialized:
+            fresh = ~np.isin(found, np.fromiter(r.materialized, np.int64, len(r.materialized)))
+            at, found = at[fresh], found[fresh]
+        if len(at):
+            rows.append(ranged[at])
+            offsets.append(found)
+            ranges += [r] * len(at)
+    if not rows:
+        return np.zeros(0, np.intp), [], np.zeros(0, np.int64)
+    return np.concatenate(rows), ranges, np.concatenate(offsets)
+
+
+def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np.float64]:
+    """Per row, when its replay may start after its first failure (0: at once)."""
+    due = np.zeros(len(source_ids), dtype=np.float64)
+    for source_id in np.unique(source_ids).tolist():
+        policy = s.retry_policy(source_id)
+        if not policy.step_s(1):
+            continue
+        at = np.flatnonzero(source_ids == source_id)
+        delays = np.array([policy.delay_s(1, s.rng) for _ in range(len(at))], dtype=np.float64)
+        due[at] = np.where(delays > 0, now + delays, 0.0)
+    return due
+
+
+def _retry_records(
+    source_ids: NDArray[np.uint32], causes: Causes, due: NDArray[np.float64], now: float
+) -> tuple[list[RetryRecord], list[bytes]]:
+    """The retry record of each row's first failure, and its stored value: encoded once
+    per (source, cause) with the due time put in per row."""
+    records: list[RetryRecord] = []
+    values: list[bytes] = []
+    templates: dict[tuple[int, Cause], tuple[list[tuple[float, Cause]], bytes, bytes]] = {}
+    for source_id, code, at in zip(
+        source_ids.tolist(), causes.index.tolist(), due.tolist(), strict=True
+    ):
+        cause = causes.table[code]
+        template = templates.get((source_id, cause))
+        if template is None:
+            template = templates[(source_id, cause)] = _template(source_id, cause, now)
+        history, head, tail = template
+        records.append(RetryRecord(source_id, 1, now, now, at, history))
+        values.append(head + repr(at).encode() + tail)  # json.dumps of a finite float
+    return records, values
+
+
+_DUE_MARK: Final = "\x00due\x00"
+
+
+def _template(
+    source_id: int, cause: Cause, now: float
+) -> tuple[list[tuple[float, Cause]], bytes, bytes]:
+    """A first failure's history (shared: a record's history is copied before any
+    change, RetryRecord.copy), and its encoded retry record cut where the due time
+    goes."""
+    history = [(now, cause)]
+    data = RetryRecord(source_id, 1, now, now, 0.0, history).to_json()
+    data["due"] = _DUE_MARK
+    text = json.dumps(data, separators=(",", ":"))
+    head, tail = text.split(json.dumps(_DUE_MARK))
+    return history, head.encode(), tail.encode()
