@@ -200,6 +200,16 @@ class PersistenceStorage(ABC):
         their key hashes and has_key) with their key where it was unknown. Seqs not
         stored, not stored by reference, or filled before are left alone. Returns how
         many were filled. ConfigError if the columns differ in length."""
+        return len(self.fill_records(seqs, payloads, keys)[0])
+
+    def fill_records(
+        self,
+        seqs: Seqs,
+        payloads: Sequence[bytes],
+        keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
+    ) -> tuple[NDArray[np.uint64], RecordBatch]:
+        """`fill`, returning the seqs it filled and their records as `get` now returns
+        them (bytes and keys in), so a caller needs no read of its own."""
         self._check_open()
         seq_array = as_seqs(seqs)
         if len(seq_array) != len(payloads) or (
@@ -214,21 +224,29 @@ class PersistenceStorage(ABC):
         except RecordNotStored as exc:
             stored = np.flatnonzero(~np.isin(seq_array, exc.missing))
             if not len(stored):
-                return 0
+                return np.zeros(0, dtype=np.uint64), RecordBatch.empty()
             batch = self._get(seq_array[stored])
         filled = self._fill_index()
-        rows = stored[batch.reference_mask]
-        listed = None if keys is None else (keys[0].tolist(), keys[1].tolist())
+        at = np.flatnonzero(batch.reference_mask)  # rows of `batch`
+        if len(filled) and len(at):
+            at = at[~np.isin(seq_array[stored[at]], np.fromiter(filled, np.uint64, len(filled)))]
+        _, first = np.unique(seq_array[stored[at]], return_index=True)
+        at = at[np.sort(first)]  # a seq given twice is filled once
+        rows = stored[at]  # rows of `seqs`
+        if not len(rows):
+            return np.zeros(0, dtype=np.uint64), RecordBatch.empty()
+        listed = None if keys is None else (keys[0][rows].tolist(), keys[1][rows].tolist())
+        wanted = [payloads[row] for row in rows.tolist()]
+        done = seq_array[rows]
         puts = {
-            _fill_key(seq): _fill_value(payloads[row], listed, row)
-            for row, seq in zip(rows.tolist(), seq_array[rows].tolist(), strict=True)
-            if seq not in filled
+            _fill_key(seq): _fill_value(payload, listed, i)
+            for i, (seq, payload) in enumerate(zip(done.tolist(), wanted, strict=True))
         }
-        if puts:
-            self._update_meta(*encode_meta_changes(puts, ()))
-            with self._fill_lock():
-                filled.update(int(key[len(FILL_META_PREFIX) :]) for key in puts)
-        return len(puts)
+        self._update_meta(*encode_meta_changes(puts, ()))
+        with self._fill_lock():
+            filled.update(done.tolist())
+        given = None if keys is None else (keys[0][rows], keys[1][rows])
+        return done, batch.take(at).with_payloads(np.arange(len(at)), wanted, given)
 
     @property
     def filled(self) -> int:

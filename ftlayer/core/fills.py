@@ -41,12 +41,14 @@ from numpy.typing import NDArray
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.records import RecordBatch
 
+from .faillog import log_requeue_error
 from .state import CoreState
 from .stats import FailCause
 
 __all__ = ["FillResult", "UnfilledRecords", "fill", "note_failed", "rebuild", "unfilled"]
 
 Requeue = Callable[[CoreState, NDArray[np.uint64], NDArray[np.uint64], FailCause, Causes], None]
+Enqueue = Callable[[CoreState, NDArray[np.uint64], NDArray[np.uint64], RecordBatch], None]
 
 SOURCE_EXPIRED: Final = Cause(
     FailKind.SOURCE_EXPIRED, error="the source no longer has the record", final=True
@@ -122,25 +124,28 @@ def fill(
     payloads: Sequence[bytes],
     found: NDArray[np.bool_],
     requeue: Requeue,
+    enqueue: Enqueue,
     keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
 ) -> FillResult:
     """The source read records stored by reference (`seqs`): `found` ones with these
     `payloads` (stored now), the others expired in the source (see the module
     docstring); `requeue` is ftlayer.core.failure's, which fails the pending ones.
-    Seqs not stored, or not unfilled, are left alone."""
+    Seqs not stored, or not unfilled, are left alone. `enqueue` (failure's) queues
+    the filled records that waited for their key and are due."""
     if keys is not None:
         found = _without_needed_keys(s, seqs, found, keys, requeue)
     rows = np.flatnonzero(found)
     filled = 0
     if len(rows):
         found_keys = None if keys is None else (keys[0][rows], keys[1][rows])
-        filled = s.storage.fill(seqs[rows], [payloads[i] for i in rows.tolist()], found_keys)
-    s.stats.filled += filled
-    for seq in seqs[rows].tolist():
-        s.unfilled.pop(seq, None)
-        waiting = s.unrouted.pop(seq, None)  # its key known now: it can be routed
-        if waiting is not None:
-            s.book.wait(seq, waiting[0], waiting[1])
+        done, records = s.storage.fill_records(
+            seqs[rows], [payloads[i] for i in rows.tolist()], found_keys
+        )
+        filled = len(done)
+        s.stats.filled += filled
+        for seq in seqs[rows].tolist():
+            s.unfilled.pop(seq, None)
+        _route_filled(s, done, records, enqueue)
     gone = seqs[~found]
     gone = gone[s.storage.contains(gone)] if len(gone) else gone
     if not len(gone):
@@ -179,6 +184,45 @@ def fill(
         s.unfilled.pop(seq, None)
         s.unrouted.pop(seq, None)
     return FillResult(filled, len(roots) + len(changed))
+
+
+def _route_filled(
+    s: CoreState, seqs: NDArray[np.uint64], records: RecordBatch, enqueue: Enqueue
+) -> None:
+    """Filled records that waited for their key (unrouted): queued now if due, else
+    they wait for their backoff. The records are those the fill stored, so routing
+    them reads nothing."""
+    now = s.wall()
+    rows: list[int] = []
+    roots: list[int] = []
+    for row, seq in enumerate(seqs.tolist()):
+        waiting = s.unrouted.pop(seq, None)  # its key known now: it can be routed
+        if waiting is None:
+            continue
+        if waiting[1] > now:
+            s.book.wait(seq, waiting[0], waiting[1])
+        else:
+            rows.append(row)
+            roots.append(waiting[0])
+    if not rows:
+        return
+    at = np.array(rows, dtype=np.intp)
+    root_array = np.array(roots, dtype=np.uint64)
+    live = s.live_with_seqs(root_array, seqs[at])  # not completed or purged since
+    if not bool(live.all()):
+        at, root_array = at[live], root_array[live]
+        if not len(at):
+            return
+    order = np.argsort(seqs[at], kind="stable")  # replayed in the order they were stored
+    at, root_array = at[order], root_array[order]
+    s.changing()
+    try:
+        enqueue(s, root_array, seqs[at], records.take(at))
+    except BaseException as exc:
+        log_requeue_error("bytes filled in", root_array, seqs[at], exc)
+        for seq, root in zip(seqs[at].tolist(), root_array.tolist(), strict=True):
+            s.book.wait(seq, root, now + 1.0)  # routed now: try again shortly
+        raise
 
 
 def _without_needed_keys(

@@ -526,7 +526,9 @@ class FTLayer:
             )
             if not len(key_arrays[0]) == len(key_arrays[1]) == len(seq_array):
                 raise ConfigError("fill needs a key hash and a has_key flag per seq")
-        result = fills.fill(self._s, seq_array, payloads, found_array, failure.requeue, key_arrays)
+        result = fills.fill(
+            self._s, seq_array, payloads, found_array, failure.requeue, failure.enqueue, key_arrays
+        )
         failure.release_due(self._s)
         return result
 
