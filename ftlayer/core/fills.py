@@ -39,6 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.persistence.base import RecordNotStored
 from ftlayer.records import RecordBatch
 
 from .faillog import log_requeue_error
@@ -105,11 +106,13 @@ def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
     seqs = np.array(listed[: max(0, limit)], dtype=np.uint64)
     if not len(seqs):
         return UnfilledRecords(seqs, RecordBatch.empty())
-    stored = s.storage.contains(seqs)
-    for seq in seqs[~stored].tolist():  # completed or purged since
-        del s.unfilled[seq]
-    seqs = seqs[stored]
-    records = s.storage.get(seqs)
+    try:
+        records = s.storage.get(seqs)
+    except RecordNotStored as exc:  # completed or purged since
+        for seq in np.intersect1d(seqs, exc.missing).tolist():
+            del s.unfilled[seq]
+        seqs = seqs[~np.isin(seqs, exc.missing)]
+        records = s.storage.get(seqs)
     still = records.reference_mask
     for seq in seqs[~still].tolist():  # filled meanwhile
         del s.unfilled[seq]

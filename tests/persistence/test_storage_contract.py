@@ -447,6 +447,22 @@ def test_a_record_stored_by_reference_comes_back_as_one_until_filled(backend: Ba
     assert storage.filled == 1
 
 
+def test_fill_records_returns_what_get_returns_after_it(backend: Backend) -> None:
+    storage = backend.open()
+    seqs = storage.put(_referenced(3))
+    keys = (np.array([7, 8, 9], dtype=np.int64), np.array([True, False, True]))
+    given = [int(seqs[2]), 999, int(seqs[0]), int(seqs[2])]  # a missing seq, one twice
+    done, records = storage.fill_records(
+        given, [b"c", b"x", b"a", b"c2"], (keys[0][[2, 0, 0, 2]], keys[1][[2, 0, 0, 2]])
+    )
+    assert done.tolist() == [int(seqs[2]), int(seqs[0])]
+    assert rows_of(records) == rows_of(storage.get(done))
+    assert [bytes(p) for p in records.payloads] == [b"c", b"a"]
+    assert records.references is None
+    # Filled before: nothing to do, nothing returned.
+    assert len(storage.fill_records(seqs[:1], [b"again"])[0]) == 0
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_deleting_a_filled_record_deletes_its_bytes(backend: Backend, staged: bool) -> None:
     storage = backend.open()
