@@ -39,14 +39,15 @@ its last line instead, as does `status`. `bench report` runs every bench
 raw figures in DIR/benchmarks/; `--from` redraws them from a saved results.json
 without running a bench; it exits 1 if a bench failed.
 
-`serve` prints "ftlayer serving on HOST:PORT" once it listens (with --http-port, then
-"ftlayer http on URL"), then serves until SIGTERM or SIGINT and exits 0. A token file
-holds the token's bytes (one trailing newline is ignored); serving on a non-loopback
-host needs one. `demo` runs the main job on an embedded broker, an FT-layer process and
-local Spark (ftlayer.integration.harness.demo) and exits 0 only if nothing was lost and
-every produced record completed; 1 otherwise. `savepoint create` saves the data dir of
-a stopped server (`--data-dir`) or has a running server save its own store
-(`--server`; then --dir is an absolute path on the server's host).
+`serve` prints "ftlayer serving on HOST:PORT" once it listens (" (TLS)" after the
+address when it serves TLS; with --http-port, then "ftlayer http on URL"), then serves
+until SIGTERM or SIGINT and exits 0. A token file holds the token's bytes (one
+trailing newline is ignored); serving on a non-loopback host needs one. `demo` runs
+the main job on an embedded broker, an FT-layer process and local Spark
+(ftlayer.integration.harness.demo) and exits 0 only if nothing was lost and every
+produced record completed; 1 otherwise. `savepoint create` saves the data dir of a
+stopped server (`--data-dir`) or has a running server save its own store (`--server`;
+then --dir is an absolute path on the server's host).
 
 One module per command (`serve`, `status`, `demo`, `bench`, `savepoint`, `deadletters`,
 `inspect`), each with its `add_parser` and `run`; `common` holds what they share. This

@@ -158,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
     with server:
         settle_heap()  # kernels loaded, start-up heap frozen (ftlayer/memtune.py)
         host, port = server.address
-        print(f"ftlayer serving on {host}:{port}", flush=True)
+        # Parsers take the address up to the first space (ftlayer.integration.harness.ftprocess).
+        print(
+            f"ftlayer serving on {host}:{port}{' (TLS)' if server.serves_tls else ''}", flush=True
+        )
         if server.http_url is not None:
             print(f"ftlayer http on {server.http_url}", flush=True)
         while not stop.wait(1.0):

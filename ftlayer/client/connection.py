@@ -20,8 +20,16 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
   the caller knows whether to resend. The next call reconnects.
 - A connection the server closed while it was idle (its idle limit, a restart) is
   noticed before the next request is sent, and replaced: that request is not lost.
+- While it retries, it logs a warning (logger ftlayer.client) naming the server's
+  address and until when it retries: when retrying starts, then at most every
+  RETRY_LOG_INTERVAL_S while it goes on.
 - A server at its connection limit answers ERROR 103 (ServerBusy); connecting treats
   that as a refused attempt and retries it with the same backoff.
+- TLS that does not fit is not retried: TLSMismatch (a ConfigError) at once, naming
+  the cause: the server speaks TLS and the client has no CA (the server says so with
+  ERROR 104), the client speaks TLS to a plain-TCP server, or the server's certificate
+  does not verify against the client's CA or does not name the host it was reached
+  by.
 - An ERROR reply raises: the matching ProtocolError subclass for codes 1-9,
   ServerStorageError for 101, RequestRejected (a ValueError) for 102, ServerBusy for
   103 (retried while connecting, see above), ServerError otherwise; each carries the
@@ -30,6 +38,8 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import math
 import os
 import select
@@ -48,6 +58,7 @@ from numpy.typing import ArrayLike, NDArray
 from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.inspection import Inspection, RecordQuery
+from ftlayer.logs import fields
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import CheckpointReport, Status
@@ -108,9 +119,13 @@ from ftlayer.wire import (
 
 T = TypeVar("T")
 
+log = logging.getLogger("ftlayer.client")
+
 SAVEPOINT_TIMEOUT_S: Final = 3600.0
 """How long FTClient.savepoint waits for its reply by default: the server copies the
 whole store before it answers."""
+RETRY_LOG_INTERVAL_S: Final = 10.0
+"""While a client retries an unreachable server, at most one warning this often."""
 _FIRST_BACKOFF_S: Final = 0.05
 _MAX_BACKOFF_S: Final = 1.0
 _RECV_BYTES: Final = 1 << 20
@@ -129,6 +144,12 @@ _PROTOCOL_ERRORS: Final[dict[int, type[ProtocolError]]] = {
 }
 
 
+_CA_HINT: Final = "the source option ft.tlsCa, or --tls-ca of the ftlayer command"
+_NOT_TLS_REASONS: Final = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
+)
+"""What OpenSSL says when the answer to a ClientHello is not TLS (a plain-TCP server's
+ERROR frame)."""
 _TOKEN_HINT: Final = (
     "give the token of the server's --token-file, with the source option ft.tokenFile "
     "(or ft.token), or with --token-file of the ftlayer command"
@@ -158,6 +179,13 @@ class ServerBusy(ServerError):
 
 class ConnectionLost(FTLayerError):
     """The connection broke before the reply: the request may or may not be applied."""
+
+
+class TLSMismatch(ConfigError):
+    """TLS between this client and the server cannot work as configured: the server
+    speaks TLS and the client has no CA, the client speaks TLS to a plain-TCP server,
+    or the server's certificate does not verify (an unknown CA, a name that does not
+    match, expired). Never retried: only a change of configuration helps."""
 
 
 def read_token_file(path: str) -> bytes:
@@ -230,6 +258,7 @@ class FTClient:
     ) -> None:
         self.host, self.port = parse_address(address)
         self._tls = client_tls_context(tls)
+        self._trusted = _trusted_cas(tls)
         self.address = address
         self._token = token
         self._connect_timeout = connect_timeout
@@ -244,6 +273,7 @@ class FTClient:
         self._reader = FrameReader(max_frame)
         self._frames: deque[Frame] = deque()
         self._next_id = 1
+        self._retry_warned_at: float | None = None  # monotonic; None: no retrying since
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
 
@@ -572,31 +602,86 @@ class FTClient:
     def _connect_with_backoff(self) -> None:
         """Connect and handshake, retrying refused or broken attempts with exponential
         backoff (50 ms doubling to 1 s) for up to `reconnect_s`: a restarting server is
-        waited for. A TLS error (an untrusted certificate, a plain-TCP server) is not
-        retried, but a TLS connection the server cut during its handshake (a server at
-        its connection limit, or restarting) is; authentication errors (ProtocolError)
-        are not."""
-        deadline = time.monotonic() + self._reconnect_s
+        waited for, with a warning when retrying starts and then at most every
+        RETRY_LOG_INTERVAL_S. A TLS error (an untrusted certificate, a plain-TCP
+        server) is not retried (TLSMismatch, or ConnectionLost for another TLS alert),
+        but a TLS connection the server cut during its handshake (a server at its
+        connection limit, or restarting) is; authentication errors (ProtocolError) are
+        not."""
+        started = time.monotonic()
+        deadline = started + self._reconnect_s
         delay, tries = _FIRST_BACKOFF_S, 0
         while True:
             tries += 1
             try:
                 self._connect()
-                return
             except (OSError, ServerBusy) as exc:
                 self._drop()
                 if isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError):
-                    raise ConnectionLost(
-                        f"the TLS connection to the FT-layer server at {self.address} could "
-                        f"not be opened: {exc}"
-                    ) from exc
-                if time.monotonic() + delay > deadline:
+                    raise self._tls_failure(exc) from exc
+                now = time.monotonic()
+                if now + delay > deadline:
                     raise ConnectionLost(
                         f"the connection to the FT-layer server at {self.address} could not "
                         f"be opened ({tries} attempts in {self._reconnect_s:g} s): {exc}"
                     ) from exc
+                self._warn_retrying(exc, tries, now - started, deadline - now)
+            else:
+                if self._retry_warned_at is not None:
+                    log.warning(
+                        "%s: reached the FT-layer server at %s again", self._name, self.address
+                    )
+                    self._retry_warned_at = None
+                return
             time.sleep(delay)
             delay = min(2 * delay, _MAX_BACKOFF_S)
+
+    def _warn_retrying(self, exc: BaseException, tries: int, spent_s: float, left_s: float) -> None:
+        """The warning of a retry: at the first, then at most every RETRY_LOG_INTERVAL_S
+        (across calls: a client that retries at every call warns no more often)."""
+        now = time.monotonic()
+        warned = self._retry_warned_at
+        if warned is not None and now - warned < RETRY_LOG_INTERVAL_S:
+            return
+        self._retry_warned_at = now
+        until = (dt.datetime.now() + dt.timedelta(seconds=left_s)).strftime("%H:%M:%S")
+        log.warning(
+            "%s: cannot reach the FT-layer server at %s (%s); %s until %s (%.0f s more), "
+            "then the call fails",
+            self._name,
+            self.address,
+            exc,
+            "retrying"
+            if warned is None
+            else f"still retrying after {tries} attempts in {spent_s:.0f} s,",
+            until,
+            left_s,
+            extra=fields(address=self.address, attempts=tries, retry_s=round(left_s, 1)),
+        )
+
+    def _tls_failure(self, exc: ssl.SSLError) -> FTLayerError:
+        """What a failed TLS handshake means, as the error to raise (never retried)."""
+        where = f"the FT-layer server at {self.address}"
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            problem = exc.verify_message or exc.reason or str(exc)
+            if "mismatch" in problem.lower():
+                return TLSMismatch(
+                    f"the TLS certificate of {where} does not name {self.host} ({problem}): "
+                    f"its subjectAltName must list the host or address clients connect to "
+                    f"(the host in ft.address or --server)"
+                )
+            return TLSMismatch(
+                f"the TLS certificate of {where} does not verify against {self._trusted} "
+                f"({problem}): give the CA that signed the server's certificate "
+                f"({_CA_HINT})"
+            )
+        if exc.reason in _NOT_TLS_REASONS:
+            return TLSMismatch(
+                f"{where} does not speak TLS (it answered the TLS handshake in plain TCP: "
+                f"{exc.reason}): connect without a CA ({_CA_HINT}), or serve TLS "
+                "(ftlayer serve --tls-cert and --tls-key)"
+            )
+        return ConnectionLost(f"the TLS connection to {where} could not be opened: {exc}")
 
     def _request(self, encode: Callable[[int], bytes], expect: Kind) -> Frame:
         rid = self._take_id()
@@ -657,9 +742,17 @@ class FTClient:
         self._sock, self._reader, self._frames = sock, FrameReader(self.max_frame), deque()
         try:
             client_nonce = new_nonce()
-            hello = self._request(
-                lambda rid: encode_hello(rid, client_nonce, self._name), Kind.CHALLENGE
-            )
+            try:
+                hello = self._request(
+                    lambda rid: encode_hello(rid, client_nonce, self._name), Kind.CHALLENGE
+                )
+            except ServerError as exc:
+                if exc.code != ErrorCode.TLS_REQUIRED:
+                    raise
+                raise TLSMismatch(
+                    f"the FT-layer server at {self.address} speaks TLS; give its CA "
+                    f"certificate ({_CA_HINT})"
+                ) from None
             challenge = decode_challenge(hello)
             if challenge.auth_required and self._token is None:
                 raise NotAuthenticated(
@@ -686,6 +779,15 @@ class FTClient:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
+
+
+def _trusted_cas(tls: bool | str | os.PathLike[str] | ssl.SSLContext) -> str:
+    """The CAs a client trusts, as its error messages name them."""
+    if tls is True:
+        return "the system's trusted CAs"
+    if isinstance(tls, ssl.SSLContext):
+        return "the CAs of the client's SSL context"
+    return "no CA (plain TCP)" if tls is False else f"the CA in {os.fspath(tls)}"
 
 
 def _broke(exc: OSError, timeout_s: float | None) -> str:

@@ -84,10 +84,11 @@ format). The contract:
 A non-loopback host without a token is refused (ConfigError): the token is the only
 thing between the network and the acker table. With `tls_cert` and `tls_key` every
 connection is TLS (the ssl module; TLS 1.2 at least): the handshake runs in the
-connection's own thread within `handshake_timeout_s`, and a client that does not speak
-TLS is logged and closed. The token still authenticates the client; TLS keeps the
-records and ids private on the wire and proves the server's identity to clients that
-check its certificate.
+connection's own thread within `handshake_timeout_s`, and a client whose first byte
+does not start a TLS handshake gets ERROR 104 (TLS_REQUIRED) in plain bytes, is logged
+and closed, so it can say that it lacks the CA instead of seeing a closed connection.
+The token still authenticates the client; TLS keeps the records and ids private on the
+wire and proves the server's identity to clients that check its certificate.
 
 With `http_port`, an HTTP port (ftlayer.web) serves Prometheus metrics at /metrics and
 a live status page at /, read-only: it reads the core under the lock as STATUS does

@@ -44,6 +44,11 @@ class FTServer(Transport, RequestHandlers, Workers):
         host, port = self._listener.getsockname()[:2]
         return str(host), int(port)
 
+    @property
+    def serves_tls(self) -> bool:
+        """Whether clients must speak TLS (the server has a certificate and key)."""
+        return self._tls is not None
+
     def start(self) -> Self:
         """Open the storage (recovering what it holds), bind, and start serving."""
         if self._listener is not None:
@@ -90,10 +95,11 @@ class FTServer(Transport, RequestHandlers, Workers):
         self._started_at = time.monotonic()
         stats = self._ft.current_stats()
         log.info(
-            "serving %s on %s:%d (recovered %d pending records for replay; from the "
+            "serving %s on %s:%d%s (recovered %d pending records for replay; from the "
             "journal: %d restored pending, %d complete)",
             self.data_dir,
             *self.address,
+            " with TLS" if self.serves_tls else "",
             stats.failed["recovery"],
             stats.recovered_pending,
             stats.recovered_completed,

@@ -1,7 +1,8 @@
 """The FT-layer server's transport, items 1, 2 and 4 of ftlayer.server's contract:
 accepting connections (at most `max_connections`: the next one is refused with ERROR
-103, or only closed under TLS), a thread per connection, its TLS handshake, its
-conversation (frames read with deadlines, requests answered one by one in their order,
+103, or only closed under TLS), a thread per connection, its TLS handshake (a client
+whose first bytes are not a TLS handshake gets ERROR 104, in plain bytes, and the
+close), its conversation (frames read with deadlines, requests answered one by one in their order,
 a bad frame length breaking the stream), the handshake (HELLO, CHALLENGE, AUTH,
 WELCOME; anything else before WELCOME refused by its kind), and the errors a request's
 handler raises mapped to ERROR codes. A request's handler is found in the table of
@@ -47,6 +48,16 @@ from .state import _POLL_S, ServerState, _Connection
 log = logging.getLogger("ftlayer.server")
 
 _RECV_BYTES: Final = 1 << 20
+_TLS_HANDSHAKE_RECORD: Final = 0x16
+"""The first byte of every TLS connection: the content type of its ClientHello's record."""
+_PLAIN_ON_TLS: Final = (
+    "this FT-layer server speaks TLS: connect with TLS, trusting the CA that signed its "
+    "certificate (the source option ft.tlsCa, or --tls-ca of the ftlayer command)"
+)
+
+
+class _PlainClient(Exception):
+    """A client of a TLS server sent bytes that do not start a TLS handshake."""
 
 
 class Transport(ServerState):
@@ -86,6 +97,15 @@ class Transport(ServerState):
             if self._tls is not None:
                 conn.sock = self._tls_handshake(conn)
             reason = self._converse(conn)
+        except _PlainClient:
+            log.warning(
+                "%s: a plain-TCP client on this TLS server (it has no CA, ft.tlsCa or "
+                "--tls-ca): told it so (ERROR 104)",
+                conn.peer,
+            )
+            reason = "a plain-TCP client on a TLS server (ERROR 104)"
+            with contextlib.suppress(OSError):
+                self._send(conn, encode_error(0, ErrorCode.TLS_REQUIRED, _PLAIN_ON_TLS))
         except ssl.SSLError as exc:
             log.warning("%s: TLS handshake failed: %s", conn.peer, exc)
             reason = f"TLS handshake failed ({exc.reason or exc})"
@@ -102,8 +122,18 @@ class Transport(ServerState):
             log.info("connection from %s (%s) closed: %s", conn.peer, conn.name, reason)
 
     def _tls_handshake(self, conn: _Connection) -> ssl.SSLSocket:
+        """The TLS handshake, after a look at the first byte: _PlainClient if it does
+        not start one (an ftlayer client without TLS sends HELLO, whose first byte is
+        0), its bytes read, so that the close after the ERROR is not a reset that
+        could drop the ERROR before the client reads it."""
         assert self._tls is not None
         conn.sock.settimeout(self._handshake_timeout_s)
+        first = conn.sock.recv(1, socket.MSG_PEEK)
+        if not first:  # a port probe (a load balancer's, Kubernetes'): nothing to log
+            raise ConnectionAbortedError("closed by the client before its TLS handshake")
+        if first[0] != _TLS_HANDSHAKE_RECORD:
+            conn.sock.recv(_RECV_BYTES)
+            raise _PlainClient
         tls = self._tls.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
         with self._connections_lock:  # stop() must shut down the wrapped socket
             conn.sock = tls
@@ -146,6 +176,14 @@ class Transport(ServerState):
                 if close:
                     return "refused before the handshake completed"
             if reader.error is not None:
+                if conn.client_nonce is None and data[0] == _TLS_HANDSHAKE_RECORD:
+                    log.warning(
+                        "%s: a TLS client on this plain-TCP server (the client has a CA, "
+                        "ft.tlsCa or --tls-ca; this server has no --tls-cert)",
+                        conn.peer,
+                    )
+                    self._send(conn, encode_error(0, reader.error.code, str(reader.error)))
+                    return "a TLS client on a plain-TCP server"
                 log.warning("%s: broken stream: %s", conn.peer, reader.error)
                 self._send(conn, encode_error(0, reader.error.code, str(reader.error)))
                 return f"broken stream ({reader.error.code.name})"

@@ -87,6 +87,7 @@ class ErrorCode(enum.IntEnum):
     STORAGE = 101
     REJECTED = 102
     BUSY = 103
+    TLS_REQUIRED = 104
 
 
 # ---- errors --------------------------------------------------------------------------

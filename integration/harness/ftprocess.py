@@ -54,9 +54,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 def read_serving_address(
     proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0
 ) -> str:
-    """The HOST:PORT of the "ftlayer serving on" line a starting `ftlayer serve` prints
-    first (its stdout a pipe); ServerProcessError, naming the log, if the line does not
-    come within `timeout` seconds or the process exits first."""
+    """The HOST:PORT of the "ftlayer serving on HOST:PORT" line a starting `ftlayer
+    serve` prints first (its stdout a pipe; " (TLS)" follows the address of a TLS
+    server); ServerProcessError, naming the log, if the line does not come within
+    `timeout` seconds or the process exits first."""
     return _read_line(proc, _SERVING, log_path, timeout)
 
 
@@ -85,9 +86,10 @@ def _read_line(proc: subprocess.Popen[bytes], prefix: bytes, log_path: Path, tim
                     f"{_log_tail(log_path)}"
                 )
             line += chunk
-    if not line.startswith(prefix):
+    words = line[len(prefix) :].decode().split()
+    if not line.startswith(prefix) or not words:
         raise ServerProcessError(f"unexpected line from the server: {line!r}")
-    return line[len(prefix) :].decode().strip()
+    return words[0]  # what follows the address (" (TLS)") describes it
 
 
 def _log_tail(log_path: Path, lines: int = 5) -> str:

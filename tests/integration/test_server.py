@@ -7,6 +7,7 @@ is stopped by the fixture's finalizer even when a test fails.
 from __future__ import annotations
 
 import errno
+import logging
 import re
 import resource
 import signal
@@ -291,21 +292,34 @@ def test_retired_and_unknown_kinds_are_refused_and_the_connection_goes_on(
 
 
 def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
-    start_server: StartServer,
+    start_server: StartServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """While it waits, the client says so once (the outage is shorter than the warning
+    interval), naming the server and until when it retries; and again once it is back."""
     server = start_server()
     port = server.address.rsplit(":", 1)[1]
     restarted: list[Server] = []
-    with FTClient(server.address, reconnect_s=30) as client:
+    with FTClient(server.address, reconnect_s=30, name="test-client") as client:
         persist(client, PAYLOADS[:2])
         server.kill()
         restart = threading.Timer(
             1.0, lambda: restarted.append(start_server(server.data_dir, "--port", port))
         )
         restart.start()
-        status = client.status()  # reconnects with backoff until the server is back
+        with caplog.at_level(logging.WARNING, logger="ftlayer.client"):
+            status = client.status()  # reconnects with backoff until the server is back
         restart.join()
     assert restarted and status["recovered_pending"] == 2  # the journal knew both
+    warned = [r.getMessage() for r in caplog.records if r.name == "ftlayer.client"]
+    assert len(warned) == 2, warned
+    retrying = re.fullmatch(
+        rf"test-client: cannot reach the FT-layer server at {re.escape(server.address)} "
+        r"\(.+\); retrying until (\d\d:\d\d:\d\d) \((\d+) s more\), then the call fails",
+        warned[0],
+    )
+    assert retrying is not None, warned[0]
+    assert 25 <= int(retrying[2]) <= 30
+    assert warned[1] == f"test-client: reached the FT-layer server at {server.address} again"
     restarted[0].kill()
     with (
         FTClient(server.address, reconnect_s=0.3) as client,

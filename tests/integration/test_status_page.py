@@ -237,3 +237,36 @@ def test_the_status_page_shows_what_status_says(
     target = os.environ.get("FTLAYER_SCREENSHOT")
     if target:
         shutil.copyfile(shot, target)
+
+
+def test_a_protected_page_works_from_a_url_with_the_token(
+    start_server: StartServer, browser: Any, tmp_path: Path
+) -> None:
+    """With --token-file, the page opened as http://user:TOKEN@host:port/ (how a
+    headless browser or a script passes basic auth) loads, and so do its own requests:
+    it goes live and shows STATUS's numbers."""
+    token = "s3cret-page-token"
+    (tmp_path / "token").write_text(token + "\n")
+    server = start_server(None, "--http-port", "0", "--token-file", str(tmp_path / "token"))
+    assert server.http_url is not None and server.http_url.startswith("http://")
+    with FTClient(server.address, token=token.encode()) as client:
+        drive(client, rounds=2, pause_s=0.2)
+        browser.get(server.http_url.replace("http://", f"http://ftlayer:{token}@", 1))
+        assert browser.title == "ftlayer status"
+        deadline = time.monotonic() + 30.0
+        while True:
+            page = browser.execute_script(_READ_PAGE)
+            status = client.status()
+            wrong = _mismatches(status, page, client)
+            if page["live"] != "live ok":
+                live = browser.find_element("id", "live").text
+                wrong.append(f"the page is not live: {page['live']}: {live}")
+            if not wrong:
+                break
+            assert time.monotonic() < deadline, "\n".join(wrong)
+            time.sleep(0.5)
+        polls = int(browser.execute_script("return document.body.dataset.polls"))
+        deadline = time.monotonic() + 10.0
+        while int(browser.execute_script("return document.body.dataset.polls")) < polls + 2:
+            assert time.monotonic() < deadline, "the page stopped polling"
+            time.sleep(0.2)

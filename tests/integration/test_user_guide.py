@@ -24,8 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
+import trustme
+from fixture_types import MakeTopic
+from serverproc import StartServer
 
+from ftlayer.client import FTClient
 from ftlayer.integration.harness.broker import free_port
+from ftlayer.integration.harness.kafka import produce
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "user-guide.md"
@@ -137,3 +142,74 @@ def test_the_guide_job_runs_as_printed_and_its_totals_are_exact(tmp_path: Path) 
     assert status["persisted"] == ORDERS
     assert status["failed"]["explicit"] > 0 and status["failed"]["timeout"] == 0
     assert "Traceback" not in job_log
+
+
+@pytest.mark.integration
+def test_the_guide_job_reaches_a_tls_server_through_ft_tls_ca(
+    start_server: StartServer, make_topic: MakeTopic, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The guide's job as a user runs it against an FT layer with a token and TLS, the
+    CA given by FT_TLS_CA: the driver and the Python workers connect over TLS, and
+    every order completes."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    (tmp_path / "token").write_text("guide-tls-token\n")
+    server = start_server(
+        None,
+        *("--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")),
+        *("--token-file", str(tmp_path / "token")),
+    )
+    orders, totals = make_topic(4), make_topic(4)
+    job = saved_file(GUIDE.read_text(), "job.py")
+    for theirs, ours in (('"subscribe": "orders"', f'"subscribe": "{orders}"'),
+                         ('"user-totals"', f'"{totals}"')):  # fmt: skip
+        assert theirs in job
+        job = job.replace(theirs, ours)
+    (tmp_path / "job.py").write_text(job)
+    count = 200
+    produce(
+        kafka_bootstrap,
+        orders,
+        [(f"user-{i % 7}".encode(), json.dumps({"user": f"user-{i % 7}", "amount": 5}).encode())
+         for i in range(count)],
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "SPARK"))}
+    env |= {
+        "KAFKA": kafka_bootstrap,
+        "FT_ADDRESS": server.address,
+        "FT_TOKEN_FILE": str(tmp_path / "token"),
+        "FT_TLS_CA": str(tmp_path / "ca.pem"),
+        "CHECKPOINT": str(tmp_path / "checkpoint"),
+        "SPARK_MASTER": "local[2,4]",
+    }
+    job_log = tmp_path / "job.log"
+    with job_log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "job.py"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        with FTClient(server.address, token=b"guide-tls-token", tls=str(tmp_path / "ca.pem")) as ft:
+            deadline = time.monotonic() + 180
+            while True:
+                status = ft.status()
+                if status.completed >= count and status.pending == 0:
+                    break
+                assert proc.poll() is None, job_log.read_text(errors="replace")[-4000:]
+                assert time.monotonic() < deadline, (
+                    f"{status.to_json()}\n{job_log.read_text(errors='replace')[-4000:]}"
+                )
+                time.sleep(1.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert status.persisted >= count
+    assert status.failed["timeout"] == 0

@@ -335,8 +335,12 @@ function takeHistory(history) {
 async function poll() {
   const live = document.getElementById("live");
   try {
-    const url = "/api/status" + (lastSample == null ? "" : "?since=" + lastSample);
-    const response = await fetch(url, { cache: "no-store" });
+    // From the origin, which has no user:token@ part: a URL relative to a page opened
+    // with user:token@ in its URL would carry it, and fetch() refuses such a URL. The
+    // browser still sends the credentials it loaded the page with (same origin).
+    const url = new URL("/api/status", window.location.origin);
+    if (lastSample != null) url.searchParams.set("since", String(lastSample));
+    const response = await fetch(url, { cache: "no-store", credentials: "same-origin" });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const data = await response.json();
     takeHistory(data.history);
