@@ -43,11 +43,14 @@ from ftlayer.wire import (
     kind_of,
 )
 
-from .state import _POLL_S, ServerState, _Connection
+from .state import ServerState, _Connection
 
 log = logging.getLogger("ftlayer.server")
 
 _RECV_BYTES: Final = 1 << 20
+_MAX_RECV_WAIT_S: Final = 2.0
+"""The longest a connection's recv waits before it looks at the server's state again
+(a connection opened while stop() ran, which stop() did not see)."""
 _TLS_HANDSHAKE_RECORD: Final = 0x16
 """The first byte of every TLS connection: the content type of its ClientHello's record."""
 _PLAIN_ON_TLS: Final = (
@@ -146,7 +149,7 @@ class Transport(ServerState):
         frame_started: float | None = None  # when the first bytes of a partial frame came
         last_active = time.monotonic()  # the last byte received or reply sent
         while not self._stopping.is_set():
-            conn.sock.settimeout(_POLL_S)
+            conn.sock.settimeout(self._recv_timeout(conn, frame_started, last_active))
             try:
                 data = conn.sock.recv(_RECV_BYTES)
             except TimeoutError:
@@ -160,7 +163,7 @@ class Transport(ServerState):
                     return f"idle for {self._idle_timeout_s:g} s"
                 continue
             if not data:
-                return "closed by the client"
+                return "server stopping" if self._stopping.is_set() else "closed by the client"
             frames = reader.feed(data)
             for frame in frames:
                 reply, close = self._handle(conn, frame)
@@ -193,6 +196,21 @@ class Transport(ServerState):
             elif frame_started is None or frames:  # a new frame began in this chunk
                 frame_started = last_active
         return "server stopping"
+
+    def _recv_timeout(
+        self, conn: _Connection, frame_started: float | None, last_active: float
+    ) -> float:
+        """How long a connection's next recv may wait: until its next deadline (the
+        handshake's, a partial frame's, or the idle limit), at most _MAX_RECV_WAIT_S. An
+        idle connection costs a wakeup per that, not per poll; stop() shuts every
+        socket down, which ends a waiting recv at once."""
+        if not conn.welcomed:
+            deadline = conn.opened_at + self._handshake_timeout_s
+        elif frame_started is not None:
+            deadline = frame_started + self._frame_timeout_s
+        else:
+            deadline = last_active + self._idle_timeout_s
+        return min(max(deadline - time.monotonic(), 0.0) + 0.01, _MAX_RECV_WAIT_S)
 
     def _send(self, conn: _Connection, data: bytes) -> None:
         conn.sock.settimeout(self._send_timeout_s)
