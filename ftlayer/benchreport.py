@@ -82,9 +82,21 @@ BENCHES: tuple[ReportBench, ...] = (
         ("pipeline", "--fast"),
         ("--records", "100000", "--batch-sizes", "10000,50000", "--rounds", "1"),
     ),
+    ReportBench(
+        "pipeline-fast-failures",
+        ("pipeline", "--fast", "--fail-rate", "0.01", "--batch-sizes", "50000,200000"),
+        ("--records", "100000", "--batch-sizes", "50000", "--rounds", "1"),
+    ),
 )
 
-_AT_MOST = frozenset({"reprocessed_per_failed_ftlayer", "ftlayer_table_bytes_per_pending_root"})
+_AT_MOST = frozenset(
+    {
+        "reprocessed_per_failed_ftlayer",
+        "ftlayer_table_bytes_per_pending_root",
+        "server_cpu_us_per_record",
+        "lmdb_bytes_per_record",
+    }
+)
 """Targets that are upper bounds; every other target is a lower bound."""
 
 
@@ -409,8 +421,8 @@ def target_checks(name: str, result: Mapping[str, Any]) -> list[TargetCheck]:
     targets = result.get("targets") or result.get("target") or {}
     if not isinstance(targets, Mapping):  # a single figure named nothing: no check
         return []
-    if name == "pipeline-fast":
-        return _fast_checks(result, targets)
+    if name.startswith("pipeline-fast"):
+        return _fast_checks(name, result, targets)
     return [
         TargetCheck(name, key, key in _AT_MOST, float(bound), _number(result.get(key)))
         for key, bound in targets.items()
@@ -418,13 +430,16 @@ def target_checks(name: str, result: Mapping[str, Any]) -> list[TargetCheck]:
     ]
 
 
-def _fast_checks(result: Mapping[str, Any], targets: Mapping[str, Any]) -> list[TargetCheck]:
-    """bench pipeline --fast: the ratios at each target batch size, and FT off against
-    the bare consumer at the largest size measured."""
+def _fast_checks(
+    name: str, result: Mapping[str, Any], targets: Mapping[str, Any]
+) -> list[TargetCheck]:
+    """bench pipeline --fast: the ratios at each target batch size, FT off against the
+    bare consumer at the largest size measured, and the server's costs per record
+    (each where the run's `targets` name it)."""
     rows = result.get("batch_sizes") or {}
     checks = [
         TargetCheck(
-            "pipeline-fast",
+            name,
             f"batch_sizes.{size}.{key}",
             False,
             float(targets[key]),
@@ -432,12 +447,18 @@ def _fast_checks(result: Mapping[str, Any], targets: Mapping[str, Any]) -> list[
         )
         for size in targets.get("at_batch_sizes", [])
         for key in ("ratio_tree_vs_off", "ratio_barrier_vs_off")
+        if key in targets
+    ]
+    checks += [
+        TargetCheck(name, key, True, float(targets[key]), _number(result.get(key)))
+        for key in ("server_cpu_us_per_record", "lmdb_bytes_per_record")
+        if key in targets
     ]
     if rows:
         largest = max(rows, key=int)
         checks.append(
             TargetCheck(
-                "pipeline-fast",
+                name,
                 f"batch_sizes.{largest}.ratio_off_vs_consumer",
                 False,
                 float(targets["ratio_off_vs_consumer_at_largest"]),

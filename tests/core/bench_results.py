@@ -238,6 +238,44 @@ _BENCHES: dict[str, dict[str, Any]] = {
             "value_bytes": 40,
         },
     },
+    "pipeline-fast-failures": {
+        "command": (
+            "ftlayer bench pipeline --fast --fail-rate 0.01 --records 100000 --batch-sizes 50000"
+        ),
+        "seconds": 95.2,
+        "result": {
+            "batch_sizes": {
+                "50000": {
+                    "ft_barrier_records_per_s": 30000,
+                    "ft_off_records_per_s": 60000,
+                    "ft_tree_records_per_s": 28000,
+                    "ratio_barrier_vs_off": 0.5,
+                    "ratio_off_vs_consumer": 0.466,
+                    "ratio_tree_vs_off": 0.467,
+                    "seconds": {"barrier": [3.3], "off": [1.67], "tree": [3.57]},
+                    "wall_seconds": {"barrier": [4.4], "off": [2.8], "tree": [4.6]},
+                }
+            },
+            "bench": "pipeline-fast",
+            "complete_latency": {"runs": []},
+            "consumer_records_per_s": 128805,
+            "consumer_seconds": [0.78],
+            "expected_rows": 90000,
+            "fail_rate": 0.01,
+            "failing_records_per_ft_run": 1000,
+            "ft_failed": {"explicit": 2000, "recovery": 0, "source-expired": 0, "timeout": 0},
+            "ft_timeouts": 0,
+            "lmdb_bytes_per_record": 71.4,
+            "meets_targets": False,
+            "partitions": 4,
+            "persist": "reference",
+            "records": 100000,
+            "rounds": 1,
+            "server_cpu_us_per_record": 0.725,
+            "targets": {"ratio_off_vs_consumer_at_largest": 0.8, "server_cpu_us_per_record": 0.05},
+            "value_bytes": 40,
+        },
+    },
 }
 
 

@@ -129,7 +129,7 @@ def test_a_failed_bench_is_reported_and_the_others_still_run(tmp_path: Path) -> 
         in (page)
     )
     assert "| acker | `updates_per_s` | ≥ 3,000,000 | 16,742,086 | yes |" in page
-    assert "Not run: checkpoint, pipeline, pipeline-fast." in page
+    assert "Not run: checkpoint, pipeline, pipeline-fast, pipeline-fast-failures." in page
 
 
 _KEYS = st.text(string.ascii_lowercase + "_", min_size=1, max_size=12)
