@@ -10,7 +10,6 @@ the store outside it, one at a time (item 8). Also the reads of the HTTP port
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -349,7 +348,7 @@ class RequestHandlers(ServerState):
 
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
-        status = dataclasses.asdict(ft.current_stats())
+        status = ft.current_stats().to_json()
         store = ft.store_figures()
         with self._connections_lock:
             connections = len(self._connections)

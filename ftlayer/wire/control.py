@@ -451,7 +451,7 @@ def decode_status_request(message: Frame | bytes) -> StatusRequest:
 def encode_status_reply(
     request_id: int, status: Mapping[str, Any], *, max_frame: int = DEFAULT_MAX_FRAME
 ) -> bytes:
-    """STATUS_REPLY: `status` as a JSON object (e.g. dataclasses.asdict(current_stats()))."""
+    """STATUS_REPLY: `status` as a JSON object (e.g. FTStats.to_json() of current_stats())."""
     body = dump_json(dict(status), "status", sort_keys=False)
     return encode_frame(Kind.STATUS_REPLY, request_id, body, max_frame=max_frame)
 
