@@ -34,7 +34,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy -p ftlayer
 
 unit: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # Headless Chromium for tests/integration/test_status_page.py: apt-get install when
 # missing (root, or sudo without a password); otherwise a note, and the test skips.
