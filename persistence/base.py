@@ -238,11 +238,11 @@ class PersistenceStorage(ABC):
         listed = None if keys is None else (keys[0][rows].tolist(), keys[1][rows].tolist())
         wanted = [payloads[row] for row in rows.tolist()]
         done = seq_array[rows]
-        puts = {
-            _fill_key(seq): _fill_value(payload, listed, i)
+        puts = [  # keys made here, values bytes: nothing to check
+            (_fill_key(seq), _fill_value(payload, listed, i))
             for i, (seq, payload) in enumerate(zip(done.tolist(), wanted, strict=True))
-        }
-        self._update_meta(*encode_meta_changes(puts, ()))
+        ]
+        self._update_meta(puts, [])
         with self._fill_lock():
             filled.update(done.tolist())
         given = None if keys is None else (keys[0][rows], keys[1][rows])
@@ -483,7 +483,7 @@ class PersistenceStorage(ABC):
         rows = rows[np.isin(seqs[rows], np.fromiter(filled, np.uint64, len(filled)))]
         if not len(rows):
             return batch
-        values = self._get_metas([_fill_key(seq).encode() for seq in seqs[rows].tolist()])
+        values = self._get_metas([_fill_key(seq) for seq in seqs[rows].tolist()])
         if any(value is None for value in values):  # deleted meanwhile: not filled
             kept = [i for i, value in enumerate(values) if value is not None]
             rows, values = rows[kept], [values[i] for i in kept]
@@ -501,7 +501,7 @@ class PersistenceStorage(ABC):
             gone = [seq for seq in seqs.tolist() if seq in filled]
             filled.difference_update(gone)
         if gone:
-            deletes = [_fill_key(seq).encode() for seq in gone]
+            deletes = [_fill_key(seq) for seq in gone]
             if staged:
                 self._stage_meta([], deletes)
             else:
@@ -535,8 +535,12 @@ class PersistenceStorage(ABC):
         self.close()
 
 
-def _fill_key(seq: int) -> str:
-    return f"{FILL_META_PREFIX}{seq:020d}"
+_FILL_KEY_FORMAT: Final = FILL_META_PREFIX.encode() + b"%020d"
+
+
+def _fill_key(seq: int) -> bytes:
+    """The meta key, encoded, of the bytes `fill` stored for record `seq`."""
+    return _FILL_KEY_FORMAT % seq
 
 
 _FILL_KEY: Final = struct.Struct("<cqB")

@@ -184,14 +184,14 @@ def _retry_records(
     per (source, cause) with the due time put in per row."""
     records: list[RetryRecord] = []
     values: list[bytes] = []
-    templates: dict[tuple[int, Cause], tuple[list[tuple[float, Cause]], bytes, bytes]] = {}
+    templates: dict[tuple[int, int], tuple[list[tuple[float, Cause]], bytes, bytes]] = {}
     for source_id, code, at in zip(
         source_ids.tolist(), causes.index.tolist(), due.tolist(), strict=True
     ):
-        cause = causes.table[code]
-        template = templates.get((source_id, cause))
+        template = templates.get((source_id, code))
         if template is None:
-            template = templates[(source_id, cause)] = _template(source_id, cause, now)
+            template = _template(source_id, causes.table[code], now)
+            templates[(source_id, code)] = template
         history, head, tail = template
         records.append(RetryRecord(source_id, 1, now, now, at, history))
         values.append(head + repr(at).encode() + tail)  # json.dumps of a finite float
