@@ -359,6 +359,11 @@ class Status(Mapping[str, Any]):
     timeout_s: float
     buckets: int
     version: str
+    shard: int
+    shards: int
+    """The server's place: shard `shard` of a cluster of `shards` (ftlayer.shards)."""
+    store_id: str
+    """Its store's id: another one after its data dir was lost and made again."""
 
     @classmethod
     def from_json(cls, data: object) -> Status:
@@ -421,6 +426,9 @@ class Status(Mapping[str, Any]):
             timeout_s=float(_field(data, "timeout_s", _NUMBER, what)),
             buckets=_field(data, "buckets", int, what),
             version=_field(data, "version", str, what),
+            shard=_field(data, "shard", int, what),
+            shards=_field(data, "shards", int, what),
+            store_id=_field(data, "store_id", str, what),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -117,6 +117,7 @@ from ftlayer.persistence import LmdbStorage
 from ftlayer.persistence import lmdb_storage as _lmdb_storage
 from ftlayer.position import EARLIEST, KafkaOffsets, Position
 from ftlayer.records import RecordBatch
+from ftlayer.shards import CLUSTER_META_PREFIX
 
 __all__ = [
     "FORMAT",
@@ -492,7 +493,15 @@ def restore_savepoint(
             replays, dead_letters = _dry_run_recovery(storage, sources, partitions)
             # Step 4.
             checkpoint_keys = storage.meta_keys(CHECKPOINT_PREFIX)
-            storage.update_meta({}, [*checkpoint_keys, *storage.meta_keys(SNAPSHOT_PREFIX)])
+            # A new store: its place and id come from the server started on it.
+            storage.update_meta(
+                {},
+                [
+                    *checkpoint_keys,
+                    *storage.meta_keys(SNAPSHOT_PREFIX),
+                    *storage.meta_keys(CLUSTER_META_PREFIX),
+                ],
+            )
         # Step 5.
         _fsync(staging)
         _check_empty_target(target)

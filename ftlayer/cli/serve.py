@@ -49,6 +49,18 @@ def add_parser(commands: Any) -> None:
         help="tree timeout T (--timeout-s: a deprecated spelling)",
     )
     serve.add_argument("--buckets", type=buckets, default=3, help="rotating buckets n (>= 2)")
+    serve.add_argument(
+        "--shard",
+        type=non_negative_int,
+        default=0,
+        help="this server's place in a cluster of --shards FT-layer shards (default 0)",
+    )
+    serve.add_argument(
+        "--shards",
+        type=positive_int,
+        default=1,
+        help="how many shards the cluster has (default 1); the data dir keeps both",
+    )
     serve.add_argument("--token-file", default=None, help="file holding the auth token")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -125,10 +137,12 @@ def run(args: argparse.Namespace) -> int:
     from ftlayer.logs import configure
     from ftlayer.memtune import settle_heap, tune_malloc
     from ftlayer.server import FTServer
+    from ftlayer.shards import ShardPlace
 
     # Flags first: a bad one ends the command before it touches logging or malloc.
     if args.http_port is None and (args.http_public or args.http_host != "127.0.0.1"):
         raise ConfigError("--http-host and --http-public go with --http-port")
+    shard = ShardPlace(args.shard, args.shards)
     token = None if args.token_file is None else read_token_file(args.token_file)
     configure(args.log_format, sys.stderr)
     tune_malloc()  # frames and chunks of megabytes, many a second (ftlayer/memtune.py)
@@ -151,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         http_host=args.http_host,
         http_public=args.http_public,
+        shard=shard,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,5 +1,7 @@
 """`ftlayer status`: a server's counters, settings and sources, its per-source figures
 and each query's checkpoints; `--json` prints the STATUS reply as one JSON object.
+Given the shards of a cluster (`--server A,B,...`, in shard order), each of them and
+then their sums (`--json`: {"shards": [...], "total": {...}}).
 
 A source is named by its id (a crc32 of its `ft.sourceName` and topic) and by the name
 it registered (its `ft.sourceName`), or, for a registration without one, by the query
@@ -11,14 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
+
+from ftlayer.errors import ConfigError
+from ftlayer.status import Status
 
 from .common import non_negative_float, on_server, print_table
 
 
 def add_parser(commands: Any) -> None:
     status = commands.add_parser("status", help="show an FT-layer server's counters")
-    status.add_argument("--server", required=True, help="HOST:PORT of the server")
+    status.add_argument(
+        "--server",
+        required=True,
+        help="HOST:PORT of the server; HOST:PORT,HOST:PORT,... for the shards of a cluster, "
+        "in shard order (each shard, then the sums)",
+    )
     status.add_argument("--token-file", default=None, help="file holding the auth token")
     status.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA file")
     status.add_argument(
@@ -31,11 +41,76 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    addresses = [a.strip() for a in args.server.split(",")]
+    if len(addresses) > 1:
+        return _run_shards(args, addresses)
     status = on_server(args, args.wait_s, lambda client: client.status())
     shown = status.to_json()
     if args.json:
         print(json.dumps(shown, sort_keys=True))
         return 0
+    _print_status(args.server, status)
+    return 0
+
+
+def _run_shards(args: argparse.Namespace, addresses: list[str]) -> int:
+    """Every shard's status, checked against its place in the list, then the sums."""
+    statuses: list[Status] = []
+    for index, address in enumerate(addresses):
+        one = argparse.Namespace(**{**vars(args), "server": address})
+        status = on_server(one, args.wait_s, lambda client: client.status())
+        if (status.shard, status.shards) != (index, len(addresses)):
+            raise ConfigError(
+                f"{address} is shard {status.shard} of {status.shards}, but --server names "
+                f"it as shard {index} of {len(addresses)}: list every shard of the "
+                "cluster, in shard order"
+            )
+        statuses.append(status)
+    total = _sums([s.to_json() for s in statuses])
+    if args.json:
+        shards = [{"address": a, **s.to_json()} for a, s in zip(addresses, statuses, strict=True)]
+        print(json.dumps({"shards": shards, "total": total}, sort_keys=True))
+        return 0
+    for address, status in zip(addresses, statuses, strict=True):
+        _print_status(f"{address} (shard {status.shard} of {status.shards})", status)
+    print_table(f"ftlayer status: all {len(addresses)} shards", total)
+    return 0
+
+
+_SUMMED: Final = (
+    "persisted",
+    "completed",
+    "pending",
+    "replay_queue",
+    "replayed",
+    "retry_waiting",
+    "unfilled",
+    "filled",
+    "open_ranges",
+    "dead_lettered",
+    "dead_letters",
+    "barrier_holds",
+    "stored_records",
+    "deletes_pending",
+    "lmdb_size_bytes",
+    "connections",
+)
+"""The counters `ftlayer status` adds up over the shards of a cluster (and `failed`, by
+cause)."""
+
+
+def _sums(shown: list[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {name: sum(int(s[name]) for s in shown) for name in _SUMMED}
+    failed: dict[str, int] = {}
+    for s in shown:
+        for cause, n in s["failed"].items():
+            failed[cause] = failed.get(cause, 0) + int(n)
+    total["failed"] = failed
+    return total
+
+
+def _print_status(title: str, status: Status) -> None:
+    shown = status.to_json()
     checkpoints = shown.pop("checkpoints")
     by_source = shown.pop("by_source")
     latency = shown.pop("complete_latency")
@@ -51,10 +126,9 @@ def run(args: argparse.Namespace) -> int:
                 "p99": _milliseconds(latency["p99_s"]),
                 "trees": latency["count"],
             }
-    print_table(f"ftlayer status {args.server}", rows)
+    print_table(f"ftlayer status {title}", rows)
     _print_sources(by_source, status.pending_by_source, names)
     _print_checkpoints(checkpoints)
-    return 0
 
 
 def _source_names(

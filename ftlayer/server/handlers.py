@@ -365,6 +365,9 @@ class RequestHandlers(ServerState):
             timeout_s=self.timeout_s,
             buckets=self.buckets,
             version=__version__,
+            shard=self.shard.index,
+            shards=self.shard.count,
+            store_id=self.store_id,
         )
         return status
 

@@ -21,6 +21,7 @@ from ftlayer.core.journal import JOURNAL_DIR, Journal
 from ftlayer.errors import StateConflict, StorageError
 from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_storage import LmdbStorage
+from ftlayer.shards import claim
 
 from .handlers import RequestHandlers
 from .state import _POLL_S
@@ -59,6 +60,7 @@ class FTServer(Transport, RequestHandlers, Workers):
             # One server per data dir: a second one would recover (and replay) what
             # the first one's jobs are processing. Taken before recovery writes.
             self._serve_lock = _lock_data_dir(self.data_dir)
+            self.store_id = claim(storage, self.shard, self.data_dir)
             if not self.journal:  # an old journal would not know what happens from now on
                 shutil.rmtree(os.path.join(self.data_dir, JOURNAL_DIR), ignore_errors=True)
             self._ft = FTLayer(
@@ -95,11 +97,12 @@ class FTServer(Transport, RequestHandlers, Workers):
         self._started_at = time.monotonic()
         stats = self._ft.current_stats()
         log.info(
-            "serving %s on %s:%d%s (recovered %d pending records for replay; from the "
+            "serving %s on %s:%d%s%s (recovered %d pending records for replay; from the "
             "journal: %d restored pending, %d complete)",
             self.data_dir,
             *self.address,
             " with TLS" if self.serves_tls else "",
+            f" as {self.shard}, store {self.store_id}" if self.shard.count > 1 else "",
             stats.failed["recovery"],
             stats.recovered_pending,
             stats.recovered_completed,

@@ -25,6 +25,7 @@ from ftlayer.checkpoint import CheckpointCoordinator
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
+from ftlayer.shards import ShardPlace
 from ftlayer.wire import DEFAULT_MAX_FRAME, NONCE_SIZE, Frame, FrameReader, Kind, new_nonce
 
 if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
@@ -89,6 +90,7 @@ class ServerState:
         http_port: int | None = None,
         http_host: str = "127.0.0.1",
         http_public: bool = False,
+        shard: ShardPlace | None = None,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -113,6 +115,8 @@ class ServerState:
         self._interval_s = min(0.5, rotation_interval(timeout_s, buckets) / 10)
         FrameReader(max_frame)  # validates max_frame before anything is opened
         self.data_dir = os.fspath(data_dir)
+        self.shard = ShardPlace() if shard is None else shard
+        self.store_id = ""  # the store's id (ftlayer.server.shard), known once started
         self.host = host
         self.port = port
         self.timeout_s = timeout_s

@@ -52,6 +52,7 @@ from ftlayer.partitioners import (
 )
 from ftlayer.persistence import LmdbStorage
 from ftlayer.registration import SourceRegistration
+from ftlayer.shards import ShardPlace, claim
 
 KEYED = 7  # a key-group source
 FORWARD = 9  # a forward source
@@ -195,8 +196,12 @@ def test_restore_with_twice_the_partitions_replays_every_stored_record_by_key_gr
 
 
 def test_restore_without_partitions_keeps_the_partition_counts(job: Job, tmp_path: Path) -> None:
+    store_id = claim(job.storage, ShardPlace(1, 2), "job")  # the saved job's shard
     create_savepoint(job.storage, tmp_path / "sp", "same")
     result = restore_savepoint(tmp_path / "sp", "same", tmp_path / "copy")
+    # A new store: any place can claim it, and it gets an id of its own.
+    with LmdbStorage(tmp_path / "copy") as restored:
+        assert claim(restored, ShardPlace(0, 3), "copy") != store_id
     assert result.partitions is None
     assert {s["num_partitions"] for s in result.sources.values()} == {N}
     keyed, _forward = replayed(tmp_path / "copy")

@@ -97,6 +97,9 @@ def _status(**changes: Any) -> dict[str, Any]:
         "timeout_s": 30.0,
         "buckets": 3,
         "version": "0.1.0",
+        "shard": 1,
+        "shards": 2,
+        "store_id": "7dbf5e27e271f4e8",
     }
     data.update(changes)
     return data

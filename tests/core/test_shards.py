@@ -1,0 +1,54 @@
+"""A server's place in a cluster of shards and its store's id (ftlayer.shards): kept by
+the data dir from its first start, refused for another place, new for a new store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftlayer.errors import ConfigError
+from ftlayer.persistence import LmdbStorage, MemoryStorage
+from ftlayer.shards import MAX_SHARDS, ShardPlace, claim
+
+
+@pytest.mark.parametrize(
+    ("index", "count", "match"),
+    [
+        (2, 2, "shard 2 is not in a cluster of 2"),
+        (-1, 3, "shard -1 is not in a cluster of 3"),
+        (0, 0, "1 to 256 shards"),
+        (0, MAX_SHARDS + 1, "1 to 256 shards"),
+        (True, 2, "an integer"),
+    ],
+)
+def test_a_place_outside_its_cluster_is_refused(index: Any, count: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ShardPlace(index, count)
+
+
+def test_a_data_dir_keeps_its_place_and_its_store_id(tmp_path: Path) -> None:
+    with LmdbStorage(tmp_path / "a") as storage:
+        first = claim(storage, ShardPlace(1, 2), "a")
+        assert len(first) == 16 and int(first, 16) >= 0
+    with LmdbStorage(tmp_path / "a") as storage:
+        assert claim(storage, ShardPlace(1, 2), "a") == first  # the same store
+        with pytest.raises(ConfigError) as refused:
+            claim(storage, ShardPlace(0, 3), "a")
+    assert str(refused.value) == (
+        "the data dir a holds the records of shard 1 of 2, not of shard 0 of 3: start it "
+        "with --shard 1 --shards 2, or give shard 0 of 3 a data dir of its own"
+    )
+    # A new store (a lost data dir made again) has another id.
+    with LmdbStorage(tmp_path / "b") as storage:
+        assert claim(storage, ShardPlace(1, 2), "b") != first
+
+
+def test_a_store_served_before_it_had_a_place_takes_the_one_it_is_given() -> None:
+    storage = MemoryStorage()
+    storage.put_meta("sources", b"{}")  # a store with state, no place yet
+    store_id = claim(storage, ShardPlace(), "mem")
+    assert claim(storage, ShardPlace(), "mem") == store_id
+    with pytest.raises(ConfigError, match="holds the records of shard 0 of 1"):
+        claim(storage, ShardPlace(0, 2), "mem")
