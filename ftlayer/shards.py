@@ -1,4 +1,15 @@
-"""A server's place in a cluster of FT-layer shards, and the identity of its store.
+"""A server's place in a cluster of FT-layer shards, the shard of a root and of a
+partition, and the identity of a shard's store.
+
+Which shard owns what needs no lookup:
+
+- a source's Kafka partition p belongs to shard (source id + p) mod N
+  (`partition_shard`): its records, their roots and its batch ranges live there;
+- a root names its shard in bits 55-62 (`shard_of`), in a cluster of more than one
+  shard: a drawn root of shard s is s << 55 | 55 random bits (ftlayer.acking.ids), a
+  range root's number is s << 15 | a number of the shard's own (ftlayer.rangeroots),
+  so bits 55-62 are the shard in both. Tasks and sinks send an event for a root to
+  the shard its bits name. In a cluster of one shard no bit is reserved.
 
 `ftlayer serve --shard I --shards N` (default 0 of 1: a cluster of one) names the
 server's place: shard I of N. Its data dir keeps that place (meta `cluster/shape`)
@@ -21,17 +32,35 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
 from ftlayer.errors import ConfigError, CorruptData
 
 if TYPE_CHECKING:  # the executor side imports this module, never the storage
     from ftlayer.persistence.base import PersistenceStorage
 
-__all__ = ["CLUSTER_META_PREFIX", "MAX_SHARDS", "ShardPlace", "claim"]
+__all__ = [
+    "CLUSTER_META_PREFIX",
+    "MAX_SHARDS",
+    "SHARD_SHIFT",
+    "ShardPlace",
+    "claim",
+    "foreign_roots",
+    "partition_shard",
+    "shard_of",
+]
 
 CLUSTER_META_PREFIX: Final = "cluster/"
 SHAPE_META_KEY: Final = "cluster/shape"
 STORE_ID_META_KEY: Final = "cluster/store_id"
 MAX_SHARDS: Final = 256
+SHARD_SHIFT: Final = 55
+"""A root's shard is in its bits 55-62 (8 bits: up to MAX_SHARDS shards)."""
+RANGE_NUMBER_BITS: Final = 15
+"""In a cluster of more than one shard, a shard numbers its batch ranges
+shard << 15 | 1 to 2**15 - 1: range numbers are 23 bits, their top 8 the shard."""
+_SHARD_MASK: Final = np.uint64(MAX_SHARDS - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +85,13 @@ class ShardPlace:
     def __str__(self) -> str:
         return f"shard {self.index} of {self.count}"
 
+    def range_numbers(self) -> tuple[int, int]:
+        """The batch range numbers this shard hands out: [first, last]."""
+        if self.count == 1:
+            return 1, (1 << 23) - 1
+        base = self.index << RANGE_NUMBER_BITS
+        return base + 1, base + (1 << RANGE_NUMBER_BITS) - 1
+
     def to_json(self) -> dict[str, int]:
         return {"shard": self.index, "shards": self.count}
 
@@ -66,6 +102,42 @@ class ShardPlace:
             return cls(int(data["shard"]), int(data["shards"]))
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise CorruptData(f"bad shard place {data!r}: {exc}") from None
+
+
+def shard_of(roots: ArrayLike, count: int) -> NDArray[np.int64]:
+    """The shard each root names (all 0 in a cluster of one shard)."""
+    keys = np.asarray(roots, dtype=np.uint64)
+    if count == 1:
+        return np.zeros(keys.shape, dtype=np.int64)
+    return ((keys >> np.uint64(SHARD_SHIFT)) & _SHARD_MASK).astype(np.int64)
+
+
+def partition_shard(source_id: int, partitions: ArrayLike, count: int) -> NDArray[np.int64]:
+    """The shard that owns each of a source's Kafka `partitions`."""
+    parts = np.asarray(partitions, dtype=np.int64)
+    return (np.int64(source_id) + parts) % np.int64(count)
+
+
+def foreign_roots(roots: ArrayLike, place: ShardPlace) -> str | None:
+    """Why some of `roots` are not this shard's (None: all are): the first one named,
+    with the shard its bits give or that it is outside the cluster."""
+    if place.count == 1:
+        return None
+    keys = np.asarray(roots, dtype=np.uint64)
+    shards = shard_of(keys, place.count)
+    wrong = np.flatnonzero(shards != place.index)
+    if not len(wrong):
+        return None
+    root, shard = int(keys[wrong[0]]), int(shards[wrong[0]])
+    where = (
+        f"shard {shard}'s"
+        if shard < place.count
+        else f"of shard {shard}, outside this cluster of {place.count} shards"
+    )
+    return (
+        f"root {root:#x} is {where}, not a root of {place} ({len(wrong)} such roots): "
+        "send each event to the shard its root's bits 55-62 name"
+    )
 
 
 def claim(storage: PersistenceStorage, place: ShardPlace, where: str) -> str:

@@ -10,7 +10,9 @@ record of a batch range by its offset (ftlayer.rangeroots).
 Why random and 63 bits: a tree is complete when the XOR of all ids sent for it returns
 to 0. With ids independent and uniform, a set of ids that should not cancel does so with
 probability 2**-63 per check (docs/guarantees.md), and no coordination between processes
-is needed to keep ids unique.
+is needed to keep ids unique. In a cluster of several FT-layer shards a root carries
+its shard in bits 55-62 (ftlayer.shards), so two roots of one shard differ in 55
+random bits; record ids and other XOR values stay 63-bit.
 
 Generators are per process and re-seeded from os.urandom after fork, so forked Spark
 workers never draw the same ids.
@@ -41,12 +43,18 @@ def _generator() -> np.random.Generator:
     return gen
 
 
-def new_ids(n: int) -> NDArray[np.uint64]:
-    """`n` fresh random ids in [2, 2**63), as a uint64 array."""
+def new_ids(n: int, shard: int = 0, shards: int = 1) -> NDArray[np.uint64]:
+    """`n` fresh random ids in [2, 2**63), as a uint64 array; the roots of shard
+    `shard` of a cluster of `shards` > 1 have it in their bits 55-62 (ftlayer.shards),
+    and 55 random bits below."""
     if n < 0:
         raise ConfigError(f"cannot generate a negative number of ids: {n}")
-    ids = _generator().integers(MIN_ID, 2**63, size=n, dtype=np.uint64, endpoint=False)
-    return ids
+    if shards == 1:
+        return _generator().integers(MIN_ID, 2**63, size=n, dtype=np.uint64, endpoint=False)
+    if not 0 <= shard < shards <= 256:
+        raise ConfigError(f"shard {shard} is not in a cluster of {shards}")
+    ids = _generator().integers(MIN_ID, 2**55, size=n, dtype=np.uint64, endpoint=False)
+    return ids | np.uint64(shard << 55)
 
 
 def new_id() -> int:

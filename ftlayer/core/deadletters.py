@@ -28,7 +28,6 @@ from typing import Final
 
 import numpy as np
 
-from ftlayer.acking.ids import new_ids
 from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
@@ -87,7 +86,7 @@ def requeue_dead_letters(s: CoreState, where: DeadLetterFilter) -> int:
         return 0
     s.changing()
     seqs = np.array([seq for seq, _ in chosen], dtype=np.uint64)
-    roots = new_ids(len(seqs))
+    roots = s.new_roots(len(seqs))
     records: dict[int, RetryRecord] = {}
     for seq, record in chosen:
         records[seq] = record.requeued_copy()

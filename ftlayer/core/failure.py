@@ -227,7 +227,7 @@ def requeue(
     unrouted = queued & batch.key_unknown if batch.any_references else None
     if unrouted is not None and bool(unrouted.any()):
         queued = queued & ~unrouted
-    new_roots = new_ids(n)
+    new_roots = s.new_roots(n)
     new_roots[dead] = 0
     replay_seqs = np.zeros(n, dtype=np.uint64)
     replay_seqs[dead] = DEAD_LETTER
@@ -381,7 +381,7 @@ def _renew(
         return roots
     s.changing()
     removed = s.acker.remove(roots[rows])
-    fresh = new_ids(len(removed.roots))
+    fresh = s.new_roots(len(removed.roots))
     s.acker.add(fresh, None, **removed.columns)
     s.queue.renew(removed.roots, fresh)
     s.retired.add(removed.roots, s.clock())

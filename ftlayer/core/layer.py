@@ -62,6 +62,7 @@ from ftlayer.persistence.layer import PersistenceLayer
 from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
+from ftlayer.shards import ShardPlace
 
 from . import (
     completion,
@@ -113,6 +114,7 @@ class FTLayer:
         seed: int | None = None,
         journal: Journal | None = None,
         journal_base_bytes: int | None = None,
+        shard: ShardPlace | None = None,
     ) -> None:
         def on_timeout(roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
             failure.on_timeout(self._s, roots, seqs)
@@ -132,6 +134,7 @@ class FTLayer:
             journal=journal,
             journal_base_bytes=journal_base_bytes,
             on_timeout=on_timeout,
+            shard=shard or ShardPlace(),
         )
         recovery.recover(self._s)
 

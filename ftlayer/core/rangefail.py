@@ -28,7 +28,6 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.rangeroots import decode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
@@ -78,7 +77,7 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
             return taken
     n = len(rows)
     due = _due(s, source_ids, now)
-    new_roots = new_ids(n)
+    new_roots = s.new_roots(n)
     batch = RecordBatch.build(
         new_roots,
         [b""] * n,

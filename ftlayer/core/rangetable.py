@@ -51,14 +51,20 @@ class BatchRange:
 class OpenRanges:
     """The open ranges by number, and the next number to try."""
 
-    def __init__(self, storage: PersistenceStorage) -> None:
+    def __init__(
+        self, storage: PersistenceStorage, numbers: tuple[int, int] = (1, MAX_NUMBER)
+    ) -> None:
         self.by_number: dict[int, BatchRange] = {}
         for key in storage.meta_keys(RANGE_META_PREFIX):
             raw = storage.get_meta(key)
             if raw is not None:
                 number = int(key[len(RANGE_META_PREFIX) :])
                 self.by_number[number] = BatchRange.from_json(number, raw)
-        self._next = max(self.by_number, default=0) + 1
+        self._first, self._last = numbers  # this shard's numbers (ftlayer.shards)
+        mine = [n for n in self.by_number if self._first <= n <= self._last]
+        self._next = max(mine, default=self._first - 1) + 1
+        if self._next > self._last:
+            self._next = self._first
 
     def __len__(self) -> int:
         return len(self.by_number)
@@ -77,11 +83,13 @@ class OpenRanges:
         return 0
 
     def allocate(self, taken: set[int]) -> int:
-        """A number no open range (nor `taken`) has, going round from 1."""
-        if len(self.by_number) + len(taken) >= MAX_NUMBER:
-            raise ConfigError(f"more than {MAX_NUMBER} batch ranges are open")
+        """A number of this shard's that no open range (nor `taken`) has, going round
+        from its first."""
+        size = self._last - self._first + 1
+        if len(self.by_number) + len(taken) >= size:
+            raise ConfigError(f"more than {size} batch ranges are open")
         while True:
             number = self._next
-            self._next = 1 if self._next >= MAX_NUMBER else self._next + 1
+            self._next = self._first if self._next >= self._last else self._next + 1
             if number not in self.by_number and number not in taken:
                 return number

@@ -39,12 +39,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.acking.acker import AckerTable
+from ftlayer.acking.ids import new_ids
 from ftlayer.acking.u64map import U64Map
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed, PersistenceLayer
 from ftlayer.persistence.timeout import RootTimeouts
 from ftlayer.records import RecordBatch
+from ftlayer.shards import ShardPlace
 
 from .barrier import OpenHolds
 from .journal import Journal
@@ -104,8 +106,12 @@ class CoreState:
         journal: Journal | None,
         journal_base_bytes: int | None,
         on_timeout: Callable[[NDArray[np.uint64], NDArray[np.uint64]], None],
+        shard: ShardPlace,
     ) -> None:
         self.clock = clock
+        self.shard = shard
+        """This core's place in its cluster: its new roots and range numbers carry it
+        (ftlayer.shards)."""
         self.wall = wall_clock
         self.rng = random.Random(seed)
         self.journal = journal
@@ -135,7 +141,7 @@ class CoreState:
         self.queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self.retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self.book = RetryBook(storage)
-        self.ranges = OpenRanges(storage)
+        self.ranges = OpenRanges(storage, shard.range_numbers())
         """The open batch ranges (ftlayer.core.ranges)."""
         self.unrouted: dict[int, tuple[int, float]] = {}
         """Failed records whose key (so their replay partition) is not known until their
@@ -162,6 +168,10 @@ class CoreState:
         self.ended: list[NDArray[np.uint64]] = []
 
     # ---- shared primitives -----------------------------------------------------
+
+    def new_roots(self, n: int) -> NDArray[np.uint64]:
+        """`n` fresh roots of this shard (ftlayer.shards)."""
+        return new_ids(n, self.shard.index, self.shard.count)
 
     def changing(self) -> None:
         """Called before every change to what `state_snapshot` copies."""

@@ -15,14 +15,16 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ftlayer import __version__
 from ftlayer.checkpoint import CheckpointMode
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import DeadLetterFilter, RetryRecord
-from ftlayer.errors import StateConflict, StorageError
+from ftlayer.errors import ConfigError, StateConflict, StorageError
 from ftlayer.records import ReplayRecords
+from ftlayer.shards import foreign_roots
 from ftlayer.wire import (
     BadRequest,
     CheckpointRequest,
@@ -101,6 +103,8 @@ class RequestHandlers(ServerState):
         lock, stored (group commit) outside it, pending under it again; OK once all
         three are done."""
         message = decode_persist(frame)
+        self._own_roots(message.batch.roots)
+        self._own_partitions(message.batch.source_ids, message.batch.partitions)
         with self._core() as ft:
             ticket = ft.begin_persist(message.batch, message.initial_values)
         try:
@@ -118,17 +122,20 @@ class RequestHandlers(ServerState):
 
     def _xor(self, rid: int, frame: Frame) -> bytes:
         message = decode_xor(frame)
+        self._own_roots(message.roots)
         with self._core() as ft:
             ft.xor(message.roots, message.values)
         return encode_ok(rid, len(message.roots))
 
     def _hold(self, rid: int, frame: Frame) -> bytes:
         message = decode_hold(frame)
+        self._own_roots(message.roots)
         with self._core() as ft:
             return encode_ok(rid, ft.hold(message.roots, message.values))
 
     def _sink_hold(self, rid: int, frame: Frame) -> bytes:
         message = decode_sink_hold(frame)
+        self._own_roots(message.roots)
         with self._core() as ft:
             return encode_ok(rid, ft.sink_hold(message.key, message.roots, message.values))
 
@@ -162,14 +169,41 @@ class RequestHandlers(ServerState):
         """The ranges are stored (one transaction, synced) before the reply: the source
         emits no row of them before it has their numbers."""
         message = decode_batch_ranges(frame)
+        self._own_partitions(
+            np.array([r[0] for r in message.ranges], dtype=np.int64),
+            np.array([r[2] for r in message.ranges], dtype=np.int64),
+        )
         with self._core() as ft:
             numbers = ft.register_ranges(message.ranges)
         return encode_range_numbers(rid, numbers)
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
         message = decode_fail(frame)
+        self._own_roots(message.roots)
         with self._core() as ft:
             return encode_ok(rid, ft.fail(message.roots, message.causes))
+
+    def _own_roots(self, roots: NDArray[np.uint64]) -> None:
+        """In a cluster of shards, an event for another shard's root is refused, naming
+        the root (ftlayer.shards): its client routed it wrong."""
+        if self.shard.count > 1 and (why := foreign_roots(roots, self.shard)) is not None:
+            raise ConfigError(why)
+
+    def _own_partitions(self, source_ids: NDArray[Any], partitions: NDArray[Any]) -> None:
+        """In a cluster of shards, records or ranges of a partition another shard owns
+        are refused, naming it (ftlayer.shards.partition_shard)."""
+        count = self.shard.count
+        if count == 1 or not len(partitions):
+            return
+        owners = (source_ids.astype(np.int64) + partitions.astype(np.int64)) % count
+        wrong = np.flatnonzero(owners != self.shard.index)
+        if len(wrong):
+            i = int(wrong[0])
+            raise ConfigError(
+                f"partition {int(partitions[i])} of source {int(source_ids[i])} belongs to "
+                f"shard {int(owners[i])}, not to {self.shard}: send its records and ranges "
+                "to the shard that owns the partition"
+            )
 
     def _fetch_replay(self, rid: int, frame: Frame) -> bytes:
         m = decode_fetch_replay(frame)

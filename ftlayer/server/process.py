@@ -70,6 +70,7 @@ class FTServer(Transport, RequestHandlers, Workers):
                 defer_deletes=True,
                 journal=Journal(os.path.join(self.data_dir, JOURNAL_DIR)) if self.journal else None,
                 journal_base_bytes=self.journal_base_bytes,
+                shard=self.shard,
             )
             # Checkpoint records: an LMDB environment of their own, without fsync (a
             # record lost to an OS crash loses no source record; see ftlayer.checkpoint).

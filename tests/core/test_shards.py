@@ -6,11 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from ftlayer import rangeroots
+from ftlayer.acking.ids import MIN_ID, new_ids
+from ftlayer.causes import Cause, FailKind
+from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.persistence import LmdbStorage, MemoryStorage
-from ftlayer.shards import MAX_SHARDS, ShardPlace, claim
+from ftlayer.registration import SourceRegistration
+from ftlayer.shards import MAX_SHARDS, ShardPlace, claim, foreign_roots, partition_shard, shard_of
 
 
 @pytest.mark.parametrize(
@@ -52,3 +60,30 @@ def test_a_store_served_before_it_had_a_place_takes_the_one_it_is_given() -> Non
     assert claim(storage, ShardPlace(), "mem") == store_id
     with pytest.raises(ConfigError, match="holds the records of shard 0 of 1"):
         claim(storage, ShardPlace(0, 2), "mem")
+
+
+@given(count=st.integers(2, MAX_SHARDS), data=st.data())
+def test_a_root_names_its_shard_whoever_drew_it(count: int, data: st.DataObject) -> None:
+    index = data.draw(st.integers(0, count - 1))
+    place = ShardPlace(index, count)
+    roots = new_ids(64, index, count)
+    assert (shard_of(roots, count) == index).all() and foreign_roots(roots, place) is None
+    assert (roots >= MIN_ID).all() and not rangeroots.is_range_root(roots).any()
+    first, last = place.range_numbers()
+    number = data.draw(st.integers(first, last))
+    ranged = rangeroots.encode(number, 100, [100, 105])
+    assert (shard_of(ranged, count) == index).all()
+    other = ShardPlace((index + 1) % count, count)
+    assert foreign_roots(roots, other) is not None
+    assert ((partition_shard(3, np.arange(4 * count), count)) < count).all()
+
+
+def test_a_shards_core_gives_its_own_roots_and_range_numbers() -> None:
+    ft = FTLayer(MemoryStorage(), shard=ShardPlace(2, 3))
+    ft.register_source(SourceRegistration(9, "forward", 4, completion="barrier"))
+    (number,) = ft.register_ranges([(9, "t", 1, 0, 50)])
+    assert number >> 15 == 2
+    failed = Cause(FailKind.EXPLICIT, "step", "FailException: no")
+    assert ft.fail(rangeroots.encode(number, 0, [3, 4]), failed) == 2
+    new_roots = ft.unfilled(9).records.roots
+    assert (shard_of(new_roots, 3) == 2).all()  # the failed records' new roots

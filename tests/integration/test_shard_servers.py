@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from serverproc import StartServer
 
+from ftlayer.acking.ids import new_ids
+from ftlayer.client import RequestRejected
 from ftlayer.records import RecordBatch
 from ftlayer.registration import SourceRegistration
 
@@ -35,16 +38,7 @@ def test_shards_report_their_place_and_status_sums_them(
         with server.client() as client:
             client.register_source(SourceRegistration(7, "forward", 2))
             n = 3 + i
-            client.persist(
-                RecordBatch.build(
-                    np.arange(10 + 10 * i, 10 + 10 * i + n, dtype=np.uint64),
-                    [b"x"] * n,
-                    source_ids=7,
-                    topics="t",
-                    partitions=i,
-                    offsets=np.arange(n),
-                )
-            )
+            client.persist(_records(n, shard=i, partition=(i - 7) % 2))  # its own partition
             status = client.status()
             assert (status.shard, status.shards, len(status.store_id)) == (i, 2, 16)
     assert shards[0].client().status().store_id != shards[1].client().status().store_id
@@ -65,6 +59,46 @@ def test_shards_report_their_place_and_status_sums_them(
     assert f"{shards[1].address} is shard 1 of 2, but --server names it as shard 0" in (
         swapped.stderr
     )
+
+
+def _records(n: int, shard: int, partition: int) -> RecordBatch:
+    return RecordBatch.build(
+        new_ids(n, shard, 2),
+        [b"x"] * n,
+        source_ids=7,
+        topics="t",
+        partitions=partition,
+        offsets=np.arange(n),
+    )
+
+
+def test_a_shard_refuses_what_another_shard_owns(start_server: StartServer, tmp_path: Path) -> None:
+    """Each event goes to the shard its root names, each record to the shard of its
+    partition (source 7: partition 0 is shard 1's, partition 1 shard 0's): anything
+    else is refused, named, and changes nothing."""
+    server = start_server(tmp_path / "shard1", "--shard", "1", "--shards", "2")
+    with server.client() as client:
+        client.register_source(SourceRegistration(7, "forward", 2))
+        with pytest.raises(RequestRejected, match="partition 1 of source 7 belongs to shard 0"):
+            client.persist(_records(2, shard=1, partition=1))
+        with pytest.raises(RequestRejected, match=r"root 0x[0-9a-f]+ is shard 0's"):
+            client.persist(_records(2, shard=0, partition=0))
+        mine = _records(2, shard=1, partition=0)
+        client.persist(mine)
+        other = new_ids(1, 0, 2)
+        with pytest.raises(RequestRejected, match=f"root {int(other[0]):#x} is shard 0's"):
+            client.xor(other, other)
+        outside = np.array([(5 << 55) | 99], dtype=np.uint64)
+        with pytest.raises(RequestRejected, match="outside this cluster of 2 shards"):
+            client.fail(outside)
+        with pytest.raises(RequestRejected, match="belongs to shard 0"):
+            client.register_ranges([(7, "t", 1, 0, 10)])
+        (number,) = client.register_ranges([(7, "t", 0, 0, 10)])
+        assert number >> 15 == 1  # a range number of shard 1
+        assert client.fail(mine.roots[:1]) == 1  # its own: failed, replayed
+        replays = client.fetch_replay(0, 2**62, source_id=7)
+        assert len(replays) == 1 and int(replays.records.roots[0]) >> 55 == 1
+        assert client.status().pending == 2 + 10
 
 
 def test_a_data_dir_refuses_to_serve_another_place(
