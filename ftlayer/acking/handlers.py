@@ -39,6 +39,7 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, FailException
 from ftlayer.records import RecordBatch
+from ftlayer.shards import partition_shard
 
 __all__ = [
     "Anchors",
@@ -182,9 +183,14 @@ class XorHandler:
 class Persister:
     """Source side: persist records before they are emitted; returns their anchors."""
 
-    def __init__(self, channel: FTChannel, *, source_id: int = 0, barrier: bool = False) -> None:
+    def __init__(
+        self, channel: FTChannel, *, source_id: int = 0, barrier: bool = False, shards: int = 1
+    ) -> None:
         self._channel = channel
         self.source_id = source_id
+        self.shards = shards
+        """The FT layer's shards: each record's root is drawn in the shard of its
+        partition (ftlayer.shards), which its channel sends it to."""
         self.barrier = barrier
         """Barrier mode (ftlayer.core.barrier): the emission ids persisted as first ack
         values are the roots' barrier holds, and the emitted rows carry record id 0,
@@ -209,7 +215,7 @@ class Persister:
         stay in the source, at their coordinates; ftlayer.core.fills).
         """
         n = len(payloads)
-        roots, ids = new_ids(n), new_ids(n)
+        roots, ids = self._roots(partitions, n), new_ids(n)
         batch = RecordBatch.build(
             roots,
             payloads,
@@ -223,6 +229,17 @@ class Persister:
         )
         self._channel.persist(batch, ids)
         return Anchors.single(roots, np.zeros(n, np.uint64) if self.barrier else ids)
+
+    def _roots(self, partitions: ArrayLike, n: int) -> NDArray[np.uint64]:
+        """`n` fresh roots, each in the shard of its record's partition."""
+        if self.shards == 1:
+            return new_ids(n)
+        owners = partition_shard(self.source_id, np.broadcast_to(partitions, (n,)), self.shards)
+        roots = np.empty(n, dtype=np.uint64)
+        for shard in np.unique(owners).tolist():
+            rows = np.flatnonzero(owners == shard)
+            roots[rows] = new_ids(len(rows), shard, self.shards)
+        return roots
 
     def emit_replays(self, roots: ArrayLike) -> Anchors:
         """Anchors for replayed records about to be emitted again (from

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ftlayer import rangeroots
 from ftlayer.acking.ids import MIN_ID, new_ids
 from ftlayer.causes import Cause, FailKind
+from ftlayer.client.sharded import parse_addresses
 from ftlayer.core import FTLayer
 from ftlayer.errors import ConfigError
 from ftlayer.persistence import LmdbStorage, MemoryStorage
@@ -87,3 +88,12 @@ def test_a_shards_core_gives_its_own_roots_and_range_numbers() -> None:
     assert ft.fail(rangeroots.encode(number, 0, [3, 4]), failed) == 2
     new_roots = ft.unfilled(9).records.roots
     assert (shard_of(new_roots, 3) == 2).all()  # the failed records' new roots
+
+
+def test_an_address_list_names_each_shard_once_in_order() -> None:
+    assert parse_addresses("a:1, b:2,c:3") == ["a:1", "b:2", "c:3"]
+    assert parse_addresses("a:1") == ["a:1"]
+    with pytest.raises(ConfigError, match="empty entry"):
+        parse_addresses("a:1,,b:2")
+    with pytest.raises(ConfigError, match="names a shard twice"):
+        parse_addresses("a:1,a:1")

@@ -13,10 +13,15 @@ import numpy as np
 import pytest
 from serverproc import StartServer
 
+from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
 from ftlayer.client import RequestRejected
+from ftlayer.client.channel import BatchingChannel
+from ftlayer.client.sharded import ShardedChannel
 from ftlayer.records import RecordBatch
 from ftlayer.registration import SourceRegistration
+from ftlayer.shards import partition_shard, shard_of
 
 
 def _status(*args: str) -> subprocess.CompletedProcess[str]:
@@ -129,3 +134,32 @@ def test_a_data_dir_refuses_to_serve_another_place(
     assert "holds the records of shard 1 of 2, not of shard 0 of 3" in wrong.stderr
     again = start_server(tmp_path / "shard1", "--shard", "1", "--shards", "2")
     assert again.client().status().store_id == store_id  # the same store, its id kept
+
+
+def test_a_sharded_channel_sends_each_record_and_event_to_its_shard(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Records of partitions 0-3 of source 7 persisted through one ShardedChannel land
+    on their partitions' shards; XORs of roots of both shards in one call complete
+    each tree on its shard, and a fail of roots of both shards fails each there."""
+    servers = [start_server(tmp_path / f"s{i}", "--shard", str(i), "--shards", "2") for i in (0, 1)]
+    channel = ShardedChannel([BatchingChannel(s.client()) for s in servers])
+    with channel:
+        channel.register_source(SourceRegistration(7, "forward", 4))
+        persister = Persister(channel, source_id=7, shards=2)
+        anchors = persister.persist(
+            [b"a", b"b", b"c", b"d", b"e", b"f"],
+            topics="t",
+            partitions=[0, 1, 2, 3, 0, 1],
+            offsets=[0, 0, 0, 0, 1, 1],
+        )
+        owners = partition_shard(7, [0, 1, 2, 3, 0, 1], 2)
+        assert (shard_of(anchors.roots, 2) == owners).all()
+        assert [channel.status(i).persisted for i in (0, 1)] == [3, 3]
+        channel.xor(anchors.roots[:4], anchors.ids[:4])  # two trees on each shard
+        channel.fail(anchors.roots[4:], Cause(FailKind.EXPLICIT, "step", "E: x"))
+        channel.flush()
+        for i in (0, 1):
+            status = channel.status(i)
+            assert (status.completed, status.failed["explicit"]) == (2, 1), i
+        assert sum(len(channel.fetch_replay(i, 0, 2**62, source_id=7)) for i in (0, 1)) == 2
