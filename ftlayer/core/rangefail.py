@@ -9,9 +9,10 @@ two steps, each its own transaction: `ranges.materialize` stores the record pend
 under its range root, then `failure.requeue` reads it back, decides its fate and
 retags it. A row failed for the first time needs neither: its fate follows from its
 cause and its source's retry policy alone (no history), so `fail_fresh` stores the
-record already tagged with its new root, and its retry record with it, in one write
-transaction (`PersistenceStorage.put` with `meta`), and does the rest in memory with
-one vectorized step per column.
+records already tagged with their new roots, and their retry records with them, in one
+write transaction (`PersistenceStorage.put` with `meta`): the retry records as one
+entry per (source, cause), a group (ftlayer.core.retries.FreshGroup). The rest happens
+in memory, with one vectorized step per column.
 
 Rows this path leaves to the general one: a root of no open range, an offset already
 materialized (a second event for it), and a row whose first failure is its last (a
@@ -22,7 +23,7 @@ waiting or unrouted, unfilled, counts, log lines) is the same either way.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator, Mapping
 from typing import Final
 
 import numpy as np
@@ -35,7 +36,7 @@ from ftlayer.records import KEY_UNKNOWN, RecordBatch
 from .faillog import log_failed
 from .persist import stored_meanwhile
 from .rangetable import BatchRange
-from .retries import RETRY_PREFIX, RetryRecord
+from .retries import FreshGroup, RetryRecord
 from .state import CoreState
 from .stats import FailCause
 
@@ -89,19 +90,22 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
         offsets=offsets,
         references=True,
     )
-    records, values = _retry_records(source_ids, row_causes, due, now)
+    kinds = _kinds(source_ids, row_causes)
+    groups: list[FreshGroup] = []
 
     def meta(seqs: NDArray[np.uint64]) -> dict[str, bytes]:
-        return {
-            f"{RETRY_PREFIX}{seq:016x}": value
-            for seq, value in zip(seqs.tolist(), values, strict=True)
-        }
+        """The retry records, a group per (source, cause): known once the seqs are."""
+        groups[:] = [
+            FreshGroup.new(source_id, cause, now, seqs[at].tolist(), due[at].tolist())
+            for source_id, cause, at in kinds
+        ]
+        return {group.key: group.encode() for group in groups}
 
     s.changing()
     seqs = s.persistence.persist(batch, meta)  # records and retry records: one write
     # In memory: the book, the acker, the journal, and where each record waits.
     seq_list = seqs.tolist()
-    s.book.commit(dict(zip(seq_list, records, strict=True)))
+    s.book.add_groups(groups)
     s.acker.add(new_roots, None, seq=seqs, **s.persistence.locators(batch))
     if s.journal is not None:
         s.journal.add(new_roots)
@@ -130,7 +134,7 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
         fate,
         row_causes,
         due,
-        dict(zip(seq_list, records, strict=True)),
+        _Records(s, seq_list),
     )
     taken[rows] = True
     return taken
@@ -176,39 +180,34 @@ def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np
     return due
 
 
-def _retry_records(
-    source_ids: NDArray[np.uint32], causes: Causes, due: NDArray[np.float64], now: float
-) -> tuple[list[RetryRecord], list[bytes]]:
-    """The retry record of each row's first failure, and its stored value: encoded once
-    per (source, cause) with the due time put in per row."""
-    records: list[RetryRecord] = []
-    values: list[bytes] = []
-    templates: dict[tuple[int, int], tuple[list[tuple[float, Cause]], bytes, bytes]] = {}
-    for source_id, code, at in zip(
-        source_ids.tolist(), causes.index.tolist(), due.tolist(), strict=True
-    ):
-        template = templates.get((source_id, code))
-        if template is None:
-            template = _template(source_id, causes.table[code], now)
-            templates[(source_id, code)] = template
-        history, head, tail = template
-        records.append(RetryRecord(source_id, 1, now, now, at, history))
-        values.append(head + repr(at).encode() + tail)  # json.dumps of a finite float
-    return records, values
+def _kinds(
+    source_ids: NDArray[np.uint32], causes: Causes
+) -> list[tuple[int, Cause, NDArray[np.intp]]]:
+    """(source id, cause, its rows) of every pair among the rows."""
+    out: list[tuple[int, Cause, NDArray[np.intp]]] = []
+    for source_id in np.unique(source_ids).tolist():
+        mine = source_ids == source_id
+        for cause, at in causes.groups():
+            rows = at[mine[at]]
+            if len(rows):
+                out.append((source_id, cause, rows))
+    return out
 
 
-_DUE_MARK: Final = "\x00due\x00"
+class _Records(Mapping[int, RetryRecord]):
+    """The retry records of `seqs`, read from the book when a log line wants one."""
 
+    def __init__(self, s: CoreState, seqs: list[int]) -> None:
+        self._book, self._seqs = s.book, seqs
 
-def _template(
-    source_id: int, cause: Cause, now: float
-) -> tuple[list[tuple[float, Cause]], bytes, bytes]:
-    """A first failure's history (shared: a record's history is copied before any
-    change, RetryRecord.copy), and its encoded retry record cut where the due time
-    goes."""
-    history = [(now, cause)]
-    data = RetryRecord(source_id, 1, now, now, 0.0, history).to_json()
-    data["due"] = _DUE_MARK
-    text = json.dumps(data, separators=(",", ":"))
-    head, tail = text.split(json.dumps(_DUE_MARK))
-    return history, head.encode(), tail.encode()
+    def __getitem__(self, seq: int) -> RetryRecord:
+        record = self._book.get(seq)
+        if record is None:
+            raise KeyError(seq)
+        return record
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)

@@ -14,6 +14,17 @@ by storage seq in the store's meta entries under RETRY_PREFIX, written in the sa
 transaction as the record's new root, so retry counts and due times survive an
 FT-layer SIGKILL and a savepoint restore (a savepoint copies the meta entries). Times
 are wall-clock seconds (time.time()), so a due time means the same after a restart.
+
+First failures stored as one entry (`FreshGroup`): a batch range's rows that one FAIL
+names fail for the first time together (ftlayer.core.rangefail): one source, one
+cause, one failure time; only their due times differ (the backoff's jitter). Their
+retry records are one meta entry, a *group*, under RETRY_GROUP_PREFIX + its first seq
+as 16 hex digits: the source id, the cause, the failure time and each seq's due time.
+The book gives a grouped record as the RetryRecord it stands for (`FreshGroup.record`),
+and takes it out of its group when it changes (a second failure, a dead letter: it gets
+an entry of its own) or goes (completed, purged): the group's entry is written again
+without it, in the same transaction as the change, and deleted with its last record. A
+record named both by an entry of its own and by a group is the entry of its own's.
 """
 
 from __future__ import annotations
@@ -33,8 +44,10 @@ from ftlayer.policy import IMMEDIATE, RetryPolicy
 __all__ = [
     "DEAD_LETTER",
     "IMMEDIATE",
+    "RETRY_GROUP_PREFIX",
     "RETRY_PREFIX",
     "DeadLetterFilter",
+    "FreshGroup",
     "RetryBook",
     "RetryPolicy",
     "RetryRecord",
@@ -225,6 +238,87 @@ class DeadLetterFilter:
         return not (self.until is not None and at >= self.until)
 
 
+# ---- first failures stored as one entry (groups) -----------------------------------
+
+RETRY_GROUP_PREFIX: Final = "retryg/"
+
+
+class FreshGroup:
+    """Records that failed for the first time together (module docstring)."""
+
+    __slots__ = ("at", "cause", "dues", "key", "source_id")
+
+    def __init__(
+        self, key: str, source_id: int, cause: Cause, at: float, dues: dict[int, float]
+    ) -> None:
+        self.key = key
+        self.source_id = source_id
+        self.cause = cause
+        self.at = at
+        self.dues = dues
+        """seq -> due time of its first replay (0: at once)."""
+
+    @classmethod
+    def new(
+        cls, source_id: int, cause: Cause, at: float, seqs: list[int], dues: list[float]
+    ) -> FreshGroup:
+        return cls(group_key(seqs[0]), source_id, cause, at, dict(zip(seqs, dues, strict=True)))
+
+    def record(self, seq: int) -> RetryRecord:
+        """The retry record `seq` stands for."""
+        return RetryRecord(
+            self.source_id, 1, self.at, self.at, self.dues[seq], [(self.at, self.cause)]
+        )
+
+    def without(self, seqs: Iterable[int]) -> bytes | None:
+        """The entry once `seqs` left (None: none is left: delete it)."""
+        gone = set(seqs)
+        left = {seq: due for seq, due in self.dues.items() if seq not in gone}
+        return self.encode(left) if left else None
+
+    def encode(self, dues: dict[int, float] | None = None) -> bytes:
+        dues = self.dues if dues is None else dues
+        return json.dumps(
+            {
+                "source_id": self.source_id,
+                "at": self.at,
+                "cause": self.cause.to_json(),
+                "seqs": list(dues),
+                "due": list(dues.values()),
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes) -> FreshGroup:
+        """Strict: CorruptData unless `raw` is what encode wrote."""
+        try:
+            data: Any = json.loads(raw)
+            seqs, dues = data["seqs"], data["due"]
+            if not (isinstance(seqs, list) and isinstance(dues, list) and len(seqs) == len(dues)):
+                raise ValueError("seqs and due times do not pair up")
+            if not all(type(s) is int for s in seqs) or not all(
+                isinstance(d, int | float) and not isinstance(d, bool) for d in dues
+            ):
+                raise ValueError("a seq or a due time is not a number")
+            source_id, at = data["source_id"], data["at"]
+            if type(source_id) is not int or isinstance(at, bool):
+                raise ValueError("bad source id or time")
+            return cls(
+                key,
+                source_id,
+                Cause.from_json(data["cause"]),
+                float(at),
+                {int(s): float(d) for s, d in zip(seqs, dues, strict=True)},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptData(f"bad retry group {key}: {exc}") from None
+
+
+def group_key(first_seq: int) -> str:
+    return f"{RETRY_GROUP_PREFIX}{first_seq:016x}"
+
+
 def _key(seq: int) -> str:
     return f"{RETRY_PREFIX}{seq:016x}"
 
@@ -238,6 +332,7 @@ class RetryBook:
     def __init__(self, storage: PersistenceStorage) -> None:
         self._storage = storage
         self._records: dict[int, RetryRecord] = {}
+        self._grouped: dict[int, FreshGroup] = {}  # seq -> the group it is in
         self._waiting: list[tuple[float, int, int]] = []  # (due, seq, root): a heap
         self._waiting_roots: dict[int, int] = {}  # seq -> root it waits under
         self.dead: dict[int, RetryRecord] = {}
@@ -250,25 +345,66 @@ class RetryBook:
             self._records[seq] = record
             if record.dead_at is not None:
                 self.dead[seq] = record
+        for key in storage.meta_keys(RETRY_GROUP_PREFIX):
+            raw = storage.get_meta(key)
+            if raw is None:
+                continue
+            group = FreshGroup.decode(key, raw)
+            for seq in [s for s in group.dues if s in self._records]:
+                del group.dues[seq]  # an entry of its own is newer
+            self._grouped.update(dict.fromkeys(group.dues, group))
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + len(self._grouped)
 
     def get(self, seq: int) -> RetryRecord | None:
-        return self._records.get(seq)
+        record = self._records.get(seq)
+        if record is None and (group := self._grouped.get(seq)) is not None:
+            return group.record(seq)
+        return record
 
     def seqs(self) -> list[int]:
-        return list(self._records)
+        return [*self._records, *self._grouped]
+
+    # ---- first failures, as groups --------------------------------------------------------
+
+    def add_groups(self, groups: Iterable[FreshGroup]) -> None:
+        """These groups' entries were written (with their records): the book's now."""
+        for group in groups:
+            self._grouped.update(dict.fromkeys(group.dues, group))
+
+    def _ungroup(self, seqs: Iterable[int]) -> tuple[dict[str, bytes | None], dict[str, bytes]]:
+        """The group entries once `seqs` left their groups (None: deleted), and their
+        entries before (for `unstage`); memory unchanged."""
+        by_group: dict[str, tuple[FreshGroup, list[int]]] = {}
+        for seq in seqs:
+            group = self._grouped.get(seq)
+            if group is not None:
+                by_group.setdefault(group.key, (group, []))[1].append(seq)
+        new = {key: group.without(gone) for key, (group, gone) in by_group.items()}
+        old = {key: group.encode() for key, (group, _) in by_group.items()}
+        return new, old
+
+    def _leave_groups(self, seqs: Iterable[int]) -> None:
+        for seq in seqs:
+            group = self._grouped.pop(seq, None)
+            if group is not None:
+                group.dues.pop(seq, None)
 
     # ---- durable writes (staged) -------------------------------------------------------
 
     def stage(self, records: Mapping[int, RetryRecord]) -> dict[str, bytes | None]:
-        """Stage these records' new values; returns the old ones (for `unstage`)."""
+        """Stage these records' new values (a grouped one leaves its group); returns the
+        old ones (for `unstage`)."""
         old: dict[str, bytes | None] = {}
         for seq in records:
             previous = self._records.get(seq)
             old[_key(seq)] = None if previous is None else previous.encode()
-        self._storage.stage_meta({_key(seq): r.encode() for seq, r in records.items()})
+        groups, before = self._ungroup(records)
+        puts: dict[str, bytes] = {_key(seq): r.encode() for seq, r in records.items()}
+        puts.update({k: v for k, v in groups.items() if v is not None})
+        self._storage.stage_meta(puts, [k for k, v in groups.items() if v is None])
+        old.update(before)
         return old
 
     def unstage(self, old: Mapping[str, bytes | None]) -> None:
@@ -279,6 +415,7 @@ class RetryBook:
 
     def commit(self, records: Mapping[int, RetryRecord]) -> None:
         """The staged records are the book's now (their write succeeded)."""
+        self._leave_groups(records)
         for seq, record in records.items():
             self._records[seq] = record
             if record.dead_at is not None:
@@ -289,14 +426,25 @@ class RetryBook:
     def forget(self, seqs: Iterable[int]) -> list[int]:
         """Drop the records of these seqs (completed, or purged): staged deletes.
         Returns the seqs that had one."""
-        gone = [seq for seq in seqs if seq in self._records]
+        listed = list(seqs)
+        gone = [seq for seq in listed if seq in self._records]
         for seq in gone:
             del self._records[seq]
             self.dead.pop(seq, None)
             self._waiting_roots.pop(seq, None)
-        if gone:
-            self._storage.stage_meta({}, [_key(seq) for seq in gone])
-        return gone
+        grouped = [seq for seq in listed if seq in self._grouped] if self._grouped else []
+        groups: dict[str, bytes | None] = {}
+        if grouped:
+            groups = self._ungroup(grouped)[0]
+            self._leave_groups(grouped)
+            for seq in grouped:
+                self._waiting_roots.pop(seq, None)
+        if gone or groups:
+            self._storage.stage_meta(
+                {k: v for k, v in groups.items() if v is not None},
+                [_key(seq) for seq in gone] + [k for k, v in groups.items() if v is None],
+            )
+        return gone + grouped
 
     # ---- waiting for the backoff ---------------------------------------------------------
 

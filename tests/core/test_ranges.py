@@ -273,3 +273,46 @@ def test_a_zero_xor_says_an_offset_is_no_record_of_its_range(storage: Persistenc
     assert ft.current_stats().persisted == 8 and ft.pending_by_source() == {SOURCE: 8}
     assert len(storage) == 0 and ft.current_stats().xor_events == 0
     assert ft.complete_ranges([SOURCE], {TOPIC: {0: 10}}) == 8
+
+
+def test_first_failures_are_one_retry_entry_until_each_changes_or_goes(tmp_path: Path) -> None:
+    """The rows one FAIL names share one retry entry (a group); a record that fails
+    again gets one of its own, and the group goes with its last record; each state
+    reads the same after a restart."""
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 10)])
+    assert ft.fail(rangeroots.encode(number, 0, [2, 3, 4]), FAILED) == 3
+    assert storage.meta_keys("retry/") == [] and len(storage.meta_keys("retryg/")) == 1
+    storage.close()
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    wanted = ft.unfilled(SOURCE)
+    seq_of = dict(zip(wanted.records.offsets.tolist(), wanted.seqs.tolist(), strict=True))
+    _fill_all(ft)
+    replays = ft.fetch_replay(0, ft.replay_cursor_of(SOURCE), source_id=SOURCE)
+    by_offset = dict(
+        zip(replays.records.offsets.tolist(), replays.records.roots.tolist(), strict=True)
+    )
+    for offset in (2, 3, 4):
+        record = ft.retry_record(seq_of[offset])
+        assert record is not None and (record.attempts, record.last_cause) == (1, FAILED)
+    # The replay of offset 3 fails again: an entry of its own, attempt 2.
+    again = Cause(FailKind.EXPLICIT, "enrich", "FailException: again")
+    assert ft.fail([by_offset[3]], again) == 1
+    assert storage.meta_keys("retry/") == [f"retry/{seq_of[3]:016x}"]
+    second = ft.retry_record(seq_of[3])
+    assert second is not None and second.attempts == 2 and second.last_cause == again
+    # Offsets 2 and 4 complete (their batch's barrier): the group goes with them.
+    ft.release_barrier([SOURCE])
+    ft.flush_deletes()
+    ft.flush_staged()
+    assert storage.meta_keys("retryg/") == []
+    assert ft.retry_record(seq_of[2]) is None and ft.retry_record(seq_of[3]) is not None
+    storage.close()
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    assert ft.retry_record(seq_of[2]) is None
+    restored = ft.retry_record(seq_of[3])
+    assert restored is not None and restored.attempts == 2
+    storage.close()
