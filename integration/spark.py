@@ -143,6 +143,11 @@ def local_spark(
 ) -> SparkSession:
     """Build (or get) a local SparkSession for ftlayer; `conf` entries override the defaults.
 
+    `master` may also be a cluster's, e.g. a standalone master's spark:// URL: the
+    driver then runs here in client mode, and its executors run this interpreter too
+    (`PYSPARK_PYTHON`, `spark.pyspark.python`), which must exist at the same path on
+    their hosts.
+
     `log_file`: Spark's log (ERROR and above, with the stack traces of failed tasks)
     goes to this file instead of stderr.
 

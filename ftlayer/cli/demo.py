@@ -1,7 +1,8 @@
 """`ftlayer demo`: the main job end to end on an embedded broker, an FT-layer process
-and local Spark (ftlayer.integration.harness.demo, loaded only when it runs), with a
-live table of its progress and its own verdict; exits 0 only if nothing was lost and
-every produced record completed."""
+and local Spark, or with `--cluster` a Spark standalone cluster and an FT layer with a
+token and TLS (ftlayer.integration.harness.demo, loaded only when it runs), with a live
+table of its progress and its own verdict; exits 0 only if nothing was lost and every
+produced record completed."""
 
 from __future__ import annotations
 
@@ -47,11 +48,29 @@ def add_parser(commands: Any) -> None:
         default=None,
         help="the FT layer's status page and /metrics on this loopback port (default: off)",
     )
+    demo.add_argument(
+        "--cluster",
+        action="store_true",
+        help="Spark standalone (a master and two workers, each a process of its own) and "
+        "an FT layer with a token and TLS, instead of local Spark",
+    )
+    demo.add_argument(
+        "--kill-worker",
+        action="store_true",
+        help="with --cluster: SIGKILL one worker with its executor and Python workers midway",
+    )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kill_worker and not args.cluster:
+        raise SystemExit("ftlayer demo: --kill-worker needs --cluster")
+    if args.cluster and args.kill_workers:
+        raise SystemExit(
+            "ftlayer demo: --kill-workers kills Python workers of local Spark; "
+            "with --cluster, use --kill-worker"
+        )
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
@@ -74,11 +93,17 @@ def run(args: argparse.Namespace) -> int:
         )
         return table
 
+    if args.cluster:
+        kills = "a Spark worker killed midway" if args.kill_worker else "no worker killed"
+        parts = "the FT layer (token, TLS) and a Spark standalone cluster (2 workers)"
+    else:
+        kills, parts = f"{args.kill_workers} worker kills", "the FT layer and Spark"
     console.print(
         f"ftlayer demo: {args.records:,} events, {args.partitions} partitions, "
         f"fail rate {args.fail_rate:g}, poison rate {args.poison_rate:g} (max retries "
-        f"{args.max_retries}), {args.kill_workers} worker kills, {args.completion} mode, "
-        f"persist {args.persist}; starting Tansu, the FT layer and Spark ..."
+        f"{args.max_retries}), {kills}, {args.completion} mode, "
+        f"persist {args.persist}; starting Tansu, {parts} ...",
+        soft_wrap=True,
     )
     if args.http_port:
         console.print(
@@ -98,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
             persist=args.persist,
             http_port=args.http_port,
             workdir=args.workdir,
+            cluster=args.cluster,
+            kill_worker=args.kill_worker,
             on_progress=lambda progress: live.update(view(progress)),
             on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),
         )
@@ -109,7 +136,13 @@ def run(args: argparse.Namespace) -> int:
             f"ftlayer demo: FAILED: lost {result.lost}, completed {result.completed} of "
             f"{result.produced}, {result.pending_at_end} trees still pending, dead-lettered "
             f"{result.extra.get('dead_lettered')} of {result.extra.get('poison_events')} "
-            f"poison events, group lag at the end {result.extra.get('group_lag_at_end')}",
+            f"poison events, group lag at the end {result.extra.get('group_lag_at_end')}"
+            + (
+                f", {result.extra.get('executors')} executors, {result.workers_killed} "
+                "workers killed"
+                if args.cluster
+                else ""
+            ),
             soft_wrap=True,
         )
     console.print(f"ftlayer demo: Spark's log is in {result.extra['spark_log']}", soft_wrap=True)

@@ -17,6 +17,10 @@ Kafka request, not once its banner is printed:
 
 When the port was chosen here (`free_port`) and the broker lost it to another process
 between the choice and the bind, `start()` retries on a new port.
+
+`host` and `command_prefix` put the broker on a host of its own: it binds and advertises
+`host`, and its command runs behind the prefix (``ip netns exec NAME`` for a network
+namespace, where the port must be given: a free port of this machine says nothing there).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -108,7 +113,14 @@ class TansuBroker:
         log_path: str | os.PathLike[str] | None = None,
         start_timeout: float = 20.0,
         stop_timeout: float = 5.0,
+        *,
+        host: str = _HOST,
+        command_prefix: Sequence[str] = (),
     ) -> None:
+        if command_prefix and port is None:
+            raise BrokerError("a broker behind a command prefix (another host) needs a port")
+        self._host = host
+        self._prefix = tuple(command_prefix)
         self._binary = Path(binary) if binary is not None else None
         self._fixed_port = port
         self._log_path = Path(log_path) if log_path is not None else None
@@ -122,10 +134,10 @@ class TansuBroker:
 
     @property
     def bootstrap(self) -> str:
-        """The bootstrap address, "127.0.0.1:PORT"; only while the broker runs."""
+        """The bootstrap address, "HOST:PORT"; only while the broker runs."""
         if self._process is None or self._port is None:
             raise BrokerError("the broker is not running; call start() first")
-        return f"{_HOST}:{self._port}"
+        return f"{self._host}:{self._port}"
 
     @property
     def log_path(self) -> Path | None:
@@ -170,15 +182,16 @@ class TansuBroker:
                 return self.bootstrap
             except BrokerError:
                 lost_port = self._process is not None and self._process.poll() is not None
-                lost_port = lost_port and _port_taken(port, _HOST)
+                lost_port = lost_port and _port_taken(port, self._host)
                 self._stop(keep_log=True)
                 if not (lost_port and attempt < attempts):
                     raise
         raise AssertionError("unreachable: the last attempt either returned or raised")
 
     def _spawn(self, binary: Path, port: int) -> None:
-        url = f"tcp://{_HOST}:{port}"
+        url = f"tcp://{self._host}:{port}"
         command = [
+            *self._prefix,
             str(binary),
             "broker",
             "--cluster-id", self.cluster_id,
@@ -217,10 +230,10 @@ class TansuBroker:
                     f"the Tansu broker exited with code {code} before answering on port {port}"
                     f"{self._log_tail()}"
                 )
-            if _port_taken(port, _HOST):
+            if _port_taken(port, self._host):
                 try:
                     left = deadline - time.monotonic()
-                    info = cluster_info(f"{_HOST}:{port}", timeout=max(0.5, left))
+                    info = cluster_info(f"{self._host}:{port}", timeout=max(0.5, left))
                 except KafkaHelperError as exc:
                     last_problem = f"the metadata request failed: {exc}"
                 else:

@@ -24,6 +24,14 @@ the dead worker left incomplete. Each kill is reported once through `on_kill`; S
 own log (WARN and above: the stack traces of the killed tasks, the query's warnings)
 goes to a file, `spark_log` in the result, never to the terminal.
 
+With `cluster`, Spark is a standalone cluster of a master and two workers, each a
+process of its own (`integration/harness/standalone.py`), with the driver (this
+process) in client mode, and the FT layer serves TLS and needs a token (files made with
+openssl, `integration/harness/pki.py`); the executors learn of it only through the
+source's options ft.address, ft.tokenFile and ft.tlsCa. With `kill_worker` too, one
+worker is SIGKILLed midway with its executor JVM and Python workers, and Spark runs
+the lost tasks on the other one.
+
 While it runs it shows produced, completed, pending and replayed counts. At the end it
 checks two counts that are measured apart against each other:
 
@@ -43,7 +51,8 @@ reached the output topic, and poison events that were not dead-lettered;
 `duplicates_at_sink` counts extra copies in the output topic (at-least-once delivery:
 a replayed tree writes again). The result is valid (exit 0) only with lost = 0, no
 tree pending, every poison event dead-lettered, and completed within those bounds
-(with no record persisted again: completed = completed_at_sink).
+(with no record persisted again: completed = completed_at_sink); on a cluster also
+with an executor on each worker, and the worker killed when `kill_worker` asked for it.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,10 +77,18 @@ from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.harness.kafka import create_topic, end_offsets, produce, read_all
+from ftlayer.integration.harness.pki import make_server_files
+from ftlayer.integration.harness.standalone import (
+    StandaloneCluster,
+    log_lost_tasks,
+    running_tasks,
+    wait_for_executors,
+)
 from ftlayer.integration.source.deadletters import history_of
+from ftlayer.integration.source.options import parse_options
 from ftlayer.status import Status
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoResult", "run_demo", "source_options", "start_pipeline"]
 
 TIERS = ("bronze", "silver", "gold")
 PARSED_SCHEMA = "key binary, id long, user string, amount long"
@@ -115,7 +132,12 @@ class DemoResult:
             and not extra.get("dead_letters_without_cause", 0)
             and extra.get("group_lag_at_end", 0) == 0
         )
-        return base and dead_ok
+        # On a standalone cluster: an executor on each worker, and the worker killed.
+        cluster_ok = extra.get("cluster") != "standalone" or (
+            extra.get("executors", 0) >= 2
+            and self.workers_killed == (1 if extra.get("kill_worker") else 0)
+        )
+        return base and dead_ok and cluster_ok
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -278,6 +300,54 @@ def _killer(
     return lambda: killed[0]
 
 
+class _WorkerKill:
+    """`run_demo`'s kill of one Spark worker, once, from a thread of its own: once a
+    third of the events were persisted (`progress` feeds it the FT layer's figures), at
+    the first moment every executor runs a task (the driver's status tracker) and the
+    worker's executor has Python workers, so that it dies in the middle of a task.
+    `start` starts the thread; it ends with the kill or when `stop` is set."""
+
+    def __init__(
+        self,
+        cluster: StandaloneCluster,
+        spark: Any,
+        records: int,
+        stop: threading.Event,
+        on_kill: Callable[[str], None] | None,
+    ) -> None:
+        self.cluster, self.spark, self.records = cluster, spark, records
+        self.stop, self.on_kill = stop, on_kill
+        self.index = len(cluster.worker_pids) - 1
+        self.persisted = 0
+        self.workers = 0
+        """Spark workers killed (0 or 1)."""
+        self.processes = 0
+        """Processes killed with it: the worker, its executor, Python daemon and workers."""
+
+    def progress(self, progress: Mapping[str, Any]) -> None:
+        self.persisted = max(self.persisted, int(progress.get("persisted", 0)))
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="ftlayer-demo-worker-kill", daemon=True).start()
+
+    def _run(self) -> None:
+        executors = len(self.cluster.worker_pids)
+        while not self.stop.wait(0.02):
+            if self.persisted < self.records // 3:
+                continue
+            busy = [n for n in running_tasks(self.spark).values() if n > 0]
+            if len(busy) >= executors and self.cluster.python_workers(self.index):
+                pid = self.cluster.worker_pids[self.index]
+                self.processes = self.cluster.kill_worker(self.index)
+                self.workers = 1
+                if self.on_kill is not None:
+                    self.on_kill(
+                        f"killed Spark worker {self.index} (pid {pid}) with its executor and "
+                        f"Python workers, in the middle of a task: {self.processes} processes"
+                    )
+                return
+
+
 def _spark_log(workdir: str | None) -> Path:
     """Where Spark's log goes: in the workdir, or a kept file in the temp directory (the
     demo's own temporary workdir is removed at its end). `_close_spark_log` ends it."""
@@ -306,6 +376,74 @@ def _workdir(path: str | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def source_options(
+    bootstrap: str,
+    topic: str,
+    ft_options: Mapping[str, str],
+    *,
+    max_per_trigger: int = 20_000,
+    max_retries: int = 10,
+    completion: str = "barrier",
+    persist: str = "reference",
+    dead_topic: str | None = None,
+    group: str | None = None,
+) -> dict[str, str]:
+    """The demo's `ftkafka` source options: Kafka, the replay partitioner, retries,
+    completion and persistence, plus `ft_options` (ft.address, and with a token and TLS
+    ft.tokenFile and ft.tlsCa: all an executor learns of the FT layer)."""
+    options = {
+        "kafka.bootstrap.servers": bootstrap,
+        "subscribe": topic,
+        "maxOffsetsPerTrigger": str(max_per_trigger),
+        "ft.partitioner": "kafka-hash",
+        "ft.maxRetries": str(max_retries),
+        "ft.completion": completion,
+        "ft.persist": persist,
+        **ft_options,
+    }
+    if dead_topic is not None:
+        options["ft.deadLetterTopic"] = dead_topic
+    if group is not None:
+        options["kafka.group.id"] = group
+    return options
+
+
+def start_pipeline(
+    spark: Any,
+    options: Mapping[str, str],
+    sink_topic: str,
+    checkpoint: str | os.PathLike[str],
+    flaky_dir: str | os.PathLike[str],
+    fail_rate: float,
+    poison_rate: float = 0.0,
+    trigger: str = "500 milliseconds",
+) -> Any:
+    """Start the demo's query on `spark` (the `ftkafka` format registered there):
+    source -> parse -> enrich -> filter -> Kafka sink (module docstring), the source
+    read with `options` (`source_options`). The tasks and the sink take the source's
+    FTSettings (`parse_options(options).ft`), as a user's job does; the sink writes to
+    `sink_topic` on the source's brokers. Returns the StreamingQuery."""
+    from ftlayer.integration.sinks import ft_kafka_sink
+    from ftlayer.integration.tasks import FTTasks
+
+    settings = parse_options(options).ft
+    tasks = FTTasks(settings)
+    source = spark.readStream.format("ftkafka").options(**options).load()
+    parsed = tasks.map(source, parse, PARSED_SCHEMA)
+    enrich = make_enrich(os.fspath(flaky_dir), fail_rate, poison_rate)
+    enriched = tasks.map(parsed, enrich, ENRICHED_SCHEMA)
+    kept = tasks.filter(enriched, keep)
+    bootstrap = options["kafka.bootstrap.servers"]
+    return (
+        kept.writeStream.foreachBatch(
+            ft_kafka_sink(bootstrap, sink_topic, settings, on_error="fail-and-continue")
+        )
+        .option("checkpointLocation", os.fspath(checkpoint))
+        .trigger(processingTime=trigger)
+        .start()
+    )
+
+
 def run_demo(
     records: int = 100_000,
     fail_rate: float = 0.01,
@@ -325,14 +463,25 @@ def run_demo(
     completion: str = "barrier",
     http_port: int | None = None,
     persist: str = "reference",
+    cluster: bool = False,
+    kill_worker: bool = False,
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts. With `http_port`,
     the FT-layer process serves its status page and /metrics on that loopback port;
-    `completion` and `persist` are the source's ft.completion and ft.persist."""
-    from ftlayer.integration.sinks import ft_kafka_sink
+    `completion` and `persist` are the source's ft.completion and ft.persist.
+
+    With `cluster`, Spark is a standalone cluster of a master and two workers, each a
+    process of its own (`StandaloneCluster`), the driver (this process) in client mode,
+    and the FT layer has a token and TLS (files made in the workdir, `pki`), which the
+    executors learn of only through the source's options ft.address, ft.tokenFile and
+    ft.tlsCa. With `kill_worker` too, once a third of the events were persisted, one
+    worker is SIGKILLed with its executor and Python workers in the middle of a task
+    (`_WorkerKill`, `StandaloneCluster.kill_worker`); Spark runs the lost tasks on the
+    other one.
+    `workers_killed` then counts Spark workers; `kill_workers` (Python workers) is for
+    local Spark only."""
     from ftlayer.integration.source import register
     from ftlayer.integration.spark import local_spark
-    from ftlayer.integration.tasks import FTTasks
 
     if records < 1 or partitions < 1 or kill_workers < 0 or not 0 <= fail_rate <= 1:
         raise DemoError(
@@ -340,9 +489,18 @@ def run_demo(
         )
     if not 0 <= poison_rate <= 1 or max_retries < 0:
         raise DemoError("need 0 <= poison_rate <= 1 and max_retries >= 0")
+    if kill_worker and not cluster:
+        raise DemoError("kill_worker kills a worker of a standalone cluster: it needs cluster")
+    if cluster and kill_workers:
+        raise DemoError("kill_workers kills Python workers of local Spark; with cluster use "
+                        "kill_worker")  # fmt: skip
     started = time.monotonic()
     spark_log = _spark_log(workdir)
-    with _workdir(workdir) as work, TansuBroker(log_path=work / "broker.log") as broker:
+    with (
+        _workdir(workdir) as work,
+        TansuBroker(log_path=work / "broker.log") as broker,
+        contextlib.ExitStack() as parts,
+    ):
         bootstrap = broker.bootstrap
         source_topic, sink_topic = "demo-events", "demo-enriched"
         dead_topic, group = "demo-dead-letters", "ftlayer-demo"
@@ -352,58 +510,86 @@ def run_demo(
         produce(bootstrap, source_topic, (event(i, users) for i in range(records)), timeout=300)
         flaky_dir = work / "flaky"
         flaky_dir.mkdir()
-        http = () if http_port is None else ("--http-port", str(http_port))
-        with FTServerProcess(work / "ft", "--tree-timeout-s", str(ft_timeout_s), *http) as server:
-            settings = FTSettings(server.address)
-            spark = local_spark(master="local[2,8]", app_name="ftlayer-demo", log_file=spark_log)
-            # The file, not the terminal, takes Spark's warnings too: what a reader of
-            # the log needs besides errors (lost tasks, a batch falling behind).
-            spark.sparkContext.setLogLevel("WARN")
+        serve_args = ["--tree-timeout-s", str(ft_timeout_s)]
+        if http_port is not None:
+            serve_args += ["--http-port", str(http_port)]
+        tls = make_server_files(work / "tls", ["localhost", "127.0.0.1"]) if cluster else None
+        if tls is not None:
+            serve_args += tls.serve_args()
+        server = parts.enter_context(FTServerProcess(work / "ft", *serve_args))
+        ft_options = {"ft.address": server.address}
+        ft_options.update(tls.source_options() if tls is not None else {})
+        options = source_options(
+            bootstrap,
+            source_topic,
+            ft_options,
+            max_per_trigger=max_per_trigger,
+            max_retries=max_retries,
+            completion=completion,
+            persist=persist,
+            dead_topic=dead_topic,
+            group=group,
+        )
+        standalone = parts.enter_context(StandaloneCluster(work / "spark")) if cluster else None
+        spark = local_spark(
+            master=standalone.master_url if standalone is not None else "local[2,8]",
+            app_name="ftlayer-demo",
+            conf=standalone.spark_conf() if standalone is not None else None,
+            log_file=spark_log,
+            # Four JVMs start on the cluster; the JVMs' share of the work is small.
+            fast_start=standalone is not None,
+        )
+        # The file, not the terminal, takes Spark's warnings too: what a reader of
+        # the log needs besides errors (lost tasks, a batch falling behind).
+        spark.sparkContext.setLogLevel("WARN")
+        if standalone is not None:
+            log_lost_tasks(spark)  # which tasks a lost executor took with it
+        stop_killer = threading.Event()
+        killed: Callable[[], int] | None = None
+        worker_kill = None
+        if standalone is not None and kill_worker:
+            worker_kill = _WorkerKill(standalone, spark, records, stop_killer, on_kill)
+        query = None
+        try:
+            executors = 0
+            if standalone is not None:
+                executors = wait_for_executors(spark, len(standalone.worker_pids))
             register(spark)
-            tasks = FTTasks(settings)
-            source = (
-                spark.readStream.format("ftkafka")
-                .option("kafka.bootstrap.servers", bootstrap)
-                .option("subscribe", source_topic)
-                .option("maxOffsetsPerTrigger", str(max_per_trigger))
-                .option("ft.address", server.address)
-                .option("ft.partitioner", "kafka-hash")
-                .option("ft.maxRetries", str(max_retries))
-                .option("ft.completion", completion)
-                .option("ft.persist", persist)
-                .option("ft.deadLetterTopic", dead_topic)
-                .option("kafka.group.id", group)
-                .load()
+            query = start_pipeline(
+                spark,
+                options,
+                sink_topic,
+                work / "checkpoint",
+                flaky_dir,
+                fail_rate,
+                poison_rate,
             )
-            parsed = tasks.map(source, parse, PARSED_SCHEMA)
-            enrich = make_enrich(str(flaky_dir), fail_rate, poison_rate)
-            enriched = tasks.map(parsed, enrich, ENRICHED_SCHEMA)
-            kept = tasks.filter(enriched, keep)
-            query = (
-                kept.writeStream.foreachBatch(
-                    ft_kafka_sink(bootstrap, sink_topic, settings, on_error="fail-and-continue")
-                )
-                .option("checkpointLocation", str(work / "checkpoint"))
-                .trigger(processingTime="500 milliseconds")
-                .start()
+            if kill_workers:
+                killed = _killer(kill_workers, 5.0, stop_killer, seed, on_kill)
+            if worker_kill is not None:
+                worker_kill.start()
+
+            def progress(now: dict[str, Any]) -> None:
+                if worker_kill is not None:
+                    worker_kill.progress(now)
+                if on_progress is not None:
+                    on_progress(now)
+
+            settings = parse_options(options).ft
+            status = _wait_until_settled(
+                query, settings, source_topic, records, deadline_s, progress
             )
-            stop_killer = threading.Event()
-            killed = (
-                _killer(kill_workers, 5.0, stop_killer, seed, on_kill) if kill_workers else None
-            )
-            try:
-                status = _wait_until_settled(
-                    query, server.address, source_topic, records, deadline_s, on_progress
-                )
-                # While the job runs: its group's committed offsets reach the end.
-                lag = _group_lag(bootstrap, group, source_topic, partitions, wait_s=30.0)
-            finally:
-                stop_killer.set()
+            # While the job runs: its group's committed offsets reach the end.
+            lag = _group_lag(bootstrap, group, source_topic, partitions, wait_s=30.0)
+        finally:
+            stop_killer.set()
+            if query is not None:
                 stop_when_idle(query)
-                spark.stop()
-                _close_spark_log(spark_log)
-            outputs = read_all(bootstrap, sink_topic, timeout=120)
-            dead = read_all(bootstrap, dead_topic, timeout=120)
+            spark.stop()
+            _close_spark_log(spark_log)
+        outputs = read_all(bootstrap, sink_topic, timeout=120)
+        dead = read_all(bootstrap, dead_topic, timeout=120)
+        master = standalone.master_url if standalone is not None else "local[2,8]"
     seconds = time.monotonic() - started
     poison = {i for i in range(records) if poison_rate and is_poison(i, poison_rate)}
     expected = {i for i in range(records) if passes_filter(i)} - poison
@@ -427,7 +613,7 @@ def run_demo(
         expected_outputs=len(expected),
         outputs_at_sink=len(found),
         trees_completed=status.completed,
-        workers_killed=killed() if killed else 0,
+        workers_killed=worker_kill.workers if worker_kill else killed() if killed else 0,
         pending_at_end=pending,
         extra={
             "partitions": partitions,
@@ -459,6 +645,19 @@ def run_demo(
             # Records read again by a re-run (a retried task): each retired its earlier
             # root instead of leaving it to time out (ftlayer.core.takeover).
             "taken_over": status.taken_over,
+            "cluster": "standalone" if cluster else "local",
+            "master": master,
+            "tls": cluster,
+            "shards": 1,
+            **(
+                {
+                    "executors": executors,
+                    "kill_worker": kill_worker,
+                    "processes_killed": worker_kill.processes if worker_kill else 0,
+                }
+                if cluster
+                else {}
+            ),
         },
     )
 
@@ -494,7 +693,7 @@ def _group_lag(bootstrap: str, group: str, topic: str, partitions: int, *, wait_
 
 def _wait_until_settled(
     query: Any,
-    address: str,
+    settings: FTSettings,
     topic: str,
     records: int,
     deadline_s: float,
@@ -504,7 +703,9 @@ def _wait_until_settled(
     pending tree (twice in a row), or the deadline; returns the last server status."""
     deadline = time.monotonic() + deadline_s
     settled = 0
-    with FTClient(address, name="ftlayer-demo") as client:
+    tls = settings.tls_ca if settings.tls_ca is not None else False
+    assert settings.address is not None
+    with FTClient(settings.address, settings.token, name="ftlayer-demo", tls=tls) as client:
         while True:
             if query.exception() is not None:
                 raise DemoError(f"the streaming query failed: {query.exception()}")

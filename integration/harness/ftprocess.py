@@ -4,7 +4,8 @@
 interpreter, waits for its "ftlayer serving on HOST:PORT" line, and stops it on exit
 (SIGTERM, then SIGKILL). The server logs to `log_path` (a file next to the data dir by
 default), named in every error. It dies with its parent on Linux (PDEATHSIG), so a
-killed demo leaves no server behind.
+killed demo leaves no server behind. `command_prefix` runs it on another host (``ip
+netns exec NAME`` for a network namespace, with `--host` its address there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -108,8 +110,10 @@ class FTServerProcess:
         *serve_args: str,
         log_path: str | os.PathLike[str] | None = None,
         start_timeout: float = 20.0,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.command_prefix = tuple(command_prefix)
         self.serve_args = serve_args
         self.log_path = Path(log_path) if log_path else self.data_dir.with_suffix(".log")
         self.start_timeout = start_timeout
@@ -128,7 +132,7 @@ class FTServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                serve_command(self.data_dir, *self.serve_args),
+                [*self.command_prefix, *serve_command(self.data_dir, *self.serve_args)],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 preexec_fn=_die_with_parent,

@@ -73,3 +73,53 @@ def test_demo_reports_nothing_lost_and_every_event_completed(tmp_path: Path) -> 
     assert Path(result["spark_log"]).read_text(errors="replace").strip()  # never empty
     assert f"Spark's log is in {result['spark_log']}" in text
     assert "\tat org.apache.spark" not in text and "Traceback" not in text
+
+
+@pytest.mark.integration
+def test_demo_on_a_standalone_cluster_loses_nothing_when_a_worker_dies(tmp_path: Path) -> None:
+    """`ftlayer demo --cluster --kill-worker`: a master and two workers as processes of
+    their own, the FT layer with a token and TLS, one worker SIGKILLed with its executor
+    and Python workers midway; Spark runs the lost tasks on the other worker."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    command = [sys.executable, "-m", "ftlayer.cli", "demo", "--cluster", "--kill-worker"]
+    command += ["--records", "3000", "--partitions", "4", "--fail-rate", "0.01"]
+    command += ["--workdir", str(tmp_path / "work"), "--json"]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        done = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600, check=False
+        )
+    text = log.read_text(errors="replace")
+    assert done.returncode == 0, text[-3000:]
+    result = json.loads(text.rstrip("\n").splitlines()[-1])
+    assert result["cluster"] == "standalone" and result["master"].startswith("spark://")
+    assert result["executors"] >= 2 and result["tls"] is True and result["shards"] == 1
+    # The worker, its executor JVM, the PySpark daemon and at least one Python worker.
+    assert result["workers_killed"] == 1 and result["processes_killed"] >= 4
+    assert text.count("ftlayer demo: killed Spark worker") == 1
+    assert result["lost"] == 0 and result["pending_at_end"] == 0
+    at_sink = result["completed_at_sink"]
+    assert at_sink == 3000
+    assert at_sink <= result["completed"] <= at_sink + result["persisted_again"]
+    assert result["outputs_at_sink"] == result["expected_outputs"] + result["duplicates_at_sink"]
+    # Spark logged the lost executor and its task, run again, to its log, not the terminal.
+    spark_log = Path(result["spark_log"]).read_text(errors="replace")
+    assert "Lost executor" in spark_log
+    assert "its executor exited for a reason unrelated to the task" in spark_log
+    assert "\tat org.apache.spark" not in text and "Traceback" not in text
+    # Every process the demo started is gone: no JVM of its cluster is left.
+    assert not [p for p in _processes_under(tmp_path / "work")], "a process outlived the demo"
+
+
+def _processes_under(workdir: Path) -> list[int]:
+    """Processes whose command line names `workdir` (the demo's cluster and FT layer)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(workdir).encode() in cmdline:
+                found.append(int(entry))
+    return found
