@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -476,8 +477,12 @@ def test_deleting_a_filled_record_deletes_its_bytes(backend: Backend, staged: bo
     assert storage.filled == 1
     storage = backend.reopen(storage)
     assert storage.filled == 1
-    assert storage.meta_keys("fill/") == [f"fill/{int(seqs[1]):020d}"]
+    assert bytes(storage.get(seqs[1:]).payloads[0]) == b"b"
+    # One fill, one value: it goes with its last record.
+    assert storage.meta_keys("fillb/") == [f"fillb/{int(seqs[0]):020d}"]
     assert storage.drop_stale_fills() == 0
+    storage.delete(seqs[1:])
+    assert (storage.meta_keys("fillb/"), storage.filled) == ([], 0)
 
 
 def test_stale_bytes_of_a_deleted_record_are_dropped(backend: Backend) -> None:
@@ -487,11 +492,29 @@ def test_stale_bytes_of_a_deleted_record_are_dropped(backend: Backend) -> None:
     seqs = storage.put(_referenced(2))
     storage.fill(seqs, [b"a", b"b"])
     # What a crash between a record's delete and its bytes' delete leaves behind.
-    storage.put_meta(f"fill/{10**6:020d}", b"orphan")
+    # (The one-record value of an earlier version's store.)
+    storage.put_meta(f"fill/{10**6:020d}", b"\x00orphan")
     storage = backend.reopen(storage)
-    assert storage.filled == 3
+    assert storage.filled == 2  # only records still stored count
     assert storage.drop_stale_fills() == 1
-    assert storage.filled == 2
+    assert storage.meta_keys("fill/") == [] and storage.filled == 2
+    assert storage.drop_stale_fills() == 0
+
+
+def test_the_bytes_of_an_earlier_versions_fill_are_read_and_deleted(backend: Backend) -> None:
+    """Stores of earlier versions hold one value per filled record (`fill/<seq>`)."""
+    if not backend.durable:
+        pytest.skip("a memory storage holds no earlier version's values")
+    storage = backend.open()
+    seqs = storage.put(_referenced(2))
+    key = struct.pack("<cqB", b"\x01", -7, 1)
+    storage.put_meta(f"fill/{int(seqs[0]):020d}", key + b"old bytes")
+    storage = backend.reopen(storage)
+    got = storage.get(seqs)
+    assert [bytes(p) for p in got.payloads] == [b"old bytes", b""]
+    assert got.reference_mask.tolist() == [False, True] and storage.filled == 1
+    storage.delete(seqs[:1])
+    assert storage.meta_keys("fill/") == [] and storage.filled == 0
 
 
 def test_fill_with_columns_of_different_lengths_is_a_config_error(
