@@ -373,16 +373,18 @@ class RetryBook:
         for group in groups:
             self._grouped.update(dict.fromkeys(group.dues, group))
 
-    def _ungroup(self, seqs: Iterable[int]) -> tuple[dict[str, bytes | None], dict[str, bytes]]:
-        """The group entries once `seqs` left their groups (None: deleted), and their
-        entries before (for `unstage`); memory unchanged."""
+    def _ungroup(
+        self, seqs: Iterable[int], *, before: bool
+    ) -> tuple[dict[str, bytes | None], dict[str, bytes]]:
+        """The group entries once `seqs` left their groups (None: deleted), and, with
+        `before`, their entries now (for `unstage`); memory unchanged."""
         by_group: dict[str, tuple[FreshGroup, list[int]]] = {}
         for seq in seqs:
             group = self._grouped.get(seq)
             if group is not None:
                 by_group.setdefault(group.key, (group, []))[1].append(seq)
         new = {key: group.without(gone) for key, (group, gone) in by_group.items()}
-        old = {key: group.encode() for key, (group, _) in by_group.items()}
+        old = {key: group.encode() for key, (group, _) in by_group.items()} if before else {}
         return new, old
 
     def _leave_groups(self, seqs: Iterable[int]) -> None:
@@ -400,7 +402,7 @@ class RetryBook:
         for seq in records:
             previous = self._records.get(seq)
             old[_key(seq)] = None if previous is None else previous.encode()
-        groups, before = self._ungroup(records)
+        groups, before = self._ungroup(records, before=True)
         puts: dict[str, bytes] = {_key(seq): r.encode() for seq, r in records.items()}
         puts.update({k: v for k, v in groups.items() if v is not None})
         self._storage.stage_meta(puts, [k for k, v in groups.items() if v is None])
@@ -435,7 +437,7 @@ class RetryBook:
         grouped = [seq for seq in listed if seq in self._grouped] if self._grouped else []
         groups: dict[str, bytes | None] = {}
         if grouped:
-            groups = self._ungroup(grouped)[0]
+            groups = self._ungroup(grouped, before=False)[0]
             self._leave_groups(grouped)
             for seq in grouped:
                 self._waiting_roots.pop(seq, None)
