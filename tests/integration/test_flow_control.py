@@ -3,8 +3,9 @@
 A source admits new Kafka records only while its pending trees (in flight, or replays
 waiting to be read) plus those records stay within the limit; replays are always
 taken in. The stalled-sink test runs on real parts (Tansu, a real `ftlayer serve`,
-local Spark): a foreachBatch sink hangs for 60 s, longer than the query's tree
-timeout, while a sampler reads the FT layer's STATUS. What a user would notice: the
+local Spark): a foreachBatch sink hangs for 35 s, longer than the query's tree
+timeout and then longer than it again while the timed-out records wait as replays,
+while a sampler reads the FT layer's STATUS. What a user would notice: the
 FT layer's pending trees and stored records stay bounded, the source stops reading,
 no record times out merely because it waited to be read (each record of the hung
 batch times out once, none again while it waits as a replay), and once the sink
@@ -46,7 +47,8 @@ PARTITIONS = 4
 PER_PARTITION = 1000
 LIMIT = 1000  # ft.maxPendingRecords: a quarter of the backlog
 TIMEOUT_MS = 10_000  # ft.treeTimeoutMs: a tree fails between 10 and 15 s (3 buckets)
-STALL_S = 60.0  # the sink hangs this long, in the second batch
+STALL_S = 35.0  # the sink hangs this long, in the second batch: its trees fail at 10-15 s,
+# then wait 20 s or more as replays, past a tree timeout again (which none may obey)
 RANGE_STALL_S = 25.0  # by reference: past every timeout (10 to 15 s), which none obeys
 STALLED_EPOCH = 1
 
