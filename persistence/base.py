@@ -65,27 +65,15 @@ and one payload length) and three slices when reading.
 Records stored by reference
 ---------------------------
 A record stored by reference (flag bit 1, `RecordBatch.references`) has no payload:
-its bytes are in its source, at its coordinates. `fill` stores the bytes of such
-records later (a failed record's, copied from its source so that its retries and its
-dead letter do not depend on the source's retention), in one transaction, as one meta
-value per `fill` call under `fillb/<first seq>` (FILL_BATCH_PREFIX, the seq as 20
-decimal digits; `_FillBatch`): the count n, then n seqs (u64, ascending), n key hashes
-(i64), n key flags (u8: 0 no key, 1 a key, 2 none given: the record's own stands), n
-payload ends (i64), then the payloads back to back. From then on `get` and `scan`
-return the record with its bytes and without the flag, and with that key where its key
-was unknown (KEY_UNKNOWN). Deleting a record takes it out of its batch; the batch's
-value is deleted with its last record (in the same transaction where the storage
-stages both, else just after: a fill a crash leaves behind its deleted records is
-dropped at the next `drop_stale_fills`). Values under `fill/<seq>` (FILL_META_PREFIX:
-one record each, a byte 1 and its key or a byte 0, then its payload), which stores
-written by earlier versions hold, are read and deleted the same way.
+its bytes are in its source, at its coordinates. `fill` stores its bytes later, and
+from then on `get` and `scan` return the record with them, without the flag, and with
+its key where it was unknown (KEY_UNKNOWN); deleting the record deletes its bytes.
+How they are stored and merged is persistence.fills.
 """
 
 from __future__ import annotations
 
 import operator
-import struct
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -94,8 +82,10 @@ from typing import Final, Self
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.errors import ConfigError, CorruptData, StorageError
+from ftlayer.errors import ConfigError, StorageError
 from ftlayer.records import Payloads, RecordBatch
+
+from .fills import Fills
 
 HEADER: Final = np.dtype(
     [
@@ -117,11 +107,6 @@ MetaValue = bytes | bytearray | memoryview
 HEADER_SIZE: Final = HEADER.itemsize
 HAS_KEY_FLAG: Final = 1
 REFERENCE_FLAG: Final = 2
-FILL_META_PREFIX: Final = "fill/"
-"""Meta keys of the bytes of one record stored by reference (stores of earlier
-versions; `fill` writes batches, FILL_BATCH_PREFIX)."""
-FILL_BATCH_PREFIX: Final = "fillb/"
-"""Meta keys of the bytes one `fill` stored for records stored by reference."""
 MAX_TOPIC_BYTES: Final = 0xFFFF
 MAX_META_KEY_BYTES: Final = 511
 """LMDB's key size limit; the memory storage enforces it too so both behave alike."""
@@ -233,10 +218,10 @@ class PersistenceStorage(ABC):
             if not len(stored):
                 return np.zeros(0, dtype=np.uint64), RecordBatch.empty()
             batch = self._get(seq_array[stored])
-        filled = self._fill_index()
+        filled = self._fills().index()
         at = np.flatnonzero(batch.reference_mask)  # rows of `batch`
-        if len(filled) and len(at):
-            at = at[~np.isin(seq_array[stored[at]], np.fromiter(filled, np.uint64, len(filled)))]
+        if filled and len(at):
+            at = at[[seq not in filled for seq in seq_array[stored[at]].tolist()]]
         _, first = np.unique(seq_array[stored[at]], return_index=True)
         at = at[np.sort(first)]  # a seq given twice is filled once
         rows = stored[at]  # rows of `seqs`
@@ -245,41 +230,21 @@ class PersistenceStorage(ABC):
         wanted = [bytes(payloads[row]) for row in rows.tolist()]
         done = seq_array[rows]
         given = None if keys is None else (keys[0][rows], keys[1][rows])
-        fill_batch = _FillBatch.of(done, wanted, given)
-        key = _fill_batch_key(int(fill_batch.seqs[0]))
-        self._update_meta([(key, fill_batch.encode())], [])  # a key made here: no check
-        with self._fill_lock():
-            filled.update(dict.fromkeys(done.tolist(), key))
-            self._fill_cache()[key] = fill_batch
-            counts: dict[bytes, int] | None = self.__dict__.get("_fill_live")
-            if counts is not None:
-                counts[key] = len(done)
+        self._fills().store(done, wanted, given)
         return done, batch.take(at).with_payloads(np.arange(len(at)), wanted, given)
 
     @property
     def filled(self) -> int:
         """Records whose bytes `fill` stored, still stored."""
         self._check_open()
-        return len(self._fill_index())
+        return len(self._fills().index())
 
     def drop_stale_fills(self) -> int:
         """Delete the fill values none of whose records is stored any more (a crash
         between the records' delete and their bytes' delete); returns how many records'
         bytes went."""
         self._check_open()
-        stale: list[bytes] = []
-        dropped = 0
-        for key, seqs in self._fill_values():
-            if not bool(self._stored_mask(seqs).any()):
-                stale.append(key)
-                dropped += len(seqs)
-        if stale:
-            self._update_meta([], stale)
-            with self._fill_lock():
-                for key in stale:
-                    self._fill_cache().pop(key, None)
-                self.__dict__.pop("_fill_live", None)
-        return dropped
+        return self._fills().drop_stale()
 
     def set_roots(
         self,
@@ -468,140 +433,19 @@ class PersistenceStorage(ABC):
         """This default deletes at once."""
         self._delete(seqs)
 
-    # ---- bytes of records stored by reference (`fill`) ------------------------------
+    # ---- bytes of records stored by reference (persistence.fills) ----------------------
 
-    def _fill_lock(self) -> threading.Lock:
-        lock: threading.Lock | None = self.__dict__.get("_fills_guard")
-        if lock is None:
-            lock = self.__dict__.setdefault("_fills_guard", threading.Lock())
-        return lock
-
-    def _fill_index(self) -> dict[int, bytes]:
-        """Seq -> the meta key holding the bytes `fill` stored for it (read from the
-        meta entries once; a batch's seqs whose records are gone are left out)."""
-        filled: dict[int, bytes] | None = self.__dict__.get("_fills")
-        if filled is None:
-            index: dict[int, bytes] = {}
-            for key, seqs in self._fill_values():
-                index.update(dict.fromkeys(seqs.tolist(), key))
-            if index:  # a batch lists its deleted records too
-                seqs = np.fromiter(index, np.uint64, len(index))
-                for seq in seqs[~self._stored_mask(seqs)].tolist():
-                    del index[seq]
-            with self._fill_lock():
-                filled = self.__dict__.setdefault("_fills", index)
-        return filled
-
-    def _fill_values(self) -> Iterator[tuple[bytes, NDArray[np.uint64]]]:
-        """(meta key, the seqs it holds bytes of) of every fill value stored."""
-        for name in self._meta_keys(FILL_META_PREFIX.encode()):
-            yield name.encode(), np.array([int(name[len(FILL_META_PREFIX) :])], np.uint64)
-        keys = [name.encode() for name in self._meta_keys(_FILL_BATCH_PREFIX_BYTES)]
-        for key, raw in zip(keys, self._get_metas(keys), strict=True):
-            if raw is not None:
-                yield key, _FillBatch.decode(bytes(raw)).seqs
-
-    def _fill_cache(self) -> dict[bytes, _FillBatch]:
-        """Fill batches decoded lately, by meta key (the latest few)."""
-        cache: dict[bytes, _FillBatch] | None = self.__dict__.get("_fill_batches")
-        if cache is None:
-            cache = self.__dict__.setdefault("_fill_batches", {})
-        while len(cache) > _FILL_CACHE:
-            del cache[next(iter(cache))]
-        return cache
+    def _fills(self) -> Fills:
+        fills: Fills | None = self.__dict__.get("_fill_values")
+        if fills is None:
+            fills = self.__dict__.setdefault("_fill_values", Fills(self))
+        return fills
 
     def _filled_in(self, seqs: NDArray[np.uint64], batch: RecordBatch) -> RecordBatch:
-        """`batch` (the records `seqs`) with the bytes `fill` stored for its records
-        stored by reference."""
-        filled = self._fill_index()
-        if not filled:
-            return batch
-        rows = np.flatnonzero(batch.reference_mask)
-        keys = [filled.get(seq) for seq in seqs[rows].tolist()]
-        if all(key is None for key in keys):
-            return batch
-        by_key: dict[bytes, list[int]] = {}
-        for row, key in zip(rows.tolist(), keys, strict=True):
-            if key is not None:
-                by_key.setdefault(key, []).append(row)
-        cache = self._fill_cache()
-        wanted = [key for key in by_key if key not in cache]
-        for key, raw in zip(wanted, self._get_metas(wanted), strict=True):
-            if raw is not None:  # None: deleted meanwhile, not filled
-                cache[key] = (
-                    _FillBatch.decode(bytes(raw))
-                    if key.startswith(_FILL_BATCH_PREFIX_BYTES)
-                    else _FillBatch.of_one(int(key[len(FILL_META_PREFIX) :]), bytes(raw))
-                )
-        out_rows: list[int] = []
-        payloads: list[bytes] = []
-        key_hashes: list[int] = []
-        has_key: list[bool] = []
-        for key, at in by_key.items():
-            fill_batch = cache.get(key)
-            if fill_batch is None:
-                continue
-            for row, (payload, key_hash, flag) in zip(at, fill_batch.lookup(seqs[at]), strict=True):
-                if payload is None:
-                    continue
-                out_rows.append(row)
-                payloads.append(payload)
-                # No key given: the record's own (KEY_UNKNOWN stays unknown).
-                key_hashes.append(int(batch.key_hashes[row]) if flag == 2 else key_hash)
-                has_key.append(bool(batch.has_key[row]) if flag == 2 else bool(flag))
-        if not out_rows:
-            return batch
-        order = np.argsort(out_rows, kind="stable")
-        return batch.with_payloads(
-            np.array(out_rows, dtype=np.intp)[order],
-            [payloads[i] for i in order.tolist()],
-            (
-                np.array(key_hashes, dtype=np.int64)[order],
-                np.array(has_key, dtype=np.bool_)[order],
-            ),
-        )
+        return self._fills().filled_in(seqs, batch)
 
     def _forget_fills(self, seqs: NDArray[np.uint64], *, staged: bool) -> None:
-        """Take `seqs` (records deleted) out of their fill batches: a batch whose last
-        record went is deleted."""
-        filled = self._fill_index()
-        if not filled:
-            return
-        with self._fill_lock():
-            gone: dict[bytes, int] = {}
-            for seq in seqs.tolist():
-                key = filled.pop(seq, None)
-                if key is not None:
-                    gone[key] = gone.get(key, 0) + 1
-            if not gone:
-                return
-            left = self._fill_counts(gone)
-            deletes = [key for key in gone if not left.get(key)]
-            cache = self._fill_cache()
-            for key in deletes:
-                cache.pop(key, None)
-        if deletes:
-            if staged:
-                self._stage_meta([], deletes)
-            else:
-                self._update_meta([], deletes)
-
-    def _fill_counts(self, touched: Mapping[bytes, int]) -> dict[bytes, int]:
-        """How many records each of the `touched` fill keys still holds (called under
-        the fill lock, after the index lost the records that went)."""
-        counts: dict[bytes, int] | None = self.__dict__.get("_fill_live")
-        filled: dict[int, bytes] = self.__dict__["_fills"]
-        if counts is None or any(key not in counts for key in touched):
-            counts = {}
-            for key in filled.values():
-                counts[key] = counts.get(key, 0) + 1
-            self.__dict__["_fill_live"] = counts
-            return counts
-        for key, n in touched.items():
-            counts[key] -= n
-            if counts[key] <= 0:
-                del counts[key]
-        return counts
+        self._fills().forget(seqs, staged=staged)
 
     def contains(self, seqs: Seqs) -> NDArray[np.bool_]:
         """Per seq: stored (a bool array in the order of `seqs`)."""
@@ -629,127 +473,6 @@ class PersistenceStorage(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-_FILL_KEY: Final = struct.Struct("<cqB")
-"""A one-record fill's head (stores of earlier versions): b"\x01", key hash, has_key."""
-_FILL_BATCH_PREFIX_BYTES: Final = FILL_BATCH_PREFIX.encode()
-_FILL_CACHE: Final = 64
-_NO_KEY: Final = 2
-
-
-def _fill_batch_key(first_seq: int) -> bytes:
-    """The meta key, encoded, of the fill batch whose first seq is `first_seq`."""
-    return _FILL_BATCH_PREFIX_BYTES + b"%020d" % first_seq
-
-
-class _FillBatch:
-    """The bytes one `fill` stored (the module docstring's layout): its seqs
-    ascending, with each record's key hash, key flag and payload."""
-
-    __slots__ = ("blob", "ends", "flags", "key_hashes", "seqs")
-
-    def __init__(
-        self,
-        seqs: NDArray[np.uint64],
-        key_hashes: NDArray[np.int64],
-        flags: NDArray[np.uint8],
-        ends: NDArray[np.int64],
-        blob: bytes,
-    ) -> None:
-        self.seqs, self.key_hashes, self.flags, self.ends, self.blob = (
-            seqs,
-            key_hashes,
-            flags,
-            ends,
-            blob,
-        )
-
-    @classmethod
-    def of(
-        cls,
-        seqs: NDArray[np.uint64],
-        payloads: Sequence[bytes],
-        keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None,
-    ) -> _FillBatch:
-        order = np.argsort(seqs, kind="stable")
-        n = len(seqs)
-        key_hashes = np.zeros(n, np.int64) if keys is None else keys[0].astype(np.int64)
-        flags = np.full(n, _NO_KEY, np.uint8) if keys is None else keys[1].astype(np.uint8)
-        ordered = [payloads[i] for i in order.tolist()]
-        lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
-        return cls(
-            seqs[order].astype(np.uint64),
-            key_hashes[order],
-            flags[order],
-            np.cumsum(lengths),
-            b"".join(ordered),
-        )
-
-    @classmethod
-    def of_one(cls, seq: int, value: bytes) -> _FillBatch:
-        """A one-record fill value of an earlier version (FILL_META_PREFIX)."""
-        if value[:1] == b"\x01":
-            _, key_hash, has_key = _FILL_KEY.unpack_from(value)
-            payload, flag = value[_FILL_KEY.size :], int(bool(has_key))
-        else:
-            key_hash, payload, flag = 0, value[1:], _NO_KEY
-        return cls(
-            np.array([seq], np.uint64),
-            np.array([key_hash], np.int64),
-            np.array([flag], np.uint8),
-            np.array([len(payload)], np.int64),
-            payload,
-        )
-
-    def encode(self) -> bytes:
-        n = len(self.seqs)
-        return b"".join(
-            (
-                struct.pack("<I", n),
-                self.seqs.astype("<u8").tobytes(),
-                self.key_hashes.astype("<i8").tobytes(),
-                self.flags.astype(np.uint8).tobytes(),
-                self.ends.astype("<i8").tobytes(),
-                self.blob,
-            )
-        )
-
-    @classmethod
-    def decode(cls, raw: bytes) -> _FillBatch:
-        try:
-            (n,) = struct.unpack_from("<I", raw)
-            at = 4
-            seqs = np.frombuffer(raw, "<u8", n, at).astype(np.uint64)
-            at += 8 * n
-            key_hashes = np.frombuffer(raw, "<i8", n, at).astype(np.int64)
-            at += 8 * n
-            flags = np.frombuffer(raw, np.uint8, n, at).copy()
-            at += n
-            ends = np.frombuffer(raw, "<i8", n, at).astype(np.int64)
-            at += 8 * n
-            blob = raw[at:]
-            if n and int(ends[-1]) != len(blob):
-                raise ValueError(f"payloads of {int(ends[-1])} bytes, {len(blob)} stored")
-        except (struct.error, ValueError) as exc:
-            raise CorruptData(f"bad fill batch: {exc}") from None
-        return cls(seqs, key_hashes, flags, ends, blob)
-
-    def lookup(self, seqs: NDArray[np.uint64]) -> Iterator[tuple[bytes | None, int, int]]:
-        """(payload, key hash, key flag) of each of `seqs` (payload None: not here)."""
-        at = np.searchsorted(self.seqs, seqs)
-        at = np.minimum(at, len(self.seqs) - 1)
-        here = self.seqs[at] == seqs
-        starts = np.concatenate(([0], self.ends[:-1]))
-        for i, ok in zip(at.tolist(), here.tolist(), strict=True):
-            if not ok:
-                yield None, 0, 0
-                continue
-            yield (
-                self.blob[int(starts[i]) : int(self.ends[i])],
-                int(self.key_hashes[i]),
-                int(self.flags[i]),
-            )
 
 
 def as_seqs(seqs: Seqs) -> NDArray[np.uint64]:
