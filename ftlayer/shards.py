@@ -112,10 +112,11 @@ def shard_of(roots: ArrayLike, count: int) -> NDArray[np.int64]:
     return ((keys >> np.uint64(SHARD_SHIFT)) & _SHARD_MASK).astype(np.int64)
 
 
-def partition_shard(source_id: int, partitions: ArrayLike, count: int) -> NDArray[np.int64]:
-    """The shard that owns each of a source's Kafka `partitions`."""
+def partition_shard(source_ids: ArrayLike, partitions: ArrayLike, count: int) -> NDArray[np.int64]:
+    """The shard that owns each Kafka partition (of its source: one id for all, or one
+    per partition)."""
     parts = np.asarray(partitions, dtype=np.int64)
-    return (np.int64(source_id) + parts) % np.int64(count)
+    return (np.asarray(source_ids, dtype=np.int64) + parts) % np.int64(count)
 
 
 def foreign_roots(roots: ArrayLike, place: ShardPlace) -> str | None:

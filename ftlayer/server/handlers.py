@@ -24,7 +24,7 @@ from ftlayer.core import FTLayer
 from ftlayer.core.retries import DeadLetterFilter, RetryRecord
 from ftlayer.errors import ConfigError, StateConflict, StorageError
 from ftlayer.records import ReplayRecords
-from ftlayer.shards import foreign_roots
+from ftlayer.shards import foreign_roots, partition_shard
 from ftlayer.wire import (
     BadRequest,
     CheckpointRequest,
@@ -191,11 +191,11 @@ class RequestHandlers(ServerState):
 
     def _own_partitions(self, source_ids: NDArray[Any], partitions: NDArray[Any]) -> None:
         """In a cluster of shards, records or ranges of a partition another shard owns
-        are refused, naming it (ftlayer.shards.partition_shard)."""
+        are refused, naming it."""
         count = self.shard.count
         if count == 1 or not len(partitions):
             return
-        owners = (source_ids.astype(np.int64) + partitions.astype(np.int64)) % count
+        owners = partition_shard(source_ids, partitions, count)
         wrong = np.flatnonzero(owners != self.shard.index)
         if len(wrong):
             i = int(wrong[0])
