@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointReport",
     "LatencySummary",
     "QueryCheckpoints",
+    "RequestCost",
     "SourceFigures",
     "Status",
     "StatusError",
@@ -284,6 +285,26 @@ class SourceFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestCost:
+    """STATUS `requests`: how many requests of a kind were answered, and their CPU."""
+
+    count: int
+    cpu_s: float
+
+    @classmethod
+    def from_json(cls, data: object, what: str) -> RequestCost:
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
+        return cls(
+            count=_field(data, "count", int, what),
+            cpu_s=float(_field(data, "cpu_s", _NUMBER, what)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "cpu_s": self.cpu_s}
+
+
+@dataclass(frozen=True, slots=True)
 class Status(Mapping[str, Any]):
     """The STATUS reply: the FT layer's counters and state (docs/protocol.md, 6.2)."""
 
@@ -364,6 +385,9 @@ class Status(Mapping[str, Any]):
     """The server's place: shard `shard` of a cluster of `shards` (ftlayer.shards)."""
     store_id: str
     """Its store's id: another one after its data dir was lost and made again."""
+    requests: Mapping[str, RequestCost]
+    """Per request kind (its name) answered since the server started: how many, and
+    the CPU seconds their handlers spent (ftlayer.server.requestcosts)."""
 
     @classmethod
     def from_json(cls, data: object) -> Status:
@@ -429,6 +453,10 @@ class Status(Mapping[str, Any]):
             shard=_field(data, "shard", int, what),
             shards=_field(data, "shards", int, what),
             store_id=_field(data, "store_id", str, what),
+            requests={
+                str(kind): RequestCost.from_json(cost, f"{what}'s requests[{kind!r}]")
+                for kind, cost in _field(data, "requests", dict, what).items()
+            },
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -440,6 +468,7 @@ class Status(Mapping[str, Any]):
         data["by_source"] = {k: v.to_json() for k, v in self.by_source.items()}
         data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
         data["sources"] = {k: dict(v) for k, v in self.sources.items()}
+        data["requests"] = {k: v.to_json() for k, v in self.requests.items()}
         return data
 
     # ---- the questions a source asks ----------------------------------------------

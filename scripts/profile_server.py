@@ -104,7 +104,12 @@ def main() -> None:
         raw = os.path.join(tmp, "server.txt")
         recorder = threading.Thread(target=_record, args=(raw,), daemon=True)
         recorder.start()
-        result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS)
+        result = bf.bench_fast(
+            records=RECORDS,
+            batch_sizes=[BATCH],
+            rounds=ROUNDS,
+            fail_rate=float(os.environ.get("FAIL_RATE", "0")),
+        )
         recorder.join(30)
         total, own, inclusive = _fold(raw)
         if os.environ.get("PROFILE_RAW"):  # keep py-spy's raw stacks there

@@ -402,6 +402,7 @@ class RequestHandlers(ServerState):
             shard=self.shard.index,
             shards=self.shard.count,
             store_id=self.store_id,
+            requests=self._request_costs.to_json(),
         )
         return status
 

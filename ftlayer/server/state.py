@@ -28,6 +28,8 @@ from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.shards import ShardPlace
 from ftlayer.wire import DEFAULT_MAX_FRAME, NONCE_SIZE, Frame, FrameReader, Kind, new_nonce
 
+from .requestcosts import RequestCosts
+
 if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
     from ftlayer.web import DeadLetterRows, WebServer
 
@@ -142,6 +144,7 @@ class ServerState:
         self._requests_changed = threading.Condition()
         self._requests_begun = 0
         self._requests_ended = 0
+        self._request_costs = RequestCosts()  # STATUS `requests`
         self.journal = journal
         self.journal_base_bytes = journal_base_bytes
         self._lock = threading.RLock()  # stop() holds it into write_pending

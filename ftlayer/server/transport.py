@@ -235,9 +235,11 @@ class Transport(ServerState):
                 return handler(rid, frame), False
             with self._requests_changed:
                 self._requests_begun += 1
+            began = time.thread_time()
             try:
                 return handler(rid, frame), False
             finally:
+                self._request_costs.add(kind, time.thread_time() - began)
                 with self._requests_changed:
                     self._requests_ended += 1
                     self._requests_changed.notify_all()

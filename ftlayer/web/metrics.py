@@ -161,9 +161,26 @@ def families(observation: Observation) -> list[Metric]:
         )
     out.append(latency)
     out += _totals(status)
+    out += _requests(status["requests"])
     out += _checkpoints(status["checkpoints"])
     out.append(InfoMetricFamily("ftlayer", "The server's version.", {"version": status["version"]}))
     return out + _deprecated(out)
+
+
+def _requests(requests: Mapping[str, Mapping[str, Any]]) -> list[Metric]:
+    """Requests answered and their handlers' CPU, by kind (ftlayer.server.requestcosts)."""
+    count = CounterMetricFamily(
+        "ftlayer_requests", "Requests answered since the server started.", labels=["kind"]
+    )
+    cpu = CounterMetricFamily(
+        "ftlayer_request_cpu_seconds",
+        "CPU seconds the server's handlers of these requests spent.",
+        labels=["kind"],
+    )
+    for kind, cost in requests.items():
+        count.add_metric([kind], cost["count"])
+        cpu.add_metric([kind], cost["cpu_s"])
+    return [count, cpu]
 
 
 def _deprecated(current: list[Metric]) -> list[Metric]:

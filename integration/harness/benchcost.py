@@ -13,6 +13,11 @@ run land in that second):
   of /proc/<pid>/io: the page-cache pages it dirtied, each counted once until written
   back; its LMDB store, and its acker journal and log when it writes them), over the
   same records. None where /proc/<pid>/io cannot be read.
+- `server_requests` (given a way to read the server's STATUS `requests`): per request
+  kind, how many the measured runs sent per 1,000 records and the CPU their handlers
+  spent, in µs per record (ftlayer.server.requestcosts): where the CPU went. Work done
+  off the requests' threads (the deleter, the checkpoint writer, idle wake-ups) is the
+  difference to `server_cpu_us_per_record`.
 
 `ServerCost.run(key, records)` measures one run under `key` (a mode, or a batch size
 and a mode); `figures(keys)` gives both figures over the runs of those keys.
@@ -23,12 +28,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SETTLE_S", "ServerCost", "Usage", "usage"]
+__all__ = ["SETTLE_S", "ServerCost", "Usage", "server_requests", "usage"]
 
 SETTLE_S = 1.0
 """After each run, before its end is read: the server's deferred deletes of the run."""
@@ -56,22 +61,54 @@ def usage(pid: int) -> Usage:
     return Usage(cpu_s, written)
 
 
+Requests = Mapping[str, tuple[int, float]]
+"""Per request kind: (requests answered, their handlers' CPU seconds) so far."""
+
+
+def server_requests(address: str) -> Requests:
+    """The server at `address`'s STATUS `requests`, as (count, CPU seconds) by kind."""
+    from ftlayer.client import FTClient
+
+    with FTClient(address, name="bench-cost") as client:
+        return {kind: (cost.count, cost.cpu_s) for kind, cost in client.status().requests.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class _Run:
     key: Hashable
     records: int
     cpu_s: float
     write_bytes: int | None
+    requests: Requests
+    """The run's own requests (the difference over it)."""
+
+
+def _difference(after: Requests, before: Requests) -> Requests:
+    """The requests of a run: `after` less `before`, and less the STATUS that read
+    `before` (counted once answered; its CPU, a fraction of a millisecond, stays in)."""
+    found = {}
+    for kind, (n, cpu) in after.items():
+        n_before, cpu_before = before.get(kind, (0, 0.0))
+        n -= n_before + (kind == "STATUS")
+        if n > 0:
+            found[kind] = (n, cpu - cpu_before)
+    return found
 
 
 class ServerCost:
     """The server process `pid`'s CPU and writes over measured runs (module docstring)."""
 
-    def __init__(self, pid: int | None, settle_s: float = SETTLE_S) -> None:
+    def __init__(
+        self,
+        pid: int | None,
+        settle_s: float = SETTLE_S,
+        requests: Callable[[], Requests] | None = None,
+    ) -> None:
         if pid is None:
             raise ValueError("the FT-layer server process is not running")
         self.pid = pid
         self.settle_s = settle_s
+        self._requests = requests
         self.runs: list[_Run] = []
 
     @contextlib.contextmanager
@@ -80,17 +117,19 @@ class ServerCost:
         usage from the start to then as a run of `records` records under `key`. A run
         that raises is not recorded."""
         before = usage(self.pid) if key is not None else None
+        requests_before = self._requests() if key is not None and self._requests else {}
         yield
         time.sleep(self.settle_s)
         if before is None:
             return
         after = usage(self.pid)
+        requests = _difference(self._requests(), requests_before) if self._requests else {}
         written = (
             None
             if before.write_bytes is None or after.write_bytes is None
             else after.write_bytes - before.write_bytes
         )
-        self.runs.append(_Run(key, records, after.cpu_s - before.cpu_s, written))
+        self.runs.append(_Run(key, records, after.cpu_s - before.cpu_s, written, requests))
 
     def figures(self, keys: Iterable[Hashable]) -> dict[str, Any]:
         """`server_cpu_us_per_record` and `lmdb_bytes_per_record` over the runs of
@@ -102,7 +141,21 @@ class ServerCost:
             return {"server_cpu_us_per_record": None, "lmdb_bytes_per_record": None}
         cpu = sum(r.cpu_s for r in runs) * 1e6 / records
         written = [r.write_bytes for r in runs]
+        by_kind: dict[str, list[float]] = {}
+        for r in runs:
+            for kind, (n, cpu_s) in r.requests.items():
+                totals = by_kind.setdefault(kind, [0, 0.0])
+                totals[0] += n
+                totals[1] += cpu_s
+        requests = {
+            kind: {
+                "per_1000_records": round(n * 1000 / records, 3),
+                "cpu_us_per_record": round(cpu_s * 1e6 / records, 4),
+            }
+            for kind, (n, cpu_s) in sorted(by_kind.items(), key=lambda item: -item[1][1])
+        }
         return {
+            **({"server_requests": requests} if self._requests else {}),
             "server_cpu_us_per_record": round(cpu, 3),
             "lmdb_bytes_per_record": (
                 None
@@ -117,5 +170,6 @@ class ServerCost:
         found = {name: self.figures(k) for name, k in keys.items()}
         return {
             f"{figure}_by_mode": {name: f[figure] for name, f in found.items()}
-            for figure in ("server_cpu_us_per_record", "lmdb_bytes_per_record")
+            for figure in ("server_cpu_us_per_record", "lmdb_bytes_per_record", "server_requests")
+            if any(figure in f for f in found.values())
         }

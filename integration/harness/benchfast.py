@@ -26,10 +26,11 @@ reads the whole topic. Reported per batch size: the median records/s of each mod
 the ratios tree/off, barrier/off and off/consumer; the complete latency of each
 FT-on run where the server measures it (`integration.harness.benchlatency`); and the
 FT-layer server process's CPU and storage writes per record over the timed runs of
-each FT-on mode (`integration.harness.benchcost`), those of barrier mode over every
-batch size at the top level. Each FT mode has a server of its own, so one mode's work
-(a tree run's deletes, the acker journal base its events make due) is never counted
-in another's runs.
+each FT-on mode, and by request kind the requests per 1,000 records and their handlers'
+CPU per record (`server_requests`; `integration.harness.benchcost`), those of barrier
+mode over every batch size at the top level. Each FT mode has a server of its own, so
+one mode's work (a tree run's deletes, the acker journal base its events make due) is
+never counted in another's runs.
 
 With `fail_rate` > 0 the map step of the FT-on runs fails that share of the records
 (picked by a hash of the record's number, `_fails`) the first time it sees each (an
@@ -55,6 +56,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,7 @@ import numpy as np
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FTSettings
-from ftlayer.integration.harness.benchcost import ServerCost
+from ftlayer.integration.harness.benchcost import ServerCost, server_requests
 from ftlayer.integration.harness.benchlatency import LatencyRun, complete_latency
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demo import stop_when_idle
@@ -226,7 +228,10 @@ def bench_fast(
             register(spark)
             runs = 0
             timed: list[LatencyRun] = []
-            costs = {mode: ServerCost(s.pid) for mode, s in servers.items()}
+            costs = {
+                mode: ServerCost(s.pid, requests=partial(server_requests, s.address))
+                for mode, s in servers.items()
+            }
 
             def run(max_per_trigger: int, mode: str, round_: int | None) -> tuple[float, float]:
                 """One run; with `round_`, a timed one whose latency is reported."""
@@ -379,7 +384,8 @@ def _by_mode(costs: dict[str, ServerCost], size: int) -> dict[str, dict[str, Any
     found = {mode: cost.figures([(size, mode)]) for mode, cost in costs.items()}
     return {
         f"{figure}_by_mode": {mode: f[figure] for mode, f in found.items()}
-        for figure in ("server_cpu_us_per_record", "lmdb_bytes_per_record")
+        for figure in ("server_cpu_us_per_record", "lmdb_bytes_per_record", "server_requests")
+        if any(figure in f for f in found.values())
     }
 
 

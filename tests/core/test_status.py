@@ -100,6 +100,10 @@ def _status(**changes: Any) -> dict[str, Any]:
         "shard": 1,
         "shards": 2,
         "store_id": "7dbf5e27e271f4e8",
+        "requests": {
+            "PERSIST": {"count": 12, "cpu_s": 0.0031},
+            "STATUS": {"count": 2, "cpu_s": 0.0004},
+        },
     }
     data.update(changes)
     return data
@@ -111,6 +115,7 @@ def test_a_status_survives_its_json_and_reads_as_its_json() -> None:
     assert status.to_json() == _status()
     assert status["failed"]["explicit"] == 1 and dict(status)["pending"] == 2
     assert status.by_source["7"].complete_latency.p99_s == 0.0071
+    assert status.requests["PERSIST"].count == 12 and status.requests["STATUS"].cpu_s == 0.0004
     assert status["by_source"]["7"]["failed"]["explicit"] == 1
     report = status.checkpoints["job"].recent[0]
     assert report.position == Position({"t": {0: 10, 1: 4}}, 2)

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from ftlayer.client import FTClient
 from ftlayer.integration.harness import benchcost
-from ftlayer.integration.harness.benchcost import ServerCost, Usage
+from ftlayer.integration.harness.benchcost import ServerCost, Usage, server_requests
+from ftlayer.registration import SourceRegistration
+from ftlayer.server import FTServer
 
 
 def _burn_and_write(path: Path, size: int) -> None:
@@ -87,3 +92,24 @@ def test_usage_reads_this_process() -> None:
     before = benchcost.usage(os.getpid())
     assert before.cpu_s > 0
     assert before.write_bytes is None or before.write_bytes >= 0
+
+
+def test_requests_by_kind_over_a_run_of_a_real_server(tmp_path: Path) -> None:
+    """`server_requests`: the run's own requests per 1,000 records and their CPU per
+    record, read from the server's STATUS before and after the run."""
+    with FTServer(tmp_path / "data") as server:
+        address = "%s:%d" % server.address
+        cost = ServerCost(os.getpid(), settle_s=0, requests=partial(server_requests, address))
+        with FTClient(address) as client:
+            client.register_source(SourceRegistration(7, "forward", 2))
+            with cost.run("tree", 2_000):
+                for _ in range(4):
+                    client.xor(np.arange(1, 11, dtype=np.uint64), np.ones(10, np.uint64))
+                client.status()
+        figures = cost.figures(["tree"])
+    requests = figures["server_requests"]
+    # Four XOR requests and one STATUS in the run (the reads around it not counted).
+    assert requests["XOR"]["per_1000_records"] == 2.0
+    assert requests["STATUS"]["per_1000_records"] == 0.5
+    assert "REGISTER_SOURCE" not in requests
+    assert all(r["cpu_us_per_record"] >= 0 for r in requests.values())

@@ -48,7 +48,8 @@ def _settled(client: FTClient, url: str) -> tuple[Status, dict[str, Any]]:
         before = client.status()
         samples = _scrape(url)
         after = client.status()
-        moving = ("uptime_s", "batches_running")  # clocks, not counters
+        # Clocks, not counters; and the requests, which these STATUS requests count.
+        moving = ("uptime_s", "batches_running", "requests")
         if {k: v for k, v in before.to_json().items() if k not in moving} == {
             k: v for k, v in after.to_json().items() if k not in moving
         }:
@@ -130,6 +131,12 @@ def test_metrics_agree_with_status_and_with_the_traffic(start_server: StartServe
         ("ftlayer_connections", "connections"),
     ):
         assert _one(samples, name) == status[key], name
+    # Requests by kind, as STATUS counted them after the scrape (which is no request).
+    assert status.requests["STATUS"].count >= 1 and status.requests["PERSIST"].count >= rounds
+    for kind, cost in status.requests.items():
+        assert _one(samples, "ftlayer_requests_total", kind=kind) == cost.count, kind
+        assert _one(samples, "ftlayer_request_cpu_seconds_total", kind=kind) == cost.cpu_s, kind
+    assert _one(samples, "ftlayer_request_cpu_seconds_total", kind="PERSIST") > 0
     checkpoints = status.checkpoints[QUERY]
     last = checkpoints.recent[-1]
     assert _one(samples, "ftlayer_checkpoints_completed_total", query=QUERY) == rounds - 1
