@@ -95,14 +95,14 @@ def note_failed(
         rows.tolist(), seqs[rows].tolist(), batch.source_ids[rows].tolist(), strict=True
     ):
         if dead[row] and _expired_dead_letter(s, seq):
-            s.unfilled.pop(seq, None)
+            s.unfilled.discard(seq)
         else:
-            s.unfilled[seq] = int(source_id)
+            s.unfilled.add(seq, int(source_id))
 
 
 def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
     """Up to `limit` unfilled records of `source_id`, oldest first."""
-    listed = sorted(seq for seq, source in s.unfilled.items() if source == source_id)
+    listed = s.unfilled.of_source(source_id)
     seqs = np.array(listed[: max(0, limit)], dtype=np.uint64)
     if not len(seqs):
         return UnfilledRecords(seqs, RecordBatch.empty())
@@ -110,12 +110,12 @@ def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
         records = s.storage.get(seqs)
     except RecordNotStored as exc:  # completed or purged since
         for seq in np.intersect1d(seqs, exc.missing).tolist():
-            del s.unfilled[seq]
+            s.unfilled.discard(seq)
         seqs = seqs[~np.isin(seqs, exc.missing)]
         records = s.storage.get(seqs)
     still = records.reference_mask
     for seq in seqs[~still].tolist():  # filled meanwhile
-        del s.unfilled[seq]
+        s.unfilled.discard(seq)
     if not bool(still.all()):
         seqs, records = seqs[still], records.take(np.flatnonzero(still))
     return UnfilledRecords(seqs, records)
@@ -147,7 +147,7 @@ def fill(
         filled = len(done)
         s.stats.filled += filled
         for seq in seqs[rows].tolist():
-            s.unfilled.pop(seq, None)
+            s.unfilled.discard(seq)
         _route_filled(s, done, records, enqueue)
     gone = seqs[~found]
     gone = gone[s.storage.contains(gone)] if len(gone) else gone
@@ -184,7 +184,7 @@ def fill(
             np.array([r.source_id for r in changed.values()], dtype=np.uint32),
         )
     for seq in gone.tolist():
-        s.unfilled.pop(seq, None)
+        s.unfilled.discard(seq)
         s.unrouted.pop(seq, None)
     return FillResult(filled, len(roots) + len(changed))
 
@@ -242,6 +242,15 @@ def _without_needed_keys(
     if not bool(keyless.any()):
         return found
     candidates = seqs[keyless]
+    # Only a source whose partitioner needs a key makes a keyless record fail: the
+    # others' are routed as they are, without reading them.
+    needing: dict[int | None, bool] = {None: False}
+    sources = [s.unfilled.source_of(seq) for seq in candidates.tolist()]
+    for source_id in set(sources) - set(needing):
+        needing[source_id] = source_id is not None and _requires_key(s, source_id)
+    candidates = candidates[np.array([needing[x] for x in sources], dtype=np.bool_)]
+    if not len(candidates):
+        return found
     candidates = candidates[s.storage.contains(candidates)]
     if not len(candidates):
         return found
@@ -304,15 +313,12 @@ def rebuild(s: CoreState) -> None:
             chunk[rows].tolist(), records.source_ids[rows].tolist(), strict=True
         ):
             if not _expired_dead_letter(s, seq):
-                s.unfilled[seq] = int(source_id)
+                s.unfilled.add(seq, int(source_id))
 
 
 def counts_by_source(s: CoreState) -> dict[int, int]:
     """Unfilled records per source id."""
-    counts: dict[int, int] = {}
-    for source_id in s.unfilled.values():
-        counts[source_id] = counts.get(source_id, 0) + 1
-    return counts
+    return s.unfilled.counts()
 
 
 def _expired(n: int) -> Causes:

@@ -119,7 +119,7 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
             s.book.wait(seq, root, at)
         else:  # its key (so its replay partition) comes with its bytes
             s.unrouted[seq] = (root, now)
-    s.unfilled.update(zip(seq_list, source_ids.tolist(), strict=True))
+    s.unfilled.add_many(seq_list, source_ids.tolist())
     for r, offset in zip(ranges, offsets.tolist(), strict=True):
         r.materialized.add(offset)
     # Counts and log lines, as a requeue's (no source-expired cause among them).

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -146,9 +146,9 @@ class CoreState:
         self.unrouted: dict[int, tuple[int, float]] = {}
         """Failed records whose key (so their replay partition) is not known until their
         source copies their bytes in: storage seq -> (root, due time)."""
-        self.unfilled: dict[int, int] = {}
+        self.unfilled = Unfilled()
         """Failed records stored by reference whose bytes their source has not copied
-        in yet: storage seq -> source id (ftlayer.core.fills)."""
+        in yet, by source (ftlayer.core.fills)."""
         self.barrier_mode = self.sources.barrier_mode
         """The ids of the sources registered with barrier completion."""
         self.holds = OpenHolds()
@@ -288,3 +288,50 @@ def source_list(ids: NDArray[Any]) -> list[int]:
     if len(ids) and bool((ids == ids[0]).all()):
         return [int(ids[0])]
     return [int(i) for i in np.unique(ids)]
+
+
+class Unfilled:
+    """The seqs of failed records stored by reference whose bytes their source has not
+    copied in yet (ftlayer.core.fills), kept by source: how many each source has
+    (STATUS asks at every trigger) and which (UNFILLED) cost no walk over the others."""
+
+    def __init__(self) -> None:
+        self._source_of: dict[int, int] = {}
+        self._by_source: dict[int, dict[int, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._source_of)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._source_of
+
+    def add(self, seq: int, source_id: int) -> None:
+        if self._source_of.get(seq) == source_id:
+            return
+        self.discard(seq)
+        self._source_of[seq] = source_id
+        self._by_source.setdefault(source_id, {})[seq] = None
+
+    def add_many(self, seqs: Iterable[int], source_ids: Iterable[int]) -> None:
+        for seq, source_id in zip(seqs, source_ids, strict=True):
+            self.add(seq, source_id)
+
+    def discard(self, seq: int) -> None:
+        source_id = self._source_of.pop(seq, None)
+        if source_id is None:
+            return
+        mine = self._by_source[source_id]
+        del mine[seq]
+        if not mine:
+            del self._by_source[source_id]
+
+    def source_of(self, seq: int) -> int | None:
+        return self._source_of.get(seq)
+
+    def of_source(self, source_id: int) -> list[int]:
+        """The seqs of `source_id`, in order."""
+        return sorted(self._by_source.get(source_id, ()))
+
+    def counts(self) -> dict[int, int]:
+        """Per source id with any: how many."""
+        return {source_id: len(seqs) for source_id, seqs in self._by_source.items()}
