@@ -98,7 +98,7 @@ def test_requests_by_kind_over_a_run_of_a_real_server(tmp_path: Path) -> None:
     """`server_requests`: the run's own requests per 1,000 records and their CPU per
     record, read from the server's STATUS before and after the run."""
     with FTServer(tmp_path / "data") as server:
-        address = "%s:%d" % server.address
+        address = "{}:{}".format(*server.address)
         cost = ServerCost(os.getpid(), settle_s=0, requests=partial(server_requests, address))
         with FTClient(address) as client:
             client.register_source(SourceRegistration(7, "forward", 2))
