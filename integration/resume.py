@@ -31,13 +31,23 @@ attempt racing the first one may write a row both write (a duplicate, as without
 resuming). Rows the dead attempt sent but the broker never appended are not in the
 topic, so they are written.
 
-What it costs: on the driver one ListOffsets request per batch; per row a 20-byte
-header; a retry reads the topic's records written since its batch began (the whole
-batch's output at most) once. Not covered: a batch run again after a *driver*
-restart draws a new write id and starts from the new end, so it writes again, as
-Spark's own Kafka sink does (`ft_foreach_batch(..., key=...)` is the exactly-once
-path for sinks that can upsert). Loop sinks (`loop=True`) do not resume: their
-records carry their attempt's roots, which a retry's copy cannot share.
+4. A batch run again after a *driver* restart resumes the same way. With FT on, the
+   driver stores its write id and start offsets in the FT layer before the batch
+   writes (`marked`: SINK_MARK, ftlayer.core.sinkmarks), under the sink's name (the
+   query's id, which Spark keeps across restarts from the same checkpoint, and the
+   topic) and the batch id. The FT layer keeps the first mark of a batch: a restarted
+   driver running the batch again gets the dead run's back, and every task of that
+   run, its first attempt too, reads back and skips what the dead run wrote.
+
+What it costs: on the driver one ListOffsets request per batch and, with FT on, one
+SINK_MARK (a synced write in the FT layer); per row a 20-byte header; a retry, and
+each task of a batch run again, reads the topic's records written since its batch
+began (the whole batch's output at most) once. Not covered: with FT off, or when the
+FT layer cannot be reached before the batch writes, a batch run again after a driver
+restart draws a new write id and writes again, as Spark's own Kafka sink does
+(`ft_foreach_batch(..., key=...)` is the exactly-once path for sinks that can
+upsert). Loop sinks (`loop=True`) do not resume: their records carry their attempt's
+roots, which a retry's copy cannot share.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
@@ -67,6 +77,7 @@ __all__ = [
     "client_config",
     "end_offsets",
     "is_retry",
+    "marked",
     "new_write_id",
     "resume_consumer",
     "resume_point",
@@ -109,8 +120,11 @@ class WriteTag(NamedTuple):
         return cls(*_TAG.unpack(raw))
 
 
+_WRITE_ID_BYTES: Final = 8
+
+
 def new_write_id() -> bytes:
-    return os.urandom(8)
+    return os.urandom(_WRITE_ID_BYTES)
 
 
 def tag_prefix(write_id: bytes, partition: int) -> bytes:
@@ -235,10 +249,49 @@ def written_rows(
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
     """What every attempt of one batch's write job shares to resume: the batch's write
-    id and the topic's end offsets before the batch wrote (`resume_point`)."""
+    id and the topic's end offsets before the batch wrote (`resume_point`); `rerun`:
+    the batch runs again after a driver restart, under the write id and start offsets
+    of its run before (`marked`), so every task resumes, its first attempt too."""
 
     write_id: bytes
     start: Mapping[int, int]
+    rerun: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "write_id": self.write_id.hex(),
+            "start": {str(p): int(offset) for p, offset in self.start.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, rerun: bool) -> ResumePoint:
+        """ResumeError if `data` is not a `to_json` of one."""
+        try:
+            write_id = bytes.fromhex(data["write_id"])
+            start = {int(p): int(offset) for p, offset in data["start"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ResumeError(f"not a sink's resume point: {data!r}"[:300]) from exc
+        if len(write_id) != _WRITE_ID_BYTES or any(o < 0 for o in start.values()):
+            raise ResumeError(f"not a sink's resume point: {data!r}"[:300])
+        return cls(write_id, start, rerun)
+
+    def must_resume(self, context: Any) -> bool:
+        """Whether a task of the write job reads back what was written before it: a
+        retried attempt, or any attempt of a batch run again."""
+        return self.rerun or is_retry(context)
+
+
+def marked(
+    point: ResumePoint, mark: Callable[[Mapping[str, Any]], tuple[Mapping[str, Any], bool]]
+) -> ResumePoint:
+    """`point`, or, when the batch ran before a driver restart, that run's: `mark`
+    stores a point for the batch unless one is stored, and answers the stored one and
+    whether it was this one (FTClient.sink_mark). A run before left its mark: the batch
+    resumes its writes (`rerun`)."""
+    stored, first = mark(point.to_json())
+    if first:
+        return point
+    return ResumePoint.from_json(stored, rerun=True)
 
 
 def resume_point(

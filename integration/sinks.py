@@ -81,7 +81,10 @@ had not written (`resume=True`, the default; integration.resume): each record ca
 an `ftlayer-write` header naming the batch's write job, the Spark partition and the
 row's index, and the retry reads back what the topic holds since the batch began and
 skips each row written there with the same content. A skipped row counts as written
-(acked in tree mode).
+(acked in tree mode; `SinkResult.skipped` counts it). With FT on, a batch that Spark
+runs again after a driver restart resumes the same way: the batch's write job and
+start offsets are kept in the FT layer (SINK_MARK) under the query's id, the topic and
+the batch id, and each task of the run again skips what the dead run wrote.
 
 `ft_kafka_stream` (integration.kafkastream) runs the same partition function inside
 the streaming query's plan, without resume, and observes its summary rows in each
@@ -113,6 +116,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, Literal, cast, get_args
 
 import numpy as np
@@ -126,6 +130,7 @@ from pyspark.sql.types import BinaryType, StringType
 from ftlayer.acking.handlers import TaskHandler
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
+from ftlayer.client.sharded import ShardedChannel
 from ftlayer.errors import ConfigError, FTLayerError
 
 from .ftcolumns import (
@@ -140,7 +145,7 @@ from .resume import (
     WRITE_HEADER,
     ResumePoint,
     already_written,
-    is_retry,
+    marked,
     resume_point,
     tag_prefix,
     written_before,
@@ -177,10 +182,13 @@ DEFAULT_PRODUCER_CONFIG: Final[Mapping[str, Any]] = {
 # Beyond the delivery timeout every future has resolved; the margin covers scheduling.
 _FLUSH_MARGIN_S: Final = 5.0
 _NO_PARENTS: Final = np.zeros(0, dtype=np.intp)
-_SUMMARY_SCHEMA: Final = "written long, failed long, error string, failed_by map<string,long>"
+_SUMMARY_SCHEMA: Final = (
+    "written long, failed long, error string, failed_by map<string,long>, skipped long"
+)
 """One row per partition of a Kafka sink's write: rows written (confirmed), rows whose
-write failed, the first error, and the failed rows per error type (the type of the
-error the FT layer got as their cause: an Arrow batch's first)."""
+write failed, the first error, the failed rows per error type (the type of the error
+the FT layer got as their cause: an Arrow batch's first), and the rows written already
+by an earlier attempt or run, which a resumed write skipped (counted written too)."""
 _OWN_HEADERS: Final = frozenset({LOOP_HEADER, WRITE_HEADER})
 
 
@@ -202,6 +210,10 @@ class SinkResult:
     held: bool = False
     """The steps that produced the rows held their acks (integration.sinkhold); the
     counts are the FT layer's: acks XOR-ed (a row per single-anchored row), roots failed."""
+    skipped: int = 0
+    """Kafka sink: rows found written already by an earlier attempt of their task, or by
+    the batch's run before a driver restart, and not written again (counted in
+    `acked`: integration.resume)."""
 
 
 def _check_on_error(on_error: str) -> SinkOnError:
@@ -464,7 +476,7 @@ def _kafka_partition(
         prefix = done = None
         if resume is not None:
             prefix = tag_prefix(resume.write_id, partition)
-            if is_retry(context):
+            if resume.must_resume(context):
                 done = written_before(bootstrap, topic, resume, partition, config)
         channel = settings.channel() if settings.enabled else None
         handler = TaskHandler(channel) if channel is not None else None
@@ -528,9 +540,10 @@ def _kafka_partition(
             channel.flush()
         if done is not None:
             log.warning(
-                "Kafka sink to %r: task retry of partition %d skipped %d of %d rows its "
+                "Kafka sink to %r: %s of partition %d skipped %d of %d rows its "
                 "earlier attempt had written",
                 topic,
+                "batch re-run" if resume is not None and resume.rerun else "task retry",
                 partition,
                 skipped,
                 index,
@@ -541,6 +554,7 @@ def _kafka_partition(
                 "failed": pa.array([failed], type=pa.int64()),
                 "error": pa.array([None if first_error is None else repr(first_error)]),
                 "failed_by": pa.array([list(failed_by.items())], type=_FAILED_BY_TYPE),
+                "skipped": pa.array([skipped], type=pa.int64()),
             }
         )
 
@@ -681,6 +695,28 @@ class FTKafkaSink:
         self.resume = resume and not loop
         self.last_result: SinkResult | None = None
 
+    def _resume_point(self, df: DataFrame, epoch_id: int) -> ResumePoint | None:
+        """The batch's resume point (integration.resume): a new one, or with FT on,
+        the one its run before a driver restart stored in the FT layer."""
+        point = resume_point(self.bootstrap_servers, self.topic, self.producer_config, epoch_id)
+        if point is None or not self.settings.enabled:
+            return point
+        query = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+        if not query:  # not a streaming query's batch: nothing runs it again
+            return point
+        name = f"kafka/{query}/{self.topic}"
+        try:
+            return marked(point, partial(_sink_mark, self.settings, name, epoch_id))
+        except (FTLayerError, OSError) as exc:
+            log.warning(
+                "Kafka sink to %r: batch %d's resume point is not in the FT layer (run "
+                "again after a driver restart, it writes again): %r",
+                self.topic,
+                epoch_id,
+                exc,
+            )
+            return point
+
     def __call__(self, df: DataFrame, epoch_id: int) -> None:
         ft_columns = _check_ft_columns(df, self.settings)
         data_columns, headers_column = kafka_columns(
@@ -695,15 +731,16 @@ class FTKafkaSink:
             self.producer_config,
             self.loop,
             headers_column,
-            resume_point(self.bootstrap_servers, self.topic, self.producer_config, epoch_id)
-            if self.resume
-            else None,
+            self._resume_point(df, epoch_id) if self.resume else None,
         )
         summary = df.select(*data_columns, *ft_columns).mapInArrow(run, _SUMMARY_SCHEMA).collect()
         written = sum(int(row.written) for row in summary)
         failed = sum(int(row.failed) for row in summary)
         error = next((row.error for row in summary if row.error is not None), None)
-        self.last_result = SinkResult(epoch_id, acked=written, failed=failed, error=error)
+        skipped = sum(int(row.skipped) for row in summary)
+        self.last_result = SinkResult(
+            epoch_id, acked=written, failed=failed, error=error, skipped=skipped
+        )
         if not failed:
             return
         fate = "their roots were failed for replay" if self.settings.enabled else "FT is off"
@@ -714,6 +751,16 @@ class FTKafkaSink:
         if self.on_error == "fail-and-raise" or not self.settings.enabled:
             raise SinkError(message)
         log.warning("%s", message)
+
+
+def _sink_mark(
+    settings: FTSettings, sink: str, batch: int, mark: Mapping[str, Any]
+) -> tuple[Mapping[str, Any], bool]:
+    """SINK_MARK on the FT layer (its first shard, with several)."""
+    channel = settings.channel()
+    first = channel.channels[0] if isinstance(channel, ShardedChannel) else channel
+    found = first.client.sink_mark(sink, batch, mark)
+    return found.mark, found.first
 
 
 def ft_kafka_sink(

@@ -101,6 +101,7 @@ from ftlayer.checkpoint import (
 )
 from ftlayer.core import REPLAY_SEQ_META_KEY, SOURCES_META_KEY, SourceConfig
 from ftlayer.core.retries import DEAD_LETTER
+from ftlayer.core.sinkmarks import MARK_META_PREFIX
 from ftlayer.errors import (
     ConfigError,
     CorruptData,
@@ -500,6 +501,7 @@ def restore_savepoint(
                     *checkpoint_keys,
                     *storage.meta_keys(SNAPSHOT_PREFIX),
                     *storage.meta_keys(CLUSTER_META_PREFIX),
+                    *storage.meta_keys(MARK_META_PREFIX),  # the sinks' marks of old batches
                 ],
             )
         # Step 5.

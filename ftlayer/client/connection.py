@@ -77,6 +77,7 @@ from ftlayer.wire import (
     MalformedFrame,
     NotAuthenticated,
     ProtocolError,
+    SinkMark,
     UnexpectedKind,
     UnfilledList,
     UnknownKind,
@@ -87,6 +88,7 @@ from ftlayer.wire import (
     decode_dead_letter_list,
     decode_error,
     decode_inspect_reply,
+    decode_mark,
     decode_ok,
     decode_range_numbers,
     decode_replay,
@@ -110,6 +112,7 @@ from ftlayer.wire import (
     encode_register_source,
     encode_savepoint,
     encode_sink_hold,
+    encode_sink_mark,
     encode_sink_settle,
     encode_status_request,
     encode_unfilled,
@@ -464,6 +467,16 @@ class FTClient:
             return encode_batch_ranges(rid, ranges)
 
         return decode_range_numbers(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
+
+    def sink_mark(self, sink: str, batch: int, mark: Mapping[str, Any]) -> SinkMark:
+        """`FTLayer.sink_mark`: the mark of `sink`'s batch `batch`, the one stored
+        already or `mark`, stored now (durable once this returns; `first` says which).
+        Idempotent for the mark it keeps, so retried."""
+
+        def encode(rid: int) -> bytes:
+            return encode_sink_mark(rid, sink, batch, mark)
+
+        return decode_mark(self._call(encode, Kind.MARK, retry=True))
 
     def fill(
         self,

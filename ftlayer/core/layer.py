@@ -74,6 +74,7 @@ from . import (
     queries,
     ranges,
     recovery,
+    sinkmarks,
 )
 from .journal import Journal
 from .meters import Meters
@@ -500,6 +501,14 @@ class FTLayer:
         """Up to `limit` failed records of `source_id` stored by reference whose bytes
         the source has not copied in yet, oldest first: their seqs and coordinates."""
         return fills.unfilled(self._s, source_id, limit)
+
+    def sink_mark(
+        self, sink: str, batch: int, proposed: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """The mark of `sink`'s batch `batch`: the one stored already, or `proposed`,
+        stored now (durable on return); and whether it is `proposed`
+        (ftlayer.core.sinkmarks)."""
+        return sinkmarks.mark(self._s, sink, batch, proposed)
 
     def fill(
         self,

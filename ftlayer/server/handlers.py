@@ -46,6 +46,7 @@ from ftlayer.wire import (
     decode_register_source,
     decode_savepoint,
     decode_sink_hold,
+    decode_sink_mark,
     decode_sink_settle,
     decode_status_request,
     decode_unfilled,
@@ -53,6 +54,7 @@ from ftlayer.wire import (
     encode_checkpoint_reply,
     encode_dead_letter_list,
     encode_inspect_reply,
+    encode_mark,
     encode_ok,
     encode_range_numbers,
     encode_replay,
@@ -96,6 +98,7 @@ class RequestHandlers(ServerState):
             Kind.UNFILLED: self._unfilled,
             Kind.FILL: self._fill,
             Kind.BATCH_RANGES: self._batch_ranges,
+            Kind.SINK_MARK: self._sink_mark,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -210,6 +213,12 @@ class RequestHandlers(ServerState):
         with self._core() as ft:
             replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
         return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
+
+    def _sink_mark(self, rid: int, frame: Frame) -> bytes:
+        m = decode_sink_mark(frame)
+        with self._core() as ft:
+            mark, first = ft.sink_mark(m.sink, m.batch, m.mark)
+        return encode_mark(rid, mark, first)
 
     def _status_request(self, rid: int, frame: Frame) -> bytes:
         decode_status_request(frame)

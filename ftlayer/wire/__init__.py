@@ -69,6 +69,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | found)                                                      |
 | 0x2C | BATCH_RANGES        | utf-8 JSON {"ranges": [[source id, topic, partition, start, |
 |      |                     | end]]}: a barrier-mode batch's offset ranges to open        |
+| 0x2D | SINK_MARK           | utf-8 JSON {"sink": name, "batch": id, "mark": object}      |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -86,6 +87,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | then per record u32 length + the start of its payload       |
 | 0x98 | UNFILLED_LIST       | u32 n, seqs u64[n], record columns without initial values   |
 | 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n]: the reply to BATCH_RANGES            |
+| 0x9A | MARK                | utf-8 JSON {"mark": object, "first": bool}: SINK_MARK's     |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
@@ -189,6 +191,8 @@ from .messages import (
     SavepointCreated,
     SavepointRequest,
     SinkHold,
+    SinkMark,
+    SinkMarkRequest,
     SinkSettle,
     StatusReply,
     StatusRequest,
@@ -211,6 +215,7 @@ from .messages import (
     decode_hold,
     decode_inspect,
     decode_inspect_reply,
+    decode_mark,
     decode_ok,
     decode_persist,
     decode_range_numbers,
@@ -219,6 +224,7 @@ from .messages import (
     decode_savepoint,
     decode_savepoint_created,
     decode_sink_hold,
+    decode_sink_mark,
     decode_sink_settle,
     decode_status_reply,
     decode_status_request,
@@ -239,6 +245,7 @@ from .messages import (
     encode_hold,
     encode_inspect,
     encode_inspect_reply,
+    encode_mark,
     encode_ok,
     encode_persist,
     encode_range_numbers,
@@ -247,6 +254,7 @@ from .messages import (
     encode_savepoint,
     encode_savepoint_created,
     encode_sink_hold,
+    encode_sink_mark,
     encode_sink_settle,
     encode_status_reply,
     encode_status_request,
@@ -301,6 +309,8 @@ __all__ = [
     "SavepointCreated",
     "SavepointRequest",
     "SinkHold",
+    "SinkMark",
+    "SinkMarkRequest",
     "SinkSettle",
     "StatusReply",
     "StatusRequest",
@@ -332,6 +342,7 @@ __all__ = [
     "decode_hold",
     "decode_inspect",
     "decode_inspect_reply",
+    "decode_mark",
     "decode_ok",
     "decode_persist",
     "decode_range_numbers",
@@ -340,6 +351,7 @@ __all__ = [
     "decode_savepoint",
     "decode_savepoint_created",
     "decode_sink_hold",
+    "decode_sink_mark",
     "decode_sink_settle",
     "decode_status_reply",
     "decode_status_request",
@@ -365,6 +377,7 @@ __all__ = [
     "encode_hold",
     "encode_inspect",
     "encode_inspect_reply",
+    "encode_mark",
     "encode_ok",
     "encode_persist",
     "encode_range_numbers",
@@ -373,6 +386,7 @@ __all__ = [
     "encode_savepoint",
     "encode_savepoint_created",
     "encode_sink_hold",
+    "encode_sink_mark",
     "encode_sink_settle",
     "encode_status_reply",
     "encode_status_request",

@@ -53,6 +53,7 @@ class Kind(enum.IntEnum):
     UNFILLED = 0x2A
     FILL = 0x2B
     BATCH_RANGES = 0x2C
+    SINK_MARK = 0x2D
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -64,6 +65,7 @@ class Kind(enum.IntEnum):
     INSPECT_REPLY = 0x97
     UNFILLED_LIST = 0x98
     RANGE_NUMBERS = 0x99
+    MARK = 0x9A
     ERROR = 0xFF
 
 

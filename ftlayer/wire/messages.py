@@ -115,6 +115,14 @@ from .fills import (
     encode_unfilled_list,
 )
 from .frames import Frame, Kind, kind_of
+from .marks import (
+    SinkMark,
+    SinkMarkRequest,
+    decode_mark,
+    decode_sink_mark,
+    encode_mark,
+    encode_sink_mark,
+)
 
 __all__ = [
     "DEAD_LETTER_OPS",
@@ -136,6 +144,8 @@ __all__ = [
     "SavepointCreated",
     "SavepointRequest",
     "SinkHold",
+    "SinkMark",
+    "SinkMarkRequest",
     "SinkSettle",
     "StatusReply",
     "StatusRequest",
@@ -158,6 +168,7 @@ __all__ = [
     "decode_hold",
     "decode_inspect",
     "decode_inspect_reply",
+    "decode_mark",
     "decode_ok",
     "decode_persist",
     "decode_range_numbers",
@@ -166,6 +177,7 @@ __all__ = [
     "decode_savepoint",
     "decode_savepoint_created",
     "decode_sink_hold",
+    "decode_sink_mark",
     "decode_sink_settle",
     "decode_status_reply",
     "decode_status_request",
@@ -186,6 +198,7 @@ __all__ = [
     "encode_hold",
     "encode_inspect",
     "encode_inspect_reply",
+    "encode_mark",
     "encode_ok",
     "encode_persist",
     "encode_range_numbers",
@@ -194,6 +207,7 @@ __all__ = [
     "encode_savepoint",
     "encode_savepoint_created",
     "encode_sink_hold",
+    "encode_sink_mark",
     "encode_sink_settle",
     "encode_status_reply",
     "encode_status_request",
@@ -231,6 +245,8 @@ Message = (
     | UnfilledList
     | Fill
     | BatchRanges
+    | SinkMarkRequest
+    | SinkMark
     | list[int]
     | ErrorReply
 )
@@ -267,6 +283,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.FILL: decode_fill,
     Kind.BATCH_RANGES: decode_batch_ranges,
     Kind.RANGE_NUMBERS: decode_range_numbers,
+    Kind.SINK_MARK: decode_sink_mark,
+    Kind.MARK: decode_mark,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,
