@@ -22,7 +22,9 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
   noticed before the next request is sent, and replaced: that request is not lost.
 - While it retries, it logs a warning (logger ftlayer.client) naming the server's
   address and until when it retries: when retrying starts, then at most every
-  RETRY_LOG_INTERVAL_S while it goes on.
+  RETRY_LOG_INTERVAL_S while it goes on, across the clients of one name and address
+  in a process (a heartbeat thread that makes a fresh client after each failure warns
+  no more often).
 - A server at its connection limit answers ERROR 103 (ServerBusy); connecting treats
   that as a refused attempt and retries it with the same backoff.
 - TLS that does not fit is not retried: TLSMismatch (a ConfigError) at once, naming
@@ -129,6 +131,9 @@ SAVEPOINT_TIMEOUT_S: Final = 3600.0
 whole store before it answers."""
 RETRY_LOG_INTERVAL_S: Final = 10.0
 """While a client retries an unreachable server, at most one warning this often."""
+_retry_warned_at: dict[tuple[str, str], float] = {}
+"""(client name, address) -> when the last retry warning was logged (monotonic), while
+retrying goes on: shared by the clients of a process."""
 _FIRST_BACKOFF_S: Final = 0.05
 _MAX_BACKOFF_S: Final = 1.0
 _RECV_BYTES: Final = 1 << 20
@@ -276,7 +281,6 @@ class FTClient:
         self._reader = FrameReader(max_frame)
         self._frames: deque[Frame] = deque()
         self._next_id = 1
-        self._retry_warned_at: float | None = None  # monotonic; None: no retrying since
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
 
@@ -640,23 +644,24 @@ class FTClient:
                     ) from exc
                 self._warn_retrying(exc, tries, now - started, deadline - now)
             else:
-                if self._retry_warned_at is not None:
+                if _retry_warned_at.pop((self._name, self.address), None) is not None:
                     log.warning(
                         "%s: reached the FT-layer server at %s again", self._name, self.address
                     )
-                    self._retry_warned_at = None
                 return
             time.sleep(delay)
             delay = min(2 * delay, _MAX_BACKOFF_S)
 
     def _warn_retrying(self, exc: BaseException, tries: int, spent_s: float, left_s: float) -> None:
         """The warning of a retry: at the first, then at most every RETRY_LOG_INTERVAL_S
-        (across calls: a client that retries at every call warns no more often)."""
+        (across calls and clients of this name and address: a client that retries at
+        every call, or a fresh client per call, warns no more often)."""
         now = time.monotonic()
-        warned = self._retry_warned_at
+        key = (self._name, self.address)
+        warned = _retry_warned_at.get(key)
         if warned is not None and now - warned < RETRY_LOG_INTERVAL_S:
             return
-        self._retry_warned_at = now
+        _retry_warned_at[key] = now
         until = (dt.datetime.now() + dt.timedelta(seconds=left_s)).strftime("%H:%M:%S")
         log.warning(
             "%s: cannot reach the FT-layer server at %s (%s); %s until %s (%.0f s more), "

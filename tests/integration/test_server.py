@@ -326,6 +326,14 @@ def test_calls_wait_for_a_restarting_server_then_give_up_clearly(
         pytest.raises(ConnectionLost, match=r"could not be opened \(\d+ attempts in 0.3 s\)"),
     ):
         client.status()
+    # A fresh client per attempt (a heartbeat thread's) warns no more often than one.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ftlayer.client"):
+        for _ in range(3):
+            with pytest.raises(ConnectionLost):
+                FTClient(server.address, reconnect_s=0.3, name="test-beat").status()
+    beats = [r.getMessage() for r in caplog.records if "test-beat" in r.getMessage()]
+    assert len(beats) == 1 and "cannot reach" in beats[0], beats
 
 
 def test_a_client_idle_across_a_restart_persists_and_xors_at_its_next_call(
