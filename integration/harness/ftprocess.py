@@ -5,7 +5,9 @@ interpreter, waits for its "ftlayer serving on HOST:PORT" line, and stops it on 
 (SIGTERM, then SIGKILL). The server logs to `log_path` (a file next to the data dir by
 default), named in every error. It dies with its parent on Linux (PDEATHSIG), so a
 killed demo leaves no server behind. `command_prefix` runs it on another host (``ip
-netns exec NAME`` for a network namespace, with `--host` its address there).
+netns exec NAME`` for a network namespace, with `--host` its address there). Once the
+process died (`kill()`, or its host died), `start()` runs it again with the same data
+dir and arguments: a restart, appending to the same log.
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ class FTServerProcess:
     def start(self) -> Self:
         if self._proc is not None and self._proc.poll() is None:
             raise ServerProcessError("the FT-layer server process is already running")
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()  # the pipe of the process that died
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(

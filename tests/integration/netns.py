@@ -12,7 +12,11 @@ over the bridge; their own loopback is theirs alone.
 
 A process runs on a host behind its prefix, ``ip netns exec ftlPID-NAME ...``
 (`NetnsHost.prefix`). `NetnsHost.kill_all()` is that host dying: every process in its
-namespace (``ip netns pids``) stopped, then SIGKILLed. `NetnsHosts.close()` kills what
+namespace (``ip netns pids``) stopped, then SIGKILLed. `NetnsHosts.set_link(name, up)`
+is its cable pulled and plugged in again at the switch: its veth's end on the bridge
+goes down, so the host's eth0 loses its carrier and whatever it sends, or is sent to
+it, is dropped, while its address, routes and sockets stay as they were (its TCP
+connections resume once the link is up). `NetnsHosts.close()` kills what
 runs on every host and removes every namespace, link and bridge it made, also after a
 failed test; `NetnsHosts.start()` first removes what killed earlier runs left behind
 (every namespace and link named `ftlPID-*` whose PID no longer runs).
@@ -106,8 +110,12 @@ class NetnsHost:
 
 
 def _zombie(pid: int) -> bool:
+    """Whether process `pid` is dead: gone, or a zombie whose threads are gone too (a
+    killed process's main thread is a zombie before its other threads have exited, and
+    only then can its parent collect it)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except OSError:
         return True  # gone
 
@@ -167,6 +175,11 @@ class NetnsHosts:
 
     def _veth(self, index: int) -> str:
         return f"{self.tag}{index}"  # at most 15 characters (Linux's IFNAMSIZ - 1)
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Take host `name`'s link down (`up` False) or up again: see the module
+        docstring."""
+        ip("link", "set", self._veth(self.names.index(name)), "up" if up else "down")
 
     def start(self) -> Self:
         remove_leftovers()
