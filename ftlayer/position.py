@@ -17,9 +17,19 @@ CHECKPOINT requests, checkpoint records, savepoint manifests)::
 
 Partition numbers are strings (JSON object keys); topics and partitions are written in
 sorted order, so equal positions have equal text (Spark runs no batch for an offset
-that did not change). "replay" is absent with FT off. Offsets are >= 0: the markers
-EARLIEST (-2) and LATEST (-1) belong to the startingOffsets option, never to a
-position.
+that did not change). "replay" is absent with FT off.
+
+With an FT layer of several shards (ftlayer.shards) each shard numbers its own replays,
+so a query's position has one replay cursor per shard, in shard order, and a batch
+takes in the replays S.replay[i] < seq <= E.replay[i] of every shard i::
+
+    {"kafka": {"orders": {"0": 120, "1": 98}}, "replay": [42, 17]}
+
+Only the ftkafka source's offsets have that form (`Position.parse(..., sharded=True)`);
+each shard is sent its own part of a barrier (`Position.part`), whose cursor is a number.
+
+Offsets are >= 0: the markers EARLIEST (-2) and LATEST (-1) belong to the
+startingOffsets option, never to a position.
 
 `Position.parse` is the one parser of that form and `Position.to_json` its one
 formatter; `offsets_to_json` / `offsets_from_json` do the same for bare Kafka offsets
@@ -29,7 +39,7 @@ formatter; `offsets_to_json` / `offsets_from_json` do the same for bare Kafka of
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -57,17 +67,56 @@ KafkaOffsets = dict[str, dict[int, int]]
 @dataclass(frozen=True, slots=True)
 class Position:
     """Kafka offsets of the next record per topic and partition, and the replay cursor
-    (None with FT off). Treat `kafka` as read-only: `offsets()` gives a copy to change."""
+    (None with FT off, and with several shards: then `replays` has one per shard). Treat
+    `kafka` as read-only: `offsets()` gives a copy to change."""
 
     kafka: Mapping[str, Mapping[int, int]]
     replay: int | None = None
+    replays: tuple[int, ...] | None = None
+    """The replay cursor of each shard, in shard order, with an FT layer of several."""
+
+    def __post_init__(self) -> None:
+        if self.replays is not None and (self.replay is not None or len(self.replays) < 2):
+            raise PositionError(
+                "a position has one replay cursor (`replay`) or one per shard of several "
+                f"(`replays`), got replay={self.replay!r}, replays={self.replays!r}"
+            )
 
     @classmethod
-    def parse(cls, data: object, *, need_replay: bool = False, what: str = "") -> Position:
+    def at(cls, kafka: Mapping[str, Mapping[int, int]], cursors: Sequence[int] | None) -> Position:
+        """The position at these offsets and replay cursors, one per shard (None: FT off)."""
+        if cursors is None:
+            return cls(kafka)
+        if len(cursors) == 1:
+            return cls(kafka, cursors[0])
+        return cls(kafka, None, tuple(cursors))
+
+    @property
+    def cursors(self) -> tuple[int, ...] | None:
+        """The replay cursor of each shard (one for an FT layer of one shard); None with
+        FT off."""
+        if self.replays is not None:
+            return self.replays
+        return None if self.replay is None else (self.replay,)
+
+    def part(self, kafka: Mapping[str, Mapping[int, int]], shard: int) -> Position:
+        """Shard `shard`'s part of this position: the offsets `kafka` (of the partitions
+        it owns) and its own replay cursor, the form every shard's CHECKPOINT takes."""
+        cursors = self.cursors
+        if cursors is None or not 0 <= shard < len(cursors):
+            raise PositionError(f"a position with replay cursors {cursors} has no shard {shard}")
+        return Position(kafka, cursors[shard])
+
+    @classmethod
+    def parse(
+        cls, data: object, *, need_replay: bool = False, what: str = "", sharded: bool = False
+    ) -> Position:
         """The position of its JSON form (an object, not text); PositionError naming
         what is wrong for anything else, including a missing "replay" when
-        `need_replay` (a barrier of the FT layer always has one). `what` names the
-        position's use in messages ("checkpoint": "bad checkpoint offset of ...")."""
+        `need_replay` (a barrier of the FT layer always has one). `sharded`: "replay"
+        may also be a list, a cursor per shard (the ftkafka source's offsets). `what`
+        names the position's use in messages ("checkpoint": "bad checkpoint offset of
+        ...")."""
         what = f"{what} " if what else ""
         if not isinstance(data, Mapping):
             raise PositionError(f"a {what}position is a JSON object, got {_shown(data)}")
@@ -82,7 +131,14 @@ class Position:
                 raise PositionError(
                     f'a {what}position needs "replay" (the replay cursor), got {_shown(data)}'
                 )
-        elif isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
+        elif sharded and isinstance(replay, list):
+            if len(replay) < 2 or not all(_cursor(r) for r in replay):
+                raise PositionError(
+                    f'a {what}position\'s "replay" is an integer >= 0 or a list of one per '
+                    f"shard of two or more, got {_shown(replay)}"
+                )
+            return cls(_offsets(data["kafka"], what), None, tuple(replay))
+        elif not _cursor(replay):
             raise PositionError(f'a {what}position\'s "replay" is an integer >= 0, got {replay!r}')
         return cls(_offsets(data["kafka"], what), replay)
 
@@ -91,6 +147,8 @@ class Position:
         data: dict[str, Any] = {"kafka": offsets_to_json(self.kafka)}
         if self.replay is not None:
             data["replay"] = self.replay
+        elif self.replays is not None:
+            data["replay"] = list(self.replays)
         return data
 
     def key(self) -> str:
@@ -139,6 +197,10 @@ def _offsets(data: object, what: str) -> KafkaOffsets:
             per_partition[number] = offset
         offsets[topic] = per_partition
     return offsets
+
+
+def _cursor(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _partition_number(p: object) -> int | None:

@@ -9,10 +9,12 @@ Ids are unsigned 64-bit on the wire and in the acker; Spark has no unsigned type
 column holds the same 64 bits read as a signed int64 (`to_signed` / `to_unsigned`
 convert whole numpy arrays without a copy). With FT off a DataFrame has neither column.
 
-`FTSettings` names the FT-layer server a job talks to. It is a small frozen dataclass,
+`FTSettings` names the FT-layer server a job talks to, or the shards of an FT layer of
+several (`HOST:PORT,HOST:PORT,...`, in shard order). It is a small frozen dataclass,
 so it pickles into Spark closures; `channel()` is called on the executor and returns
 that process's shared BatchingChannel (one lazy connection per Python worker, reused
-across tasks).
+across tasks), or over several shards a ShardedChannel of one shared BatchingChannel
+per shard, which sends each XOR, FAIL and HOLD to the shard that owns its root.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from numpy.typing import ArrayLike, NDArray
 from pyspark.sql.types import ArrayType, BinaryType, StringType, StructField, StructType
 
 from ftlayer.client import BatchingChannel, parse_address, shared_channel
+from ftlayer.client.sharded import ShardedChannel, parse_addresses
 from ftlayer.errors import ConfigError
 
 ROOT_COLUMN: Final = "ft_root"
@@ -114,9 +117,14 @@ def to_unsigned(values: ArrayLike) -> NDArray[np.uint64]:
     return np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
 
 
+Channel = BatchingChannel | ShardedChannel
+"""A process's channel to the FT layer: to its one server, or to each of its shards."""
+
+
 @dataclass(frozen=True, slots=True)
 class FTSettings:
-    """Where the FT layer is: `address` HOST:PORT and an optional auth `token`.
+    """Where the FT layer is: `address` HOST:PORT (HOST:PORT,HOST:PORT,... for the
+    shards of an FT layer of several, in shard order) and an optional auth `token`.
 
     `enabled=False` is the FT-off switch: the same pipeline then runs with no FT
     columns, no connection and no FT cost.
@@ -150,10 +158,26 @@ class FTSettings:
         if self.enabled:
             if not self.address:
                 raise ConfigError("FT is on but no FT-layer address was given (HOST:PORT)")
-            parse_address(self.address)  # a clear error now, not on an executor later
+            for address in self.addresses:  # a clear error now, not on an executor later
+                parse_address(address)
 
-    def channel(self) -> BatchingChannel:
-        """This process's shared channel to the FT layer; ConfigError when FT is off."""
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The FT layer's shards in order (one address: an FT layer of one shard)."""
+        return () if self.address is None else tuple(parse_addresses(self.address))
+
+    @property
+    def shards(self) -> int:
+        return max(1, len(self.addresses))
+
+    def channel(self) -> Channel:
+        """This process's shared channel to the FT layer (over several shards, to each);
+        ConfigError when FT is off."""
         if not self.enabled or self.address is None:
             raise ConfigError("FT is off: there is no FT-layer channel")
-        return shared_channel(self.address, self.token, self.tls_ca, self.reconnect_s)
+        addresses = self.addresses
+        if len(addresses) == 1:
+            return shared_channel(addresses[0], self.token, self.tls_ca, self.reconnect_s)
+        return ShardedChannel(
+            [shared_channel(a, self.token, self.tls_ca, self.reconnect_s) for a in addresses]
+        )

@@ -5,10 +5,12 @@ Routing needs no lookup (ftlayer.shards): a record goes to the shard of its sour
 partition (`partition_shard`), an XOR, FAIL, HOLD or sink hold to the shard its root's
 bits 55-62 name (`shard_of`); an event naming roots of several shards (a multi-anchored
 row) is split, each shard getting its own roots in their order. A source registers with
-every shard; a sink's settle goes to every shard its key held roots on, and a sink's
-holds and settle reach a shard in the order they were made (each shard's channel keeps
-its own order; shards are independent of one another). Calls that read (`status`,
-`fetch_replay`) name their shard.
+every shard; a sink's settle goes to every shard, since the steps that held acks under
+its key ran in other processes (executors) than the one that settles it (the driver),
+and a settle of a key a shard holds nothing under only marks it settled there. A
+process's holds and settle reach a shard in the order it made them (each shard's
+channel keeps its own order; shards are independent of one another). Calls that read
+(`status`, `fetch_replay`) name their shard.
 
 With one shard it is that shard's channel, routing nothing. Errors are each shard's
 channel's (ftlayer.client.channel): an unreachable shard fails the calls that need it
@@ -58,7 +60,6 @@ class ShardedChannel:
         if not 1 <= len(channels) <= MAX_SHARDS:
             raise ConfigError(f"a cluster has 1 to {MAX_SHARDS} shards, got {len(channels)}")
         self.channels = list(channels)
-        self._sink_shards: dict[int, set[int]] = {}  # sink key -> shards holding for it
 
     @property
     def shards(self) -> int:
@@ -118,17 +119,12 @@ class ShardedChannel:
     def sink_hold(self, key: int, roots: ArrayLike, values: ArrayLike) -> int:
         r = np.ascontiguousarray(roots, dtype=np.uint64)
         v = np.ascontiguousarray(values, dtype=np.uint64)
-        held = 0
-        for shard, rows in self._split(r):
-            self._sink_shards.setdefault(key, set()).add(shard)
-            held += self.channels[shard].sink_hold(key, r[rows], v[rows])
-        return held
+        return sum(self.channels[s].sink_hold(key, r[rows], v[rows]) for s, rows in self._split(r))
 
     def sink_settle(self, key: int, cause: Cause | None = None) -> int:
-        """Settle `key` on every shard it held roots on (shard 0 when it held none, so a
-        settle of an unknown key is answered as one shard answers it)."""
-        shards = sorted(self._sink_shards.pop(key, {0}))
-        return sum(self.channels[s].sink_settle(key, cause) for s in shards)
+        """Settle `key` on every shard (module docstring): the pairs XOR-ed, or roots
+        failed, on all of them together."""
+        return sum(channel.sink_settle(key, cause) for channel in self.channels)
 
     # ---- calls to every shard, or to one --------------------------------------------
 

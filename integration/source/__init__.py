@@ -32,13 +32,23 @@ with S.replay < seq <= E.replay.
 Every offset is fixed on the driver before the batch runs and is written to Spark's
 offset log, so a batch that Spark runs again reads the same ranges.
 
+With an FT layer of several shards (`ft.address` HOST:PORT,HOST:PORT,..., in shard
+order; .cluster) `replay` is a list, a cursor per shard (each numbers its own
+replays), and the batch takes in S.replay[i] < seq <= E.replay[i] of every shard i::
+
+    {"kafka": {"orders": {"0": 120, "1": 98}}, "replay": [42, 17]}
+
+A query keeps the shards it started with: offsets with another number of cursors
+than ft.address has shards are a ConfigError.
+
 A batch has one input partition per (topic, Kafka partition), always listed, in the
 order of `subscribe` and then by partition; for one topic the Spark input partition
 index is the Kafka partition. The input partition of (topic, p) reads Kafka [S, E) of
 (topic, p), then the replays its topic's replay partitioner routed to partition p:
-`fetch_replay(S.replay, E.replay, source_id, p)`. A replayed record thus re-enters in
-a later batch, in the input partition its partitioner chose, with its original topic,
-partition, offset, key, value and timestamp, under a new root.
+`fetch_replay(S.replay, E.replay, source_id, p)` (of each shard, with several). A
+replayed record thus re-enters in a later batch, in the input partition its
+partitioner chose, with its original topic, partition, offset, key, value and
+timestamp, under a new root.
 
 ## What read() does, per input partition (on an executor)
 
@@ -89,7 +99,7 @@ proportion to their backlog as Spark's Kafka source does (a partition with a bac
 gets at least one record, so a batch may exceed the cap by fewer records than there
 are partitions); it also caps the number of replay seqs a batch takes in.
 
-`ft.maxPendingRecords` (FT on) is flow control per source, as Storm's
+`ft.maxPendingRecords` (FT on) is flow control per source (and per shard), as Storm's
 max.spout.pending: a batch takes in new Kafka records of a topic only while its
 source's pending trees (in flight, or replays waiting to be read; STATUS
 `pending_by_source`, read with the replay cursor) plus those records stay within the
@@ -295,7 +305,7 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available = available
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         end = driver.limited(start, available, max_rows)
-        if start is not None and Position.parse(end) == Position.parse(start):
+        if start is not None and driver.parse(end) == driver.parse(start):
             self._complete_start(driver, start)  # idle: no batch, so no commit() soon
             if self.options.idle_probe_s > 0:
                 self._idle = (start, time.monotonic() + self.options.idle_probe_s)
@@ -305,11 +315,13 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._available
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[FTKafkaPartition]:
-        first, barrier = Position.parse(start), Position.parse(end)
-        replay_hi = barrier.replay or 0
-        replay_lo = replay_hi if first.replay is None else first.replay
+        driver = self._driver_side() if self.options.ft_on else None
+        parse = Position.parse if driver is None else driver.parse
+        first, barrier = parse(start), parse(end)
+        replay_hi = barrier.cursors or (0,)
+        replay_lo = replay_hi if first.cursors is None else first.cursors
         parts: list[FTKafkaPartition] = []
-        busy = replay_hi > replay_lo
+        busy = any(hi > lo for lo, hi in zip(replay_lo, replay_hi, strict=True))
         for topic in self.options.topics:
             ends = barrier.kafka.get(topic, {})
             for p in sorted(ends):
@@ -319,20 +331,19 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 parts.append(
                     FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
                 )
-        if self.options.ft_on and barrier.replay is not None:
+        if driver is not None and barrier.cursors is not None:
             # Spark logged `end` before planning the batch: it is barrier n. The commit
             # of batch n - 1, which Spark made just before, goes in the same request.
-            driver = self._driver_side()
             if self.options.by_range:
                 # Barrier mode by reference: the batch's records are one offset range per
                 # partition, stored by the FT layer before any row of them is emitted.
                 parts = driver.open_ranges(parts)
             done, self._deferred_commit = self._deferred_commit, None
-            answer = driver.checkpoint(barrier, begin=True, complete=done)
-            if answer is not None:  # the batch is open: its timeouts follow heartbeats
+            answers = driver.checkpoint(barrier, begin=True, complete=done)
+            if answers.answered:  # the batch is open: its timeouts follow heartbeats
                 driver.batch_running()
-            if done is not None and answer is not None and answer.completed is not None:
-                self._commit_group(driver, answer.completed.commit_offsets)
+            if done is not None:
+                self._commit_group(driver, answers.completed_offsets())
         return parts if busy else []
 
     def commit(self, end: Offset) -> None:
@@ -343,19 +354,19 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # an incomplete record); with kafka.group.id they are committed. Spark plans
         # the next batch right after this call (partitions()), so with FT on the
         # completion rides on that batch's CHECKPOINT_BEGIN: one round trip for both.
-        position = Position.parse(end)
-        if self.options.ft_on and position.replay is not None:
+        driver = self._driver_side()
+        position = driver.parse(end)
+        if self.options.ft_on and position.cursors is not None:
             self._deferred_commit = position
             return
-        self._commit_group(self._driver_side(), position.offsets())
+        self._commit_group(driver, position.offsets())
 
     def _complete_deferred(self) -> None:
         """Complete a deferred commit on its own (no batch was planned after it)."""
         done, self._deferred_commit = self._deferred_commit, None
         if done is not None:
             driver = self._driver_side()
-            answer = driver.checkpoint(done, begin=False)
-            self._commit_group(driver, None if answer is None else answer.commit_offsets)
+            self._commit_group(driver, driver.checkpoint(done, begin=False).commit_offsets())
 
     def _complete_start(self, driver: SourceDriver, start: Offset) -> None:
         """Spark asks for the next batch only once the batch that ends at `start` is
@@ -366,12 +377,11 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         second completion of one barrier with the same checkpoint)."""
         if not self.options.ft_on:
             return
-        position = Position.parse(start)
-        if position.replay is None or position == self._completed:
+        position = driver.parse(start)
+        if position.cursors is None or position == self._completed:
             return
         self._completed = position
-        answer = driver.checkpoint(position, begin=False)
-        self._commit_group(driver, None if answer is None else answer.commit_offsets)
+        self._commit_group(driver, driver.checkpoint(position, begin=False).commit_offsets())
 
     def _commit_group(self, driver: SourceDriver, offsets: KafkaOffsets | None) -> None:
         if self.options.group_id is not None and offsets:
@@ -399,7 +409,7 @@ def _cap(available: Offset, target: Offset, start: Offset) -> Offset:
     """`available` no further than `target` (Trigger.AvailableNow's fixed end), and
     never behind `start`: Spark fixes the target before it asks for the initial offset,
     so with startingOffsets=latest the start may already be past the target."""
-    now, goal, begin = Position.parse(available), Position.parse(target), Position.parse(start)
+    now, goal, begin = (Position.parse(p, sharded=True) for p in (available, target, start))
     kafka = now.offsets()
     for topic, partitions in kafka.items():
         for p, end in partitions.items():
@@ -407,7 +417,12 @@ def _cap(available: Offset, target: Offset, start: Offset) -> Offset:
             # earliest offset (see SourceDriver.available), with nothing to read.
             capped = min(end, goal.offset(topic, p, end))
             partitions[p] = max(capped, begin.offset(topic, p, capped))
-    replay = now.replay
-    if replay is not None and goal.replay is not None:
-        replay = max(min(replay, goal.replay), begin.replay or 0)
-    return Position(kafka, replay).to_json()
+    cursors = now.cursors
+    if cursors is not None and goal.cursors is not None:
+        cursors = tuple(
+            max(min(at, most), least)
+            for at, most, least in zip(
+                cursors, goal.cursors, begin.cursors or (0,) * len(cursors), strict=True
+            )
+        )
+    return Position.at(kafka, cursors).to_json()

@@ -5,19 +5,25 @@ source between batches: the initial position, the end of what is readable now, a
 position capped by maxOffsetsPerTrigger and ft.maxPendingRecords, the barrier
 checkpoints (CHECKPOINT_BEGIN / COMPLETE), and the consumer-group commits.
 
-Flow control (ft.maxPendingRecords, Storm's max.spout.pending per source): the STATUS
-reply that gives `available` the replay cursor also gives each source's pending roots,
-counted by the FT layer at that moment: trees still in flight and replays waiting in
-the queue. `limited` then admits at most (limit - pending) new Kafka records of that
-source's topic, split over its partitions in proportion to their backlog, and none
-once pending reaches the limit; replays are always taken in (they are pending
-already, and only being read lets them complete). Spark runs one batch at a time and
-a batch's records become pending only when it reads them, so a source's pending roots
-stay within the limit, plus the records of a batch Spark runs again (a retried task
-persists under fresh roots while the first attempt's trees time out). A sink that
-stalls keeps its trees pending (in its running batch, or past the timeout as replays
-waiting to be read), so the batches after it take in no more new records than the
-limit leaves.
+The FT layer may be several shards (`ft.address` HOST:PORT,HOST:PORT,...): each
+partition's records, ranges, checkpoints and group offset are its own shard's, the
+position has a replay cursor per shard, and every request goes to the shard it
+concerns (.cluster).
+
+Flow control (ft.maxPendingRecords, Storm's max.spout.pending per source, and per shard
+with several): the STATUS reply that gives `available` the replay cursor also gives
+each source's pending roots, counted by the FT layer at that moment: trees still in
+flight and replays waiting in the queue. `limited` then admits at most (limit -
+pending) new Kafka records of that source's topic on each shard, split over the
+shard's partitions in proportion to their backlog, and none once pending reaches the
+limit (a shard whose sink stalls holds back its own partitions only); replays are
+always taken in (they are pending already, and only being read lets them complete).
+Spark runs one batch at a time and a batch's records become pending only when it reads
+them, so a source's pending roots stay within the limit, plus the records of a batch
+Spark runs again (a retried task persists under fresh roots while the first attempt's
+trees time out). A sink that stalls keeps its trees pending (in its running batch, or
+past the timeout as replays waiting to be read), so the batches after it take in no
+more new records than the limit leaves.
 
 Timeouts that follow progress (ft.heartbeatMs): from the barrier of a batch
 (`batch_running`, after CHECKPOINT_BEGIN) until Spark asks for the next end
@@ -45,13 +51,14 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 from numpy.typing import NDArray
 
-from ftlayer.client import ConnectionLost, FTClient
+from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.registration import SourceRegistration
-from ftlayer.status import CheckpointReport
+from ftlayer.status import CheckpointReport, Status
 from ftlayer.wire import DeadLetterList, UnfilledList
 
+from .cluster import CheckpointAnswers, ShardClients, ShardMap
 from .columnar import probe_consumer
 from .deadletters import dead_letter_messages, deliverable
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
@@ -87,38 +94,41 @@ class SourceDriver:
         self.options = options
         self.source_ids = source_ids
         self._consumer: Any = None
-        self._ft: FTClient | None = None
+        self.shards = ShardClients(options)
+        self.shard_map = ShardMap(source_ids, options.ft.shards)
         self._partition_counts: dict[str, int] = {}
         self._group: Any = None
         self._committed: dict[tuple[str, int], int] = {}
-        self.pending: dict[str, int] = {}
-        """Per topic: its source's pending roots at the last `available` (FT on)."""
-        self._held: set[str] = set()  # topics ft.maxPendingRecords holds back now
+        self.pending: dict[str, list[int]] = {}
+        """Per topic: its source's pending roots on each shard at the last `available`
+        (FT on)."""
+        self._held: set[tuple[str, int]] = set()  # (topic, shard)s flow control holds back
         self._producer: Any = None
         self._next_delivery = 0.0
         self._server_timeout_s: float | None = None  # the server's T, from its STATUS
-        self._heartbeat: Heartbeat | None = None
+        self._heartbeats: list[Heartbeat] = []
+        self._cursors: tuple[int, ...] = ()  # each shard's replay cursor, as last read
 
     # ---- lifecycle ----
 
     def start(self) -> None:
-        """Check the topics exist; with FT on, register their sources."""
+        """Check the topics exist; with FT on, check each shard of the FT layer is
+        where ft.address puts it (.cluster), then register the sources."""
         self._partition_counts = self._kafka(
             "read the topics' metadata", lambda: self._topic_partitions(check_exist=True)
         )
         if self.options.ft_on:
+            self.shards.check_places()
             self._register_sources()
 
     def close(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.close()
-            self._heartbeat = None
+        for heartbeat in self._heartbeats:
+            heartbeat.close()
+        self._heartbeats = []
         self._drop_consumer()
         self._drop_group_client()
         self._drop_producer()
-        if self._ft is not None:
-            self._ft.close()
-            self._ft = None
+        self.shards.close()
 
     # ---- offsets ----
 
@@ -133,7 +143,7 @@ class SourceDriver:
         else:
             assert isinstance(starting, dict)
             kafka = self._specific_offsets(starting, tps)
-        return Position(kafka, self._replay_start() if self.options.ft_on else None).to_json()
+        return Position.at(kafka, self._replay_start() if self.options.ft_on else None).to_json()
 
     def _specific_offsets(
         self, starting: dict[str, dict[int, int]], tps: list[TopicPartition]
@@ -178,7 +188,7 @@ class SourceDriver:
         counts = self._kafka(
             "read the topics' metadata", lambda: self._topic_partitions(check_exist=False)
         )
-        first = None if start is None else Position.parse(start)
+        first = None if start is None else self.parse(start)
         known = {} if first is None else first.kafka
         tps = [TopicPartition(t, p) for t in self.options.topics for p in range(counts[t])]
         ends = self._kafka("read the end offsets", lambda: self._ends(tps))
@@ -198,29 +208,45 @@ class SourceDriver:
         if self.options.ft_on and counts != self._partition_counts:
             self._partition_counts = counts
             self._register_sources()
-        replay = None
+        cursors = None
         if self.options.ft_on:
-            replay = self._replay_cursor()
-            previous = None if first is None else first.replay
-            if previous is not None and replay < previous:
-                raise SourceError(
-                    f"the FT layer at {self.options.ft.address} has replay cursor {replay}, "
-                    f"behind this query's {previous}: it is not the FT layer this query "
-                    "ran with (its data directory was lost or replaced)"
-                )
-        return Position(ends, replay).to_json()
+            previous = None if first is None else first.cursors
+            cursors = self._replay_cursors(previous)
+            for shard, (now, before) in enumerate(zip(cursors, previous or cursors, strict=True)):
+                if now < before:
+                    raise SourceError(
+                        f"{self.shards.where(shard)} has replay cursor {now}, behind this "
+                        f"query's {before}: it is not the FT layer this query ran with (its "
+                        "data directory was lost or replaced)"
+                    )
+        return Position.at(ends, cursors).to_json()
+
+    def parse(self, offset: Offset) -> Position:
+        """A position of this query's (Spark's offset log): with FT on, one replay cursor
+        per shard of the FT layer ft.address names (ConfigError for another count: the
+        query ran with another FT layer, whose replay seqs mean nothing here)."""
+        position = Position.parse(offset, sharded=True)
+        cursors = position.cursors
+        shards = self.shards.count
+        if self.options.ft_on and cursors is not None and len(cursors) != shards:
+            raise ConfigError(
+                f"option ft.address names {shards} FT-layer shard(s), but this query's "
+                f"checkpoint has replay cursors of {len(cursors)}: a query keeps the "
+                "shards it started with (restore a savepoint to start over on others)"
+            )
+        return position
 
     def limited(self, start: Offset, available: Offset, max_rows: int | None) -> Offset:
         """`available`, cut to at most `max_rows` Kafka records split over partitions
         in proportion to their backlog (Spark's KafkaMicroBatchStream.rateLimit), and
         at most `max_rows` replay seqs; with FT on, then cut by ft.maxPendingRecords
         (see the module docstring)."""
-        now, first = Position.parse(available), Position.parse(start)
-        ends, starts, replay = now.offsets(), first.kafka, now.replay
+        now, first = self.parse(available), self.parse(start)
+        ends, starts, cursors = now.offsets(), first.kafka, now.cursors
         if self.options.ft_on:
             self._admit(starts, ends)
         if max_rows is None:
-            return Position(ends, replay).to_json()
+            return Position.at(ends, cursors).to_json()
         sizes = {
             (t, p): end - starts[t][p]
             for t, partitions in ends.items()
@@ -233,71 +259,94 @@ class SourceDriver:
                 share = max_rows * (size / total)
                 share_rows = int(np.ceil(share)) if share < 1 else int(share)
                 ends[t][p] = min(ends[t][p], starts[t][p] + share_rows)
-        if replay is not None and first.replay is not None:
-            replay = min(replay, first.replay + max_rows)
-        return Position(ends, replay).to_json()
+        if cursors is not None and first.cursors is not None:
+            cursors = tuple(
+                min(now, before + max_rows)
+                for now, before in zip(cursors, first.cursors, strict=True)
+            )
+        return Position.at(ends, cursors).to_json()
 
     def _admit(self, starts: Mapping[str, Mapping[int, int]], ends: KafkaOffsets) -> None:
-        """Cut `ends` so that each source's pending roots plus its new Kafka records
-        stay within ft.maxPendingRecords (exactly: the shares are whole records)."""
+        """Cut `ends` so that on each shard, each source's pending roots plus its new
+        Kafka records stay within ft.maxPendingRecords (exactly: the shares are whole
+        records)."""
         limit = self.options.max_pending_records
         for topic, partitions in ends.items():
-            backlog = {
-                p: end - starts[topic][p]
-                for p, end in partitions.items()
-                if p in starts.get(topic, {}) and end > starts[topic][p]
-            }
-            pending = self.pending.get(topic, 0)
-            budget = max(0, limit - pending)
-            for p, share in share_out(budget, backlog).items():
-                partitions[p] = starts[topic][p] + share
-            self._note_held(topic, budget < sum(backlog.values()), pending, limit)
+            pending = self.pending.get(topic, [0] * self.shards.count)
+            backlogs: list[dict[int, int]] = [{} for _ in range(self.shards.count)]
+            for p, end in partitions.items():
+                if p in starts.get(topic, {}) and end > starts[topic][p]:
+                    backlogs[self.shard_map.owner(topic, p)][p] = end - starts[topic][p]
+            for shard, backlog in enumerate(backlogs):
+                # A shard that is down takes in nothing: its partitions wait in Kafka.
+                budget = 0 if shard in self.shards.down else max(0, limit - pending[shard])
+                for p, share in share_out(budget, backlog).items():
+                    partitions[p] = starts[topic][p] + share
+                held = budget < sum(backlog.values())
+                self._note_held(topic, shard, held, pending[shard], limit)
 
-    def _note_held(self, topic: str, held: bool, pending: int, limit: int) -> None:
+    def _note_held(self, topic: str, shard: int, held: bool, pending: int, limit: int) -> None:
         """Log when flow control starts and stops holding a topic back (not per batch)."""
-        if held and topic not in self._held:
-            self._held.add(topic)
+        on = "" if self.shards.count == 1 else f" on shard {shard}"
+        if held and (topic, shard) not in self._held:
+            self._held.add((topic, shard))
             log.info(
-                "ft.maxPendingRecords=%d holds back topic %r: its source has %d pending "
+                "ft.maxPendingRecords=%d holds back topic %r%s: its source has %d pending "
                 "trees; new records wait in Kafka until they complete",
                 limit,
                 topic,
+                on,
                 pending,
             )
-        elif not held and topic in self._held:
-            self._held.discard(topic)
-            log.info("topic %r is no longer held back (%d pending trees)", topic, pending)
+        elif not held and (topic, shard) in self._held:
+            self._held.discard((topic, shard))
+            log.info("topic %r is no longer held back%s (%d pending trees)", topic, on, pending)
 
     # ---- replay queue ----
 
     def checkpoint(
         self, end: Position, *, begin: bool, complete: Position | None = None
-    ) -> CheckpointReport | None:
+    ) -> CheckpointAnswers:
         """CHECKPOINT_BEGIN (barrier `end`; with `complete`, that barrier's batch is
         done and completes first, in the same request) or CHECKPOINT_DONE (its
-        batch is done); the FT layer's answer. A completion's `commit_offsets` are the
-        group offsets the checkpoint allows: the lowest pending offsets capped at its
-        barrier (unaligned), the barrier once aligned, the last aligned checkpoint's
-        while aligning, or None. A failure is logged and gives None: the next batch's
-        checkpoint covers this one (the FT layer completes checkpoints in order, and a
-        later commit finishes the batches before it)."""
-
-        def call(client: FTClient) -> CheckpointReport:
-            return client.checkpoint(
-                begin=begin,
-                query=self.options.checkpoint_query,
-                position=end.to_json(),
-                sources=sorted(set(self.source_ids.values())),
-                mode=self.options.checkpoint_mode,
-                complete=None if complete is None else complete.to_json(),
-            )
-
+        batch is done), to every shard, each its part of the barrier; their answers. A
+        completion's `commit_offsets` are the group offsets the checkpoint allows: the
+        lowest pending offsets capped at its barrier (unaligned), the barrier once
+        aligned, the last aligned checkpoint's while aligning, or None. A failure is
+        logged and gives None for that shard: the next batch's checkpoint covers this
+        one (the FT layer completes checkpoints in order, and a later commit finishes
+        the batches before it)."""
         what = "begin the checkpoint" if begin else "complete the checkpoint"
-        try:
-            return self._ft_call(f"{what} of {self.options.checkpoint_query!r}", call)
-        except SourceError as exc:
-            log.warning("%s (covered by the next batch's checkpoint)", exc)
-            return None
+        reports: list[CheckpointReport | None] = []
+        for shard in range(self.shards.count):
+            if shard in self.shards.down:  # its barriers, when it is back
+                reports.append(None)
+                continue
+            part = self.shard_map.part(end, shard)
+            done = None if complete is None else self.shard_map.part(complete, shard)
+            try:
+                report = self.shards.quick(
+                    shard,
+                    f"{what} of {self.options.checkpoint_query!r}",
+                    partial(self._checkpoint_call, part, begin, done),
+                )
+            except SourceError as exc:
+                log.warning("%s (covered by the next batch's checkpoint)", exc)
+                report = None
+            reports.append(report)
+        return CheckpointAnswers(tuple(reports), self.shard_map)
+
+    def _checkpoint_call(
+        self, end: Position, begin: bool, complete: Position | None, client: FTClient
+    ) -> CheckpointReport:
+        return client.checkpoint(
+            begin=begin,
+            query=self.options.checkpoint_query,
+            position=end.to_json(),
+            sources=sorted(set(self.source_ids.values())),
+            mode=self.options.checkpoint_mode,
+            complete=None if complete is None else complete.to_json(),
+        )
 
     # ---- running batches ----
 
@@ -306,45 +355,45 @@ class SourceDriver:
         sources until `batch_done` (FT on, ft.heartbeatMs > 0)."""
         if not self.options.ft_on or not self.options.heartbeat_ms:
             return
-        if self._heartbeat is None:
+        if not self._heartbeats:
             try:
                 timeout = self._tree_timeout_s()
             except SourceError as exc:  # heartbeats are an optimization: the batch goes on
                 log.warning("no heartbeats for this batch (its trees time out as usual): %s", exc)
                 return
             interval = heartbeat_interval_s(self.options.heartbeat_ms, timeout)
-            self._heartbeat = Heartbeat(
-                partial(self._heartbeat_client, interval),
-                sorted(set(self.source_ids.values())),
-                interval,
-            )
-        self._heartbeat.running()
+            self._heartbeats = [  # one per shard: a shard that does not answer delays no other
+                Heartbeat(
+                    partial(self._heartbeat_client, shard, interval),
+                    sorted(set(self.source_ids.values())),
+                    interval,
+                )
+                for shard in range(self.shards.count)
+            ]
+        for heartbeat in self._heartbeats:
+            heartbeat.running()
 
     def batch_done(self) -> None:
         """Spark asks for the next batch: the one before is done, heartbeats stop."""
-        if self._heartbeat is not None:
-            self._heartbeat.idle()
+        for heartbeat in self._heartbeats:
+            heartbeat.idle()
 
     def _tree_timeout_s(self) -> float:
         """This query's tree timeout T: its ft.treeTimeoutMs, or the server's."""
         if self.options.timeout_s is not None:
             return self.options.timeout_s
         if self._server_timeout_s is None:
-            status = self._ft_call("read the FT layer's timeout", lambda client: client.status())
+            status = self.shards.call(0, "read the FT layer's timeout", _status)
             self._server_timeout_s = status.timeout_s
         return self._server_timeout_s
 
-    def _heartbeat_client(self, interval_s: float) -> FTClient:
-        """The heartbeat thread's own client: a heartbeat waits at most about a lease,
+    def _heartbeat_client(self, shard: int, interval_s: float) -> FTClient:
+        """A heartbeat thread's own client: a heartbeat waits at most about a lease,
         and gives up reconnecting after an interval (the next one tries again)."""
-        ft = self.options.ft
-        return FTClient(
-            ft.address or "",
-            token=ft.token,
-            connect_timeout=self.options.ft_connect_timeout_s,
-            request_timeout=LEASE_INTERVALS * interval_s,
+        return self.shards.connect(
+            shard,
             name="ftkafka-heartbeat",
-            tls=ft.tls_ca or False,
+            request_timeout=LEASE_INTERVALS * interval_s,
             reconnect_s=interval_s,
         )
 
@@ -401,31 +450,38 @@ class SourceDriver:
     def deliver_dead_letters(self, *, every_s: float = 1.0) -> int:
         """With ft.deadLetterTopic: write this query's dead letters to the topic, and
         once the broker confirmed them, have the FT layer delete them (at most once per
-        `every_s`). Returns how many were delivered. A failure is logged and retried
-        at the next call: the dead letters stay in the FT layer's store meanwhile."""
+        `every_s`), shard by shard. Returns how many were delivered. A failure is logged
+        and retried at the next call: the dead letters stay in the FT layer's store
+        meanwhile."""
         topic = self.options.dead_letter_topic
         now = time.monotonic()
         if topic is None or not self.options.ft_on or now < self._next_delivery:
             return 0
         self._next_delivery = now + every_s
         delivered = 0
-        try:
-            for source_id in sorted(set(self.source_ids.values())):
-                delivered += self._deliver_source(topic, source_id)
-        except (SourceError, KafkaError, OSError) as exc:
-            self._drop_producer()
-            log.warning(
-                "could not write dead letters to topic %r (retried at the next batch; "
-                "they stay in the FT layer's store meanwhile): %r",
-                topic,
-                exc,
-            )
+        for shard in range(self.shards.count):
+            if shard in self.shards.down:
+                continue
+            try:
+                for source_id in sorted(set(self.source_ids.values())):
+                    delivered += self._deliver_source(topic, shard, source_id)
+            except (SourceError, KafkaError, OSError) as exc:
+                self._drop_producer()
+                log.warning(
+                    "could not write dead letters of %s to topic %r (retried at the next "
+                    "batch; they stay in the FT layer's store meanwhile): %r",
+                    self.shards.where(shard),
+                    topic,
+                    exc,
+                )
         return delivered
 
-    def _deliver_source(self, topic: str, source_id: int) -> int:
+    def _deliver_source(self, topic: str, shard: int, source_id: int) -> int:
         delivered = 0
         while True:
-            listed = self._ft_call("read the dead letters", partial(_list_dead, source_id))
+            listed = self.shards.call(
+                shard, "read the dead letters", partial(_list_dead, source_id)
+            )
             rows = deliverable(listed.letters, listed.records)
             if not rows:  # none, or only records whose bytes are still to be copied in
                 return delivered
@@ -443,7 +499,9 @@ class SourceDriver:
                 if future.is_done and future.succeeded()
             ]
             if confirmed:
-                self._ft_call("mark dead letters delivered", partial(_delivered, confirmed))
+                self.shards.call(
+                    shard, "mark dead letters delivered", partial(_delivered, confirmed)
+                )
                 delivered += len(confirmed)
             if len(rows) < len(listed.letters):  # the rest after their bytes are copied
                 return delivered
@@ -576,33 +634,12 @@ class SourceDriver:
 
     # ---- FT layer ----
 
-    def _ft_call(self, what: str, call: Callable[[FTClient], T]) -> T:
-        """A call to the FT layer. The client retries refused connections with backoff
-        for ft.reconnectTimeoutMs (a restarting server is waited for), then fails."""
-        ft = self.options.ft
-        if self._ft is None:
-            self._ft = FTClient(
-                ft.address or "",
-                token=ft.token,
-                connect_timeout=self.options.ft_connect_timeout_s,
-                request_timeout=30.0,
-                name="ftkafka-driver",
-                tls=ft.tls_ca or False,
-                reconnect_s=self.options.ft_reconnect_timeout_s,
-            )
-        began = time.monotonic()
-        try:
-            return call(self._ft)
-        except (ConnectionLost, OSError) as exc:
-            self._ft.close()
-            self._ft = None
-            raise SourceError(
-                f"could not {what}: the FT layer at {ft.address} (option ft.address) did not "
-                f"answer within {time.monotonic() - began:.1f} s: {exc}"
-            ) from exc
-
-    def _register_sources(self) -> None:
+    def _register_sources(self, shards: list[int] | None = None) -> None:
+        """Register every topic's source with these shards (None: every shard that is
+        not down; one that is registers them when it is back)."""
         options = self.options
+        if shards is None:
+            shards = [s for s in range(self.shards.count) if s not in self.shards.down]
         for topic in options.topics:
 
             def register(client: FTClient, topic: str = topic) -> None:
@@ -620,63 +657,94 @@ class SourceDriver:
                     )
                 )
 
-            self._ft_call(f"register the source of topic {topic!r}", register)
+            for shard in shards:
+                self.shards.call(shard, f"register the source of topic {topic!r}", register)
 
-    def _replay_start(self) -> int:
-        """A new query's replay cursor: where its sources' replay queue entries were
-        pruned to (FTLayer.replay_start_of), so its first batch takes in every queued
-        replay of its sources, such as those recovered after an FT-layer restart or
-        restored from a savepoint."""
-        status = self._ft_call("read the replay cursor", lambda client: client.status())
-        self._server_timeout_s = status.timeout_s
-        return status.replay_start_of(list(self.source_ids.values()))
+    def _replay_start(self) -> tuple[int, ...]:
+        """A new query's replay cursors: where each shard pruned its sources' replay
+        queue entries to (FTLayer.replay_start_of), so its first batch takes in every
+        queued replay of its sources, such as those recovered after an FT-layer restart
+        or restored from a savepoint."""
+        statuses = self.shards.each("read the replay cursor", _status)
+        self._server_timeout_s = statuses[0].timeout_s
+        return tuple(s.replay_start_of(list(self.source_ids.values())) for s in statuses)
 
-    def _replay_cursor(self) -> int:
-        """The highest replay seq of this query's sources (see FTLayer.replay_cursor_of):
-        other queries' failures do not move it, so they cause no empty batches here.
-        The same reply gives each source's pending roots (`pending`, for flow control):
-        one STATUS per batch serves both."""
-        status = self._ft_call("read the replay cursor", lambda client: client.status())
-        self._server_timeout_s = status.timeout_s
-        self.pending = {t: status.pending_of(s) for t, s in self.source_ids.items()}
+    def _replay_cursors(self, previous: tuple[int, ...] | None) -> tuple[int, ...]:
+        """Each shard's highest replay seq of this query's sources (see
+        FTLayer.replay_cursor_of): other queries' failures do not move it, so they cause
+        no empty batches here. The same reply gives each source's pending roots on the
+        shard (`pending`, for flow control): one STATUS per shard and batch serves both.
+        A shard that is down keeps its cursor at `previous` (the batch takes in none of
+        its replays), and its partitions take in no records (`_admit`); one that is back
+        has the sources registered again."""
+        statuses, back = self.shards.statuses()
+        if back:
+            self._register_sources(back)
+        sources = list(self.source_ids.values())
+        cursors = list(previous or self._cursors or [0] * self.shards.count)
+        self.pending = {t: [0] * self.shards.count for t in self.source_ids}
+        for shard, answered in enumerate(statuses):
+            if answered is None:
+                continue
+            status = self._filled(shard, answered)
+            self._server_timeout_s = status.timeout_s
+            cursors[shard] = status.replay_cursor_of(sources)
+            for topic, source in self.source_ids.items():
+                self.pending[topic][shard] = status.pending_of(source)
+        self._cursors = tuple(cursors)
+        return self._cursors
+
+    def _filled(self, shard: int, status: Status) -> Status:
+        """A shard's STATUS, once the bytes of its sources' failed records stored by
+        reference were copied in (records copied in may be queued then, a batch range's
+        routed by the key they brought, and this batch takes them in)."""
         unfilled = [
             s
             for s in sorted(set(self.source_ids.values()))
             if (figures := status.by_source.get(str(s))) is not None and figures.unfilled
         ]
-        if unfilled and self.fill_failed(unfilled):
-            # Records copied in may be queued now (a batch range's, routed by the key
-            # they brought): this batch takes them in.
-            status = self._ft_call("read the replay cursor", lambda client: client.status())
-        return status.replay_cursor_of(list(self.source_ids.values()))
+        if unfilled and self.fill_failed(unfilled, shard):
+            status = self.shards.call(shard, "read the replay cursor", _status)
+        return status
 
     def open_ranges(self, parts: list[FTKafkaPartition]) -> list[FTKafkaPartition]:
         """`parts` with the range numbers the FT layer gave their Kafka ranges (stored
-        before this returns: BATCH_RANGES), one request for the batch."""
-        ranges = [(p.source_id, p.topic, p.partition, p.start, p.end) for p in parts]
-        if not any(end > start for _, _, _, start, end in ranges):
-            return parts
-        numbers = self._ft_call(
-            "open the batch's ranges in the FT layer", partial(_register_ranges, ranges)
-        )
-        return [
-            FTKafkaPartition(
-                p.topic, p.partition, p.start, p.end, p.source_id, p.replay_lo, p.replay_hi, n
+        before this returns: BATCH_RANGES), one request per shard for the batch: each
+        partition's range on the shard that owns it."""
+        numbers = [p.range_number for p in parts]
+        for shard in range(self.shards.count):
+            rows = [
+                i
+                for i, p in enumerate(parts)
+                if self.shard_map.owner(p.topic, p.partition) == shard
+            ]
+            ranges = [
+                (p.source_id, p.topic, p.partition, p.start, p.end)
+                for p in (parts[i] for i in rows)
+            ]
+            if not any(end > start for _, _, _, start, end in ranges):
+                continue
+            given = self.shards.call(
+                shard, "open the batch's ranges in the FT layer", partial(_register_ranges, ranges)
             )
-            for p, n in zip(parts, numbers, strict=True)
-        ]
+            for i, number in zip(rows, given, strict=True):
+                numbers[i] = number
+        return [p.with_range(n) for p, n in zip(parts, numbers, strict=True)]
 
-    def fill_failed(self, source_ids: list[int]) -> int:
+    def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         """Copy the bytes of these sources' failed records stored by reference from
-        Kafka into the FT layer (ftlayer.core.fills), so their retries, dead letters
-        and `ftlayer inspect` no longer depend on the topic's retention; a record Kafka
-        no longer has becomes a dead letter (source-expired) there. Returns how many
-        were copied. A Kafka error is logged and the rest waits for the next trigger."""
+        Kafka into the FT layer (ftlayer.core.fills; into shard `shard`, or every
+        shard), so their retries, dead letters and `ftlayer inspect` no longer depend on
+        the topic's retention; a record Kafka no longer has becomes a dead letter
+        (source-expired) there. Returns how many were copied. A Kafka error is logged
+        and the rest waits for the next trigger."""
+        if shard is None:
+            return sum(self.fill_failed(source_ids, s) for s in range(self.shards.count))
         copied = 0
         for source_id in source_ids:
             while True:
-                listed = self._ft_call(
-                    "list the failed records to copy", partial(_unfilled, source_id)
+                listed = self.shards.call(
+                    shard, "list the failed records to copy", partial(_unfilled, source_id)
                 )
                 if not len(listed):
                     break
@@ -689,7 +757,8 @@ class SourceDriver:
                         len(listed), source_id, exc,
                     )  # fmt: skip
                     return copied
-                self._ft_call(
+                self.shards.call(
+                    shard,
                     "copy failed records into the FT layer",
                     partial(_fill, listed.seqs, found, payloads, keys),
                 )
@@ -723,6 +792,10 @@ def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
     for k in by_remainder[:left]:
         shares[k] += 1
     return shares
+
+
+def _status(client: FTClient) -> Status:
+    return client.status()
 
 
 def _register_ranges(ranges: list[tuple[int, str, int, int, int]], client: FTClient) -> list[int]:

@@ -165,7 +165,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "flow control, per source (each subscribed topic), as Storm's max.spout.pending: a "
         "batch takes in new Kafka records only while the source's pending trees (in flight, "
         "or replays waiting to be read) plus those records stay within this; replays are "
-        "always taken in (section 6.7). No effect with FT off",
+        "always taken in (section 6.7). With several FT-layer shards it holds on each "
+        "shard, for the partitions that shard owns. No effect with FT off",
         DEFAULT_MAX_PENDING_RECORDS,
         minimum=1,
     ),
@@ -217,7 +218,9 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "ft.address",
         "text",
-        "`HOST:PORT` of the FT-layer server; setting it turns FT on",
+        "`HOST:PORT` of the FT-layer server; setting it turns FT on. "
+        "`HOST:PORT,HOST:PORT,...`: the shards of an FT layer of several, in shard order "
+        "(section 6.12)",
     ),
     Option(
         "ft.enabled",

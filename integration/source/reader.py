@@ -2,14 +2,16 @@
 
 `FTKafkaPartition` is what the driver plans and Spark ships to an executor: Kafka
 [start, end) of one (topic, partition) and the replays its source's partitioner routed
-there with replay_lo < seq <= replay_hi. `read_partition` reads the Kafka range, persists
-every polled chunk in the FT layer before it yields it, then yields the partition's
-replays (the steps are in ftlayer.integration.source's docstring, "What read() does").
-Kafka records arrive as columns (`.columnar`: the reader decodes kafka-python's fetches
-itself, with kafka-python's own decoding for what it leaves alone), so a chunk's keys,
-values, offsets and timestamps reach the Arrow batch without a Python object per record.
+there with replay_lo < seq <= replay_hi (of each shard, with an FT layer of several:
+a record's replay is queued by the shard that holds the record, whichever partition it
+is routed to). `read_partition` reads the Kafka range, persists every polled chunk in
+the FT layer before it yields it, then yields the partition's replays (the steps are
+in ftlayer.integration.source's docstring, "What read() does"). Kafka records arrive as
+columns (`.columnar`: the reader decodes kafka-python's fetches itself, with
+kafka-python's own decoding for what it leaves alone), so a chunk's keys, values,
+offsets and timestamps reach the Arrow batch without a Python object per record.
 Nothing here imports the FT layer's core or storage: an executor talks to the FT layer
-through its process's shared BatchingChannel only.
+through its process's shared channel only (ftlayer.integration.ftcolumns.Channel).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from ftlayer import rangeroots
 from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
-from ftlayer.client import BatchingChannel
-from ftlayer.integration.ftcolumns import LOOP_HEADER, read_loop_headers, to_signed
+from ftlayer.client.sharded import ShardedChannel
+from ftlayer.integration.ftcolumns import LOOP_HEADER, Channel, read_loop_headers, to_signed
 from ftlayer.partitioners import (
     kafka_key_hashes,
     spark_key_hashes,
@@ -63,10 +65,11 @@ PERSIST_PIECE_RECORDS: Final = 10_000
 
 class FTKafkaPartition(InputPartition):
     """One input partition of a batch: Kafka [start, end) of (topic, partition), and the
-    replays of its source routed to `partition` with replay_lo < seq <= replay_hi.
-    `range_number`: the FT layer's number of [start, end) as a batch range (barrier
-    mode, ft.persist=reference): its rows carry range roots and nothing is persisted
-    (0: none, each record is persisted)."""
+    replays of its source routed to `partition` with replay_lo < seq <= replay_hi, on
+    each shard of the FT layer (a number: the cursor of an FT layer of one shard; a
+    sequence: one per shard, in shard order). `range_number`: the FT layer's number of
+    [start, end) as a batch range (barrier mode, ft.persist=reference): its rows carry
+    range roots and nothing is persisted (0: none, each record is persisted)."""
 
     def __init__(
         self,
@@ -75,8 +78,8 @@ class FTKafkaPartition(InputPartition):
         start: int,
         end: int,
         source_id: int,
-        replay_lo: int,
-        replay_hi: int,
+        replay_lo: int | Sequence[int],
+        replay_hi: int | Sequence[int],
         range_number: int = 0,
     ) -> None:
         super().__init__((topic, partition))
@@ -85,14 +88,38 @@ class FTKafkaPartition(InputPartition):
         self.start = start
         self.end = end
         self.source_id = source_id
-        self.replay_lo = replay_lo
-        self.replay_hi = replay_hi
+        self.replay_lo = (replay_lo,) if isinstance(replay_lo, int) else tuple(replay_lo)
+        self.replay_hi = (replay_hi,) if isinstance(replay_hi, int) else tuple(replay_hi)
+        if len(self.replay_lo) != len(self.replay_hi):
+            raise ValueError(f"replay cursors of different shards: {replay_lo}, {replay_hi}")
         self.range_number = range_number
 
+    def with_range(self, range_number: int) -> FTKafkaPartition:
+        """This input partition with the FT layer's number of its batch range."""
+        return FTKafkaPartition(
+            self.topic,
+            self.partition,
+            self.start,
+            self.end,
+            self.source_id,
+            self.replay_lo,
+            self.replay_hi,
+            range_number,
+        )
+
+    def replays(self) -> list[tuple[int, int, int]]:
+        """(shard, lo, hi) of each shard with replays to take in: lo < replay seq <= hi."""
+        return [
+            (shard, lo, hi)
+            for shard, (lo, hi) in enumerate(zip(self.replay_lo, self.replay_hi, strict=True))
+            if hi > lo
+        ]
+
     def __repr__(self) -> str:
+        lo, hi = self.replay_lo, self.replay_hi
         return (
             f"FTKafkaPartition({self.topic}-{self.partition} [{self.start}, {self.end}) "
-            f"replay ({self.replay_lo}, {self.replay_hi}]"
+            f"replay ({lo[0] if len(lo) == 1 else lo}, {hi[0] if len(hi) == 1 else hi}]"
             + (f" range {self.range_number})" if self.range_number else ")")
         )
 
@@ -108,7 +135,9 @@ def read_partition(
     channel = options.ft.channel() if options.ft_on else None
     barrier = options.completion == "barrier"
     persister = (
-        None if channel is None else Persister(channel, source_id=part.source_id, barrier=barrier)
+        None
+        if channel is None
+        else Persister(channel, source_id=part.source_id, barrier=barrier, shards=options.ft.shards)
     )
     loop_secret = options.ft.loop_secret  # derived once per partition, not per chunk
     key_hashes: KeyHashes = (
@@ -191,11 +220,13 @@ def read_partition(
         )
     if channel is None or persister is None:
         return
-    # Step 3: this partition's replays, emitted again under their replay roots.
-    if part.replay_hi > part.replay_lo:
-        replay = channel.fetch_replay(
-            part.replay_lo, part.replay_hi, part.source_id, part.partition
-        )
+    # Step 3: this partition's replays (of each shard), emitted again under their
+    # replay roots.
+    for shard, lo, hi in part.replays():
+        if isinstance(channel, ShardedChannel):
+            replay = channel.fetch_replay(shard, lo, hi, part.source_id, part.partition)
+        else:
+            replay = channel.fetch_replay(lo, hi, part.source_id, part.partition)
         if len(replay) and replay.records.any_references:
             replay = _read_back(options, channel, replay)
         if len(replay):
@@ -218,9 +249,7 @@ def read_partition(
     channel.flush()
 
 
-def _read_back(
-    options: SourceOptions, channel: BatchingChannel, replay: ReplayRecords
-) -> ReplayRecords:
+def _read_back(options: SourceOptions, channel: Channel, replay: ReplayRecords) -> ReplayRecords:
     """Replays fetched before their source copied their bytes into the FT layer (stored
     by reference): read from Kafka at their coordinates. Those Kafka no longer has
     fail, final (`source-expired`: dead letters) and are not emitted."""
@@ -306,7 +335,7 @@ def _prefetched(
 
 def _persist_or_continue(
     persister: Persister,
-    channel: BatchingChannel,
+    channel: Channel,
     part: FTKafkaPartition,
     key_hashes: KeyHashes,
     keys: list[bytes | None],

@@ -73,3 +73,41 @@ def test_offsets_and_their_json() -> None:
     assert list(offsets_to_json(kafka)) == ["a", "b"]
     with pytest.raises(PositionError):
         offsets_from_json({"a": {"0": -2}})
+
+
+sharded_positions = st.builds(
+    Position.at, offsets, st.lists(st.integers(0, 2**62), min_size=1, max_size=5)
+)
+
+
+@given(sharded_positions)
+def test_a_position_with_a_cursor_per_shard_survives_its_json_text(position: Position) -> None:
+    text = json.dumps(position.to_json())
+    parsed = Position.parse(json.loads(text), sharded=True)
+    assert parsed == position and parsed.cursors == position.cursors
+    if position.cursors is not None and len(position.cursors) == 1:
+        assert json.loads(text)["replay"] == position.replay  # one shard: one number
+
+
+def test_a_cursor_per_shard_and_each_shards_part() -> None:
+    position = Position.parse({"kafka": {"t": {"0": 5, "1": 7}}, "replay": [3, 9]}, sharded=True)
+    assert (position.replay, position.cursors) == (None, (3, 9))
+    part = position.part({"t": {1: 7}}, 1)
+    assert part.to_json() == {"kafka": {"t": {"1": 7}}, "replay": 9}
+    with pytest.raises(PositionError, match="no shard 2"):
+        position.part({}, 2)
+
+
+@pytest.mark.parametrize(
+    ("data", "sharded", "words"),
+    [
+        ({"kafka": {}, "replay": [1, 2]}, False, "integer >= 0"),  # a CHECKPOINT's: one shard
+        ({"kafka": {}, "replay": [1]}, True, "two or more"),
+        ({"kafka": {}, "replay": [1, -1]}, True, "one per shard"),
+        ({"kafka": {}, "replay": [1, True]}, True, "one per shard"),
+        ({"kafka": {}, "replay": []}, True, "two or more"),
+    ],
+)
+def test_a_bad_cursor_list_is_refused(data: object, sharded: bool, words: str) -> None:
+    with pytest.raises(PositionError, match=words):
+        Position.parse(data, sharded=sharded)
