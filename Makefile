@@ -33,8 +33,17 @@ typecheck: $(STAMP)
 	for d in persistence partitioners integration; do ln -s "../../$$d" .typecheck/ftlayer/$$d; done
 	$(BIN)/mypy -p ftlayer
 
+# The cluster tests (hosts made of network namespaces, a Spark standalone cluster of
+# their own) mostly wait out the outages they stage: they run beside the rest of the
+# suite, in a pytest of their own whose output follows the main run's.
+BESIDE := tests/integration/test_cluster_hosts.py
 unit: $(STAMP)
-	$(BIN)/pytest -q --durations=25
+	@$(BIN)/pytest -q -p no:cacheprovider --basetemp=.pytest-beside $(BESIDE) \
+		> .pytest-beside.log 2>&1 & beside=$$!; \
+	$(BIN)/pytest -q --durations=25 --ignore=$(BESIDE); main=$$?; \
+	wait $$beside; other=$$?; \
+	echo "---- $(BESIDE), run beside the rest:"; cat .pytest-beside.log; \
+	exit $$(( main != 0 || other != 0 ))
 
 # Headless Chromium for tests/integration/test_status_page.py: apt-get install when
 # missing (root, or sudo without a password); otherwise a note, and the test skips.
@@ -59,4 +68,4 @@ docs: $(STAMP)
 	$(BIN)/python -c 'from pathlib import Path; from ftlayer.integration.source.options import write_markdown_table; write_markdown_table(Path("docs/user-guide.md"))'
 
 clean:
-	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache .hypothesis .pytest-beside .pytest-beside.log
