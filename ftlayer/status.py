@@ -368,6 +368,8 @@ class Status(Mapping[str, Any]):
     stored_records: int
     deletes_pending: int
     lmdb_size_bytes: int
+    store_commits: int
+    """Write transactions the store committed since the server started (an fsync each)."""
     connections: int
     max_connections: int
     uptime_s: float
@@ -440,6 +442,7 @@ class Status(Mapping[str, Any]):
             stored_records=_field(data, "stored_records", int, what),
             deletes_pending=_field(data, "deletes_pending", int, what),
             lmdb_size_bytes=_field(data, "lmdb_size_bytes", int, what),
+            store_commits=_field(data, "store_commits", int, what),
             connections=_field(data, "connections", int, what),
             max_connections=_field(data, "max_connections", int, what),
             uptime_s=float(_field(data, "uptime_s", _NUMBER, what)),

@@ -199,9 +199,13 @@ class PersistenceStorage(ABC):
         seqs: Seqs,
         payloads: Sequence[bytes],
         keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
+        *,
+        staged: bool = False,
     ) -> tuple[NDArray[np.uint64], RecordBatch]:
         """`fill`, returning the seqs it filled and their records as `get` now returns
-        them (bytes and keys in), so a caller needs no read of its own."""
+        them (bytes and keys in), so a caller needs no read of its own. `staged`: the
+        bytes are staged (`stage_meta`), readable at once and committed with the next
+        write or `flush_staged`, which the caller owes before it calls them durable."""
         self._check_open()
         seq_array = as_seqs(seqs)
         if len(seq_array) != len(payloads) or (
@@ -230,7 +234,7 @@ class PersistenceStorage(ABC):
         wanted = [bytes(payloads[row]) for row in rows.tolist()]
         done = seq_array[rows]
         given = None if keys is None else (keys[0][rows], keys[1][rows])
-        self._fills().store(done, wanted, given)
+        self._fills().store(done, wanted, given, staged=staged)
         return done, batch.take(at).with_payloads(np.arange(len(at)), wanted, given)
 
     @property
@@ -363,6 +367,13 @@ class PersistenceStorage(ABC):
     @abstractmethod
     def sync(self) -> None:
         """Flush committed writes to durable storage (a no-op where nothing is durable)."""
+
+    @property
+    def commits(self) -> int:
+        """Write transactions committed since the storage was opened (each an fsync
+        with LMDB's default sync): what the FT layer's durability costs per request.
+        0 where nothing is durable."""
+        return 0
 
     @abstractmethod
     def close(self) -> None:

@@ -110,13 +110,19 @@ class Fills:
         seqs: NDArray[np.uint64],
         payloads: Sequence[bytes],
         keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None,
+        *,
+        staged: bool = False,
     ) -> None:
         """Store the bytes of records `seqs` (stored by reference, not filled yet, each
-        once) as one value, in one transaction."""
+        once) as one value, in one transaction (`staged`: with the storage's next)."""
         index = self.index()
         batch = FillBatch.of(seqs, payloads, keys)
         key = _BATCH_PREFIX + b"%020d" % int(batch.seqs[0])
-        self._host._update_meta([(key, batch.encode())], [])  # a key made here: no check
+        value = [(key, batch.encode())]  # a key made here: no check
+        if staged:
+            self._host._stage_meta(value, [])
+        else:
+            self._host._update_meta(value, [])
         with self._lock:
             index.update(dict.fromkeys(seqs.tolist(), key))
             self._live[key] = len(seqs)

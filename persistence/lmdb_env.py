@@ -97,6 +97,7 @@ class LmdbEnvironment(PersistenceStorage):
         self._staged_deletes: list[NDArray[np.uint64]] = []  # seqs (stage_deletes)
         self._staged_since: float | None = None  # monotonic time of the oldest staged
         self._staged_lock = threading.Lock()
+        self._commits = 0  # write transactions committed (`commits`)
         # Reads in progress (a copy_to's too): they run outside _lock, beside a write
         # transaction, and a map resize, which LMDB forbids while a transaction of this
         # process is open, holds new ones back (_quiescing) and waits for these to end.
@@ -187,6 +188,10 @@ class LmdbEnvironment(PersistenceStorage):
     def sync(self) -> None:
         self._live_env().sync(True)
 
+    @property
+    def commits(self) -> int:
+        return self._commits
+
     def close(self) -> None:
         """Commits what is staged (logged if that fails), then closes."""
         with self._lock:  # waits for a transaction of another thread to end
@@ -248,6 +253,7 @@ class LmdbEnvironment(PersistenceStorage):
                                 txn.put(key, value, db=self._meta)
                         if deletes:
                             self._delete_in(txn, np.concatenate(deletes))
+                    self._commits += 1
                     if staged or deletes:
                         self._unstage(staged, deletes)
                     return result

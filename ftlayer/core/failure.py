@@ -191,9 +191,13 @@ def enqueue(
 
 
 def _reserve(s: CoreState, n: int) -> NDArray[np.uint64]:
-    """The next n replay seqs; the counter is stored before any record uses one."""
+    """The next n replay seqs. The counter is staged (PersistenceStorage.stage_meta),
+    so it commits in the transaction of the retag that gives the records their replay
+    seqs, which every caller writes next: stored no later than any record uses one,
+    without a commit of its own."""
     return s.queue.reserve(
-        n, lambda next_seq: s.storage.put_meta(REPLAY_SEQ_META_KEY, str(next_seq).encode())
+        n,
+        lambda next_seq: s.storage.stage_meta({REPLAY_SEQ_META_KEY: str(next_seq).encode()}),
     )
 
 

@@ -141,14 +141,19 @@ def fill(
     filled = 0
     if len(rows):
         found_keys = None if keys is None else (keys[0][rows], keys[1][rows])
+        # The bytes are staged: the retag of the records routed now commits them (one
+        # transaction for both), or the flush below when none is routed.
         done, records = s.storage.fill_records(
-            seqs[rows], [payloads[i] for i in rows.tolist()], found_keys
+            seqs[rows], [payloads[i] for i in rows.tolist()], found_keys, staged=True
         )
         filled = len(done)
         s.stats.filled += filled
         for seq in seqs[rows].tolist():
             s.unfilled.discard(seq)
-        _route_filled(s, done, records, enqueue)
+        try:
+            _route_filled(s, done, records, enqueue)
+        finally:
+            s.storage.flush_staged()
     gone = seqs[~found]
     gone = gone[s.storage.contains(gone)] if len(gone) else gone
     if not len(gone):

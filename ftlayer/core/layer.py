@@ -94,6 +94,8 @@ class StoreFigures:
     stored_records: int
     deletes_pending: int
     size_bytes: int
+    commits: int
+    """Write transactions committed since the store opened (PersistenceStorage.commits)."""
 
 
 class FTLayer:
@@ -353,6 +355,7 @@ class FTLayer:
             stored_records=len(storage),
             deletes_pending=self._s.persistence.marked + storage.staged_deletes,
             size_bytes=storage.size_bytes(),
+            commits=storage.commits,
         )
 
     def retry_deletes(self, seqs: NDArray[np.uint64]) -> None:

@@ -400,6 +400,7 @@ class RequestHandlers(ServerState):
             stored_records=store.stored_records,
             deletes_pending=store.deletes_pending + self._deleting,
             lmdb_size_bytes=store.size_bytes,
+            store_commits=store.commits,
             connections=connections,
             max_connections=self.max_connections,
             uptime_s=round(time.monotonic() - self._started_at, 3),

@@ -17,7 +17,8 @@ run land in that second):
   kind, how many the measured runs sent per 1,000 records and the CPU their handlers
   spent, in µs per record (ftlayer.server.requestcosts): where the CPU went. Work done
   off the requests' threads (the deleter, the checkpoint writer, idle wake-ups) is the
-  difference to `server_cpu_us_per_record`.
+  difference to `server_cpu_us_per_record`. And `store_commits_per_1000_records`: the
+  write transactions the server's store committed (an fsync each).
 
 `ServerCost.run(key, records)` measures one run under `key` (a mode, or a batch size
 and a mode); `figures(keys)` gives both figures over the runs of those keys.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SETTLE_S", "ServerCost", "Usage", "server_requests", "usage"]
+__all__ = ["COMMITS", "SETTLE_S", "ServerCost", "Usage", "server_requests", "usage"]
 
 SETTLE_S = 1.0
 """After each run, before its end is read: the server's deferred deletes of the run."""
@@ -62,15 +63,21 @@ def usage(pid: int) -> Usage:
 
 
 Requests = Mapping[str, tuple[int, float]]
-"""Per request kind: (requests answered, their handlers' CPU seconds) so far."""
+"""Per request kind: (requests answered, their handlers' CPU seconds) so far; and under
+`COMMITS`, the store's commits (CPU 0)."""
+COMMITS = "store commits"
 
 
 def server_requests(address: str) -> Requests:
-    """The server at `address`'s STATUS `requests`, as (count, CPU seconds) by kind."""
+    """The server at `address`'s STATUS `requests`, as (count, CPU seconds) by kind,
+    and its store's commits (`COMMITS`)."""
     from ftlayer.client import FTClient
 
     with FTClient(address, name="bench-cost") as client:
-        return {kind: (cost.count, cost.cpu_s) for kind, cost in client.status().requests.items()}
+        status = client.status()
+    found = {kind: (cost.count, cost.cpu_s) for kind, cost in status.requests.items()}
+    found[COMMITS] = (status.store_commits, 0.0)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +154,7 @@ class ServerCost:
                 totals = by_kind.setdefault(kind, [0, 0.0])
                 totals[0] += n
                 totals[1] += cpu_s
+        commits = by_kind.pop(COMMITS, [0, 0.0])[0]
         requests = {
             kind: {
                 "per_1000_records": round(n * 1000 / records, 3),
@@ -156,6 +164,11 @@ class ServerCost:
         }
         return {
             **({"server_requests": requests} if self._requests else {}),
+            **(
+                {"store_commits_per_1000_records": round(commits * 1000 / records, 3)}
+                if self._requests
+                else {}
+            ),
             "server_cpu_us_per_record": round(cpu, 3),
             "lmdb_bytes_per_record": (
                 None
@@ -170,6 +183,11 @@ class ServerCost:
         found = {name: self.figures(k) for name, k in keys.items()}
         return {
             f"{figure}_by_mode": {name: f[figure] for name, f in found.items()}
-            for figure in ("server_cpu_us_per_record", "lmdb_bytes_per_record", "server_requests")
+            for figure in (
+                "server_cpu_us_per_record",
+                "lmdb_bytes_per_record",
+                "server_requests",
+                "store_commits_per_1000_records",
+            )
             if any(figure in f for f in found.values())
         }

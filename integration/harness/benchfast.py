@@ -384,7 +384,12 @@ def _by_mode(costs: dict[str, ServerCost], size: int) -> dict[str, dict[str, Any
     found = {mode: cost.figures([(size, mode)]) for mode, cost in costs.items()}
     return {
         f"{figure}_by_mode": {mode: f[figure] for mode, f in found.items()}
-        for figure in ("server_cpu_us_per_record", "lmdb_bytes_per_record", "server_requests")
+        for figure in (
+            "server_cpu_us_per_record",
+            "lmdb_bytes_per_record",
+            "server_requests",
+            "store_commits_per_1000_records",
+        )
         if any(figure in f for f in found.values())
     }
 

@@ -87,6 +87,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "stored_records": 2,
         "deletes_pending": 0,
         "lmdb_size_bytes": 4096,
+        "store_commits": 9,
         "connections": 1,
         "max_connections": 1024,
         "uptime_s": 1.5,

@@ -151,6 +151,7 @@ _FULL_STATUS: dict[str, Any] = {
     ),
     "timeout_s": 30.0,
     "requests": {"STATUS": {"count": 3, "cpu_s": 0.0012}},
+    "store_commits": 17,
 }
 
 
@@ -183,6 +184,7 @@ def test_metrics_count_roots_and_still_serve_the_deprecated_tree_names() -> None
     assert samples["ftlayer_last_checkpoint_pending_roots", (("query", "q"),)] == 4
     assert samples["ftlayer_tree_timeout_seconds", ()] == 30.0  # the setting's one name
     assert samples["ftlayer_requests_total", (("kind", "STATUS"),)] == 3
+    assert samples["ftlayer_store_commits_total", ()] == 17
     assert samples["ftlayer_request_cpu_seconds_total", (("kind", "STATUS"),)] == 0.0012
     assert DEPRECATED_NAMES == {
         "ftlayer_trees_completed": "ftlayer_roots_completed",

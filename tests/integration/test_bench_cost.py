@@ -112,4 +112,6 @@ def test_requests_by_kind_over_a_run_of_a_real_server(tmp_path: Path) -> None:
     assert requests["XOR"]["per_1000_records"] == 2.0
     assert requests["STATUS"]["per_1000_records"] == 0.5
     assert "REGISTER_SOURCE" not in requests
+    # XOR commits nothing (the acker journal is a file of its own): no store commit.
+    assert figures["store_commits_per_1000_records"] == 0.0
     assert all(r["cpu_us_per_record"] >= 0 for r in requests.values())

@@ -135,7 +135,9 @@ def test_staged_meta_is_readable_at_once_and_commits_with_the_next_write(
         # ... but not committed: no transaction (and no fsync) of its own.
         assert _committed_meta(path, "checkpoint/q/2") is None
         assert _committed_meta(path, "checkpoint/q/1") == b"one"
+        commits = storage.commits
         storage.put(batch_of(3))  # the next write carries it
+        assert storage.commits == commits + 1  # one transaction for both
         assert _committed_meta(path, "checkpoint/q/2") == b"two"
         assert _committed_meta(path, "checkpoint/q/1") is None
         storage.stage_meta({"checkpoint/q/3": b"three"})

@@ -464,6 +464,19 @@ def test_fill_records_returns_what_get_returns_after_it(backend: Backend) -> Non
     assert len(storage.fill_records(seqs[:1], [b"again"])[0]) == 0
 
 
+def test_staged_fill_records_read_at_once_and_last_once_flushed(backend: Backend) -> None:
+    storage = backend.open()
+    seqs = storage.put(_referenced(2))
+    commits = storage.commits
+    done, _ = storage.fill_records(seqs, [b"a", b"b"], staged=True)
+    assert done.tolist() == seqs.tolist() and storage.commits == commits  # no write yet
+    assert [bytes(p) for p in storage.get(seqs).payloads] == [b"a", b"b"]
+    storage.flush_staged()
+    storage = backend.reopen(storage)
+    assert [bytes(p) for p in storage.get(seqs).payloads] == [b"a", b"b"]
+    assert storage.filled == 2
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_deleting_a_filled_record_deletes_its_bytes(backend: Backend, staged: bool) -> None:
     storage = backend.open()
