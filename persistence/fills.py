@@ -130,45 +130,45 @@ class Fills:
 
     def filled_in(self, seqs: NDArray[np.uint64], batch: RecordBatch) -> RecordBatch:
         """`batch` (the records `seqs`) with the bytes stored for its records stored by
-        reference."""
+        reference: one dict lookup per such record, then a vectorized step per value."""
         filled = self.index()
         if not filled:
             return batch
         rows = np.flatnonzero(batch.reference_mask)
         by_key: dict[bytes, list[int]] = {}
-        for row, seq in zip(rows.tolist(), seqs[rows].tolist(), strict=True):
-            key = filled.get(seq)
+        for row, key in zip(rows.tolist(), map(filled.get, seqs[rows].tolist()), strict=True):
             if key is not None:
                 by_key.setdefault(key, []).append(row)
         if not by_key:
             return batch
         found = self._batches(list(by_key))
-        out_rows: list[int] = []
+        out_rows: list[NDArray[np.intp]] = []
         payloads: list[bytes] = []
-        key_hashes: list[int] = []
-        has_key: list[bool] = []
-        for key, at in by_key.items():
+        key_hashes: list[NDArray[np.int64]] = []
+        has_key: list[NDArray[np.bool_]] = []
+        for key, at_list in by_key.items():
             fill_batch = found.get(key)
             if fill_batch is None:  # deleted meanwhile: not filled
                 continue
-            for row, (payload, key_hash, flag) in zip(at, fill_batch.lookup(seqs[at]), strict=True):
-                if payload is None:
-                    continue
-                out_rows.append(row)
-                payloads.append(payload)
-                # No key given: the record's own (KEY_UNKNOWN stays unknown).
-                key_hashes.append(int(batch.key_hashes[row]) if flag == _NO_KEY else key_hash)
-                has_key.append(bool(batch.has_key[row]) if flag == _NO_KEY else bool(flag))
+            at = np.asarray(at_list, dtype=np.intp)
+            positions, here = fill_batch.positions(seqs[at])
+            at, positions = at[here], positions[here]
+            if not len(at):
+                continue
+            out_rows.append(at)
+            payloads += fill_batch.payloads_at(positions)
+            flags = fill_batch.flags[positions]
+            own = flags == _NO_KEY  # no key given: the record's own (unknown stays so)
+            key_hashes.append(np.where(own, batch.key_hashes[at], fill_batch.key_hashes[positions]))
+            has_key.append(np.where(own, batch.has_key[at], flags.astype(np.bool_)))
         if not out_rows:
             return batch
-        order = np.argsort(out_rows, kind="stable")
+        all_rows = np.concatenate(out_rows)
+        order = np.argsort(all_rows, kind="stable")
         return batch.with_payloads(
-            np.array(out_rows, dtype=np.intp)[order],
+            all_rows[order],
             [payloads[i] for i in order.tolist()],
-            (
-                np.array(key_hashes, dtype=np.int64)[order],
-                np.array(has_key, dtype=np.bool_)[order],
-            ),
+            (np.concatenate(key_hashes)[order], np.concatenate(has_key)[order]),
         )
 
     def forget(self, seqs: NDArray[np.uint64], *, staged: bool) -> None:
@@ -326,18 +326,14 @@ class FillBatch:
             raise CorruptData(f"bad fill batch: {exc}") from None
         return cls(seqs, key_hashes, flags, ends, blob)
 
-    def lookup(self, seqs: NDArray[np.uint64]) -> Iterator[tuple[bytes | None, int, int]]:
-        """(payload, key hash, key flag) of each of `seqs` (payload None: not here)."""
-        at = np.searchsorted(self.seqs, seqs)
-        at = np.minimum(at, len(self.seqs) - 1)
-        here = self.seqs[at] == seqs
-        starts = np.concatenate(([0], self.ends[:-1]))
-        for i, ok in zip(at.tolist(), here.tolist(), strict=True):
-            if not ok:
-                yield None, 0, 0
-                continue
-            yield (
-                self.blob[int(starts[i]) : int(self.ends[i])],
-                int(self.key_hashes[i]),
-                int(self.flags[i]),
-            )
+    def positions(self, seqs: NDArray[np.uint64]) -> tuple[NDArray[np.intp], NDArray[np.bool_]]:
+        """Where each of `seqs` is in this value, and whether it is here at all."""
+        at = np.minimum(np.searchsorted(self.seqs, seqs), len(self.seqs) - 1)
+        return at, self.seqs[at] == seqs
+
+    def payloads_at(self, positions: NDArray[np.intp]) -> list[bytes]:
+        """The payloads at these positions (of `positions`), in their order."""
+        ends = self.ends[positions].tolist()
+        starts = np.where(positions > 0, self.ends[positions - 1], 0).tolist()
+        blob = self.blob
+        return [blob[start:end] for start, end in zip(starts, ends, strict=True)]
