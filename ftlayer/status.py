@@ -328,6 +328,10 @@ class Status(Mapping[str, Any]):
     """Failed records stored by reference whose bytes their source has not copied into
     the FT layer yet (ftlayer.core.fills)."""
     filled: int
+    ingested: int
+    """Records receivers stored for sources that cannot replay."""
+    ingest_duplicates: int
+    """Second copies of ingested records (an upstream's redelivery), dropped."""
     """Records stored by reference whose bytes their source copied in, since the start."""
     open_ranges: int
     """Batch ranges open now (ftlayer.core.ranges)."""
@@ -415,6 +419,8 @@ class Status(Mapping[str, Any]):
             retry_waiting=_field(data, "retry_waiting", int, what),
             unfilled=_field(data, "unfilled", int, what),
             filled=_field(data, "filled", int, what),
+            ingested=_field(data, "ingested", int, what),
+            ingest_duplicates=_field(data, "ingest_duplicates", int, what),
             open_ranges=_field(data, "open_ranges", int, what),
             dead_lettered=_field(data, "dead_lettered", int, what),
             dead_letters=_field(data, "dead_letters", int, what),

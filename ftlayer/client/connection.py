@@ -109,6 +109,7 @@ from ftlayer.wire import (
     encode_heartbeat,
     encode_hello,
     encode_hold,
+    encode_ingest,
     encode_inspect,
     encode_persist,
     encode_register_source,
@@ -283,6 +284,9 @@ class FTClient:
         self._next_id = 1
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
+        self.connections = 0
+        """Connections opened so far (handshake done): replies got while it stays the
+        same came over one connection, from one server process and its one store."""
 
     # ---- FTChannel ---------------------------------------------------------------
 
@@ -471,6 +475,19 @@ class FTClient:
             return encode_batch_ranges(rid, ranges)
 
         return decode_range_numbers(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
+
+    def ingest(self, batch: RecordBatch) -> int:
+        """`FTLayer.ingest`: a receiver's records (with their bytes; `offsets` each
+        one's identity upstream, or -1), stored and queued for their source's reader
+        once this returns; how many were taken (the others were second copies of
+        records ingested within the window). Not resent on a lost connection: a record
+        with an identity is taken once however often it is sent, one without may be
+        taken twice."""
+
+        def encode(rid: int) -> bytes:
+            return encode_ingest(rid, batch, max_frame=self.max_frame)
+
+        return decode_ok(self._call(encode, Kind.OK, retry=False)).count
 
     def sink_mark(self, sink: str, batch: int, mark: Mapping[str, Any]) -> SinkMark:
         """`FTLayer.sink_mark`: the mark of `sink`'s batch `batch`, the one stored
@@ -792,6 +809,7 @@ class FTClient:
         except BaseException:
             self._drop()
             raise
+        self.connections += 1
 
     def _drop(self) -> None:
         if self._sock is not None:

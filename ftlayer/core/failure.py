@@ -181,7 +181,7 @@ def enqueue(
     replay seqs, stored with the records; their timeout starts when their source
     fetches them."""
     index, partitions = s.route(batch)
-    replay_seqs = _reserve(s, len(seqs))
+    replay_seqs = reserve_replay_seqs(s, len(seqs))
     s.persistence.retag(seqs, roots, replay_seqs)
     s.queue.append(
         replay_seqs[index], roots[index], seqs[index], batch.source_ids[index], partitions
@@ -190,7 +190,7 @@ def enqueue(
     s.meters.replayed(batch.source_ids)
 
 
-def _reserve(s: CoreState, n: int) -> NDArray[np.uint64]:
+def reserve_replay_seqs(s: CoreState, n: int) -> NDArray[np.uint64]:
     """The next n replay seqs. The counter is staged (PersistenceStorage.stage_meta),
     so it commits in the transaction of the retag that gives the records their replay
     seqs, which every caller writes next: stored no later than any record uses one,
@@ -240,7 +240,7 @@ def requeue(
     index, partitions = s.route(sub) if len(queued_rows) else (None, None)
     # Step 2: store the retry records, new roots and replay seqs (one transaction).
     if len(queued_rows):
-        replay_seqs[queued_rows] = _reserve(s, len(queued_rows))
+        replay_seqs[queued_rows] = reserve_replay_seqs(s, len(queued_rows))
     old_meta = s.book.stage(records)
     try:
         s.persistence.retag(seqs, new_roots, replay_seqs)

@@ -70,12 +70,14 @@ from . import (
     failure,
     fills,
     holding,
+    ingest,
     persist,
     queries,
     ranges,
     recovery,
     sinkmarks,
 )
+from .ingestids import DEFAULT_WINDOW_S, IngestIds, IngestResult
 from .journal import Journal
 from .meters import Meters
 from .retries import IMMEDIATE, DeadLetterFilter, RetryPolicy, RetryRecord
@@ -118,6 +120,7 @@ class FTLayer:
         journal: Journal | None = None,
         journal_base_bytes: int | None = None,
         shard: ShardPlace | None = None,
+        ingest_window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         def on_timeout(roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
             failure.on_timeout(self._s, roots, seqs)
@@ -139,6 +142,9 @@ class FTLayer:
             on_timeout=on_timeout,
             shard=shard or ShardPlace(),
         )
+        if not ingest_window_s > 0:
+            raise ConfigError(f"ingest_window_s must be > 0 seconds, got {ingest_window_s!r}")
+        self._s.ingest_ids = IngestIds(ingest_window_s)
         recovery.recover(self._s)
 
     # ---- the state, for the server, the checkpoint coordinator and tests -------------
@@ -504,6 +510,12 @@ class FTLayer:
         """Up to `limit` failed records of `source_id` stored by reference whose bytes
         the source has not copied in yet, oldest first: their seqs and coordinates."""
         return fills.unfilled(self._s, source_id, limit)
+
+    def ingest(self, batch: RecordBatch) -> IngestResult:
+        """A receiver's records of a source that cannot replay, with their bytes:
+        stored (durable on return) and queued for the source's reader, second copies
+        of records ingested within the window dropped (ftlayer.core.ingest)."""
+        return ingest.ingest(self._s, batch)
 
     def sink_mark(
         self, sink: str, batch: int, proposed: Mapping[str, Any]

@@ -49,6 +49,7 @@ from ftlayer.records import RecordBatch
 from ftlayer.shards import ShardPlace
 
 from .barrier import OpenHolds
+from .ingestids import DEFAULT_WINDOW_S, IngestIds
 from .journal import Journal
 from .leases import BatchLeases, BatchTag
 from .meters import Meters
@@ -146,6 +147,8 @@ class CoreState:
         self.unrouted: dict[int, tuple[int, float]] = {}
         """Failed records whose key (so their replay partition) is not known until their
         source copies their bytes in: storage seq -> (root, due time)."""
+        self.ingest_ids = IngestIds(DEFAULT_WINDOW_S)
+        """Identities of records ingested within the window (ftlayer.core.ingest)."""
         self.unfilled = Unfilled()
         """Failed records stored by reference whose bytes their source has not copied
         in yet, by source (ftlayer.core.fills)."""

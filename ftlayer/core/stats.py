@@ -46,6 +46,10 @@ class FTStats:
     (ftlayer.core.fills)."""
     filled: int = 0
     """Records stored by reference whose bytes their source copied in, since the start."""
+    ingested: int = 0
+    """Records receivers stored for sources that cannot replay (ftlayer.core.ingest)."""
+    ingest_duplicates: int = 0
+    """Second copies of ingested records an upstream sent again, dropped."""
     open_ranges: int = 0
     """Batch ranges open now: a barrier-mode batch read by reference, one offset range
     per partition, whose records complete with their batch (ftlayer.core.ranges)."""

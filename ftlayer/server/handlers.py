@@ -41,6 +41,7 @@ from ftlayer.wire import (
     decode_fill,
     decode_heartbeat,
     decode_hold,
+    decode_ingest,
     decode_inspect,
     decode_persist,
     decode_register_source,
@@ -99,6 +100,7 @@ class RequestHandlers(ServerState):
             Kind.FILL: self._fill,
             Kind.BATCH_RANGES: self._batch_ranges,
             Kind.SINK_MARK: self._sink_mark,
+            Kind.INGEST: self._ingest,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -213,6 +215,12 @@ class RequestHandlers(ServerState):
         with self._core() as ft:
             replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
         return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
+
+    def _ingest(self, rid: int, frame: Frame) -> bytes:
+        m = decode_ingest(frame)
+        with self._core() as ft:
+            taken = ft.ingest(m.batch).taken
+        return encode_ok(rid, taken)
 
     def _sink_mark(self, rid: int, frame: Frame) -> bytes:
         m = decode_sink_mark(frame)

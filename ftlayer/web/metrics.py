@@ -221,6 +221,8 @@ def _totals(status: Mapping[str, Any]) -> list[Metric]:
         ("ftlayer_xor_events", "xor_events", "XOR events received."),
         ("ftlayer_store_commits", "store_commits", "Write transactions the store committed."),
         ("ftlayer_records_filled", "filled", "Bytes of records stored by reference copied in."),
+        ("ftlayer_records_ingested", "ingested", "Records receivers stored (no replay)."),
+        ("ftlayer_ingest_duplicates", "ingest_duplicates", "Ingested copies dropped."),
         ("ftlayer_barrier_holds_released", "barrier_released", "Barrier holds released."),
         ("ftlayer_dead_letters_delivered", "dead_letters_delivered", "Delivered to a topic."),
         ("ftlayer_dead_letters_purged", "dead_letters_purged", "Dead letters purged."),

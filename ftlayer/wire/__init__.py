@@ -70,6 +70,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x2C | BATCH_RANGES        | utf-8 JSON {"ranges": [[source id, topic, partition, start, |
 |      |                     | end]]}: a barrier-mode batch's offset ranges to open        |
 | 0x2D | SINK_MARK           | utf-8 JSON {"sink": name, "batch": id, "mark": object}      |
+| 0x2E | INGEST              | u32 n, record columns without initial values (below)        |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -184,6 +185,7 @@ from .messages import (
     FetchReplay,
     Fill,
     Heartbeat,
+    Ingest,
     Message,
     Ok,
     Persist,
@@ -213,6 +215,7 @@ from .messages import (
     decode_fill,
     decode_heartbeat,
     decode_hold,
+    decode_ingest,
     decode_inspect,
     decode_inspect_reply,
     decode_mark,
@@ -243,6 +246,7 @@ from .messages import (
     encode_fill,
     encode_heartbeat,
     encode_hold,
+    encode_ingest,
     encode_inspect,
     encode_inspect_reply,
     encode_mark,
@@ -298,6 +302,7 @@ __all__ = [
     "FrameTooLarge",
     "Heartbeat",
     "Hello",
+    "Ingest",
     "Kind",
     "MalformedFrame",
     "Message",
@@ -340,6 +345,7 @@ __all__ = [
     "decode_heartbeat",
     "decode_hello",
     "decode_hold",
+    "decode_ingest",
     "decode_inspect",
     "decode_inspect_reply",
     "decode_mark",
@@ -375,6 +381,7 @@ __all__ = [
     "encode_heartbeat",
     "encode_hello",
     "encode_hold",
+    "encode_ingest",
     "encode_inspect",
     "encode_inspect_reply",
     "encode_mark",

@@ -54,6 +54,7 @@ class Kind(enum.IntEnum):
     FILL = 0x2B
     BATCH_RANGES = 0x2C
     SINK_MARK = 0x2D
+    INGEST = 0x2E
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90

@@ -115,6 +115,7 @@ from .fills import (
     encode_unfilled_list,
 )
 from .frames import Frame, Kind, kind_of
+from .ingest import Ingest, decode_ingest, encode_ingest
 from .marks import (
     SinkMark,
     SinkMarkRequest,
@@ -137,6 +138,7 @@ __all__ = [
     "FetchReplay",
     "Fill",
     "Heartbeat",
+    "Ingest",
     "Message",
     "Ok",
     "Persist",
@@ -166,6 +168,7 @@ __all__ = [
     "decode_fill",
     "decode_heartbeat",
     "decode_hold",
+    "decode_ingest",
     "decode_inspect",
     "decode_inspect_reply",
     "decode_mark",
@@ -196,6 +199,7 @@ __all__ = [
     "encode_fill",
     "encode_heartbeat",
     "encode_hold",
+    "encode_ingest",
     "encode_inspect",
     "encode_inspect_reply",
     "encode_mark",
@@ -246,6 +250,7 @@ Message = (
     | Fill
     | BatchRanges
     | SinkMarkRequest
+    | Ingest
     | SinkMark
     | list[int]
     | ErrorReply
@@ -284,6 +289,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.BATCH_RANGES: decode_batch_ranges,
     Kind.RANGE_NUMBERS: decode_range_numbers,
     Kind.SINK_MARK: decode_sink_mark,
+    Kind.INGEST: decode_ingest,
     Kind.MARK: decode_mark,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,

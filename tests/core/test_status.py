@@ -54,6 +54,8 @@ def _status(**changes: Any) -> dict[str, Any]:
         "retry_waiting": 1,
         "unfilled": 1,
         "filled": 3,
+        "ingested": 0,
+        "ingest_duplicates": 0,
         "open_ranges": 2,
         "dead_lettered": 2,
         "dead_letters": 1,

@@ -138,6 +138,8 @@ _FULL_STATUS: dict[str, Any] = {
             "replay_cursor",
             "xor_events",
             "filled",
+            "ingested",
+            "ingest_duplicates",
             "open_ranges",
             "barrier_released",
             "dead_letters_delivered",
