@@ -50,7 +50,7 @@ stopped server (`--data-dir`) or has a running server save its own store (`--ser
 then --dir is an absolute path on the server's host).
 
 One module per command (`serve`, `status`, `demo`, `bench`, `savepoint`, `deadletters`,
-`inspect`), each with its `add_parser` and `run`; `common` holds what they share. This
+`inspect`, `ingest`), each with its `add_parser` and `run`; `common` holds what they share. This
 module builds the argparse tree and dispatches. Only `demo` and `bench` load the
 harness (ftlayer.integration.harness), and only when they run.
 """
@@ -65,7 +65,7 @@ from typing import Any, Protocol
 from ftlayer import __version__
 from ftlayer.errors import FTLayerError
 
-from . import bench, deadletters, demo, inspect, savepoint, serve, status
+from . import bench, deadletters, demo, ingest, inspect, savepoint, serve, status
 
 __all__ = ["main"]
 
@@ -86,6 +86,7 @@ _COMMANDS: dict[str, _Command] = {
     "savepoint": savepoint,
     "dead-letters": deadletters,
     "inspect": inspect,
+    "ingest": ingest,
     "bench": bench,
 }
 

@@ -1,0 +1,182 @@
+"""Receivers: the FT layer as the write-ahead log of a source that cannot replay.
+
+A receiver takes records from an upstream that cannot seek (NATS core subjects, a
+JetStream consumer, HTTP webhooks), stores them in the FT layer (INGEST,
+ftlayer.core.ingest) and acknowledges them upstream only once the FT layer answered:
+from then on the FT layer's store is their durable copy. Receivers run as processes of
+their own, several per source for scale, each a client of the FT layer; a Spark query
+reads what they stored, in ranges of the FT layer's replay seqs, partitioned by the
+source's replay partitioner.
+
+`Receiver` is the API one builds a receiver on::
+
+    receiver = Receiver("127.0.0.1:7070", "orders", partitions=4)
+    while True:
+        messages = upstream.fetch()                     # take a batch
+        if not receiver.has_room():                     # flow control: leave it there
+            upstream.hold(messages); continue
+        receiver.store([Message(m.key, m.data, identity=m.seq) for m in messages], "orders")
+        upstream.ack(messages)                          # only now
+
+`store` returns once every record is durable in the FT layer (or raises: then nothing
+may be acknowledged upstream, and the upstream sends the records again). A record
+with an `identity` (unique within the upstream named in `store`, such as JetStream's
+stream sequence) is stored once however often it is sent within the FT layer's ingest
+window, so a redelivery after a receiver died between `store` and its ack adds no
+duplicate. `has_room` is flow control: the source's pending records (stored and not
+complete) below `max_pending` (Storm's max.spout.pending).
+
+A record's payload is the ftkafka payload (integration.source.payloads: key, value,
+timestamp, headers), its key hash Kafka's murmur2 of the key (or PySpark's
+portable_hash, for a spark-hash source), so the source's reader decodes it and its
+replay partitioner routes it as a Kafka record's.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from ftlayer.acking.ids import new_ids
+from ftlayer.client import FTClient
+from ftlayer.errors import ConfigError
+from ftlayer.partitioners.key_hashes import kafka_key_hashes, spark_key_hashes
+from ftlayer.records import RecordBatch
+from ftlayer.registration import SourceRegistration
+
+from ..source.payloads import Headers, encode_payloads
+
+__all__ = ["DEFAULT_MAX_PENDING", "Message", "Receiver", "ingest_source_id"]
+
+DEFAULT_MAX_PENDING: Final = 100_000
+_ROOM_CHECK_S: Final = 0.2  # has_room asks the FT layer at most this often
+_PARTITIONERS: Final = ("kafka-hash", "spark-hash", "rebalance")
+
+
+def ingest_source_id(name: str) -> int:
+    """The u32 source id of the source that cannot replay named `name`: the same in
+    every receiver and in the query that reads it (crc32, stable across processes)."""
+    return zlib.crc32(f"{name}\x00ingest".encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One record taken from an upstream: its key and value (None: none), when it was
+    taken (epoch ms; 0: now), its identity upstream (-1: none) and headers."""
+
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int = 0
+    identity: int = -1
+    headers: Headers = field(default_factory=list)
+
+
+class Receiver:
+    """A receiver's link to the FT layer for one source (module docstring)."""
+
+    def __init__(
+        self,
+        address: str,
+        source: str,
+        *,
+        partitions: int,
+        partitioner: str = "kafka-hash",
+        max_pending: int = DEFAULT_MAX_PENDING,
+        token: bytes | None = None,
+        tls_ca: str | None = None,
+        name: str = "receiver",
+    ) -> None:
+        if not source:
+            raise ConfigError("a receiver's source needs a name")
+        if partitions < 1:
+            raise ConfigError(f"partitions must be at least 1, got {partitions}")
+        if partitioner not in _PARTITIONERS:
+            raise ConfigError(f"partitioner must be one of {_PARTITIONERS}, got {partitioner!r}")
+        if max_pending < 1:
+            raise ConfigError(f"max_pending must be at least 1, got {max_pending}")
+        self.source = source
+        self.source_id = ingest_source_id(source)
+        self.partitioner = partitioner
+        self.max_pending = max_pending
+        self._client = FTClient(address, token=token, tls=tls_ca or False, name=name)
+        self._room_at = 0.0
+        self._room = True
+        known = self._client.status().sources.get(str(self.source_id))
+        if known is None:
+            self._client.register_source(
+                SourceRegistration(self.source_id, partitioner, partitions, name=source)
+            )
+        elif (known.get("partitioner"), known.get("num_partitions")) != (partitioner, partitions):
+            raise ConfigError(
+                f"source {source!r} is registered with partitioner "
+                f"{known.get('partitioner')!r} over {known.get('num_partitions')} partitions, "
+                f"not {partitioner!r} over {partitions}: give the same settings everywhere"
+            )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def store(self, messages: Sequence[Message], upstream: str) -> int:
+        """Store `messages` (taken from the upstream named `upstream`, within which
+        their identities are unique) durably in the FT layer; returns how many were new
+        (the others were second copies of records stored within the ingest window).
+        Acknowledge them upstream only after this returned."""
+        if not messages:
+            return 0
+        if self.partitioner == "kafka-hash" and any(m.key is None for m in messages):
+            raise ConfigError(
+                f"source {self.source!r} routes by key (kafka-hash): a message without a "
+                "key cannot be routed; give every message a key, or use the rebalance "
+                "partitioner"
+            )
+        n = len(messages)
+        now_ms = int(time.time() * 1000)
+        keys = [m.key for m in messages]
+        payloads = encode_payloads(
+            keys,
+            [m.value for m in messages],
+            np.array([m.timestamp_ms or now_ms for m in messages], dtype=np.int64),
+            [m.headers for m in messages] if any(m.headers for m in messages) else None,
+        )
+        if self.partitioner == "spark-hash":
+            hashes, has_key = spark_key_hashes(keys), np.ones(n, dtype=np.bool_)
+        else:
+            hashes, has_key = kafka_key_hashes(keys)
+        batch = RecordBatch.build(
+            new_ids(n),
+            payloads,
+            source_ids=self.source_id,
+            key_hashes=hashes,
+            has_key=has_key,
+            topics=upstream,
+            partitions=0,
+            offsets=np.array([m.identity for m in messages], dtype=np.int64),
+        )
+        taken = self._client.ingest(batch)
+        self._room_at = 0.0  # look again before the next batch
+        return taken
+
+    def has_room(self) -> bool:
+        """Whether the source's pending records (stored, not complete) are below
+        `max_pending`: take more from the upstream only then."""
+        now = time.monotonic()
+        if now - self._room_at >= _ROOM_CHECK_S:
+            self._room = self.pending() < self.max_pending
+            self._room_at = now
+        return self._room
+
+    def pending(self) -> int:
+        """The source's records stored and not complete (waiting for its reader, or in
+        a batch)."""
+        return self._client.status().pending_of(self.source_id)
