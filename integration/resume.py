@@ -15,21 +15,25 @@ write everything again. The sink resumes instead:
 2. Each row is written with one more Kafka header, `ftlayer-write`: the write id, the
    Spark partition id and the row's index within the partition (`WriteTag`).
 3. An attempt that is not its task's first (`TaskContext.attemptNumber() > 0`) first
-   reads the topic from the job's start
-   offsets to its current end and collects, for its own write id and partition, each
-   index written with a digest of the row (key, value and the row's own headers;
-   `written_rows`). It then skips every row whose index was written *with the same
-   digest*, and writes the rest. A skipped row counts as written: its write was
-   confirmed by the broker to the dead attempt, so in tree mode it is acked.
+   reads the topic from the job's start offsets to its current end and counts, for its
+   own write id and partition, the rows written by content: a digest of each row's
+   key, value and own headers (`written_rows`). It then skips each row whose content
+   is among them, one row per copy written, wherever the row stands in the partition
+   (`already_written`), and writes the rest. A skipped row counts as written: its
+   write was confirmed by the broker to the dead attempt, so in tree mode it is acked.
 
 What it relies on, and why nothing is lost when that does not hold: the retry skips
-a row only if a record with the same index and the same content (key, value, headers)
-is already in the topic under the same write id and partition, that is, only if the
-row it would write is there. A retry that computes other rows (a non-deterministic
-step, a replay set that differs) differs in the digest and writes them. A speculative
-attempt racing the first one may write a row both write (a duplicate, as without
-resuming). Rows the dead attempt sent but the broker never appended are not in the
-topic, so they are written.
+a row only if a record with the same content (key, value, headers) is in the topic
+under the same write id and partition and no other row of the retry was skipped for
+that record: only if the row it would write is there. So for each content the topic
+ends with as many copies as the retry computed, or as the dead attempt wrote if that
+was more. Matching by content, not by place, keeps a retry that computes other rows
+than the dead attempt did (a record failed on its first sight there and passes now, a
+replay set that differs, a non-deterministic step) from writing again every row
+after the first difference: it writes only the rows the dead attempt did not. A
+speculative attempt racing the first one may write a row both write (a duplicate, as
+without resuming). Rows the dead attempt sent but the broker never appended are not
+in the topic, so they are written.
 
 4. A batch run again after a *driver* restart resumes the same way. With FT on, the
    driver stores its write id and start offsets in the FT layer before the batch
@@ -42,12 +46,12 @@ topic, so they are written.
 What it costs: on the driver one ListOffsets request per batch and, with FT on, one
 SINK_MARK (a synced write in the FT layer); per row a 20-byte header; a retry, and
 each task of a batch run again, reads the topic's records written since its batch
-began (the whole batch's output at most) once. Not covered: with FT off, or when the
-FT layer cannot be reached before the batch writes, a batch run again after a driver
-restart draws a new write id and writes again, as Spark's own Kafka sink does
-(`ft_foreach_batch(..., key=...)` is the exactly-once path for sinks that can
-upsert). Loop sinks (`loop=True`) do not resume: their records carry their attempt's
-roots, which a retry's copy cannot share.
+began (the whole batch's output at most) once and digests each row it would write.
+Not covered: with FT off, or when the FT layer cannot be reached before the batch
+writes, a batch run again after a driver restart draws a new write id and writes
+again, as Spark's own Kafka sink does (`ft_foreach_batch(..., key=...)` is the
+exactly-once path for sinks that can upsert). Loop sinks (`loop=True`) do not
+resume: their records carry their attempt's roots, which a retry's copy cannot share.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import logging
 import os
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
@@ -201,11 +206,11 @@ def written_rows(
     config: Mapping[str, Any],
     *,
     deadline_s: float = 120.0,
-) -> dict[int, bytes]:
-    """Index -> digest of each row written under (`write_id`, `partition`) since
-    `start`, read up to the topic's end offsets at the call. Raises ResumeError when
-    the read does not finish within `deadline_s` (the caller then writes everything:
-    duplicates, never a loss)."""
+) -> Counter[bytes]:
+    """The digests of the rows written under (`write_id`, `partition`) since `start`,
+    each with its number of copies, read up to the topic's end offsets at the call.
+    Raises ResumeError when the read does not finish within `deadline_s` (the caller
+    then writes everything: duplicates, never a loss)."""
     consumer = resume_consumer(bootstrap, config)
     try:
         listed = end_offsets(consumer, topic)
@@ -218,7 +223,7 @@ def written_rows(
         # a broker may list less than it holds (Tansu lists its last batch's base).
         ends: dict[TopicPartition, int | None] = dict.fromkeys(tps)
         todo = set(tps)
-        found: dict[int, bytes] = {}
+        found: Counter[bytes] = Counter()
         limit = time.monotonic() + deadline_s
         while todo:
             if time.monotonic() > limit:
@@ -324,34 +329,40 @@ def resume_point(
 
 def written_before(
     bootstrap: str, topic: str, resume: ResumePoint, partition: int, config: Mapping[str, Any]
-) -> dict[int, bytes]:
-    """What an earlier attempt of this partition wrote ({} if that cannot be read: the
-    retry then writes every row again, duplicates but nothing lost)."""
+) -> Counter[bytes]:
+    """What an earlier attempt of this partition wrote (`written_rows`; nothing if that
+    cannot be read: the retry then writes every row again, duplicates but nothing
+    lost)."""
     try:
         return written_rows(bootstrap, topic, resume.start, resume.write_id, partition, config)
     except ResumeError as exc:
         log.warning("Kafka sink to %r: writing partition %d again: %s", topic, partition, exc)
-        return {}
+        return Counter()
 
 
 def already_written(
-    done: Mapping[int, bytes],
-    first: int,
+    done: Counter[bytes],
     keys: Sequence[bytes | None],
     values: Sequence[bytes | None],
     headers: Sequence[Sequence[tuple[str, bytes | None]]],
 ) -> NDArray[np.bool_] | None:
-    """Which rows (indices `first`, `first` + 1, ...) an earlier attempt wrote with the
-    same content; None if none."""
+    """Which of these rows an earlier attempt wrote: each row whose digest `done` still
+    counts, taking one copy off the count (so a copy is matched once, by this batch of
+    rows or a later one of the same partition); None if none."""
     skip = np.zeros(len(values), dtype=np.bool_)
     for i in range(len(values)):
-        digest = done.get(first + i)
-        if digest is not None and digest == row_digest(keys[i], values[i], headers[i]):
+        digest = row_digest(keys[i], values[i], headers[i])
+        copies = done.get(digest, 0)
+        if copies:
             skip[i] = True
+            if copies == 1:
+                del done[digest]
+            else:
+                done[digest] = copies - 1
     return skip if skip.any() else None
 
 
-def _collect(record: Any, write_id: bytes, partition: int, found: dict[int, bytes]) -> None:
+def _collect(record: Any, write_id: bytes, partition: int, found: Counter[bytes]) -> None:
     tag: WriteTag | None = None
     own: list[tuple[str, bytes | None]] = []
     for name, raw in record.headers or ():
@@ -360,4 +371,4 @@ def _collect(record: Any, write_id: bytes, partition: int, found: dict[int, byte
         else:
             own.append((name, raw))
     if tag is not None and tag.write_id == write_id and tag.partition == partition:
-        found[tag.row] = row_digest(record.key, record.value, own)
+        found[row_digest(record.key, record.value, own)] += 1

@@ -513,7 +513,7 @@ def _kafka_partition(
                     if tags is not None:
                         own = headers or [[] for _ in range(n)]
                         if done:
-                            skip = already_written(done, index, keys, values, own)
+                            skip = already_written(done, keys, values, own)
                         headers = [[*kept, tag] for kept, tag in zip(own, tags, strict=True)]
                     confirmed, error = _send_unless(
                         producer, topic, keys, values, wait_s, headers, skip

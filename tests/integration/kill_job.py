@@ -17,9 +17,14 @@ Python worker at once, which is what "the driver dies" means on one machine. Spa
 scratch files and temporary directories go under `--workdir`, so a killed driver
 leaves none in /tmp.
 
-Once the query has started it prints one JSON line: its pid and how many seconds Spark
-(`spark_s`) and the query (`started_s`) took to start. It runs until it is killed; if
-the query dies, it exits 1 with the query's exception on stderr.
+Once the query has started it prints one JSON line: its pid, how many seconds Spark
+(`spark_s`) and the query (`started_s`) took to start, and the wall-clock times
+(`time.time()`) of its own start (`began_at`), of the SparkSession's (`spark_at`) and
+of the query's (`started_at`). Then, for each batch that took in records, one line
+`{"batch": ID, "at": T, "rows": N, "duration_ms": {...}}` once its progress is
+reported (`at`: the wall-clock time the job saw it; `duration_ms`: Spark's phases of
+the trigger). It runs until it is killed; if the query dies, it exits 1 with the
+query's exception on stderr.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ftlayer.integration.tasks import FTTasks
 MASTER = "local[2,4]"
 OUTPUT_PREFIX = b"out-"
 OUTPUT_SCHEMA = "key binary, value binary"
+PROGRESS_POLL_S = 0.1
 
 
 def tag(row: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +70,7 @@ def main() -> int:
     parser.add_argument("--ft-reconnect-ms", type=int, default=30_000)
     args = parser.parse_args()
 
-    began = time.monotonic()
+    began, began_at = time.monotonic(), time.time()
     workdir = Path(args.workdir)
     scratch = workdir / "spark-local"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -79,7 +85,7 @@ def main() -> int:
         conf={"spark.local.dir": str(scratch)},
         fast_start=True,
     )
-    spark_s = round(time.monotonic() - began, 1)
+    spark_s, spark_at = round(time.monotonic() - began, 1), time.time()
     register(spark)
     settings = FTSettings(args.ft_address)
     tasks = FTTasks(settings)
@@ -101,9 +107,21 @@ def main() -> int:
         .start()
     )
     started_s = round(time.monotonic() - began, 1)
-    print(json.dumps({"pid": os.getpid(), "spark_s": spark_s, "started_s": started_s}), flush=True)
+    started = {"pid": os.getpid(), "spark_s": spark_s, "started_s": started_s}
+    started |= {"began_at": began_at, "spark_at": spark_at, "started_at": time.time()}
+    print(json.dumps(started), flush=True)
+    reported: set[int] = set()
     try:
-        query.awaitTermination()  # raises StreamingQueryException if the query failed
+        # awaitTermination raises StreamingQueryException if the query failed.
+        # A batch's progress stays the last one until the next batch ends, hundreds of
+        # milliseconds later at least: polling every PROGRESS_POLL_S sees every batch.
+        while not query.awaitTermination(PROGRESS_POLL_S):
+            progress = query.lastProgress
+            if progress and progress["numInputRows"] and progress["batchId"] not in reported:
+                reported.add(progress["batchId"])
+                line = {"batch": progress["batchId"], "at": time.time()}
+                line |= {"rows": progress["numInputRows"], "duration_ms": progress["durationMs"]}
+                print(json.dumps(line), flush=True)
     except Exception as exc:
         print(f"the streaming query failed: {exc}", file=sys.stderr, flush=True)
         return 1

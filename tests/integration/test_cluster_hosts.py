@@ -56,6 +56,25 @@ flight when an attempt failed are written twice that way.
   exponentially, so it may come many seconds after the link is up (the cut host's
   own side, whose sends fail at once for want of a neighbour, retries every few
   seconds).
+- The driver dies, and a supervisor starts it again: a thread of the test process
+  (outside the driver host, as systemd's Restart=always or a Kubernetes controller
+  would be) that starts `cluster_job.py` on the driver host again whenever it exits,
+  on the query's checkpoint. `host`: once the sink writes rows of a batch Spark has
+  not committed, every process on the driver host is SIGKILLed (the driver's Python
+  and JVM, Spark's Python planner process and workers); Spark runs that batch again
+  after the restart, and the sink resumes it: its write id and start offsets were kept
+  in the FT layer before it wrote, and every task of the run again reads back and
+  skips, by content, the rows the dead run wrote (integration/resume.py). `planner`:
+  only Spark's Python planner process on the driver is SIGKILLed while a batch runs
+  (`PLANNER`: it runs the ftkafka source's reader, its offsets, barriers, commits and
+  heartbeats); Spark does not start it again, so the query fails at its next call to
+  it and the job exits (code 1); the supervisor starts it again. Bound: ceil(|B| / 100)
+  + R. A row is written twice only if it was in flight at the kill (sent by the dead
+  run, appended after the run again read back: at most 1 % of B, the design's share),
+  or if its record is replayed (R, which also counts the replays the dead driver's
+  last batch held and that timed out while the driver was down: the tree timeout
+  here, 10 s, is shorter than a restart). The figures count from the kill, with the
+  seconds until the supervisor found the driver dead and until its query ran again.
 - A worker host dies (last: it leaves the cluster one worker short): once the second
   worker's executor is in the middle of a task (the driver's status tracker says so),
   every process on that host is SIGKILLed (worker, executor, PySpark daemon and
@@ -71,8 +90,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -84,13 +105,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import NetnsHosts, unavailable
+from netns import NetnsHost, NetnsHosts, unavailable
 
 from ftlayer.client import FTClient
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demo import event, passes_filter, source_options
 from ftlayer.integration.harness.ftprocess import FTServerProcess
-from ftlayer.integration.harness.kafka import create_topic, produce, read_all
+from ftlayer.integration.harness.kafka import create_topic, end_offsets, produce, read_all
 from ftlayer.integration.harness.pki import ServerFiles, make_server_files
 from ftlayer.integration.harness.standalone import StandaloneCluster
 from ftlayer.status import Status
@@ -111,6 +132,15 @@ CUT_S = 30.0
 """How long a worker host's link stays down."""
 CUT_HOST = "worker1"
 JOB = Path(__file__).with_name("cluster_job.py")
+PLANNER = "pyspark.sql.streaming.python_streaming_source_runner"
+"""The module Spark runs, on the driver, as the Python process that plans the ftkafka
+source's batches (its DataSourceStreamReader: initialOffset, latestOffset, partitions,
+commit; and the source's heartbeats)."""
+SUPERVISE_S = 0.2
+"""How often the supervisor looks whether the driver still runs."""
+IN_FLIGHT_SHARE = 0.01
+"""A driver's death: its rows in flight, written again by the batch's run again, are at
+most this share of the batches in flight (module docstring)."""
 LOST_EXECUTOR = "Lost executor"
 LOST_TASK = "its executor exited for a reason unrelated to the task"
 """What Spark's TaskSetManager logs of a task lost with its executor (it runs it again)."""
@@ -340,8 +370,9 @@ class Stream:
         self.started = self.driver.started()
 
     def ensure_running(self) -> None:
-        """Start the driver again on the query's checkpoint if an earlier case left it
-        dead, so that each case's verdict is its own."""
+        """Start the driver again on the query's checkpoint if it is dead (an earlier
+        case left it so, or the `Supervisor` found it so), first killing what is left
+        of it on its host."""
         if self.driver.proc.poll() is None:
             return
         self.driver.stop()
@@ -399,6 +430,67 @@ def stream(parts: Parts) -> Iterator[Stream]:
         yield made
     finally:
         made.driver.stop()
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart by the supervisor: the dead driver's exit code, and the seconds
+    (time.monotonic()) when it was found dead and when its query ran again."""
+
+    exit_code: int
+    found_at: float
+    running_at: float
+
+
+class Supervisor:
+    """Starts the driver again, on the driver host, whenever it exits, as systemd's
+    Restart=always or a Kubernetes controller would: a thread of the test process,
+    outside the driver host, that looks every SUPERVISE_S seconds and starts it on the
+    query's checkpoint (`Stream.ensure_running`, which first kills what is left of the
+    dead driver on its host). A context manager; a start that failed is raised at its
+    exit."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.restarts: list[Restart] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="driver-supervisor", daemon=True)
+
+    def __enter__(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(180)
+        if self.error is not None and exc[0] is None:
+            raise AssertionError(f"the supervisor could not start the driver: {self.error}")
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(SUPERVISE_S):
+                code = self.stream.driver.proc.poll()
+                if code is None:
+                    continue
+                found_at = time.monotonic()
+                self.stream.ensure_running()
+                self.restarts.append(Restart(code, found_at, time.monotonic()))
+        except BaseException as exc:  # raised by __exit__
+            self.error = exc
+
+    def check(self) -> None:
+        """Fail at once if a start failed."""
+        assert self.error is None, f"the supervisor could not start the driver: {self.error}"
+
+
+def planner_of(host: NetnsHost) -> int:
+    """The pid of the driver's Python planner process (PLANNER) on `host`."""
+    for pid in host.pids():
+        with contextlib.suppress(OSError):
+            if PLANNER in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                return pid
+    raise AssertionError(f"no {PLANNER} process on host {host.name}")
 
 
 def wait_status(
@@ -557,6 +649,90 @@ def test_a_worker_hosts_link_is_cut_for_30_s_and_the_query_rides_it_out(
     report("worker host cut off", figures, record_property)
     # The cut cost no executor: Spark's timeouts are longer than the cut.
     assert LOST_EXECUTOR not in spark_log, spark_log[-3000:]
+    assert_outcome(outcome, bound, figures)
+
+
+def writing(stream: Stream, timeout: float = 120.0) -> int:
+    """Wait until the sink writes rows of a batch that Spark has not committed yet (the
+    output topic grew since its last commit was seen); the output topic's records
+    then."""
+    deadline = time.monotonic() + timeout
+    committed, before = -2, 0
+    while True:
+        now = sum(end_offsets(stream.parts.broker.bootstrap, SINK_TOPIC).values())
+        batch = stream.driver.committed()
+        if batch == committed and now > before:
+            return now
+        committed, before = batch, now
+        assert time.monotonic() < deadline, f"no batch wrote within {timeout:g} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("what", ["host", "planner"])
+def test_the_driver_dies_and_its_supervisor_starts_it_again_losing_nothing(
+    what: str, parts: Parts, stream: Stream, record_property: Callable[[str, object], None]
+) -> None:
+    stream.ensure_running()
+    host = parts.hosts["driver"]
+    case = stream.produce(RECORDS)
+    at_start = status(parts)
+    flowing(stream)
+    with Supervisor(stream) as supervisor:
+
+        def after(condition: Callable[[Status], bool]) -> Callable[[Status], bool]:
+            return lambda s: supervisor.check() is None and condition(s)
+
+        written = writing(stream) if what == "host" else None
+        committed_at_kill = stream.driver.committed()
+        at_kill = status(parts)
+        killed_at = time.monotonic()
+        if what == "host":
+            killed = host.kill_all()
+        else:
+            os.kill(planner_of(host), signal.SIGKILL)
+            killed = 1
+        batches, in_flight = stream.in_flight(committed_at_kill)
+        wait_status(
+            parts,
+            "completion after the kill",
+            after(lambda s: s.completed > at_kill.completed),
+            timeout=180,
+        )
+        first_completion_s = time.monotonic() - killed_at
+        final = wait_status(
+            parts, "completion of every tree", after(lambda s: stream.settled(s, case)), 180
+        )
+        all_complete_s = time.monotonic() - killed_at
+    stream.driver.check()
+    outcome = stream.outcome(case)
+    replays = final.replayed - at_start.replayed
+    bound = math.ceil(in_flight * IN_FLIGHT_SHARE) + replays
+    restarts = supervisor.restarts
+    figures = {
+        "records": RECORDS,
+        "killed": what,
+        "processes_killed": killed,
+        "output_records_at_kill": written,
+        "driver_restarts": len(restarts),
+        "driver_exit_code": restarts[0].exit_code if restarts else None,
+        "driver_found_dead_s": round(restarts[0].found_at - killed_at, 1) if restarts else None,
+        "query_running_again_s": (
+            round(restarts[0].running_at - killed_at, 1) if restarts else None
+        ),
+        "lost": len(outcome.lost),
+        "duplicates_at_sink": outcome.duplicates,
+        "duplicate_bound": bound,
+        "batches_in_flight": len(batches),
+        "records_in_flight": in_flight,
+        "replays": replays,
+        "timed_out": final.failed.get("timeout", 0) - at_start.failed.get("timeout", 0),
+        "first_completion_after_kill_s": round(first_completion_s, 1),
+        "all_complete_after_kill_s": round(all_complete_s, 1),
+    }
+    report(f"driver killed ({what})", figures, record_property)
+    # The driver died (the planner's death fails the query, which ends the job), and
+    # the supervisor started it once.
+    assert len(restarts) == 1, figures
     assert_outcome(outcome, bound, figures)
 
 

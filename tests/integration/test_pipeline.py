@@ -392,7 +392,9 @@ class DriverDiesAfterWriting:
             raise RuntimeError("the driver dies after the batch wrote")
 
 
+@pytest.mark.parametrize("flaky", [False, True], ids=["deterministic", "flaky"])
 def test_a_batch_run_again_after_a_driver_restart_resumes_its_writes(
+    flaky: bool,
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
@@ -406,10 +408,22 @@ def test_a_batch_run_again_after_a_driver_restart_resumes_its_writes(
     of the run again reads back and skips the rows the dead run wrote
     (integration.resume): no duplicate. Without the mark the run again drew a new write
     id and wrote the batch again (measured: 2,907 duplicates of the 2,907 rows the
-    dead run wrote)."""
+    dead run wrote).
+
+    `flaky`: the demo's enrich fails 1 % of the events on their first sight, so the
+    run again computes rows the dead run did not (those events pass now), and every
+    row after such an event stands one place further on in its partition. The run
+    again matches the dead run's rows by content, not by place: it skips every one of
+    them and writes only the events that failed in the dead run. Each of those may be
+    written once more by the replay of its failed root: duplicates <= the events the
+    dead run failed. (Matched by place, the run again skipped 357 of the 2,885 rows
+    the dead run wrote and wrote 2,528 duplicates.)"""
     server = start_server(None, "--tree-timeout-s", "120")
     topics = make_topic(2), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
+    flaky_dir = tmp_path / "flaky"
+    flaky_dir.mkdir()
+    enrich = make_enrich(str(flaky_dir), FAIL_RATE) if flaky else RELIABLE_ENRICH
     dying: list[DriverDiesAfterWriting] = []
 
     def wrap(sink: Any) -> DriverDiesAfterWriting:
@@ -418,30 +432,33 @@ def test_a_batch_run_again_after_a_driver_restart_resumes_its_writes(
         return dying[-1]
 
     query, _ = start_pipeline(
-        spark, kafka_bootstrap, topics, server, tmp_path / "cp", RELIABLE_ENRICH, wrap_sink=wrap
+        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich, wrap_sink=wrap
     )
     with pytest.raises(StreamingQueryException, match="the driver dies"):
         query.awaitTermination(SETTLE_S)
     died = dying[0].results[-1]
     written = died.acked
+    failed_by_dead_run = len(list(flaky_dir.iterdir()))
     assert written > 0 and died.skipped == 0
+    assert failed_by_dead_run >= 10 if flaky else failed_by_dead_run == 0
     committed = {p.name for p in (tmp_path / "cp" / "commits").iterdir() if p.name.isdigit()}
     assert str(died.epoch_id) not in committed, "the batch the driver died in was committed"
 
     query, _ = start_pipeline(
-        spark, kafka_bootstrap, topics, server, tmp_path / "cp", RELIABLE_ENRICH, wrap_sink=wrap
+        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich, wrap_sink=wrap
     )
     status = run_until_settled(query, server, topics[0])
     again = next(r for r in dying[1].results if r.epoch_id == died.epoch_id)
     found = output_ids(kafka_bootstrap, topics[1])
     duplicates = len(found) - len(set(found))
     print(
-        f"driver died after batch {died.epoch_id} wrote {written} rows: the run again "
-        f"skipped {again.skipped}, duplicates {duplicates} of {N}"
+        f"driver died after batch {died.epoch_id} wrote {written} rows "
+        f"({failed_by_dead_run} events failed): the run again skipped {again.skipped} "
+        f"and wrote {again.acked - again.skipped}, duplicates {duplicates} of {N}"
     )
     assert set(found) == expected_ids(N), "records lost or invented"
     assert again.skipped == written, "the run again did not resume the dead run's writes"
-    assert duplicates == 0, f"{duplicates} duplicates of {N}"
+    assert duplicates <= failed_by_dead_run, f"{duplicates} duplicates of {N}"
     assert status["pending"] == 0
     assert status["requests"]["SINK_MARK"]["count"] >= 2
 

@@ -31,14 +31,20 @@ batches Spark had logged but not committed at the kill (from the checkpoint:
 and end offsets plus the width of its replay seq range, which bounds the replays it
 took in). Then per kill:
 
-- driver: a record of B is written at most three times: by the dead run, by the re-run
-  of its batch (under fresh roots), and by the replay of the dead run's root, which
-  happens only if that root was pending at the kill and timed out before the re-run's
-  copy was pending too (the job runs in barrier mode, where a root that times out under
-  a newer copy of its record retires: ftlayer.core.takeover). A record outside B
-  belongs to a committed batch: its tree completed before Spark committed the batch.
-  Bound: |B| + P, P = the FT layer's `pending` read right after the kill (which also
-  counts replays waiting in the queue: it only loosens the bound).
+- driver: Spark runs the batches of B again after the restart, under the same batch
+  ids, and `ft_kafka_sink` resumes them (integration/resume.py): before a batch
+  writes, its write id and start offsets are kept in the FT layer (SINK_MARK), and
+  every task of the run again reads back what the dead run wrote under them and skips
+  those rows by content. A row is then written twice only if it was in flight at the
+  kill (sent by the dead run and appended by the broker after the run again had read
+  back; the design allows at most 1 % of B), or if its record is replayed: a root of
+  the dead run that timed out before the run again took its record in (each replay
+  writes once more; R_k, the records that entered the replay queue from this kill to
+  the next, or to the end). A record outside B belongs to a committed batch: its tree
+  completed before Spark committed the batch. Bound: ceil(|B| / 100) + R_k.
+  (P, the FT layer's `pending` right after the kill, is printed: the dead run's held
+  roots, which the run again releases or, after a restart longer than the tree
+  timeout, replays, and which R_k counts then.)
 - ft-layer: the restarted server restores from its acker journal (ftlayer.core.journal)
   every tree the journal knows, as it was, and replays under a new root (its
   `failed.recovery`, R) only the records whose journal write died with the process:
@@ -57,8 +63,23 @@ took in). Then per kill:
   they are requeued without a copy, which only loosens the bound.
 
 A test asserts its duplicates <= the sum of its kills' bounds and prints every figure
-(run with ``-s``). A root in flight at two kills is counted at both: the sum is an
-upper bound, not an estimate.
+(run with ``-s``), and records each kill's as a test property (`kill_<n>`): the records
+in flight, the duplicates among them, the replays and the bound. A root in flight at
+two kills is counted at both: the sum is an upper bound, not an estimate.
+
+## The stall after a driver kill
+
+A thread reads the FT layer's `completed` counter every 0.1 s, and the job prints when
+its Python, its SparkSession and its query started, and each batch's progress
+(kill_job.py). Each driver kill's stall is split by phase (`stall_phases`): the
+restart (the test waits for the dead processes), the process start, the JVM and
+SparkSession, the query's restart from its checkpoint, its first batch (the batch
+run again, with Spark's phases of that trigger), and the first completion of a tree.
+All but the last are Spark's and Python's start-up, the first batch's mostly its
+Python workers' imports; the FT layer's part of them is its requests. The last is
+the FT layer's: the test asserts trees complete again at most FT_WAIT_S (10 s)
+after the restarted query's first batch, so no lease, timeout or reconnect of the
+FT layer's holds them longer.
 
 These tests found that a Python worker idle at an FT-layer kill kept its dead
 connection and failed its first persist or XOR after the restart, so that tasks of
@@ -86,6 +107,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import random
 import signal
@@ -104,6 +126,7 @@ import pytest
 from kafka import KafkaProducer
 
 from ftlayer.client import FTClient
+from ftlayer.errors import FTLayerError
 from ftlayer.integration.harness.broker import free_port
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.harness.kafka import create_topic, read_all, wait_until
@@ -123,6 +146,13 @@ PERSISTING_KILLS = 0.6
 FT_DOWN_S = (0.0, 1.0)
 START_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 150.0
+SAMPLE_S = 0.1
+IN_FLIGHT_SHARE = 0.01
+"""A driver kill's rows in flight, written again by the batch's run again: at most this
+share of the batches in flight (module docstring)."""
+FT_WAIT_S = 10.0
+"""After a driver kill, trees complete again at most this long after the restarted
+query's first batch: no wait of the FT layer's (a lease, a timeout) is longer."""
 OUTPUT_PREFIX = b"out-"
 JOB = Path(__file__).with_name("kill_job.py")
 
@@ -170,6 +200,17 @@ class Checkpoint:
             return 0
         kafka = self.end_offset(batch)["kafka"]
         return sum(int(o) for partitions in kafka.values() for o in partitions.values())
+
+    def kafka_ranges(self, batch: int) -> list[tuple[int, int, int]]:
+        """The Kafka records `batch` takes in, as (partition, start, end) of its one
+        topic."""
+        end = self.end_offset(batch)["kafka"]
+        start = self.end_offset(batch - 1)["kafka"] if batch > 0 else {}
+        return [
+            (int(p), int(start.get(topic, {}).get(p, 0)), int(o))
+            for topic, partitions in end.items()
+            for p, o in partitions.items()
+        ]
 
     def records_of(self, batch: int) -> int:
         """An upper bound of the records `batch` takes in: its Kafka records and the
@@ -286,6 +327,15 @@ class Job:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def reports(self) -> list[dict[str, Any]]:
+        """The JSON lines the job's runs printed so far (kill_job.py's docstring), in
+        order; a line a kill cut short is left out."""
+        found = []
+        for line in self.stdout.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                found.append(json.loads(line))
+        return found
+
     def check(self) -> None:
         """Raise if the job exited: its query died."""
         assert self.proc is not None
@@ -314,6 +364,7 @@ class Stream:
     """The job, its FT layer and its topics, shared by the tests of this module."""
 
     bootstrap: str
+    source_topic: str
     sink_topic: str
     server: FTServerProcess
     job: Job
@@ -350,7 +401,7 @@ def start_stream(bootstrap: str, workdir: Path) -> Stream:
     job.start()
     client = FTClient(server.address, name="test-recovery-kills")
     feeder = Feeder(bootstrap, source_topic)
-    return Stream(bootstrap, sink_topic, server, job, checkpoint, feeder, client)
+    return Stream(bootstrap, source_topic, sink_topic, server, job, checkpoint, feeder, client)
 
 
 def stop_stream(stream: Stream) -> None:
@@ -383,6 +434,42 @@ def streams(
         stop_stream(current[0])
 
 
+class Completions:
+    """The FT layer's `completed` counter against the wall clock: a thread with a client
+    of its own reads it every SAMPLE_S seconds while started (reads that fail while the
+    server is down are skipped)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kill-test-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+
+    def _run(self) -> None:
+        with FTClient(self.address, name="test-recovery-kills-sampler", reconnect_s=1.0) as client:
+            while not self._stop.wait(SAMPLE_S):
+                with contextlib.suppress(FTLayerError, OSError):
+                    self.samples.append((time.time(), int(client.status()["completed"])))
+
+    def first_after(self, at: float) -> float | None:
+        """The wall-clock time of the first sample after `at` whose count is above the
+        last one read by `at`; None if there is none yet."""
+        before = [n for t, n in self.samples if t <= at]
+        base = before[-1] if before else 0
+        return next((t for t, n in self.samples if t > at and n > base), None)
+
+
 # ---- kills ---------------------------------------------------------------------------------
 
 
@@ -390,6 +477,7 @@ def streams(
 class KillRecord:
     """What was in flight at one kill, and the copies it may add (module docstring)."""
 
+    kind: str
     when: str
     delay_s: float
     uncommitted: list[int]
@@ -401,9 +489,26 @@ class KillRecord:
     timed_out: int = 0
     """Roots the FT layer failed by timeout since its last restart, read right before
     it was killed (0 when it was not killed)."""
+    killed_at: float = 0.0
+    """Wall-clock time of the kill."""
+    restarted_at: float = 0.0
+    """Wall-clock time the killed job was started again (0 when it was not killed)."""
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    """The Kafka records of the batches in flight (partition, start, end)."""
+    replayed_at_kill: int = 0
+    """The FT layer's `replayed` counter right before the kill."""
+    replays: int = 0
+    """Driver kills: the records that entered the replay queue from this kill until the
+    next one (or the end): each may be written once more."""
+    duplicates: int = 0
+    """Duplicates at the sink of the Kafka records of the batches in flight."""
+    phases: dict[str, Any] = field(default_factory=dict)
+    """The stall after a driver kill, by phase (`stall_phases`)."""
 
     @property
     def bound(self) -> int:
+        if self.kind == "driver":
+            return math.ceil(self.batch_records * IN_FLIGHT_SHARE) + self.replays
         return self.batch_records + self.pending_after + self.recovered + self.timed_out
 
 
@@ -469,7 +574,9 @@ def kill_and_restart(run: Run, rng: random.Random, stream: Stream, marks: Marks)
     time.sleep(delay)
     job.check()
     committed = checkpoint.committed()
-    timed_out = int(stream.client.status()["failed"]["timeout"]) - marks.timed_out if ft else 0
+    before = stream.client.status()
+    timed_out = int(before["failed"]["timeout"]) - marks.timed_out if ft else 0
+    killed_at = time.time()
     if driver and ft:  # both SIGKILLs sent back to back, in a random order
         server_pid = stream.server.pid
         assert server_pid is not None
@@ -483,11 +590,15 @@ def kill_and_restart(run: Run, rng: random.Random, stream: Stream, marks: Marks)
         stream.server.kill()
     uncommitted = checkpoint.uncommitted_since(committed)
     record = KillRecord(
+        run.kind,
         when,
         round(delay, 2),
         uncommitted,
         sum(checkpoint.records_of(b) for b in uncommitted),
         timed_out=timed_out,
+        killed_at=killed_at,
+        ranges=[r for b in uncommitted for r in checkpoint.kafka_ranges(b)],
+        replayed_at_kill=int(before["replayed"]),
     )
     if ft:
         time.sleep(rng.uniform(*FT_DOWN_S))
@@ -499,6 +610,7 @@ def kill_and_restart(run: Run, rng: random.Random, stream: Stream, marks: Marks)
         record.pending_after = int(stream.client.status()["pending"])
     marks = marks_of(stream)
     if driver:
+        record.restarted_at = time.time()
         job.start()
     run.kills.append(record)
     print(
@@ -507,6 +619,38 @@ def kill_and_restart(run: Run, rng: random.Random, stream: Stream, marks: Marks)
         flush=True,
     )
     return marks
+
+
+def stall_phases(
+    kill: KillRecord, reports: list[dict[str, Any]], completions: Completions, until: float
+) -> dict[str, Any]:
+    """The stall after a driver kill, by phase, in seconds: `restart_s` from the kill
+    until the job was started again (the test waits for its processes to be gone);
+    `process_s` until its Python ran (`began_at`); `session_s` until its SparkSession
+    was up (the JVM); `query_s` until its query was started from the checkpoint;
+    `first_batch_s` until Spark reported the first batch that took in records (the
+    batch run again), with Spark's phases of that trigger (`first_batch_ms`);
+    `first_completion_s` until the FT layer's `completed` grew; `stall_s` from the kill
+    to that completion. A phase that did not end before `until` (the next kill) is
+    left out."""
+    phases: dict[str, Any] = {"restart_s": round(kill.restarted_at - kill.killed_at, 1)}
+    start = next((r for r in reports if r.get("began_at", 0) >= kill.restarted_at), None)
+    if start is None or start["started_at"] > until:
+        return phases
+    phases["process_s"] = round(start["began_at"] - kill.restarted_at, 1)
+    phases["session_s"] = round(start["spark_at"] - start["began_at"], 1)
+    phases["query_s"] = round(start["started_at"] - start["spark_at"], 1)
+    batch = next((r for r in reports if "batch" in r and r["at"] >= start["started_at"]), None)
+    if batch is None or batch["at"] > until:
+        return phases
+    phases["first_batch_s"] = round(batch["at"] - start["started_at"], 1)
+    phases["first_batch_ms"] = batch["duration_ms"]
+    completed = completions.first_after(start["began_at"])
+    if completed is None or completed > until:
+        return phases
+    phases["first_completion_s"] = round(completed - batch["at"], 1)
+    phases["stall_s"] = round(completed - kill.killed_at, 1)
+    return phases
 
 
 def wait_settled(stream: Stream, produced: int) -> dict[str, Any]:
@@ -538,12 +682,17 @@ def seed() -> int:
 
 @pytest.mark.parametrize("kind", ["ft-layer", "driver", "both"])
 def test_kills_lose_nothing_and_duplicate_only_what_was_in_flight(
-    kind: str, seed: int, streams: Callable[[], Stream]
+    kind: str,
+    seed: int,
+    streams: Callable[[], Stream],
+    record_property: Callable[[str, object], None],
 ) -> None:
     run = Run(kind, seed)
     print(f"\n{run.note()}", flush=True)
     stream = streams()
     rng = random.Random(seed)
+    completions = Completions(stream.server.address)
+    completions.start()
     try:
         marks = marks_of(stream)
         stream.feeder.start()
@@ -555,9 +704,12 @@ def test_kills_lose_nothing_and_duplicate_only_what_was_in_flight(
         produced = stream.feeder.stop()
         status = wait_settled(stream, produced)
         outputs = [r.value for r in read_all(stream.bootstrap, stream.sink_topic, timeout=60)]
+        inputs = read_all(stream.bootstrap, stream.source_topic, timeout=60)
     except BaseException as exc:
         exc.add_note(run.note())
         raise
+    finally:
+        completions.stop()
 
     counts = Counter(outputs)
     expected = {OUTPUT_PREFIX + value_of(i) for i in range(produced)}
@@ -566,13 +718,37 @@ def test_kills_lose_nothing_and_duplicate_only_what_was_in_flight(
     duplicates = len(outputs) - len(counts) - stream.duplicates
     stream.duplicates += duplicates
     stream.settled = True
+    value_at = {(r.partition, r.offset): r.value for r in inputs}
+    reports = stream.job.reports()
+    for i, k in enumerate(run.kills):
+        following = run.kills[i + 1] if i + 1 < len(run.kills) else None
+        if kind == "driver":  # the FT layer's counters run on: it is not restarted
+            k.replays = int(following.replayed_at_kill if following else status["replayed"])
+            k.replays -= k.replayed_at_kill
+        in_flight = {value_at.get((p, o)) for p, start, end in k.ranges for o in range(start, end)}
+        k.duplicates = sum(max(0, counts[OUTPUT_PREFIX + v] - 1) for v in in_flight if v)
+        if k.restarted_at:
+            until = following.killed_at if following else math.inf
+            k.phases = stall_phases(k, reports, completions, until)
+        figures = {
+            "in_flight": k.batch_records,
+            "duplicates": k.duplicates,
+            "replays": k.replays,
+            "bound": k.bound,
+            **k.phases,
+        }
+        record_property(f"kill_{i + 1}", json.dumps(figures))
+        print(f"  kill {i + 1} ({k.when}): {json.dumps(figures)}", flush=True)
     # F of the last restarted FT layer (ft-layer, both): its timeouts up to now.
     timed_out = int(status["failed"]["timeout"]) - marks.timed_out if kind != "driver" else 0
     bound = sum(k.bound for k in run.kills) + timed_out
+    record_property("duplicates", duplicates)
+    record_property("duplicate_bound", bound)
     print(
         f"  {kind}: produced {produced} in all, lost {lost}, duplicates {duplicates}, "
         f"bound {bound} (batch records {sum(k.batch_records for k in run.kills)}, "
         f"pending {sum(k.pending_after for k in run.kills)}, "
+        f"replays {sum(k.replays for k in run.kills)}, "
         f"recovered {sum(k.recovered for k in run.kills)}, "
         f"timed out {sum(k.timed_out for k in run.kills) + timed_out}); at the end failed "
         f"{status['failed']}; {time.monotonic() - run.began:.0f} s",
@@ -590,3 +766,9 @@ def test_kills_lose_nothing_and_duplicate_only_what_was_in_flight(
         f"{duplicates} duplicates, more than the {bound} the kills explain: "
         f"{[(k.uncommitted, k.bound) for k in run.kills]}; {note}"
     )
+    for k in run.kills:  # no wait of the FT layer's in the stall after a driver kill
+        ft_wait = k.phases.get("first_completion_s", 0.0)
+        assert ft_wait <= FT_WAIT_S, (
+            f"trees completed again {ft_wait} s after the first batch of the restarted "
+            f"query: {k.phases}; {note}"
+        )

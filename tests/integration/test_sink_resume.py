@@ -3,10 +3,12 @@
 The whole path (a sink writer killed mid-partition, Spark's retry skipping what it
 wrote) is test_pipeline.py's `test_a_sink_writer_killed_mid_partition_is_resumed_...`;
 these pin the parts it stands on: which records count as written by a partition of a
-write job, and when two rows count as the same.
+write job, when two rows count as the same, and which rows a retry skips.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from fixture_types import MakeTopic
@@ -18,6 +20,7 @@ from ftlayer.integration.resume import (
     WRITE_HEADER,
     ResumeError,
     WriteTag,
+    already_written,
     end_offsets,
     resume_consumer,
     row_digest,
@@ -48,6 +51,34 @@ def test_a_tag_is_its_prefix_and_index_and_decodes_back(
     assert WriteTag.decode(tag.encode()[:-1]) is None
 
 
+# A partition's rows as (key, value): few distinct contents, so that rows repeat.
+partition_rows = st.lists(st.tuples(st.sampled_from([b"a", b"b"]), st.sampled_from([b"1", b"2"])))
+
+
+@given(partition_rows, st.data())
+def test_a_retry_skips_each_row_the_dead_attempt_wrote_once_wherever_it_stands(
+    dead: list[tuple[bytes, bytes]], data: st.DataObject
+) -> None:
+    """The dead attempt computed `dead` and wrote a prefix of it; the retry computes
+    other rows (some dropped, some added, reordered) and sends them in pieces. For
+    each content, the topic then holds as many copies as the retry computed, or as the
+    dead attempt wrote if that was more: nothing lost, nothing written twice."""
+    wrote = dead[: data.draw(st.integers(0, len(dead)))]
+    kept = data.draw(st.lists(st.sampled_from(dead))) if dead else []
+    retry = data.draw(st.permutations(kept + data.draw(partition_rows)))
+    done = Counter(row_digest(k, v) for k, v in wrote)
+    sent: list[tuple[bytes, bytes]] = []
+    cut = data.draw(st.integers(0, len(retry)))
+    for piece in (retry[:cut], retry[cut:]):
+        keys, values = [k for k, _ in piece], [v for _, v in piece]
+        skip = already_written(done, keys, values, [[] for _ in piece])
+        sent += [row for i, row in enumerate(piece) if skip is None or not skip[i]]
+    before, computed = Counter(wrote), Counter(retry)
+    topic = before + Counter(sent)
+    for row in computed.keys() | before.keys():
+        assert topic[row] == max(computed[row], before[row])
+
+
 def test_written_rows_are_those_of_one_partition_of_one_write_after_the_start(
     kafka_bootstrap: str, make_topic: MakeTopic
 ) -> None:
@@ -75,8 +106,8 @@ def test_written_rows_are_those_of_one_partition_of_one_write_after_the_start(
     producer.close()
 
     found = written_rows(kafka_bootstrap, topic, start, mine, 0, {})
-    assert found == {i: row_digest(b"k%d" % i, b"v%d" % i) for i in range(5)}
-    assert written_rows(kafka_bootstrap, topic, start, b"C" * 8, 0, {}) == {}
+    assert found == Counter(row_digest(b"k%d" % i, b"v%d" % i) for i in range(5))
+    assert written_rows(kafka_bootstrap, topic, start, b"C" * 8, 0, {}) == Counter()
 
 
 def test_the_end_offsets_of_a_missing_topic_are_a_clear_error(kafka_bootstrap: str) -> None:
