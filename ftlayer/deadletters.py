@@ -25,6 +25,12 @@ the last failure), --since T, --until T (dead-lettered at or after, before; epoc
 seconds or ISO 8601), --seq S (repeatable). `requeue` replays the matching records
 now with a fresh retry budget (after a fix is deployed); a requeued record that fails
 again comes back with its whole history. `purge` deletes them for good.
+
+With the shards of a cluster (`--server A,B,...`, in shard order; `run_sharded`) each
+shard keeps the dead letters of its own partitions, and numbers them by its own
+storage seqs: a dead letter in the store is `SHARD/SEQ` (`1/42`). `list`, `requeue` and
+`purge` go to every shard (with `--seq`, to the shards named), `show` to the one named;
+dead letters requeued from a topic are stored again on the shard of their partition.
 """
 
 from __future__ import annotations
@@ -33,14 +39,21 @@ import argparse
 import datetime as dt
 import json
 import time
-from typing import Any, Final
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Final, TypeVar
 
 from ftlayer.causes import FailKind
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, StateConflict
 from ftlayer.records import RecordBatch
+from ftlayer.wire import DeadLetterList
 
-__all__ = ["add_parser", "preview", "read_topic", "run"]
+__all__ = ["add_parser", "preview", "read_topic", "run", "run_sharded"]
+
+T = TypeVar("T")
+OnShard = Callable[[int, Callable[[FTClient], T]], T]
+"""`on(shard, call)`: `call` on a client of that shard."""
 
 _PREVIEW_CHARS: Final = 60
 _TOPIC_TIMEOUT_S: Final = 60.0
@@ -181,6 +194,93 @@ def run(args: argparse.Namespace, client: FTClient) -> int:
     return 0
 
 
+# ---- the shards of a cluster -------------------------------------------------------------------
+
+
+def run_sharded(args: argparse.Namespace, count: int, on: OnShard[Any]) -> int:
+    """The command over the `count` shards of a cluster (module docstring); `on(shard,
+    call)` runs `call` on a client of that shard."""
+    action = args.dead_letters
+    if getattr(args, "topic", None) is not None or getattr(args, "bootstrap", None) is not None:
+        if action != "requeue":  # the topic's letters: no shard is asked
+            return int(on(0, lambda client: _run_on_topic(args, client)))
+        chosen = _chosen_from_topic(args)
+        by_shard = _by_shard(chosen, count)
+        total = sum(
+            on(shard, partial(_restore, chosen=mine, shard=shard, shards=count))
+            for shard, mine in sorted(by_shard.items())
+        )
+        print(json.dumps({"requeued": total}) if args.json else f"{_dead_letters(total)} requeued")
+        return 0
+    if action == "show":
+        shard, seq = _shard_seq(args.seq, count)
+        one = argparse.Namespace(**{**vars(args), "seq": str(seq)})
+        return int(on(shard, lambda client: run(one, client)))
+    seqs: dict[int, list[str]] = {}
+    for text in args.seq or ():
+        shard, seq = _shard_seq(text, count)
+        seqs.setdefault(shard, []).append(str(seq))
+    shards = sorted(seqs) if args.seq else list(range(count))
+    wheres = {s: _where(argparse.Namespace(**{**vars(args), "seq": seqs.get(s)})) for s in shards}
+    if action in ("requeue", "purge"):
+        done = sum(on(s, partial(_op, action, wheres[s])) for s in shards)
+        key = "requeued" if action == "requeue" else "purged"
+        print(json.dumps({key: done}) if args.json else f"{_dead_letters(done)} {key}")
+        return 0
+    limit = getattr(args, "limit", None)
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    letters: list[dict[str, Any]] = []
+    more = False
+    for s in shards:
+        listed = on(s, partial(_listed, wheres[s], limit))
+        more |= listed.more
+        for i, letter in enumerate(listed.letters):
+            shown = _describe(letter, listed.records, i)
+            letters.append({**shown, "seq": f"{s}/{shown['seq']}", "shard": s})
+    if limit is not None and len(letters) > limit:
+        letters, more = letters[:limit], True
+    if args.json:
+        print(json.dumps({"letters": letters, "more": more}, sort_keys=True))
+    else:
+        _print_list(letters, more)
+    return 0
+
+
+def _op(action: str, where: dict[str, Any], client: FTClient) -> int:
+    return client.dead_letter_op(action, where)
+
+
+def _listed(where: dict[str, Any], limit: int | None, client: FTClient) -> DeadLetterList:
+    return client.dead_letters(where, limit)
+
+
+def _shard_seq(text: str, count: int) -> tuple[int, int]:
+    """SHARD/SEQ: a dead letter in the store of a shard of a cluster of `count`."""
+    shard, slash, seq = text.partition("/")
+    if not slash:
+        raise ConfigError(
+            f"with several shards a dead letter in the store is SHARD/SEQ, as `list` shows "
+            f"it, got {text!r}"
+        )
+    if not shard.isdigit() or int(shard) >= count:
+        raise ConfigError(f"{text!r} names shard {shard!r}, not one of the {count} shards")
+    return int(shard), _store_seq(seq)
+
+
+def _by_shard(
+    chosen: list[tuple[dict[str, Any], Any]], count: int
+) -> dict[int, list[tuple[dict[str, Any], Any]]]:
+    """Letters read from a topic, by the shard of their source's partition."""
+    from ftlayer.shards import partition_shard
+
+    by_shard: dict[int, list[tuple[dict[str, Any], Any]]] = {}
+    for letter, record in chosen:
+        shard = int(partition_shard(letter["source_id"], letter["partition"], count))
+        by_shard.setdefault(shard, []).append((letter, record))
+    return by_shard
+
+
 # ---- dead letters in a topic ---------------------------------------------------------------
 
 
@@ -199,9 +299,7 @@ def _run_on_topic(args: argparse.Namespace, client: FTClient) -> int:
         else:
             print(_show(letter, _previews(record.key, record.value)))
         return 0
-    where = _where(argparse.Namespace(**{**vars(args), "seq": None}))
-    seqs = None if not args.seq else {_topic_seq(seq) for seq in args.seq}
-    chosen = [x for x in letters if _matches(x[0], where, seqs)]
+    chosen = _chosen_from_topic(args, letters)
     if args.dead_letters == "requeue":
         count = _restore(client, chosen)
         print(json.dumps({"requeued": count}) if args.json else f"{_dead_letters(count)} requeued")
@@ -214,6 +312,20 @@ def _run_on_topic(args: argparse.Namespace, client: FTClient) -> int:
     else:
         _print_list(shown_letters, more)
     return 0
+
+
+def _chosen_from_topic(
+    args: argparse.Namespace, letters: list[tuple[dict[str, Any], Any]] | None = None
+) -> list[tuple[dict[str, Any], Any]]:
+    """The topic's letters (read now if not given) that the filters take."""
+    if args.topic is None or args.bootstrap is None:
+        raise ConfigError("--topic and --bootstrap go together (the dead-letter topic's brokers)")
+    if letters is None:
+        found = read_topic(args.bootstrap, args.topic, _TOPIC_TIMEOUT_S)
+        letters = [x for x in map(_from_topic, found) if x is not None]
+    where = _where(argparse.Namespace(**{**vars(args), "seq": None}))
+    seqs = None if not args.seq else {_topic_seq(seq) for seq in args.seq}
+    return [x for x in letters if _matches(x[0], where, seqs)]
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float) -> list[Any]:
@@ -323,8 +435,11 @@ def _matches(letter: dict[str, Any], where: dict[str, Any], seqs: set[str] | Non
     )
 
 
-def _restore(client: FTClient, chosen: list[tuple[dict[str, Any], Any]]) -> int:
-    """Send dead letters read from a topic back to the FT layer, source by source."""
+def _restore(
+    client: FTClient, chosen: list[tuple[dict[str, Any], Any]], shard: int = 0, shards: int = 1
+) -> int:
+    """Send dead letters read from a topic back to the FT layer (shard `shard` of
+    `shards`: their partitions' shard), source by source."""
     import numpy as np
 
     from ftlayer.acking.ids import new_ids
@@ -360,7 +475,7 @@ def _restore(client: FTClient, chosen: list[tuple[dict[str, Any], Any]]) -> int:
             keys, [r.value for _, r in mine], np.asarray(timestamps, dtype=np.int64), headers
         )
         batch = RecordBatch.build(
-            new_ids(len(mine)),
+            new_ids(len(mine), shard, shards),
             payloads,
             source_ids=source_id,
             key_hashes=hashes,

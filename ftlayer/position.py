@@ -27,6 +27,13 @@ takes in the replays S.replay[i] < seq <= E.replay[i] of every shard i::
 
 Only the ftkafka source's offsets have that form (`Position.parse(..., sharded=True)`);
 each shard is sent its own part of a barrier (`Position.part`), whose cursor is a number.
+The ftkafka source's offsets also name the store each cursor counts in, one store id
+per shard ("stores", STATUS `store_id`): a shard whose store is not the one its cursor
+counts in lost its data dir, and the source rewinds its partitions
+(integration/source/rewind.py)::
+
+    {"kafka": {"orders": {"0": 120}}, "replay": [42, 17],
+     "stores": ["7dbf5e27e271f4e8", "0c1d2e3f40516273"]}
 
 Offsets are >= 0: the markers EARLIEST (-2) and LATEST (-1) belong to the
 startingOffsets option, never to a position.
@@ -74,6 +81,9 @@ class Position:
     replay: int | None = None
     replays: tuple[int, ...] | None = None
     """The replay cursor of each shard, in shard order, with an FT layer of several."""
+    stores: tuple[str, ...] | None = None
+    """The store each shard's cursor counts in (its STATUS `store_id`), in shard order;
+    only in the ftkafka source's offsets, and None in those a query wrote without."""
 
     def __post_init__(self) -> None:
         if self.replays is not None and (self.replay is not None or len(self.replays) < 2):
@@ -81,15 +91,27 @@ class Position:
                 "a position has one replay cursor (`replay`) or one per shard of several "
                 f"(`replays`), got replay={self.replay!r}, replays={self.replays!r}"
             )
+        if self.stores is not None and len(self.stores) != len(self.cursors or ()):
+            raise PositionError(
+                f"a position names one store per replay cursor, got stores {self.stores!r} "
+                f"for cursors {self.cursors!r}"
+            )
 
     @classmethod
-    def at(cls, kafka: Mapping[str, Mapping[int, int]], cursors: Sequence[int] | None) -> Position:
-        """The position at these offsets and replay cursors, one per shard (None: FT off)."""
+    def at(
+        cls,
+        kafka: Mapping[str, Mapping[int, int]],
+        cursors: Sequence[int] | None,
+        stores: Sequence[str] | None = None,
+    ) -> Position:
+        """The position at these offsets and replay cursors, one per shard (None: FT
+        off), counted in these stores (one per shard, or None)."""
+        named = None if stores is None else tuple(stores)
         if cursors is None:
-            return cls(kafka)
+            return cls(kafka, stores=named)
         if len(cursors) == 1:
-            return cls(kafka, cursors[0])
-        return cls(kafka, None, tuple(cursors))
+            return cls(kafka, cursors[0], stores=named)
+        return cls(kafka, None, tuple(cursors), named)
 
     @property
     def cursors(self) -> tuple[int, ...] | None:
@@ -120,14 +142,17 @@ class Position:
         what = f"{what} " if what else ""
         if not isinstance(data, Mapping):
             raise PositionError(f"a {what}position is a JSON object, got {_shown(data)}")
-        extra = sorted(str(k) for k in set(data) - {"kafka", "replay"})
+        keys = ("kafka", "replay", "stores") if sharded else ("kafka", "replay")
+        extra = sorted(str(k) for k in set(data) - set(keys))
         if extra:
-            raise PositionError(f'a {what}position has only "kafka" and "replay", got also {extra}')
+            names = '"kafka", "replay" and "stores"' if sharded else '"kafka" and "replay"'
+            raise PositionError(f"a {what}position has only {names}, got also {extra}")
         if "kafka" not in data:
             raise PositionError(f'a {what}position needs "kafka", got {_shown(data)}')
         replay = data.get("replay")
+        stores = _stores(data, what)
         if replay is None:
-            if need_replay or "replay" in data:
+            if need_replay or "replay" in data or stores is not None:
                 raise PositionError(
                     f'a {what}position needs "replay" (the replay cursor), got {_shown(data)}'
                 )
@@ -137,10 +162,10 @@ class Position:
                     f'a {what}position\'s "replay" is an integer >= 0 or a list of one per '
                     f"shard of two or more, got {_shown(replay)}"
                 )
-            return cls(_offsets(data["kafka"], what), None, tuple(replay))
+            return cls(_offsets(data["kafka"], what), None, tuple(replay), stores)
         elif not _cursor(replay):
             raise PositionError(f'a {what}position\'s "replay" is an integer >= 0, got {replay!r}')
-        return cls(_offsets(data["kafka"], what), replay)
+        return cls(_offsets(data["kafka"], what), replay, None, stores)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form: partitions as strings, topics and partitions sorted."""
@@ -149,6 +174,8 @@ class Position:
             data["replay"] = self.replay
         elif self.replays is not None:
             data["replay"] = list(self.replays)
+        if self.stores is not None:
+            data["stores"] = list(self.stores)
         return data
 
     def key(self) -> str:
@@ -197,6 +224,19 @@ def _offsets(data: object, what: str) -> KafkaOffsets:
             per_partition[number] = offset
         offsets[topic] = per_partition
     return offsets
+
+
+def _stores(data: Mapping[Any, Any], what: str) -> tuple[str, ...] | None:
+    """The "stores" of a position's JSON form (absent: None)."""
+    if "stores" not in data:
+        return None
+    stores = data["stores"]
+    if not isinstance(stores, list) or not all(isinstance(s, str) and s for s in stores):
+        raise PositionError(
+            f'a {what}position\'s "stores" is a list of store ids, one per shard, got '
+            f"{_shown(stores)}"
+        )
+    return tuple(stores)
 
 
 def _cursor(value: object) -> bool:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the executor side imports this module, never the storage
 __all__ = [
     "CLUSTER_META_PREFIX",
     "MAX_SHARDS",
+    "SHAPE_META_KEY",
     "SHARD_SHIFT",
     "ShardPlace",
     "claim",

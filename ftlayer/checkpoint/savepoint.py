@@ -118,7 +118,7 @@ from ftlayer.persistence import LmdbStorage
 from ftlayer.persistence import lmdb_storage as _lmdb_storage
 from ftlayer.position import EARLIEST, KafkaOffsets, Position
 from ftlayer.records import RecordBatch
-from ftlayer.shards import CLUSTER_META_PREFIX
+from ftlayer.shards import CLUSTER_META_PREFIX, SHAPE_META_KEY, ShardPlace
 
 __all__ = [
     "FORMAT",
@@ -126,11 +126,13 @@ __all__ = [
     "Savepoint",
     "create_savepoint",
     "create_savepoint_from_data_dir",
+    "default_name",
     "kafka_offsets_of",
     "list_savepoints",
     "load_savepoint",
     "open_stopped_store",
     "restore_savepoint",
+    "store_place",
 ]
 
 log = logging.getLogger("ftlayer.checkpoint.savepoint")
@@ -161,6 +163,10 @@ class Savepoint:
     data_bytes: int
     ftlayer_version: str
     format: int = FORMAT
+    shard: int = 0
+    shards: int = 1
+    """The saved store's place: shard `shard` of `shards` (a cluster's savepoint has a
+    part per shard, ftlayer.checkpoint.reshard)."""
 
     @property
     def data_dir(self) -> Path:
@@ -178,6 +184,8 @@ class Savepoint:
             "positions": self.positions,
             "data_bytes": self.data_bytes,
             "ftlayer_version": self.ftlayer_version,
+            "shard": self.shard,
+            "shards": self.shards,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -246,7 +254,7 @@ def create_savepoint(
     (disk full, no permission); a failed create leaves no savepoint behind (its
     staging directory is removed)."""
     root = Path(savepoints_dir)
-    name = _default_name() if name is None else name
+    name = default_name() if name is None else name
     _check_name(name)
     # Step 1.
     final = root / name
@@ -269,6 +277,7 @@ def create_savepoint(
             sources = _registrations(copy)
             next_replay_seq = _next_replay_seq(copy)
             positions = _newest_positions(copy, checkpoint_records)
+            place = store_place(copy)
         (staging / DATA / _LOCK_FILE).unlink(missing_ok=True)  # opening the copy made it
         savepoint = Savepoint(
             name=name,
@@ -281,6 +290,8 @@ def create_savepoint(
             positions=positions,
             data_bytes=(staging / DATA / _DATA_FILE).stat().st_size,
             ftlayer_version=__version__,
+            shard=place.index,
+            shards=place.count,
         )
         # Step 4.
         _write_json(staging / MANIFEST, savepoint.manifest())
@@ -436,6 +447,8 @@ def _read_manifest(path: Path) -> Savepoint:
             data_bytes=int(raw["data_bytes"]),
             ftlayer_version=str(raw["ftlayer_version"]),
             format=FORMAT,
+            shard=int(raw.get("shard", 0)),
+            shards=int(raw.get("shards", 1)),
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CorruptData(f"the manifest of savepoint {path} is unreadable: {exc!r}") from None
@@ -696,12 +709,23 @@ def _registrations(storage: LmdbStorage) -> dict[str, dict[str, Any]]:
     return {str(k): dict(v) for k, v in sorted(sources.items(), key=lambda kv: int(kv[0]))}
 
 
+def store_place(storage: LmdbStorage) -> ShardPlace:
+    """The store's place in its cluster (ftlayer.shards; a store of one server: 0 of 1)."""
+    raw = storage.get_meta(SHAPE_META_KEY)
+    if raw is None:
+        return ShardPlace()
+    try:
+        return ShardPlace.from_json(json.loads(raw))
+    except ValueError as exc:
+        raise CorruptData(f"{storage.path}: bad {SHAPE_META_KEY} entry: {exc}") from None
+
+
 def _next_replay_seq(storage: LmdbStorage) -> int:
     raw = storage.get_meta(REPLAY_SEQ_META_KEY)
     return int(raw.decode()) if raw else 1
 
 
-def _default_name() -> str:
+def default_name() -> str:
     return f"savepoint-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 

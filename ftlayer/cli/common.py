@@ -88,6 +88,29 @@ def on_server(args: argparse.Namespace, reconnect_s: float, call: Callable[[FTCl
         raise ConfigError(f"cannot reach the FT-layer server at {args.server}: {exc}") from None
 
 
+def on_shards(
+    args: argparse.Namespace, reconnect_s: float, call: Callable[[FTClient], T]
+) -> list[T]:
+    """`call` on each server `--server` names: one, or the shards of a cluster in shard
+    order (`HOST:PORT,HOST:PORT,...`), each checked first to stand where the list puts
+    it (ConfigError naming the first that does not, before any call)."""
+    addresses = [address.strip() for address in args.server.split(",")]
+    if len(addresses) == 1:
+        return [on_server(args, reconnect_s, call)]
+    if not all(addresses) or len(set(addresses)) != len(addresses):
+        raise ConfigError(f"--server lists a shard twice or has an empty entry: {args.server!r}")
+    ones = [argparse.Namespace(**{**vars(args), "server": address}) for address in addresses]
+    for index, one in enumerate(ones):
+        status = on_server(one, reconnect_s, lambda client: client.status())
+        if (status.shard, status.shards) != (index, len(addresses)):
+            raise ConfigError(
+                f"{one.server} is shard {status.shard} of {status.shards}, but --server names "
+                f"it as shard {index} of {len(addresses)}: list every shard of the cluster, "
+                "in shard order"
+            )
+    return [on_server(one, reconnect_s, call) for one in ones]
+
+
 def print_table(title: str, rows: Mapping[str, Any]) -> None:
     """Key/value rows as a rich table: nested dicts become key.sub rows (an empty one
     "none"), ints get commas."""

@@ -1,8 +1,13 @@
 """`ftlayer inspect`: where one record stands in the server at `--server`, found by its
 root or its Kafka coordinates (ftlayer.inspection).
 
-    ftlayer inspect --server HOST:PORT (--root R | --topic T --partition P --offset O)
+    ftlayer inspect --server HOST:PORT[,HOST:PORT...]
+                    (--root R | --topic T --partition P --offset O)
                     [--token-file F] [--tls-ca CA] [--json]
+
+With the shards of a cluster (`--server A,B,...`, in shard order) every shard is asked,
+and what each holds is shown with its shard: a record is on the shard of its source's
+partition, and its replay on the same one.
 
 R is the root as `ftlayer` logs print it (0x...), in decimal, or as Spark's `ft_root`
 column shows it (a signed 64-bit integer).
@@ -19,7 +24,7 @@ from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
 
-from .common import on_server
+from .common import on_server, on_shards
 
 _WAIT_S = 5.0
 """How long the command retries a refused connection."""
@@ -28,14 +33,35 @@ _I64_MIN: Final = -(1 << 63)
 
 
 def run(args: argparse.Namespace) -> int:
-    return on_server(args, _WAIT_S, lambda client: run_on(args, client))
+    if "," not in args.server:
+        return on_server(args, _WAIT_S, lambda client: run_on(args, client))
+    query = query_of(args)
+    found = on_shards(args, _WAIT_S, lambda client: client.inspect(query))
+    merged = Inspection(
+        query,
+        tuple(record for one in found for record in one.records),
+        any(one.retired for one in found),
+    )
+    shards = [shard for shard, one in enumerate(found) for _ in one.records]
+    if args.json:
+        out = _json(merged)
+        for shown, shard in zip(out["records"], shards, strict=True):
+            shown["shard"] = shard
+        print(json.dumps(out, sort_keys=True))
+    else:
+        print(describe(merged, shards))
+    return 0
 
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "inspect", help="find one record: where it is, its attempts, causes, size and key"
     )
-    parser.add_argument("--server", required=True, help="HOST:PORT of the FT-layer server")
+    parser.add_argument(
+        "--server",
+        required=True,
+        help="HOST:PORT of the FT-layer server; HOST:PORT,... for the shards of a cluster",
+    )
     parser.add_argument("--token-file", default=None, help="file holding the auth token")
     parser.add_argument("--tls-ca", default=None, help="TLS, trusting this CA file")
     parser.add_argument(
@@ -82,14 +108,18 @@ def run_on(args: argparse.Namespace, client: FTClient) -> int:
     last (with the record's key decoded where its payload is an ftkafka one)."""
     found = client.inspect(query_of(args))
     if args.json:
-        out = found.to_json()
-        out["verdict"] = found.verdict
-        for shown, record in zip(out["records"], found.records, strict=True):
-            shown.update(_key_of(record))
-        print(json.dumps(out, sort_keys=True))
+        print(json.dumps(_json(found), sort_keys=True))
     else:
         print(describe(found))
     return 0
+
+
+def _json(found: Inspection) -> dict[str, Any]:
+    out = found.to_json()
+    out["verdict"] = found.verdict
+    for shown, record in zip(out["records"], found.records, strict=True):
+        shown.update(_key_of(record))
+    return out
 
 
 def _key_of(record: InspectedRecord) -> dict[str, Any]:
@@ -127,8 +157,9 @@ _STATE_TEXT: Final = {
 }
 
 
-def describe(found: Inspection) -> str:
-    """The readable report of `ftlayer inspect`."""
+def describe(found: Inspection, shards: list[int] | None = None) -> str:
+    """The readable report of `ftlayer inspect` (`shards`: the shard of each record,
+    with several)."""
     asked = found.query.describe()
     if not found.records:
         if found.retired:
@@ -141,12 +172,12 @@ def describe(found: Inspection) -> str:
             "completed, or it never reached this FT layer)"
         )
     lines = [f"{asked}: {len(found.records)} records found"] if len(found.records) > 1 else []
-    for record in found.records:
-        lines += _describe_record(record)
+    for i, record in enumerate(found.records):
+        lines += _describe_record(record, None if shards is None else shards[i])
     return "\n".join(lines)
 
 
-def _describe_record(record: InspectedRecord) -> list[str]:
+def _describe_record(record: InspectedRecord, shard: int | None = None) -> list[str]:
     key = _key_of(record)
     if not record.payload_bytes:
         key_text = str(key["key_error"])
@@ -158,7 +189,9 @@ def _describe_record(record: InspectedRecord) -> list[str]:
         key_text = f"key {key['key']!r} ({key['key_bytes']} bytes)"
     lines = [
         f"record {record.topic}-{record.partition} offset {record.offset} "
-        f"(source {record.source_id}, seq {record.seq}): {_STATE_TEXT[record.state]}",
+        f"(source {record.source_id}, "
+        + ("" if shard is None else f"shard {shard}, ")
+        + f"seq {record.seq}): {_STATE_TEXT[record.state]}",
         f"  root {record.root:#x}" if record.root else "  no root (a dead letter's tree is over)",
         f"  payload {record.payload_bytes:,} bytes, {key_text}",
     ]

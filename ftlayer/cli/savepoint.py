@@ -1,7 +1,12 @@
 """`ftlayer savepoint create | list | restore` (ftlayer.checkpoint.savepoint): save a
 stopped server's data dir or have a running server save its own store, list the
 savepoints of a directory, restore one into a new data dir (with `--partitions N`,
-every stored record re-routed by its source's partitioner)."""
+every stored record re-routed by its source's partitioner).
+
+The shards of a cluster (`--server A,B,...` or `--data-dir D0,D1,...`, in shard order)
+each save a part of one savepoint, `<name>.shard-<i>-of-<N>`; `restore NAME --data-dir
+D0,D1,...` restores it into as many shards as it names data dirs, also another number
+than it was saved from (ftlayer.checkpoint.reshard)."""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 
-from .common import on_server
+from .common import on_shards
 
 
 def add_parser(commands: Any) -> None:
@@ -25,8 +31,15 @@ def add_parser(commands: Any) -> None:
         "create", help="save a stopped server's data dir, or have a running server save"
     )
     source = create.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data-dir", help="the data dir of a stopped server")
-    source.add_argument("--server", help="HOST:PORT of a running server: it writes the savepoint")
+    source.add_argument(
+        "--data-dir",
+        help="the data dir of a stopped server (D0,D1,...: of the shards of a cluster)",
+    )
+    source.add_argument(
+        "--server",
+        help="HOST:PORT of a running server, which writes the savepoint (HOST:PORT,...: "
+        "the shards of a cluster, in shard order, each writing its part)",
+    )
     create.add_argument("--token-file", default=None, help="with --server: the auth token file")
     create.add_argument("--tls-ca", default=None, help="with --server: TLS, trusting this CA file")
     create.add_argument(
@@ -42,7 +55,12 @@ def add_parser(commands: Any) -> None:
     restore = actions.add_parser("restore", help="restore a savepoint into a new data dir")
     restore.add_argument("name", help="the savepoint's name")
     restore.add_argument("--dir", required=True, help="the savepoints directory")
-    restore.add_argument("--data-dir", required=True, help="the new data dir (new or empty)")
+    restore.add_argument(
+        "--data-dir",
+        required=True,
+        help="the new data dir (new or empty); D0,D1,...: one per shard of the restored "
+        "FT layer, in shard order, as many as it has shards",
+    )
     restore.add_argument(
         "--partitions", default=None, help="replay every source into N partitions (rescale)"
     )
@@ -50,22 +68,24 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftlayer.checkpoint import savepoint
+    from ftlayer.checkpoint import reshard, savepoint
 
     if args.savepoint == "create":
         if args.server is not None:
-            created = _savepoint_online(args)
+            parts = _savepoint_online(args)
         else:
             for flag in ("token_file", "tls_ca"):
                 if getattr(args, flag) is not None:
                     raise ConfigError(f"--{flag.replace('_', '-')} goes with --server only")
-            created = savepoint.create_savepoint_from_data_dir(
-                args.data_dir, args.dir, args.name
-            ).as_dict()
+            dirs = _listed(args.data_dir, "--data-dir")
+            parts = [
+                p.as_dict() for p in reshard.create_parts_from_data_dirs(dirs, args.dir, args.name)
+            ]
         if args.json:
-            print(json.dumps(created, sort_keys=True))
+            print(json.dumps(parts[0] if len(parts) == 1 else {"parts": parts}, sort_keys=True))
         else:
-            _print_created(created)
+            for created in parts:
+                _print_created(created)
         return 0
     if args.savepoint == "list":
         found = savepoint.list_savepoints(args.dir)
@@ -75,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
             _print_savepoints(args.dir, found)
         return 0
     partitions = None if args.partitions is None else _partitions_option(args.partitions)
-    result = savepoint.restore_savepoint(args.dir, args.name, args.data_dir, partitions=partitions)
+    targets = _listed(args.data_dir, "--data-dir")
+    if len(targets) > 1 or len(reshard.find_parts(args.dir, args.name)) > 1:
+        return _restore_cluster(args, targets, partitions)
+    result = savepoint.restore_savepoint(args.dir, args.name, targets[0], partitions=partitions)
     if args.json:
         print(json.dumps(result.as_dict(), sort_keys=True))
         return 0
@@ -102,14 +125,61 @@ _SAVEPOINT_WAIT_S = 2.0
 """How long `savepoint create --server` retries a refused connection (as `status`)."""
 
 
-def _savepoint_online(args: argparse.Namespace) -> dict[str, Any]:
-    """SAVEPOINT to the running server at --server; the savepoint it created."""
+def _savepoint_online(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """SAVEPOINT to each running server --server names (several: the shards of a
+    cluster, in shard order); the savepoints they created, each named as the part of
+    its server's place (ftlayer.checkpoint.reshard.part_name)."""
+    from ftlayer.checkpoint.reshard import part_name
+    from ftlayer.checkpoint.savepoint import default_name
+
     if not os.path.isabs(args.dir):
         raise ConfigError(
             f"with --server, --dir is a directory on the server's host and must be an "
             f"absolute path, got {args.dir!r}"
         )
-    return on_server(args, _SAVEPOINT_WAIT_S, lambda client: client.savepoint(args.dir, args.name))
+    name = default_name() if args.name is None else args.name
+
+    def save(client: FTClient) -> dict[str, Any]:
+        status = client.status()
+        saved: dict[str, Any] = client.savepoint(
+            args.dir, part_name(name, status.shard, status.shards)
+        )
+        return saved
+
+    return on_shards(args, _SAVEPOINT_WAIT_S, save)
+
+
+def _listed(text: str, flag: str) -> list[str]:
+    entries = [entry.strip() for entry in text.split(",")]
+    if not all(entries):
+        raise ConfigError(f"{flag} has an empty entry: {text!r}")
+    return entries
+
+
+def _restore_cluster(args: argparse.Namespace, targets: list[str], partitions: int | None) -> int:
+    from ftlayer.checkpoint.reshard import restore_cluster
+
+    result = restore_cluster(args.dir, args.name, targets, partitions=partitions)
+    if args.json:
+        print(json.dumps(result.as_dict(), sort_keys=True))
+        return 0
+    count = len(result.shards)
+    print(
+        f"restored savepoint {args.name} of {len(result.parts)} shard(s) into {count} "
+        f"shard(s): {result.stored_records:,} stored records"
+    )
+    for shard in result.shards:
+        dead = sum(shard.dead_letters.values())
+        print(
+            f"shard {shard.shard}: {shard.stored_records:,} stored records"
+            + (f" ({dead:,} dead letters)" if dead else "")
+            + f"; start it with `ftlayer serve --data-dir {shard.data_dir} --shard "
+            f"{shard.shard} --shards {count}`"
+        )
+    for query, offsets in result.starting_offsets.items():
+        text = json.dumps(offsets, separators=(",", ":"))
+        print(f"query {query}: start the new query with startingOffsets '{text}'")
+    return 0
 
 
 def _print_created(created: dict[str, Any]) -> None:

@@ -167,12 +167,15 @@ class BatchingChannel:
                 held += self.client.sink_hold(key, roots[lo:hi], values[lo:hi])
             return held
 
-    def sink_settle(self, key: int, cause: Cause | None = None) -> int:
-        """`FTClient.sink_settle`, after what is buffered."""
+    def sink_settle(
+        self, key: int, cause: Cause | None = None, *, reconnect_s: float | None = None
+    ) -> int:
+        """`FTClient.sink_settle`, after what is buffered (`reconnect_s`: how long the
+        settle waits for a connection; None: as every call)."""
         with self._cond:
             self._check()
             self._flush_locked()
-            return self.client.sink_settle(key, cause)
+            return self.client.sink_settle(key, cause, reconnect_s=reconnect_s)
 
     def status(self) -> Status:
         """`FTClient.status`: flushes first, so the counters include this process's events."""

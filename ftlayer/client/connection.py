@@ -329,11 +329,19 @@ class FTClient:
         )
         return decode_ok(frame).count
 
-    def sink_settle(self, key: int, cause: Cause | None = None) -> int:
+    def sink_settle(
+        self, key: int, cause: Cause | None = None, *, reconnect_s: float | None = None
+    ) -> int:
         """`FTLayer.sink_settle`: the sink's write under `key` succeeded (ack every
         held pair) or, with `cause`, failed (fail every held root); returns how many.
-        Not retried: a lost settle leaves the trees to time out (replayed)."""
-        frame = self._call(lambda rid: encode_sink_settle(rid, key, cause), Kind.OK, retry=False)
+        Not retried: a lost settle leaves the trees to time out (replayed).
+        `reconnect_s`: how long this call waits for a connection (None: the client's)."""
+        frame = self._call(
+            lambda rid: encode_sink_settle(rid, key, cause),
+            Kind.OK,
+            retry=False,
+            reconnect_s=reconnect_s,
+        )
         return decode_ok(frame).count
 
     def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
@@ -595,17 +603,19 @@ class FTClient:
         retry: bool,
         timeout_s: float | None = None,
         if_lost: str = "",
+        reconnect_s: float | None = None,
     ) -> Frame:
         """Send one request and return its reply. `timeout_s`: how long to wait for
         this reply (None: `request_timeout`); `if_lost`: what ConnectionLost adds when
-        the connection broke after the request was sent."""
+        the connection broke after the request was sent; `reconnect_s`: how long to
+        retry connecting (None: `reconnect_s` of the client)."""
         with self._lock:
             attempts = 2 if retry else 1
             for attempt in range(attempts):
                 if self._sock is not None and _closed_while_idle(self._sock):
                     self._drop()  # the server went away (say, restarted) since the last call
                 if self._sock is None:
-                    self._connect_with_backoff()  # nothing of the request is sent yet
+                    self._connect_with_backoff(reconnect_s)  # nothing of it is sent yet
                 try:
                     if timeout_s is None:
                         return self._request(encode, expect)
@@ -633,7 +643,7 @@ class FTClient:
             if self._sock is not None:  # still connected: not dropped by an error
                 self._sock.settimeout(self._request_timeout)
 
-    def _connect_with_backoff(self) -> None:
+    def _connect_with_backoff(self, reconnect_s: float | None = None) -> None:
         """Connect and handshake, retrying refused or broken attempts with exponential
         backoff (50 ms doubling to 1 s) for up to `reconnect_s`: a restarting server is
         waited for, with a warning when retrying starts and then at most every
@@ -643,7 +653,8 @@ class FTClient:
         connection limit, or restarting) is; authentication errors (ProtocolError) are
         not."""
         started = time.monotonic()
-        deadline = started + self._reconnect_s
+        budget = self._reconnect_s if reconnect_s is None else reconnect_s
+        deadline = started + budget
         delay, tries = _FIRST_BACKOFF_S, 0
         while True:
             tries += 1
@@ -657,7 +668,7 @@ class FTClient:
                 if now + delay > deadline:
                     raise ConnectionLost(
                         f"the connection to the FT-layer server at {self.address} could not "
-                        f"be opened ({tries} attempts in {self._reconnect_s:g} s): {exc}"
+                        f"be opened ({tries} attempts in {budget:g} s): {exc}"
                     ) from exc
                 self._warn_retrying(exc, tries, now - started, deadline - now)
             else:

@@ -9,8 +9,12 @@ every shard; a sink's settle goes to every shard, since the steps that held acks
 its key ran in other processes (executors) than the one that settles it (the driver),
 and a settle of a key a shard holds nothing under only marks it settled there. A
 process's holds and settle reach a shard in the order it made them (each shard's
-channel keeps its own order; shards are independent of one another). Calls that read
-(`status`, `fetch_replay`) name their shard.
+channel keeps its own order; shards are independent of one another). A shard that is
+down is not waited for at a settle: with several shards a settle makes one connection
+attempt to each, and one that does not answer keeps its holds under the key unsettled,
+so their trees time out and are replayed (nothing lost) while the sink's batch, and
+the other shards' trees, go on. Calls that read (`status`, `fetch_replay`) name their
+shard.
 
 With one shard it is that shard's channel, routing nothing. Errors are each shard's
 channel's (ftlayer.client.channel): an unreachable shard fails the calls that need it
@@ -20,6 +24,7 @@ and no other.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self
@@ -35,8 +40,11 @@ from ftlayer.shards import MAX_SHARDS, shard_of
 from ftlayer.status import Status
 
 from .channel import BatchingChannel
+from .connection import ConnectionLost
 
 __all__ = ["ShardedChannel", "parse_addresses"]
+
+log = logging.getLogger("ftlayer.client")
 
 
 def parse_addresses(text: str) -> list[str]:
@@ -123,8 +131,24 @@ class ShardedChannel:
 
     def sink_settle(self, key: int, cause: Cause | None = None) -> int:
         """Settle `key` on every shard (module docstring): the pairs XOR-ed, or roots
-        failed, on all of them together."""
-        return sum(channel.sink_settle(key, cause) for channel in self.channels)
+        failed, on all of them together; with several shards, one that does not answer
+        at once is skipped, and its held trees time out and are replayed."""
+        if self.shards == 1:
+            return self.channels[0].sink_settle(key, cause)
+        settled = 0
+        for shard, channel in enumerate(self.channels):
+            try:
+                settled += channel.sink_settle(key, cause, reconnect_s=0.0)
+            except ConnectionLost as exc:
+                log.warning(
+                    "shard %d of the FT layer, at %s, did not answer the settle of a batch "
+                    "sink: its acks held under the sink's key stay unsettled, and their "
+                    "trees time out and are replayed (%s)",
+                    shard,
+                    channel.client.address,
+                    exc,
+                )
+        return settled
 
     # ---- calls to every shard, or to one --------------------------------------------
 

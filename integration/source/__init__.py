@@ -39,7 +39,12 @@ replays), and the batch takes in S.replay[i] < seq <= E.replay[i] of every shard
     {"kafka": {"orders": {"0": 120, "1": 98}}, "replay": [42, 17]}
 
 A query keeps the shards it started with: offsets with another number of cursors
-than ft.address has shards are a ConfigError.
+than ft.address has shards are a ConfigError. With FT on, the offsets also name the
+store each cursor counts in, `"stores": [...]`, one STATUS `store_id` per shard: a
+shard that answers with another store lost its data dir, and the next batch moves its
+partitions back to their committed group offsets (a batch whose end offset of a
+partition is below its start reads nothing of it) and takes in none of its replays
+(.rewind).
 
 A batch has one input partition per (topic, Kafka partition), always listed, in the
 order of `subscribe` and then by partition; for one topic the Spark input partition
@@ -157,6 +162,7 @@ from ftlayer.position import KafkaOffsets, Position
 from .driver import Offset, SourceDriver
 from .options import SourceOptions, parse_options
 from .reader import FTKafkaPartition, read_partition
+from .rewind import replay_bounds, same_stores
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -318,15 +324,16 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         driver = self._driver_side() if self.options.ft_on else None
         parse = Position.parse if driver is None else driver.parse
         first, barrier = parse(start), parse(end)
-        replay_hi = barrier.cursors or (0,)
-        replay_lo = replay_hi if first.cursors is None else first.cursors
+        replay_lo, replay_hi = replay_bounds(first, barrier)
         parts: list[FTKafkaPartition] = []
         busy = any(hi > lo for lo, hi in zip(replay_lo, replay_hi, strict=True))
         for topic in self.options.topics:
             ends = barrier.kafka.get(topic, {})
             for p in sorted(ends):
                 hi = ends[p]
-                lo = first.offset(topic, p, hi)  # a partition new in this batch starts empty
+                # A partition new in this batch starts empty, and so does one whose end is
+                # below its start: its shard lost its store, it goes back (.rewind).
+                lo = min(first.offset(topic, p, hi), hi)
                 busy |= hi > lo
                 parts.append(
                     FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
@@ -408,7 +415,10 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 def _cap(available: Offset, target: Offset, start: Offset) -> Offset:
     """`available` no further than `target` (Trigger.AvailableNow's fixed end), and
     never behind `start`: Spark fixes the target before it asks for the initial offset,
-    so with startingOffsets=latest the start may already be past the target."""
+    so with startingOffsets=latest the start may already be past the target. A
+    partition `available` puts behind `start` goes back (its shard lost its store,
+    .rewind) and stays so; a cursor of another store than the target's or the start's
+    is not capped by theirs."""
     now, goal, begin = (Position.parse(p, sharded=True) for p in (available, target, start))
     kafka = now.offsets()
     for topic, partitions in kafka.items():
@@ -416,13 +426,19 @@ def _cap(available: Offset, target: Offset, start: Offset) -> Offset:
             # A partition the target does not know appeared later: it sits at its
             # earliest offset (see SourceDriver.available), with nothing to read.
             capped = min(end, goal.offset(topic, p, end))
-            partitions[p] = max(capped, begin.offset(topic, p, capped))
+            if end >= begin.offset(topic, p, end):
+                partitions[p] = max(capped, begin.offset(topic, p, capped))
     cursors = now.cursors
     if cursors is not None and goal.cursors is not None:
         cursors = tuple(
-            max(min(at, most), least)
-            for at, most, least in zip(
-                cursors, goal.cursors, begin.cursors or (0,) * len(cursors), strict=True
+            max(min(at, most) if to_goal else at, least) if from_start else at
+            for at, most, least, to_goal, from_start in zip(
+                cursors,
+                goal.cursors,
+                begin.cursors or (0,) * len(cursors),
+                same_stores(goal, now),
+                same_stores(begin, now),
+                strict=True,
             )
         )
-    return Position.at(kafka, cursors).to_json()
+    return Position.at(kafka, cursors, now.stores).to_json()

@@ -32,9 +32,8 @@ commit their group offsets as usual. Once it answers again, the sources are regi
 with it again and its partitions go on from where they stopped; its next barrier also
 completes the barriers it missed (the FT layer completes a query's checkpoints in
 order). The query fails only when no shard answered for ft.reconnectTimeoutMs. A shard
-that answers with another store id than at the query's start lost its data dir: the
-query stops with a SourceError naming it rather than go on past the records that store
-held.
+that answers with another store id than the query's position names lost its data dir:
+its partitions go back to their committed group offsets (.rewind), the others go on.
 
 With one address every call goes to that server exactly as it does without shards:
 the same requests, a position whose cursor is one number, and a server that does not
@@ -138,7 +137,9 @@ class ShardClients:
         """The shards that did not answer the last STATUS, and since when (monotonic)."""
         self._all_down_since: float | None = None
         self.store_ids: list[str] = []
-        """Each shard's store id at start (`check_places`)."""
+        """Each shard's store id, as it last answered (`check_places`, then the
+        driver's `available`)."""
+        self._stores_seen: dict[FTClient, tuple[int, str]] = {}
 
     @property
     def count(self) -> int:
@@ -191,6 +192,7 @@ class ShardClients:
         except (ConnectionLost, OSError) as exc:
             client.close()
             clients[shard] = None
+            self._stores_seen.pop(client, None)
             raise SourceError(
                 f"could not {what}: {self.where(shard)} did not answer within "
                 f"{time.monotonic() - began:.1f} s: {exc}"
@@ -206,13 +208,13 @@ class ShardClients:
         ft.reconnectTimeoutMs); with several, only once no shard answered for
         ft.reconnectTimeoutMs."""
         if self.count == 1:
-            return [self.call(0, "read the replay cursor", _status)], []
+            return [self.call(0, "read the replay cursor", self._status)], []
         statuses: list[Status | None] = []
         back: list[int] = []
         now = time.monotonic()
         for shard in range(self.count):
             try:
-                status = self.quick(shard, "read the replay cursor", _status)
+                status = self.quick(shard, "read the replay cursor", self._status)
             except SourceError as exc:
                 statuses.append(None)
                 if shard not in self.down:
@@ -224,14 +226,6 @@ class ShardClients:
                         exc,
                     )
                 continue
-            if self.store_ids and status.store_id != self.store_ids[shard]:
-                raise SourceError(
-                    f"{self.where(shard)} serves another store than at this query's start "
-                    f"(store id {status.store_id}, was {self.store_ids[shard]}): its data "
-                    "dir was lost or replaced, and the records it held of its partitions "
-                    "with it (Kafka still has them, from the partitions' committed group "
-                    "offsets on: those never pass an incomplete record)"
-                )
             statuses.append(status)
             if shard in self.down:
                 log.warning(
@@ -253,6 +247,22 @@ class ShardClients:
             )
         return statuses, back
 
+    def _status(self, client: FTClient) -> Status:
+        """A STATUS, noting the store that answered over the client's connection."""
+        status = client.status()
+        self._stores_seen[client] = (client.connections, status.store_id)
+        return status
+
+    def store_on(self, client: FTClient, connection: int) -> str | None:
+        """The store that `client` reached over its connection number `connection`
+        (FTClient.connections), read by a STATUS once per connection; None if that
+        connection is gone (then which store answered over it is not known)."""
+        seen = self._stores_seen.get(client)
+        if seen is None or seen[0] != client.connections:
+            self._status(client)
+            seen = self._stores_seen[client]
+        return seen[1] if seen[0] == connection else None
+
     def connect(
         self, shard: int, *, name: str, request_timeout: float, reconnect_s: float
     ) -> FTClient:
@@ -272,7 +282,7 @@ class ShardClients:
         """Every shard's STATUS, once each was found where ft.address puts it: shard i
         of as many shards as ft.address names (ConfigError naming the first that is
         not)."""
-        statuses = self.each("check the FT layer's shards", lambda client: client.status())
+        statuses = self.each("check the FT layer's shards", self._status)
         for shard, (address, status) in enumerate(zip(self.addresses, statuses, strict=True)):
             if (status.shard, status.shards) != (shard, self.count):
                 raise ConfigError(
@@ -284,12 +294,9 @@ class ShardClients:
         return statuses
 
     def close(self) -> None:
+        self._stores_seen.clear()
         for clients in (self._clients, self._quick):
             for shard, client in enumerate(clients):
                 if client is not None:
                     client.close()
                 clients[shard] = None
-
-
-def _status(client: FTClient) -> Status:
-    return client.status()

@@ -41,14 +41,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final, TypeVar
 
 import numpy as np
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
-from kafka.structs import OffsetAndMetadata
 from numpy.typing import NDArray
 
 from ftlayer.client import FTClient
@@ -61,11 +60,13 @@ from ftlayer.wire import DeadLetterList, UnfilledList
 from .cluster import CheckpointAnswers, ShardClients, ShardMap
 from .columnar import probe_consumer
 from .deadletters import dead_letter_messages, deliverable
+from .groups import SECURITY, ConsumerGroup
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .kafkaread import new_consumer
 from .options import SourceOptions
 from .reader import FTKafkaPartition
 from .refetch import read_at
+from .rewind import Rewind, no_group, plan_rewind, same_stores
 
 T = TypeVar("T")
 
@@ -81,10 +82,6 @@ _DRIVER_TIMEOUT_MS: Final = 1500
 _PROBE_POLL_MS: Final = 2
 _DELIVER_CHUNK: Final = 500  # dead letters per DEAD_LETTERS request and producer flush
 _FILL_CHUNK: Final = 10_000  # failed records per UNFILLED request and Kafka read
-# Connection settings the group-commit consumer shares with the reading consumers.
-_SECURITY: Final = frozenset(
-    k for k in KafkaConsumer.DEFAULT_CONFIG if k.startswith(("ssl_", "sasl_", "security_"))
-)
 
 
 class SourceDriver:
@@ -97,8 +94,7 @@ class SourceDriver:
         self.shards = ShardClients(options)
         self.shard_map = ShardMap(source_ids, options.ft.shards)
         self._partition_counts: dict[str, int] = {}
-        self._group: Any = None
-        self._committed: dict[tuple[str, int], int] = {}
+        self.group = ConsumerGroup(options)
         self.pending: dict[str, list[int]] = {}
         """Per topic: its source's pending roots on each shard at the last `available`
         (FT on)."""
@@ -126,7 +122,7 @@ class SourceDriver:
             heartbeat.close()
         self._heartbeats = []
         self._drop_consumer()
-        self._drop_group_client()
+        self.group.close()
         self._drop_producer()
         self.shards.close()
 
@@ -143,7 +139,9 @@ class SourceDriver:
         else:
             assert isinstance(starting, dict)
             kafka = self._specific_offsets(starting, tps)
-        return Position.at(kafka, self._replay_start() if self.options.ft_on else None).to_json()
+        if not self.options.ft_on:
+            return Position.at(kafka, None).to_json()
+        return Position.at(kafka, self._replay_start(), self.shards.store_ids).to_json()
 
     def _specific_offsets(
         self, starting: dict[str, dict[int, int]], tps: list[TopicPartition]
@@ -184,7 +182,8 @@ class SourceDriver:
     def available(self, start: Offset | None) -> Offset:
         """The end of everything readable now: the high watermark of every partition
         (a partition new since `start` at its earliest offset: it enters one batch
-        later, from there) and the FT layer's replay cursor."""
+        later, from there) and the FT layer's replay cursors and stores; the partitions
+        of a shard that lost its store at their committed group offsets (.rewind)."""
         counts = self._kafka(
             "read the topics' metadata", lambda: self._topic_partitions(check_exist=False)
         )
@@ -208,18 +207,58 @@ class SourceDriver:
         if self.options.ft_on and counts != self._partition_counts:
             self._partition_counts = counts
             self._register_sources()
-        cursors = None
-        if self.options.ft_on:
-            previous = None if first is None else first.cursors
-            cursors = self._replay_cursors(previous)
-            for shard, (now, before) in enumerate(zip(cursors, previous or cursors, strict=True)):
-                if now < before:
-                    raise SourceError(
-                        f"{self.shards.where(shard)} has replay cursor {now}, behind this "
-                        f"query's {before}: it is not the FT layer this query ran with (its "
-                        "data directory was lost or replaced)"
-                    )
-        return Position.at(ends, cursors).to_json()
+        if not self.options.ft_on:
+            return Position.at(ends, None).to_json()
+        previous = None if first is None else first.cursors
+        was = self.shards.store_ids if first is None or first.stores is None else first.stores
+        cursors, statuses = self._replay_cursors(previous)
+        stores = list(was)
+        for rewind in self._rewinds(first, was, statuses):
+            for topic, partitions in rewind.offsets.items():
+                ends[topic].update(partitions)
+            cursors[rewind.shard], stores[rewind.shard] = rewind.cursor, rewind.store
+        for shard, (now, before) in enumerate(zip(cursors, previous or cursors, strict=True)):
+            if now < before and stores[shard] == was[shard]:
+                raise SourceError(
+                    f"{self.shards.where(shard)} has replay cursor {now}, behind this "
+                    f"query's {before}: it is not the FT layer this query ran with (its "
+                    "data directory was lost or replaced)"
+                )
+        return Position.at(ends, cursors, stores).to_json()
+
+    def _rewinds(
+        self, first: Position | None, known: Sequence[str], statuses: list[Status | None]
+    ) -> list[Rewind]:
+        """The rewinds of the shards that serve another store than `known`, the stores
+        `first` names (.rewind)."""
+        rewinds = []
+        for shard, (was, status) in enumerate(zip(known, statuses, strict=True)):
+            if first is not None and status is not None and status.store_id != was:
+                rewinds.append(self._rewind(first, shard, was, status))
+        self.shards.store_ids = [
+            was if status is None else status.store_id
+            for was, status in zip(known, statuses, strict=True)
+        ]
+        return rewinds
+
+    def _rewind(self, first: Position, shard: int, was: str, status: Status) -> Rewind:
+        """Shard `shard`'s partitions back to their group offsets, its sources
+        registered with its new store, logged."""
+        where = self.shards.where(shard)
+        if self.options.group_id is None:
+            raise no_group(where, status.store_id, was)
+        owned = self.shard_map.owned(first.kafka, shard)
+        tps = [TopicPartition(t, p) for t, partitions in owned.items() for p in partitions]
+        committed = self._kafka("read the group offsets", partial(self.group.committed, tps))
+        earliest = self._kafka("read the earliest offsets", partial(self._earliest, tps))
+        sources = sorted(set(self.source_ids.values()))
+        rewind = plan_rewind(
+            shard, was, status.store_id, status.replay_start_of(sources), owned, committed,
+            earliest, where,
+        )  # fmt: skip
+        self._register_sources([shard])
+        log.warning("%s", rewind.describe(where))
+        return rewind
 
     def parse(self, offset: Offset) -> Position:
         """A position of this query's (Spark's offset log): with FT on, one replay cursor
@@ -246,7 +285,7 @@ class SourceDriver:
         if self.options.ft_on:
             self._admit(starts, ends)
         if max_rows is None:
-            return Position.at(ends, cursors).to_json()
+            return Position.at(ends, cursors, now.stores).to_json()
         sizes = {
             (t, p): end - starts[t][p]
             for t, partitions in ends.items()
@@ -260,11 +299,13 @@ class SourceDriver:
                 share_rows = int(np.ceil(share)) if share < 1 else int(share)
                 ends[t][p] = min(ends[t][p], starts[t][p] + share_rows)
         if cursors is not None and first.cursors is not None:
-            cursors = tuple(
-                min(now, before + max_rows)
-                for now, before in zip(cursors, first.cursors, strict=True)
+            cursors = tuple(  # a rewound shard's cursor counts in another store
+                min(at, before + max_rows) if same else at
+                for at, before, same in zip(
+                    cursors, first.cursors, same_stores(first, now), strict=True
+                )
             )
-        return Position.at(ends, cursors).to_json()
+        return Position.at(ends, cursors, now.stores).to_json()
 
     def _admit(self, starts: Mapping[str, Mapping[int, int]], ends: KafkaOffsets) -> None:
         """Cut `ends` so that on each shard, each source's pending roots plus its new
@@ -315,20 +356,25 @@ class SourceDriver:
         aligned, the last aligned checkpoint's while aligning, or None. A failure is
         logged and gives None for that shard: the next batch's checkpoint covers this
         one (the FT layer completes checkpoints in order, and a later commit finishes
-        the batches before it)."""
+        the batches before it). A shard is sent no part of a barrier of a store it no
+        longer serves, and completes no barrier of its old store (.rewind)."""
         what = "begin the checkpoint" if begin else "complete the checkpoint"
         reports: list[CheckpointReport | None] = []
+        kept = None if complete is None else same_stores(complete, end)
         for shard in range(self.shards.count):
-            if shard in self.shards.down:  # its barriers, when it is back
-                reports.append(None)
+            store = None if end.stores is None else end.stores[shard]
+            if shard in self.shards.down or store not in (None, self.shards.store_ids[shard]):
+                reports.append(None)  # down: its barriers when it is back; lost: gone
                 continue
             part = self.shard_map.part(end, shard)
-            done = None if complete is None else self.shard_map.part(complete, shard)
+            done = None
+            if complete is not None and kept is not None and kept[shard]:
+                done = self.shard_map.part(complete, shard)
             try:
                 report = self.shards.quick(
                     shard,
                     f"{what} of {self.options.checkpoint_query!r}",
-                    partial(self._checkpoint_call, part, begin, done),
+                    partial(self._checkpoint_call, store, part, begin, done),
                 )
             except SourceError as exc:
                 log.warning("%s (covered by the next batch's checkpoint)", exc)
@@ -337,9 +383,15 @@ class SourceDriver:
         return CheckpointAnswers(tuple(reports), self.shard_map)
 
     def _checkpoint_call(
-        self, end: Position, begin: bool, complete: Position | None, client: FTClient
-    ) -> CheckpointReport:
-        return client.checkpoint(
+        self,
+        store: str | None,
+        end: Position,
+        begin: bool,
+        complete: Position | None,
+        client: FTClient,
+    ) -> CheckpointReport | None:
+        """The shard's answer, None if it came from another store than `store`."""
+        report = client.checkpoint(
             begin=begin,
             query=self.options.checkpoint_query,
             position=end.to_json(),
@@ -347,6 +399,15 @@ class SourceDriver:
             mode=self.options.checkpoint_mode,
             complete=None if complete is None else complete.to_json(),
         )
+        if store is None or self.shards.store_on(client, client.connections) == store:
+            return report
+        log.warning(
+            "%s answered a checkpoint from another store than %s: the answer does not "
+            "count (the next batch goes back to the group offsets of its partitions)",
+            client.address,
+            store,
+        )
+        return None
 
     # ---- running batches ----
 
@@ -399,51 +460,10 @@ class SourceDriver:
 
     # ---- consumer-group offsets ----
 
-    def commit_group(self, target: Mapping[str, Mapping[int, int]]) -> dict[str, dict[int, int]]:
+    def commit_group(self, target: Mapping[str, Mapping[int, int]]) -> KafkaOffsets:
         """Commit these group offsets where they move forward; returns what it
-        committed. A committed offset never moves back. A failed commit is logged and
-        retried at the next one: the query's progress is in Spark's checkpoint, the
-        group offsets only mirror it."""
-        commits = {
-            TopicPartition(t, p): offset
-            for t, partitions in target.items()
-            for p, offset in partitions.items()
-            if offset > self._committed.get((t, p), -1)
-        }
-        if not commits:
-            return {}
-        try:
-            self._group_client().commit(
-                offsets={tp: OffsetAndMetadata(o, "", -1) for tp, o in commits.items()}
-            )
-        except (KafkaError, OSError) as exc:
-            log.warning(
-                "could not commit offsets of group %r (retried at the next batch): %r",
-                self.options.group_id,
-                exc,
-            )
-            self._drop_group_client()
-            return {}
-        for tp, offset in commits.items():
-            self._committed[(tp.topic, tp.partition)] = offset
-        return _by_topic(commits)
-
-    def _group_client(self) -> Any:
-        if self._group is None:
-            self._group = KafkaConsumer(
-                bootstrap_servers=self.options.bootstrap,
-                group_id=self.options.group_id,
-                enable_auto_commit=False,
-                request_timeout_ms=_DRIVER_TIMEOUT_MS * 4,
-                **{k: v for k, v in self.options.kafka_config.items() if k in _SECURITY},
-            )
-        return self._group
-
-    def _drop_group_client(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            with contextlib.suppress(Exception):
-                group.close(autocommit=False)
+        committed (.groups: a failure is logged and retried at the next commit)."""
+        return self.group.commit(target)
 
     # ---- dead letters ----
 
@@ -479,7 +499,9 @@ class SourceDriver:
     def _deliver_source(self, topic: str, shard: int, source_id: int) -> int:
         delivered = 0
         while True:
-            listed = self.shards.call(
+            # One connection attempt: this runs before the trigger's STATUS notices a
+            # shard that just died, and waiting for it would hold up every partition.
+            listed = self.shards.quick(
                 shard, "read the dead letters", partial(_list_dead, source_id)
             )
             rows = deliverable(listed.letters, listed.records)
@@ -517,7 +539,7 @@ class SourceDriver:
                 bootstrap_servers=self.options.bootstrap,
                 acks="all",
                 max_request_size=64 * 1024 * 1024,
-                **{k: v for k, v in self.options.kafka_config.items() if k in _SECURITY},
+                **{k: v for k, v in self.options.kafka_config.items() if k in SECURITY},
             )
         return self._producer
 
@@ -669,14 +691,17 @@ class SourceDriver:
         self._server_timeout_s = statuses[0].timeout_s
         return tuple(s.replay_start_of(list(self.source_ids.values())) for s in statuses)
 
-    def _replay_cursors(self, previous: tuple[int, ...] | None) -> tuple[int, ...]:
+    def _replay_cursors(
+        self, previous: tuple[int, ...] | None
+    ) -> tuple[list[int], list[Status | None]]:
         """Each shard's highest replay seq of this query's sources (see
         FTLayer.replay_cursor_of): other queries' failures do not move it, so they cause
         no empty batches here. The same reply gives each source's pending roots on the
         shard (`pending`, for flow control): one STATUS per shard and batch serves both.
         A shard that is down keeps its cursor at `previous` (the batch takes in none of
         its replays), and its partitions take in no records (`_admit`); one that is back
-        has the sources registered again."""
+        has the sources registered again. Returns the cursors and each shard's STATUS
+        (None: down)."""
         statuses, back = self.shards.statuses()
         if back:
             self._register_sources(back)
@@ -686,13 +711,13 @@ class SourceDriver:
         for shard, answered in enumerate(statuses):
             if answered is None:
                 continue
-            status = self._filled(shard, answered)
+            status = statuses[shard] = self._filled(shard, answered)
             self._server_timeout_s = status.timeout_s
             cursors[shard] = status.replay_cursor_of(sources)
             for topic, source in self.source_ids.items():
                 self.pending[topic][shard] = status.pending_of(source)
         self._cursors = tuple(cursors)
-        return self._cursors
+        return cursors, statuses
 
     def _filled(self, shard: int, status: Status) -> Status:
         """A shard's STATUS, once the bytes of its sources' failed records stored by

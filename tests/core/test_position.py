@@ -111,3 +111,38 @@ def test_a_cursor_per_shard_and_each_shards_part() -> None:
 def test_a_bad_cursor_list_is_refused(data: object, sharded: bool, words: str) -> None:
     with pytest.raises(PositionError, match=words):
         Position.parse(data, sharded=sharded)
+
+
+store_ids = st.text("0123456789abcdef", min_size=16, max_size=16)
+positions_with_stores = st.lists(st.integers(0, 2**62), min_size=1, max_size=5).flatmap(
+    lambda cursors: st.builds(
+        Position.at,
+        offsets,
+        st.just(cursors),
+        st.lists(store_ids, min_size=len(cursors), max_size=len(cursors)),
+    )
+)
+
+
+@given(positions_with_stores)
+def test_the_stores_of_the_cursors_survive_the_json_text(position: Position) -> None:
+    parsed = Position.parse(json.loads(json.dumps(position.to_json())), sharded=True)
+    assert parsed == position and parsed.stores == position.stores
+    assert parsed.stores is not None and len(parsed.stores) == len(parsed.cursors or ())
+    # A shard's part of a barrier is what a CHECKPOINT carries: its cursor, no store.
+    assert "stores" not in parsed.part({}, 0).to_json()
+
+
+@pytest.mark.parametrize(
+    ("data", "sharded", "words"),
+    [
+        ({"kafka": {}, "replay": 1, "stores": ["a"]}, False, "got also"),  # a CHECKPOINT's
+        ({"kafka": {}, "replay": [1, 2], "stores": ["a"]}, True, "one store per replay"),
+        ({"kafka": {}, "replay": 1, "stores": "a"}, True, "list of store ids"),
+        ({"kafka": {}, "replay": 1, "stores": [""]}, True, "list of store ids"),
+        ({"kafka": {}, "stores": ["a"]}, True, 'needs "replay"'),
+    ],
+)
+def test_bad_stores_are_refused(data: object, sharded: bool, words: str) -> None:
+    with pytest.raises(PositionError, match=words):
+        Position.parse(data, sharded=sharded)
