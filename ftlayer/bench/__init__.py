@@ -13,6 +13,9 @@
   a Spark job (two task slots persisting 50,000-record chunks of a 200,000-record
   micro-batch while a sink completes the batch before), how long each persist and
   each XOR frame takes: what one connection's work costs the others (`mixed`).
+- cluster: records and XOR updates per second of an FT layer of 1 and of 2 shards
+  (server processes, fed by client processes on the same machine), and the servers'
+  CPU per record. Targets: 2 shards >= 1.3x one, and <= 1.15x its CPU per record.
 - checkpoint: a micro-batch job's records per second with a checkpoint at every batch
   against none, in paired rounds; checkpoint times against pending roots. Target:
   >= 0.95x without.
@@ -24,13 +27,14 @@ Figures are wall-clock rates on whatever else the machine is doing: compare the 
 which both sides of one run share.
 "
 
-One module per bench (`acker`, `persist`, `server` with `mixed`, `checkpoint`) and
+One module per bench (`acker`, `persist`, `server` with `mixed`, `cluster`, `checkpoint`) and
 `timing`, the clock and machine figures they share. Nothing here is on the runtime's
 import path: the CLI loads it only for `ftlayer bench`.
 """
 
 from .acker import bench_acker, ft_table_bytes_per_pending_root, tree_events
 from .checkpoint import bench_checkpoint
+from .cluster import bench_cluster
 from .mixed import mixed_server_run
 from .persist import bench_persist
 from .server import bench_server
@@ -42,6 +46,7 @@ from .timing import _steal_percent as _steal_percent
 __all__ = [
     "bench_acker",
     "bench_checkpoint",
+    "bench_cluster",
     "bench_persist",
     "bench_server",
     "ft_table_bytes_per_pending_root",

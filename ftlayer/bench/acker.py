@@ -22,16 +22,16 @@ FT_TABLE_TARGET_BYTES = 64
 
 
 def tree_events(
-    roots: int, depth: int, seed: int = 7
+    roots: int, depth: int, seed: int = 7, shard: int = 0, shards: int = 1
 ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64], NDArray[np.uint64]]:
     """A workload of `roots` trees, each a chain of `depth` tasks after its source.
 
     Returns (roots, first ack values, event roots, event values). Events are the ones
     handlers send: each task acks its input XOR its output; the sink acks the last
     output. They are interleaved across trees in random order (seeded), the worst case
-    for memory locality.
+    for memory locality. The roots are shard `shard`'s of a cluster of `shards`.
     """
-    root_ids = new_ids(roots)
+    root_ids = new_ids(roots, shard, shards)
     ids = [new_ids(roots) for _ in range(depth + 1)]
     event_roots = np.tile(root_ids, depth + 1)
     event_values = np.concatenate([ids[j] ^ ids[j + 1] for j in range(depth)] + [ids[depth]])

@@ -90,14 +90,16 @@ def _persist_and_complete(
     batches: list[list[bytes]],
     offsets: list[NDArray[np.int64]],
     partition: int = 0,
+    shard: int = 0,
+    shards: int = 1,
 ) -> None:
     """Persist every batch (Kafka partition `partition` of topic "bench"), completing
     batch i (the sink's acks: one XOR per record) once batch i + 1 is persisted: one
-    batch in flight."""
+    batch in flight. The roots are shard `shard`'s of a cluster of `shards`."""
     in_flight: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = None
     for payloads, offs in zip(batches, offsets, strict=True):
         n = len(payloads)
-        roots, ids = new_ids(n), new_ids(n)
+        roots, ids = new_ids(n, shard, shards), new_ids(n)
         channel.persist(
             RecordBatch.build(roots, payloads, topics="bench", partitions=partition, offsets=offs),
             ids,

@@ -54,6 +54,31 @@ def add_parser(commands: Any) -> None:
     server.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     server.add_argument("--json", action="store_true", help="print one JSON object last")
 
+    cluster = benches.add_parser(
+        "cluster",
+        help="records/s and XOR updates/s of an FT layer of 1 and 2 shards (server processes "
+        "and client processes), and the servers' CPU per record",
+    )
+    cluster.add_argument(
+        "--shards",
+        type=int_list,
+        default=[1, 2],
+        help="the shard counts to compare, comma-separated (default 1,2)",
+    )
+    cluster.add_argument("--records", type=positive_int, default=1_000_000, help="in total")
+    cluster.add_argument("--events", type=positive_int, default=2_000_000, help="in total")
+    cluster.add_argument(
+        "--clients",
+        type=positive_int,
+        default=4,
+        help="client processes, each on one partition and so on one shard (default 4)",
+    )
+    cluster.add_argument(
+        "--rounds", type=positive_int, default=3, help="rounds, the shard counts alternating"
+    )
+    cluster.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
+    cluster.add_argument("--json", action="store_true", help="print one JSON object last")
+
     checkpoint = benches.add_parser(
         "checkpoint",
         help="records/s with a checkpoint every batch vs none; checkpoint time vs pending",
@@ -207,6 +232,15 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             batch=args.batch,
             rounds=args.rounds,
             pending_points=_counts(args.pending),
+            directory=args.dir,
+        )
+    if args.bench == "cluster":
+        return bench.bench_cluster(
+            shard_counts=tuple(args.shards),
+            records=args.records,
+            events=args.events,
+            clients=args.clients,
+            rounds=args.rounds,
             directory=args.dir,
         )
     if args.bench == "server":

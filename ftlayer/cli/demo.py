@@ -1,8 +1,9 @@
 """`ftlayer demo`: the main job end to end on an embedded broker, an FT-layer process
-and local Spark, or with `--cluster` a Spark standalone cluster and an FT layer with a
-token and TLS (ftlayer.integration.harness.demo, loaded only when it runs), with a live
-table of its progress and its own verdict; exits 0 only if nothing was lost and every
-produced record completed."""
+and local Spark, or with `--cluster` a Spark standalone cluster and an FT layer of 2
+shards with a token and TLS (ftlayer.integration.harness.demo, loaded only when it
+runs), with a live table of its progress and its own verdict; exits 0 only if nothing
+was lost and every produced record completed. `--shards N` runs the FT layer as N
+shards, and `--kill-shard` SIGKILLs one of them midway and starts it again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import argparse
 import json
 from typing import Any
 
-from .common import count, port, positive_int, print_table, rate
+from ftlayer.shards import MAX_SHARDS
+
+from .common import count, port, positive_float, positive_int, print_table, rate
 
 
 def add_parser(commands: Any) -> None:
@@ -46,7 +49,8 @@ def add_parser(commands: Any) -> None:
         "--http-port",
         type=port,
         default=None,
-        help="the FT layer's status page and /metrics on this loopback port (default: off)",
+        help="the FT layer's status page and /metrics on this loopback port, shard I's on "
+        "this port + I (default: off)",
     )
     demo.add_argument(
         "--cluster",
@@ -59,6 +63,31 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="with --cluster: SIGKILL one worker with its executor and Python workers midway",
     )
+    demo.add_argument(
+        "--shards",
+        type=positive_int,
+        default=None,
+        help="the FT layer as this many shards, each an `ftlayer serve` process with its own "
+        "data dir and port (default: 1; 2 with --cluster)",
+    )
+    demo.add_argument(
+        "--kill-shard",
+        action="store_true",
+        help="with --shards 2 or more: SIGKILL the last shard once a third of the events were "
+        "persisted, and start it again on its data dir --outage-s later",
+    )
+    demo.add_argument(
+        "--outage-s",
+        type=positive_float,
+        default=20.0,
+        help="with --kill-shard: seconds the killed shard stays down (default 20)",
+    )
+    demo.add_argument(
+        "--max-offsets-per-trigger",
+        type=positive_int,
+        default=20_000,
+        help="the source's maxOffsetsPerTrigger: events per micro-batch at most (default 20,000)",
+    )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
 
@@ -70,6 +99,19 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "ftlayer demo: --kill-workers kills Python workers of local Spark; "
             "with --cluster, use --kill-worker"
+        )
+    shards = args.shards if args.shards is not None else 2 if args.cluster else 1
+    if shards > MAX_SHARDS:
+        raise SystemExit(f"ftlayer demo: --shards is at most {MAX_SHARDS}, got {shards}")
+    if args.http_port and args.http_port + shards - 1 > 65535:
+        raise SystemExit(
+            f"ftlayer demo: shard I serves its page on --http-port + I: {args.http_port} + "
+            f"{shards - 1} is past port 65535"
+        )
+    if args.kill_shard and shards < 2:
+        raise SystemExit(
+            f"ftlayer demo: --kill-shard kills one of several FT-layer shards while the others "
+            f"go on: it needs --shards 2 or more (got {shards})"
         )
     from rich.console import Console
     from rich.live import Live
@@ -93,11 +135,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return table
 
+    layer = "the FT layer" if shards == 1 else f"the FT layer ({shards} shards)"
     if args.cluster:
         kills = "a Spark worker killed midway" if args.kill_worker else "no worker killed"
-        parts = "the FT layer (token, TLS) and a Spark standalone cluster (2 workers)"
+        parts = f"{layer} with a token and TLS, and a Spark standalone cluster (2 workers)"
     else:
-        kills, parts = f"{args.kill_workers} worker kills", "the FT layer and Spark"
+        kills, parts = f"{args.kill_workers} worker kills", f"{layer} and Spark"
+    if args.kill_shard:
+        kills += f", FT-layer shard {shards - 1} killed midway and down {args.outage_s:g} s"
     console.print(
         f"ftlayer demo: {args.records:,} events, {args.partitions} partitions, "
         f"fail rate {args.fail_rate:g}, poison rate {args.poison_rate:g} (max retries "
@@ -106,11 +151,15 @@ def run(args: argparse.Namespace) -> int:
         soft_wrap=True,
     )
     if args.http_port:
-        console.print(
-            f"ftlayer demo: the FT layer's status page: http://127.0.0.1:{args.http_port}/ "
-            f"(metrics: http://127.0.0.1:{args.http_port}/metrics)",
-            soft_wrap=True,
-        )
+        pages = [f"http://127.0.0.1:{args.http_port + shard}/" for shard in range(shards)]
+        linked = f"?shards={','.join(pages)}" if shards > 1 else ""  # each page links the others
+        for shard, page in enumerate(pages):
+            console.print(
+                f"ftlayer demo: the FT layer's status page"
+                f"{f' (shard {shard})' if shards > 1 else ''}: {page}{linked} (metrics: "
+                f"{page}metrics)",
+                soft_wrap=True,
+            )
     with Live(view({"produced": args.records}), console=console, refresh_per_second=4) as live:
         result = run_demo(
             records=args.records,
@@ -125,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
             workdir=args.workdir,
             cluster=args.cluster,
             kill_worker=args.kill_worker,
+            shards=shards,
+            kill_shard=args.kill_shard,
+            outage_s=args.outage_s,
+            max_per_trigger=args.max_offsets_per_trigger,
             on_progress=lambda progress: live.update(view(progress)),
             on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),
         )
@@ -141,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
                 f", {result.extra.get('executors')} executors, {result.workers_killed} "
                 "workers killed"
                 if args.cluster
+                else ""
+            )
+            + (
+                f", {result.extra.get('shard_kills')} of 1 FT-layer shard kills"
+                if args.kill_shard
                 else ""
             ),
             soft_wrap=True,

@@ -6,9 +6,11 @@ the core counts nothing for Prometheus on its hot path, and a scrape costs what 
 request costs. Names follow Prometheus' conventions: the `ftlayer_` prefix, `_total` on
 counters, base units (seconds, bytes) in the name, a `source` label (the source id, as
 STATUS names it) where the figure is kept per source, and `query` (a checkpoint query,
-the source's `ft.sourceName`) on checkpoint figures. The table of every metric is in
-docs/user-guide.md, section 6.9; counters restart from 0 when the server restarts, as
-Prometheus' rate() expects.
+the source's `ft.sourceName`) on checkpoint figures. Every metric, the process's own
+included, carries `shard`: the server's place in its cluster (STATUS `shard`; "0" for
+a server alone), so the scrapes of a cluster's shards add up and never collide. The
+table of every metric is in docs/user-guide.md, section 6.9; counters restart from 0
+when the server restarts, as Prometheus' rate() expects.
 
 The families that count roots are named for roots (the glossary's word); their former
 "trees" names (`DEPRECATED_NAMES`) are still served, as copies whose help text starts
@@ -17,9 +19,10 @@ The families that count roots are named for roots (the glossary's word); their f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from prometheus_client import ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -48,22 +51,23 @@ new family (counters get `_total` appended on the wire, under either name)."""
 
 
 class FTCollector(Collector):
-    """Collects the metrics of one server; `observe` is FTServer.observe."""
+    """Collects the metrics of one server and of its process (CPU, memory, files), each
+    with the server's `shard`; `observe` is FTServer.observe."""
 
     def __init__(self, observe: Callable[[], Observation]) -> None:
         self._observe = observe
+        self._process = ProcessCollector(registry=None)
 
     def collect(self) -> Iterator[Metric]:
-        yield from families(self._observe())
+        observation = self._observe()
+        yield from families(observation)
+        yield from _with_shard(self._process.collect(), observation.status)
 
 
 def registry(observe: Callable[[], Observation]) -> CollectorRegistry:
-    """A registry of the FT layer's metrics and this process's (CPU, memory, files)."""
-    from prometheus_client import ProcessCollector
-
+    """A registry of the FT layer's metrics and this process's."""
     found = CollectorRegistry(auto_describe=False)
     found.register(FTCollector(observe))
-    ProcessCollector(registry=found)
     return found
 
 
@@ -164,7 +168,16 @@ def families(observation: Observation) -> list[Metric]:
     out += _requests(status["requests"])
     out += _checkpoints(status["checkpoints"])
     out.append(InfoMetricFamily("ftlayer", "The server's version.", {"version": status["version"]}))
-    return out + _deprecated(out)
+    return _with_shard(out + _deprecated(out), status)
+
+
+def _with_shard(found: Iterable[Metric], status: Mapping[str, Any]) -> list[Metric]:
+    """The families with the server's shard as a label on every sample."""
+    shard = str(status["shard"])
+    out = list(found)
+    for family in out:
+        family.samples = [s._replace(labels={**s.labels, "shard": shard}) for s in family.samples]
+    return out
 
 
 def _requests(requests: Mapping[str, Mapping[str, Any]]) -> list[Metric]:

@@ -32,6 +32,16 @@ source's options ft.address, ft.tokenFile and ft.tlsCa. With `kill_worker` too, 
 worker is SIGKILLed midway with its executor JVM and Python workers, and Spark runs
 the lost tasks on the other one.
 
+With `shards` N > 1 (2 by default with `cluster`), the FT layer is N `ftlayer serve
+--shard I --shards N` processes, each on its own data dir and port, named in shard
+order by ft.address (`integration/harness/demoshards.py`); its figures are their sums.
+With `kill_shard` too, once a third of the events were persisted, the last shard is
+SIGKILLed between two micro-batches and started again on its data dir `outage_s`
+later (`ShardKill`: a batch in flight with failures of the dead shard's roots waits
+for it, and every other partition with it); meanwhile the source
+holds back only that shard's partitions, and `completed_during_outage` counts the
+records the other shards completed (from their STATUS at the kill and at the restart).
+
 While it runs it shows produced, completed, pending and replayed counts. At the end it
 checks two counts that are measured apart against each other:
 
@@ -53,6 +63,11 @@ a replayed tree writes again). The result is valid (exit 0) only with lost = 0, 
 tree pending, every poison event dead-lettered, and completed within those bounds
 (with no record persisted again: completed = completed_at_sink); on a cluster also
 with an executor on each worker, and the worker killed when `kill_worker` asked for it.
+A killed shard's counters die with it: what it completed after its last STATUS
+counts nowhere, so with a shard killed `completed` is a lower bound and the bounds
+above are not checked; the verdict then rests on the sink (lost = 0), no tree
+pending on any shard, the dead letters and the group offsets, and on the shard
+killed and started again.
 """
 
 from __future__ import annotations
@@ -71,11 +86,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftlayer.client import FTClient
 from ftlayer.errors import FailException, FTLayerError
-from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.broker import TansuBroker
-from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.integration.harness.demoshards import (
+    ShardKill,
+    ShardSampler,
+    ShardTotals,
+    start_shards,
+)
 from ftlayer.integration.harness.kafka import create_topic, end_offsets, produce, read_all
 from ftlayer.integration.harness.pki import make_server_files
 from ftlayer.integration.harness.standalone import (
@@ -86,7 +104,7 @@ from ftlayer.integration.harness.standalone import (
 )
 from ftlayer.integration.source.deadletters import history_of
 from ftlayer.integration.source.options import parse_options
-from ftlayer.status import Status
+from ftlayer.shards import MAX_SHARDS
 
 __all__ = ["DemoResult", "run_demo", "source_options", "start_pipeline"]
 
@@ -120,11 +138,11 @@ class DemoResult:
     def ok(self) -> bool:
         extra = self.extra
         at_sink = extra.get("completed_at_sink", -1)
-        base = (
-            self.lost == 0
-            and self.pending_at_end == 0
-            and at_sink <= self.completed <= at_sink + extra.get("persisted_again", 0)
+        # A killed shard's counters die with it (module docstring): no bounds then.
+        counted = extra.get("shard_kills", 0) > 0 or (
+            at_sink <= self.completed <= at_sink + extra.get("persisted_again", 0)
         )
+        base = self.lost == 0 and self.pending_at_end == 0 and counted
         dead_ok = (
             extra.get("dead_lettered", 0) == extra.get("poison_events", 0)
             and not extra.get("dead_letters_unexpected", 0)
@@ -137,7 +155,8 @@ class DemoResult:
             extra.get("executors", 0) >= 2
             and self.workers_killed == (1 if extra.get("kill_worker") else 0)
         )
-        return base and dead_ok and cluster_ok
+        shards_ok = extra.get("shard_kills", 0) == (1 if extra.get("kill_shard") else 0)
+        return base and dead_ok and cluster_ok and shards_ok
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -465,6 +484,9 @@ def run_demo(
     persist: str = "reference",
     cluster: bool = False,
     kill_worker: bool = False,
+    shards: int | None = None,
+    kill_shard: bool = False,
+    outage_s: float = 20.0,
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts. With `http_port`,
     the FT-layer process serves its status page and /metrics on that loopback port;
@@ -479,7 +501,11 @@ def run_demo(
     (`_WorkerKill`, `StandaloneCluster.kill_worker`); Spark runs the lost tasks on the
     other one.
     `workers_killed` then counts Spark workers; `kill_workers` (Python workers) is for
-    local Spark only."""
+    local Spark only.
+
+    `shards`: the FT layer's shards (None: 2 with `cluster`, else 1); with `kill_shard`
+    (2 or more shards), the last is SIGKILLed once a third of the events were persisted
+    and started again on its data dir `outage_s` seconds later (`ShardKill`)."""
     from ftlayer.integration.source import register
     from ftlayer.integration.spark import local_spark
 
@@ -494,6 +520,15 @@ def run_demo(
     if cluster and kill_workers:
         raise DemoError("kill_workers kills Python workers of local Spark; with cluster use "
                         "kill_worker")  # fmt: skip
+    shards = shards if shards is not None else 2 if cluster else 1
+    if not 1 <= shards <= MAX_SHARDS or max_per_trigger < 1:
+        raise DemoError(f"need 1 <= shards <= {MAX_SHARDS} and max_per_trigger >= 1")
+    if kill_shard and shards < 2:
+        raise DemoError(
+            f"kill_shard kills one of several FT-layer shards: it needs shards >= 2, got {shards}"
+        )
+    if not outage_s > 0:
+        raise DemoError(f"outage_s must be a positive number of seconds, got {outage_s}")
     started = time.monotonic()
     spark_log = _spark_log(workdir)
     with (
@@ -511,13 +546,11 @@ def run_demo(
         flaky_dir = work / "flaky"
         flaky_dir.mkdir()
         serve_args = ["--tree-timeout-s", str(ft_timeout_s)]
-        if http_port is not None:
-            serve_args += ["--http-port", str(http_port)]
         tls = make_server_files(work / "tls", ["localhost", "127.0.0.1"]) if cluster else None
         if tls is not None:
             serve_args += tls.serve_args()
-        server = parts.enter_context(FTServerProcess(work / "ft", *serve_args))
-        ft_options = {"ft.address": server.address}
+        servers = start_shards(parts, work, shards, serve_args, http_port)
+        ft_options = {"ft.address": ",".join(server.address for server in servers)}
         ft_options.update(tls.source_options() if tls is not None else {})
         options = source_options(
             bootstrap,
@@ -549,6 +582,13 @@ def run_demo(
         worker_kill = None
         if standalone is not None and kill_worker:
             worker_kill = _WorkerKill(standalone, spark, records, stop_killer, on_kill)
+        settings = parse_options(options).ft
+        sampler = parts.enter_context(
+            ShardSampler(settings.addresses, settings.token, settings.tls_ca or False)
+        )
+        shard_kill = None
+        if kill_shard:
+            shard_kill = ShardKill(servers, sampler, records, outage_s, stop_killer, on_kill)
         query = None
         try:
             executors = 0
@@ -568,16 +608,19 @@ def run_demo(
                 killed = _killer(kill_workers, 5.0, stop_killer, seed, on_kill)
             if worker_kill is not None:
                 worker_kill.start()
+            if shard_kill is not None:
+                shard_kill.watch(query)
 
-            def progress(now: dict[str, Any]) -> None:
+            def progress(totals: ShardTotals, now: dict[str, Any]) -> None:
                 if worker_kill is not None:
                     worker_kill.progress(now)
+                if shard_kill is not None:
+                    shard_kill.step(totals)
                 if on_progress is not None:
                     on_progress(now)
 
-            settings = parse_options(options).ft
             status = _wait_until_settled(
-                query, settings, source_topic, records, deadline_s, progress
+                query, sampler, source_topic, records, deadline_s, progress
             )
             # While the job runs: its group's committed offsets reach the end.
             lag = _group_lag(bootstrap, group, source_topic, partitions, wait_s=30.0)
@@ -648,7 +691,14 @@ def run_demo(
             "cluster": "standalone" if cluster else "local",
             "master": master,
             "tls": cluster,
-            "shards": 1,
+            "shards": shards,
+            "kill_shard": kill_shard,
+            "shard_kills": shard_kill.kills if shard_kill is not None else 0,
+            # Records of the other shards completed while one was down (their STATUS).
+            "completed_during_outage": (
+                shard_kill.completed_during_outage if shard_kill is not None else None
+            ),
+            "shard_down_s": shard_kill.down_s if shard_kill is not None else None,
             **(
                 {
                     "executors": executors,
@@ -693,36 +743,34 @@ def _group_lag(bootstrap: str, group: str, topic: str, partitions: int, *, wait_
 
 def _wait_until_settled(
     query: Any,
-    settings: FTSettings,
+    sampler: ShardSampler,
     topic: str,
     records: int,
     deadline_s: float,
-    on_progress: Callable[[dict[str, Any]], None] | None,
-) -> Status:
-    """Poll until the query has read every produced record and the FT layer holds no
-    pending tree (twice in a row), or the deadline; returns the last server status."""
+    on_progress: Callable[[ShardTotals, dict[str, Any]], None],
+) -> ShardTotals:
+    """Poll until the query has read every produced record and no shard of the FT
+    layer is down or holds a pending tree (twice in a row), or the deadline; returns
+    the last figures, summed over the shards."""
     deadline = time.monotonic() + deadline_s
     settled = 0
-    tls = settings.tls_ca if settings.tls_ca is not None else False
-    assert settings.address is not None
-    with FTClient(settings.address, settings.token, name="ftlayer-demo", tls=tls) as client:
-        while True:
-            if query.exception() is not None:
-                raise DemoError(f"the streaming query failed: {query.exception()}")
-            status = client.status()
-            read = _records_read(query, topic)
-            if on_progress is not None:
-                on_progress({"produced": records, "read": read, **status.to_json()})
-            done = (
-                read >= records
-                and status.pending == 0
-                and status.persisted > 0
-                and status.dead_letters == 0  # every dead letter delivered to its topic
-            )
-            settled = settled + 1 if done else 0
-            if settled >= 2 or time.monotonic() > deadline:
-                return status
-            time.sleep(0.5)
+    while True:
+        if query.exception() is not None:
+            raise DemoError(f"the streaming query failed: {query.exception()}")
+        totals = sampler.sample()
+        read = _records_read(query, topic)
+        on_progress(totals, {"produced": records, "read": read, **totals.to_json()})
+        done = (
+            read >= records
+            and not totals.down
+            and totals.pending == 0
+            and totals.persisted > 0
+            and totals.dead_letters == 0  # every dead letter delivered to its topic
+        )
+        settled = settled + 1 if done else 0
+        if settled >= 2 or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.5)
 
 
 def stop_when_idle(query: Any, wait_s: float = 10.0) -> None:

@@ -4,10 +4,12 @@
 interpreter, waits for its "ftlayer serving on HOST:PORT" line, and stops it on exit
 (SIGTERM, then SIGKILL). The server logs to `log_path` (a file next to the data dir by
 default), named in every error. It dies with its parent on Linux (PDEATHSIG), so a
-killed demo leaves no server behind. `command_prefix` runs it on another host (``ip
-netns exec NAME`` for a network namespace, with `--host` its address there). Once the
-process died (`kill()`, or its host died), `start()` runs it again with the same data
-dir and arguments: a restart, appending to the same log.
+killed demo leaves no server behind; the signal comes when the thread that started it
+ends, not only its process, so start (and restart) it from a thread that outlives it.
+`command_prefix` runs it on another host (``ip netns exec NAME`` for a network
+namespace, with `--host` its address there). Once the process died (`kill()`, or its
+host died), `start()` runs it again with the same data dir and arguments: a restart,
+appending to the same log.
 """
 
 from __future__ import annotations

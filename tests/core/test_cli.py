@@ -102,6 +102,19 @@ def test_demo_takes_persist_reference_by_default_and_refuses_another() -> None:
         _parser().parse_args(["demo", "--persist", "bytes"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--kill-shard"], "--kill-shard kills one of several FT-layer shards while the others"),
+        (["--shards", "1", "--kill-shard"], "it needs --shards 2 or more (got 1)"),
+        (["--shards", "300"], "--shards is at most 256, got 300"),
+    ],
+)
+def test_demo_refuses_a_shard_kill_without_shards_to_spare(argv: list[str], words: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        main(["demo", *argv])
+
+
 @pytest.mark.parametrize("argv", [["bench", "acker", "--roots", "0"], ["bench", "nope"], []])
 def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

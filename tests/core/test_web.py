@@ -154,6 +154,8 @@ _FULL_STATUS: dict[str, Any] = {
     "timeout_s": 30.0,
     "requests": {"STATUS": {"count": 3, "cpu_s": 0.0012}},
     "store_commits": 17,
+    "shard": 1,
+    "shards": 2,
 }
 
 
@@ -179,15 +181,20 @@ def test_metrics_count_roots_and_still_serve_the_deprecated_tree_names() -> None
         for family in found.values()
         for s in family.samples
     }
-    source, failed = (("source", "7"),), (("cause", "explicit"), ("source", "7"))
+    # Every sample names the server's shard (shard 1 of 2 here), the process's too.
+    assert {dict(labels).get("shard") for _, labels in samples} == {"1"}
+    assert any(name.startswith("process_") for name, _ in samples)
+    shard = (("shard", "1"),)
+    source = (("shard", "1"), ("source", "7"))
+    failed = (("cause", "explicit"), ("shard", "1"), ("source", "7"))
     assert samples["ftlayer_roots_completed_total", source] == 2
     assert samples["ftlayer_roots_failed_total", failed] == 1
     assert samples["ftlayer_pending_roots", source] == 1
-    assert samples["ftlayer_last_checkpoint_pending_roots", (("query", "q"),)] == 4
-    assert samples["ftlayer_tree_timeout_seconds", ()] == 30.0  # the setting's one name
-    assert samples["ftlayer_requests_total", (("kind", "STATUS"),)] == 3
-    assert samples["ftlayer_store_commits_total", ()] == 17
-    assert samples["ftlayer_request_cpu_seconds_total", (("kind", "STATUS"),)] == 0.0012
+    assert samples["ftlayer_last_checkpoint_pending_roots", (("query", "q"), *shard)] == 4
+    assert samples["ftlayer_tree_timeout_seconds", shard] == 30.0  # the setting's one name
+    assert samples["ftlayer_requests_total", (("kind", "STATUS"), *shard)] == 3
+    assert samples["ftlayer_store_commits_total", shard] == 17
+    assert samples["ftlayer_request_cpu_seconds_total", (("kind", "STATUS"), *shard)] == 0.0012
     assert DEPRECATED_NAMES == {
         "ftlayer_trees_completed": "ftlayer_roots_completed",
         "ftlayer_trees_failed": "ftlayer_roots_failed",

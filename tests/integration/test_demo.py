@@ -93,7 +93,7 @@ def test_demo_on_a_standalone_cluster_loses_nothing_when_a_worker_dies(tmp_path:
     assert done.returncode == 0, text[-3000:]
     result = json.loads(text.rstrip("\n").splitlines()[-1])
     assert result["cluster"] == "standalone" and result["master"].startswith("spark://")
-    assert result["executors"] >= 2 and result["tls"] is True and result["shards"] == 1
+    assert result["executors"] >= 2 and result["tls"] is True and result["shards"] == 2
     # The worker, its executor JVM, the PySpark daemon and at least one Python worker.
     assert result["workers_killed"] == 1 and result["processes_killed"] >= 4
     assert text.count("ftlayer demo: killed Spark worker") == 1
@@ -109,6 +109,40 @@ def test_demo_on_a_standalone_cluster_loses_nothing_when_a_worker_dies(tmp_path:
     assert "\tat org.apache.spark" not in text and "Traceback" not in text
     # Every process the demo started is gone: no JVM of its cluster is left.
     assert not [p for p in _processes_under(tmp_path / "work")], "a process outlived the demo"
+
+
+@pytest.mark.integration
+def test_demo_on_two_shards_loses_nothing_when_one_is_killed_and_the_other_goes_on(
+    tmp_path: Path,
+) -> None:
+    """`ftlayer demo --shards 2 --kill-shard`: shard 1 SIGKILLed between two batches a
+    third of the way in, down `outage_s`, started again on its data dir; meanwhile shard
+    0's partitions go on completing (its STATUS at the kill and at the restart)."""
+    outage_s = 5
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    command = [sys.executable, "-m", "ftlayer.cli", "demo", "--shards", "2", "--kill-shard"]
+    command += ["--records", "3000", "--partitions", "4", "--fail-rate", "0.01"]
+    command += ["--max-offsets-per-trigger", "250", "--outage-s", str(outage_s)]
+    command += ["--workdir", str(tmp_path / "work"), "--json"]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        done = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600, check=False
+        )
+    text = log.read_text(errors="replace")
+    assert done.returncode == 0, text[-3000:]
+    result = json.loads(text.rstrip("\n").splitlines()[-1])
+    assert result["shards"] == 2 and result["shard_kills"] == 1
+    assert result["shard_down_s"] >= outage_s
+    assert result["completed_during_outage"] > 0, "shard 0 stalled while shard 1 was down"
+    assert text.count("ftlayer demo: killed FT-layer shard 1") == 1
+    assert text.count("ftlayer demo: started FT-layer shard 1 again") == 1
+    # Nothing lost: every event is accounted for at the sink, no tree is left pending
+    # on either shard, and the group offsets reached the end of every partition.
+    assert result["lost"] == 0 and result["pending_at_end"] == 0
+    assert result["completed_at_sink"] == 3000 and result["group_lag_at_end"] == 0
+    assert result["outputs_at_sink"] == result["expected_outputs"] + result["duplicates_at_sink"]
+    assert (tmp_path / "work" / "ft0").is_dir() and (tmp_path / "work" / "ft1").is_dir()
 
 
 def _processes_under(workdir: Path) -> list[int]:

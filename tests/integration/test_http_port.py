@@ -38,7 +38,8 @@ def _scrape(url: str, **kwargs: Any) -> dict[str, dict[tuple[tuple[str, str], ..
 
 
 def _one(samples: dict[str, Any], name: str, **labels: str) -> float:
-    return float(samples[name][tuple(sorted(labels.items()))])
+    """The sample of `name` with these labels and the server's shard ("0": alone)."""
+    return float(samples[name][tuple(sorted({"shard": "0", **labels}.items()))])
 
 
 def _settled(client: FTClient, url: str) -> tuple[Status, dict[str, Any]]:

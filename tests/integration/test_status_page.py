@@ -205,10 +205,11 @@ def test_the_status_page_shows_what_status_says(
             before = client.status()
             page = browser.execute_script(_READ_PAGE)
             after = client.status()
+            # Clocks, not counters; and the requests, which these STATUS requests count.
             moving = [
                 k
                 for k in before
-                if k not in ("uptime_s", "batches_running") and before[k] != after[k]
+                if k not in ("uptime_s", "batches_running", "requests") and before[k] != after[k]
             ]
             wrong = [f"STATUS moved: {moving}"] if moving else _mismatches(after, page, client)
             if page["live"] != "live ok":
@@ -270,3 +271,58 @@ def test_a_protected_page_works_from_a_url_with_the_token(
         while int(browser.execute_script("return document.body.dataset.polls")) < polls + 2:
             assert time.monotonic() < deadline, "the page stopped polling"
             time.sleep(0.2)
+
+
+_READ_SHARDS = """
+const nav = document.getElementById("shards");
+return {
+  hidden: nav.hidden,
+  shard: nav.dataset.shard ?? null,
+  text: nav.textContent,
+  links: Array.from(nav.querySelectorAll("a")).map((a) => [a.dataset.shard, a.href]),
+  here: Array.from(nav.querySelectorAll(".here")).map((s) => s.dataset.shard),
+};
+"""
+
+
+def _shards_shown(browser: Any, shard: str) -> dict[str, Any]:
+    """What the page's shard bar shows, once it shows shard `shard`'s place."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        shown: dict[str, Any] = browser.execute_script(_READ_SHARDS)
+        if shown["shard"] == shard:
+            return shown
+        assert time.monotonic() < deadline, f"the page never showed its shard: {shown}"
+        time.sleep(0.2)
+
+
+def test_each_shards_page_links_the_others(
+    start_server: StartServer, browser: Any, tmp_path: Path
+) -> None:
+    """Two shards, each with its status page: opened with ?shards= and both pages (in
+    shard order), a page names its place and links the other shard's page, which links
+    back; opened without, it names its place and says how to link the others."""
+    shards = [
+        start_server(tmp_path / f"shard{i}", "--http-port", "0", "--shard", str(i), "--shards", "2")
+        for i in (0, 1)
+    ]
+    urls = [s.http_url for s in shards]
+    assert None not in urls
+    pages = ",".join(str(u) for u in urls)
+
+    browser.get(f"{urls[1]}?shards={pages}")
+    shown = _shards_shown(browser, "1")
+    assert not shown["hidden"] and shown["text"].startswith("shard 1 of 2")
+    assert shown["here"] == ["1"] and [s for s, _ in shown["links"]] == ["0"]
+    link = shown["links"][0][1]
+    assert link.startswith(str(urls[0])) and "shards=" in link
+
+    browser.get(link)  # shard 0's page, which links shard 1's
+    shown = _shards_shown(browser, "0")
+    assert shown["text"].startswith("shard 0 of 2") and shown["here"] == ["0"]
+    assert [s for s, _ in shown["links"]] == ["1"]
+    assert shown["links"][0][1].startswith(str(urls[1]))
+
+    browser.get(str(urls[0]))  # without the list: its place, and how to link the others
+    shown = _shards_shown(browser, "0")
+    assert shown["links"] == [] and "open this page with ?shards=" in shown["text"]

@@ -101,6 +101,49 @@ function showCounters(status) {
   setField("lmdb_size_bytes", status.lmdb_size_bytes, fmtBytes(status.lmdb_size_bytes));
 }
 
+// The other shards' pages. A shard knows its place (STATUS shard, shards) but not the
+// others' addresses, so the page takes them from its own URL: ?shards=URL0,URL1,...,
+// every shard's page in shard order (as ft.address and `ftlayer status --server` list
+// the shards), and each link carries the list on.
+let shownShards = null;
+
+function shardPages() {
+  const given = new URLSearchParams(window.location.search).get("shards");
+  if (!given) return [];
+  return given.split(",").map((u) => u.trim()).filter((u) => /^https?:\/\//.test(u));
+}
+
+function showShards(status) {
+  const pages = shardPages();
+  const key = `${status.shard}/${status.shards}/${pages.join(",")}`;
+  if (key === shownShards) return;
+  shownShards = key;
+  const nav = document.getElementById("shards");
+  nav.dataset.shard = String(status.shard);
+  nav.dataset.shards = String(status.shards);
+  nav.hidden = status.shards <= 1;
+  const parts = [el("span", { class: "place" }, `shard ${status.shard} of ${status.shards}`)];
+  if (status.shards <= 1) {
+    nav.replaceChildren(...parts);
+    return;
+  }
+  if (pages.length !== status.shards) {
+    parts.push(el("span", { class: "hint" }, ` · to link the other shards, open this page `
+      + `with ?shards= and every shard's page (${status.shards} URLs, in shard order)`));
+  } else {
+    pages.forEach((page, i) => {
+      if (i === status.shard) {
+        parts.push(el("span", { class: "here", "data-shard": String(i) }, `shard ${i}`));
+        return;
+      }
+      const url = new URL(page);
+      url.searchParams.set("shards", pages.join(","));
+      parts.push(el("a", { href: url.toString(), "data-shard": String(i) }, `shard ${i}`));
+    });
+  }
+  nav.replaceChildren(...parts);
+}
+
 function showSources(status) {
   const ids = new Set([...Object.keys(status.by_source), ...Object.keys(status.pending_by_source),
     ...Object.keys(status.sources)]);
@@ -345,6 +388,7 @@ async function poll() {
     const data = await response.json();
     takeHistory(data.history);
     showCounters(data.status);
+    showShards(data.status);
     showSources(data.status);
     showCheckpoints(data.status);
     showDeadLetters(data.dead_letters);
