@@ -33,16 +33,19 @@ typecheck: $(STAMP)
 	for d in persistence partitioners integration; do ln -s "../../$$d" .typecheck/ftlayer/$$d; done
 	$(BIN)/mypy -p ftlayer
 
-# The cluster tests (hosts made of network namespaces, a Spark standalone cluster of
-# their own) mostly wait out the outages they stage: they run beside the rest of the
-# suite, in a pytest of their own whose output follows the main run's.
-BESIDE := tests/integration/test_cluster_hosts.py
+# The tests that mostly wait (the cluster on hosts of network namespaces, the kill and
+# restart tests, the demos, the shard rewind and resharding) run beside the rest of the
+# suite, in a pytest of their own whose output follows the main run's: both together
+# take about as long as the main run alone.
+BESIDE := tests/integration/test_cluster_hosts.py tests/integration/test_recovery_kills.py \
+	tests/integration/test_demo.py tests/integration/test_savepoint_shards.py \
+	tests/integration/test_shard_rewind.py
 unit: $(STAMP)
-	@$(BIN)/pytest -q -p no:cacheprovider --basetemp=.pytest-beside $(BESIDE) \
+	@$(BIN)/pytest -q -p no:cacheprovider --durations=10 --basetemp=.pytest-beside $(BESIDE) \
 		> .pytest-beside.log 2>&1 & beside=$$!; \
-	$(BIN)/pytest -q --durations=25 --ignore=$(BESIDE); main=$$?; \
+	$(BIN)/pytest -q --durations=25 $(foreach f,$(BESIDE),--ignore=$(f)); main=$$?; \
 	wait $$beside; other=$$?; \
-	echo "---- $(BESIDE), run beside the rest:"; cat .pytest-beside.log; \
+	echo "---- run beside the rest: $(BESIDE)"; cat .pytest-beside.log; \
 	exit $$(( main != 0 || other != 0 ))
 
 # Headless Chromium for tests/integration/test_status_page.py: apt-get install when
