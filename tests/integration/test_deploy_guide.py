@@ -135,7 +135,7 @@ def test_the_recipe_and_the_unit_serve_tls_that_the_checks_reach(tmp_path: Path)
         checked = run_bash(check, tmp_path)
         assert checked.returncode == 0, checked.stderr
         assert "ftlayer status localhost" in checked.stdout
-        assert re.search(r"^ftlayer_info\{version=", checked.stdout, re.MULTILINE)
+        assert re.search(r"^ftlayer_info\{shard=\"0\",version=", checked.stdout, re.MULTILINE)
     finally:
         proc.terminate()
         proc.wait(20)
