@@ -444,8 +444,8 @@ def _restore(
 
     from ftlayer.acking.ids import new_ids
     from ftlayer.integration.source.deadletters import DLQ_HEADER_PREFIX
-    from ftlayer.integration.source.payloads import encode_payloads
     from ftlayer.partitioners import kafka_key_hashes
+    from ftlayer.payloads import encode_payloads
 
     sources = client.status().sources
     total = 0
@@ -550,7 +550,7 @@ def _payload_previews(payload: bytes) -> list[str]:
     """The lines of `show` that preview a stored payload: its key and value (the
     ftkafka payload codec), or the payload itself when it is not an ftkafka one."""
     from ftlayer.errors import SourceError
-    from ftlayer.integration.source.payloads import decode_payloads
+    from ftlayer.payloads import decode_payloads
 
     if not payload:  # an ftkafka payload is never empty: stored by reference
         return ["  its bytes are in Kafka (stored by reference, not copied in)"]

@@ -18,17 +18,24 @@ builds registrations without loading server code.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ftlayer.policy import IMMEDIATE, RetryPolicy
 
-__all__ = ["COMPLETIONS", "SourceRegistration"]
+__all__ = ["COMPLETIONS", "SourceRegistration", "ingest_source_id"]
 
 COMPLETIONS: Final = ("tree", "barrier")
 """How a source's trees complete: by XOR events of every step (tree), or at the end of
 the batch that carried them (barrier; failures and holders still per record)."""
+
+
+def ingest_source_id(name: str) -> int:
+    """The u32 source id of the source that cannot replay named `name` (its receivers
+    and the `ftingest` query that reads it): the same in every process (crc32)."""
+    return zlib.crc32(f"{name}\x00ingest".encode())
 
 
 @dataclass(frozen=True, slots=True)

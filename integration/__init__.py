@@ -22,15 +22,48 @@ record once its write is confirmed). What tests, the demo and the benches run ag
 `ftlayer.integration.harness`, which none of these import.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ftlayer.errors import ConfigError, FailException, SourceError
 
-from .ftcolumns import FTSettings
-from .kafkastream import ft_kafka_stream
-from .observe import ft_observe
-from .sinks import SinkError, ft_foreach_batch, ft_kafka_sink
-from .source import parse_options, register
-from .spark import local_spark
-from .tasks import FTTasks, OutputSchemaError, TaskOutput
+if TYPE_CHECKING:
+    from .ftcolumns import FTSettings
+    from .kafkastream import ft_kafka_stream
+    from .observe import ft_observe
+    from .sinks import SinkError, ft_foreach_batch, ft_kafka_sink
+    from .source import parse_options, register
+    from .spark import local_spark
+    from .tasks import FTTasks, OutputSchemaError, TaskOutput
+
+# Imported on first use (PEP 562): a receiver process (.receivers) imports this package
+# without loading PySpark, which the names below need.
+_LAZY: dict[str, str] = {
+    "FTSettings": ".ftcolumns",
+    "ft_kafka_stream": ".kafkastream",
+    "ft_observe": ".observe",
+    "SinkError": ".sinks",
+    "ft_foreach_batch": ".sinks",
+    "ft_kafka_sink": ".sinks",
+    "parse_options": ".source",
+    "register": ".source",
+    "local_spark": ".spark",
+    "FTTasks": ".tasks",
+    "OutputSchemaError": ".tasks",
+    "TaskOutput": ".tasks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ConfigError",

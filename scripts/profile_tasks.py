@@ -33,10 +33,10 @@ from ftlayer.integration.harness.benchfast import _long, _measure, _value
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.sinks import settle_batches
 from ftlayer.integration.source import source_schema
-from ftlayer.integration.source.payloads import encode_payloads
 from ftlayer.integration.tasks import _with_ft_fields
 from ftlayer.integration.tasks.results import Failures, run_batch_fn, run_batch_predicate
 from ftlayer.integration.tasks.runners import filter_partition, map_partition
+from ftlayer.payloads import encode_payloads
 from ftlayer.registration import SourceRegistration
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3

@@ -25,7 +25,7 @@ import pyarrow as pa
 from ftlayer.acking.handlers import Persister
 from ftlayer.client import FTClient
 from ftlayer.integration.harness.ftprocess import FTServerProcess
-from ftlayer.integration.source.payloads import encode_payload_columns
+from ftlayer.payloads import encode_payload_columns
 from ftlayer.registration import SourceRegistration
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "barrier"

@@ -126,7 +126,7 @@ def _key_of(record: InspectedRecord) -> dict[str, Any]:
     """The Kafka key and timestamp from an ftkafka payload: key (utf-8 text, else
     hex), key_bytes, timestamp_ms; {"key_error": why} for a payload that is not one."""
     from ftlayer.errors import SourceError
-    from ftlayer.integration.source.payloads import decode_key
+    from ftlayer.payloads import decode_key
 
     if not record.payload_bytes:  # an ftkafka payload is never empty: by reference
         return {"key_error": "its bytes are in Kafka (stored by reference, not copied in)"}

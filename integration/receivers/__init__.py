@@ -26,7 +26,7 @@ window, so a redelivery after a receiver died between `store` and its ack adds n
 duplicate. `has_room` is flow control: the source's pending records (stored and not
 complete) below `max_pending` (Storm's max.spout.pending).
 
-A record's payload is the ftkafka payload (integration.source.payloads: key, value,
+A record's payload is the ftkafka payload (ftlayer.payloads: key, value,
 timestamp, headers), its key hash Kafka's murmur2 of the key (or PySpark's
 portable_hash, for a spark-hash source), so the source's reader decodes it and its
 replay partitioner routes it as a Kafka record's.
@@ -35,7 +35,6 @@ replay partitioner routes it as a Kafka record's.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -46,22 +45,15 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.partitioners.key_hashes import kafka_key_hashes, spark_key_hashes
+from ftlayer.payloads import Headers, encode_payloads
 from ftlayer.records import RecordBatch
-from ftlayer.registration import SourceRegistration
-
-from ..source.payloads import Headers, encode_payloads
+from ftlayer.registration import SourceRegistration, ingest_source_id
 
 __all__ = ["DEFAULT_MAX_PENDING", "Message", "Receiver", "ingest_source_id"]
 
 DEFAULT_MAX_PENDING: Final = 100_000
 _ROOM_CHECK_S: Final = 0.2  # has_room asks the FT layer at most this often
 _PARTITIONERS: Final = ("kafka-hash", "spark-hash", "rebalance")
-
-
-def ingest_source_id(name: str) -> int:
-    """The u32 source id of the source that cannot replay named `name`: the same in
-    every receiver and in the query that reads it (crc32, stable across processes)."""
-    return zlib.crc32(f"{name}\x00ingest".encode())
 
 
 @dataclass(frozen=True, slots=True)

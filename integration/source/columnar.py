@@ -257,7 +257,7 @@ def compile_kernels() -> None:
         ),
         from_offset=0,
     )
-    from .payloads import encode_payload_columns  # its kernel: `.kernels.interleave`
+    from ftlayer.payloads import encode_payload_columns  # ftlayer.payloadkernels
 
     encode_payload_columns(
         pa.array([b"k"], pa.binary()), pa.array([b"v"], pa.binary()), np.zeros(1, np.int64)

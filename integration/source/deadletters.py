@@ -31,9 +31,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ftlayer.payloads import decode_payloads
 from ftlayer.records import RecordBatch
-
-from .payloads import decode_payloads
 
 __all__ = ["DLQ_HEADER_PREFIX", "dead_letter_messages", "deliverable", "history_of"]
 

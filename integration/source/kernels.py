@@ -18,7 +18,7 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
-__all__ = ["DECODED", "FALLBACK", "fill", "gather", "interleave", "scan"]
+__all__ = ["DECODED", "FALLBACK", "fill", "gather", "scan"]
 
 # Offsets in a record batch of magic 2 (Kafka's DefaultRecordBatch): base offset i64,
 # length i32, partition leader epoch i32, magic i8, crc u32, attributes i16, last
@@ -206,29 +206,3 @@ def gather(buf: Any, at: Any, lengths: Any) -> Any:
             data[out] = buf[j]
             out += 1
     return offsets, data
-
-
-@njit(cache=True, nogil=True)
-def interleave(heads: Any, width: int, kdata: Any, koff: Any, vdata: Any, voff: Any) -> Any:
-    """(data, sizes) of records each made of its `width` bytes of `heads`, then its key
-    kdata[koff[i] : koff[i + 1]], then its value vdata[voff[i] : voff[i + 1]] (the
-    ftkafka payloads of `.payloads`: header, key, value)."""
-    n = len(koff) - 1
-    sizes = np.empty(n, dtype=np.int64)
-    total = 0
-    for i in range(n):
-        sizes[i] = width + (koff[i + 1] - koff[i]) + (voff[i + 1] - voff[i])
-        total += sizes[i]
-    data = np.empty(total, dtype=np.uint8)
-    out = 0
-    for i in range(n):
-        for j in range(i * width, (i + 1) * width):
-            data[out] = heads[j]
-            out += 1
-        for j in range(koff[i], koff[i + 1]):
-            data[out] = kdata[j]
-            out += 1
-        for j in range(voff[i], voff[i + 1]):
-            data[out] = vdata[j]
-            out += 1
-    return data, sizes

@@ -40,12 +40,12 @@ from ftlayer.partitioners import (
     kafka_key_hashes,
     spark_key_hashes,
 )
+from ftlayer.payloads import decode_payloads, encode_payload_columns, encode_payloads, headers_array
 from ftlayer.records import Payloads, ReplayRecords
 
 from .columnar import RecordColumns
 from .kafkaread import read_kafka, user_headers
 from .options import SourceOptions
-from .payloads import decode_payloads, encode_payload_columns, encode_payloads, headers_array
 
 log = logging.getLogger("ftlayer.source")
 

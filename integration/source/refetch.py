@@ -31,11 +31,11 @@ from numpy.typing import NDArray
 
 from ftlayer.errors import SourceError
 from ftlayer.partitioners import kafka_key_hashes, spark_key_hashes
+from ftlayer.payloads import encode_payloads
 from ftlayer.records import RecordBatch
 
 from .kafkaread import new_consumer, read_kafka, user_headers
 from .options import SourceOptions
-from .payloads import encode_payloads
 
 __all__ = ["GAP_OFFSETS", "read_at"]
 

@@ -189,7 +189,7 @@ def _server_with_dead_letters_and_a_checkpoint(
     from ftlayer.acking.ids import new_ids
     from ftlayer.causes import Cause, FailKind
     from ftlayer.client import FTClient
-    from ftlayer.integration.source.payloads import encode_payloads
+    from ftlayer.payloads import encode_payloads
     from ftlayer.records import RecordBatch
     from ftlayer.server import FTServer
 

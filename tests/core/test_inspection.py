@@ -20,7 +20,7 @@ from ftlayer.core import FTLayer
 from ftlayer.core.retries import RetryPolicy
 from ftlayer.errors import ConfigError
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
-from ftlayer.integration.source.payloads import decode_key, encode_payloads
+from ftlayer.payloads import decode_key, encode_payloads
 from ftlayer.persistence import MemoryStorage
 from ftlayer.policy import JITTER
 from ftlayer.records import RecordBatch

@@ -20,8 +20,8 @@ from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.source import parse_options, source_schema
 from ftlayer.integration.source.driver import SourceDriver
 from ftlayer.integration.source.options import SourceOptions
-from ftlayer.integration.source.payloads import decode_payloads
 from ftlayer.integration.source.reader import FTKafkaPartition, read_partition
+from ftlayer.payloads import decode_payloads
 
 N = 12
 

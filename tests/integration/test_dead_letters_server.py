@@ -23,7 +23,7 @@ from ftlayer.cli import main
 from ftlayer.client import FTClient
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.source.deadletters import dead_letter_messages
-from ftlayer.integration.source.payloads import encode_payloads
+from ftlayer.payloads import encode_payloads
 from ftlayer.policy import RetryPolicy
 from ftlayer.registration import SourceRegistration
 from ftlayer.wire import (

@@ -20,8 +20,8 @@ from serverproc import Server, StartServer
 
 from ftlayer.client import FTClient
 from ftlayer.integration.receivers import ingest_source_id
-from ftlayer.integration.source.payloads import decode_payloads
 from ftlayer.partitioners.key_hashes import kafka_key_hash
+from ftlayer.payloads import decode_payloads
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
 from ftlayer.inspection import RecordQuery, RecordState
-from ftlayer.integration.source.payloads import encode_payloads
+from ftlayer.payloads import encode_payloads
 from ftlayer.policy import JITTER, RetryPolicy
 from ftlayer.registration import SourceRegistration
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftlayer.errors import SourceError
-from ftlayer.integration.source.payloads import (
+from ftlayer.payloads import (
     decode_payloads,
     encode_payload_columns,
     encode_payloads,

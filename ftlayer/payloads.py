@@ -195,10 +195,10 @@ def _encode_plain(
 def encode_payload_columns(keys: Any, values: Any, timestamps_ms: ArrayLike) -> Payloads:
     """`encode_payloads` of records without Kafka headers, from their Arrow binary key
     and value columns (null: none), as one `Payloads` buffer: the headers are one numpy
-    array, and a numba kernel (`.kernels.interleave`) lays header, key and value of
+    array, and a numba kernel (`ftlayer.payloadkernels.interleave`) lays header, key and value of
     every record out in one pass, with no Python object per record. The same bytes as
     `encode_payloads` (tests/integration/test_payloads.py checks it)."""
-    from . import kernels  # numba: loaded by the first reader, not by every importer
+    from ftlayer import payloadkernels  # numba: loaded by the first reader, not by every importer
 
     n = len(values)
     kdata, koff, has_key = _binary_columns(keys, n)
@@ -209,7 +209,7 @@ def encode_payload_columns(keys: Any, values: Any, timestamps_ms: ArrayLike) -> 
     header["flags"] = has_key * _KEY_PRESENT | has_value * _VALUE_PRESENT
     header["klen"] = np.diff(koff)
     heads = np.frombuffer(header.tobytes(), dtype=np.uint8)
-    data, sizes = kernels.interleave(heads, _HEADER_SIZE, kdata, koff, vdata, voff)
+    data, sizes = payloadkernels.interleave(heads, _HEADER_SIZE, kdata, koff, vdata, voff)
     return Payloads(data.tobytes(), sizes)
 
 
