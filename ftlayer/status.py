@@ -328,11 +328,11 @@ class Status(Mapping[str, Any]):
     """Failed records stored by reference whose bytes their source has not copied into
     the FT layer yet (ftlayer.core.fills)."""
     filled: int
+    """Records stored by reference whose bytes their source copied in, since the start."""
     ingested: int
     """Records receivers stored for sources that cannot replay."""
     ingest_duplicates: int
     """Second copies of ingested records (an upstream's redelivery), dropped."""
-    """Records stored by reference whose bytes their source copied in, since the start."""
     open_ranges: int
     """Batch ranges open now (ftlayer.core.ranges)."""
     dead_lettered: int

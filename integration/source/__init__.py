@@ -160,6 +160,7 @@ from ftlayer.integration.ftcolumns import (
 from ftlayer.position import KafkaOffsets, Position
 
 from .driver import Offset, SourceDriver
+from .ingest import IngestDriver
 from .options import SourceOptions, parse_options
 from .reader import FTKafkaPartition, read_partition
 from .rewind import replay_bounds, same_stores
@@ -168,6 +169,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 __all__ = [
+    "FTIngestDataSource",
     "FTKafkaDataSource",
     "FTKafkaPartition",
     "FTKafkaStreamReader",
@@ -212,33 +214,48 @@ def source_schema(
 class FTKafkaDataSource(DataSource):
     """`spark.readStream.format("ftkafka")`; see the module docstring."""
 
+    ingest = False
+
     @classmethod
     def name(cls) -> str:
         return "ftkafka"
 
     def schema(self) -> StructType:
         # Spark calls this at load(): every option is checked here, before any query.
-        options = parse_options(self.options)
+        options = parse_options(self.options, ingest=self.ingest)
         return source_schema(
             options.ft_on, options.include_headers, options.completion, options.replay_column
         )
 
     def streamReader(self, schema: StructType) -> FTKafkaStreamReader:
-        options = parse_options(self.options)
+        options = parse_options(self.options, ingest=self.ingest)
         expected = source_schema(
             options.ft_on, options.include_headers, options.completion, options.replay_column
         )
         if schema != expected:
             raise ConfigError(
-                f"ftkafka's schema is fixed by its options: {expected.simpleString()}, "
+                f"{self.name()}'s schema is fixed by its options: {expected.simpleString()}, "
                 f"got {schema.simpleString()}"
             )
         return FTKafkaStreamReader(options, schema)
 
 
+class FTIngestDataSource(FTKafkaDataSource):
+    """`spark.readStream.format("ftingest")`: what receivers stored in the FT layer
+    (.ingest)."""
+
+    ingest = True
+
+    @classmethod
+    def name(cls) -> str:
+        return "ftingest"
+
+
 def register(spark: SparkSession) -> None:
-    """Make `spark.readStream.format("ftkafka")` available in this session."""
+    """Make `spark.readStream.format("ftkafka")` and `format("ftingest")` available in
+    this session."""
     spark.dataSource.register(FTKafkaDataSource)
+    spark.dataSource.register(FTIngestDataSource)
 
 
 class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -274,7 +291,8 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _driver_side(self) -> SourceDriver:
         if self._driver is None:
-            driver = SourceDriver(self.options, self.source_ids)
+            kind = IngestDriver if self.options.ingest else SourceDriver
+            driver = kind(self.options, self.source_ids)
             try:
                 driver.start()
             except BaseException:

@@ -38,6 +38,7 @@ from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.partitioners import PARTITIONER_NAMES, create_partitioner
 from ftlayer.policy import RetryPolicy
 from ftlayer.position import EARLIEST
+from ftlayer.registration import ingest_source_id
 
 __all__ = [
     "DEFAULT_HEARTBEAT_MS",
@@ -388,6 +389,7 @@ class SourceOptions:
     max_offsets_per_trigger: int | None
     ft: FTSettings
     partitioner: str
+    """ft.partitioner; of ftingest without the option, "": its receivers' choice."""
     partitioner_options: dict[str, int]
     source_name: str
     kafka_config: dict[str, Any] = field(default_factory=dict)
@@ -421,6 +423,9 @@ class SourceOptions:
     """ft.replayColumn (FT on only): the `ft_replay` column, true on replayed rows."""
     idle_probe_s: float = DEFAULT_IDLE_PROBE_MS / 1000
     """idleProbeIntervalMs: an idle query looks for new records at most this often."""
+    ingest: bool = False
+    """An ftingest source (integration.source.ingest): `topics` name sources that
+    receivers fill, read from the FT layer's queue only."""
 
     @property
     def checkpoint_query(self) -> str:
@@ -446,6 +451,8 @@ class SourceOptions:
         return self.include_headers or (self.ft_on and self.dead_letter_topic is not None)
 
     def source_ids(self) -> dict[str, int]:
+        if self.ingest:
+            return {name: ingest_source_id(name) for name in self.topics}
         return {topic: source_id(self.source_name, topic) for topic in self.topics}
 
 
@@ -519,23 +526,28 @@ def _boolean(name: str, raw: str | None, default: bool) -> bool:
     return raw.strip().lower() == "true"
 
 
-def parse_options(options: Mapping[str, str]) -> SourceOptions:
-    """Check and parse the options of an ftkafka source; ConfigError naming the option
-    and the value for anything wrong. Needs neither Kafka nor the FT layer."""
+def parse_options(options: Mapping[str, str], *, ingest: bool = False) -> SourceOptions:
+    """Check and parse the options of an ftkafka source (`ingest`: of an ftingest
+    source, `_ingest_checks`); ConfigError naming the option and the value for anything
+    wrong. Needs neither Kafka nor the FT layer."""
     given = _Given(options)
+    what = "ftingest" if ingest else "ftkafka"
     for name, instead in _UNSUPPORTED.items():
         if name in given.raw:
-            raise ConfigError(f"option {name} is not supported by ftkafka; use {instead}")
+            raise ConfigError(f"option {name} is not supported by {what}; use {instead}")
     for name in given.raw:
         if name not in _BY_KEY and not any(name.startswith(p.key) for p in _PREFIXES):
-            raise ConfigError(_unknown_option(name))
+            raise ConfigError(_unknown_option(name, what))
+    if ingest:
+        _ingest_checks(given)
     bootstrap = (given.text("kafka.bootstrap.servers") or "").strip()
-    if not bootstrap:
+    if not bootstrap and not ingest:
         raise ConfigError("option kafka.bootstrap.servers is required (HOST:PORT,...)")
     subscribe = given.text("subscribe") or ""
     topics = tuple(dict.fromkeys(t.strip() for t in subscribe.split(",") if t.strip()))
     if not topics:
-        raise ConfigError(f"option subscribe needs at least one topic, got {subscribe!r}")
+        needs = "source name (what its receivers were started with)" if ingest else "topic"
+        raise ConfigError(f"option subscribe needs at least one {needs}, got {subscribe!r}")
     starting = _parse_starting(given.text("startingOffsets") or "")
     if isinstance(starting, dict) and set(starting) - set(topics):
         raise ConfigError(
@@ -543,6 +555,8 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
             f"that option subscribe ({subscribe!r}) does not"
         )
     partitioner, partitioner_options = _partitioner(given)
+    if ingest and _BY_KEY["ft.partitioner"].key not in given.raw:
+        partitioner = ""  # the receivers' (IngestDriver.start)
     timeout_ms = given.integer("ft.treeTimeoutMs")
     return SourceOptions(
         bootstrap=bootstrap,
@@ -567,17 +581,62 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         retry=_retry_policy(given),
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
         completion=given.choice("ft.completion"),
-        persist=given.choice("ft.persist"),
+        persist="payload" if ingest else given.choice("ft.persist"),
         heartbeat_ms=_required(given.integer("ft.heartbeatMs")),
         replay_column=given.boolean("ft.replayColumn", False),
         idle_probe_s=_required(given.integer("idleProbeIntervalMs")) / 1000,
+        ingest=ingest,
     )
 
 
-def _unknown_option(name: str) -> str:
+# Options that mean nothing to ftingest, which reads what receivers stored in the FT
+# layer: no Kafka consumer, no group, every record already with its bytes.
+_NOT_FOR_INGEST: Final = {
+    "kafka.group.id": "ftingest has no consumer group: records leave the FT layer's store "
+    "when their trees complete",
+    "includeheaders": "the rows of ftingest have no headers column",
+    "ft.replaycolumn": "every row of ftingest comes from the FT layer's queue",
+    "ft.persist": "receivers store every record with its bytes",
+    "ft.enabled": "ftingest always reads from the FT layer",
+}
+
+
+def _ingest_checks(given: _Given) -> None:
+    """What an ftingest source refuses: it needs the FT layer, reads every record its
+    receivers stored (startingOffsets earliest only: any other start would leave stored
+    records unread, their only copy), and takes no option of a Kafka consumer (Kafka
+    serves only ft.deadLetterTopic, with kafka.bootstrap.servers)."""
+    if not given.text("ft.address"):
+        raise ConfigError(
+            "option ft.address is required by ftingest: its records are in the FT layer"
+        )
+    for key, why in _NOT_FOR_INGEST.items():
+        if key in given.raw:
+            raise ConfigError(f"option {_BY_KEY[key].name} is not an ftingest option: {why}")
+    kafka = [n for n in given.prefixed(_KAFKA_PREFIX) if n != "kafka.bootstrap.servers"]
+    if kafka:
+        raise ConfigError(
+            f"option {kafka[0]} is not an ftingest option: ftingest reads no Kafka topic "
+            "(kafka.bootstrap.servers only serves ft.deadLetterTopic)"
+        )
+    starting = (given.raw.get("startingoffsets") or "earliest").strip().lower()
+    if starting != "earliest":
+        raise ConfigError(
+            f"option startingOffsets={given.raw['startingoffsets']!r}: ftingest starts at "
+            "the earliest record its receivers stored (the FT layer holds their only copy), "
+            "so it takes earliest only"
+        )
+    if given.text("ft.deadLetterTopic") and not given.text("kafka.bootstrap.servers"):
+        raise ConfigError(
+            "option ft.deadLetterTopic needs kafka.bootstrap.servers (the broker of the "
+            "dead-letter topic)"
+        )
+
+
+def _unknown_option(name: str, what: str = "ftkafka") -> str:
     """The error for an option nobody declared, with the declared name nearest to it
     (a misspelling is the usual cause)."""
-    message = f"unknown option {name!r} for the ftkafka source"
+    message = f"unknown option {name!r} for the {what} source"
     near = difflib.get_close_matches(name.lower(), _BY_KEY, n=1, cutoff=0.75)
     return f"{message}; did you mean {_BY_KEY[near[0]].name}?" if near else message
 

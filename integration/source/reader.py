@@ -238,7 +238,7 @@ def read_partition(
                 keys_r,
                 values_r,
                 records.topics,
-                records.partitions,
+                replay.partitions if options.ingest else records.partitions,
                 records.offsets,
                 timestamps_r,
                 headers_array(headers_r) if options.include_headers else None,
