@@ -3,7 +3,10 @@ and local Spark, or with `--cluster` a Spark standalone cluster and an FT layer 
 shards with a token and TLS (ftlayer.integration.harness.demo, loaded only when it
 runs), with a live table of its progress and its own verdict; exits 0 only if nothing
 was lost and every produced record completed. `--shards N` runs the FT layer as N
-shards, and `--kill-shard` SIGKILLs one of them midway and starts it again."""
+shards, and `--kill-shard` SIGKILLs one of them midway and starts it again. `--source
+http|jetstream` runs the pipeline on a source that cannot replay (receivers storing
+into the FT layer, the `ftingest` source; ftlayer.integration.harness.demoingest), and
+`--kill-receiver` SIGKILLs a receiver midway and starts it again."""
 
 from __future__ import annotations
 
@@ -88,11 +91,29 @@ def add_parser(commands: Any) -> None:
         default=20_000,
         help="the source's maxOffsetsPerTrigger: events per micro-batch at most (default 20,000)",
     )
+    demo.add_argument(
+        "--source",
+        choices=("kafka", "http", "jetstream"),
+        default="kafka",
+        help="where the events come from: a Kafka topic (ftkafka), or an upstream that cannot "
+        "replay whose receivers store them in the FT layer (ftingest): webhooks POSTed to "
+        "`ftlayer ingest http`, or a JetStream stream read by `ftlayer ingest jetstream`",
+    )
+    demo.add_argument(
+        "--kill-receiver",
+        action="store_true",
+        help="with --source http|jetstream: SIGKILL a receiver once a third of the events were "
+        "acknowledged upstream, and start another in its place",
+    )
     demo.add_argument("--workdir", default=None, help="keep logs and data here (default: tmp)")
     demo.add_argument("--json", action="store_true", help="print one JSON object last")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.source != "kafka":
+        return _run_ingest(args)
+    if args.kill_receiver:
+        raise SystemExit("ftlayer demo: --kill-receiver needs --source http or jetstream")
     if args.kill_worker and not args.cluster:
         raise SystemExit("ftlayer demo: --kill-worker needs --cluster")
     if args.cluster and args.kill_workers:
@@ -206,6 +227,83 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"ftlayer demo: Spark's log is in {result.extra['spark_log']}", soft_wrap=True)
     console.file.flush()
     # Last, and alone on its line of stdout, even when stderr is the same file.
+    if args.json:
+        print(json.dumps(summary, sort_keys=True), flush=True)
+    else:
+        print_table("ftlayer demo: summary", summary)
+    return 0 if result.ok else 1
+
+
+def _run_ingest(args: argparse.Namespace) -> int:
+    """The demo on a source that cannot replay (`--source http|jetstream`)."""
+    refused = [
+        flag
+        for flag, given in (
+            ("--cluster", args.cluster),
+            ("--kill-workers", args.kill_workers),
+            ("--kill-worker", args.kill_worker),
+            ("--shards", args.shards not in (None, 1)),
+            ("--kill-shard", args.kill_shard),
+            ("--poison-rate", args.poison_rate > 0),
+        )
+        if given
+    ]
+    if refused:
+        raise SystemExit(
+            f"ftlayer demo: --source {args.source} runs on local Spark and one FT layer: "
+            f"{', '.join(refused)} go with --source kafka"
+        )
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from ftlayer.integration.harness.demoingest import run_ingest_demo
+
+    console = Console(stderr=True)
+    names = ("produced", "acked_upstream", "ingested", "completed", "pending", "replayed")
+
+    def view(progress: dict[str, Any]) -> Table:
+        table = Table(title=f"ftlayer demo ({args.source})", show_header=True)
+        for name in names:
+            table.add_column(name.replace("_", " "), justify="right")
+        table.add_row(*(f"{progress.get(k, 0):,}" for k in names))
+        return table
+
+    receiver = f"ftlayer ingest {args.source}"
+    console.print(
+        f"ftlayer demo: {args.records:,} events from {args.source} through a {receiver} "
+        f"receiver, {args.partitions} partitions, fail rate {args.fail_rate:g}, "
+        f"{'a receiver killed midway' if args.kill_receiver else 'no receiver killed'}, "
+        f"{args.completion} mode; starting Tansu, the FT layer, "
+        f"{'NATS, ' if args.source == 'jetstream' else ''}the receiver and Spark ...",
+        soft_wrap=True,
+    )
+    with Live(view({"produced": args.records}), console=console, refresh_per_second=4) as live:
+        result = run_ingest_demo(
+            args.source,
+            records=args.records,
+            fail_rate=args.fail_rate,
+            partitions=args.partitions,
+            kill_receiver=args.kill_receiver,
+            completion=args.completion,
+            http_port=args.http_port,
+            workdir=args.workdir,
+            max_per_trigger=args.max_offsets_per_trigger,
+            on_progress=lambda progress: live.update(view(progress)),
+            on_kill=lambda line: live.console.print(f"ftlayer demo: {line}", soft_wrap=True),
+        )
+    if not console.is_terminal:
+        console.line()
+    summary = result.as_dict()
+    if not result.ok:
+        console.print(
+            f"ftlayer demo: FAILED: lost {result.lost} of {result.extra['acked_upstream']} "
+            f"acknowledged upstream ({result.produced} sent), completed {result.completed}, "
+            f"{result.pending_at_end} trees still pending, receivers killed "
+            f"{result.extra['receivers_killed']}",
+            soft_wrap=True,
+        )
+    console.file.flush()
     if args.json:
         print(json.dumps(summary, sort_keys=True), flush=True)
     else:

@@ -106,7 +106,14 @@ from ftlayer.integration.source.deadletters import history_of
 from ftlayer.integration.source.options import parse_options
 from ftlayer.shards import MAX_SHARDS
 
-__all__ = ["DemoResult", "run_demo", "source_options", "start_pipeline"]
+__all__ = [
+    "DemoError",
+    "DemoResult",
+    "run_demo",
+    "source_options",
+    "start_pipeline",
+    "stop_when_idle",
+]
 
 TIERS = ("bronze", "silver", "gold")
 PARSED_SCHEMA = "key binary, id long, user string, amount long"
@@ -156,7 +163,12 @@ class DemoResult:
             and self.workers_killed == (1 if extra.get("kill_worker") else 0)
         )
         shards_ok = extra.get("shard_kills", 0) == (1 if extra.get("kill_shard") else 0)
-        return base and dead_ok and cluster_ok and shards_ok
+        # A source that cannot replay: every event acknowledged upstream, and the
+        # receiver killed when asked.
+        upstream_ok = extra.get("acked_upstream", self.produced) == self.produced and extra.get(
+            "receivers_killed", 0
+        ) == (1 if extra.get("kill_receiver") else 0)
+        return base and dead_ok and cluster_ok and shards_ok and upstream_ok
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -367,9 +379,9 @@ class _WorkerKill:
                 return
 
 
-def _spark_log(workdir: str | None) -> Path:
+def spark_log_path(workdir: str | None) -> Path:
     """Where Spark's log goes: in the workdir, or a kept file in the temp directory (the
-    demo's own temporary workdir is removed at its end). `_close_spark_log` ends it."""
+    demo's own temporary workdir is removed at its end). `close_spark_log` ends it."""
     if workdir is not None:
         return Path(workdir) / "spark.log"
     fd, name = tempfile.mkstemp(prefix="ftlayer-demo-spark-", suffix=".log")
@@ -377,7 +389,7 @@ def _spark_log(workdir: str | None) -> Path:
     return Path(name)
 
 
-def _close_spark_log(path: Path) -> None:
+def close_spark_log(path: Path) -> None:
     """Say so in the file when Spark logged nothing, so that the file the demo names
     never reads as if the log had gone elsewhere."""
     with contextlib.suppress(OSError):
@@ -386,7 +398,7 @@ def _close_spark_log(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _workdir(path: str | None) -> Iterator[Path]:
+def demo_workdir(path: str | None) -> Iterator[Path]:
     if path is not None:
         Path(path).mkdir(parents=True, exist_ok=True)
         yield Path(path)
@@ -436,23 +448,27 @@ def start_pipeline(
     fail_rate: float,
     poison_rate: float = 0.0,
     trigger: str = "500 milliseconds",
+    *,
+    source_format: str = "ftkafka",
+    sink_bootstrap: str | None = None,
 ) -> Any:
-    """Start the demo's query on `spark` (the `ftkafka` format registered there):
-    source -> parse -> enrich -> filter -> Kafka sink (module docstring), the source
-    read with `options` (`source_options`). The tasks and the sink take the source's
-    FTSettings (`parse_options(options).ft`), as a user's job does; the sink writes to
-    `sink_topic` on the source's brokers. Returns the StreamingQuery."""
+    """Start the demo's query on `spark` (the `ftkafka` and `ftingest` formats
+    registered there): source -> parse -> enrich -> filter -> Kafka sink (module
+    docstring), the source of `source_format` read with `options` (`source_options`).
+    The tasks and the sink take the source's FTSettings (`parse_options(options).ft`),
+    as a user's job does; the sink writes to `sink_topic` on `sink_bootstrap` (None: the
+    source's brokers). Returns the StreamingQuery."""
     from ftlayer.integration.sinks import ft_kafka_sink
     from ftlayer.integration.tasks import FTTasks
 
-    settings = parse_options(options).ft
+    settings = parse_options(options, ingest=source_format == "ftingest").ft
     tasks = FTTasks(settings)
-    source = spark.readStream.format("ftkafka").options(**options).load()
+    source = spark.readStream.format(source_format).options(**options).load()
     parsed = tasks.map(source, parse, PARSED_SCHEMA)
     enrich = make_enrich(os.fspath(flaky_dir), fail_rate, poison_rate)
     enriched = tasks.map(parsed, enrich, ENRICHED_SCHEMA)
     kept = tasks.filter(enriched, keep)
-    bootstrap = options["kafka.bootstrap.servers"]
+    bootstrap = sink_bootstrap or options["kafka.bootstrap.servers"]
     return (
         kept.writeStream.foreachBatch(
             ft_kafka_sink(bootstrap, sink_topic, settings, on_error="fail-and-continue")
@@ -530,9 +546,9 @@ def run_demo(
     if not outage_s > 0:
         raise DemoError(f"outage_s must be a positive number of seconds, got {outage_s}")
     started = time.monotonic()
-    spark_log = _spark_log(workdir)
+    spark_log = spark_log_path(workdir)
     with (
-        _workdir(workdir) as work,
+        demo_workdir(workdir) as work,
         TansuBroker(log_path=work / "broker.log") as broker,
         contextlib.ExitStack() as parts,
     ):
@@ -629,7 +645,7 @@ def run_demo(
             if query is not None:
                 stop_when_idle(query)
             spark.stop()
-            _close_spark_log(spark_log)
+            close_spark_log(spark_log)
         outputs = read_all(bootstrap, sink_topic, timeout=120)
         dead = read_all(bootstrap, dead_topic, timeout=120)
         master = standalone.master_url if standalone is not None else "local[2,8]"
@@ -688,6 +704,7 @@ def run_demo(
             # Records read again by a re-run (a retried task): each retired its earlier
             # root instead of leaving it to time out (ftlayer.core.takeover).
             "taken_over": status.taken_over,
+            "source": "kafka",
             "cluster": "standalone" if cluster else "local",
             "master": master,
             "tls": cluster,
