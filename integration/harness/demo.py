@@ -109,6 +109,8 @@ from ftlayer.shards import MAX_SHARDS
 __all__ = [
     "DemoError",
     "DemoResult",
+    "busy_python_workers",
+    "python_workers",
     "run_demo",
     "source_options",
     "start_pipeline",
@@ -239,11 +241,12 @@ def keep(row: dict[str, Any]) -> bool:
 # ---- running it --------------------------------------------------------------------------
 
 
-def _python_workers() -> list[int]:
-    """PIDs of this demo's PySpark task workers: the processes its own Spark JVM's
-    `pyspark.daemon pyspark.worker` forked. Never another process's: the machine may run
-    other Spark jobs, and the daemons of data source planning (`pyspark.sql.worker.*`)
-    run no task."""
+def python_workers(root: int | None = None) -> list[int]:
+    """PIDs of the PySpark task workers of the driver `root` (None: this process): the
+    processes its own Spark JVM's `pyspark.daemon pyspark.worker` forked. Never another
+    process's: the machine may run other Spark jobs, and the daemons of data source
+    planning (`pyspark.sql.worker.*`) run no task. (The daemon makes a process group
+    of its own: ancestry, not the group, tells whose it is.)"""
     parents: dict[int, int] = {}
     task_daemons: set[int] = set()
     for entry in os.listdir("/proc"):
@@ -258,7 +261,7 @@ def _python_workers() -> list[int]:
         parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
         if cmdline.rstrip(b"\0").endswith(b"pyspark.daemon\0pyspark.worker"):
             task_daemons.add(pid)
-    me = os.getpid()
+    me = os.getpid() if root is None else root
 
     def ours(pid: int) -> bool:
         seen = 0
@@ -282,10 +285,11 @@ def _cpu_ticks(pid: int) -> int | None:
     return int(fields[11]) + int(fields[12])
 
 
-def _busy_python_workers(sample_s: float = 0.1) -> list[int]:
-    """PySpark Python workers that used CPU during the last `sample_s` seconds: those
-    running a task (the pool also keeps idle ones)."""
-    before = {pid: _cpu_ticks(pid) for pid in _python_workers()}
+def busy_python_workers(sample_s: float = 0.1, root: int | None = None) -> list[int]:
+    """PySpark Python workers (of the driver `root`, `python_workers`) that used CPU
+    during the last `sample_s` seconds: those running a task (the pool also keeps idle
+    ones)."""
+    before = {pid: _cpu_ticks(pid) for pid in python_workers(root)}
     time.sleep(sample_s)
     busy = []
     for pid, ticks in before.items():
@@ -310,13 +314,13 @@ def _killer(
 
     def run() -> None:
         moments = sorted(rng.uniform(0.1, 1.0) * seconds for _ in range(times))
-        while not stop.is_set() and not _python_workers():
+        while not stop.is_set() and not python_workers():
             stop.wait(0.05)
         start = time.monotonic()
         for moment in moments:
             while not stop.is_set():
                 if time.monotonic() - start >= moment:
-                    workers = _busy_python_workers()
+                    workers = busy_python_workers()
                     if workers:
                         pid = rng.choice(workers)
                         with contextlib.suppress(ProcessLookupError):

@@ -5,6 +5,9 @@
 
     ftkafka source -> FTTasks.map (value -> b"out-" + value) -> ft_kafka_sink
 
+(with `--ingest-source NAME` instead of `--source-topic`, the source is ftingest: what
+receivers stored in the FT layer for source NAME)
+
 on processing-time triggers, with the query's checkpoint in `--checkpoint`. Each output
 value is the input value with a prefix, so the test can tell which source record an
 output came from. Started again with the same checkpoint directory, the query goes on
@@ -58,7 +61,9 @@ def tag(row: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--source-topic", required=True)
+    parser.add_argument("--source-topic", default=None)
+    # Instead of --source-topic: read the source receivers fill (ftingest).
+    parser.add_argument("--ingest-source", default=None)
     parser.add_argument("--sink-topic", required=True)
     parser.add_argument("--ft-address", required=True)
     parser.add_argument("--checkpoint", required=True)
@@ -89,11 +94,16 @@ def main() -> int:
     register(spark)
     settings = FTSettings(args.ft_address)
     tasks = FTTasks(settings)
+    if args.ingest_source is None:
+        reader = (
+            spark.readStream.format("ftkafka")
+            .option("kafka.bootstrap.servers", args.bootstrap)
+            .option("subscribe", args.source_topic)
+        )
+    else:  # what receivers stored (test_ingest_kills.py)
+        reader = spark.readStream.format("ftingest").option("subscribe", args.ingest_source)
     source = (
-        spark.readStream.format("ftkafka")
-        .option("kafka.bootstrap.servers", args.bootstrap)
-        .option("subscribe", args.source_topic)
-        .option("startingOffsets", "earliest")
+        reader.option("startingOffsets", "earliest")
         .option("maxOffsetsPerTrigger", str(args.max_offsets_per_trigger))
         .option("ft.address", args.ft_address)
         .option("ft.reconnectTimeoutMs", str(args.ft_reconnect_ms))
