@@ -19,6 +19,9 @@
 - checkpoint: a micro-batch job's records per second with a checkpoint at every batch
   against none, in paired rounds; checkpoint times against pending roots. Target:
   >= 0.95x without.
+- ingest: records per second a JetStream receiver stores in a real `ftlayer serve`
+  (one receiver process, and two sharing the consumer), against a bare pull consumer
+  that only acknowledges. Target: one receiver >= 0.5x the bare consumer.
 - pipeline (ftlayer.integration.harness.benchpipe): the demo pipeline on Spark, FT on
   against FT off.
 
@@ -35,6 +38,7 @@ import path: the CLI loads it only for `ftlayer bench`.
 from .acker import bench_acker, ft_table_bytes_per_pending_root, tree_events
 from .checkpoint import bench_checkpoint
 from .cluster import bench_cluster
+from .ingest import bench_ingest
 from .mixed import mixed_server_run
 from .persist import bench_persist
 from .server import bench_server
@@ -47,6 +51,7 @@ __all__ = [
     "bench_acker",
     "bench_checkpoint",
     "bench_cluster",
+    "bench_ingest",
     "bench_persist",
     "bench_server",
     "ft_table_bytes_per_pending_root",

@@ -94,6 +94,17 @@ def add_parser(commands: Any) -> None:
     checkpoint.add_argument("--dir", default=None, help="where the LMDB files go (default: tmp)")
     checkpoint.add_argument("--json", action="store_true", help="print one JSON object last")
 
+    ingest = benches.add_parser(
+        "ingest",
+        help="records/s of JetStream receivers storing in a real FT layer vs a bare consumer",
+    )
+    ingest.add_argument("--messages", type=positive_int, default=200_000, help="in the stream")
+    ingest.add_argument("--payload-bytes", type=positive_int, default=100)
+    ingest.add_argument("--batch", type=positive_int, default=1000, help="messages a fetch")
+    ingest.add_argument("--rounds", type=positive_int, default=1, help="medians over rounds")
+    ingest.add_argument("--dir", default=None, help="where the data goes (default: tmp)")
+    ingest.add_argument("--json", action="store_true", help="print one JSON object last")
+
     pipeline = benches.add_parser(
         "pipeline", help="the demo pipeline on Spark: FT on vs off, replays vs task retries"
     )
@@ -225,6 +236,14 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             rounds=args.rounds,
             observe=args.observe,
             persist=args.persist,
+        )
+    if args.bench == "ingest":
+        return bench.bench_ingest(
+            messages=args.messages,
+            payload_bytes=args.payload_bytes,
+            batch=args.batch,
+            rounds=args.rounds,
+            directory=args.dir,
         )
     if args.bench == "checkpoint":
         return bench.bench_checkpoint(

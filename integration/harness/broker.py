@@ -88,6 +88,20 @@ def _die_with_parent() -> None:
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def log_tail(path: Path | None) -> str:
+    """The last few KiB of a server's log file, to end an error message with."""
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
+            tail = log.read().decode(errors="replace")
+    except OSError:
+        return f"\n(log {path} unreadable)"
+    return f"\n--- last lines of {path} ---\n{tail}"
+
+
 def _port_taken(port: int, host: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         return sock.connect_ex((host, port)) == 0
@@ -252,16 +266,7 @@ class TansuBroker:
                 self._process.wait(timeout=0.02)
 
     def _log_tail(self) -> str:
-        if self._log_path is None:
-            return ""
-        try:
-            with self._log_path.open("rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
-                tail = log.read().decode(errors="replace")
-        except OSError:
-            return f"\n(log {self._log_path} unreadable)"
-        return f"\n--- last lines of {self._log_path} ---\n{tail}"
+        return log_tail(self._log_path)
 
     def stop(self) -> None:
         """Stop the broker: SIGTERM, then SIGKILL after `stop_timeout`. Idempotent."""

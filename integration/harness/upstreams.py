@@ -279,7 +279,7 @@ class JetStreamUpstream(Upstream):
             "--server", self.ft_address, "--nats", self.nats_url, "--stream", self.stream,
             "--durable", self.durable, "--source", self.source,
             "--partitions", str(self.partitions), "--max-pending", str(self.max_pending),
-            "--ack-wait-s", "5",
+            "--ack-wait", "5", "--key-header", "key",
         ]  # fmt: skip
 
     def start(self) -> None:

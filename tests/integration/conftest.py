@@ -6,6 +6,8 @@ and waits for its "ftlayer serving on HOST:PORT" line (with --http-port, also fo
 "ftlayer http on URL" line). Every process it started is
 stopped (SIGTERM, then SIGKILL) by the finalizer, even when the test fails.
 `ft_server` is one such server, started with the defaults.
+`nats_server` is one real NATS server with JetStream for the session (tests use streams
+and subjects of their own names).
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serverproc import Server, StartServer, read_address, read_http, serve_command
+from serverproc import (
+    Server,
+    StartServer,
+    read_address,
+    read_http,
+    serve_command,
+    stop_process,
+)
+
+from ftlayer.integration.harness.nats import NatsServer
 
 
 @pytest.fixture
@@ -36,17 +47,15 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
 
     yield start
     for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
+        stop_process(proc)
 
 
 @pytest.fixture
 def ft_server(start_server: StartServer) -> Server:
     return start_server()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    with NatsServer(tmp_path_factory.mktemp("nats") / "jetstream") as server:
+        yield server

@@ -1,4 +1,5 @@
-"""Starting a real `ftlayer serve` process in tests: the command, its address, a handle."""
+"""Starting a real `ftlayer serve` process in tests: the command, its address, a handle;
+stopping a child process; the records a source's readers would fetch."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ from ftlayer.integration.harness.ftprocess import (
     read_serving_address,
     serve_command,
 )
+from ftlayer.payloads import decode_payloads
 
-__all__ = ["Server", "StartServer", "read_address", "read_http", "serve_command"]
+__all__ = [
+    "Server",
+    "StartServer",
+    "queued_records",
+    "read_address",
+    "read_http",
+    "serve_command",
+    "stop_process",
+]
 
 START_DEADLINE_S = 15.0
 
@@ -48,3 +58,29 @@ class Server:
 
 
 StartServer = Callable[..., Server]
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s; closes its stdout pipe."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def queued_records(
+    client: FTClient, source_id: int, partitions: int
+) -> dict[int, list[tuple[bytes, bytes]]]:
+    """Per partition, the (key, value) of each record the source's reader would fetch."""
+    hi = client.status().replay_cursor_of([source_id])
+    found: dict[int, list[tuple[bytes, bytes]]] = {}
+    for p in range(partitions):
+        records = client.fetch_replay(0, hi, source_id=source_id, partition=p).records
+        keys, values, _, _ = decode_payloads(records.payloads)
+        found[p] = list(zip(keys.to_pylist(), values.to_pylist(), strict=True))
+    return found

@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serverproc import Server, StartServer
+from serverproc import Server, StartServer, queued_records
 
 from ftlayer.client import FTClient
 from ftlayer.integration.receivers import ingest_source_id
 from ftlayer.partitioners.key_hashes import kafka_key_hash
-from ftlayer.payloads import decode_payloads
 
 pytestmark = pytest.mark.integration
 
@@ -67,13 +66,7 @@ def _post(address: str, path: str, body: bytes, kind: str, **headers: str) -> tu
 
 def _queued(client: FTClient, source_id: int) -> dict[int, list[tuple[bytes, bytes]]]:
     """Per partition, the (key, value) of each record its reader would fetch."""
-    hi = client.status().replay_cursor_of([source_id])
-    found: dict[int, list[tuple[bytes, bytes]]] = {}
-    for p in range(PARTITIONS):
-        records = client.fetch_replay(0, hi, source_id=source_id, partition=p).records
-        keys, values, _, _ = decode_payloads(records.payloads)
-        found[p] = list(zip(keys.to_pylist(), values.to_pylist(), strict=True))
-    return found
+    return queued_records(client, source_id, PARTITIONS)
 
 
 def test_a_200_means_stored_and_queued_by_key_and_a_resent_id_is_stored_once(
