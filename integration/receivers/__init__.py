@@ -97,7 +97,7 @@ class Receiver:
         self.max_pending = max_pending
         self._client = FTClient(address, token=token, tls=tls_ca or False, name=name)
         self._room_at = 0.0
-        self._room = True
+        self._pending = 0  # the source's pending records at `_room_at`
         known = self._client.status().sources.get(str(self.source_id))
         if known is None:
             self._client.register_source(
@@ -159,14 +159,16 @@ class Receiver:
         self._room_at = 0.0  # look again before the next batch
         return taken
 
-    def has_room(self) -> bool:
-        """Whether the source's pending records (stored, not complete) are below
-        `max_pending`: take more from the upstream only then."""
+    def has_room(self, taken: int = 0) -> bool:
+        """Whether the source's pending records (stored, not complete), plus `taken`
+        records taken and not yet stored, are below `max_pending`: take more from the
+        upstream only then. The FT layer is asked at most every 0.2 s, and at the first
+        call after a `store`."""
         now = time.monotonic()
         if now - self._room_at >= _ROOM_CHECK_S:
-            self._room = self.pending() < self.max_pending
+            self._pending = self.pending()
             self._room_at = now
-        return self._room
+        return self._pending + taken < self.max_pending
 
     def pending(self) -> int:
         """The source's records stored and not complete (waiting for its reader, or in

@@ -4,10 +4,12 @@ subjects (`ftlayer ingest nats`) stored in the FT layer (integration.receivers).
 JetStream (`JetStreamReceiver`): a durable pull consumer on a stream, acknowledging
 explicitly. Its loop, in asyncio:
 
-1. If the source has room (`Receiver.has_room`, below `max_pending`), fetch up to
-   `batch` messages; without room fetch nothing: the stream keeps them.
+1. If the source has room (`Receiver.has_room`: its pending records plus the batch
+   being stored below `max_pending`), fetch up to `batch` messages; without room fetch
+   nothing: the stream keeps them.
 2. Store them (`Receiver.store`, in a thread of its own), each with the upstream name
-   ``jetstream:<stream>`` and its stream sequence as its identity.
+   ``jetstream:<stream>`` and its stream sequence as its identity; meanwhile step 1
+   fetches the next batch.
 3. Only once the store returned, acknowledge each message.
 
 A receiver that dies between step 1 and step 3 leaves its messages unacknowledged: the
@@ -138,9 +140,9 @@ class _Store:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self.receiver.store, messages, upstream)
 
-    async def has_room(self) -> bool:
+    async def has_room(self, taken: int = 0) -> bool:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self.receiver.has_room)
+        return await loop.run_in_executor(self._thread, self.receiver.has_room, taken)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -191,28 +193,53 @@ class JetStreamReceiver:
             sub = await self._subscribe(nc)
             if ready is not None:
                 ready()
+            # Batch k is stored (in the store's thread) while batch k + 1 is fetched:
+            # a batch is acknowledged once its store returned, and fetched only while
+            # the source's pending records plus the batch in flight are below the limit
+            # (so at most one batch over it; without room the stream keeps them).
+            in_flight: tuple[asyncio.Future[int], list[Msg]] | None = None
+            room = await store.has_room()
             while not stop.is_set():
-                if not await store.has_room():
-                    await asyncio.sleep(_NO_ROOM_WAIT_S)  # the stream keeps them
-                    continue
-                try:
-                    msgs = await sub.fetch(self.batch, timeout=_FETCH_WAIT_S)
-                except TimeoutError:  # nats-py raises both kinds
-                    continue
-                messages = []
-                for msg in msgs:
-                    sequence, timestamp_ms = _stream_position(msg)
-                    messages.append(_message(msg, self.key_header, timestamp_ms, sequence))
-                new = await store.store(messages, self.upstream)
-                for msg in msgs:  # only now: they are durable in the FT layer
-                    await msg.ack()
-                self.stored += new
-                self.duplicates += len(msgs) - new
-                self.acked += len(msgs)
+                msgs = await self._fetch(sub) if room else []
+                if in_flight is not None:
+                    await self._acknowledge(*in_flight)
+                    in_flight = None
+                room = await store.has_room(len(msgs))  # the store's thread is idle now
+                if msgs:
+                    stored = store.store(self._messages(msgs), self.upstream)
+                    in_flight = (asyncio.ensure_future(stored), msgs)
+                elif not room:
+                    await asyncio.sleep(_NO_ROOM_WAIT_S)
+            if in_flight is not None:
+                await self._acknowledge(*in_flight)
             await nc.flush()  # the last acks
         finally:
             store.close()
             await nc.close()
+
+    async def _fetch(self, sub: Any) -> list[Msg]:
+        """The next batch; none if the stream had none within _FETCH_WAIT_S."""
+        try:
+            return list(await sub.fetch(self.batch, timeout=_FETCH_WAIT_S))
+        except TimeoutError:  # nats-py raises both kinds
+            return []
+
+    def _messages(self, msgs: Sequence[Msg]) -> list[Message]:
+        messages = []
+        for msg in msgs:
+            sequence, timestamp_ms = _stream_position(msg)
+            messages.append(_message(msg, self.key_header, timestamp_ms, sequence))
+        return messages
+
+    async def _acknowledge(self, stored: asyncio.Future[int], msgs: Sequence[Msg]) -> None:
+        """Wait for the store of `msgs`, then ack each: only now are they durable in the
+        FT layer (a failed store raises, and nothing of them is acknowledged)."""
+        new = await stored
+        for msg in msgs:
+            await msg.ack()
+        self.stored += new
+        self.duplicates += len(msgs) - new
+        self.acked += len(msgs)
 
     async def _subscribe(self, nc: NatsClient) -> Any:
         js = nc.jetstream()
