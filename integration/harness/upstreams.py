@@ -318,7 +318,10 @@ class JetStreamUpstream(Upstream):
         below the consumer's ack floor."""
         import nats
 
-        nc = await nats.connect(self.nats_url)
+        try:
+            nc = await nats.connect(self.nats_url, allow_reconnect=False, connect_timeout=2)
+        except Exception:  # the server gone or busy: what was seen stands
+            return 0
         try:
             info = await nc.jetstream().consumer_info(self.stream, self.durable)
             return int(info.ack_floor.stream_seq or 0)

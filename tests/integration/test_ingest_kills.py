@@ -86,13 +86,14 @@ class Server:
         ).start()
         self.address = self.process.address
         # What the server's earlier lives counted (its counters start at 0 with it).
-        self.timeouts_before = self.completed_before = 0
+        self.timeouts_before = self.completed_before = self.duplicates_before = 0
         self.client = FTClient(self.address, name="test-ingest-kills", reconnect_s=60.0)
 
     def kill_and_restart(self) -> None:
         status = self.client.status()
         self.timeouts_before += int(status.failed.get("timeout", 0))
         self.completed_before += status.completed
+        self.duplicates_before += status.ingest_duplicates
         self.process.kill()
         time.sleep(1.0)
         self.process.start()
@@ -178,8 +179,9 @@ def test_every_message_acknowledged_upstream_reaches_the_sink_through_four_kills
 
         _wait("every message acknowledged and every tree complete", settled, job, SETTLE_TIMEOUT_S)
         timeouts = server.timeouts()
-        ingest_duplicates = server.client.status().ingest_duplicates
+        ingest_duplicates = server.duplicates_before + server.client.status().ingest_duplicates
         outputs = read_all(kafka_bootstrap, sink_topic, timeout=120)
+        acked = upstream.acked
     finally:
         if job.alive():
             job.kill()
@@ -189,7 +191,6 @@ def test_every_message_acknowledged_upstream_reaches_the_sink_through_four_kills
             nats.stop()
         server.close()
     copies = Counter(r.value for r in outputs)
-    acked = upstream.acked
     lost = [i for i in range(acked) if OUTPUT_PREFIX + b"%d" % i not in copies]
     unexpected = [v for v in copies if not v.startswith(OUTPUT_PREFIX)]
     duplicates = sum(copies.values()) - len(copies)
@@ -197,7 +198,7 @@ def test_every_message_acknowledged_upstream_reaches_the_sink_through_four_kills
     print(
         f"{kind}: acked upstream {acked} of {N}, lost {len(lost)}, duplicates {duplicates} "
         f"(bound {bound}: M {M}, timeouts {timeouts}), second copies dropped by the FT layer "
-        f"{ingest_duplicates} (since its restart), resent by the sender "
+        f"{ingest_duplicates}, resent by the sender "
         f"{getattr(upstream, 'resent', '-')}, kills: {kills}"
     )
     assert acked == N
