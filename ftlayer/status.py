@@ -355,7 +355,9 @@ class Status(Mapping[str, Any]):
     driver heartbeating), counted per postponement (ftlayer.core.leases)."""
     batches_running: Mapping[str, Mapping[str, float]]
     """Per source id (a string) with an open batch: `running_s` since its barrier and
-    `lease_s` its heartbeat lease has left (0: none or lapsed: its trees time out)."""
+    `lease_s` its heartbeat lease has left (0: none, ended or lapsed: its trees wait
+    for the source's next barrier, up to the server's --lapsed-batch-timeout-s,
+    ftlayer.core.leases)."""
     taken_over: int
     """Pending roots retired since the start because their record was persisted again
     (a re-read: a task retried, a speculative attempt, a batch run again)."""

@@ -12,7 +12,14 @@ from typing import Any
 from ftlayer.client import read_token_file
 from ftlayer.errors import ConfigError
 
-from .common import buckets, non_negative_int, port, positive_float, positive_int
+from .common import (
+    buckets,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 
 
 class _DeprecatedSpelling(argparse.Action):
@@ -34,6 +41,11 @@ class _DeprecatedSpelling(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+LAPSED_DEFAULT_S = 600.0
+"""ftlayer.core.leases.DEFAULT_LAPSED_S (a test checks they agree), not imported: building
+the parser loads no core."""
+
+
 def add_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the FT-layer server on an LMDB data dir")
     serve.add_argument("--data-dir", required=True, help="the LMDB directory (created if missing)")
@@ -49,6 +61,14 @@ def add_parser(commands: Any) -> None:
         help="tree timeout T (--timeout-s: a deprecated spelling)",
     )
     serve.add_argument("--buckets", type=buckets, default=3, help="rotating buckets n (>= 2)")
+    serve.add_argument(
+        "--lapsed-batch-timeout-s",
+        type=non_negative_float,
+        default=LAPSED_DEFAULT_S,
+        help="the trees of a batch whose driver stopped heartbeating (it died mid-batch) "
+        "wait this long for the restarted driver's run of the batch before they time out "
+        f"and are replayed (default {LAPSED_DEFAULT_S:g}; 0: time out at the tree timeout)",
+    )
     serve.add_argument(
         "--shard",
         type=non_negative_int,
@@ -152,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         timeout_s=args.timeout_s,
         buckets=args.buckets,
+        lapsed_batch_timeout_s=args.lapsed_batch_timeout_s,
         token=token,
         handshake_timeout_s=args.handshake_timeout_s,
         frame_timeout_s=args.frame_timeout_s,

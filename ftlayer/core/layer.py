@@ -12,9 +12,10 @@ three ways:
    complete and its record is deleted, so Kafka offsets can move past it.
 2. Failure (ftlayer.core.failure, which opens with the table of a root's life):
    explicit (a task raised FailException), timeout (the root stayed pending between T
-   and T * (1 + 1/(n-1)), unless its batch still runs under a lease:
-   ftlayer.core.leases), or recovery (a restarted FT layer whose journal does not know
-   the record's tree: ftlayer.core.recovery). The record is re-tagged with a fresh root
+   and T * (1 + 1/(n-1)), unless its batch still runs under a lease, or its lease
+   lapsed and the source's next barrier may yet come: ftlayer.core.leases), or
+   recovery (a restarted FT layer whose journal does not know the record's tree:
+   ftlayer.core.recovery). The record is re-tagged with a fresh root
    and, by its source's retry policy, replayed (routed by its source's replay
    partitioner) or dead-lettered (ftlayer.core.deadletters).
 3. Takeover (ftlayer.core.persist, ftlayer.core.takeover): Spark ran the work again and
@@ -79,6 +80,7 @@ from . import (
 )
 from .ingestids import DEFAULT_WINDOW_S, IngestIds, IngestResult
 from .journal import Journal
+from .leases import DEFAULT_LAPSED_S, check_lapsed_s
 from .meters import Meters
 from .retries import IMMEDIATE, DeadLetterFilter, RetryPolicy, RetryRecord
 from .sources import SourceConfig
@@ -121,6 +123,7 @@ class FTLayer:
         journal_base_bytes: int | None = None,
         shard: ShardPlace | None = None,
         ingest_window_s: float = DEFAULT_WINDOW_S,
+        lapsed_batch_timeout_s: float = DEFAULT_LAPSED_S,
     ) -> None:
         def on_timeout(roots: NDArray[np.uint64], seqs: NDArray[np.uint64]) -> None:
             failure.on_timeout(self._s, roots, seqs)
@@ -141,6 +144,7 @@ class FTLayer:
             journal_base_bytes=journal_base_bytes,
             on_timeout=on_timeout,
             shard=shard or ShardPlace(),
+            lapsed_batch_timeout_s=check_lapsed_s(lapsed_batch_timeout_s),
         )
         if not ingest_window_s > 0:
             raise ConfigError(f"ingest_window_s must be > 0 seconds, got {ingest_window_s!r}")
@@ -410,12 +414,15 @@ class FTLayer:
 
     def batch_began(self, source_ids: Sequence[int]) -> None:
         """The next batch of these sources is about to run (its barrier): roots tracked
-        from now on belong to it. It has no lease until the first `heartbeat`."""
+        from now on belong to it. It has no lease until the first `heartbeat`. A batch
+        of theirs still open (never reported done: its driver died and the restarted
+        one plans it again) is adopted: its trees follow this batch from now on."""
         self._s.leases.began(source_ids, self._s.clock())
 
     def batch_done(self, source_ids: Sequence[int]) -> None:
         """The batch of these sources is done: its lease ends, and the trees it left
-        unfinished time out at their next expiry."""
+        unfinished (and those of the batches it adopted) time out at their next
+        expiry."""
         self._s.leases.done(source_ids)
 
     def heartbeat(self, source_ids: Sequence[int], lease_s: float) -> int:

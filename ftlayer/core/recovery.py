@@ -8,7 +8,11 @@ Contract:
 2. With a journal (ftlayer.core.journal) that knows a record's root, the record is
    restored as it was: pending with its ack value and open holds, in the replay queue
    under its replay seq if no finished batch took it in, waiting for its backoff, or
-   (its tree completed and the delete was still staged) deleted.
+   (its tree completed and the delete was still staged) deleted. A tree restored in
+   flight is timed from the restart; if its source's batch was running at the stop
+   (it left barrier holds), the tree belongs to that batch, reopened lapsed: it waits
+   for the source's driver (its heartbeats) or next barrier, as the trees of a batch
+   whose driver died do (ftlayer.core.leases).
 3. Every other record is failed under a new root ("recovery": no attempt of the
    record's, so its retry count and due time stay): replayed at once, or when the
    backoff of its last failure ends. Dead letters stay as they are.
@@ -251,7 +255,15 @@ def _restore(
             elif record.due > 0:
                 s.book.wait(int(seqs[row]), int(roots[row]), record.due)
                 waiting[row] = True
-    # The rest are in flight: timed from now.
+    # The rest are in flight: timed from now, in a batch of their source's that is
+    # lapsed at once if a batch of it was running at the stop (it left barrier holds of
+    # pending roots): they wait for its driver or its next barrier (ftlayer.core.leases).
+    running = [
+        source_id
+        for source_id, (hold_roots, _) in journal.holds.items()
+        if not source_id & SINK_KEY_BIT and bool(s.acker.lookup("seq", hold_roots)[0].any())
+    ]
+    s.leases.recovered(running, s.clock())
     timed = ~(queued | waiting)
     if bool(timed.any()):
         rows = np.flatnonzero(timed)

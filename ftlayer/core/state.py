@@ -51,7 +51,7 @@ from ftlayer.shards import ShardPlace
 from .barrier import OpenHolds
 from .ingestids import DEFAULT_WINDOW_S, IngestIds
 from .journal import Journal
-from .leases import BatchLeases, BatchTag
+from .leases import DEFAULT_LAPSED_S, BatchLeases, BatchTag
 from .meters import Meters
 from .rangetable import OpenRanges
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
@@ -108,6 +108,7 @@ class CoreState:
         journal_base_bytes: int | None,
         on_timeout: Callable[[NDArray[np.uint64], NDArray[np.uint64]], None],
         shard: ShardPlace,
+        lapsed_batch_timeout_s: float = DEFAULT_LAPSED_S,
     ) -> None:
         self.clock = clock
         self.shard = shard
@@ -128,7 +129,7 @@ class CoreState:
         self.default_retry = retry
         self.storage = storage
         self.acker = AckerTable(columns=LOCATOR_COLUMNS)
-        self.leases = BatchLeases()
+        self.leases = BatchLeases(lapsed_batch_timeout_s)
         self.persistence = PersistenceLayer(storage, defer_deletes=defer_deletes)
         self.timeouts = RootTimeouts(
             timeout_s=timeout_s,

@@ -67,6 +67,7 @@ class FTServer(Transport, RequestHandlers, Workers):
                 storage,
                 timeout_s=self.timeout_s,
                 buckets=self.buckets,
+                lapsed_batch_timeout_s=self.lapsed_batch_timeout_s,
                 defer_deletes=True,
                 journal=Journal(os.path.join(self.data_dir, JOURNAL_DIR)) if self.journal else None,
                 journal_base_bytes=self.journal_base_bytes,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Final
 from ftlayer.acking.rotating import rotation_interval
 from ftlayer.checkpoint import CheckpointCoordinator
 from ftlayer.core import FTLayer
+from ftlayer.core.leases import DEFAULT_LAPSED_S, check_lapsed_s
 from ftlayer.errors import ConfigError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.shards import ShardPlace
@@ -93,6 +94,7 @@ class ServerState:
         http_host: str = "127.0.0.1",
         http_public: bool = False,
         shard: ShardPlace | None = None,
+        lapsed_batch_timeout_s: float = DEFAULT_LAPSED_S,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -122,6 +124,9 @@ class ServerState:
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self.lapsed_batch_timeout_s = check_lapsed_s(lapsed_batch_timeout_s)
+        """How long the trees of a batch whose heartbeat lease lapsed wait for their
+        source's next barrier (ftlayer.core.leases)."""
         self.buckets = buckets
         self.max_frame = max_frame
         self._token = token

@@ -113,8 +113,11 @@ limit. Replays are always taken in. See `driver.py` and docs/user-guide.md secti
 `ft.heartbeatMs` (FT on): from a batch's barrier until Spark asks for the next batch
 (or the query stops), the driver's heartbeat thread keeps a lease on the running batch
 in the FT layer, which meanwhile does not time out the batch's trees: a batch slower
-than the tree timeout costs no replays. When the driver dies or the query stops
-mid-batch, the heartbeats stop and those trees time out soon after (heartbeat.py).
+than the tree timeout costs no replays. When the driver dies mid-batch, the heartbeats
+stop and those trees wait for the source's next barrier (the restarted query runs the
+batch again, and that run completes them), timing out only if none comes within the
+server's `--lapsed-batch-timeout-s` (ftlayer.core.leases); a source stopped cleanly
+sends a zero lease, and its trees time out as usual (heartbeat.py).
 
 ## Options
 

@@ -11,8 +11,16 @@ after the barrier) until `idle()` (called when Spark asks for the next end) or
 intervals, so one late or lost heartbeat lapses nothing).
 
 A driver that dies, hangs or loses the FT layer sends no more heartbeats, and the
-lease lapses by itself; the batch's trees then time out within the usual bound after
-it. A heartbeat that fails is logged (once per run of failures) and the next one is
+lease lapses by itself; the batch's trees then wait for the source's next barrier (a
+restarted driver runs the batch again, and its barrier completes them), up to the
+server's `--lapsed-batch-timeout-s`, and time out after it (ftlayer.core.leases). A
+reader that closes its heartbeat while a batch runs (`close()`) ends the lease by a
+last heartbeat of lease 0, so the trees time out within the usual bound; if that
+heartbeat does not get through (or `close()` is never called: a query stopped
+mid-batch by StreamingQuery.stop() was seen not to reach it), they wait as a dead
+driver's do.
+
+A heartbeat that fails is logged (once per run of failures) and the next one is
 tried on a fresh connection; nothing else waits for it: heartbeats have their own
 thread and their own FTClient, so they never queue behind the driver's own calls.
 A heartbeat that arrives after the batch was reported done renews nothing (the FT
@@ -67,6 +75,7 @@ class Heartbeat:
         self._cond = threading.Condition()
         self._beating = False
         self._closed = False
+        self._end_lease = False  # closed while beating: end the lease (lease 0)
         self._due = 0.0  # monotonic: the next heartbeat
         self._failing = False
         self._thread: threading.Thread | None = None
@@ -92,8 +101,10 @@ class Heartbeat:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop for good (the query stops); the lease lapses by itself."""
+        """Stop for good (the query stops): a batch running ends its lease (a last
+        heartbeat of lease 0, sent by the thread; waited for at most a lease)."""
         with self._cond:
+            self._end_lease = self._beating and not self._closed
             self._closed = True
             self._beating = False
             self._cond.notify_all()
@@ -113,15 +124,18 @@ class Heartbeat:
                         break
                     self._cond.wait(wait if self._beating else None)
                 if self._closed:
-                    return
+                    end_lease = self._end_lease
+                    break
                 self._due = time.monotonic() + self.interval_s
             self._beat()
+        if end_lease:
+            self._beat(0.0)
 
-    def _beat(self) -> None:
+    def _beat(self, lease_s: float | None = None) -> None:
         try:
             if self._client is None:
                 self._client = self._connect()
-            self._client.heartbeat(self.source_ids, self.lease_s)
+            self._client.heartbeat(self.source_ids, self.lease_s if lease_s is None else lease_s)
         except (OSError, FTLayerError) as exc:  # ConnectionLost, an ERROR reply, ...
             if self._client is not None:
                 self._client.close()
@@ -129,7 +143,7 @@ class Heartbeat:
             if not self._failing:
                 log.warning(
                     "heartbeat to the FT layer failed (retried every %.1f s; while none "
-                    "gets through, this batch's trees time out as usual): %r",
+                    "gets through, this batch's trees wait for its next barrier): %r",
                     self.interval_s,
                     exc,
                 )

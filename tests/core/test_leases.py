@@ -1,7 +1,10 @@
 """Timeouts that follow progress (ftlayer.core.leases): a tree does not time out while
 the batch carrying it is open and its driver's heartbeats lease it; once the batch is
-done or the lease lapses it times out within T*(1+1/(n-1)); trees of an earlier batch,
-and of sources without heartbeats, time out as before."""
+done, or the lease lapsed and the lapsed batch's wait ended, it times out within
+T*(1+1/(n-1)); trees of an earlier batch, and of sources without heartbeats, time out
+as before. Most tests here turn the lapsed wait off (`lapsed_batch_timeout_s=0`) to
+see the lease alone; tests/core/test_lapsed.py tests the wait, and the property here
+both."""
 
 from __future__ import annotations
 
@@ -28,9 +31,12 @@ TICK = 0.5
 SOURCE, OTHER = 7, 8
 
 
-def _layer() -> tuple[FTLayer, Clock]:
+def _layer(lapsed: float = 0.0) -> tuple[FTLayer, Clock]:
     clock = Clock()
-    return FTLayer(MemoryStorage(), timeout_s=T, buckets=3, clock=clock), clock
+    ft = FTLayer(
+        MemoryStorage(), timeout_s=T, buckets=3, clock=clock, lapsed_batch_timeout_s=lapsed
+    )
+    return ft, clock
 
 
 _NEXT_OFFSET = itertools.count()
@@ -184,18 +190,19 @@ def test_a_bad_lease_is_refused(lease: float) -> None:
 
 
 def test_a_heartbeat_leases_only_the_batch_open_now() -> None:
-    leases = BatchLeases()
+    leases = BatchLeases(0.0)
     assert leases.renew([SOURCE], 5.0, 0.0) == 0 and leases.tag(SOURCE) is None
     leases.began([SOURCE], 1.0)
     first = leases.tag(SOURCE)
     assert first is not None and not leases.running(first, 1.0)  # no heartbeat yet
     assert leases.renew([SOURCE, OTHER], 5.0, 2.0) == 1
     assert leases.running(first, 6.9) and not leases.running(first, 7.0)
-    leases.began([SOURCE], 3.0)  # Spark plans the batch again (a restart)
+    leases.began([SOURCE], 3.0)  # Spark plans the batch again (a restart): adopted
     again = leases.tag(SOURCE)
-    assert again != first and not leases.running(first, 3.5)
+    assert again != first and leases.running(first, 3.5) and leases.running(again, 3.5)
     leases.renew([SOURCE], 0.0, 4.0)  # a zero lease ends it
     assert again is not None and not leases.running(again, 4.0)
+    assert not leases.running(first, 4.0)
 
 
 # ---- the property --------------------------------------------------------------------
@@ -203,15 +210,28 @@ def test_a_heartbeat_leases_only_the_batch_open_now() -> None:
 
 @dataclass
 class _Model:
-    """What the FT layer should know: the open batch and its lease, per the schedule."""
+    """What the FT layer should know: the open batch, the batches it adopted, its lease
+    and wait, per the schedule."""
 
+    lapsed: float
     batch: int = 0  # 0: none open
+    adopted: set[int] = field(default_factory=set)
     lease_until: float = float("-inf")
+    lapses: bool = False
+    wait_until: float = float("-inf")
     root_batch: dict[int, int] = field(default_factory=dict)
     persisted_at: dict[int, float] = field(default_factory=dict)
 
+    def waited_until(self) -> float:
+        if self.lapses:
+            return max(self.lease_until + self.lapsed, self.wait_until)
+        return max(self.lease_until, self.wait_until)
+
+    def group(self) -> set[int]:
+        return {self.batch, *self.adopted} if self.batch else set()
+
     def running(self, batch: int, now: float) -> bool:
-        return batch != 0 and batch == self.batch and now < self.lease_until
+        return batch in self.group() and now < self.waited_until()
 
 
 @settings(max_examples=150, deadline=None)
@@ -220,8 +240,10 @@ class _Model:
     buckets=st.integers(2, 5),
     beat_fraction=st.floats(0.05, 0.25),
     boundaries=st.lists(st.floats(0.0, 6.0), max_size=4),
+    restarts=st.lists(st.floats(0.0, 8.0), max_size=3),
     persists=st.lists(st.floats(0.0, 6.0), min_size=1, max_size=10),
     stop_beats=st.floats(0.0, 8.0),
+    lapsed_fraction=st.one_of(st.just(0.0), st.floats(0.0, 3.0)),
     tick_fraction=st.floats(0.01, 0.5),
     jitter=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30),
 )
@@ -230,31 +252,44 @@ def test_no_tree_times_out_while_its_batch_runs_and_every_one_does_within_the_bo
     buckets: int,
     beat_fraction: float,
     boundaries: list[float],
+    restarts: list[float],
     persists: list[float],
     stop_beats: float,
+    lapsed_fraction: float,
     tick_fraction: float,
     jitter: list[float],
 ) -> None:
     """Batches begin (a BEGIN that also completes the batch before) at random moments,
-    the driver heartbeats every `beat` seconds (lease 3 beats) until it stops, records
-    are persisted at random moments and never acked, and the FT layer is ticked at
-    irregular moments at most d apart. Every tree times out, never before T after its
-    persist, never while its batch is open and leased, and by
-    max(persist, the end of its batch's lease or the batch) + T*(1+1/(n-1)) + n*d."""
+    the driver heartbeats every `beat` seconds (lease 3 beats) until it stops, it is
+    restarted at random moments (a BEGIN without a done: the batch planned again adopts
+    the open one), records are persisted at random moments and never acked, and the FT
+    layer is ticked at irregular moments at most d apart. Every tree times out, never
+    before T after its persist, never while its batch (or the one that adopted it) is
+    open and leased or within the wait after its lease lapsed (`lapsed`), and by
+    max(persist, the end of that batch's lease and wait, or of the batch) +
+    T*(1+1/(n-1)) + n*d."""
     clock = Clock()
-    ft = FTLayer(MemoryStorage(), timeout_s=timeout, buckets=buckets, clock=clock)
+    lapsed = lapsed_fraction * timeout
+    ft = FTLayer(
+        MemoryStorage(),
+        timeout_s=timeout,
+        buckets=buckets,
+        clock=clock,
+        lapsed_batch_timeout_s=lapsed,
+    )
     beat = beat_fraction * timeout
     lease = 3 * beat
     d = tick_fraction * timeout / (buckets - 1)
     expiry = timeout * buckets / (buckets - 1)
     events: list[tuple[float, str]] = [(t * timeout, "begin") for t in boundaries]
+    events += [(t * timeout, "restart") for t in restarts]
     events += [(t * timeout, "persist") for t in persists]
     stop = stop_beats * timeout
     events += [(k * beat, "beat") for k in range(int(stop / beat) + 1)]
     events.sort()
-    model = _Model()
+    model = _Model(lapsed)
     batches = 0
-    ends: dict[int, float] = {}  # batch number -> when it stopped running for good
+    ends: dict[int, float] = {}  # batch number -> when it stopped being waited for
     failed_at: dict[int, float] = {}
     step = 0
     while events or len(failed_at) < len(model.persisted_at):
@@ -262,29 +297,36 @@ def test_no_tree_times_out_while_its_batch_runs_and_every_one_does_within_the_bo
         step += 1
         while events and events[0][0] <= clock.now:
             at, what = events.pop(0)
-            if what == "begin":  # the events happen at the tick that finds them due
-                if model.batch:
-                    ends[model.batch] = min(ends[model.batch], clock.now)
-                    ft.batch_done([SOURCE])
+            if what in ("begin", "restart"):  # events happen at the tick that finds them
                 batches += 1
+                if what == "begin":
+                    for b in model.group():
+                        ends[b] = min(ends[b], clock.now)
+                    ft.batch_done([SOURCE])
+                    model.adopted, model.wait_until = set(), float("-inf")
+                elif model.batch:
+                    model.adopted = model.group()
+                    model.wait_until = model.waited_until()
+                else:
+                    model.adopted, model.wait_until = set(), float("-inf")
                 ft.batch_began([SOURCE])
-                model.batch, model.lease_until = batches, float("-inf")
-                ends[batches] = clock.now  # not running until a heartbeat leases it
+                model.batch, model.lease_until, model.lapses = batches, float("-inf"), False
             elif what == "beat":
                 if ft.heartbeat([SOURCE], lease) and model.batch:
-                    model.lease_until = clock.now + lease
-                    ends[model.batch] = clock.now + lease
+                    model.lease_until, model.lapses = clock.now + lease, True
             else:
                 root = int(_persist(ft, 1)[0])
                 model.root_batch[root] = model.batch
                 model.persisted_at[root] = clock.now
+            for b in model.group():  # not running until a heartbeat or a wait holds it
+                ends[b] = model.waited_until()
         ft.tick()
         for root, batch in model.root_batch.items():
             if root not in failed_at and root not in ft.acker:
                 failed_at[root] = clock.now
                 assert clock.now - model.persisted_at[root] >= timeout - 1e-9
-                assert not model.running(batch, clock.now), "timed out while its batch ran"
-        assert clock.now < 20 * (expiry + stop + 10 * timeout), "a tree never timed out"
+                assert not model.running(batch, clock.now), "timed out while waited for"
+        assert clock.now < 20 * (expiry + stop + lapsed + 10 * timeout), "never timed out"
     for root, at in failed_at.items():
         batch = model.root_batch[root]
         end = ends[batch] if batch else model.persisted_at[root]

@@ -13,6 +13,11 @@ runs past the timeout. Then:
 3. Replayed records are routed to the partition Kafka's own partitioner put the
    original in (kafka-python's murmur2), and a replay round without failures
    completes every replayed record, leaving the storage empty.
+
+The batch may run under a heartbeat lease whose driver dies after the events
+(ftlayer.core.leases): its silent trees then wait past every timeout for the source's
+next barrier, and fail only once it came and its batch is done (a restarted driver),
+or once the lapsed batch's wait ended with none (the fallback); 1-3 hold all the same.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from ftlayer.records import RecordBatch
 
 PARTITIONS = 3
 TIMEOUT = 10.0
+LAPSED = 100.0
+SOURCE = 0  # the Persister's default source id
 
 
 @dataclass
@@ -111,7 +118,14 @@ def test_every_root_completes_once_or_is_replayed_never_early(data: st.DataObjec
         timeout_s=TIMEOUT,
         default_source=SourceConfig.named("kafka-hash", PARTITIONS),
         clock=clock,
+        lapsed_batch_timeout_s=LAPSED,
     )
+    # The driver: none (no batch open), alive to the end, or dead after the events, then
+    # back (its restart plans the batch again) or never back.
+    driver = data.draw(st.sampled_from(["none", "alive", "restarted", "never back"]))
+    if driver != "none":
+        ft.batch_began([SOURCE])
+        ft.heartbeat([SOURCE], 3.0)
     capture = Capture(ft)
     n = data.draw(st.integers(1, 25))
     keys = data.draw(st.lists(st.binary(min_size=0, max_size=12), min_size=n, max_size=n))
@@ -175,10 +189,26 @@ def test_every_root_completes_once_or_is_replayed_never_early(data: st.DataObjec
         assert last_event.get(root, 0) <= upto
         assert root not in doomed
 
-    # Past the timeout every silent tree fails too.
+    # Past the timeout every silent tree fails too; after a lapsed lease, only once the
+    # source's next barrier came and its batch is done, or the wait ended.
+    if driver == "alive":
+        ft.batch_done([SOURCE])  # its barrier: the silent trees time out after it
+    silent = len(ft)
     for t in (TIMEOUT, 2 * TIMEOUT, 3 * TIMEOUT, 4 * TIMEOUT):
         clock.now = t
         ft.tick()
+    if driver in ("restarted", "never back"):  # the lease lapsed at 3 s: nothing failed
+        assert ft.current_stats().failed["timeout"] == 0 and len(ft) == silent
+        if driver == "restarted":
+            ft.batch_began([SOURCE])
+            ft.heartbeat([SOURCE], 3.0)
+            ft.batch_done([SOURCE])
+            after = (5 * TIMEOUT, 6 * TIMEOUT, 7 * TIMEOUT)
+        else:
+            after = (3.0 + LAPSED, 3.0 + LAPSED + TIMEOUT, 3.0 + LAPSED + 2 * TIMEOUT)
+        for t in after:
+            clock.now = t
+            ft.tick()
 
     # 1. Each source record: completed exactly once, or queued for replay.
     replay = ft.fetch_replay(0, ft.replay_cursor)

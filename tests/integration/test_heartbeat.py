@@ -1,6 +1,7 @@
 """The ftkafka driver's heartbeat thread (integration/source/heartbeat.py) against a real
 `ftlayer serve`: it leases the running batch while it beats, stops at `idle` and
-`close`, and survives a server it cannot reach."""
+`close` (which ends a running batch's lease with a lease of 0), and survives a server
+it cannot reach."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def test_it_leases_the_batch_while_running_and_lets_the_lease_lapse_when_idle(
             wait_until(lambda: (client.status().lease_of(SOURCE) or 0) > 0, 10, "a new lease")
         finally:
             beat.close()
+        # Closed while beating (a query stopped mid-batch): its last heartbeat ended the
+        # lease at once (lease 0; a lapse would leave 2 intervals or more), so its trees
+        # wait for no next barrier.
+        assert client.status().lease_of(SOURCE) == 0
         sent = beat.sent
         time.sleep(3 * interval)
         assert beat.sent == sent  # closed: no more heartbeats
