@@ -69,18 +69,26 @@ def wait_settled(
     Stopping a query amid a foreachBatch call can make Spark's stream thread die of a
     StackOverflowError (its regex for interruptions recurses over the long Python
     traceback): hence the wait for an idle trigger."""
-    with FTClient(address, name="test-pipeline") as client:
+    return wait_settled_shards(query, [address], topic, produced, timeout)[0]
+
+
+def wait_settled_shards(
+    query: Any, addresses: list[str], topic: str, produced: int, timeout: float
+) -> list[dict[str, Any]]:
+    """`wait_settled` over the shards of an FT layer (in shard order): no shard holds
+    a pending tree; returns each shard's status."""
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(FTClient(a, name="test-pipeline")) for a in addresses]
 
         def settled() -> bool:
             if not query.isActive:
                 raise AssertionError(f"the streaming query stopped: {query.exception()}")
             if records_read(query, topic) < produced or query.status["isTriggerActive"]:
                 return False
-            return bool(client.status()["pending"] == 0)
+            return all(client.status()["pending"] == 0 for client in clients)
 
         wait_until(settled, timeout, "every record read and every tree complete", interval=0.25)
-        status: dict[str, Any] = client.status().to_json()
-        return status
+        return [client.status().to_json() for client in clients]
 
 
 def executor_jvm() -> int:

@@ -6,6 +6,9 @@ offset min(batch end, lowest offset still pending in the FT layer) when Spark re
 batch done (commit(end), one batch late). Real Tansu, a real `ftlayer serve`, local
 Spark: a sink that leaves one record unacked must hold its partition's committed offset
 at that record while the other partition moves on, and acking it lets the offset pass.
+Both modes also run on an FT layer of two shards (`ftlayer serve --shard I --shards
+2`): the topic's two partitions are then on different shards (shard (source id + p)
+mod 2), each shard checkpoints its own and allows its own partition's group offset.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from fixture_types import MakeTopic
 from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
@@ -26,6 +30,8 @@ from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import FTSettings, to_unsigned
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import settle
+from ftlayer.integration.source import parse_options
+from ftlayer.shards import partition_shard
 
 HELD = (0, 3)  # (partition, offset) of the record the sink does not ack at first
 
@@ -36,6 +42,31 @@ def committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[i
         return {p: consumer.committed(TopicPartition(topic, p)) for p in range(partitions)}
     finally:
         consumer.close(autocommit=False)
+
+
+def start_layer(start_server: StartServer, tmp_path: Path, shards: int) -> list[Server]:
+    """One `ftlayer serve`, or the shards of one, in shard order; trees never time out
+    within a test."""
+    if shards == 1:
+        return [start_server(None, "--tree-timeout-s", "600")]
+    return [
+        start_server(
+            tmp_path / f"shard{i}",
+            "--shard",
+            str(i),
+            "--shards",
+            str(shards),
+            "--tree-timeout-s",
+            "600",
+        )
+        for i in range(shards)
+    ]
+
+
+def held_shard(servers: list[Server], topic: str) -> Server:
+    """The server that owns HELD's partition."""
+    source_id = parse_options({"subscribe": topic, "kafka.bootstrap.servers": "x"}).source_ids()
+    return servers[partition_shard(source_id[topic], HELD[0], len(servers))]
 
 
 def run(
@@ -69,22 +100,26 @@ def run(
     return held
 
 
+@pytest.mark.parametrize("shards", [1, 2])
 def test_group_offsets_never_pass_an_incomplete_record(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
     start_server: StartServer,
     tmp_path: Path,
+    shards: int,
 ) -> None:
-    server: Server = start_server(None, "--tree-timeout-s", "600")
-    settings = FTSettings(server.address)
+    servers = start_layer(start_server, tmp_path, shards)
+    address = ",".join(s.address for s in servers)
+    settings = FTSettings(address)
     topic, group = make_topic(2), f"g-{uuid.uuid4().hex[:8]}"
+    server = held_shard(servers, topic)
     for p in range(2):  # 20 records in each partition, offsets 0..19
         produce(kafka_bootstrap, topic, [(None, b"a%d" % i) for i in range(20)], partition=p)
     opts = {
         "kafka.bootstrap.servers": kafka_bootstrap,
         "subscribe": topic,
-        "ft.address": server.address,
+        "ft.address": address,
         "ft.completion": "tree",  # a record is held by not acking it
         "kafka.group.id": group,
         "maxOffsetsPerTrigger": "10",  # 5 per partition: 4 batches, commits one late
@@ -94,6 +129,9 @@ def test_group_offsets_never_pass_an_incomplete_record(
     after_first = committed(kafka_bootstrap, group, topic, 2)
     assert after_first[0] == HELD[1], after_first  # held at the unacked record
     assert after_first[1] is not None and after_first[1] >= 10, after_first
+    for each in servers:  # every shard completed checkpoints of its own partition
+        with each.client() as client:
+            assert client.status()["checkpoints"][topic]["completed"] >= 3, each.address
 
     # The held record completes; the next run's commits move past it.
     with server.client() as client:
@@ -108,26 +146,34 @@ def test_group_offsets_never_pass_an_incomplete_record(
     assert after_second[1] is not None and after_second[1] >= after_first[1], after_second
 
 
+@pytest.mark.parametrize("shards", [1, 2])
 def test_aligned_checkpoints_hold_every_partition_until_the_record_completes(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
     start_server: StartServer,
     tmp_path: Path,
+    shards: int,
 ) -> None:
     """ft.checkpointMode=aligned: a checkpoint completes only when no record from before
     its barrier is pending, in any partition; only then do the group offsets move, to
     the barrier. The unaligned test above moves partition 1 past the held record's
-    batch at once; here neither partition moves until the held record completes."""
-    server: Server = start_server(None, "--tree-timeout-s", "600")
-    settings = FTSettings(server.address)
+    batch at once; here neither partition moves until the held record completes.
+    On two shards each shard aligns its own partitions: the held record holds its
+    shard's checkpoints and partition 0's group offset, while the other shard's
+    checkpoints complete and partition 1's group offset moves to the barrier."""
+    servers = start_layer(start_server, tmp_path, shards)
+    address = ",".join(s.address for s in servers)
+    settings = FTSettings(address)
     topic, group = make_topic(2), f"g-{uuid.uuid4().hex[:8]}"
+    server = held_shard(servers, topic)
+    others = [s for s in servers if s is not server]
     for p in range(2):
         produce(kafka_bootstrap, topic, [(None, b"a%d" % i) for i in range(20)], partition=p)
     opts = {
         "kafka.bootstrap.servers": kafka_bootstrap,
         "subscribe": topic,
-        "ft.address": server.address,
+        "ft.address": address,
         "ft.completion": "tree",  # a record is held by not acking it
         "kafka.group.id": group,
         "maxOffsetsPerTrigger": "10",
@@ -135,7 +181,16 @@ def test_aligned_checkpoints_hold_every_partition_until_the_record_completes(
     }
     held = run(spark, opts, tmp_path / "checkpoint", settings)
     assert len(held) == 1
-    assert committed(kafka_bootstrap, group, topic, 2) == {0: None, 1: None}
+    first = committed(kafka_bootstrap, group, topic, 2)
+    if shards == 1:
+        assert first == {0: None, 1: None}
+    else:  # the other shard's partition moved to its barrier; the held one did not
+        assert first[0] is None and first[1] is not None and first[1] >= 10, first
+        for other in others:
+            with other.client() as client:
+                checkpoints = client.status()["checkpoints"][topic]
+            assert checkpoints["completed"] >= 3, checkpoints
+            assert all(c["alignment_wait_s"] < 1.0 for c in checkpoints["recent"]), checkpoints
     with server.client() as client:
         checkpoints = client.status()["checkpoints"][topic]
         assert checkpoints["completed"] == 0
@@ -155,9 +210,13 @@ def test_aligned_checkpoints_hold_every_partition_until_the_record_completes(
     after = committed(kafka_bootstrap, group, topic, 2)
     assert after[0] is not None and after[0] >= 20, after
     assert after[1] is not None and after[1] >= 20, after
+    for each in servers:
+        with each.client() as client:
+            status = client.status()
+        assert status["pending"] == 0, each.address
+        assert status["checkpoints"][topic]["completed"] >= 4, each.address
     with server.client() as client:
         checkpoints = client.status()["checkpoints"][topic]
-    assert checkpoints["completed"] >= 4
     recent = checkpoints["recent"]
     # The checkpoints that waited for the held record show the wait.
     assert max(c["alignment_wait_s"] for c in recent) >= 1.0, recent

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from fixture_types import MakeTopic
 from kafka.partitioner.default import DefaultPartitioner
-from pipeline_job import wait_settled
+from pipeline_job import wait_settled, wait_settled_shards
 from pyspark import cloudpickle
 from pyspark.errors.exceptions.captured import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
@@ -53,7 +53,9 @@ from ftlayer.integration.harness.demo import (
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.harness.kafka import create_topic, produce, read_all
 from ftlayer.integration.sinks import ft_kafka_sink
+from ftlayer.integration.source import parse_options
 from ftlayer.integration.tasks import FTTasks, OnError
+from ftlayer.shards import partition_shard
 
 # Spark's Python workers cannot import this module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -74,6 +76,27 @@ def start_cluster_job_early(request: pytest.FixtureRequest) -> None:
     anything else, so that it runs alongside this module's other tests."""
     if any("cluster_job" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("cluster_job")
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The shards of one FT layer, in shard order: what `start_pipeline` needs of a
+    server is its `address`, here the shards' addresses as ft.address lists them."""
+
+    servers: list[Server]
+
+    @property
+    def address(self) -> str:
+        return ",".join(s.address for s in self.servers)
+
+
+def start_shards(start_server: StartServer, tmp_path: Path, *extra: str) -> Shards:
+    return Shards(
+        [
+            start_server(tmp_path / f"shard{i}", "--shard", str(i), "--shards", "2", *extra)
+            for i in (0, 1)
+        ]
+    )
 
 
 def produce_events(bootstrap: str, topic: str, n: int) -> None:
@@ -102,7 +125,7 @@ def start_pipeline(
     spark: SparkSession,
     bootstrap: str,
     topics: tuple[str, str],
-    server: Server | None,
+    server: Server | Shards | None,
     checkpoint: Path,
     enrich: Enrich,
     *,
@@ -252,7 +275,9 @@ def test_records_a_plain_where_drops_time_out_and_their_replays_reach_the_sink(
 # ---- c. a Python worker killed mid-batch ----------------------------------------------------
 
 
-@pytest.mark.parametrize("persist", ["reference", "payload"])
+@pytest.mark.parametrize(
+    ("persist", "shards"), [("reference", 1), ("payload", 1), ("reference", 2)]
+)
 def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
     spark: SparkSession,
     kafka_bootstrap: str,
@@ -260,11 +285,14 @@ def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
     start_server: StartServer,
     tmp_path: Path,
     persist: str,
+    shards: int,
 ) -> None:
     """Tree mode: the enrich step's Python worker dies on the first record of two
     partitions (once each), while the batch's other tasks run. The dead attempts had
     persisted their whole partitions; Spark retries each task, which reads the same
     Kafka range again and takes the dead attempt's roots over (ftlayer.core.takeover).
+    On an FT layer of two shards the two partitions are on different shards (0 and 1
+    of the topic: shard (source id + p) mod 2), so each shard takes over its own.
 
     Why at most 1% duplicates (the issue's bound; 0 expected): an extra copy at the sink
     comes either from the dead attempt's own sink, or from a replay of one of its roots.
@@ -275,7 +303,13 @@ def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
     flight or (if its 3 s timeout fired first on a busy machine) waiting as a replay.
     Without the takeover each dead attempt's records time out and are written again:
     about half the output twice."""
-    server = start_server(None, "--tree-timeout-s", "3")
+    timeout = ("--tree-timeout-s", "3")
+    if shards == 1:
+        servers = [start_server(None, *timeout)]
+        ft: Server | Shards = servers[0]
+    else:
+        ft = start_shards(start_server, tmp_path, *timeout)
+        servers = ft.servers
     topics = make_topic(4), make_topic(2)
     produce_events(kafka_bootstrap, topics[0], N)
     firsts = {
@@ -283,7 +317,12 @@ def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
         for r in read_all(kafka_bootstrap, topics[0])
         if r.offset == 0 and r.value is not None
     }
-    victims = frozenset({firsts[0], firsts[2]})
+    killed = (0, 2) if shards == 1 else (0, 1)
+    options = parse_options({"subscribe": topics[0], "kafka.bootstrap.servers": "x"})
+    source_id = options.source_ids()[topics[0]]
+    owners = {partition_shard(source_id, p, shards) for p in killed}
+    assert len(owners) == shards  # a victim on every shard
+    victims = frozenset(firsts[p] for p in killed)
     seen_dir = tmp_path / "seen"
     seen_dir.mkdir()
 
@@ -293,19 +332,28 @@ def test_a_python_worker_killed_mid_batch_loses_nothing_and_adds_no_duplicates(
         return RELIABLE_ENRICH(row)
 
     query, _ = start_pipeline(
-        spark, kafka_bootstrap, topics, server, tmp_path / "cp", enrich_or_die, persist=persist
+        spark, kafka_bootstrap, topics, ft, tmp_path / "cp", enrich_or_die, persist=persist
     )
-    status = run_until_settled(query, server, topics[0])
+    try:
+        addresses = [s.address for s in servers]
+        statuses = wait_settled_shards(query, addresses, topics[0], N, SETTLE_S)
+    finally:
+        query.stop()
 
     found = output_ids(kafka_bootstrap, topics[1])
     assert set(found) == expected_ids(N), "records lost or invented"
     assert {int(p.name) for p in seen_dir.iterdir()} == victims
     duplicates = len(found) - len(set(found))
-    print(f"worker kills: duplicates {duplicates} of {N}, status {status}")
+    taken_over = [status["taken_over"] for status in statuses]
+    print(
+        f"worker kills, {shards} shard(s): {duplicates} duplicates of {N}, taken over {taken_over}"
+    )
     assert duplicates <= N // 100, f"{duplicates} duplicates of {N}"
-    # Each retry read its dead attempt's records again and took their roots over.
-    assert status["taken_over"] >= len(victims)
-    assert status["pending"] == 0
+    # Each retry read its dead attempt's records again and took their roots over, on
+    # the shard of its partition.
+    for index, status in enumerate(statuses):
+        assert status["taken_over"] >= len(victims) // shards, (index, status)
+        assert status["pending"] == 0, (index, status)
 
 
 class KillingPartitioner(DefaultPartitioner):

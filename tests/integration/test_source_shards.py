@@ -8,8 +8,8 @@ serve --shard I --shards 2` processes, the Tansu broker, local Spark.
   partitions only.
 - Bad input at query start: shards listed in another order or another number than
   their cluster's, and a shard that does not answer, each named.
-- A shard SIGKILLed mid-stream and started again OUTAGE_S later: the other shard's
-  partitions go on completing meanwhile, its own take in nothing new, nothing is lost.
+
+A shard SIGKILLed mid-stream and started again later: test_shard_outage.py.
 """
 
 from __future__ import annotations
@@ -279,105 +279,3 @@ def test_shards_of_another_cluster_shape_or_one_that_does_not_answer_are_named(
         finally:
             driver.close()
     assert all(not s.sources for s in statuses([*shards, alone]))
-
-
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
-OUTAGE_S = 15.0
-PER_TRIGGER = 150
-
-
-def test_a_shard_down_stalls_only_its_own_partitions_and_loses_nothing(
-    spark: SparkSession,
-    kafka_bootstrap: str,
-    make_topic: MakeTopic,
-    start_server: StartServer,
-    tmp_path: Path,
-) -> None:
-    """SIGKILL shard 1 mid-stream and start it again on its data dir OUTAGE_S later:
-    meanwhile shard 0's partitions go on completing (from STATUS samples); afterwards
-    every record reaches the sink and every partition's group offset its end."""
-    n = 4000
-    ports = [_free_port(), _free_port()]
-    flags = [["--port", ports[i], "--shard", str(i), "--shards", "2"] for i in (0, 1)]
-    shards = [start_server(tmp_path / f"shard{i}", *flags[i]) for i in (0, 1)]
-    addresses = ",".join(s.address for s in shards)
-    settings = FTSettings(addresses)
-    topic = make_topic(PARTITIONS)
-    group = f"shards-{uuid.uuid4().hex[:8]}"
-    positions = produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(n)])
-    source_id = parse_options({"subscribe": topic, "kafka.bootstrap.servers": "x"}).source_ids()[
-        topic
-    ]
-    of_shard1 = {
-        i for i, at in enumerate(positions) if partition_shard(source_id, at.partition, 2) == 1
-    }
-    source = (
-        spark.readStream.format("ftkafka")
-        .option("kafka.bootstrap.servers", kafka_bootstrap)
-        .option("subscribe", topic)
-        .option("maxOffsetsPerTrigger", str(PER_TRIGGER))
-        .option("ft.address", addresses)
-        .option("kafka.group.id", group)
-        .load()
-    )
-    collected = Collected()
-    query = (
-        FTTasks(settings)
-        .map(source, lambda row: {"id": int(row["key"])}, SCHEMA)
-        .writeStream.foreachBatch(ft_foreach_batch(collected, settings))
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(processingTime="250 milliseconds")
-        .start()
-    )
-
-    def completed(shard: Server) -> int:
-        with FTClient(shard.address) as client:
-            return client.status().completed
-
-    try:
-        _wait_for(lambda: completed(shards[1]) > 0, 120, query)
-        shards[1].proc.kill()  # SIGKILL, a batch of its partitions likely in flight
-        shards[1].proc.wait(10)
-        down_at = time.monotonic()
-        samples = [completed(shards[0])]
-        shard1_seen = [len(of_shard1 & set(collected.ids))]
-        while time.monotonic() - down_at < OUTAGE_S:
-            assert query.exception() is None, f"the query failed: {query.exception()}"
-            time.sleep(0.5)
-            samples.append(completed(shards[0]))
-        shard1_seen.append(len(of_shard1 & set(collected.ids)))
-        shards[1] = start_server(tmp_path / "shard1", *flags[1])
-        _wait_for(
-            lambda: (
-                len(set(collected.ids)) == n
-                and all(s.pending == 0 for s in statuses(shards))
-                and group_lag(kafka_bootstrap, group, topic) == 0
-            ),
-            120,
-            query,
-        )
-    finally:
-        query.stop()
-    # Shard 0's partitions kept completing while shard 1 was down, and shard 1's took
-    # in nothing new (what reached the sink of them is at most the batch in flight).
-    assert samples[-1] > samples[0], samples
-    assert shard1_seen[-1] - shard1_seen[0] <= PER_TRIGGER, shard1_seen
-    # Nothing lost; duplicates only from the batch in flight at the kill.
-    assert set(collected.ids) == set(range(n))
-    print(
-        f"shard 1 down {OUTAGE_S:.0f} s: shard 0 completed {samples[-1] - samples[0]} "
-        f"records meanwhile; {len(collected.ids) - n} duplicates at the sink"
-    )
-
-
-def _wait_for(predicate: Callable[[], bool], timeout_s: float, query: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert query.exception() is None, f"the query failed: {query.exception()}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.3)
