@@ -145,6 +145,32 @@ def test_demo_on_two_shards_loses_nothing_when_one_is_killed_and_the_other_goes_
     assert (tmp_path / "work" / "ft0").is_dir() and (tmp_path / "work" / "ft1").is_dir()
 
 
+@pytest.mark.integration
+def test_demo_on_jetstream_loses_nothing_when_its_receiver_dies(tmp_path: Path) -> None:
+    """`ftlayer demo --source jetstream --kill-receiver`: the events come from a
+    JetStream stream through an `ftlayer ingest jetstream` receiver, SIGKILLed once a
+    third were acknowledged and started again; the query reads them with ftingest.
+    (`--source http` runs the same demo with the webhook upstream that
+    test_ingest_kills.py drives.)"""
+    command = [sys.executable, "-m", "ftlayer.cli", "demo", "--source", "jetstream"]
+    command += ["--kill-receiver", "--records", "3000", "--partitions", "3"]
+    command += ["--workdir", str(tmp_path / "work"), "--json"]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    text = log.read_text(errors="replace")
+    assert done.returncode == 0, text[-3000:]
+    result = json.loads(text.rstrip("\n").splitlines()[-1])
+    assert set(REQUIRED) <= result.keys()
+    assert result["source"] == "jetstream" and result["receivers_killed"] == 1
+    assert text.count("ftlayer demo: receiver (pid") == 1
+    # Counted against what was acknowledged upstream: all of it, nothing lost.
+    assert result["acked_upstream"] == result["produced"] == 3000
+    assert result["lost"] == 0 and result["pending_at_end"] == 0
+    assert result["completed"] == result["completed_at_sink"] == 3000
+    assert result["outputs_at_sink"] == result["expected_outputs"] + result["duplicates_at_sink"]
+
+
 def _processes_under(workdir: Path) -> list[int]:
     """Processes whose command line names `workdir` (the demo's cluster and FT layer)."""
     found = []
