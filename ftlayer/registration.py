@@ -46,7 +46,9 @@ class SourceRegistration:
     optional: a missing one takes the policy's default), or None: no policy, failed
     records are replayed at once for ever (IMMEDIATE). `timeout_s`: the source's own
     tree timeout (None: the FT layer's). `name`: the source's name (`ft.sourceName`),
-    shown by status; None: unnamed."""
+    shown by status; None: unnamed. `max_pending`: for a source that cannot replay, the
+    pending records at which its receivers stop taking (the ftingest query's
+    ft.maxPendingRecords; integration.receivers); None: only the receivers' own."""
 
     source_id: int
     partitioner: str
@@ -57,6 +59,7 @@ class SourceRegistration:
     dead_letter_topic: str | None = None
     completion: str = "tree"
     name: str | None = None
+    max_pending: int | None = None
 
     def retry_policy(self) -> RetryPolicy | None:
         """`retry` as a RetryPolicy (None stays None); ConfigError for settings out of
@@ -84,6 +87,8 @@ class SourceRegistration:
             spec["completion"] = self.completion
         if self.name is not None:
             spec["name"] = self.name
+        if self.max_pending is not None:
+            spec["max_pending"] = self.max_pending
         return spec
 
     def stored_spec(self, retry: RetryPolicy | None) -> dict[str, Any]:

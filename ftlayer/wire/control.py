@@ -91,7 +91,7 @@ MAX_SOURCE_PARTITIONS: Final = 1 << 31
 """A source's partitions are i32 on the wire (0 .. 2**31 - 1), so at most this many."""
 _REGISTER_REQUIRED: Final = frozenset({"partitioner", "num_partitions", "options"})
 _REGISTER_OPTIONAL: Final = frozenset(
-    {"timeout_s", "retry", "dead_letter_topic", "completion", "name"}
+    {"timeout_s", "retry", "dead_letter_topic", "completion", "name", "max_pending"}
 )
 
 
@@ -128,11 +128,14 @@ class CheckpointReply:
 @dataclass(frozen=True, slots=True)
 class SavepointRequest:
     """SAVEPOINT: write a savepoint of the running server's store into `directory` (a
-    path on the server's host) under `name` (None: the default name; see
-    ftlayer.checkpoint.savepoint.create_savepoint)."""
+    path on the server's host; None: the server's spool, from where the client fetches
+    it with SAVEPOINT_READ, ftlayer.wire.parts) under `name` (None: the default name;
+    see ftlayer.checkpoint.savepoint.create_savepoint), with `savepoint_id` (the id the
+    parts of one cluster's savepoint share; None: a new one)."""
 
-    directory: str
+    directory: str | None
     name: str | None
+    savepoint_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,13 +209,13 @@ def _register_source(source_id: int, spec: Any) -> RegisterSource:
         raise BadRequest(
             'REGISTER_SOURCE config must be a JSON object with "partitioner", '
             '"num_partitions" and "options", optionally "timeout_s", "retry", '
-            '"dead_letter_topic", "completion" and "name", and nothing else; '
+            '"dead_letter_topic", "completion", "name" and "max_pending", and nothing else; '
             f"got {str(spec)[:200]!r}"
         )
     partitioner, partitions, options = spec["partitioner"], spec["num_partitions"], spec["options"]
     timeout, retry = spec.get("timeout_s"), spec.get("retry")
     topic, completion = spec.get("dead_letter_topic"), spec.get("completion")
-    name = spec.get("name")
+    name, max_pending = spec.get("name"), spec.get("max_pending")
     checks = (
         (isinstance(partitioner, str), '"partitioner" must be a str'),
         (
@@ -238,6 +241,10 @@ def _register_source(source_id: int, spec: Any) -> RegisterSource:
             or (isinstance(name, str) and bool(name) and control_character(name) is None),
             '"name" must be a non-empty str without control characters, or null',
         ),
+        (
+            max_pending is None or (is_int(max_pending) and max_pending >= 1),
+            '"max_pending" must be an int (not a bool) of at least 1, or null',
+        ),
     )
     problem = next((what for ok, what in checks if not ok), None)
     if problem is not None:
@@ -253,6 +260,7 @@ def _register_source(source_id: int, spec: Any) -> RegisterSource:
             topic,
             completion or "tree",
             name,
+            max_pending,
         )
     )
 
@@ -366,9 +374,18 @@ def decode_checkpoint_reply(message: Frame | bytes) -> CheckpointReply:
 # ---- savepoints ------------------------------------------------------------------------
 
 
-def encode_savepoint(request_id: int, directory: str, name: str | None = None) -> bytes:
-    """SAVEPOINT into the savepoints directory `directory` on the server's host."""
-    body = {"dir": directory, "name": name}
+def encode_savepoint(
+    request_id: int,
+    directory: str | None,
+    name: str | None = None,
+    *,
+    savepoint_id: str | None = None,
+) -> bytes:
+    """SAVEPOINT into the savepoints directory `directory` on the server's host, or
+    (None) into the server's spool."""
+    body: dict[str, Any] = {"dir": directory, "name": name}
+    if savepoint_id is not None:
+        body["id"] = savepoint_id
     _check_savepoint(body)
     return encode_frame(Kind.SAVEPOINT, request_id, dump_json(body, "SAVEPOINT body"))
 
@@ -376,7 +393,11 @@ def encode_savepoint(request_id: int, directory: str, name: str | None = None) -
 def decode_savepoint(message: Frame | bytes) -> SavepointRequest:
     body = parse_json(_body(message, Kind.SAVEPOINT).rest(), Kind.SAVEPOINT)
     _check_savepoint(body)
-    return SavepointRequest(body["dir"], body["name"])
+    return SavepointRequest(body["dir"], body["name"], body.get("id"))
+
+
+_SAVEPOINT_ID: Final = 64
+"""The most characters in a savepoint id."""
 
 
 def _check_savepoint(body: Any) -> None:
@@ -385,16 +406,25 @@ def _check_savepoint(body: Any) -> None:
     know. The name is the server's to check (ftlayer.checkpoint.savepoint)."""
     if (
         not isinstance(body, dict)
-        or set(body) != {"dir", "name"}
-        or not isinstance(body["dir"], str)
+        or not {"dir", "name"} <= set(body) <= {"dir", "name", "id"}
+        or not (body["dir"] is None or isinstance(body["dir"], str))
         or not (body["name"] is None or isinstance(body["name"], str))
+        or not isinstance(body.get("id", ""), str)
     ):
         raise BadRequest(
-            f'SAVEPOINT body must be a JSON object {{"dir": str, "name": str or null}}, '
-            f"got {body!r}"[:600]
+            f'SAVEPOINT body must be a JSON object {{"dir": str or null, "name": str or '
+            f'null[, "id": str]}}, got {body!r}'[:600]
+        )
+    savepoint_id = body.get("id")
+    if savepoint_id is not None and not (
+        0 < len(savepoint_id) <= _SAVEPOINT_ID and savepoint_id.isascii() and savepoint_id.isalnum()
+    ):
+        raise BadRequest(
+            f"SAVEPOINT id must be 1 to {_SAVEPOINT_ID} ASCII letters or digits, "
+            f"got {savepoint_id!r}"[:600]
         )
     directory = body["dir"]
-    if not directory.startswith("/") or "\0" in directory:
+    if directory is not None and (not directory.startswith("/") or "\0" in directory):
         raise BadRequest(
             "SAVEPOINT dir must be an absolute path on the server's host (a relative one "
             f"would depend on the server's working directory), got {directory!r}"[:600]

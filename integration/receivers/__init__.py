@@ -24,7 +24,8 @@ with an `identity` (unique within the upstream named in `store`, such as JetStre
 stream sequence) is stored once however often it is sent within the FT layer's ingest
 window, so a redelivery after a receiver died between `store` and its ack adds no
 duplicate. `has_room` is flow control: the source's pending records (stored and not
-complete) below `max_pending` (Storm's max.spout.pending).
+complete) below `max_pending` (Storm's max.spout.pending), or below the limit the
+query that reads the source registered (its ft.maxPendingRecords), if that is lower.
 
 A record's payload is the ftkafka payload (ftlayer.payloads: key, value,
 timestamp, headers), its key hash Kafka's murmur2 of the key (or PySpark's
@@ -98,6 +99,7 @@ class Receiver:
         self._client = FTClient(address, token=token, tls=tls_ca or False, name=name)
         self._room_at = 0.0
         self._pending = 0  # the source's pending records at `_room_at`
+        self._limit = max_pending  # and the limit then (the query's, if lower)
         known = self._client.status().sources.get(str(self.source_id))
         if known is None:
             self._client.register_source(
@@ -166,9 +168,12 @@ class Receiver:
         call after a `store`."""
         now = time.monotonic()
         if now - self._room_at >= _ROOM_CHECK_S:
-            self._pending = self.pending()
+            status = self._client.status()
+            self._pending = status.pending_of(self.source_id)
+            registered = (status.sources.get(str(self.source_id)) or {}).get("max_pending")
+            self._limit = min(self.max_pending, registered or self.max_pending)
             self._room_at = now
-        return self._pending + taken < self.max_pending
+        return self._pending + taken < self._limit
 
     def pending(self) -> int:
         """The source's records stored and not complete (waiting for its reader, or in

@@ -665,22 +665,25 @@ class SourceDriver:
         for topic in options.topics:
 
             def register(client: FTClient, topic: str = topic) -> None:
-                client.register_source(
-                    SourceRegistration(
-                        self.source_ids[topic],
-                        options.partitioner,
-                        self._partition_counts[topic],
-                        options.partitioner_options,
-                        options.timeout_s,
-                        options.retry,
-                        options.dead_letter_topic,
-                        options.completion,
-                        options.source_name,
-                    )
-                )
+                client.register_source(self._registration(topic))
 
             for shard in shards:
                 self.shards.call(shard, f"register the source of topic {topic!r}", register)
+
+    def _registration(self, topic: str) -> SourceRegistration:
+        """What this query registers for `topic`'s source."""
+        options = self.options
+        return SourceRegistration(
+            self.source_ids[topic],
+            options.partitioner,
+            self._partition_counts[topic],
+            options.partitioner_options,
+            options.timeout_s,
+            options.retry,
+            options.dead_letter_topic,
+            options.completion,
+            options.source_name,
+        )
 
     def _replay_start(self) -> tuple[int, ...]:
         """A new query's replay cursors: where each shard pruned its sources' replay

@@ -38,8 +38,9 @@ count and partitioner are fixed by its receivers when they register it: the quer
 takes the count from the FT layer, and its ft.partitioner must be the receivers'. Start
 a receiver first: a query of a source nobody registered stops with a ConfigError.
 
-Backpressure is the receivers' (`Receiver.has_room`, ft.maxPendingRecords of the
-receiver): the query takes in every queued record it is given, at most
+Backpressure is the receivers' (`Receiver.has_room`): they stop taking at the query's
+ft.maxPendingRecords, which the query registers with the source (`max_pending`), or at
+their own --max-pending if lower; the query takes in every queued record, at most
 maxOffsetsPerTrigger per batch.
 """
 
@@ -53,6 +54,7 @@ from kafka import TopicPartition
 
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import KafkaOffsets, Position
+from ftlayer.registration import SourceRegistration
 from ftlayer.status import Status
 
 from .driver import SourceDriver, _status
@@ -118,6 +120,13 @@ class IngestDriver(SourceDriver):
     def _topic_partitions(self, check_exist: bool) -> dict[str, int]:
         # A source's partitions are fixed by its receivers: read once, at start.
         return dict(self._partition_counts) if not check_exist else self._registered()
+
+    def _registration(self, topic: str) -> SourceRegistration:
+        # The receivers stop taking at the query's ft.maxPendingRecords (or their own
+        # --max-pending, if lower): flow control for a source the query cannot hold
+        # back by offsets.
+        registration = super()._registration(topic)
+        return dataclasses.replace(registration, max_pending=self.options.max_pending_records)
 
     def _earliest(self, tps: list[TopicPartition]) -> KafkaOffsets:
         return _nothing(tps)

@@ -226,6 +226,8 @@ def test_register_source_round_trips() -> None:
         frame(p.encode_register_source(7, SourceRegistration(3, "forward", 2, timeout_s=2.5)))
     )
     assert timed == p.RegisterSource(SourceRegistration(3, "forward", 2, {}, 2.5))
+    limited = SourceRegistration(4, "rebalance", 3, max_pending=500)
+    assert p.decode(frame(p.encode_register_source(7, limited))) == p.RegisterSource(limited)
     with pytest.raises(p.BadRequest, match="u32 source id"):
         p.encode_register_source(1, SourceRegistration(2**32, "forward", 1))
 
@@ -1241,6 +1243,9 @@ def _register(config: dict[str, object]) -> p.Frame:
         ({"timeout_s": True}, '"timeout_s"'),
         ({"partitioner": 7}, '"partitioner"'),
         ({"options": []}, '"options"'),
+        ({"max_pending": 0}, '"max_pending"'),
+        ({"max_pending": True}, '"max_pending"'),
+        ({"max_pending": 5.0}, '"max_pending"'),
     ],
 )
 def test_register_source_refuses_each_key_of_the_wrong_json_type(

@@ -224,3 +224,25 @@ def test_bad_input_is_a_clear_error(start_server: StartServer) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             parse_options(options_given, ingest=True)
+
+
+def test_the_querys_max_pending_records_holds_its_receivers(start_server: StartServer) -> None:
+    """The query registers its ft.maxPendingRecords with the source: a receiver whose
+    own limit is higher stops taking there (and at its own where that is lower)."""
+    server = start_server()
+    name = f"held-{uuid.uuid4().hex[:6]}"
+    with Receiver(server.address, name, partitions=PARTITIONS, max_pending=100_000) as receiver:
+        receiver.store(messages(0, 60), "http:held")
+        assert receiver.has_room()  # 60 pending, below its own 100,000
+        options = parse_options(
+            {"subscribe": name, "ft.address": server.address, "ft.maxPendingRecords": "50"},
+            ingest=True,
+        )
+        driver = IngestDriver(options, {name: ingest_source_id(name)})
+        driver.start()  # registers the source with the query's limit
+        driver.close()
+        time.sleep(0.25)  # has_room asks the FT layer at most every 0.2 s
+        assert not receiver.has_room()  # 60 pending, at the query's 50
+        assert not receiver.has_room(0) and receiver.pending() == 60
+    with Receiver(server.address, name, partitions=PARTITIONS, max_pending=10) as low:
+        assert not low.has_room()  # its own limit, lower than the query's
