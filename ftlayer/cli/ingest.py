@@ -92,7 +92,11 @@ def add_parser(commands: Any) -> None:
 
 
 def _source_arguments(parser: Any, *, several: bool) -> None:
-    parser.add_argument("--server", required=True, help="HOST:PORT of the FT layer")
+    parser.add_argument(
+        "--server",
+        required=True,
+        help="HOST:PORT of the FT layer (of each shard, in shard order: HOST:PORT,HOST:PORT)",
+    )
     parser.add_argument(
         "--source",
         action="append" if several else "store",
@@ -139,15 +143,16 @@ def run(args: argparse.Namespace) -> int:
     return _run_nats(args, token)
 
 
-def _probe(address: str, token: bytes | None, tls_ca: str | None) -> None:
-    """Fail within seconds, naming the FT layer, when it does not answer."""
-    try:
-        with FTClient(
-            address, token, tls=tls_ca or False, reconnect_s=_PROBE_RECONNECT_S, name="ingest"
-        ) as client:
-            client.status()
-    except FTLayerError as exc:
-        raise FTLayerError(f"the FT layer at {address} does not answer: {exc}") from None
+def _probe(addresses: str, token: bytes | None, tls_ca: str | None) -> None:
+    """Fail within seconds, naming the FT layer (the shard), when it does not answer."""
+    for address in (a.strip() for a in addresses.split(",") if a.strip()):
+        try:
+            with FTClient(
+                address, token, tls=tls_ca or False, reconnect_s=_PROBE_RECONNECT_S, name="ingest"
+            ) as client:
+                client.status()
+        except FTLayerError as exc:
+            raise FTLayerError(f"the FT layer at {address} does not answer: {exc}") from None
 
 
 def _run_http(args: argparse.Namespace, token: bytes | None) -> int:

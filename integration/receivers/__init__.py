@@ -27,6 +27,15 @@ duplicate. `has_room` is flow control: the source's pending records (stored and 
 complete) below `max_pending` (Storm's max.spout.pending), or below the limit the
 query that reads the source registered (its ft.maxPendingRecords), if that is lower.
 
+Shards: given the addresses of an FT layer of several shards (`HOST:PORT,HOST:PORT`, in
+shard order), a receiver registers the source on each and stores each record on one:
+a record with an identity always on the same shard (a hash of its identity, so a
+redelivery meets the first copy there and is dropped), the others on the shards in
+turn. Any shard may hold any record: the ftingest reader takes each partition's
+records from every shard. A shard that is down fails the stores of its records (they
+are not acknowledged, and come again); `has_room` counts the source's pending records
+over every shard.
+
 A record's payload is the ftkafka payload (ftlayer.payloads: key, value,
 timestamp, headers), its key hash Kafka's murmur2 of the key (or PySpark's
 portable_hash, for a spark-hash source), so the source's reader decodes it and its
@@ -41,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import FTClient
@@ -96,24 +106,50 @@ class Receiver:
         self.source_id = ingest_source_id(source)
         self.partitioner = partitioner
         self.max_pending = max_pending
-        self._client = FTClient(address, token=token, tls=tls_ca or False, name=name)
+        addresses = [a.strip() for a in address.split(",") if a.strip()]
+        if not addresses:
+            raise ConfigError(f"a receiver needs the FT layer's address, got {address!r}")
+        self._clients = [
+            FTClient(a, token=token, tls=tls_ca or False, name=name) for a in addresses
+        ]
+        self._next_shard = 0  # records without an identity go to the shards in turn
         self._room_at = 0.0
         self._pending = 0  # the source's pending records at `_room_at`
         self._limit = max_pending  # and the limit then (the query's, if lower)
-        known = self._client.status().sources.get(str(self.source_id))
-        if known is None:
-            self._client.register_source(
-                SourceRegistration(self.source_id, partitioner, partitions, name=source)
-            )
-        elif (known.get("partitioner"), known.get("num_partitions")) != (partitioner, partitions):
+        try:
+            for shard, client in enumerate(self._clients):
+                self._join(shard, client, SourceRegistration(
+                    self.source_id, partitioner, partitions, name=source
+                ))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def _join(self, shard: int, client: FTClient, registration: SourceRegistration) -> None:
+        """Check `client` serves shard `shard` of as many as this receiver was given,
+        and register the source there unless it is (with the same settings)."""
+        status = client.status()
+        if (status.shard, status.shards) != (shard, len(self._clients)):
             raise ConfigError(
-                f"source {source!r} is registered with partitioner "
+                f"the FT layer at {client.address} is shard {status.shard} of "
+                f"{status.shards}, but the receiver was given it as shard {shard} of "
+                f"{len(self._clients)}: list every shard of the cluster, in shard order"
+            )
+        known = status.sources.get(str(self.source_id))
+        if known is None:
+            client.register_source(registration)
+            return
+        wanted = (registration.partitioner, registration.num_partitions)
+        if (known.get("partitioner"), known.get("num_partitions")) != wanted:
+            raise ConfigError(
+                f"source {self.source!r} is registered with partitioner "
                 f"{known.get('partitioner')!r} over {known.get('num_partitions')} partitions, "
-                f"not {partitioner!r} over {partitions}: give the same settings everywhere"
+                f"not {wanted[0]!r} over {wanted[1]}: give the same settings everywhere"
             )
 
     def close(self) -> None:
-        self._client.close()
+        for client in self._clients:
+            client.close()
 
     def __enter__(self) -> Receiver:
         return self
@@ -157,9 +193,27 @@ class Receiver:
             partitions=0,
             offsets=np.array([m.identity for m in messages], dtype=np.int64),
         )
-        taken = self._client.ingest(batch)
+        taken = sum(
+            self._clients[shard].ingest(batch.take(rows))
+            for shard, rows in self._by_shard(batch.offsets)
+        )
         self._room_at = 0.0  # look again before the next batch
         return taken
+
+    def _by_shard(self, identities: NDArray[np.int64]) -> list[tuple[int, NDArray[np.intp]]]:
+        """Which shard stores which records: a record with an identity always the same
+        one (a hash of it), so a redelivery reaches the shard that knows the first copy
+        and is dropped there; the others in turn, a batch to a shard."""
+        count = len(self._clients)
+        if count == 1:
+            return [(0, np.arange(len(identities)))]
+        mixed = identities.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # Fibonacci
+        shards = ((mixed >> np.uint64(32)) % np.uint64(count)).astype(np.int64)
+        unnamed = identities < 0
+        if unnamed.any():
+            shards[unnamed] = self._next_shard
+            self._next_shard = (self._next_shard + 1) % count
+        return [(shard, np.flatnonzero(shards == shard)) for shard in np.unique(shards).tolist()]
 
     def has_room(self, taken: int = 0) -> bool:
         """Whether the source's pending records (stored, not complete), plus `taken`
@@ -168,9 +222,9 @@ class Receiver:
         call after a `store`."""
         now = time.monotonic()
         if now - self._room_at >= _ROOM_CHECK_S:
-            status = self._client.status()
-            self._pending = status.pending_of(self.source_id)
-            registered = (status.sources.get(str(self.source_id)) or {}).get("max_pending")
+            statuses = [client.status() for client in self._clients]
+            self._pending = sum(status.pending_of(self.source_id) for status in statuses)
+            registered = (statuses[0].sources.get(str(self.source_id)) or {}).get("max_pending")
             self._limit = min(self.max_pending, registered or self.max_pending)
             self._room_at = now
         return self._pending + taken < self._limit
@@ -178,4 +232,4 @@ class Receiver:
     def pending(self) -> int:
         """The source's records stored and not complete (waiting for its reader, or in
         a batch)."""
-        return self._client.status().pending_of(self.source_id)
+        return sum(client.status().pending_of(self.source_id) for client in self._clients)

@@ -21,7 +21,10 @@ takes in the records with S.replay < seq <= E.replay (deterministic: a batch tha
 runs again reads the same records), one input partition per partition of the source,
 and everything after the read is ftkafka's: anchoring, FTTasks, sinks, both completion
 modes, retries, dead letters, barrier checkpoints, heartbeats, metrics, inspect and
-savepoints. A record leaves the store when its tree completes.
+savepoints. A record leaves the store when its tree completes. On an FT layer of
+several shards (ft.address lists them, as the receivers were given them) a receiver
+stores a record on any shard, and each input partition takes its records from every
+shard (the replay cursor per shard, as ftkafka's replays).
 
 The rows are ftkafka's (`source_schema`, no headers): key, value, topic (the upstream's
 name the receiver gave, e.g. the JetStream stream or `http:<source>`), partition (the
@@ -68,11 +71,6 @@ class IngestDriver(SourceDriver):
     Kafka offset is 0; the partition counts are the sources' registrations."""
 
     def start(self) -> None:
-        if self.shards.count > 1:
-            raise ConfigError(
-                f"option ft.address names {self.shards.count} FT-layer shards: ftingest "
-                "reads one FT layer (its receivers store into one)"
-            )
         self.shards.check_places()
         self._partition_counts = self._registered()
         self._register_sources()

@@ -246,3 +246,57 @@ def test_the_querys_max_pending_records_holds_its_receivers(start_server: StartS
         assert not receiver.has_room(0) and receiver.pending() == 60
     with Receiver(server.address, name, partitions=PARTITIONS, max_pending=10) as low:
         assert not low.has_room()  # its own limit, lower than the query's
+
+
+def test_on_two_shards_every_record_is_read_once_and_a_redelivery_meets_its_first_copy(
+    spark: SparkSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A receiver given both shards stores each record on one (by its identity); the
+    query, given both, reads every record once; a record sent again (a redelivery)
+    goes to the shard that has it and is dropped there."""
+    servers = [
+        start_server(tmp_path / f"shard{i}", "--shard", str(i), "--shards", "2") for i in range(2)
+    ]
+    address = ",".join(s.address for s in servers)
+    name = f"sharded-{uuid.uuid4().hex[:6]}"
+    n = 3000
+    with Receiver(address, name, partitions=PARTITIONS) as receiver:
+        assert receiver.store(messages(0, n), "stream-s") == n
+        assert receiver.store(messages(0, 500), "stream-s") == 0  # every copy dropped
+        per_shard = []
+        for server in servers:
+            with FTClient(server.address) as client:
+                per_shard.append(client.status())
+        assert sum(st.ingested for st in per_shard) == n
+        assert all(st.ingested > n // 4 for st in per_shard)  # both hold a share
+        assert sum(st.ingest_duplicates for st in per_shard) == 500
+        settings = FTSettings(address)
+        source = (
+            spark.readStream.format("ftingest")
+            .option("subscribe", name)
+            .option("ft.address", address)
+            .option("ft.maxRetries", "2")
+            .option("ft.retryBackoffMs", "100")
+            .load()
+        )
+        collected = Collected()
+        query = (
+            FTTasks(settings)
+            .map(source, make_step(str(tmp_path)), SCHEMA)
+            .writeStream.foreachBatch(ft_foreach_batch(collected, settings))
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(processingTime="250 milliseconds")
+            .start()
+        )
+        poison = {i for i in range(n) if is_poison(i)}
+        try:
+            wait_for(
+                "every record of both shards to complete",
+                lambda: receiver.pending() == 0 and len(collected.rows) >= n - len(poison),
+                180,
+                query,
+            )
+        finally:
+            query.stop()
+    ids = sorted(row[0] for row in collected.rows)
+    assert ids == sorted(set(range(n)) - poison)
