@@ -225,13 +225,18 @@ def run(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     console.print(f"ftlayer demo: Spark's log is in {result.extra['spark_log']}", soft_wrap=True)
+    return _summary(console, args, summary, result.ok)
+
+
+def _summary(console: Any, args: argparse.Namespace, summary: dict[str, Any], ok: bool) -> int:
+    """Print the summary last, alone on its line of stdout (even when stderr is the same
+    file); the exit code."""
     console.file.flush()
-    # Last, and alone on its line of stdout, even when stderr is the same file.
     if args.json:
         print(json.dumps(summary, sort_keys=True), flush=True)
     else:
         print_table("ftlayer demo: summary", summary)
-    return 0 if result.ok else 1
+    return 0 if ok else 1
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
@@ -303,9 +308,4 @@ def _run_ingest(args: argparse.Namespace) -> int:
             f"{result.extra['receivers_killed']}",
             soft_wrap=True,
         )
-    console.file.flush()
-    if args.json:
-        print(json.dumps(summary, sort_keys=True), flush=True)
-    else:
-        print_table("ftlayer demo: summary", summary)
-    return 0 if result.ok else 1
+    return _summary(console, args, summary, result.ok)

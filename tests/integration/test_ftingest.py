@@ -103,26 +103,22 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, query: 
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("completion", ["barrier", "tree"])
-def test_what_receivers_stored_reaches_the_sink_once_and_leaves_the_store(
-    spark: SparkSession, start_server: StartServer, tmp_path: Path, completion: str
-) -> None:
-    n = 6000
-    server = start_server(None, "--tree-timeout-s", "30")
-    settings = FTSettings(server.address)
-    name = f"orders-{uuid.uuid4().hex[:6]}"
-    receiver = Receiver(server.address, name, partitions=PARTITIONS)
-    receiver.store(messages(0, n // 2), "stream-a")  # before the query starts
+def start_query(
+    spark: SparkSession, address: str, name: str, tmp_path: Path, **options: str
+) -> tuple[Any, Collected]:
+    """An ftingest query of source `name`: make_step through FTTasks into a collecting
+    foreachBatch sink, poison records dead-lettered after 2 retries; with `options` on
+    the source. Returns the query and what its sink collects."""
+    settings = FTSettings(address)
     marks = tmp_path / "marks"
-    marks.mkdir()
+    marks.mkdir(exist_ok=True)
     source = (
         spark.readStream.format("ftingest")
         .option("subscribe", name)
-        .option("ft.address", server.address)
-        .option("ft.completion", completion)
+        .option("ft.address", address)
         .option("ft.maxRetries", "2")
         .option("ft.retryBackoffMs", "100")
-        .option("maxOffsetsPerTrigger", "2000")
+        .options(**options)
         .load()
     )
     collected = Collected()
@@ -134,6 +130,22 @@ def test_what_receivers_stored_reaches_the_sink_once_and_leaves_the_store(
         .trigger(processingTime="250 milliseconds")
         .start()
     )
+    return query, collected
+
+
+@pytest.mark.parametrize("completion", ["barrier", "tree"])
+def test_what_receivers_stored_reaches_the_sink_once_and_leaves_the_store(
+    spark: SparkSession, start_server: StartServer, tmp_path: Path, completion: str
+) -> None:
+    n = 6000
+    server = start_server(None, "--tree-timeout-s", "30")
+    name = f"orders-{uuid.uuid4().hex[:6]}"
+    receiver = Receiver(server.address, name, partitions=PARTITIONS)
+    receiver.store(messages(0, n // 2), "stream-a")  # before the query starts
+    query, collected = start_query(
+        spark, server.address, name, tmp_path, **{"ft.completion": completion},
+        maxOffsetsPerTrigger="2000",
+    )  # fmt: skip
     poison = {i for i in range(n) if is_poison(i)}
     source_id = ingest_source_id(name)
     try:
@@ -270,24 +282,7 @@ def test_on_two_shards_every_record_is_read_once_and_a_redelivery_meets_its_firs
         assert sum(st.ingested for st in per_shard) == n
         assert all(st.ingested > n // 4 for st in per_shard)  # both hold a share
         assert sum(st.ingest_duplicates for st in per_shard) == 500
-        settings = FTSettings(address)
-        source = (
-            spark.readStream.format("ftingest")
-            .option("subscribe", name)
-            .option("ft.address", address)
-            .option("ft.maxRetries", "2")
-            .option("ft.retryBackoffMs", "100")
-            .load()
-        )
-        collected = Collected()
-        query = (
-            FTTasks(settings)
-            .map(source, make_step(str(tmp_path)), SCHEMA)
-            .writeStream.foreachBatch(ft_foreach_batch(collected, settings))
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .trigger(processingTime="250 milliseconds")
-            .start()
-        )
+        query, collected = start_query(spark, address, name, tmp_path)
         poison = {i for i in range(n) if is_poison(i)}
         try:
             wait_for(
