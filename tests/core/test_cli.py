@@ -115,6 +115,24 @@ def test_demo_refuses_a_shard_kill_without_shards_to_spare(argv: list[str], word
         main(["demo", *argv])
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--kill-receiver"], "--kill-receiver needs --source http or jetstream"),
+        (["--source", "http", "--cluster"], "--cluster go with --source kafka"),
+        (
+            ["--source", "jetstream", "--shards", "2", "--kill-workers", "1"],
+            "--kill-workers, --shards",
+        ),
+    ],
+)
+def test_demo_on_a_source_that_cannot_replay_refuses_what_goes_with_kafka(
+    argv: list[str], words: str
+) -> None:
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        main(["demo", *argv])
+
+
 @pytest.mark.parametrize("argv", [["bench", "acker", "--roots", "0"], ["bench", "nope"], []])
 def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
