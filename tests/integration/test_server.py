@@ -801,8 +801,10 @@ def test_heartbeats_keep_a_running_batch_from_timing_out_until_they_stop(
 ) -> None:
     """ftkafka's driver heartbeats while its batch runs (HEARTBEAT from a client of its
     own): the batch's trees outlive three tree timeouts, STATUS shows the lease; once
-    the heartbeats stop the trees time out and are queued for replay."""
-    server = start_server(None, "--tree-timeout-s", "1")
+    the heartbeats stop the trees time out and are queued for replay. (The lease alone:
+    with --lapsed-batch-timeout-s 0, a lapsed batch is not waited for;
+    tests/core/test_lapsed.py has the wait for the next barrier.)"""
+    server = start_server(None, "--tree-timeout-s", "1", "--lapsed-batch-timeout-s", "0")
     position = {"kafka": {"events": {"0": 4}}, "replay": 0}
     batch = RecordBatch.build(
         new_ids(4), PAYLOADS[:4], source_ids=5, topics="events", partitions=0, offsets=None
