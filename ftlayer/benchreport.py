@@ -72,6 +72,11 @@ BENCHES: tuple[ReportBench, ...] = (
     ReportBench("persist", ("persist",), ("--records", "200000")),
     ReportBench("server", ("server",), ("--records", "200000", "--events", "400000")),
     ReportBench(
+        "cluster",
+        ("cluster", "--shards", "1,2"),
+        ("--records", "200000", "--events", "400000", "--rounds", "1"),
+    ),
+    ReportBench(
         "checkpoint",
         ("checkpoint",),
         ("--batches", "5", "--batch", "10000", "--rounds", "10", "--pending", "0,10000,100000"),
@@ -95,6 +100,7 @@ _AT_MOST = frozenset(
         "ftlayer_table_bytes_per_pending_root",
         "server_cpu_us_per_record",
         "lmdb_bytes_per_record",
+        "cpu_per_record_ratio",
     }
 )
 """Targets that are upper bounds; every other target is a lower bound."""
@@ -353,6 +359,7 @@ def _page(
     yield from _targets_section(results, benches)
     yield from _rates_section(benches, drawn)
     yield from _checkpoint_section(benches, drawn)
+    yield from _cluster_section(benches)
     yield from _pipeline_section(benches, drawn)
     yield from _latency_section(benches, drawn)
     yield from _figures_section(results)
@@ -610,6 +617,54 @@ def _checkpoint_section(benches: Mapping[str, Mapping[str, Any]], drawn: set[str
         yield "| " + " | ".join(_text(point.get(key)) for _, key in columns) + " |"
 
 
+def _cluster_section(benches: Mapping[str, Mapping[str, Any]]) -> Iterator[str]:
+    """bench cluster: each shard count's rates and costs, the ratios, what limits them."""
+    cluster = benches.get("cluster")
+    yield ""
+    yield "## Shards"
+    if cluster is None:
+        yield ""
+        yield "Not measured: the cluster bench did not run."
+        return
+    yield ""
+    yield (
+        f"An FT layer of {' and '.join(str(n) for n in cluster['shards'])} shards (server "
+        f"processes), fed by {cluster['clients']} client processes over loopback, each on "
+        f"one partition and so on one shard: {cluster['records']:,} records of "
+        f"{cluster['payload_bytes']} bytes persisted and completed, {cluster['events']:,} "
+        f"XOR updates, median of {cluster['rounds']} round(s)."
+    )
+    columns = (
+        ("records/s", "records_per_s"),
+        ("XOR updates/s", "xor_updates_per_s"),
+        ("server CPU s per million records", "server_cpu_s_per_million_records"),
+        ("server CPU s per million XOR updates", "server_cpu_s_per_million_xor_updates"),
+        ("client CPU s per million records", "client_cpu_s_per_million_records"),
+        ("cores busy", "cpu_busy_share"),
+        ("machine busy", "machine_busy_share"),
+    )
+    yield ""
+    yield "| shards | " + " | ".join(header for header, _ in columns) + " |"
+    yield "|---|" + "---|" * len(columns)
+    by_shards = cluster.get("by_shards") or {}
+    for count, row in sorted(by_shards.items(), key=lambda item: int(item[0])):
+        cells = [
+            _share(row.get(key)) if key.endswith("_share") else _text(row.get(key))
+            for _, key in columns
+        ]
+        yield f"| {int(count)} | " + " | ".join(cells) + " |"
+    yield ""
+    yield (
+        f"`ratio` (records/s, most shards over fewest) {_text(cluster.get('ratio'))}, "
+        f"`xor_ratio` {_text(cluster.get('xor_ratio'))}, `cpu_per_record_ratio` (server "
+        f"CPU per record, most shards over fewest) {_text(cluster.get('cpu_per_record_ratio'))}"
+        f"; CPU steal {_percent(cluster.get('cpu_steal_percent'))}."
+    )
+    if cluster.get("limit"):
+        yield ""
+        yield f"What limits the ratio: {cluster['limit']}."
+
+
 def _pipeline_section(benches: Mapping[str, Mapping[str, Any]], drawn: set[str]) -> Iterator[str]:
     pipeline, fast = benches.get("pipeline"), benches.get("pipeline-fast")
     yield ""
@@ -742,6 +797,11 @@ def _number(value: Any) -> float | None:
 
 def _percent(value: Any) -> str:
     return "-" if value is None else f"{value:g} %"
+
+
+def _share(value: Any) -> str:
+    """A share of 0 to 1 as a percentage."""
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _text(value: Any) -> str:

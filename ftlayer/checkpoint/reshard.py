@@ -12,7 +12,11 @@ Restoring `name` into M data dirs (`restore_cluster`), one per shard of the new 
 in shard order (`ftlayer savepoint restore NAME --data-dir D0,D1,...`):
 
 1. Find the parts (`find_parts`): `name` itself if it is a savepoint of one server,
-   else every `name.shard-<i>-of-<N>`, all N of them (ConfigError naming those missing).
+   else every `name.shard-<i>-of-<N>`, all N of them (ConfigError naming those missing),
+   all of one savepoint (one `savepoint_id`, which the parts one command saved
+   together share; parts saved one at a time have none: CorruptData naming the parts
+   otherwise),
+   each data file of the size and SHA-256 its manifest says (`check_data`).
    Check the targets: M new or empty directories, no two the same.
 2. M = N: each part is restored into the data dir of its own shard, as one savepoint is
    (`restore_savepoint`): a shard's partitions stay its own (a partition's shard depends
@@ -72,7 +76,6 @@ from ftlayer.position import KafkaOffsets
 from ftlayer.shards import MAX_SHARDS, partition_shard
 
 from .savepoint import (
-    DATA,
     RestoreResult,
     Savepoint,
     _check_empty_target,
@@ -80,11 +83,13 @@ from .savepoint import (
     _fsync,
     _registrations,
     _starting_offsets,
+    check_data,
     create_savepoint_from_data_dir,
     default_name,
     kafka_offsets_of,
     list_savepoints,
     load_savepoint,
+    new_savepoint_id,
     open_stopped_store,
     restore_savepoint,
     store_place,
@@ -115,8 +120,10 @@ def create_parts_from_data_dirs(
     """A savepoint of each stopped data dir (`create_savepoint_from_data_dir`), each
     named as the part of its store's place (`part_name`: a cluster's shards saved one at
     a time, or together, make one savepoint); several data dirs must be the shards of
-    one cluster in shard order (ConfigError naming the first that is not)."""
+    one cluster in shard order (ConfigError naming the first that is not), and their
+    parts share a savepoint id, so a restore tells them from another savepoint's."""
     name = default_name() if name is None else name
+    savepoint_id = new_savepoint_id() if len(data_dirs) > 1 else None
     places = []
     for data_dir in data_dirs:
         with open_stopped_store(data_dir) as storage:
@@ -128,7 +135,9 @@ def create_parts_from_data_dirs(
                 f"{len(data_dirs)}: list every shard's data dir, in shard order"
             )
     return [
-        create_savepoint_from_data_dir(d, savepoints_dir, part_name(name, p.index, p.count))
+        create_savepoint_from_data_dir(
+            d, savepoints_dir, part_name(name, p.index, p.count), savepoint_id
+        )
         for d, p in zip(data_dirs, places, strict=True)
     ]
 
@@ -221,8 +230,15 @@ def find_parts(savepoints_dir: str | Path, name: str) -> list[Savepoint]:
     if missing:
         raise ConfigError(
             f"savepoint {name!r} of {count} shards is incomplete in {root}: {missing} "
-            "missing (each shard writes its part on its own host: gather them in one "
-            "directory)"
+            "missing (`ftlayer savepoint create --server A,B,...` fetches every part into "
+            "one directory)"
+        )
+    ids = {part.savepoint_id for part in parts}
+    if len(ids) > 1:
+        which = ", ".join(f"{part.name} of {part.savepoint_id}" for part in parts)
+        raise CorruptData(
+            f"savepoint {name!r} in {root} mixes parts of different savepoints ({which}): "
+            "every part must come from one `ftlayer savepoint create`"
         )
     return sorted(parts, key=lambda part: part.shard)
 
@@ -290,9 +306,7 @@ def _reshard(
             stores.append(LmdbStorage(path))
         sources: dict[str, dict[str, Any]] = {}
         for part in parts:
-            source_file = part.data_dir / _DATA_FILE
-            if not source_file.is_file():
-                raise CorruptData(f"savepoint {part.path} has no {DATA}/{_DATA_FILE}")
+            source_file = check_data(part)
             copy = reading / f"shard-{part.shard}"
             copy.mkdir(parents=True)
             shutil.copyfile(source_file, copy / _DATA_FILE)  # opening writes lock.mdb

@@ -12,12 +12,15 @@ state snapshots, ftlayer.checkpoint). A savepoint is a directory::
     <savepoints dir>/<name>/data/data.mdb   a compacted LMDB copy of the whole store
 
 The manifest holds `format` (1), `name`, `created_at` (UTC, ISO 8601), `source_data_dir`,
-`stored_records`, `sources` (the registrations), `next_replay_seq`, `data_bytes`,
-`ftlayer_version` and `positions`: per checkpoint query name, the position of its
-newest complete checkpoint, if it has one. That batch ran: every Kafka record below the
-position was read and persisted, so it either completed or is in the savepoint, and a
-restored query that starts there loses nothing. (A later checkpoint that is only
-begun may belong to a batch that never ran.)
+`stored_records`, `sources` (the registrations), `next_replay_seq`, `data_bytes` and
+`data_sha256` (the size and SHA-256 of data.mdb, checked by every restore and fetch),
+`savepoint_id` (random, shared by the parts one command saves together; null for a
+part saved alone), `shard` and `shards` (the store's place), `ftlayer_version` and
+`positions`: per checkpoint query name, the position of its newest complete checkpoint,
+if it has one. That batch ran: every Kafka record below the position was read and
+persisted, so it either completed or is in the savepoint, and a restored query that
+starts there loses nothing. (A later checkpoint that is only begun may belong to a
+batch that never ran.)
 Every fact in it is read from the copy, not from the live store, so it describes
 exactly what the savepoint holds. Nothing ever deletes a savepoint but its user.
 
@@ -28,15 +31,17 @@ Creating one (`create_savepoint`, on an open `LmdbStorage`):
    `<savepoints dir>/.<name>.partial-<random>/data`: LMDB copies from one read
    transaction, so a running server's writers go on and the copy is the state at its
    start.
-3. Read the copy: stored records, registrations, replay seq, checkpoint positions.
+3. Read the copy: stored records, registrations, replay seq, checkpoint positions; hash it.
 4. Write manifest.json; fsync the data file, the manifest and the directories.
 5. Rename the staging directory to `<name>`: a savepoint appears whole or not at all
    (an interrupted create leaves only a hidden `.partial` directory, which `list`
    ignores).
 
 A running `ftlayer serve` calls `create_savepoint` on its own store when a client sends
-SAVEPOINT (`ftlayer savepoint create --server`, FTClient.savepoint), after it deleted
-its completed records (ftlayer.server, step 8).
+SAVEPOINT (FTClient.savepoint), after it deleted its completed records (ftlayer.server,
+step 8): into a directory on its own host, or into its spool, from where
+`ftlayer savepoint create --server` fetches it into a directory on the client's host
+(ftlayer.checkpoint.fetch).
 `create_savepoint_from_data_dir` does the same for the data dir of a stopped server.
 It refuses a data dir that another process has open: a running `ftlayer serve` keeps
 persisting and completing records, so a copy taken behind its back would not match
@@ -47,7 +52,8 @@ LMDB's own: every process with the environment open holds a shared fcntl lock on
 Restoring one (`restore_savepoint`) into a new data dir, which must not exist or be
 empty:
 
-1. Load the manifest; check the target.
+1. Load the manifest; check the target, and the data file against the manifest
+   (`check_data`: its size and SHA-256, so a truncated copy is refused by name).
 2. Copy data.mdb into a staging directory beside the target.
 3. Open the copy. With `partitions=N`, set every registered source's partition count
    to N. Then route every stored record as the FT layer's recovery will (a dry run of
@@ -76,6 +82,7 @@ manifest's positions give the Kafka `startingOffsets` that new query should use
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -124,12 +131,15 @@ __all__ = [
     "FORMAT",
     "RestoreResult",
     "Savepoint",
+    "check_data",
     "create_savepoint",
     "create_savepoint_from_data_dir",
     "default_name",
+    "file_sha256",
     "kafka_offsets_of",
     "list_savepoints",
     "load_savepoint",
+    "new_savepoint_id",
     "open_stopped_store",
     "restore_savepoint",
     "store_place",
@@ -143,6 +153,7 @@ DATA: Final = "data"
 
 _DATA_FILE: Final = "data.mdb"
 _LOCK_FILE: Final = "lock.mdb"
+_HASH_CHUNK: Final = 1 << 20
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -167,6 +178,11 @@ class Savepoint:
     shards: int = 1
     """The saved store's place: shard `shard` of `shards` (a cluster's savepoint has a
     part per shard, ftlayer.checkpoint.reshard)."""
+    savepoint_id: str | None = None
+    """Shared by the parts of a cluster's savepoint saved by one command (None: a part
+    saved alone, or written before ids)."""
+    data_sha256: str | None = None
+    """The SHA-256 of data.mdb, hex (None: written before checksums)."""
 
     @property
     def data_dir(self) -> Path:
@@ -186,6 +202,8 @@ class Savepoint:
             "ftlayer_version": self.ftlayer_version,
             "shard": self.shard,
             "shards": self.shards,
+            "savepoint_id": self.savepoint_id,
+            "data_sha256": self.data_sha256,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -241,6 +259,7 @@ def create_savepoint(
     name: str | None = None,
     *,
     checkpoint_records: LmdbStorage | None = None,
+    savepoint_id: str | None = None,
 ) -> Savepoint:
     """Write a savepoint of the open `storage` to `<savepoints_dir>/<name>` (steps in
     the module docstring); `name` defaults to `savepoint-<UTC time>-<random>`. The
@@ -292,6 +311,8 @@ def create_savepoint(
             ftlayer_version=__version__,
             shard=place.index,
             shards=place.count,
+            savepoint_id=savepoint_id,
+            data_sha256=file_sha256(staging / DATA / _DATA_FILE),
         )
         # Step 4.
         _write_json(staging / MANIFEST, savepoint.manifest())
@@ -333,6 +354,7 @@ def create_savepoint_from_data_dir(
     data_dir: str | os.PathLike[str],
     savepoints_dir: str | os.PathLike[str],
     name: str | None = None,
+    savepoint_id: str | None = None,
 ) -> Savepoint:
     """`create_savepoint` on the data dir of a stopped FT-layer server (see
     `open_stopped_store` for what is refused). The positions also come from the
@@ -345,9 +367,15 @@ def create_savepoint_from_data_dir(
     with open_stopped_store(data_dir) as storage:
         record_store = Path(data_dir) / CHECKPOINT_STORE_DIR
         if not (record_store / _DATA_FILE).is_file():
-            return create_savepoint(storage, savepoints_dir, name)
+            return create_savepoint(storage, savepoints_dir, name, savepoint_id=savepoint_id)
         with LmdbStorage(record_store, sync=False) as records:
-            return create_savepoint(storage, savepoints_dir, name, checkpoint_records=records)
+            return create_savepoint(
+                storage,
+                savepoints_dir,
+                name,
+                checkpoint_records=records,
+                savepoint_id=savepoint_id,
+            )
 
 
 def open_stopped_store(data_dir: str | os.PathLike[str]) -> LmdbStorage:
@@ -449,6 +477,8 @@ def _read_manifest(path: Path) -> Savepoint:
             format=FORMAT,
             shard=int(raw.get("shard", 0)),
             shards=int(raw.get("shards", 1)),
+            savepoint_id=_optional_str(raw.get("savepoint_id")),
+            data_sha256=_optional_str(raw.get("data_sha256")),
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CorruptData(f"the manifest of savepoint {path} is unreadable: {exc!r}") from None
@@ -478,9 +508,7 @@ def restore_savepoint(
         raise ConfigError(f"partitions must be an integer >= 1, got {partitions!r}")
     target = Path(data_dir)
     _check_empty_target(target)
-    source_file = savepoint.data_dir / _DATA_FILE
-    if not source_file.is_file():
-        raise CorruptData(f"savepoint {savepoint.path} has no {DATA}/{_DATA_FILE}: incomplete")
+    source_file = check_data(savepoint)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.restore-{secrets.token_hex(4)}"
     staging.mkdir()
@@ -543,6 +571,44 @@ def restore_savepoint(
         starting_offsets=offsets,
         dropped_checkpoint_entries=len(checkpoint_keys),
     )
+
+
+def check_data(savepoint: Savepoint) -> Path:
+    """The data file of `savepoint`, checked against its manifest: there, of its
+    `data_bytes`, and of its `data_sha256` (where the manifest has one). CorruptData
+    naming the savepoint otherwise (a part cut short by a copy, or damaged)."""
+    data = savepoint.data_dir / _DATA_FILE
+    if not data.is_file():
+        raise CorruptData(f"savepoint {savepoint.path} has no {DATA}/{_DATA_FILE}: incomplete")
+    size = data.stat().st_size
+    if size != savepoint.data_bytes:
+        raise CorruptData(
+            f"savepoint {savepoint.path}: {DATA}/{_DATA_FILE} has {size:,} bytes, its "
+            f"manifest says {savepoint.data_bytes:,}: it is truncated or damaged"
+        )
+    if savepoint.data_sha256 is not None and file_sha256(data) != savepoint.data_sha256:
+        raise CorruptData(
+            f"savepoint {savepoint.path}: {DATA}/{_DATA_FILE} does not match the SHA-256 "
+            "in its manifest: it is damaged"
+        )
+    return data
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex."""
+    digest = hashlib.sha256()
+    with path.open("rb") as data:
+        while chunk := data.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def new_savepoint_id() -> str:
+    return secrets.token_hex(8)
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None else str(value)
 
 
 def _check_empty_target(target: Path) -> None:

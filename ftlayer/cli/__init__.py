@@ -22,7 +22,7 @@
     ftlayer bench report [--quick] [--benches NAME,...] [--out DIR]
     ftlayer bench report --from RESULTS_JSON [--out DIR]
     ftlayer savepoint create  --data-dir DIR --dir SAVEPOINTS [--name NAME] [--json]
-    ftlayer savepoint create  --server HOST:PORT [--token-file F] [--tls-ca CA]
+    ftlayer savepoint create  --server HOST:PORT[,...] [--token-file F] [--tls-ca CA]
                               --dir SAVEPOINTS [--name NAME] [--json]
     ftlayer savepoint list    --dir SAVEPOINTS [--json]
     ftlayer savepoint restore NAME --dir SAVEPOINTS --data-dir NEWDIR [--partitions N] [--json]
@@ -46,8 +46,8 @@ trailing newline is ignored); serving on a non-loopback host needs one. `demo` r
 the main job on an embedded broker, an FT-layer process and local Spark
 (ftlayer.integration.harness.demo) and exits 0 only if nothing was lost and every
 produced record completed; 1 otherwise. `savepoint create` saves the data dir of a
-stopped server (`--data-dir`) or has a running server save its own store (`--server`;
-then --dir is an absolute path on the server's host).
+stopped server (`--data-dir`) or has a running server save its own store and fetches
+it into --dir on this host (`--server`).
 
 One module per command (`serve`, `status`, `demo`, `bench`, `savepoint`, `deadletters`,
 `inspect`, `ingest`), each with its `add_parser` and `run`; `common` holds what they share. This

@@ -3,6 +3,9 @@ stopped server's data dir or have a running server save its own store, list the
 savepoints of a directory, restore one into a new data dir (with `--partitions N`,
 every stored record re-routed by its source's partitioner).
 
+With `--server`, each running server saves its store into its spool and this command
+fetches the part over the FT-layer connection into `--dir` on this host
+(ftlayer.checkpoint.fetch), so shards on different hosts make one savepoint directory.
 The shards of a cluster (`--server A,B,...` or `--data-dir D0,D1,...`, in shard order)
 each save a part of one savepoint, `<name>.shard-<i>-of-<N>`; `restore NAME --data-dir
 D0,D1,...` restores it into as many shards as it names data dirs, also another number
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ftlayer.client import FTClient
@@ -37,15 +41,16 @@ def add_parser(commands: Any) -> None:
     )
     source.add_argument(
         "--server",
-        help="HOST:PORT of a running server, which writes the savepoint (HOST:PORT,...: "
-        "the shards of a cluster, in shard order, each writing its part)",
+        help="HOST:PORT of a running server, which saves its store for this command to "
+        "fetch (HOST:PORT,...: the shards of a cluster, in shard order, a part each)",
     )
     create.add_argument("--token-file", default=None, help="with --server: the auth token file")
     create.add_argument("--tls-ca", default=None, help="with --server: TLS, trusting this CA file")
     create.add_argument(
         "--dir",
         required=True,
-        help="the savepoints directory (with --server: an absolute path on the server's host)",
+        help="the savepoints directory, on this host (with --server, each server's part "
+        "is fetched into it over the FT-layer connection)",
     )
     create.add_argument("--name", default=None, help="default: savepoint-<UTC time>-<random>")
     create.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -127,26 +132,33 @@ _SAVEPOINT_WAIT_S = 2.0
 
 def _savepoint_online(args: argparse.Namespace) -> list[dict[str, Any]]:
     """SAVEPOINT to each running server --server names (several: the shards of a
-    cluster, in shard order); the savepoints they created, each named as the part of
-    its server's place (ftlayer.checkpoint.reshard.part_name)."""
+    cluster, in shard order), each part fetched into --dir on this host
+    (ftlayer.checkpoint.fetch) and named as the part of its server's place
+    (ftlayer.checkpoint.reshard.part_name), several with one savepoint id. If one part
+    cannot be fetched, the parts fetched before it are removed: a savepoint is whole
+    or absent."""
+    from ftlayer.checkpoint.fetch import fetch_part
     from ftlayer.checkpoint.reshard import part_name
-    from ftlayer.checkpoint.savepoint import default_name
+    from ftlayer.checkpoint.savepoint import default_name, new_savepoint_id
 
-    if not os.path.isabs(args.dir):
-        raise ConfigError(
-            f"with --server, --dir is a directory on the server's host and must be an "
-            f"absolute path, got {args.dir!r}"
-        )
     name = default_name() if args.name is None else args.name
+    several = len(args.server.split(",")) > 1
+    savepoint_id = new_savepoint_id() if several else None  # a part saved alone has none
+    fetched: list[Path] = []
 
     def save(client: FTClient) -> dict[str, Any]:
         status = client.status()
-        saved: dict[str, Any] = client.savepoint(
-            args.dir, part_name(name, status.shard, status.shards)
-        )
-        return saved
+        part = part_name(name, status.shard, status.shards)
+        saved = fetch_part(client, args.dir, part, savepoint_id=savepoint_id)
+        fetched.append(saved.path)
+        return saved.as_dict()
 
-    return on_shards(args, _SAVEPOINT_WAIT_S, save)
+    try:
+        return on_shards(args, _SAVEPOINT_WAIT_S, save)
+    except BaseException:
+        for path in fetched:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def _listed(text: str, flag: str) -> list[str]:

@@ -94,6 +94,7 @@ from ftlayer.wire import (
     decode_ok,
     decode_range_numbers,
     decode_replay,
+    decode_savepoint_bytes,
     decode_savepoint_created,
     decode_status_reply,
     decode_unfilled_list,
@@ -114,6 +115,7 @@ from ftlayer.wire import (
     encode_persist,
     encode_register_source,
     encode_savepoint,
+    encode_savepoint_read,
     encode_sink_hold,
     encode_sink_mark,
     encode_sink_settle,
@@ -358,10 +360,17 @@ class FTClient:
         return decode_ok(frame).count
 
     def savepoint(
-        self, directory: str, name: str | None = None, *, timeout_s: float = SAVEPOINT_TIMEOUT_S
+        self,
+        directory: str | None,
+        name: str | None = None,
+        *,
+        savepoint_id: str | None = None,
+        timeout_s: float = SAVEPOINT_TIMEOUT_S,
     ) -> dict[str, Any]:
         """Have the server write a savepoint of its store into `directory`, an absolute
-        path on the server's host (ftlayer.checkpoint.savepoint; `name` None: the default name).
+        path on the server's host, or (None) into its spool, from where `read_savepoint`
+        fetches it (ftlayer.checkpoint.savepoint and .fetch; `name` None: the default
+        name; `savepoint_id`: the id a cluster's parts share, None: none).
         Returns the savepoint created (Savepoint.as_dict: the manifest and "path").
 
         The server copies the whole store before it replies; this waits up to
@@ -375,18 +384,44 @@ class FTClient:
         if not 0 < timeout_s < math.inf:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         which = f"savepoint {name!r}" if name is not None else "the savepoint"
-        frame = self._call(
-            lambda rid: encode_savepoint(rid, directory, name),
-            Kind.SAVEPOINT_CREATED,
-            retry=False,
-            timeout_s=timeout_s,
-            if_lost=(
+        if directory is not None:
+            if_lost = (
                 f"{which} may or may not have been created in {directory} (the server may "
                 f"still be writing it): check with `ftlayer savepoint list --dir {directory}` "
                 "on the server's host before you ask again"
-            ),
+            )
+        else:
+            if_lost = (
+                f"{which} may or may not have been written into the server's spool (the "
+                "server may still be writing it); the next savepoint replaces it there"
+            )
+        frame = self._call(
+            lambda rid: encode_savepoint(rid, directory, name, savepoint_id=savepoint_id),
+            Kind.SAVEPOINT_CREATED,
+            retry=False,
+            timeout_s=timeout_s,
+            if_lost=if_lost,
         )
         return decode_savepoint_created(frame).savepoint
+
+    def read_savepoint(self, name: str, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` of the data file of savepoint part `name` in the
+        server's spool (fewer at its end, none past it). Idempotent: retried once on a
+        broken connection. RequestRejected if the spool does not hold `name`."""
+        frame = self._call(
+            lambda rid: encode_savepoint_read(rid, name, offset, length),
+            Kind.SAVEPOINT_BYTES,
+            retry=True,
+        )
+        return decode_savepoint_bytes(frame).data
+
+    def release_savepoint(self, name: str) -> None:
+        """Have the server delete savepoint part `name` from its spool."""
+        self._call(
+            lambda rid: encode_savepoint_read(rid, name, 0, 0, release=True),
+            Kind.SAVEPOINT_BYTES,
+            retry=False,
+        )
 
     # ---- idempotent calls --------------------------------------------------------
 

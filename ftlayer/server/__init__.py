@@ -75,7 +75,9 @@ format). The contract:
    the deleter took before, so the store holds exactly the records whose trees are not
    complete (and those of persists under way: replayed after a restore); then, outside
    the lock, it copies the store (one LMDB read transaction: the store at one instant)
-   into the requested directory on this host and replies with the savepoint's manifest.
+   into the requested directory on this host, or into its spool (`<data dir>/
+   savepoint-spool`, one part at a time) for the client to fetch by chunks with
+   SAVEPOINT_READ (ftlayer.checkpoint.fetch), and replies with the savepoint's manifest.
    Every request goes on meanwhile, writes included (LmdbStorage.copy_to; only a write
    that must grow the LMDB map waits for the copy to end). One savepoint at a time: a
    SAVEPOINT that arrives while one is being written is refused (ERROR 102) rather than

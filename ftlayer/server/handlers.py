@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from ftlayer import __version__
 from ftlayer.checkpoint import CheckpointMode
+from ftlayer.checkpoint.fetch import read_spooled, release_spooled, spool_part
 from ftlayer.checkpoint.savepoint import Savepoint, create_savepoint
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import DeadLetterFilter, RetryRecord
@@ -46,6 +47,7 @@ from ftlayer.wire import (
     decode_persist,
     decode_register_source,
     decode_savepoint,
+    decode_savepoint_read,
     decode_sink_hold,
     decode_sink_mark,
     decode_sink_settle,
@@ -59,6 +61,7 @@ from ftlayer.wire import (
     encode_ok,
     encode_range_numbers,
     encode_replay,
+    encode_savepoint_bytes,
     encode_savepoint_created,
     encode_status_reply,
     encode_unfilled_list,
@@ -89,6 +92,7 @@ class RequestHandlers(ServerState):
             Kind.CHECKPOINT_BEGIN: self._checkpoint_request,
             Kind.CHECKPOINT_DONE: self._checkpoint_request,
             Kind.SAVEPOINT: self._savepoint_request,
+            Kind.SAVEPOINT_READ: self._savepoint_read,
             Kind.DEAD_LETTERS: self._dead_letters,
             Kind.DEAD_LETTER_RESTORE: self._dead_letter_restore,
             Kind.HOLD: self._hold,
@@ -291,6 +295,19 @@ class RequestHandlers(ServerState):
         saved = self._savepoint(decode_savepoint(frame))  # takes the core lock only briefly
         return encode_savepoint_created(rid, saved.as_dict())
 
+    def _savepoint_read(self, rid: int, frame: Frame) -> bytes:
+        """A chunk of the spooled savepoint part (ftlayer.checkpoint.fetch), or its
+        release: file reads only, under no lock."""
+        message = decode_savepoint_read(frame)
+        storage = self._storage
+        if storage is None:
+            raise StorageError("the server is stopping")
+        if message.release:
+            release_spooled(storage.path, message.name)
+            return encode_savepoint_bytes(rid, b"")
+        data = read_spooled(storage.path, message.name, message.offset, message.length)
+        return encode_savepoint_bytes(rid, data)
+
     def _checkpoint(self, message: CheckpointRequest) -> dict[str, Any]:
         """Called under the lock: the reply's JSON."""
         checkpoints = self._checkpoints
@@ -332,8 +349,14 @@ class RequestHandlers(ServerState):
                 self._deletes_changed.wait_for(
                     lambda: self._deletes_done >= taken, _DELETES_MAX_WAIT_S
                 )
-            # The savepoint copies the LMDB environment this process opened.
-            saved = create_savepoint(storage, message.directory, message.name)
+            # The savepoint copies the LMDB environment this process opened: into
+            # the directory asked for, or into the spool for the client to fetch.
+            if message.directory is None:
+                saved = spool_part(storage, message.name, message.savepoint_id)
+            else:
+                saved = create_savepoint(
+                    storage, message.directory, message.name, savepoint_id=message.savepoint_id
+                )
         finally:
             self._savepoint_lock.release()
         log.info(

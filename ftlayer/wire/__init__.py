@@ -52,7 +52,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | [, "complete": position: completed first, one round trip]   |
 | 0x21 | CHECKPOINT_DONE     | the same JSON object (without "complete")                   |
 | 0x22 | SAVEPOINT           | utf-8 JSON object {"dir": str (absolute, on the server's    |
-|      |                     | host), "name": str or null}                                 |
+|      |                     | host) or null (its spool, for SAVEPOINT_READ), "name": str  |
+|      |                     | or null[, "id": str, shared by a cluster's parts]}          |
 | 0x23 | DEAD_LETTERS        | utf-8 JSON object {"op": "list", "requeue", "purge" or      |
 |      |                     | "delivered", "where": filter object, "limit": int (list     |
 |      |                     | only) or null}                                              |
@@ -71,6 +72,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | end]]}: a barrier-mode batch's offset ranges to open        |
 | 0x2D | SINK_MARK           | utf-8 JSON {"sink": name, "batch": id, "mark": object}      |
 | 0x2E | INGEST              | u32 n, record columns without initial values (below)        |
+| 0x2F | SAVEPOINT_READ      | utf-8 JSON {"name": str, "offset": int, "length": int,      |
+|      |                     | "release": bool}: a chunk of a spooled savepoint part       |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -89,6 +92,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x98 | UNFILLED_LIST       | u32 n, seqs u64[n], record columns without initial values   |
 | 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n]: the reply to BATCH_RANGES            |
 | 0x9A | MARK                | utf-8 JSON {"mark": object, "first": bool}: SINK_MARK's     |
+| 0x9B | SAVEPOINT_BYTES     | the bytes read: SAVEPOINT_READ's reply                      |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
@@ -190,7 +194,9 @@ from .messages import (
     Ok,
     Persist,
     RegisterSource,
+    SavepointBytes,
     SavepointCreated,
+    SavepointRead,
     SavepointRequest,
     SinkHold,
     SinkMark,
@@ -225,7 +231,9 @@ from .messages import (
     decode_register_source,
     decode_replay,
     decode_savepoint,
+    decode_savepoint_bytes,
     decode_savepoint_created,
+    decode_savepoint_read,
     decode_sink_hold,
     decode_sink_mark,
     decode_sink_settle,
@@ -256,7 +264,9 @@ from .messages import (
     encode_register_source,
     encode_replay,
     encode_savepoint,
+    encode_savepoint_bytes,
     encode_savepoint_created,
+    encode_savepoint_read,
     encode_sink_hold,
     encode_sink_mark,
     encode_sink_settle,
@@ -311,7 +321,9 @@ __all__ = [
     "Persist",
     "ProtocolError",
     "RegisterSource",
+    "SavepointBytes",
     "SavepointCreated",
+    "SavepointRead",
     "SavepointRequest",
     "SinkHold",
     "SinkMark",
@@ -355,7 +367,9 @@ __all__ = [
     "decode_register_source",
     "decode_replay",
     "decode_savepoint",
+    "decode_savepoint_bytes",
     "decode_savepoint_created",
+    "decode_savepoint_read",
     "decode_sink_hold",
     "decode_sink_mark",
     "decode_sink_settle",
@@ -391,7 +405,9 @@ __all__ = [
     "encode_register_source",
     "encode_replay",
     "encode_savepoint",
+    "encode_savepoint_bytes",
     "encode_savepoint_created",
+    "encode_savepoint_read",
     "encode_sink_hold",
     "encode_sink_mark",
     "encode_sink_settle",

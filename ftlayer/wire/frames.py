@@ -55,6 +55,7 @@ class Kind(enum.IntEnum):
     BATCH_RANGES = 0x2C
     SINK_MARK = 0x2D
     INGEST = 0x2E
+    SAVEPOINT_READ = 0x2F
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -67,6 +68,7 @@ class Kind(enum.IntEnum):
     UNFILLED_LIST = 0x98
     RANGE_NUMBERS = 0x99
     MARK = 0x9A
+    SAVEPOINT_BYTES = 0x9B
     ERROR = 0xFF
 
 

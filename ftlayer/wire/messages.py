@@ -124,6 +124,14 @@ from .marks import (
     encode_mark,
     encode_sink_mark,
 )
+from .parts import (
+    SavepointBytes,
+    SavepointRead,
+    decode_savepoint_bytes,
+    decode_savepoint_read,
+    encode_savepoint_bytes,
+    encode_savepoint_read,
+)
 
 __all__ = [
     "DEAD_LETTER_OPS",
@@ -143,7 +151,9 @@ __all__ = [
     "Ok",
     "Persist",
     "RegisterSource",
+    "SavepointBytes",
     "SavepointCreated",
+    "SavepointRead",
     "SavepointRequest",
     "SinkHold",
     "SinkMark",
@@ -178,7 +188,9 @@ __all__ = [
     "decode_register_source",
     "decode_replay",
     "decode_savepoint",
+    "decode_savepoint_bytes",
     "decode_savepoint_created",
+    "decode_savepoint_read",
     "decode_sink_hold",
     "decode_sink_mark",
     "decode_sink_settle",
@@ -209,7 +221,9 @@ __all__ = [
     "encode_register_source",
     "encode_replay",
     "encode_savepoint",
+    "encode_savepoint_bytes",
     "encode_savepoint_created",
+    "encode_savepoint_read",
     "encode_sink_hold",
     "encode_sink_mark",
     "encode_sink_settle",
@@ -252,6 +266,8 @@ Message = (
     | SinkMarkRequest
     | Ingest
     | SinkMark
+    | SavepointRead
+    | SavepointBytes
     | list[int]
     | ErrorReply
 )
@@ -291,6 +307,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.SINK_MARK: decode_sink_mark,
     Kind.INGEST: decode_ingest,
     Kind.MARK: decode_mark,
+    Kind.SAVEPOINT_READ: decode_savepoint_read,
+    Kind.SAVEPOINT_BYTES: decode_savepoint_bytes,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

@@ -129,7 +129,35 @@ def test_a_failed_bench_is_reported_and_the_others_still_run(tmp_path: Path) -> 
         in (page)
     )
     assert "| acker | `updates_per_s` | ≥ 3,000,000 | 16,742,086 | yes |" in page
-    assert "Not run: checkpoint, pipeline, pipeline-fast, pipeline-fast-failures." in page
+    assert "Not run: cluster, checkpoint, pipeline, pipeline-fast, pipeline-fast-failures." in page
+
+
+def test_the_cluster_bench_has_its_section_and_its_targets(tmp_path: Path) -> None:
+    """Records/s and XOR updates/s per shard count, the servers' CPU per million
+    records, both ratios against their targets, and what limits the ratio."""
+    page = benchreport.render(results(), tmp_path).read_text(encoding="utf-8")
+    section = page[page.index("## Shards") : page.index("## Pipelines on Spark")]
+    assert "An FT layer of 1 and 2 shards (server processes), fed by 4 client processes" in (
+        section
+    )
+    assert "200,000 records of 100 bytes persisted and completed, 400,000 XOR updates" in section
+    assert "| shards | records/s | XOR updates/s | server CPU s per million records |" in section
+    assert "| 1 | 301,200 | 2,100,400 | 2.41 | 0.52 | 2.9 | 71% | 83% |" in section
+    assert "| 2 | 355,400 | 2,522,000 | 2.63 | 0.55 | 3.1 | 93% | 97% |" in section
+    assert "`ratio` (records/s, most shards over fewest) 1.18" in section
+    assert "`cpu_per_record_ratio` (server CPU per record, most shards over fewest) 1.091" in (
+        section
+    )
+    assert "What limits the ratio: the cores: 2 cores shared by 4 client processes" in section
+    assert "| cluster | `ratio` | ≥ 1.3 | 1.18 | **no** |" in page
+    assert "| cluster | `cpu_per_record_ratio` | ≤ 1.15 | 1.091 | yes |" in page
+    assert "Each bench's own verdict (`meets_targets`): " in page and "cluster: **not met**" in page
+
+    without = results()
+    del without["benches"]["cluster"]
+    page = benchreport.render(without, tmp_path).read_text(encoding="utf-8")
+    assert "## Shards\n\nNot measured: the cluster bench did not run." in page
+    assert "Not run: cluster." in page
 
 
 _KEYS = st.text(string.ascii_lowercase + "_", min_size=1, max_size=12)

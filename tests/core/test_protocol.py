@@ -303,6 +303,44 @@ def test_savepoint_request_and_reply_round_trip() -> None:
     assert p.decode(reply) == p.SavepointCreated(created)
 
 
+def test_a_spooled_savepoint_part_is_fetched_in_chunks() -> None:
+    """SAVEPOINT with "dir" null (into the server's spool) and a cluster's savepoint id;
+    SAVEPOINT_READ asks for a chunk or a release, SAVEPOINT_BYTES carries it."""
+    request = frame(p.encode_savepoint(4, None, "sp.shard-0-of-2", savepoint_id="ab12"))
+    assert p.decode(request) == p.SavepointRequest(None, "sp.shard-0-of-2", "ab12")
+    read = frame(p.encode_savepoint_read(5, "sp", 4 << 20, 4 << 20))
+    assert read.kind == p.Kind.SAVEPOINT_READ
+    assert p.decode(read) == p.SavepointRead("sp", 4 << 20, 4 << 20, False)
+    release = p.decode(frame(p.encode_savepoint_read(6, "sp", 0, 0, release=True)))
+    assert release == p.SavepointRead("sp", 0, 0, True)
+    chunk = bytes(range(256)) * 9
+    assert p.decode(frame(p.encode_savepoint_bytes(5, chunk))) == p.SavepointBytes(chunk)
+    assert p.decode(frame(p.encode_savepoint_bytes(6, b""))) == p.SavepointBytes(b"")
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b'{"name":"sp","offset":0,"length":1}', '"release": bool'),
+        (b'{"name":"sp","offset":-1,"length":1,"release":false}', "offset >= 0"),
+        (b'{"name":"sp","offset":0,"length":16777217,"release":false}', "length <= 16777216"),
+        (b'{"name":"sp","offset":true,"length":1,"release":false}', '"offset": int'),
+        (b'{"name":7,"offset":0,"length":1,"release":false}', '"name": str'),
+    ],
+)
+def test_a_savepoint_read_out_of_range_is_refused(body: bytes, match: str) -> None:
+    with pytest.raises(p.BadRequest, match=match):
+        p.decode(frame(p.encode_frame(p.Kind.SAVEPOINT_READ, 1, body)))
+
+
+@pytest.mark.parametrize(
+    ("savepoint_id", "match"), [("", "1 to 64"), ("a/b", "letters or digits"), ("x" * 65, "64")]
+)
+def test_a_bad_savepoint_id_is_refused(savepoint_id: str, match: str) -> None:
+    with pytest.raises(p.BadRequest, match=match):
+        p.encode_savepoint(1, None, "sp", savepoint_id=savepoint_id)
+
+
 @pytest.mark.parametrize(
     ("directory", "name", "match"),
     [
@@ -908,6 +946,9 @@ def _valid_frames() -> list[bytes]:
         p.encode_dead_letter_list(23, [{"seq": 1}], small_batch(1), False),
         p.encode_inspect(24, RecordQuery(topic="t", partition=1, offset=41)),
         p.encode_sink_settle(25, 2**63 + 1, Cause(FailKind.SINK, "s", "e")),
+        p.encode_savepoint(26, None, "sp", savepoint_id="f00d"),
+        p.encode_savepoint_read(27, "sp", 8, 64),
+        p.encode_savepoint_bytes(28, b"\x00lmdb" * 9),
     ]
 
 
