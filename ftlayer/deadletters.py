@@ -20,7 +20,8 @@ topic stores the records in the FT layer again, with their history read from the
 filters, e.g. `--since`, so a second requeue does not take them again). A topic's
 records leave it by its retention: `purge` works on the store only.
 
-Filters: --source ID, --partition P, --cause explicit|error|sink|timeout (the kind of
+Filters: --source ID or NAME (the name it registered with: `ft.sourceName`, a
+receiver's `--source`), --partition P, --cause explicit|error|sink|timeout (the kind of
 the last failure), --since T, --until T (dead-lettered at or after, before; epoch
 seconds or ISO 8601), --seq S (repeatable). `requeue` replays the matching records
 now with a fresh retry budget (after a fix is deployed); a requeued record that fails
@@ -39,7 +40,7 @@ import argparse
 import datetime as dt
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, Final, TypeVar
 
@@ -80,7 +81,9 @@ def add_parser(commands: Any) -> None:
             action.add_argument("--topic", default=None, help="read this dead-letter topic")
             action.add_argument("--bootstrap", default=None, help="with --topic: its brokers")
         if name != "show":
-            action.add_argument("--source", type=int, default=None, help="a source id")
+            action.add_argument(
+                "--source", default=None, help="a source: its id, or its name (status shows both)"
+            )
             action.add_argument("--partition", type=int, default=None, help="a Kafka partition")
             action.add_argument(
                 "--cause", default=None, help="explicit, error, sink or timeout (last failure)"
@@ -126,7 +129,7 @@ def _where(args: argparse.Namespace) -> dict[str, Any]:
         return {"seqs": [_store_seq(args.seq)]}
     where: dict[str, Any] = {}
     if args.source is not None:
-        where["source_id"] = args.source
+        where["source_id"] = _source_id(args.source, getattr(args, "source_names", {}))
     if args.partition is not None:
         where["partition"] = args.partition
     if args.cause is not None:
@@ -143,12 +146,39 @@ def _where(args: argparse.Namespace) -> dict[str, Any]:
     return where
 
 
-def _describe(letter: dict[str, Any], records: RecordBatch, i: int) -> dict[str, Any]:
+def _source_id(text: str, names: Mapping[int, str]) -> int:
+    """--source: a source id, or the name a source registered with."""
+    if text.isdigit():
+        return int(text)
+    ids = [sid for sid, name in names.items() if name == text]
+    if len(ids) != 1:
+        known = ", ".join(sorted(set(names.values()))) or "none"
+        raise ConfigError(
+            f"--source {text!r} is not a source id, nor the name of one source the FT layer "
+            f"knows (named sources: {known})"
+        )
+    return ids[0]
+
+
+def _with_names(args: argparse.Namespace, client: FTClient) -> argparse.Namespace:
+    """`args` with `source_names`: the names of the sources `client`'s server knows."""
+    names = {
+        int(sid): str(spec["name"])
+        for sid, spec in client.status().sources.items()
+        if spec.get("name") is not None
+    }
+    return argparse.Namespace(**{**vars(args), "source_names": names})
+
+
+def _describe(
+    letter: dict[str, Any], records: RecordBatch, i: int, names: Mapping[int, str]
+) -> dict[str, Any]:
     causes = letter["causes"]
     last = causes[-1] if causes else None
     return {
         "seq": letter["seq"],
         "source_id": letter["source_id"],
+        "source": names.get(letter["source_id"]),
         "topic": records.topics[i],
         "partition": int(records.partitions[i]),
         "offset": int(records.offsets[i]),
@@ -167,6 +197,7 @@ def _describe(letter: dict[str, Any], records: RecordBatch, i: int) -> dict[str,
 def run(args: argparse.Namespace, client: FTClient) -> int:
     """The command on a connected client; prints a table, or one JSON object last."""
     action = args.dead_letters
+    args = _with_names(args, client)
     if getattr(args, "topic", None) is not None or getattr(args, "bootstrap", None) is not None:
         return _run_on_topic(args, client)
     if action in ("requeue", "purge"):
@@ -178,7 +209,9 @@ def run(args: argparse.Namespace, client: FTClient) -> int:
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {limit}")
     listed = client.dead_letters(_where(args), limit)
-    letters = [_describe(x, listed.records, i) for i, x in enumerate(listed.letters)]
+    letters = [
+        _describe(x, listed.records, i, args.source_names) for i, x in enumerate(listed.letters)
+    ]
     if action == "show":
         if not letters:
             raise ConfigError(f"no dead letter has seq {args.seq}")
@@ -201,6 +234,7 @@ def run_sharded(args: argparse.Namespace, count: int, on: OnShard[Any]) -> int:
     """The command over the `count` shards of a cluster (module docstring); `on(shard,
     call)` runs `call` on a client of that shard."""
     action = args.dead_letters
+    args = on(0, partial(_with_names, args))  # every shard knows every source
     if getattr(args, "topic", None) is not None or getattr(args, "bootstrap", None) is not None:
         if action != "requeue":  # the topic's letters: no shard is asked
             return int(on(0, lambda client: _run_on_topic(args, client)))
@@ -236,7 +270,7 @@ def run_sharded(args: argparse.Namespace, count: int, on: OnShard[Any]) -> int:
         listed = on(s, partial(_listed, wheres[s], limit))
         more |= listed.more
         for i, letter in enumerate(listed.letters):
-            shown = _describe(letter, listed.records, i)
+            shown = _describe(letter, listed.records, i, args.source_names)
             letters.append({**shown, "seq": f"{s}/{shown['seq']}", "shard": s})
     if limit is not None and len(letters) > limit:
         letters, more = letters[:limit], True
@@ -595,7 +629,7 @@ def _print_list(letters: list[dict[str, Any]], more: bool) -> None:
     for x in letters:
         table.add_row(
             str(x["seq"]),
-            str(x["source_id"]),
+            str(x["source_id"]) if x.get("source") is None else f"{x['source']} ({x['source_id']})",
             f"{x['topic']}-{x['partition']}@{x['offset']}",
             str(x["attempts"]),
             _when(x["dead_at"]),

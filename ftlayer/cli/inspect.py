@@ -11,6 +11,12 @@ partition, and its replay on the same one.
 
 R is the root as `ftlayer` logs print it (0x...), in decimal, or as Spark's `ft_root`
 column shows it (a signed 64-bit integer).
+
+A record a receiver stored (a source that cannot replay, `ftlayer ingest`) has the
+upstream's name as its topic (`http:orders`, `jetstream:ORDERS`), partition 0 and its
+identity upstream (a stream sequence, an HTTP record's id) as its offset: `--topic
+jetstream:ORDERS --partition 0 --offset 42` finds it. The report names each record's
+source (by the name it registered, where it has one) and decodes its key and value.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any, Final
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
+from ftlayer.registration import ingest_source_id
 
 from .common import on_server, on_shards
 
@@ -30,27 +37,40 @@ _WAIT_S = 5.0
 """How long the command retries a refused connection."""
 _U64_MAX: Final = (1 << 64) - 1
 _I64_MIN: Final = -(1 << 63)
+_VALUE_CHARS: Final = 200
+"""How much of a record's value `inspect` shows."""
 
 
 def run(args: argparse.Namespace) -> int:
     if "," not in args.server:
         return on_server(args, _WAIT_S, lambda client: run_on(args, client))
     query = query_of(args)
-    found = on_shards(args, _WAIT_S, lambda client: client.inspect(query))
+    found = on_shards(args, _WAIT_S, lambda client: (client.inspect(query), source_names(client)))
     merged = Inspection(
         query,
-        tuple(record for one in found for record in one.records),
-        any(one.retired for one in found),
+        tuple(record for one, _ in found for record in one.records),
+        any(one.retired for one, _ in found),
     )
-    shards = [shard for shard, one in enumerate(found) for _ in one.records]
+    names = {sid: name for _, known in found for sid, name in known.items()}
+    shards = [shard for shard, (one, _) in enumerate(found) for _ in one.records]
     if args.json:
-        out = _json(merged)
+        out = _json(merged, names)
         for shown, shard in zip(out["records"], shards, strict=True):
             shown["shard"] = shard
         print(json.dumps(out, sort_keys=True))
     else:
-        print(describe(merged, shards))
+        print(describe(merged, shards, names))
     return 0
+
+
+def source_names(client: FTClient) -> dict[int, str]:
+    """The names of the sources the server knows (`ft.sourceName`, a receiver's
+    `--source`), by source id; unnamed sources are left out."""
+    return {
+        int(sid): str(spec["name"])
+        for sid, spec in client.status().sources.items()
+        if spec.get("name") is not None
+    }
 
 
 def add_parser(commands: Any) -> None:
@@ -107,19 +127,56 @@ def run_on(args: argparse.Namespace, client: FTClient) -> int:
     """`ftlayer inspect` on a connected client: a readable report, or one JSON object
     last (with the record's key decoded where its payload is an ftkafka one)."""
     found = client.inspect(query_of(args))
+    names = source_names(client)
     if args.json:
-        print(json.dumps(_json(found), sort_keys=True))
+        print(json.dumps(_json(found, names), sort_keys=True))
     else:
-        print(describe(found))
+        print(describe(found, names=names))
     return 0
 
 
-def _json(found: Inspection) -> dict[str, Any]:
+def _json(found: Inspection, names: dict[int, str]) -> dict[str, Any]:
     out = found.to_json()
     out["verdict"] = found.verdict
     for shown, record in zip(out["records"], found.records, strict=True):
+        shown["source"] = names.get(record.source_id)
+        shown["ingested"] = _ingested(record, names)
         shown.update(_key_of(record))
+        shown.update(_value_of(record))
     return out
+
+
+def _ingested(record: InspectedRecord, names: dict[int, str]) -> bool:
+    """Whether a receiver stored the record (a source that cannot replay): its topic is
+    then the upstream's name and its offset the record's identity there."""
+    name = names.get(record.source_id)
+    return name is not None and ingest_source_id(name) == record.source_id
+
+
+def _text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + data.hex()
+
+
+def _value_of(record: InspectedRecord) -> dict[str, Any]:
+    """The value from an ftkafka payload (utf-8 text, else hex; its first
+    _VALUE_CHARS characters) and value_bytes; {} when the reply holds only the
+    payload's start or the payload is not one (`_key_of` says why)."""
+    from ftlayer.errors import SourceError
+    from ftlayer.payloads import decode_payloads
+
+    if not record.payload_bytes or len(record.payload) < record.payload_bytes:
+        return {}
+    try:
+        _, values, _, _ = decode_payloads([record.payload])
+    except SourceError:
+        return {}
+    value = values[0].as_py()
+    if value is None:
+        return {"value": None, "value_bytes": None}
+    return {"value": _text(value)[:_VALUE_CHARS], "value_bytes": len(value)}
 
 
 def _key_of(record: InspectedRecord) -> dict[str, Any]:
@@ -136,10 +193,7 @@ def _key_of(record: InspectedRecord) -> dict[str, Any]:
         return {"key_error": str(exc)}
     if key is None:
         return {"key": None, "key_bytes": None, "timestamp_ms": timestamp_ms}
-    try:
-        text = key.decode("utf-8")
-    except UnicodeDecodeError:
-        text = "0x" + key.hex()
+    text = _text(key)
     return {"key": text, "key_bytes": len(key), "timestamp_ms": timestamp_ms}
 
 
@@ -157,9 +211,11 @@ _STATE_TEXT: Final = {
 }
 
 
-def describe(found: Inspection, shards: list[int] | None = None) -> str:
+def describe(
+    found: Inspection, shards: list[int] | None = None, names: dict[int, str] | None = None
+) -> str:
     """The readable report of `ftlayer inspect` (`shards`: the shard of each record,
-    with several)."""
+    with several; `names`: the sources' names by id)."""
     asked = found.query.describe()
     if not found.records:
         if found.retired:
@@ -173,12 +229,15 @@ def describe(found: Inspection, shards: list[int] | None = None) -> str:
         )
     lines = [f"{asked}: {len(found.records)} records found"] if len(found.records) > 1 else []
     for i, record in enumerate(found.records):
-        lines += _describe_record(record, None if shards is None else shards[i])
+        lines += _describe_record(record, None if shards is None else shards[i], names or {})
     return "\n".join(lines)
 
 
-def _describe_record(record: InspectedRecord, shard: int | None = None) -> list[str]:
+def _describe_record(
+    record: InspectedRecord, shard: int | None, names: dict[int, str]
+) -> list[str]:
     key = _key_of(record)
+    value = _value_of(record)
     if not record.payload_bytes:
         key_text = str(key["key_error"])
     elif "key_error" in key:
@@ -187,9 +246,19 @@ def _describe_record(record: InspectedRecord, shard: int | None = None) -> list[
         key_text = "no key"
     else:
         key_text = f"key {key['key']!r} ({key['key_bytes']} bytes)"
+    if "value" in value:
+        shown = "no value" if value["value"] is None else f"value {value['value']!r}"
+        key_text += f", {shown}" + (f" ({value['value_bytes']} bytes)" if value["value"] else "")
+    name = names.get(record.source_id)
+    where = (
+        f"record {record.offset} of upstream {record.topic}"  # a receiver stored it
+        if _ingested(record, names)
+        else f"record {record.topic}-{record.partition} offset {record.offset}"
+    )
     lines = [
-        f"record {record.topic}-{record.partition} offset {record.offset} "
-        f"(source {record.source_id}, "
+        f"{where} (source "
+        + (str(record.source_id) if name is None else f"{name} (id {record.source_id})")
+        + ", "
         + ("" if shard is None else f"shard {shard}, ")
         + f"seq {record.seq}): {_STATE_TEXT[record.state]}",
         f"  root {record.root:#x}" if record.root else "  no root (a dead letter's tree is over)",
@@ -197,9 +266,10 @@ def _describe_record(record: InspectedRecord, shard: int | None = None) -> list[
     ]
     if record.state is RecordState.QUEUED:
         parts = ", ".join(str(p) for p in record.replay_partitions)
+        since = record.queued_since  # None: queued as it was stored (a receiver's record)
         lines.append(
-            f"  replay seq {record.replay_seq} for partition(s) {parts}, "
-            f"queued since {_when(record.queued_since)}"
+            f"  replay seq {record.replay_seq} for partition(s) {parts}"
+            + ("" if since is None else f", queued since {_when(since)}")
         )
     if record.state is RecordState.WAITING:
         lines.append(f"  replayed after {_when(record.due)}")

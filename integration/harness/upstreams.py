@@ -7,7 +7,8 @@ An upstream here is a sender of `records` events and the receiver processes
 - `HttpUpstream`: a webhook sender (a thread) POSTs the events in JSON arrays of
   `chunk` records, each with its id, to one of the `ftlayer ingest http` processes; a
   record counts as acknowledged upstream once its request was answered 200. On a 503
-  (the source is at its pending limit) it waits the Retry-After, on any other failure
+  (the source is at its pending limit; `busy` counts them, `retry_after` keeps the
+  values) it waits the Retry-After, on any other failure
   (a receiver killed mid-request) it sends the same records again, to a receiver that
   is alive: the ids make a second copy of a record already stored count as a duplicate
   the FT layer drops.
@@ -32,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from ftlayer.errors import FTLayerError
 
@@ -156,7 +157,7 @@ class Upstream:
     def done(self) -> bool:
         return self.acked >= len(self.events)
 
-    def __enter__(self) -> Upstream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -174,6 +175,8 @@ class HttpUpstream(Upstream):
         self._addresses: list[str | None] = [None] * len(self._procs)
         self._acked = 0
         self.resent = 0  # requests sent again after a failure
+        self.busy = 0  # 503 answers: the source was at its pending limit
+        self.retry_after: set[float] = set()  # the Retry-After values of those answers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -231,6 +234,9 @@ class HttpUpstream(Upstream):
             status, retry_after = _post(address, f"/sources/{self.source}", body)
             if status == 200:
                 return True
+            if status == 503:
+                self.busy += 1
+                self.retry_after.add(retry_after)
             if tries > 1 or status != 503:
                 self.resent += 1
             time.sleep(retry_after if status == 503 else 0.1)

@@ -151,6 +151,8 @@ _FULL_STATUS: dict[str, Any] = {
         ],
         0,
     ),
+    "ingested": 8,
+    "ingest_duplicates": 2,
     "timeout_s": 30.0,
     "requests": {"STATUS": {"count": 3, "cpu_s": 0.0012}},
     "store_commits": 17,
@@ -194,6 +196,8 @@ def test_metrics_count_roots_and_still_serve_the_deprecated_tree_names() -> None
     assert samples["ftlayer_tree_timeout_seconds", shard] == 30.0  # the setting's one name
     assert samples["ftlayer_requests_total", (("kind", "STATUS"), *shard)] == 3
     assert samples["ftlayer_store_commits_total", shard] == 17
+    assert samples["ftlayer_records_ingested_total", shard] == 8  # what receivers stored
+    assert samples["ftlayer_ingest_duplicates_total", shard] == 2  # second copies dropped
     assert samples["ftlayer_request_cpu_seconds_total", (("kind", "STATUS"), *shard)] == 0.0012
     assert DEPRECATED_NAMES == {
         "ftlayer_trees_completed": "ftlayer_roots_completed",

@@ -24,6 +24,7 @@ from serverproc import StartServer
 from webtraffic import QUERY, drive
 
 from ftlayer.client import FTClient
+from ftlayer.integration.receivers import Message, Receiver, ingest_source_id
 from ftlayer.status import Status
 
 _CHROMIUM = next(
@@ -137,6 +138,8 @@ def _mismatches(status: Status, page: dict[str, Any], client: FTClient) -> list[
         "dead_lettered",
         "stored_records",
         "connections",
+        "ingested",
+        "ingest_duplicates",
     ):
         same(name, top[name], status[name])
     for cause, n in status.failed.items():
@@ -326,3 +329,24 @@ def test_each_shards_page_links_the_others(
     browser.get(str(urls[0]))  # without the list: its place, and how to link the others
     shown = _shards_shown(browser, "0")
     assert shown["links"] == [] and "open this page with ?shards=" in shown["text"]
+
+
+def test_the_page_names_the_sources_receivers_registered_and_counts_what_they_stored(
+    start_server: StartServer, browser: Any
+) -> None:
+    server = start_server(None, "--http-port", "0")
+    assert server.http_url is not None
+    with Receiver(server.address, "orders", partitions=2) as receiver:
+        receiver.store([Message(b"k%d" % i, b"v", identity=i) for i in range(5)], "http:orders")
+        receiver.store([Message(b"k%d" % i, b"v", identity=i) for i in range(3, 8)], "http:orders")
+    source = str(ingest_source_id("orders"))
+    browser.get(server.http_url)
+    deadline = time.monotonic() + 30.0
+    while True:
+        page = browser.execute_script(_READ_PAGE)
+        shown = (page["top"].get("ingested"), page["top"].get("ingest_duplicates"))
+        name = page["sources"].get(source, {}).get("name")
+        if shown == (["8", "8"], ["2", "2"]) and name == [f"orders ({source})", "orders"]:
+            break
+        assert time.monotonic() < deadline, (shown, name)
+        time.sleep(0.2)

@@ -86,7 +86,8 @@ function showCounters(status) {
   document.getElementById("uptime").textContent = fmtDuration(status.uptime_s);
   document.getElementById("timeout").textContent = status.timeout_s + " s";
   for (const name of ["persisted", "completed", "pending", "replayed", "replay_queue",
-    "retry_waiting", "dead_letters", "dead_lettered", "stored_records", "connections"]) {
+    "retry_waiting", "dead_letters", "dead_lettered", "stored_records", "connections",
+    "ingested", "ingest_duplicates"]) {
     setField(name, status[name], fmtInt(status[name]));
   }
   const failed = CAUSES.reduce((sum, c) => sum + (status.failed[c] || 0), 0);
@@ -157,7 +158,9 @@ function showSources(status) {
     const latency = figures.complete_latency;
     const row = el("tr", { "data-source": id });
     row.append(
-      el("td", { class: "text" }, id),
+      // Its name (ft.sourceName, a receiver's --source) where it has one, and its id.
+      el("td", { class: "text", "data-field": "name", "data-value": registration?.name ?? "" },
+        registration?.name ? `${registration.name} (${id})` : id),
       el("td", { class: "text" }, registration ? registration.partitioner : "-"),
       cell("persisted", figures.persisted, fmtInt(figures.persisted)),
       cell("completed", figures.completed, fmtInt(figures.completed)),
