@@ -167,8 +167,10 @@ class PersistenceStorage(ABC):
         found = as_seqs(seqs)
         if not len(found):
             return 0
-        deleted = self._delete(found)
-        self._forget_fills(found, staged=False)
+        # Values of filled bytes whose last record goes now go in the same transaction.
+        emptied = self._fills().emptied(found)
+        deleted = self._delete(found, emptied)
+        self._fills().forget(found, staged=False, deleted=emptied)
         return deleted
 
     def get(self, seqs: Seqs) -> RecordBatch:
@@ -394,7 +396,9 @@ class PersistenceStorage(ABC):
         """Raise StorageError if the storage is closed."""
 
     @abstractmethod
-    def _delete(self, seqs: NDArray[np.uint64]) -> int: ...
+    def _delete(self, seqs: NDArray[np.uint64], meta_deletes: Sequence[bytes] = ()) -> int:
+        """Delete the records `seqs` and the meta entries `meta_deletes` in one
+        transaction; how many records were stored."""
 
     @abstractmethod
     def _get(self, seq_array: NDArray[np.uint64]) -> RecordBatch: ...

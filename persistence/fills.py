@@ -12,11 +12,12 @@ key flags (u8: 0 no key, 1 a key, 2 none given: the record's own stands), n payl
 ends (i64), then the payloads back to back. From then on `get` and `scan` return the
 record with its bytes and without the flag, and with that key where its key was
 unknown (KEY_UNKNOWN). Deleting a record takes it out of its batch; the batch's value
-is deleted with its last record (in the same transaction where the storage stages both,
-else just after: a fill a crash leaves behind its deleted records is dropped at the
-next `drop_stale_fills`). Values under `fill/<seq>` (FILL_META_PREFIX: one record each,
-a byte 1 and its key or a byte 0, then its payload), which stores written by earlier
-versions hold, are read and deleted the same way.
+is deleted with its last record, in the same transaction (`emptied` names the values a
+delete empties; where the storage stages deletes, both ride on its next write). A value
+a crash leaves behind its deleted records is dropped at the next `drop_stale_fills`.
+Values under `fill/<seq>` (FILL_META_PREFIX: one record each, a byte 1 and its key or a
+byte 0, then its payload), which stores written by earlier versions hold, are read and
+deleted the same way.
 
 `Fills` keeps, per storage, which seq's bytes are in which value (read from the meta
 entries on first use, leaving out records no longer stored), how many records each
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Final, Protocol
 
@@ -171,9 +173,23 @@ class Fills:
             (np.concatenate(key_hashes)[order], np.concatenate(has_key)[order]),
         )
 
-    def forget(self, seqs: NDArray[np.uint64], *, staged: bool) -> None:
+    def emptied(self, seqs: NDArray[np.uint64]) -> list[bytes]:
+        """The keys of the values whose every record is among `seqs`: what `forget`
+        of them would delete (nothing changes), for a delete of those records to
+        delete in its own transaction."""
+        filled = self.index()
+        if not filled:
+            return []
+        with self._lock:
+            counts = Counter(map(filled.get, np.unique(seqs).tolist()))
+            return [key for key, n in counts.items() if key is not None and self._live[key] == n]
+
+    def forget(
+        self, seqs: NDArray[np.uint64], *, staged: bool, deleted: Sequence[bytes] = ()
+    ) -> None:
         """Take `seqs` (records deleted) out of their values: a value whose last record
-        went is deleted (staged: with the storage's next write)."""
+        went is deleted (staged: with the storage's next write), but for those in
+        `deleted` (deleted already, with the records: `emptied`)."""
         filled = self.index()
         if not filled:
             return
@@ -188,6 +204,9 @@ class Fills:
                     del self._live[key]
                     self._cache.pop(key, None)
                     deletes.append(key)
+        if deleted:
+            done = set(deleted)
+            deletes = [key for key in deletes if key not in done]
         if deletes:
             if staged:
                 self._host._stage_meta([], deletes)

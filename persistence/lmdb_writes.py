@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from functools import partial
 
 import lmdb
@@ -164,8 +165,17 @@ class LmdbWrites(LmdbEnvironment):
                     "the store was written by someone else"
                 )
 
-    def _delete(self, seqs: NDArray[np.uint64]) -> int:
-        return self._write(partial(self._delete_in, seqs=seqs), db=None)
+    def _delete(self, seqs: NDArray[np.uint64], meta_deletes: Sequence[bytes] = ()) -> int:
+        if not meta_deletes:
+            return self._write(partial(self._delete_in, seqs=seqs), db=None)
+
+        def write(txn: lmdb.Transaction[bytes]) -> int:
+            deleted = self._delete_in(txn, seqs)
+            for key in meta_deletes:
+                txn.delete(key, db=self._meta)
+            return deleted
+
+        return self._write(write, db=None)
 
     def _set_roots(
         self,

@@ -68,10 +68,12 @@ class MemoryStorage(PersistenceStorage):
         self._next_seq = first + n
         return seqs
 
-    def _delete(self, seqs: NDArray[np.uint64]) -> int:
+    def _delete(self, seqs: NDArray[np.uint64], meta_deletes: Sequence[bytes] = ()) -> int:
         before = len(self._values)
         for _ in map(self._values.pop, seqs.tolist(), repeat(None)):
             pass
+        for key in meta_deletes:
+            self._meta.pop(key, None)
         return before - len(self._values)
 
     def _get(self, seq_array: NDArray[np.uint64]) -> RecordBatch:

@@ -498,6 +498,25 @@ def test_deleting_a_filled_record_deletes_its_bytes(backend: Backend, staged: bo
     assert (storage.meta_keys("fillb/"), storage.filled) == ([], 0)
 
 
+def test_the_bytes_of_a_fill_go_in_the_transaction_of_its_last_records_delete(
+    backend: Backend,
+) -> None:
+    storage = backend.open()
+    seqs = storage.put(_referenced(3))
+    storage.fill(seqs[:2], [b"a", b"b"])  # one value for two records
+    storage.fill(seqs[2:], [b"c"])  # a value of its own
+    commits = storage.commits
+    storage.delete(seqs[[0, 2]])  # the second value's last record, not the first's
+    # Records and emptied value: one write (an fsync each where storage is durable).
+    assert storage.commits == commits + backend.durable
+    assert storage.meta_keys("fillb/") == [f"fillb/{int(seqs[0]):020d}"]
+    storage.delete(np.concatenate([seqs[1:2], seqs[1:2]]))  # a seq given twice
+    assert storage.commits == commits + 2 * backend.durable
+    storage = backend.reopen(storage)
+    assert (storage.meta_keys("fillb/"), storage.filled, len(storage)) == ([], 0, 0)
+    assert storage.drop_stale_fills() == 0
+
+
 def test_stale_bytes_of_a_deleted_record_are_dropped(backend: Backend) -> None:
     if not backend.durable:
         pytest.skip("a memory storage does not outlive the crash that leaves these")

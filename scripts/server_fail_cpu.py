@@ -1,0 +1,143 @@
+"""CPU per record of a real `ftlayer serve` on barrier mode's failure path with
+`ft.persist=reference`, without Spark: the requests the fast bench's pipeline sends at
+1% failures, in the order the ftkafka source and the task wrappers send them. Per
+micro-batch of 200,000 records over 4 partitions: the driver's STATUS (its replay
+cursor), CHECKPOINT_BEGIN (the barrier, completing the batch before), BATCH_RANGES;
+two task clients (two task slots) each FETCH_REPLAY their two partitions' replays and
+FAIL FAIL_PCT% of their new rows (by range root) in pieces of PIECE rows; then the
+driver's UNFILLED and FILL (40-byte values, keys known). The server's CPU (user +
+system, from /proc, a second after the last batch so its deferred deletes are in)
+over BATCHES micro-batches after three of warm-up, per record, and per request kind
+the requests per batch and their handlers' CPU per record (STATUS `requests`), and the
+store's commits per batch.
+
+    .venv/bin/python scripts/server_fail_cpu.py [BATCHES]
+"""
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ftlayer import rangeroots
+from ftlayer.causes import Cause, FailKind
+from ftlayer.client import FTClient
+from ftlayer.integration.harness.ftprocess import FTServerProcess
+from ftlayer.policy import RetryPolicy
+from ftlayer.registration import SourceRegistration
+
+BATCHES = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+FAIL_PCT = float(os.environ.get("FAIL_PCT", "1"))
+PIECE = int(os.environ.get("PIECE", "10000"))  # rows per FAIL request, as a task's events
+PER_BATCH, PARTITIONS, SOURCE, TOPIC = 200_000, 4, 11, "t"
+FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def main() -> None:
+    per_partition = PER_BATCH // PARTITIONS
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = FTServerProcess(Path(tmp) / "data", "--tree-timeout-s", "120").start()
+        try:
+            pid = server.pid
+            assert pid is not None
+            driver = FTClient(server.address, name="driver")
+            driver.register_source(
+                SourceRegistration(
+                    SOURCE, "forward", PARTITIONS, retry=RetryPolicy(3, 0, 0), completion="barrier"
+                )
+            )
+            clients = [FTClient(server.address, name=f"task-{i}") for i in range(2)]
+            offsets = [0] * PARTITIONS
+            previous: list[dict[str, object] | None] = [None]
+            cursor = [0]
+
+            def task(client: FTClient, parts: list[int], numbers: list[int], lo: int, hi: int):
+                for p in parts:
+                    if hi > lo:
+                        client.fetch_replay(lo, hi, source_id=SOURCE, partition=p)
+                    chosen = rng.choice(per_partition, int(per_partition * FAIL_PCT / 100), False)
+                    roots = rangeroots.encode(numbers[p], offsets[p], offsets[p] + np.sort(chosen))
+                    for k in range(0, len(roots), PIECE):
+                        client.fail(roots[k : k + PIECE], FAILED)
+
+            def micro_batch() -> None:
+                hi = driver.status().replay_cursor_of([SOURCE])
+                ends = {str(p): offsets[p] + per_partition for p in range(PARTITIONS)}
+                end = {"kafka": {TOPIC: ends}, "replay": hi}
+                driver.checkpoint(
+                    begin=True, query="q", position=end, sources=[SOURCE], complete=previous[0]
+                )
+                numbers = driver.register_ranges(
+                    [
+                        (SOURCE, TOPIC, p, offsets[p], offsets[p] + per_partition)
+                        for p in range(PARTITIONS)
+                    ]
+                )
+                threads = [
+                    threading.Thread(
+                        target=task, args=(clients[i], [2 * i, 2 * i + 1], numbers, cursor[0], hi)
+                    )
+                    for i in range(2)
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wanted = driver.unfilled(SOURCE)
+                n = len(wanted)
+                if n:
+                    driver.fill(
+                        wanted.seqs,
+                        np.ones(n, np.bool_),
+                        [b"%039d" % o for o in wanted.records.offsets.tolist()],
+                        (wanted.records.offsets.astype(np.int64) * 31, np.ones(n, np.bool_)),
+                    )
+                for p in range(PARTITIONS):
+                    offsets[p] += per_partition
+                previous[0], cursor[0] = end, hi
+
+            for _ in range(3):
+                micro_batch()
+            time.sleep(1)
+            status = driver.status()
+            costs, commits = status.requests, status.store_commits
+            began, started = _cpu(pid), time.perf_counter()
+            for _ in range(BATCHES):
+                micro_batch()
+            wall = time.perf_counter() - started
+            time.sleep(1)
+            used = _cpu(pid) - began
+            status = driver.status()
+            n = BATCHES * PER_BATCH
+            print(
+                f"barrier, reference, {FAIL_PCT:g}% failed: server CPU {used / n * 1e6:.3f} µs "
+                f"per record, wall {wall / n * 1e6:.3f} µs per record, store commits per "
+                f"batch {(status.store_commits - commits) / BATCHES:.1f}"
+            )
+            for kind, cost in sorted(status.requests.items()):
+                before = costs.get(kind)
+                count = cost.count - (before.count if before else 0)
+                cpu_s = cost.cpu_s - (before.cpu_s if before else 0.0)
+                if count:
+                    print(
+                        f"  {kind:<18} {count / BATCHES:5.1f} per batch "
+                        f"{cpu_s / n * 1e6:.4f} µs per record"
+                    )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
