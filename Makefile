@@ -34,13 +34,15 @@ typecheck: $(STAMP)
 	$(BIN)/mypy -p ftlayer
 
 # The tests that mostly wait (the cluster on hosts of network namespaces, the kill and
-# restart tests of Kafka and of receivers, the demos, the shard outage, rewind and
-# resharding) run beside the rest of the suite, in a pytest of their own whose output
-# follows the main run's: both together take about as long as the main run alone.
+# restart tests of Kafka and of receivers, the FT layer's outages under a query, slow
+# batches, the demos, the shard outage, rewind and resharding) run beside the rest of
+# the suite, in a pytest of their own whose output follows the main run's: both
+# together take about as long as the main run alone.
 BESIDE := tests/integration/test_cluster_hosts.py tests/integration/test_recovery_kills.py \
 	tests/integration/test_demo.py tests/integration/test_savepoint_shards.py \
 	tests/integration/test_shard_rewind.py tests/integration/test_shard_outage.py \
-	tests/integration/test_ingest_kills.py
+	tests/integration/test_ingest_kills.py tests/integration/test_server_restarts.py \
+	tests/integration/test_slow_batches.py
 unit: $(STAMP)
 	@$(BIN)/pytest -q -p no:cacheprovider --durations=10 --basetemp=.pytest-beside $(BESIDE) \
 		> .pytest-beside.log 2>&1 & beside=$$!; \
