@@ -193,10 +193,13 @@ class Receiver:
             partitions=0,
             offsets=np.array([m.identity for m in messages], dtype=np.int64),
         )
-        taken = sum(
-            self._clients[shard].ingest(batch.take(rows))
-            for shard, rows in self._by_shard(batch.offsets)
-        )
+        if len(self._clients) == 1:
+            taken = self._clients[0].ingest(batch)  # no copy: one FT layer
+        else:
+            taken = sum(
+                self._clients[shard].ingest(batch.take(rows))
+                for shard, rows in self._by_shard(batch.offsets)
+            )
         self._room_at = 0.0  # look again before the next batch
         return taken
 
@@ -205,8 +208,6 @@ class Receiver:
         one (a hash of it), so a redelivery reaches the shard that knows the first copy
         and is dropped there; the others in turn, a batch to a shard."""
         count = len(self._clients)
-        if count == 1:
-            return [(0, np.arange(len(identities)))]
         mixed = identities.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # Fibonacci
         shards = ((mixed >> np.uint64(32)) % np.uint64(count)).astype(np.int64)
         unnamed = identities < 0
