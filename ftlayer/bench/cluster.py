@@ -52,21 +52,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ftlayer.errors import ConfigError
-from ftlayer.records import RecordBatch
 
-from .acker import tree_events
-from .persist import _payload_batches, _persist_and_complete
+from .clients import BENCH_DEPTH, WAIT_S, bench_client
 from .timing import _cpu_times, _join, _machine, _steal_percent
 
 __all__ = ["CLUSTER_TARGET_CPU_PER_RECORD_RATIO", "CLUSTER_TARGET_RATIO", "bench_cluster"]
 
 CLUSTER_TARGET_RATIO = 1.3
 CLUSTER_TARGET_CPU_PER_RECORD_RATIO = 1.15
-_DEPTH = 3  # tasks per tree, as in the acker and server benches
-_WAIT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -117,9 +111,9 @@ def bench_cluster(
         )
     if rounds < 1:
         raise ConfigError(f"rounds must be at least 1, got {rounds}")
-    roots_each = max(1, events // clients // (_DEPTH + 1))
+    roots_each = max(1, events // clients // (BENCH_DEPTH + 1))
     records_each = max(1, records // clients)
-    n_events = roots_each * (_DEPTH + 1) * clients
+    n_events = roots_each * (BENCH_DEPTH + 1) * clients
     n_records = records_each * clients
     runs: dict[int, list[tuple[_Phase, _Phase, int]]] = {n: [] for n in counts}
     cpu_before = _cpu_times()
@@ -272,7 +266,7 @@ def _cluster_run(
             results = ctx.Queue()
             workers = [
                 ctx.Process(
-                    target=_cluster_client,
+                    target=bench_client,
                     args=(
                         addresses[index % shards],
                         index,
@@ -319,15 +313,15 @@ def _phase(
     client reported and the servers' storage is empty again."""
     from ftlayer.integration.harness.benchcost import usage
 
-    barrier.wait(timeout=_WAIT_S)  # every client ready
+    barrier.wait(timeout=WAIT_S)  # every client ready
     commits = sum(_status(a).store_commits for a in addresses)
     before = [usage(pid) for pid in pids]
     ticks = _machine_ticks()
-    barrier.wait(timeout=_WAIT_S)  # go
+    barrier.wait(timeout=WAIT_S)  # go
     start = time.perf_counter()
     client_cpu_s = 0.0
     for _ in range(clients):
-        phase, error, cpu_s = results.get(timeout=_WAIT_S)
+        phase, error, cpu_s = results.get(timeout=WAIT_S)
         if error is not None:
             raise AssertionError(f"cluster bench client failed in {phase}: {error}")
         if phase != name:
@@ -380,62 +374,3 @@ def _peak_rss(pid: int) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-def _cluster_client(
-    address: str,
-    index: int,
-    shards: int,
-    roots: int,
-    records: int,
-    payload_bytes: int,
-    batch: int,
-    xor_batch: int,
-    barrier: Any,
-    results: Any,
-) -> None:
-    """One client process: partition `index` of source 0, on its shard; set up, then
-    the two timed phases, each reported with the client's CPU seconds."""
-    from ftlayer.client import FTClient
-
-    shard = index % shards  # (source id 0 + partition) mod shards: ftlayer.shards
-    phase = "setup"
-    try:
-        with FTClient(address, name=f"bench-cluster-{index}") as client:
-            root_ids, first, event_roots, event_values = tree_events(
-                roots, _DEPTH, seed=index, shard=shard, shards=shards
-            )
-            for lo in range(0, roots, 65_536):
-                hi = min(roots, lo + 65_536)
-                client.persist(
-                    RecordBatch.build(
-                        root_ids[lo:hi],
-                        [b"x"] * (hi - lo),
-                        topics="bench-trees",
-                        partitions=index,
-                        offsets=np.arange(lo, hi, dtype=np.int64),
-                    ),
-                    first[lo:hi],
-                )
-            batches, offsets = _payload_batches(records, payload_bytes, batch)
-
-            phase = "xor"
-            barrier.wait(timeout=_WAIT_S)
-            barrier.wait(timeout=_WAIT_S)
-            began = time.process_time()
-            for lo in range(0, len(event_roots), xor_batch):
-                client.xor(event_roots[lo : lo + xor_batch], event_values[lo : lo + xor_batch])
-            results.put((phase, None, time.process_time() - began))
-
-            phase = "persist"
-            barrier.wait(timeout=_WAIT_S)
-            barrier.wait(timeout=_WAIT_S)
-            began = time.process_time()
-            _persist_and_complete(
-                client, batches, offsets, partition=index, shard=shard, shards=shards
-            )
-            results.put((phase, None, time.process_time() - began))
-    except BaseException as exc:
-        results.put((phase, repr(exc), 0.0))
-        barrier.abort()
-        raise

@@ -11,19 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ftlayer.errors import ConfigError
-from ftlayer.records import RecordBatch
 
-from .acker import bench_acker, tree_events
+from .acker import bench_acker
+from .clients import BENCH_DEPTH, WAIT_S, bench_client
 from .mixed import _mixed_figures, mixed_server_run
-from .persist import _payload_batches, _persist_and_complete, bench_persist
+from .persist import bench_persist
 from .timing import _drained_status, _join, _machine
 
 SERVER_TARGET_XOR_RATE = 1_500_000
 SERVER_TARGET_RECORD_RATE = 150_000
-_SERVER_BENCH_DEPTH = 3
 
 
 def bench_server(
@@ -69,7 +66,7 @@ def bench_server(
         raise ConfigError(f"clients must be at least 1, got {clients}")
     if mixed_batches < 0:
         raise ConfigError(f"mixed_batches must be at least 0, got {mixed_batches}")
-    per_tree = _SERVER_BENCH_DEPTH + 1
+    per_tree = BENCH_DEPTH + 1
     roots_each = max(1, events // clients // per_tree)
     records_each = max(1, records // clients)
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
@@ -96,7 +93,7 @@ def bench_server(
     n_events = roots_each * per_tree * clients
     n_records = records_each * clients
     xor_rate, record_rate = n_events / xor_s, n_records / persist_s
-    acker = bench_acker(roots=roots_each * clients, depth=_SERVER_BENCH_DEPTH, batch=xor_batch)
+    acker = bench_acker(roots=roots_each * clients, depth=BENCH_DEPTH, batch=xor_batch)
     persist = bench_persist(
         records=n_records,
         payload_bytes=payload_bytes,
@@ -159,10 +156,11 @@ def _server_run(
             results = ctx.Queue()
             workers = [
                 ctx.Process(
-                    target=_server_bench_client,
+                    target=bench_client,
                     args=(
                         f"{host}:{port}",
                         i,
+                        1,
                         roots_each,
                         records_each,
                         payload_bytes,
@@ -195,66 +193,15 @@ def _server_run(
 
 
 def _server_phase(barrier: Any, results: Any, clients: int, phase: str) -> float:
-    """Seconds from the barrier (every client ready) until every client reported."""
-    barrier.wait(timeout=600)
+    """Seconds from the go (every client ready, then the second barrier) until every
+    client reported (ftlayer.bench.clients)."""
+    barrier.wait(timeout=WAIT_S)  # ready
+    barrier.wait(timeout=WAIT_S)  # go
     start = time.perf_counter()
     for _ in range(clients):
-        name, error = results.get(timeout=600)
+        name, error, _cpu_s = results.get(timeout=WAIT_S)
         if error is not None:
             raise AssertionError(f"server bench client failed in {name}: {error}")
         if name != phase:
             raise AssertionError(f"server bench: expected {phase}, got {name}")
     return time.perf_counter() - start
-
-
-def _server_bench_client(
-    address: str,
-    index: int,
-    roots: int,
-    records: int,
-    payload_bytes: int,
-    batch: int,
-    xor_batch: int,
-    barrier: Any,
-    results: Any,
-) -> None:
-    """One client process of bench_server: set up, then the two timed phases."""
-    from ftlayer.client import FTClient
-
-    phase = "setup"
-    try:
-        with FTClient(address, name=f"bench-{index}") as client:
-            root_ids, first, event_roots, event_values = tree_events(
-                roots, _SERVER_BENCH_DEPTH, seed=index
-            )
-            # Each client reads a partition of its own, as a source's tasks do: a record
-            # at another's coordinates would take that one over (ftlayer.core.takeover).
-            for lo in range(0, roots, 65_536):
-                hi = min(roots, lo + 65_536)
-                client.persist(
-                    RecordBatch.build(
-                        root_ids[lo:hi],
-                        [b"x"] * (hi - lo),
-                        topics="bench-trees",
-                        partitions=index,
-                        offsets=np.arange(lo, hi, dtype=np.int64),
-                    ),
-                    first[lo:hi],
-                )
-            batches, offsets = _payload_batches(records, payload_bytes, batch)
-            n_events = len(event_roots)
-
-            phase = "xor"
-            barrier.wait(timeout=600)
-            for lo in range(0, n_events, xor_batch):
-                client.xor(event_roots[lo : lo + xor_batch], event_values[lo : lo + xor_batch])
-            results.put((phase, None))
-
-            phase = "persist"
-            barrier.wait(timeout=600)
-            _persist_and_complete(client, batches, offsets, partition=index)
-            results.put((phase, None))
-    except BaseException as exc:
-        results.put((phase, repr(exc)))
-        barrier.abort()
-        raise

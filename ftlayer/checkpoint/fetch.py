@@ -27,7 +27,10 @@ A cut connection, a full disk or a checksum that does not match stops the fetch 
 an error that names the part, the server and how far it got; the staging directory is
 removed, so no savepoint appears (`list` ignores `.partial` directories, and a restore
 refuses a part whose data file does not match its manifest, `check_data`). The spooled
-copy stays on the server until the next SAVEPOINT or a release: one part at a time.
+copy stays on the server until the next SAVEPOINT or a release: one part at a time,
+and at most `ftlayer serve --spool-idle-s` (15 minutes) after its last read: a fetch
+that was given up (its client died, its host went away) does not keep a copy of the
+store on the server's disk (`expire_spooled`, from the server's ticker).
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ from .savepoint import (
 __all__ = [
     "CHUNK_BYTES",
     "SPOOL_DIR",
+    "SPOOL_IDLE_S",
     "PartFetchFailed",
     "PartReader",
+    "expire_spooled",
     "fetch_part",
     "read_spooled",
     "release_spooled",
@@ -68,6 +73,9 @@ __all__ = [
 
 SPOOL_DIR: Final = "savepoint-spool"
 """The server's spool, inside its data dir: at most one part, waiting to be fetched."""
+SPOOL_IDLE_S: Final = 900.0
+"""How long a spooled part is kept after it was made or last read (the default of
+`ftlayer serve --spool-idle-s`)."""
 CHUNK_BYTES: Final = 4 << 20
 """The bytes one SAVEPOINT_READ asks for: large enough that the round trips cost little,
 small enough for a frame of any configured size above it."""
@@ -93,9 +101,42 @@ def spool_part(
 def read_spooled(data_dir: str | os.PathLike[str], name: str, offset: int, length: int) -> bytes:
     """Step 3 on the server: `length` bytes at `offset` of the spooled part `name`'s
     data file (fewer at its end). StateConflict if the spool does not hold it."""
-    with _spooled(data_dir, name).open("rb") as data:
+    path = _spooled(data_dir, name)
+    with path.open("rb") as data:
         data.seek(offset)
-        return data.read(length)
+        chunk = data.read(length)
+    os.utime(path.parent.parent)  # read just now: not idle (expire_spooled)
+    return chunk
+
+
+def expire_spooled(data_dir: str | os.PathLike[str], idle_s: float, now: float) -> list[str]:
+    """Delete the spooled parts neither made nor read in the last `idle_s` seconds
+    (their directory's mtime, which `read_spooled` sets) as of `now` (time.time());
+    returns their names. A part being fetched is read every few seconds, so only a
+    fetch given up leaves one this old."""
+    spool = Path(data_dir) / SPOOL_DIR
+    try:
+        parts = list(spool.iterdir())
+    except FileNotFoundError:
+        return []
+    expired = []
+    for part in parts:
+        try:
+            idle = now - part.stat().st_mtime
+        except FileNotFoundError:  # released meanwhile
+            continue
+        if idle > idle_s:
+            shutil.rmtree(part, ignore_errors=True)
+            expired.append(part.name)
+            log.warning(
+                "deleted the savepoint part %r from this server's spool: nobody read it "
+                "for %.0f s (--spool-idle-s %g); a client that still wants it must "
+                "create the savepoint again",
+                part.name,
+                idle,
+                idle_s,
+            )
+    return expired
 
 
 def release_spooled(data_dir: str | os.PathLike[str], name: str) -> None:
@@ -109,8 +150,9 @@ def _spooled(data_dir: str | os.PathLike[str], name: str) -> Path:
     path = Path(data_dir) / SPOOL_DIR / name / DATA / _DATA_FILE
     if not path.is_file():
         raise StateConflict(
-            f"this server's spool holds no savepoint part {name!r}: it was released, or a "
-            "later SAVEPOINT replaced it; create the savepoint again"
+            f"this server's spool holds no savepoint part {name!r}: it was released, a "
+            "later SAVEPOINT replaced it, or nobody read it for --spool-idle-s; create "
+            "the savepoint again"
         )
     return path
 

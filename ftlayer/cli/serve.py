@@ -44,6 +44,8 @@ class _DeprecatedSpelling(argparse.Action):
 LAPSED_DEFAULT_S = 600.0
 """ftlayer.core.leases.DEFAULT_LAPSED_S (a test checks they agree), not imported: building
 the parser loads no core."""
+SPOOL_IDLE_DEFAULT_S = 900.0
+"""ftlayer.checkpoint.fetch.SPOOL_IDLE_S, likewise."""
 
 
 def add_parser(commands: Any) -> None:
@@ -68,6 +70,14 @@ def add_parser(commands: Any) -> None:
         help="the trees of a batch whose driver stopped heartbeating (it died mid-batch) "
         "wait this long for the restarted driver's run of the batch before they time out "
         f"and are replayed (default {LAPSED_DEFAULT_S:g}; 0: time out at the tree timeout)",
+    )
+    serve.add_argument(
+        "--spool-idle-s",
+        type=positive_float,
+        default=SPOOL_IDLE_DEFAULT_S,
+        help="a savepoint part this server spooled for a client to fetch (`ftlayer "
+        "savepoint create --server`) is deleted once nobody read it for this long "
+        f"(default {SPOOL_IDLE_DEFAULT_S:g})",
     )
     serve.add_argument(
         "--shard",
@@ -173,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         buckets=args.buckets,
         lapsed_batch_timeout_s=args.lapsed_batch_timeout_s,
+        spool_idle_s=args.spool_idle_s,
         token=token,
         handshake_timeout_s=args.handshake_timeout_s,
         frame_timeout_s=args.frame_timeout_s,

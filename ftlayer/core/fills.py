@@ -109,13 +109,11 @@ def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
     try:
         records = s.storage.get(seqs)
     except RecordNotStored as exc:  # completed or purged since
-        for seq in np.intersect1d(seqs, exc.missing).tolist():
-            s.unfilled.discard(seq)
+        s.unfilled.discard_many(np.intersect1d(seqs, exc.missing).tolist())
         seqs = seqs[~np.isin(seqs, exc.missing)]
         records = s.storage.get(seqs)
     still = records.reference_mask
-    for seq in seqs[~still].tolist():  # filled meanwhile
-        s.unfilled.discard(seq)
+    s.unfilled.discard_many(seqs[~still].tolist())  # filled meanwhile
     if not bool(still.all()):
         seqs, records = seqs[still], records.take(np.flatnonzero(still))
     return UnfilledRecords(seqs, records)
@@ -148,8 +146,7 @@ def fill(
         )
         filled = len(done)
         s.stats.filled += filled
-        for seq in seqs[rows].tolist():
-            s.unfilled.discard(seq)
+        s.unfilled.discard_many(seqs[rows].tolist())
         try:
             _route_filled(s, done, records, enqueue)
         finally:
@@ -188,8 +185,9 @@ def fill(
             FailCause.SOURCE_EXPIRED.value,
             np.array([r.source_id for r in changed.values()], dtype=np.uint32),
         )
-    for seq in gone.tolist():
-        s.unfilled.discard(seq)
+    gone_list = gone.tolist()
+    s.unfilled.discard_many(gone_list)
+    for seq in gone_list:
         s.unrouted.pop(seq, None)
     return FillResult(filled, len(roots) + len(changed))
 

@@ -112,13 +112,17 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     stored_meanwhile(s, seqs)
     waiting = due > 0
     fate = np.where(waiting, _WAIT, _QUEUE).astype(np.int8)
-    for seq, root, at, wait in zip(
-        seq_list, new_roots.tolist(), due.tolist(), waiting.tolist(), strict=True
-    ):
-        if wait:
-            s.book.wait(seq, root, at)
-        else:  # its key (so its replay partition) comes with its bytes
-            s.unrouted[seq] = (root, now)
+    root_list = new_roots.tolist()
+    if bool(waiting.any()):
+        for seq, root, at, wait in zip(
+            seq_list, root_list, due.tolist(), waiting.tolist(), strict=True
+        ):
+            if wait:
+                s.book.wait(seq, root, at)
+            else:  # its key (so its replay partition) comes with its bytes
+                s.unrouted[seq] = (root, now)
+    else:  # none waits for a backoff: all wait for their key
+        s.unrouted.update(zip(seq_list, ((root, now) for root in root_list), strict=True))
     s.unfilled.add_many(seq_list, source_ids.tolist())
     for r, offset in zip(ranges, offsets.tolist(), strict=True):
         r.materialized.add(offset)
@@ -155,8 +159,9 @@ def _fresh_rows(
             continue
         at = np.flatnonzero((numbers == number) & (deltas < len(r)))
         found = r.start + deltas[at].astype(np.int64)
-        if r.materialized:
-            fresh = ~np.isin(found, np.fromiter(r.materialized, np.int64, len(r.materialized)))
+        if r.materialized:  # a lookup per row, not an array of the whole set per call
+            done = r.materialized
+            fresh = np.fromiter((o not in done for o in found.tolist()), np.bool_, len(found))
             at, found = at[fresh], found[fresh]
         if len(at):
             rows.append(ranged[at])

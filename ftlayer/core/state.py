@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -316,9 +316,43 @@ class Unfilled:
         self._source_of[seq] = source_id
         self._by_source.setdefault(source_id, {})[seq] = None
 
-    def add_many(self, seqs: Iterable[int], source_ids: Iterable[int]) -> None:
-        for seq, source_id in zip(seqs, source_ids, strict=True):
-            self.add(seq, source_id)
+    def add_many(self, seqs: Sequence[int], source_ids: Sequence[int]) -> None:
+        """`add` for each pair; seqs not listed yet (a failure's new records, the
+        usual case) go in by source in one dict update each, without a call per seq."""
+        if len(seqs) != len(source_ids):
+            raise ValueError(f"add_many: {len(seqs)} seqs but {len(source_ids)} source ids")
+        source_of = self._source_of
+        if any(seq in source_of for seq in seqs):  # some re-listed: one at a time
+            for seq, source_id in zip(seqs, source_ids, strict=True):
+                self.add(seq, source_id)
+            return
+        source_of.update(zip(seqs, source_ids, strict=True))
+        groups: dict[int, Sequence[int]] = {}
+        first = source_ids[0] if len(source_ids) else None
+        if first is not None and all(source_id == first for source_id in source_ids):
+            groups[first] = seqs
+        elif first is not None:
+            lists: dict[int, list[int]] = {}
+            for seq, source_id in zip(seqs, source_ids, strict=True):
+                lists.setdefault(source_id, []).append(seq)
+            groups.update(lists)
+        for source_id, mine in groups.items():
+            self._by_source.setdefault(source_id, {}).update(dict.fromkeys(mine))
+
+    def discard_many(self, seqs: Iterable[int]) -> None:
+        """`discard` for each seq, by source in one pass each."""
+        pop = self._source_of.pop
+        gone: dict[int, list[int]] = {}
+        for seq in seqs:
+            source_id = pop(seq, None)
+            if source_id is not None:
+                gone.setdefault(source_id, []).append(seq)
+        for source_id, mine in gone.items():
+            listed = self._by_source[source_id]
+            for seq in mine:
+                del listed[seq]
+            if not listed:
+                del self._by_source[source_id]
 
     def discard(self, seq: int) -> None:
         source_id = self._source_of.pop(seq, None)

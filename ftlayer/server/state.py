@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Final
 
 from ftlayer.acking.rotating import rotation_interval
 from ftlayer.checkpoint import CheckpointCoordinator
+from ftlayer.checkpoint.fetch import SPOOL_IDLE_S
 from ftlayer.core import FTLayer
 from ftlayer.core.leases import DEFAULT_LAPSED_S, check_lapsed_s
 from ftlayer.errors import ConfigError, StorageError
@@ -95,6 +96,7 @@ class ServerState:
         http_public: bool = False,
         shard: ShardPlace | None = None,
         lapsed_batch_timeout_s: float = DEFAULT_LAPSED_S,
+        spool_idle_s: float = SPOOL_IDLE_S,
     ) -> None:
         if token is not None and not token:
             raise ConfigError("the token is empty: give a non-empty token or none")
@@ -111,6 +113,10 @@ class ServerState:
         ):
             if not 0 < value < float("inf"):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not 0 < spool_idle_s < float("inf"):
+            raise ConfigError(
+                f"spool_idle_s must be a positive number of seconds, got {spool_idle_s!r}"
+            )
         if isinstance(max_connections, bool) or max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {max_connections!r}")
         self._tls = _tls_context(tls_cert, tls_key)
@@ -127,6 +133,9 @@ class ServerState:
         self.lapsed_batch_timeout_s = check_lapsed_s(lapsed_batch_timeout_s)
         """How long the trees of a batch whose heartbeat lease lapsed wait for their
         source's next barrier (ftlayer.core.leases)."""
+        self.spool_idle_s = spool_idle_s
+        """How long a savepoint part spooled for a client to fetch is kept after it was
+        made or last read (ftlayer.checkpoint.fetch)."""
         self.buckets = buckets
         self.max_frame = max_frame
         self._token = token

@@ -9,11 +9,13 @@ deleter (completed records deleted outside the lock, in transactions of bounded 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Final
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ftlayer.checkpoint.fetch import expire_spooled
 from ftlayer.core import FTLayer
 from ftlayer.errors import StorageError
 from ftlayer.logs import fields
@@ -22,6 +24,7 @@ from .state import _DELETE_CHUNK, _POLL_S, ServerState
 
 log = logging.getLogger("ftlayer.server")
 
+_SPOOL_CHECK_S: Final = 30.0  # the spool is checked for idle parts this often (at most)
 _STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
 # A record whose seq follows the one deleted before it in the same transaction weighs
 # this fraction of one that starts a run: a run of records lies in one chunk, or drops
@@ -45,7 +48,14 @@ class Workers(ServerState):
         return min(self._interval_s, ft.timeouts.shortest_rotation_interval_s / 10)
 
     def _tick_loop(self) -> None:
+        spool_checked = time.monotonic()
         while not self._stopping.wait(self._tick_interval()):
+            if time.monotonic() - spool_checked >= min(_SPOOL_CHECK_S, self.spool_idle_s / 4):
+                spool_checked = time.monotonic()
+                try:  # a savepoint part whose fetch was given up (ftlayer.checkpoint.fetch)
+                    expire_spooled(self.data_dir, self.spool_idle_s, time.time())
+                except OSError as exc:
+                    log.error("could not delete an idle savepoint part from the spool: %s", exc)
             with self._lock:
                 ft = self._ft
                 if ft is None:

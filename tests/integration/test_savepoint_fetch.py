@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.checkpoint import fetch
 from ftlayer.checkpoint.fetch import SPOOL_DIR, fetch_part
 from ftlayer.checkpoint.savepoint import file_sha256, list_savepoints
-from ftlayer.cli import main
+from ftlayer.cli import main, serve
 from ftlayer.client import FTClient, RequestRejected
 from ftlayer.errors import StorageError
 from ftlayer.records import RecordBatch
@@ -252,3 +253,38 @@ def test_a_full_disk_leaves_no_savepoint_and_says_so(
         with pytest.raises(RequestRejected, match="no savepoint part 'sp'"):
             client.read_savepoint("sp", 0, 10)  # released
     assert saved.stored_records == 100 and spooled(server) == []
+
+
+def test_a_spooled_part_nobody_reads_is_deleted_after_the_spool_idle_time(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """A fetch given up (its client died) leaves the part in the server's spool: the
+    server deletes it once nobody read it for --spool-idle-s, and a part being read
+    stays however long its fetch takes."""
+    assert serve.SPOOL_IDLE_DEFAULT_S == fetch.SPOOL_IDLE_S  # the CLI's default is the server's
+    server = start_server(tmp_path / "data", *LONG_TIMEOUT, "--spool-idle-s", "2")
+    with server.client() as client:
+        client.register_source(SourceRegistration(SOURCE, "forward", PARTITIONS))
+        client.persist(
+            RecordBatch.build(
+                new_ids(50), [b"z" * 100] * 50, source_ids=SOURCE, topics="t",
+                partitions=0, offsets=np.arange(50),
+            )
+        )  # fmt: skip
+        manifest = client.savepoint(None, "given-up")
+        assert spooled(server) == ["given-up"]
+        # Read slowly, a chunk a second, for twice the idle time: the part stays.
+        received = 0
+        for _ in range(4):
+            received += len(client.read_savepoint("given-up", received, 1000))
+            time.sleep(1.0)
+        assert spooled(server) == ["given-up"] and received == 4000
+        # Then nobody reads it: gone within the idle time and a check.
+        deadline = time.monotonic() + 10
+        while spooled(server) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert spooled(server) == [], "the idle part is still in the spool"
+        with pytest.raises(RequestRejected, match="nobody read it for --spool-idle-s"):
+            client.read_savepoint("given-up", received, 1000)
+    assert int(manifest["data_bytes"]) > received
+    assert "deleted the savepoint part 'given-up'" in server.log.read_text()
