@@ -155,8 +155,8 @@ def add_parser(commands: Any) -> None:
     report.add_argument(
         "--benches",
         default=None,
-        help="comma-separated benches to run (default: all): "
-        "acker,persist,server,checkpoint,pipeline,pipeline-fast",
+        help="comma-separated benches to run (default: all of acker, persist, server, "
+        "cluster, checkpoint, pipeline, pipeline-fast, pipeline-fast-failures)",
     )
     report.add_argument(
         "--out", default="docs", help="write OUT/benchmarks.md and OUT/benchmarks/ (default docs)"

@@ -255,3 +255,10 @@ def test_the_hand_kept_profile_ends_the_page_one_heading_down(tmp_path: Path) ->
     assert page.endswith(
         "## Where FT on spends its time\n\nMeasured by hand.\n\n### A part\n\n| a | 1 |\n"
     )
+
+
+def test_the_report_help_names_every_bench_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "report", "--help"])
+    help_text = "".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert ",".join(b.name for b in benchreport.BENCHES) in help_text
