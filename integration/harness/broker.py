@@ -25,32 +25,22 @@ namespace, where the port must be given: a free port of this machine says nothin
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
 
 from ftlayer.errors import FTLayerError
 
+from .child import ChildServer
 from .kafka import KafkaHelperError, cluster_info
 
 __all__ = ["BrokerError", "TansuBroker", "free_port", "resolve_tansu_binary"]
 
 _HOST = "127.0.0.1"
 _PORT_RETRIES = 3
-_LOG_TAIL_BYTES = 4000
-_PR_SET_PDEATHSIG = 1
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 
 
 class BrokerError(FTLayerError):
@@ -79,35 +69,12 @@ def resolve_tansu_binary() -> Path:
         raise BrokerError(f"no Tansu broker binary: {exc}") from exc
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent thread dies (Linux only).
-
-    Runs between fork and exec, so it only calls a function looked up beforehand.
-    """
-    assert _PRCTL is not None
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def log_tail(path: Path | None) -> str:
-    """The last few KiB of a server's log file, to end an error message with."""
-    if path is None:
-        return ""
-    try:
-        with path.open("rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
-            tail = log.read().decode(errors="replace")
-    except OSError:
-        return f"\n(log {path} unreadable)"
-    return f"\n--- last lines of {path} ---\n{tail}"
-
-
 def _port_taken(port: int, host: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         return sock.connect_ex((host, port)) == 0
 
 
-class TansuBroker:
+class TansuBroker(ChildServer):
     """One Tansu broker process on a loopback port; a context manager.
 
     Usage::
@@ -119,6 +86,9 @@ class TansuBroker:
     `stop()` removes and which is kept (and named in the error) when the broker fails.
     Not thread-safe: start and stop it from one thread.
     """
+
+    error = BrokerError
+    what = "the Tansu broker"
 
     def __init__(
         self,
@@ -133,17 +103,12 @@ class TansuBroker:
     ) -> None:
         if command_prefix and port is None:
             raise BrokerError("a broker behind a command prefix (another host) needs a port")
+        super().__init__(log_path, start_timeout, stop_timeout)
         self._host = host
         self._prefix = tuple(command_prefix)
         self._binary = Path(binary) if binary is not None else None
         self._fixed_port = port
-        self._log_path = Path(log_path) if log_path is not None else None
         self._temporary_log = False
-        self._start_timeout = start_timeout
-        self._stop_timeout = stop_timeout
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-        self._port: int | None = None
         self.cluster_id = f"ftlayer-{uuid.uuid4().hex[:12]}"
 
     @property
@@ -152,16 +117,6 @@ class TansuBroker:
         if self._process is None or self._port is None:
             raise BrokerError("the broker is not running; call start() first")
         return f"{self._host}:{self._port}"
-
-    @property
-    def log_path(self) -> Path | None:
-        """The file the broker's output goes to (None before the first start)."""
-        return self._log_path
-
-    @property
-    def pid(self) -> int | None:
-        """The broker's process id while it runs."""
-        return self._process.pid if self._process is not None else None
 
     def ensure_running(self) -> None:
         """Raise `BrokerError`, with the log tail, if the broker is not (or no longer) running."""
@@ -190,9 +145,19 @@ class TansuBroker:
         attempts = 1 if self._fixed_port is not None else _PORT_RETRIES
         for attempt in range(1, attempts + 1):
             port = self._fixed_port if self._fixed_port is not None else free_port()
-            self._spawn(binary, port)
+            url = f"tcp://{self._host}:{port}"
+            command = [
+                *self._prefix,
+                str(binary),
+                "broker",
+                "--cluster-id", self.cluster_id,
+                "--listener-url", url,
+                "--advertised-listener-url", url,
+                "--storage-engine", "memory://tansu/",
+            ]  # fmt: skip
+            self._spawn(command, port, env={**os.environ, "NO_COLOR": "1"})
             try:
-                self._wait_ready(port)
+                self._wait_ready(port, self._probe(port))
                 return self.bootstrap
             except BrokerError:
                 lost_port = self._process is not None and self._process.poll() is not None
@@ -202,106 +167,36 @@ class TansuBroker:
                     raise
         raise AssertionError("unreachable: the last attempt either returned or raised")
 
-    def _spawn(self, binary: Path, port: int) -> None:
-        url = f"tcp://{self._host}:{port}"
-        command = [
-            *self._prefix,
-            str(binary),
-            "broker",
-            "--cluster-id", self.cluster_id,
-            "--listener-url", url,
-            "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
-        ]  # fmt: skip
-        assert self._log_path is not None
-        log = self._log_path.open("ab")
-        log.write(f"$ {' '.join(command)}\n".encode())
-        log.flush()
-        env = {**os.environ, "NO_COLOR": "1"}
-        try:
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=_die_with_parent if _PRCTL is not None else None,
-            )
-        except OSError as exc:
-            log.close()
-            raise BrokerError(f"cannot run the Tansu broker {str(binary)!r}: {exc}") from exc
-        self._log = log
-        self._port = port
+    def _probe(self, port: int) -> Callable[[float], str | None]:
+        """Ready once the port answers a metadata request with our cluster id: a second
+        Tansu whose port is taken exits, and someone else's broker may answer there."""
+        last = ["the port never accepted a connection"]
 
-    def _wait_ready(self, port: int) -> None:
-        assert self._process is not None
-        deadline = time.monotonic() + self._start_timeout
-        last_problem = "the port never accepted a connection"
-        while True:
-            code = self._process.poll()
-            if code is not None:
-                raise BrokerError(
-                    f"the Tansu broker exited with code {code} before answering on port {port}"
-                    f"{self._log_tail()}"
-                )
+        def probe(left_s: float) -> str | None:
             if _port_taken(port, self._host):
                 try:
-                    left = deadline - time.monotonic()
-                    info = cluster_info(f"{self._host}:{port}", timeout=max(0.5, left))
+                    info = cluster_info(f"{self._host}:{port}", timeout=max(0.5, left_s))
                 except KafkaHelperError as exc:
-                    last_problem = f"the metadata request failed: {exc}"
+                    last[0] = f"the metadata request failed: {exc}"
                 else:
                     if info.cluster_id == self.cluster_id:
-                        return
-                    last_problem = (
+                        return None
+                    last[0] = (
                         f"port {port} is answered by another broker (cluster id "
                         f"{info.cluster_id!r}, ours is {self.cluster_id!r})"
                     )
-            if time.monotonic() >= deadline:
-                raise BrokerError(
-                    f"the Tansu broker did not answer within {self._start_timeout:.1f} s: "
-                    f"{last_problem}{self._log_tail()}"
-                )
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=0.02)
+            return last[0]
 
-    def _log_tail(self) -> str:
-        return log_tail(self._log_path)
+        return probe
 
     def stop(self) -> None:
         """Stop the broker: SIGTERM, then SIGKILL after `stop_timeout`. Idempotent."""
         self._stop(keep_log=False)
 
     def _stop(self, keep_log: bool) -> None:
-        process, self._process = self._process, None
-        self._port = None
         # A broker that exited on its own left its reason in the log: keep it.
-        crashed = process is not None and process.poll() is not None
-        try:
-            if process is not None and not crashed:
-                process.terminate()
-                try:
-                    process.wait(timeout=self._stop_timeout)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-            if self._temporary_log and not (keep_log or crashed) and self._log_path is not None:
-                self._log_path.unlink(missing_ok=True)
-                self._log_path = None
-                self._temporary_log = False
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        crashed = self._terminate()
+        if self._temporary_log and not (keep_log or crashed) and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path = None
+            self._temporary_log = False

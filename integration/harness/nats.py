@@ -25,26 +25,23 @@ what the tests and the ingest bench do to a server, each on a connection of its 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
 import json
 import os
 import socket
-import subprocess
 import tempfile
 import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
 
 import nats
 from nats.js.api import ConsumerInfo, StorageType
 
 from ftlayer.errors import FTLayerError
 
-from .broker import _PRCTL, _die_with_parent, free_port, log_tail
+from .broker import free_port
+from .child import ChildServer
 
 __all__ = [
     "NatsServer",
@@ -87,7 +84,7 @@ def _server_info(port: int, timeout: float) -> dict[str, object]:
     return info
 
 
-class NatsServer:
+class NatsServer(ChildServer):
     """One `nats-server -js` process on a loopback port; a context manager.
 
     Usage::
@@ -98,6 +95,9 @@ class NatsServer:
     Not thread-safe: start and stop it from one thread.
     """
 
+    error = NatsServerError
+    what = "the NATS server"
+
     def __init__(
         self,
         store_dir: str | os.PathLike[str] | None = None,
@@ -105,13 +105,8 @@ class NatsServer:
         start_timeout: float = 20.0,
         stop_timeout: float = 5.0,
     ) -> None:
+        super().__init__(log_path, start_timeout, stop_timeout)
         self._store_dir = Path(store_dir) if store_dir is not None else None
-        self._log_path = Path(log_path) if log_path is not None else None
-        self._start_timeout = start_timeout
-        self._stop_timeout = stop_timeout
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-        self._port: int | None = None
         self.name = f"ftlayer-{uuid.uuid4().hex[:12]}"
 
     @property
@@ -120,14 +115,6 @@ class NatsServer:
         if self._process is None or self._port is None:
             raise NatsServerError("the NATS server is not running; call start() first")
         return f"nats://{_HOST}:{self._port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def log_path(self) -> Path | None:
-        return self._log_path
 
     def start(self) -> str:
         """Start the server and wait until it answers with JetStream on; its URL."""
@@ -143,57 +130,23 @@ class NatsServer:
             str(binary), "-a", _HOST, "-p", str(port), "-js", "-sd", str(self._store_dir),
             "-n", self.name,
         ]  # fmt: skip
-        log = self._log_path.open("ab")
-        log.write(f"$ {' '.join(command)}\n".encode())
-        log.flush()
+        self._spawn(command, port)
         try:
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if _PRCTL is not None else None,
-            )
-        except OSError as exc:
-            log.close()
-            raise NatsServerError(f"cannot run the NATS server {str(binary)!r}: {exc}") from exc
-        self._log, self._port = log, port
-        try:
-            self._wait_ready(port)
+            self._wait_ready(port, lambda _left_s: self._probe(port))
         except NatsServerError:
             self.stop()
             raise
         return self.url
 
-    def _wait_ready(self, port: int) -> None:
-        assert self._process is not None
-        deadline = time.monotonic() + self._start_timeout
-        problem = "the port never accepted a connection"
-        while True:
-            code = self._process.poll()
-            if code is not None:
-                raise NatsServerError(
-                    f"the NATS server exited with code {code} before answering on port "
-                    f"{port}{self._log_tail()}"
-                )
-            try:
-                info = _server_info(port, timeout=1.0)
-            except (OSError, ValueError) as exc:
-                problem = f"no INFO: {exc}"
-            else:
-                if info.get("server_name") == self.name and info.get("jetstream"):
-                    return
-                problem = f"port {port} is answered by another server: {info.get('server_name')}"
-            if time.monotonic() >= deadline:
-                raise NatsServerError(
-                    f"the NATS server did not answer within {self._start_timeout:.1f} s: "
-                    f"{problem}{self._log_tail()}"
-                )
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=0.02)
-
-    def _log_tail(self) -> str:
-        return log_tail(self._log_path)
+    def _probe(self, port: int) -> str | None:
+        """Ready once the port's INFO names this server, with JetStream on."""
+        try:
+            info = _server_info(port, timeout=1.0)
+        except (OSError, ValueError) as exc:
+            return f"no INFO: {exc}"
+        if info.get("server_name") == self.name and info.get("jetstream"):
+            return None
+        return f"port {port} is answered by another server: {info.get('server_name')}"
 
     def kill(self) -> None:
         """SIGKILL, as a crash; waits until the process is gone."""
@@ -204,31 +157,7 @@ class NatsServer:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `stop_timeout`. Idempotent."""
-        process, self._process, self._port = self._process, None, None
-        try:
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=self._stop_timeout)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        self._terminate()
 
 
 async def add_stream(url: str, stream: str, subjects: list[str]) -> None:
