@@ -396,6 +396,10 @@ class Status(Mapping[str, Any]):
     requests: Mapping[str, RequestCost]
     """Per request kind (its name) answered since the server started: how many, and
     the CPU seconds their handlers spent (ftlayer.server.requestcosts)."""
+    parked: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    """Per owner shard (a string): the failures of that shard parked here because it
+    could not be reached, `entries` and the `roots` they name (ftlayer.core.parked);
+    shards with none are absent."""
 
     @classmethod
     def from_json(cls, data: object) -> Status:
@@ -468,6 +472,7 @@ class Status(Mapping[str, Any]):
                 str(kind): RequestCost.from_json(cost, f"{what}'s requests[{kind!r}]")
                 for kind, cost in _field(data, "requests", dict, what).items()
             },
+            parked=_parked(data.get("parked", {}), what),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -480,6 +485,7 @@ class Status(Mapping[str, Any]):
         data["checkpoints"] = {q: c.to_json() for q, c in self.checkpoints.items()}
         data["sources"] = {k: dict(v) for k, v in self.sources.items()}
         data["requests"] = {k: v.to_json() for k, v in self.requests.items()}
+        data["parked"] = {k: dict(v) for k, v in self.parked.items()}
         return data
 
     # ---- the questions a source asks ----------------------------------------------
@@ -507,6 +513,10 @@ class Status(Mapping[str, Any]):
         batch = self.batches_running.get(str(source_id))
         return None if batch is None else batch["lease_s"]
 
+    def parked_for(self, shard: int) -> int:
+        """The roots of shard `shard`'s failures parked on this server."""
+        return int(self.parked.get(str(shard), {}).get("roots", 0))
+
     def pending_of(self, source_id: int) -> int:
         """The pending roots of one source: its records in flight and its replays
         waiting to be read (the ftkafka source's ft.maxPendingRecords counts these)."""
@@ -522,3 +532,15 @@ class Status(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(dataclasses.fields(self))
+
+
+def _parked(value: object, what: str) -> dict[str, dict[str, int]]:
+    """STATUS `parked`: {owner shard: {"entries": n, "roots": n}}."""
+    if not isinstance(value, Mapping):
+        raise StatusError(f"{what}'s parked is a JSON object, got {value!r}"[:300])
+    out: dict[str, dict[str, int]] = {}
+    for owner, counts in value.items():
+        if not isinstance(counts, Mapping) or set(counts) != {"entries", "roots"}:
+            raise StatusError(f"{what}'s parked[{owner!r}] is not entries and roots")
+        out[str(owner)] = {k: _field(counts, k, int, what) for k in ("entries", "roots")}
+    return out

@@ -23,7 +23,7 @@ from typing import Any
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError
 
-from .common import on_shards
+from .common import on_server, on_shards
 
 
 def add_parser(commands: Any) -> None:
@@ -154,11 +154,46 @@ def _savepoint_online(args: argparse.Namespace) -> list[dict[str, Any]]:
         return saved.as_dict()
 
     try:
+        if several:
+            _deliver_parked(args)
         return on_shards(args, _SAVEPOINT_WAIT_S, save)
     except BaseException:
         for path in fetched:
             shutil.rmtree(path, ignore_errors=True)
         raise
+
+
+def _deliver_parked(args: argparse.Namespace) -> None:
+    """Deliver the failures the shards keep parked for one another to their owners
+    (ftlayer.client.drain) before any part is saved: a shard that keeps some refuses a
+    savepoint, and its owner's part would miss them."""
+    from ftlayer.client.drain import drain
+    from ftlayer.wire import Fail
+
+    def fail_at(owner: int, fail: Fail) -> int:
+        return on_server(ones[owner], _SAVEPOINT_WAIT_S, lambda c: c.fail(fail.roots, fail.causes))
+
+    ones = [
+        argparse.Namespace(**{**vars(args), "server": address.strip()})
+        for address in args.server.split(",")
+    ]
+    statuses = [on_server(one, _SAVEPOINT_WAIT_S, lambda c: c.status()) for one in ones]
+    keepers = [i for i, status in enumerate(statuses) if status.parked]
+    if not keepers:
+        return
+    done = drain(
+        keepers,
+        lambda k: on_server(ones[k], _SAVEPOINT_WAIT_S, lambda c: c.parked()),
+        lambda o, fail: on_server(
+            ones[o], _SAVEPOINT_WAIT_S, lambda c: c.fail(fail.roots, fail.causes)
+        ),
+        lambda k, seqs: on_server(ones[k], _SAVEPOINT_WAIT_S, lambda c: c.drop_parked(seqs)),
+        {i: status.store_id for i, status in enumerate(statuses)},
+    )
+    for owner, roots in sorted(done.delivered.items()):
+        print(f"delivered {roots} failures parked for shard {owner} before saving")
+    for owner, roots in sorted(done.dropped.items()):
+        print(f"dropped {roots} failures parked for a lost store of shard {owner}")
 
 
 def _listed(text: str, flag: str) -> list[str]:

@@ -106,6 +106,11 @@ def _sums(shown: list[dict[str, Any]]) -> dict[str, Any]:
         for cause, n in s["failed"].items():
             failed[cause] = failed.get(cause, 0) + int(n)
     total["failed"] = failed
+    parked: dict[str, int] = {}
+    for s in shown:
+        for owner, counts in s.get("parked", {}).items():
+            parked[owner] = parked.get(owner, 0) + int(counts["roots"])
+    total["parked"] = parked  # per owner shard: the roots other shards keep for it
     return total
 
 

@@ -10,6 +10,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -23,7 +24,7 @@ from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import Status
 
-from .connection import FTClient
+from .connection import ConnectionLost, FTClient
 
 
 class BatchingChannel:
@@ -74,6 +75,11 @@ class BatchingChannel:
         self._closed = False
         self.max_buffered_seen = 0
         """The most events the buffer ever held (never above max_buffered_events)."""
+        self.parking: Callable[[NDArray[np.uint64], Causes], None] | None = None
+        """With several shards (ftlayer.client.sharded): where a FAIL goes that this
+        channel's server did not take within `park_after_s` (parked on another shard).
+        None: a FAIL waits for the server as every call does."""
+        self.park_after_s = 2.0
         self._flusher = threading.Thread(
             target=self._flush_loop, name="ftlayer-batching-flusher", daemon=True
         )
@@ -127,7 +133,7 @@ class BatchingChannel:
             self._check()
             if len(r) > self.max_buffered_events:
                 self._flush_locked()
-                self.client.fail(r, causes)
+                self._send_fail(r, causes)
             elif len(r):
                 self._make_room(len(r))
                 self._buffer.add_fail(r, causes)
@@ -249,9 +255,21 @@ class BatchingChannel:
         fails, roots, values, causes = self._buffer.drain()
         self._oldest = None
         if len(fails):
-            self.client.fail(fails, causes)
+            self._send_fail(fails, causes)
         if len(roots):
             self._send_xor(roots, values)
+
+    def _send_fail(self, roots: NDArray[np.uint64], causes: Causes) -> None:
+        """FAIL, or with `parking`, FAIL within `park_after_s` and else parked: a FAIL
+        whose connection broke after it was sent may have been applied too, which a
+        second delivery of it does no harm to (the root is no longer pending)."""
+        if self.parking is None:
+            self.client.fail(roots, causes)
+            return
+        try:
+            self.client.fail(roots, causes, reconnect_s=self.park_after_s)
+        except ConnectionLost:
+            self.parking(roots, causes)
 
     def _send_xor(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
         for lo in range(0, len(roots), self.max_events):

@@ -78,6 +78,8 @@ from ftlayer.wire import (
     Kind,
     MalformedFrame,
     NotAuthenticated,
+    ParkedList,
+    ParkedOp,
     ProtocolError,
     SinkMark,
     UnexpectedKind,
@@ -92,6 +94,7 @@ from ftlayer.wire import (
     decode_inspect_reply,
     decode_mark,
     decode_ok,
+    decode_parked_list,
     decode_range_numbers,
     decode_replay,
     decode_savepoint_bytes,
@@ -105,6 +108,7 @@ from ftlayer.wire import (
     encode_dead_letter_list,
     encode_dead_letters,
     encode_fail,
+    encode_fail_parked,
     encode_fetch_replay,
     encode_fill,
     encode_heartbeat,
@@ -112,6 +116,7 @@ from ftlayer.wire import (
     encode_hold,
     encode_ingest,
     encode_inspect,
+    encode_parked,
     encode_persist,
     encode_register_source,
     encode_savepoint,
@@ -286,6 +291,8 @@ class FTClient:
         self._next_id = 1
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
+        self.store_id: str | None = None
+        """The server's store id as its last STATUS reply gave it (None: none read)."""
         self.connections = 0
         """Connections opened so far (handshake done): replies got while it stays the
         same came over one connection, from one server process and its one store."""
@@ -346,16 +353,67 @@ class FTClient:
         )
         return decode_ok(frame).count
 
-    def fail(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
+    def fail(
+        self,
+        roots: ArrayLike,
+        causes: Causes | Cause | None = None,
+        *,
+        reconnect_s: float | None = None,
+    ) -> int:
         """Fail roots explicitly, with their causes (one for all, one per root, or
         unspecified); returns how many were pending (and are now retried or
-        dead-lettered)."""
+        dead-lettered). `reconnect_s`: how long this call waits for a connection
+        (None: the client's)."""
         if not isinstance(causes, Causes):
             causes = Causes.one(causes, len(np.asarray(roots)))
         frame = self._call(
             lambda rid: encode_fail(rid, roots, causes, max_frame=self.max_frame),
             Kind.OK,
             retry=False,
+            reconnect_s=reconnect_s,
+        )
+        return decode_ok(frame).count
+
+    def fail_parked(
+        self,
+        owner: int,
+        store_id: str,
+        roots: ArrayLike,
+        causes: Causes | None,
+        *,
+        reconnect_s: float | None = None,
+    ) -> int:
+        """FAIL_PARKED: have this server keep a FAIL for shard `owner`, which could not
+        be reached (ftlayer.core.parked); returns how many roots it keeps, once they
+        are committed. Not retried on a broken connection (ConnectionLost)."""
+        frame = self._call(
+            lambda rid: encode_fail_parked(
+                rid, owner, store_id, roots, causes, max_frame=self.max_frame
+            ),
+            Kind.OK,
+            retry=False,
+            reconnect_s=reconnect_s,
+        )
+        return decode_ok(frame).count
+
+    def parked(self, limit: int = 1000) -> ParkedList:
+        """The failures of other shards parked on this server, oldest first (at most
+        `limit`, and one frame of them). Read-only, so retried."""
+        return decode_parked_list(
+            self._call(
+                lambda rid: encode_parked(rid, ParkedOp.LIST, limit=limit),
+                Kind.PARKED_LIST,
+                retry=True,
+            )
+        )
+
+    def drop_parked(self, seqs: Sequence[int]) -> int:
+        """Delete parked failures by seq (once delivered); returns how many were
+        there. Idempotent (a seq is never reused), so retried."""
+        frame = self._call(
+            lambda rid: encode_parked(rid, ParkedOp.DROP, seqs=list(seqs)),
+            Kind.OK,
+            retry=True,
         )
         return decode_ok(frame).count
 
@@ -561,7 +619,9 @@ class FTClient:
     def status(self) -> Status:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""
         frame = self._call(encode_status_request, Kind.STATUS_REPLY, retry=True)
-        return Status.from_json(decode_status_reply(frame).status)
+        status = Status.from_json(decode_status_reply(frame).status)
+        self.store_id = status.store_id
+        return status
 
     def dead_letters(
         self, where: Mapping[str, Any] | None = None, limit: int | None = None

@@ -13,8 +13,11 @@ channel keeps its own order; shards are independent of one another). A shard tha
 down is not waited for at a settle: with several shards a settle makes one connection
 attempt to each, and one that does not answer keeps its holds under the key unsettled,
 so their trees time out and are replayed (nothing lost) while the sink's batch, and
-the other shards' trees, go on. Calls that read (`status`, `fetch_replay`) name their
-shard.
+the other shards' trees, go on. A FAIL that its shard does not take within a couple
+of seconds (the shard died under a running batch) is parked on another shard
+(`_park`, FAIL_PARKED; ftlayer.core.parked) and the task goes on: in barrier mode the
+driver delivers it before that shard's next barrier. Calls that read (`status`,
+`fetch_replay`) name their shard.
 
 With one shard it is that shard's channel, routing nothing. Errors are each shard's
 channel's (ftlayer.client.channel): an unreachable shard fails the calls that need it
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Self
 
@@ -45,6 +50,24 @@ from .connection import ConnectionLost
 __all__ = ["ShardedChannel", "parse_addresses"]
 
 log = logging.getLogger("ftlayer.client")
+
+
+_PARK_WARN_INTERVAL_S = 10.0
+_park_warned: dict[int, float] = {}
+
+
+def _warn_parked(shard: int, address: str, keeper: int, roots: int) -> None:
+    """A warning that failures were parked: the first, then at most every 10 s per
+    shard in a process."""
+    now = time.monotonic()
+    if now - _park_warned.get(shard, -_PARK_WARN_INTERVAL_S) < _PARK_WARN_INTERVAL_S:
+        return
+    _park_warned[shard] = now
+    log.warning(
+        "shard %d of the FT layer, at %s, did not answer: a FAIL of %d roots is parked on "
+        "shard %d, for the driver to deliver once shard %d answers again",
+        shard, address, roots, keeper, shard,
+    )  # fmt: skip
 
 
 def parse_addresses(text: str) -> list[str]:
@@ -68,6 +91,9 @@ class ShardedChannel:
         if not 1 <= len(channels) <= MAX_SHARDS:
             raise ConfigError(f"a cluster has 1 to {MAX_SHARDS} shards, got {len(channels)}")
         self.channels = list(channels)
+        if len(self.channels) > 1:
+            for shard, channel in enumerate(self.channels):
+                channel.parking = partial(self._park, shard)
 
     @property
     def shards(self) -> int:
@@ -149,6 +175,35 @@ class ShardedChannel:
                     exc,
                 )
         return settled
+
+    def _park(self, shard: int, roots: NDArray[np.uint64], causes: Causes) -> None:
+        """Shard `shard` did not take this FAIL within its channel's park_after_s: keep
+        it on the next shard that answers (FAIL_PARKED, committed there before it
+        answers), for the driver to deliver before it sends `shard` a barrier again.
+        With no other shard answering either, wait for `shard` as every call does
+        (its client's reconnect_s), then fail."""
+        count = self.shards
+        owner = self.channels[shard]
+        for step in range(1, count):
+            keeper = self.channels[(shard + step) % count]
+            try:
+                keeper.client.fail_parked(
+                    shard,
+                    owner.client.store_id or "",
+                    roots,
+                    causes,
+                    reconnect_s=keeper.park_after_s,
+                )
+            except ConnectionLost:
+                continue
+            _warn_parked(shard, owner.client.address, (shard + step) % count, len(roots))
+            return
+        log.warning(
+            "shard %d of the FT layer, at %s, did not take a FAIL of %d roots, and no other "
+            "shard answered to keep it: waiting for shard %d",
+            shard, owner.client.address, len(roots), shard,
+        )  # fmt: skip
+        owner.client.fail(roots, causes)
 
     # ---- calls to every shard, or to one --------------------------------------------
 

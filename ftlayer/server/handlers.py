@@ -31,6 +31,7 @@ from ftlayer.wire import (
     CheckpointRequest,
     Frame,
     Kind,
+    ParkedOp,
     SavepointRequest,
     decode_batch_ranges,
     decode_checkpoint_begin,
@@ -38,12 +39,14 @@ from ftlayer.wire import (
     decode_dead_letter_restore,
     decode_dead_letters,
     decode_fail,
+    decode_fail_parked,
     decode_fetch_replay,
     decode_fill,
     decode_heartbeat,
     decode_hold,
     decode_ingest,
     decode_inspect,
+    decode_parked,
     decode_persist,
     decode_register_source,
     decode_savepoint,
@@ -59,6 +62,7 @@ from ftlayer.wire import (
     encode_inspect_reply,
     encode_mark,
     encode_ok,
+    encode_parked_list,
     encode_range_numbers,
     encode_replay,
     encode_savepoint_bytes,
@@ -105,6 +109,8 @@ class RequestHandlers(ServerState):
             Kind.BATCH_RANGES: self._batch_ranges,
             Kind.SINK_MARK: self._sink_mark,
             Kind.INGEST: self._ingest,
+            Kind.FAIL_PARKED: self._fail_parked,
+            Kind.PARKED: self._parked_request,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -191,6 +197,48 @@ class RequestHandlers(ServerState):
         self._own_roots(message.roots)
         with self._core() as ft:
             return encode_ok(rid, ft.fail(message.roots, message.causes))
+
+    def _fail_parked(self, rid: int, frame: Frame) -> bytes:
+        """Another shard's FAIL, kept here (ftlayer.core.parked): committed before the
+        OK, so the sender may go on once it has it."""
+        entry = decode_fail_parked(frame)
+        if self.shard.count == 1 or entry.owner == self.shard.index:
+            raise ConfigError(
+                f"a failure parked for shard {entry.owner} is for another shard of the "
+                f"cluster, not for {self.shard}: send a shard's own FAIL to it"
+            )
+        if entry.owner >= self.shard.count:
+            raise ConfigError(
+                f"a failure parked for shard {entry.owner}, outside this cluster of "
+                f"{self.shard.count} shards"
+            )
+        with self._core():
+            assert self._parked is not None
+            self._parked.park(entry)
+        return encode_ok(rid, entry.roots)
+
+    def _parked_request(self, rid: int, frame: Frame) -> bytes:
+        """The driver's list of the failures parked here, or its drop of those it
+        delivered."""
+        message = decode_parked(frame)
+        if self.shard.count == 1:
+            raise ConfigError(
+                "a server of a cluster of one keeps no parked failures: PARKED is for "
+                "the shards of a cluster"
+            )
+        with self._core():
+            parked = self._parked
+            assert parked is not None
+            if message.op == ParkedOp.DROP:
+                return encode_ok(rid, parked.drop(message.seqs.tolist()))
+            listed, more = parked.listed(message.limit)
+        # No more than fit one frame (half of it): the rest at the next request.
+        sizes = np.cumsum([len(e.body) + 96 for e in listed]) if listed else np.zeros(0)
+        fit = int(np.searchsorted(sizes, self.max_frame // 2, side="right"))
+        keep = max(1, fit) if listed else 0
+        return encode_parked_list(
+            rid, listed[:keep], more or keep < len(listed), max_frame=self.max_frame
+        )
 
     def _own_roots(self, roots: NDArray[np.uint64]) -> None:
         """In a cluster of shards, an event for another shard's root is refused, naming
@@ -339,6 +387,8 @@ class RequestHandlers(ServerState):
                 ft, storage = self._ft, self._storage
                 if ft is None or storage is None:
                     raise StorageError("the server is stopping")
+                if self._parked is not None:
+                    self._parked.refuse_savepoint()
                 # Completed records leave the store first: a restore replays only
                 # records whose trees are not complete. Those the deleter took
                 # before are being deleted: the copy waits for them.
@@ -444,6 +494,12 @@ class RequestHandlers(ServerState):
             shards=self.shard.count,
             store_id=self.store_id,
             requests=self._request_costs.to_json(),
+            parked={}
+            if self._parked is None
+            else {
+                str(owner): {"entries": n, "roots": roots}
+                for owner, (n, roots) in self._parked.counts().items()
+            },
         )
         return status
 

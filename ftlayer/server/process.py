@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Final, Self
 from ftlayer.checkpoint import CHECKPOINT_STORE_DIR, CheckpointCoordinator
 from ftlayer.core import FTLayer
 from ftlayer.core.journal import JOURNAL_DIR, Journal
+from ftlayer.core.parked import ParkedFailures
 from ftlayer.errors import StateConflict, StorageError
 from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_storage import LmdbStorage
@@ -95,6 +96,7 @@ class FTServer(Transport, RequestHandlers, Workers):
                 record_store.close()
             raise
         self._storage = storage
+        self._parked = ParkedFailures(storage)
         self._listener.settimeout(_POLL_S)
         self._started_at = time.monotonic()
         stats = self._ft.current_stats()

@@ -25,6 +25,7 @@ from ftlayer.checkpoint import CheckpointCoordinator
 from ftlayer.checkpoint.fetch import SPOOL_IDLE_S
 from ftlayer.core import FTLayer
 from ftlayer.core.leases import DEFAULT_LAPSED_S, check_lapsed_s
+from ftlayer.core.parked import ParkedFailures
 from ftlayer.errors import ConfigError, StorageError
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.shards import ShardPlace
@@ -164,6 +165,7 @@ class ServerState:
         self._lock = threading.RLock()  # stop() holds it into write_pending
         self._stopping = threading.Event()
         self._storage: LmdbStorage | None = None
+        self._parked: ParkedFailures | None = None  # other shards' failures kept here
         self._ft: FTLayer | None = None
         self._checkpoints: CheckpointCoordinator | None = None
         self._checkpoints_queued = threading.Event()

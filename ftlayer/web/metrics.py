@@ -151,6 +151,15 @@ def families(observation: Observation) -> list[Metric]:
         ),
         "unfilled",
     )
+    parked = GaugeMetricFamily(
+        "ftlayer_parked_failures",
+        "Roots of another shard's failures this shard keeps because that shard could not "
+        "be reached, by owner shard, until the source's driver delivers them.",
+        labels=["shard"],
+    )
+    for owner, counts in sorted(status.get("parked", {}).items()):
+        parked.add_metric([owner], counts["roots"])
+    out.append(parked)
     latency = HistogramMetricFamily(
         "ftlayer_complete_latency_seconds",
         "Persist to completion of trees that completed on their first attempt.",

@@ -74,6 +74,9 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x2E | INGEST              | u32 n, record columns without initial values (below)        |
 | 0x2F | SAVEPOINT_READ      | utf-8 JSON {"name": str, "offset": int, "length": int,      |
 |      |                     | "release": bool}: a chunk of a spooled savepoint part       |
+| 0x30 | FAIL_PARKED         | u16 owner shard, u8 S + S bytes utf-8 store id, then FAIL's |
+|      |                     | body: a FAIL for a shard that could not be reached          |
+| 0x31 | PARKED              | u8 op: 0 list (u32 limit), 1 drop (u32 n, seqs u64[n])      |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -93,6 +96,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n]: the reply to BATCH_RANGES            |
 | 0x9A | MARK                | utf-8 JSON {"mark": object, "first": bool}: SINK_MARK's     |
 | 0x9B | SAVEPOINT_BYTES     | the bytes read: SAVEPOINT_READ's reply                      |
+| 0x9C | PARKED_LIST         | u8 more, u32 E, per entry: u64 seq, u16 owner, u8 S + store |
+|      |                     | id, u32 L + L bytes of FAIL's body                          |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
@@ -192,6 +197,10 @@ from .messages import (
     Ingest,
     Message,
     Ok,
+    ParkedFailure,
+    ParkedList,
+    ParkedOp,
+    ParkedRequest,
     Persist,
     RegisterSource,
     SavepointBytes,
@@ -217,6 +226,7 @@ from .messages import (
     decode_dead_letters,
     decode_error,
     decode_fail,
+    decode_fail_parked,
     decode_fetch_replay,
     decode_fill,
     decode_heartbeat,
@@ -226,6 +236,8 @@ from .messages import (
     decode_inspect_reply,
     decode_mark,
     decode_ok,
+    decode_parked,
+    decode_parked_list,
     decode_persist,
     decode_range_numbers,
     decode_register_source,
@@ -250,6 +262,7 @@ from .messages import (
     encode_error,
     encode_error_for,
     encode_fail,
+    encode_fail_parked,
     encode_fetch_replay,
     encode_fill,
     encode_heartbeat,
@@ -259,6 +272,8 @@ from .messages import (
     encode_inspect_reply,
     encode_mark,
     encode_ok,
+    encode_parked,
+    encode_parked_list,
     encode_persist,
     encode_range_numbers,
     encode_register_source,
@@ -318,6 +333,10 @@ __all__ = [
     "Message",
     "NotAuthenticated",
     "Ok",
+    "ParkedFailure",
+    "ParkedList",
+    "ParkedOp",
+    "ParkedRequest",
     "Persist",
     "ProtocolError",
     "RegisterSource",
@@ -352,6 +371,7 @@ __all__ = [
     "decode_dead_letters",
     "decode_error",
     "decode_fail",
+    "decode_fail_parked",
     "decode_fetch_replay",
     "decode_fill",
     "decode_heartbeat",
@@ -362,6 +382,8 @@ __all__ = [
     "decode_inspect_reply",
     "decode_mark",
     "decode_ok",
+    "decode_parked",
+    "decode_parked_list",
     "decode_persist",
     "decode_range_numbers",
     "decode_register_source",
@@ -389,6 +411,7 @@ __all__ = [
     "encode_error",
     "encode_error_for",
     "encode_fail",
+    "encode_fail_parked",
     "encode_fetch_replay",
     "encode_fill",
     "encode_frame",
@@ -400,6 +423,8 @@ __all__ = [
     "encode_inspect_reply",
     "encode_mark",
     "encode_ok",
+    "encode_parked",
+    "encode_parked_list",
     "encode_persist",
     "encode_range_numbers",
     "encode_register_source",

@@ -56,6 +56,8 @@ class Kind(enum.IntEnum):
     SINK_MARK = 0x2D
     INGEST = 0x2E
     SAVEPOINT_READ = 0x2F
+    FAIL_PARKED = 0x30
+    PARKED = 0x31
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -69,6 +71,7 @@ class Kind(enum.IntEnum):
     RANGE_NUMBERS = 0x99
     MARK = 0x9A
     SAVEPOINT_BYTES = 0x9B
+    PARKED_LIST = 0x9C
     ERROR = 0xFF
 
 

@@ -124,6 +124,18 @@ from .marks import (
     encode_mark,
     encode_sink_mark,
 )
+from .parked import (
+    ParkedFailure,
+    ParkedList,
+    ParkedOp,
+    ParkedRequest,
+    decode_fail_parked,
+    decode_parked,
+    decode_parked_list,
+    encode_fail_parked,
+    encode_parked,
+    encode_parked_list,
+)
 from .parts import (
     SavepointBytes,
     SavepointRead,
@@ -149,6 +161,10 @@ __all__ = [
     "Ingest",
     "Message",
     "Ok",
+    "ParkedFailure",
+    "ParkedList",
+    "ParkedOp",
+    "ParkedRequest",
     "Persist",
     "RegisterSource",
     "SavepointBytes",
@@ -174,6 +190,7 @@ __all__ = [
     "decode_dead_letters",
     "decode_error",
     "decode_fail",
+    "decode_fail_parked",
     "decode_fetch_replay",
     "decode_fill",
     "decode_heartbeat",
@@ -183,6 +200,8 @@ __all__ = [
     "decode_inspect_reply",
     "decode_mark",
     "decode_ok",
+    "decode_parked",
+    "decode_parked_list",
     "decode_persist",
     "decode_range_numbers",
     "decode_register_source",
@@ -207,6 +226,7 @@ __all__ = [
     "encode_error",
     "encode_error_for",
     "encode_fail",
+    "encode_fail_parked",
     "encode_fetch_replay",
     "encode_fill",
     "encode_heartbeat",
@@ -216,6 +236,8 @@ __all__ = [
     "encode_inspect_reply",
     "encode_mark",
     "encode_ok",
+    "encode_parked",
+    "encode_parked_list",
     "encode_persist",
     "encode_range_numbers",
     "encode_register_source",
@@ -268,6 +290,9 @@ Message = (
     | SinkMark
     | SavepointRead
     | SavepointBytes
+    | ParkedFailure
+    | ParkedRequest
+    | ParkedList
     | list[int]
     | ErrorReply
 )
@@ -309,6 +334,9 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.MARK: decode_mark,
     Kind.SAVEPOINT_READ: decode_savepoint_read,
     Kind.SAVEPOINT_BYTES: decode_savepoint_bytes,
+    Kind.FAIL_PARKED: decode_fail_parked,
+    Kind.PARKED: decode_parked,
+    Kind.PARKED_LIST: decode_parked_list,
     Kind.CHECKPOINT: decode_checkpoint_reply,
     Kind.SAVEPOINT_CREATED: decode_savepoint_created,
     Kind.CHALLENGE: decode_challenge,

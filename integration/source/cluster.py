@@ -31,7 +31,10 @@ sent, and its dead letters wait, while the other shards' partitions run, complet
 commit their group offsets as usual. Once it answers again, the sources are registered
 with it again and its partitions go on from where they stopped; its next barrier also
 completes the barriers it missed (the FT layer completes a query's checkpoints in
-order). The query fails only when no shard answered for ft.reconnectTimeoutMs. A shard
+order). A shard whose failures tasks parked on other shards while it did not answer
+(a shard that died under a running batch) is *held* the same way until the driver
+delivered them (.parking). The query fails only when no shard answered for
+ft.reconnectTimeoutMs. A shard
 that answers with another store id than the query's position names lost its data dir:
 its partitions go back to their committed group offsets (.rewind), the others go on.
 
@@ -135,6 +138,9 @@ class ShardClients:
         self._quick: list[FTClient | None] = [None] * len(self.addresses)
         self.down: dict[int, float] = {}
         """The shards that did not answer the last STATUS, and since when (monotonic)."""
+        self.held: set[int] = set()
+        """Shards that answer but wait for their parked failures (.parking): as down
+        for admission and barriers."""
         self._all_down_since: float | None = None
         self.store_ids: list[str] = []
         """Each shard's store id, as it last answered (`check_places`, then the
@@ -144,6 +150,12 @@ class ShardClients:
     @property
     def count(self) -> int:
         return len(self.addresses)
+
+    @property
+    def stalled(self) -> set[int]:
+        """The shards whose partitions take in nothing and get no barrier: down or
+        held."""
+        return set(self.down) | self.held
 
     def where(self, shard: int) -> str:
         """The shard as messages name it."""

@@ -64,6 +64,7 @@ from .groups import SECURITY, ConsumerGroup
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .kafkaread import new_consumer
 from .options import SourceOptions
+from .parking import Parking
 from .reader import FTKafkaPartition
 from .refetch import read_at
 from .rewind import Rewind, no_group, plan_rewind, same_stores
@@ -104,6 +105,7 @@ class SourceDriver:
         self._server_timeout_s: float | None = None  # the server's T, from its STATUS
         self._heartbeats: list[Heartbeat] = []
         self._cursors: tuple[int, ...] = ()  # each shard's replay cursor, as last read
+        self.parking = Parking(self.shards)
 
     # ---- lifecycle ----
 
@@ -211,7 +213,7 @@ class SourceDriver:
             return Position.at(ends, None).to_json()
         previous = None if first is None else first.cursors
         was = self.shards.store_ids if first is None or first.stores is None else first.stores
-        cursors, statuses = self._replay_cursors(previous)
+        cursors, statuses = self._replay_cursors(previous, was)
         stores = list(was)
         for rewind in self._rewinds(first, was, statuses):
             for topic, partitions in rewind.offsets.items():
@@ -320,7 +322,7 @@ class SourceDriver:
                     backlogs[self.shard_map.owner(topic, p)][p] = end - starts[topic][p]
             for shard, backlog in enumerate(backlogs):
                 # A shard that is down takes in nothing: its partitions wait in Kafka.
-                budget = 0 if shard in self.shards.down else max(0, limit - pending[shard])
+                budget = 0 if shard in self.shards.stalled else max(0, limit - pending[shard])
                 for p, share in share_out(budget, backlog).items():
                     partitions[p] = starts[topic][p] + share
                 held = budget < sum(backlog.values())
@@ -359,11 +361,20 @@ class SourceDriver:
         the batches before it). A shard is sent no part of a barrier of a store it no
         longer serves, and completes no barrier of its old store (.rewind)."""
         what = "begin the checkpoint" if begin else "complete the checkpoint"
+        completes = complete is not None or not begin
+        if self.shards.count > 1 and completes and not self.parking.settled:
+            # A batch ran since the last look at the parked failures (this completion
+            # comes before the next trigger's STATUS): look now, before any barrier
+            # completes the ranges those failures belong to.
+            statuses, back = self.shards.statuses()
+            if back:
+                self._register_sources(back)
+            self.parking.settle(statuses, self.shards.store_ids)
         reports: list[CheckpointReport | None] = []
         kept = None if complete is None else same_stores(complete, end)
         for shard in range(self.shards.count):
             store = None if end.stores is None else end.stores[shard]
-            if shard in self.shards.down or store not in (None, self.shards.store_ids[shard]):
+            if shard in self.shards.stalled or store not in (None, self.shards.store_ids[shard]):
                 reports.append(None)  # down: its barriers when it is back; lost: gone
                 continue
             part = self.shard_map.part(end, shard)
@@ -414,6 +425,7 @@ class SourceDriver:
     def batch_running(self) -> None:
         """The batch whose barrier was just sent runs now: heartbeat for the query's
         sources until `batch_done` (FT on, ft.heartbeatMs > 0)."""
+        self.parking.settled = False  # its tasks may park failures
         if not self.options.ft_on or not self.options.heartbeat_ms:
             return
         if not self._heartbeats:
@@ -695,7 +707,7 @@ class SourceDriver:
         return tuple(s.replay_start_of(list(self.source_ids.values())) for s in statuses)
 
     def _replay_cursors(
-        self, previous: tuple[int, ...] | None
+        self, previous: tuple[int, ...] | None, stores: Sequence[str] | None = None
     ) -> tuple[list[int], list[Status | None]]:
         """Each shard's highest replay seq of this query's sources (see
         FTLayer.replay_cursor_of): other queries' failures do not move it, so they cause
@@ -703,11 +715,13 @@ class SourceDriver:
         shard (`pending`, for flow control): one STATUS per shard and batch serves both.
         A shard that is down keeps its cursor at `previous` (the batch takes in none of
         its replays), and its partitions take in no records (`_admit`); one that is back
-        has the sources registered again. Returns the cursors and each shard's STATUS
-        (None: down)."""
+        has the sources registered again. Failures parked for a shard are delivered
+        first (.parking), and a shard that must wait for them counts as down. Returns
+        the cursors and each shard's STATUS (None: down, or held)."""
         statuses, back = self.shards.statuses()
         if back:
             self._register_sources(back)
+        statuses = self.parking.settle(statuses, stores or self.shards.store_ids)
         sources = list(self.source_ids.values())
         cursors = list(previous or self._cursors or [0] * self.shards.count)
         self.pending = {t: [0] * self.shards.count for t in self.source_ids}

@@ -97,3 +97,47 @@ def test_an_address_list_names_each_shard_once_in_order() -> None:
         parse_addresses("a:1,,b:2")
     with pytest.raises(ConfigError, match="names a shard twice"):
         parse_addresses("a:1,a:1")
+
+
+def test_parked_failures_are_kept_counted_listed_dropped_and_survive_a_reopen(
+    tmp_path: Path,
+) -> None:
+    """ftlayer.core.parked: each entry committed with its seq, counted per owner, listed
+    oldest first, dropped by seq (seqs never reused, also after a reopen), and a store
+    that keeps some refuses a savepoint; the wire carries an entry's FAIL unchanged."""
+    from ftlayer.causes import Causes
+    from ftlayer.core.parked import ParkedFailures
+    from ftlayer.errors import StateConflict
+    from ftlayer.wire.frames import FrameReader
+    from ftlayer.wire.messages import decode
+    from ftlayer.wire.parked import encode_fail_parked, encode_parked_list
+
+    cause = Cause(FailKind.EXPLICIT, "step", "ValueError: no")
+    frame = encode_fail_parked(1, 2, "7dbf5e27e271f4e8", [5, 6, 7], Causes.one(cause, 3))
+    entry = decode(FrameReader(1 << 20).feed(frame)[0])
+    store = LmdbStorage(tmp_path / "ft")
+    parked = ParkedFailures(store)
+    first = parked.park(entry)
+    second = parked.park(decode(FrameReader(1 << 20).feed(encode_fail_parked(2, 1, "", [9]))[0]))
+    assert parked.counts() == {1: (1, 1), 2: (1, 3)}
+    listed, more = parked.listed(1)
+    assert [e.seq for e in listed] == [first] and more
+    assert listed[0].fail.roots.tolist() == [5, 6, 7] and listed[0].fail.causes.take([0])
+    with pytest.raises(StateConflict, match="parked failures"):
+        parked.refuse_savepoint()
+    store.close()
+    store = LmdbStorage(tmp_path / "ft")  # a restart: the entries are in the LMDB meta
+    parked = ParkedFailures(store)
+    assert parked.counts() == {1: (1, 1), 2: (1, 3)}
+    assert parked.drop([first, 999]) == 1 and parked.drop([first]) == 0
+    third = parked.park(entry)
+    assert third > second > first  # never reused
+    listed, more = parked.listed(10)
+    assert [e.seq for e in listed] == [second, third] and not more
+    reply = decode(FrameReader(1 << 20).feed(encode_parked_list(3, listed, False))[0])
+    assert [(e.seq, e.owner, e.store_id, e.body) for e in reply.failures] == [
+        (e.seq, e.owner, e.store_id, e.body) for e in listed
+    ]
+    assert parked.drop([second, third]) == 2 and parked.counts() == {}
+    parked.refuse_savepoint()  # none left: no refusal
+    store.close()

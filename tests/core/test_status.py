@@ -107,6 +107,7 @@ def _status(**changes: Any) -> dict[str, Any]:
             "PERSIST": {"count": 12, "cpu_s": 0.0031},
             "STATUS": {"count": 2, "cpu_s": 0.0004},
         },
+        "parked": {"0": {"entries": 1, "roots": 3}},
     }
     data.update(changes)
     return data
@@ -119,6 +120,7 @@ def test_a_status_survives_its_json_and_reads_as_its_json() -> None:
     assert status["failed"]["explicit"] == 1 and dict(status)["pending"] == 2
     assert status.by_source["7"].complete_latency.p99_s == 0.0071
     assert status.requests["PERSIST"].count == 12 and status.requests["STATUS"].cpu_s == 0.0004
+    assert status.parked_for(0) == 3 and status.parked_for(1) == 0
     assert status["by_source"]["7"]["failed"]["explicit"] == 1
     report = status.checkpoints["job"].recent[0]
     assert report.position == Position({"t": {0: 10, 1: 4}}, 2)

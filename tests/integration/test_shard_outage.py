@@ -3,16 +3,20 @@ dir OUTAGE_S later, on real parts: two `ftlayer serve --shard I --shards 2` proc
 the Tansu broker, local Spark; in barrier and in tree mode (ft.completion). Meanwhile
 the other shard's partitions go on completing (STATUS samples), the dead shard's take
 in nothing new; afterwards nothing is lost and the duplicates are at most a batch.
+And shard 1 SIGKILLed mid-batch in barrier mode, with a failure of its rows in flight:
+the failure is parked on shard 0 and the batch completes without shard 1.
 
 The test mostly waits (the outage), so `make unit` runs it beside the rest (BESIDE).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from pyspark.sql import DataFrame, SparkSession
 from serverproc import Server, StartServer
 
 from ftlayer.client import FTClient
+from ftlayer.errors import FailException
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import end_offsets, produce
 from ftlayer.integration.sinks import ft_foreach_batch
@@ -205,3 +210,155 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float, query: Any) -> No
         assert query.exception() is None, f"the query failed: {query.exception()}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.3)
+
+
+PARKED_N = 1500
+PARKED_OUTAGE_S = 20.0
+
+
+def fails_once(i: int) -> bool:
+    return i % 100 == 3
+
+
+def parking_step(marks: str, source_id: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Fails each fails-once record on first sight (an O_EXCL marker, across Python
+    workers). The first such row of a shard 1 partition (with the file `armed`)
+    signals (`waiting`) and waits for the test to have SIGKILLed shard 1 (`killed`)
+    before it fails: the FAIL meets a dead shard mid-batch."""
+
+    def step(row: dict[str, Any]) -> dict[str, Any]:
+        event_id = int(row["key"])
+        if fails_once(event_id):
+            try:
+                os.close(os.open(os.path.join(marks, str(event_id)), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return {"id": event_id}
+            on_shard1 = int(partition_shard(source_id, int(row["partition"]), 2)) == 1
+            armed = os.path.exists(os.path.join(marks, "armed"))
+            if on_shard1 and armed:
+                try:
+                    os.close(os.open(os.path.join(marks, "waiting"), os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    pass
+                else:
+                    deadline = time.monotonic() + 60
+                    while not os.path.exists(os.path.join(marks, "killed")):
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.05)
+            raise FailException(f"event {event_id}: upstream timed out")
+        return {"id": event_id}
+
+    return step
+
+
+def test_a_shard_killed_mid_batch_stalls_only_its_partitions_and_loses_nothing(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+) -> None:
+    """Barrier mode by reference, 1% of the records failing once, all partitions. Shard
+    1 is SIGKILLed while a batch runs (a step of that batch holds a failing row of a
+    shard 1 partition until the kill lands, then fails it) and started again on its
+    data dir PARKED_OUTAGE_S later. The FAIL is parked on shard 0 and the batch
+    completes: meanwhile shard 0's partitions go on completing (STATUS samples). Then
+    nothing is lost, every failed record is failed once and reaches the sink, and the
+    duplicates are counted (none expected: the batch in flight completes at its
+    barrier once shard 1 is back)."""
+    ports = [_free_port(), _free_port()]
+    flags = [["--port", ports[i], "--shard", str(i), "--shards", "2"] for i in (0, 1)]
+    shards = [start_server(tmp_path / f"shard{i}", *flags[i]) for i in (0, 1)]
+    addresses = ",".join(s.address for s in shards)
+    settings = FTSettings(addresses)
+    topic = make_topic(PARTITIONS)
+    group = f"parked-{uuid.uuid4().hex[:8]}"
+    at = produce(kafka_bootstrap, topic, [(str(i).encode(), b"v") for i in range(PARKED_N)])
+    source_id = parse_options({"subscribe": topic, "kafka.bootstrap.servers": "x"}).source_ids()[
+        topic
+    ]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (marks / "armed").touch()  # the first batch with a failing row of shard 1 meets the kill
+    source = (
+        spark.readStream.format("ftkafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("maxOffsetsPerTrigger", str(PER_TRIGGER))
+        .option("ft.address", addresses)
+        .option("ft.completion", "barrier")
+        .option("ft.retryBackoffMs", "100")
+        .option("kafka.group.id", group)
+        .load()
+    )
+    collected = Collected()
+    query = (
+        FTTasks(settings)
+        .map(source, parking_step(str(marks), source_id), SCHEMA)
+        .writeStream.foreachBatch(ft_foreach_batch(collected, settings))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="250 milliseconds")
+        .start()
+    )
+
+    def completed(shard: Server) -> int:
+        with FTClient(shard.address) as client:
+            return client.status().completed
+
+    failing = {i for i in range(PARKED_N) if fails_once(i)}
+    began = time.monotonic()
+    try:
+        _wait_for(lambda: (marks / "waiting").exists(), 120, query)
+        running_s = time.monotonic() - began
+        shards[1].proc.kill()  # SIGKILL while a step of a running batch holds a row
+        shards[1].proc.wait(10)
+        (marks / "killed").touch()
+        down_at = time.monotonic()
+        samples = [(0.0, completed(shards[0]))]
+        parked_seen = 0
+        while time.monotonic() - down_at < PARKED_OUTAGE_S:
+            assert query.exception() is None, f"the query failed: {query.exception()}"
+            time.sleep(0.5)
+            with FTClient(shards[0].address) as client:
+                status = client.status()
+            samples.append((time.monotonic() - down_at, status.completed))
+            parked_seen = max(parked_seen, status.parked_for(1))
+        shards[1] = start_server(tmp_path / "shard1", *flags[1])
+        back_at = time.monotonic()
+        _wait_for(
+            lambda: (
+                set(collected.ids) == set(range(PARKED_N))
+                and all(s.pending == 0 and not s.parked for s in statuses(shards))
+                and group_lag(kafka_bootstrap, group, topic) == 0
+            ),
+            120,
+            query,
+        )
+        settled_s = time.monotonic() - back_at
+    finally:
+        query.stop()
+    during = samples[-1][1] - samples[0][1]
+    last_rise = max(
+        (t for (t, n), (_, m) in zip(samples[1:], samples, strict=False) if n > m), default=0.0
+    )
+    assert parked_seen >= 1, samples
+    assert during > PER_TRIGGER, samples  # shard 0 went on: the batch did not wait
+    assert last_rise > PARKED_OUTAGE_S / 2, samples
+    assert set(collected.ids) == set(range(PARKED_N))  # nothing lost
+    duplicates = len(collected.ids) - PARKED_N
+    # Each failed record reached the sink once: replayed once, neither lost nor twice.
+    counts = Counter(collected.ids)
+    assert all(counts[i] == 1 for i in failing), {i: counts[i] for i in failing}
+    # Shard 0 (never restarted: its counters run since the start) failed each of its
+    # partitions' failing records once.
+    on0 = {i for i in failing if partition_shard(source_id, at[i].partition, 2) == 0}
+    assert statuses(shards)[0].failed["explicit"] == len(on0)
+    assert duplicates <= PER_TRIGGER, duplicates
+    print(
+        f"shard 1 killed mid-batch, down {PARKED_OUTAGE_S:.0f} s: {parked_seen} failures "
+        f"parked on shard 0; shard 0 completed {during} records meanwhile, the last rise "
+        f"{last_rise:.1f} s into the outage; {duplicates} duplicates, 0 lost, "
+        f"{len(failing)} failing records each at the sink once; the kill "
+        f"{running_s:.1f} s after the start, settled {settled_s:.1f} s after the restart"
+    )
