@@ -616,9 +616,12 @@ class FTClient:
 
         return decode_ok(self._call(encode, Kind.OK, retry=True)).count
 
-    def status(self) -> Status:
-        """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...)."""
-        frame = self._call(encode_status_request, Kind.STATUS_REPLY, retry=True)
+    def status(self, *, reconnect_s: float | None = None) -> Status:
+        """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...).
+        `reconnect_s`: how long this call waits for a connection (None: the client's)."""
+        frame = self._call(
+            encode_status_request, Kind.STATUS_REPLY, retry=True, reconnect_s=reconnect_s
+        )
         status = Status.from_json(decode_status_reply(frame).status)
         self.store_id = status.store_id
         return status

@@ -34,7 +34,10 @@ redelivery meets the first copy there and is dropped), the others on the shards 
 turn. Any shard may hold any record: the ftingest reader takes each partition's
 records from every shard. A shard that is down fails the stores of its records (they
 are not acknowledged, and come again); `has_room` counts the source's pending records
-over every shard.
+over every shard, and says "no room" when a shard (or the one FT layer) does not answer
+within 2 s, with a warning at most every 10 s: the upstream keeps its records until it
+answers (an HTTP sender gets 503 at once, a JetStream receiver fetches nothing),
+rather than a request that waits out the client's whole reconnect window.
 
 A record's payload is the ftkafka payload (ftlayer.payloads: key, value,
 timestamp, headers), its key hash Kafka's murmur2 of the key (or PySpark's
@@ -44,6 +47,7 @@ replay partitioner routes it as a Kafka record's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,7 +57,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.acking.ids import new_ids
-from ftlayer.client import FTClient
+from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError
 from ftlayer.partitioners.key_hashes import kafka_key_hashes, spark_key_hashes
 from ftlayer.payloads import Headers, encode_payloads
@@ -63,7 +67,14 @@ from ftlayer.registration import SourceRegistration, ingest_source_id
 __all__ = ["DEFAULT_MAX_PENDING", "Message", "Receiver", "ingest_source_id"]
 
 DEFAULT_MAX_PENDING: Final = 100_000
+log = logging.getLogger("ftlayer.ingest")
+
 _ROOM_CHECK_S: Final = 0.2  # has_room asks the FT layer at most this often
+# has_room waits this long for a shard that does not answer, then says "no room": the
+# upstream keeps its records (HTTP 503, JetStream unfetched) instead of a request that
+# hangs for the client's whole reconnect window.
+_ROOM_RECONNECT_S: Final = 2.0
+_NO_ROOM_WARN_S: Final = 10.0  # a shard that does not answer is logged at most this often
 _PARTITIONERS: Final = ("kafka-hash", "spark-hash", "rebalance")
 
 
@@ -116,6 +127,7 @@ class Receiver:
         self._room_at = 0.0
         self._pending = 0  # the source's pending records at `_room_at`
         self._limit = max_pending  # and the limit then (the query's, if lower)
+        self._unreachable_warned = -_NO_ROOM_WARN_S
         try:
             for shard, client in enumerate(self._clients):
                 self._join(shard, client, SourceRegistration(
@@ -223,12 +235,36 @@ class Receiver:
         call after a `store`."""
         now = time.monotonic()
         if now - self._room_at >= _ROOM_CHECK_S:
-            statuses = [client.status() for client in self._clients]
+            statuses = []
+            for shard, client in enumerate(self._clients):
+                try:
+                    statuses.append(client.status(reconnect_s=_ROOM_RECONNECT_S))
+                except ConnectionLost as exc:
+                    # A shard that does not answer cannot store its share of a batch:
+                    # no room until it does (the upstream keeps the records meanwhile).
+                    self._warn_unreachable(shard, client, exc)
+                    return False
             self._pending = sum(status.pending_of(self.source_id) for status in statuses)
             registered = (statuses[0].sources.get(str(self.source_id)) or {}).get("max_pending")
             self._limit = min(self.max_pending, registered or self.max_pending)
             self._room_at = now
         return self._pending + taken < self._limit
+
+    def _warn_unreachable(self, shard: int, client: FTClient, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._unreachable_warned < _NO_ROOM_WARN_S:
+            return
+        self._unreachable_warned = now
+        where = f"the FT layer at {client.address}"
+        if len(self._clients) > 1:
+            where = f"shard {shard} of the FT layer, at {client.address},"
+        log.warning(
+            "receiver of source %r: %s does not answer, so the receiver takes no records "
+            "until it does (the upstream keeps them): %s",
+            self.source,
+            where,
+            exc,
+        )
 
     def pending(self) -> int:
         """The source's records stored and not complete (waiting for its reader, or in

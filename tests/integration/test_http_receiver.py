@@ -150,3 +150,51 @@ def test_at_its_limit_the_source_answers_503_until_its_reader_caught_up(
             break
         time.sleep(0.05)
     assert (status, body) == (200, {"stored": 1, "duplicates": 0})
+
+
+def test_a_shard_that_does_not_answer_gets_a_quick_503_and_nothing_is_lost(
+    start_server: StartServer, tmp_path: Any
+) -> None:
+    """With one of two shards killed, a POST is answered 503 with Retry-After within
+    seconds (not after the client's 60 s reconnect window), the receiver says which
+    shard it waits for, and once the shard is back the same POST is stored."""
+    shards = [start_server(tmp_path / f"s{i}", "--shard", str(i), "--shards", "2") for i in (0, 1)]
+    log = tmp_path / "receiver.log"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "ftlayer.cli", "ingest", "http",
+            "--server", ",".join(s.address for s in shards), "--source", "orders",
+            "--partitions", str(PARTITIONS), "--port", "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log.open("wb"),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert line.startswith("ftlayer ingest http on http://"), line
+        address = line.split("http://", 1)[1].split("/", 1)[0]
+        body = json.dumps([{"key": f"k{i}", "value": i, "id": i} for i in range(20)]).encode()
+        shards[1].kill()
+        began = time.monotonic()
+        status, reply, retry_after = _post(address, "/sources/orders", body, "application/json")
+        waited = time.monotonic() - began
+        assert status == 503 and retry_after is not None, (status, reply)
+        assert waited < 10, f"the 503 took {waited:.1f} s"
+        assert f"shard 1 of the FT layer, at {shards[1].address}, does not answer" in (
+            log.read_text()
+        )
+        port = shards[1].address.rsplit(":", 1)[1]
+        shards[1] = start_server(
+            shards[1].data_dir, "--shard", "1", "--shards", "2", "--port", port
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            status, reply, _ = _post(address, "/sources/orders", body, "application/json")
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert (status, reply) == (200, {"stored": 20, "duplicates": 0}), log.read_text()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
