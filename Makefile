@@ -33,23 +33,39 @@ typecheck: $(STAMP)
 	for d in persistence partitioners integration; do ln -s "../../$$d" .typecheck/ftlayer/$$d; done
 	$(BIN)/mypy -p ftlayer
 
-# The tests that mostly wait (the cluster on hosts of network namespaces, the kill and
-# restart tests of Kafka and of receivers, the FT layer's outages under a query, slow
-# batches, the demos, the shard outage, rewind and resharding) run beside the rest of
-# the suite, in a pytest of their own whose output follows the main run's: both
-# together take about as long as the main run alone.
-BESIDE := tests/integration/test_cluster_hosts.py tests/integration/test_recovery_kills.py \
-	tests/integration/test_demo.py tests/integration/test_savepoint_shards.py \
-	tests/integration/test_shard_rewind.py tests/integration/test_shard_outage.py \
-	tests/integration/test_ingest_kills.py tests/integration/test_server_restarts.py \
-	tests/integration/test_slow_batches.py
+# The suite mostly waits (Spark's micro-batches, the outages and timeouts the tests
+# stage), so `unit` runs it as three pytest processes side by side, each with its own
+# broker, Spark session, FT-layer servers and base temp dir, balanced by measured
+# duration (`make unit DURATIONS=0` prints every test's; move whole files between the
+# lists). BESIDE: the kill and restart tests of Kafka and of receivers, the demos, the
+# deploy guide's packed environment on a standalone cluster. SECOND: the cluster on hosts
+# of network namespaces, the shard outage, savepoint and rewind, the FT layer's outages
+# under a query, slow batches, loops, offset commits and the longest Spark pipelines. The main run is everything else (a new test
+# file lands there). The main run's output comes first, then SECOND's
+# (.pytest-second.log), then BESIDE's (.pytest-beside.log); `unit` fails if any run does.
+BESIDE := tests/integration/test_recovery_kills.py tests/integration/test_demo.py \
+	tests/integration/test_ingest_kills.py tests/integration/test_packed_env.py
+SECOND := tests/integration/test_cluster_hosts.py tests/integration/test_shard_outage.py \
+	tests/integration/test_savepoint_shards.py tests/integration/test_shard_rewind.py \
+	tests/integration/test_server_restarts.py tests/integration/test_slow_batches.py \
+	tests/integration/test_flow_control.py tests/integration/test_user_guide.py \
+	tests/integration/test_barrier_pipelines.py tests/integration/test_held_sink_acks.py \
+	tests/integration/test_pipeline.py tests/integration/test_loops.py \
+	tests/integration/test_offset_commits.py
+DURATIONS ?= 25
 unit: $(STAMP)
-	@$(BIN)/pytest -q -p no:cacheprovider --durations=10 --basetemp=.pytest-beside $(BESIDE) \
-		> .pytest-beside.log 2>&1 & beside=$$!; \
-	$(BIN)/pytest -q --durations=25 $(foreach f,$(BESIDE),--ignore=$(f)); main=$$?; \
-	wait $$beside; other=$$?; \
-	echo "---- run beside the rest: $(BESIDE)"; cat .pytest-beside.log; \
-	exit $$(( main != 0 || other != 0 ))
+	@$(BIN)/pytest -q -p no:cacheprovider --durations=$(DURATIONS) --basetemp=.pytest-beside \
+		$(BESIDE) > .pytest-beside.log 2>&1 & beside=$$!; \
+	$(BIN)/pytest -q -p no:cacheprovider --durations=$(DURATIONS) --basetemp=.pytest-second \
+		$(SECOND) > .pytest-second.log 2>&1 & second=$$!; \
+	$(BIN)/pytest -q --durations=$(DURATIONS) --basetemp=.pytest-main \
+		$(foreach f,$(BESIDE) $(SECOND),--ignore=$(f)); main=$$?; \
+	wait $$second; other=$$?; \
+	echo "---- SECOND, run beside the main run: $(SECOND)"; cat .pytest-second.log; \
+	wait $$beside; beside=$$?; \
+	echo "---- BESIDE, run beside the main run: $(BESIDE)"; cat .pytest-beside.log; \
+	echo "---- main run: exit $$main; SECOND: exit $$other; BESIDE: exit $$beside"; \
+	exit $$(( main != 0 || other != 0 || beside != 0 ))
 
 # Headless Chromium for tests/integration/test_status_page.py: apt-get install when
 # missing (root, or sudo without a password); otherwise a note, and the test skips.
@@ -74,4 +90,5 @@ docs: $(STAMP)
 	$(BIN)/python -c 'from pathlib import Path; from ftlayer.integration.source.options import write_markdown_table; write_markdown_table(Path("docs/user-guide.md"))'
 
 clean:
-	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache .hypothesis .pytest-beside .pytest-beside.log
+	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache .hypothesis \
+		.pytest-main .pytest-second .pytest-second.log .pytest-beside .pytest-beside.log

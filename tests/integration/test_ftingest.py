@@ -26,6 +26,7 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.datasource import ReadAllAvailable
+from querywait import wait_for
 from serverproc import StartServer
 
 from ftlayer.client import FTClient
@@ -92,15 +93,6 @@ class Collected:
 def messages(first: int, n: int) -> list[Message]:
     """Records first..first+n-1: key k<i mod 97>, value the decimal i, identity i."""
     return [Message(b"k%d" % (i % 97), b"%d" % i, identity=i) for i in range(first, first + n)]
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, query: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if query.exception() is not None:
-            raise AssertionError(f"the query failed: {query.exception()}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def start_query(

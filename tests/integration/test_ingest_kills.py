@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_recovery_kills import JOB, Job
+from jobproc import JOB, Job
 
 from ftlayer.client import FTClient
 from ftlayer.errors import FTLayerError

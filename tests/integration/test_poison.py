@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 import zlib
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from kafka import KafkaConsumer, TopicPartition
 from pyspark import cloudpickle
 from pyspark.errors.exceptions.captured import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from querywait import wait_for
 from serverproc import Server, StartServer
 
 from ftlayer.client import FTClient
@@ -99,15 +99,6 @@ def group_offsets(bootstrap: str, group: str, topic: str) -> dict[int, tuple[int
 
 def group_lag(bootstrap: str, group: str, topic: str) -> int:
     return sum(end - done for end, done in group_offsets(bootstrap, group, topic).values())
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, query: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if query.exception() is not None:
-            raise AssertionError(f"the query failed: {query.exception()}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_poison_events_are_dead_lettered_with_their_causes_and_the_rest_flows(
