@@ -9,8 +9,9 @@ are the places of this machine: the host `ft1.example.com` at `10.0.0.5` becomes
 `localhost` at `127.0.0.1`, `0.0.0.0` becomes loopback, the ports 7070 and 9464 free
 ports, `/etc/ftlayer` and `/var/lib/ftlayer` temporary directories, and the unit's
 `/opt/ftlayer/venv` this virtualenv. Everything else is real: openssl, the server
-process, TLS, the token, curl. The packed environment's blocks (`pack`, section 4;
-`standalone-pack`, section 5) run in test_packed_env.py, on a standalone cluster.
+process, TLS, the token, curl. Section 5's blocks (`standalone`, and the packed
+environment's `pack` of section 4 with `standalone-pack`) run in test_packed_env.py, on
+a standalone cluster.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run_bash(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_every_marked_block_is_found_and_the_unit_runs_what_the_guide_shows() -> None:
     guide = GUIDE.read_text()
-    assert guide.count("<!-- deploy-test") == len(_BLOCK.findall(guide)) == 9
+    assert guide.count("<!-- deploy-test") == len(_BLOCK.findall(guide)) == 10
     assert exec_start(block("unit")) == exec_start(UNIT.read_text())
 
 

@@ -31,6 +31,7 @@ where no `python3.11` is on PATH.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,6 +54,7 @@ from test_user_guide import saved_file
 
 from ftlayer.client import FTClient
 from ftlayer.integration.harness.standalone import Host, StandaloneCluster, spark_class
+from ftlayer.status import Status
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -185,6 +187,94 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+@dataclasses.dataclass
+class PlainRun:
+    """What section 5's first block's run left: `check_totals.py`'s result, the FT
+    layer's STATUS once every order completed, the job's log, and the interpreters
+    its Python workers ran."""
+
+    totals: subprocess.CompletedProcess[str]
+    status: Status
+    log: str
+    executables: set[str]
+
+
+def run_plain_block(
+    master: str,
+    kafka: str,
+    ft_address: str,
+    tmp_path: Path,
+    orders: str,
+    totals: str,
+    env: dict[str, str],
+    tools: dict[str, str],
+) -> PlainRun:
+    """Section 5's first block (`standalone`), its example values replaced by this
+    machine's (the master, the broker, the FT layer, the token and CA files, the
+    checkpoint, and this test's environment for /opt/ftlayer/venv), on fresh topics,
+    until every order completed; then the job is stopped."""
+    work = tmp_path / "plain"
+    probes = tmp_path / "plain-probes"
+    work.mkdir()
+    probes.mkdir()
+    script = block("standalone")
+    for theirs, ours in (
+        ("spark://spark-master.example.com:7077", master),
+        ("kafka1.example.com:9092", kafka),
+        ("ft1.example.com:7070", ft_address),
+        ("/etc/ftlayer/token", str(tmp_path / "token")),
+        ("/etc/ftlayer/ca.pem", str(tmp_path / "ca.pem")),
+        ("/data/checkpoints/orders-job", str(tmp_path / "plain-checkpoint")),
+        ("/opt/ftlayer/venv", sys.prefix),
+    ):
+        assert theirs in script, theirs
+        script = script.replace(theirs, ours)
+    (work / "job.py").write_text(guide_job(probes, orders, totals))
+    guide = USER_GUIDE.read_text()
+    for name, theirs, ours in (
+        ("produce_orders.py", 'produce(KAFKA, "orders",', f'produce(KAFKA, "{orders}",'),
+        ("check_totals.py", 'read_all(KAFKA, "user-totals")', f'read_all(KAFKA, "{totals}")'),
+    ):
+        (work / name).write_text(saved_file(guide, name).replace(theirs, ours))
+    subprocess.run(
+        [sys.executable, "produce_orders.py", "0", str(ORDERS)], cwd=work, env=tools, check=True
+    )
+    job_log = tmp_path / "plain-job.log"
+    with job_log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-e", "-o", "pipefail", "-c", script],
+            cwd=work,
+            env={k: v for k, v in env.items() if k not in ("SPARK_MASTER", "KAFKA")},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        with FTClient(ft_address, token=b"packed-env-token", tls=str(tmp_path / "ca.pem")) as ft:
+            deadline = time.monotonic() + 300
+            while True:
+                status = ft.status()
+                if status.completed >= ORDERS and status.pending == 0:
+                    break
+                assert proc.poll() is None, job_log.read_text(errors="replace")[-4000:]
+                assert time.monotonic() < deadline, job_log.read_text(errors="replace")[-4000:]
+                time.sleep(1.0)
+        checked = subprocess.run(
+            [sys.executable, "check_totals.py", str(ORDERS)],
+            cwd=work,
+            env=tools,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        text = job_log.read_text(errors="replace")
+    finally:
+        stop_group(proc)
+    seen = {json.loads(p.read_text())["executable"] for p in probes.glob("*.json")}
+    return PlainRun(checked, status, text, seen)
+
+
 def under(path: str | None, root: Path) -> bool:
     return path is not None and Path(path).is_relative_to(root)
 
@@ -296,6 +386,30 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
         finally:
             stop_group(proc)
         apps = sorted((tmp_path / "spark" / "worker-0").glob("app-*"))
+        # Section 5's first block on the same cluster: ftlayer installed on every host
+        # (this test's environment stands for /opt/ftlayer/venv), the driver started
+        # as `python job.py`, the guide's job on topics and an FT layer of its own (the
+        # same source name and a fresh checkpoint: a new deployment, not a restart).
+        plain_server = start_server(
+            tmp_path / "plain-data",
+            *(
+                "--tls-cert",
+                str(tmp_path / "server.pem"),
+                "--tls-key",
+                str(tmp_path / "server.key"),
+            ),
+            *("--token-file", str(tmp_path / "token")),
+        )
+        plain = run_plain_block(
+            cluster.master_url,
+            kafka_bootstrap,
+            plain_server.address,
+            tmp_path,
+            make_topic(4),
+            make_topic(4),
+            env,
+            tools,
+        )
 
     # What the user notices: every order summed exactly, none pending or timed out.
     assert checked.returncode == 0, checked.stdout + checked.stderr + text[-3000:]
@@ -328,6 +442,13 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
         }
         assert not elsewhere, elsewhere
         assert all(under(files[n], spark_python) for n in ("pyspark", "py4j") if n in files)
+    # The first block's run: every order summed exactly, its executors on the
+    # environment the block names.
+    assert plain.totals.returncode == 0, plain.totals.stdout + plain.totals.stderr + plain.log
+    assert "every user's totals are exact" in plain.totals.stdout
+    assert plain.status.completed == ORDERS and plain.status.pending == 0
+    assert plain.status.failed["timeout"] == 0 and "Traceback" not in plain.log
+    assert plain.executables == {str(Path(sys.prefix) / "bin" / "python")}, plain.executables
     # The unpacked copies (3 GB in all) stay in tmp_path, which pytest's retention
     # removes: deleting them here would add half a minute to the run.
     print(f"archive ready in {pack_s:.0f} s; every order complete {job_s:.0f} s after submit")

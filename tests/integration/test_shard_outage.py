@@ -324,6 +324,10 @@ def test_a_shard_killed_mid_batch_stalls_only_its_partitions_and_loses_nothing(
                 status = client.status()
             samples.append((time.monotonic() - down_at, status.completed))
             parked_seen = max(parked_seen, status.parked_for(1))
+        # Shard 0's own records all at the sink by the outage's end: it ran out of work
+        # rather than stalled (its completions then stop early, however healthy).
+        own0 = {i for i in range(PARKED_N) if partition_shard(source_id, at[i].partition, 2) == 0}
+        own0_done = own0 <= set(collected.ids)
         shards[1] = start_server(tmp_path / "shard1", *flags[1])
         back_at = time.monotonic()
         _wait_for(
@@ -344,7 +348,7 @@ def test_a_shard_killed_mid_batch_stalls_only_its_partitions_and_loses_nothing(
     )
     assert parked_seen >= 1, samples
     assert during > PER_TRIGGER, samples  # shard 0 went on: the batch did not wait
-    assert last_rise > PARKED_OUTAGE_S / 2, samples
+    assert last_rise > PARKED_OUTAGE_S / 2 or own0_done, samples
     assert set(collected.ids) == set(range(PARKED_N))  # nothing lost
     duplicates = len(collected.ids) - PARKED_N
     # Each failed record reached the sink once: replayed once, neither lost nor twice.
