@@ -439,3 +439,39 @@ def test_a_savepoint_is_refused_while_failures_are_parked_and_all_down_fails(
     channel.fail(roots)
     with pytest.raises(ConnectionLost):
         channel.flush()
+
+
+def test_the_driver_fails_only_once_no_shard_answered_for_the_reconnect_timeout(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """One shard down: the driver's STATUS round names it down and goes on, however
+    long. Both down: it goes on until no shard answered for ft.reconnectTimeoutMs,
+    then a SourceError names the option."""
+    servers, _ports = _two_shards(start_server, tmp_path)
+    options = parse_options(
+        {
+            "subscribe": "t",
+            "kafka.bootstrap.servers": "localhost:1",
+            "ft.address": ",".join(s.address for s in servers),
+            "ft.connectTimeoutMs": "1000",
+            "ft.reconnectTimeoutMs": "2000",
+        }
+    )
+    shards = ShardClients(options)
+    shards.check_places()
+    servers[1].kill()
+    began = time.monotonic()
+    while time.monotonic() - began < 4.0:  # twice the timeout, one shard answering
+        statuses, _ = shards.statuses()
+        assert statuses[0] is not None and statuses[1] is None
+        assert set(shards.down) == {1}
+        time.sleep(0.2)
+    servers[0].kill()
+    statuses, _ = shards.statuses()  # both down: not yet an error
+    assert statuses == [None, None]
+    with pytest.raises(SourceError, match=r"no shard of the FT layer .*\(ft\.reconnectTimeoutMs\)"):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            shards.statuses()
+            time.sleep(0.2)
+    assert time.monotonic() - began >= 4.0 + 2.0
