@@ -187,6 +187,50 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def write_guide_scripts(work: Path, orders: str, totals: str, tools: dict[str, str]) -> None:
+    """The user guide's produce_orders.py and check_totals.py in `work`, on these
+    topics; ORDERS orders produced."""
+    guide = USER_GUIDE.read_text()
+    for name, theirs, ours in (
+        ("produce_orders.py", 'produce(KAFKA, "orders",', f'produce(KAFKA, "{orders}",'),
+        ("check_totals.py", 'read_all(KAFKA, "user-totals")', f'read_all(KAFKA, "{totals}")'),
+    ):
+        script = saved_file(guide, name)
+        assert script.count(theirs) == 1, theirs
+        (work / name).write_text(script.replace(theirs, ours))
+    subprocess.run(
+        [sys.executable, "produce_orders.py", "0", str(ORDERS)], cwd=work, env=tools, check=True
+    )
+
+
+def wait_complete(ft: FTClient, proc: subprocess.Popen[bytes], job_log: Path) -> Status:
+    """STATUS once every order completed and none is pending (within 300 s, the job
+    still running)."""
+    deadline = time.monotonic() + 300
+    while True:
+        status = ft.status()
+        if status.completed >= ORDERS and status.pending == 0:
+            return status
+        assert proc.poll() is None, job_log.read_text(errors="replace")[-4000:]
+        assert time.monotonic() < deadline, (
+            f"{status.to_json()}\n{job_log.read_text(errors='replace')[-4000:]}"
+        )
+        time.sleep(1.0)
+
+
+def check_totals(work: Path, tools: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The guide's check_totals.py for ORDERS orders."""
+    return subprocess.run(
+        [sys.executable, "check_totals.py", str(ORDERS)],
+        cwd=work,
+        env=tools,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
 @dataclasses.dataclass
 class PlainRun:
     """What section 5's first block's run left: `check_totals.py`'s result, the FT
@@ -230,15 +274,7 @@ def run_plain_block(
         assert theirs in script, theirs
         script = script.replace(theirs, ours)
     (work / "job.py").write_text(guide_job(probes, orders, totals))
-    guide = USER_GUIDE.read_text()
-    for name, theirs, ours in (
-        ("produce_orders.py", 'produce(KAFKA, "orders",', f'produce(KAFKA, "{orders}",'),
-        ("check_totals.py", 'read_all(KAFKA, "user-totals")', f'read_all(KAFKA, "{totals}")'),
-    ):
-        (work / name).write_text(saved_file(guide, name).replace(theirs, ours))
-    subprocess.run(
-        [sys.executable, "produce_orders.py", "0", str(ORDERS)], cwd=work, env=tools, check=True
-    )
+    write_guide_scripts(work, orders, totals, tools)
     job_log = tmp_path / "plain-job.log"
     with job_log.open("wb") as out:
         proc = subprocess.Popen(
@@ -251,23 +287,8 @@ def run_plain_block(
         )
     try:
         with FTClient(ft_address, token=b"packed-env-token", tls=str(tmp_path / "ca.pem")) as ft:
-            deadline = time.monotonic() + 300
-            while True:
-                status = ft.status()
-                if status.completed >= ORDERS and status.pending == 0:
-                    break
-                assert proc.poll() is None, job_log.read_text(errors="replace")[-4000:]
-                assert time.monotonic() < deadline, job_log.read_text(errors="replace")[-4000:]
-                time.sleep(1.0)
-        checked = subprocess.run(
-            [sys.executable, "check_totals.py", str(ORDERS)],
-            cwd=work,
-            env=tools,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
+            status = wait_complete(ft, proc, job_log)
+        checked = check_totals(work, tools)
         text = job_log.read_text(errors="replace")
     finally:
         stop_group(proc)
@@ -310,18 +331,8 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
     probes = tmp_path / "probes"
     probes.mkdir()
     (work / "job.py").write_text(guide_job(probes, orders, totals))
-    guide = USER_GUIDE.read_text()
-    for name, theirs, ours in (
-        ("produce_orders.py", 'produce(KAFKA, "orders",', f'produce(KAFKA, "{orders}",'),
-        ("check_totals.py", 'read_all(KAFKA, "user-totals")', f'read_all(KAFKA, "{totals}")'),
-    ):
-        script = saved_file(guide, name)
-        assert script.count(theirs) == 1, theirs
-        (work / name).write_text(script.replace(theirs, ours))
     tools = {**os.environ, "KAFKA": kafka_bootstrap}
-    subprocess.run(
-        [sys.executable, "produce_orders.py", "0", str(ORDERS)], cwd=work, env=tools, check=True
-    )
+    write_guide_scripts(work, orders, totals, tools)
 
     submit = block("standalone-pack")
     theirs = "spark://spark-master.example.com:7077"
@@ -361,26 +372,9 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
         try:
             token, tls = b"packed-env-token", str(tmp_path / "ca.pem")
             with FTClient(server.address, token=token, tls=tls) as ft:
-                deadline = time.monotonic() + 300
-                while True:
-                    status = ft.status()
-                    if status.completed >= ORDERS and status.pending == 0:
-                        break
-                    assert proc.poll() is None, job_log.read_text(errors="replace")[-4000:]
-                    assert time.monotonic() < deadline, (
-                        f"{status.to_json()}\n{job_log.read_text(errors='replace')[-4000:]}"
-                    )
-                    time.sleep(1.0)
+                status = wait_complete(ft, proc, job_log)
             job_s = time.monotonic() - submitted
-            checked = subprocess.run(
-                [sys.executable, "check_totals.py", str(ORDERS)],
-                cwd=work,
-                env=tools,
-                capture_output=True,
-                text=True,
-                timeout=180,
-                check=False,
-            )
+            checked = check_totals(work, tools)
             text = job_log.read_text(errors="replace")  # the run, before it is stopped
             assert proc.poll() is None, text[-4000:]
         finally:
