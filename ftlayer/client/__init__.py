@@ -8,18 +8,15 @@ from .channel import (
     close_shared_channels,
     shared_channel,
 )
-from .connection import (
-    SAVEPOINT_TIMEOUT_S,
+from .connection import SAVEPOINT_TIMEOUT_S, FTClient
+from .endpoint import client_tls_context, parse_address, read_token_file
+from .errors import (
     ConnectionLost,
-    FTClient,
     RequestRejected,
     ServerBusy,
     ServerError,
     ServerStorageError,
     TLSMismatch,
-    client_tls_context,
-    parse_address,
-    read_token_file,
 )
 
 __all__ = [

@@ -24,7 +24,8 @@ from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import Status
 
-from .connection import ConnectionLost, FTClient
+from .connection import FTClient
+from .errors import ConnectionLost
 
 
 class BatchingChannel:

@@ -58,7 +58,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, Causes
-from ftlayer.errors import ConfigError, FTLayerError, StorageError
+from ftlayer.errors import ConfigError, FTLayerError
 from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.logs import fields
 from ftlayer.records import RecordBatch, ReplayRecords
@@ -69,14 +69,11 @@ from ftlayer.wire import (
     DIGEST_SIZE,
     MAX_U32,
     AuthFailed,
-    BadRequest,
     DeadLetterList,
     ErrorCode,
     Frame,
     FrameReader,
-    FrameTooLarge,
     Kind,
-    MalformedFrame,
     NotAuthenticated,
     ParkedList,
     ParkedOp,
@@ -84,8 +81,6 @@ from ftlayer.wire import (
     SinkMark,
     UnexpectedKind,
     UnfilledList,
-    UnknownKind,
-    UnsupportedVersion,
     auth_digest,
     decode_challenge,
     decode_checkpoint_reply,
@@ -130,6 +125,16 @@ from ftlayer.wire import (
     new_nonce,
 )
 
+from .endpoint import client_tls_context, parse_address, trusted_cas
+from .errors import (
+    PROTOCOL_ERRORS,
+    ConnectionLost,
+    ServerBusy,
+    ServerError,
+    TLSMismatch,
+    error_for,
+)
+
 T = TypeVar("T")
 
 log = logging.getLogger("ftlayer.client")
@@ -145,21 +150,6 @@ retrying goes on: shared by the clients of a process."""
 _FIRST_BACKOFF_S: Final = 0.05
 _MAX_BACKOFF_S: Final = 1.0
 _RECV_BYTES: Final = 1 << 20
-_PROTOCOL_ERRORS: Final[dict[int, type[ProtocolError]]] = {
-    cls.code: cls
-    for cls in (
-        MalformedFrame,
-        FrameTooLarge,
-        UnknownKind,
-        UnsupportedVersion,
-        AuthFailed,
-        NotAuthenticated,
-        BadRequest,
-        UnexpectedKind,
-    )
-}
-
-
 _CA_HINT: Final = "the source option ft.tlsCa, or --tls-ca of the ftlayer command"
 _NOT_TLS_REASONS: Final = frozenset(
     {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
@@ -170,79 +160,6 @@ _TOKEN_HINT: Final = (
     "give the token of the server's --token-file, with the source option ft.tokenFile "
     "(or ft.token), or with --token-file of the ftlayer command"
 )
-
-
-class ServerError(FTLayerError):
-    """The server answered ERROR with a code of 100 or more; `code` is that code."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"server error {code}: {message}")
-        self.code = code
-
-
-class ServerStorageError(ServerError, StorageError):
-    """ERROR 101: the server's storage refused the write; nothing was persisted."""
-
-
-class RequestRejected(ServerError, ValueError):
-    """ERROR 102: the core refused the request (reserved or repeated root, a record its
-    partitioner cannot route); nothing was applied."""
-
-
-class ServerBusy(ServerError):
-    """ERROR 103: the server is at its connection limit; connecting retries it."""
-
-
-class ConnectionLost(FTLayerError):
-    """The connection broke before the reply: the request may or may not be applied."""
-
-
-class TLSMismatch(ConfigError):
-    """TLS between this client and the server cannot work as configured: the server
-    speaks TLS and the client has no CA, the client speaks TLS to a plain-TCP server,
-    or the server's certificate does not verify (an unknown CA, a name that does not
-    match, expired). Never retried: only a change of configuration helps."""
-
-
-def read_token_file(path: str) -> bytes:
-    """The token in `path`: its bytes without a trailing newline; ConfigError if empty."""
-    try:
-        with open(path, "rb") as file:
-            token = file.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
-    token = token.removesuffix(b"\n").removesuffix(b"\r")
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
-
-
-def client_tls_context(
-    tls: bool | str | os.PathLike[str] | ssl.SSLContext,
-) -> ssl.SSLContext | None:
-    """The client's TLS context: None for False (plain TCP); the system's trusted CAs for
-    True; the CA certificate(s) in a PEM file for a path; or a caller's own context.
-    The server's certificate and host name are always checked."""
-    if tls is False:
-        return None
-    if isinstance(tls, ssl.SSLContext):
-        return tls
-    cafile = None if tls is True else os.fspath(tls)
-    try:
-        context = ssl.create_default_context(cafile=cafile)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cannot load the TLS CA file {cafile}: {exc}") from None
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    return context
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """ "host:port" (or "[v6]:port") as (host, port); ConfigError if it is not one."""
-    host, sep, port_text = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"server address must be HOST:PORT, got {address!r}")
-    return host, int(port_text)
 
 
 def _closed_while_idle(sock: socket.socket) -> bool:
@@ -274,7 +191,7 @@ class FTClient:
     ) -> None:
         self.host, self.port = parse_address(address)
         self._tls = client_tls_context(tls)
-        self._trusted = _trusted_cas(tls)
+        self._trusted = trusted_cas(tls)
         self.address = address
         self._token = token
         self._connect_timeout = connect_timeout
@@ -844,10 +761,10 @@ class FTClient:
         frame = self._receive()
         if frame.kind == Kind.ERROR:
             error = decode_error(frame)
-            if frame.request_id == 0 or error.code in _PROTOCOL_ERRORS:
+            if frame.request_id == 0 or error.code in PROTOCOL_ERRORS:
                 # The server may close after these; a fresh connection is in step.
                 self._drop()
-            raise _error_for(error.code, error.message)
+            raise error_for(error.code, error.message)
         if frame.request_id != rid or frame.kind != expect:
             self._drop()
             raise UnexpectedKind(
@@ -926,29 +843,7 @@ class FTClient:
         self._sock = None
 
 
-def _trusted_cas(tls: bool | str | os.PathLike[str] | ssl.SSLContext) -> str:
-    """The CAs a client trusts, as its error messages name them."""
-    if tls is True:
-        return "the system's trusted CAs"
-    if isinstance(tls, ssl.SSLContext):
-        return "the CAs of the client's SSL context"
-    return "no CA (plain TCP)" if tls is False else f"the CA in {os.fspath(tls)}"
-
-
 def _broke(exc: OSError, timeout_s: float | None) -> str:
     if isinstance(exc, TimeoutError) and timeout_s is not None:
         return f"broke: timed out after {timeout_s:g} s"
     return f"broke: {exc}"
-
-
-def _error_for(code: int, message: str) -> FTLayerError:
-    protocol_error = _PROTOCOL_ERRORS.get(code)
-    if protocol_error is not None:
-        return protocol_error(f"server: {message}")
-    if code == ErrorCode.STORAGE:
-        return ServerStorageError(code, message)
-    if code == ErrorCode.REJECTED:
-        return RequestRejected(code, message)
-    if code == ErrorCode.BUSY:
-        return ServerBusy(code, message)
-    return ServerError(code, message)

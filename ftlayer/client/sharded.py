@@ -45,7 +45,7 @@ from ftlayer.shards import MAX_SHARDS, shard_of
 from ftlayer.status import Status
 
 from .channel import BatchingChannel
-from .connection import ConnectionLost
+from .errors import ConnectionLost
 
 __all__ = ["ShardedChannel", "parse_addresses"]
 

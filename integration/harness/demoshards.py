@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftlayer.client import FTClient
-from ftlayer.client.connection import ConnectionLost
+from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.integration.harness.ftprocess import FTServerProcess, ServerProcessError
 from ftlayer.status import Status
 
