@@ -47,6 +47,15 @@ def _key(owner: int, seq: int) -> str:
     return f"{PARKED_META_PREFIX}{owner:03d}/{seq:016x}"
 
 
+def _seq_of(key: str) -> int:
+    """The seq a parked entry's key names; -1 for a key that names none (_read then
+    reports the entry as corrupt)."""
+    try:
+        return int(key.rsplit("/", 1)[1], 16)
+    except (ValueError, IndexError):
+        return -1
+
+
 class ParkedFailures:
     """The parked failures a shard keeps for the others (module docstring). Not
     thread-safe: the server calls it under its core lock."""
@@ -73,7 +82,7 @@ class ParkedFailures:
     def listed(self, limit: int) -> tuple[list[ParkedFailure], bool]:
         """The oldest `limit` entries (by seq) and whether there are more."""
         keys = self.storage.meta_keys(PARKED_META_PREFIX)
-        keys.sort(key=lambda k: k.rsplit("/", 1)[1])  # seq order, across owners
+        keys.sort(key=_seq_of)  # seq order, across owners
         return self._read(keys[:limit]), len(keys) > limit
 
     def drop(self, seqs: Iterable[int]) -> int:
@@ -81,9 +90,12 @@ class ParkedFailures:
         wanted = {int(s) for s in seqs}
         if not wanted:
             return 0
-        found = [
-            e for e in self._read(self.storage.meta_keys(PARKED_META_PREFIX)) if e.seq in wanted
+        keys = [
+            key
+            for key in self.storage.meta_keys(PARKED_META_PREFIX)
+            if _seq_of(key) in wanted  # the key names the seq: read only those wanted
         ]
+        found = self._read(keys)
         if found:
             self.storage.update_meta({}, [_key(e.owner, e.seq) for e in found])
             for entry in found:
