@@ -118,6 +118,13 @@ def _source_arguments(parser: Any, *, several: bool) -> None:
 def _ft_arguments(parser: Any) -> None:
     parser.add_argument("--token-file", default=None, help="file holding the FT layer's token")
     parser.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA file")
+    parser.add_argument(
+        "--reconnect-s",
+        type=positive_float,
+        default=60.0,
+        help="how long a store waits for an FT layer that does not answer before it fails "
+        "(its records are not acknowledged upstream and come again)",
+    )
 
 
 def _nats_arguments(parser: Any) -> None:
@@ -168,6 +175,7 @@ def _run_http(args: argparse.Namespace, token: bytes | None) -> int:
             max_pending=args.max_pending,
             token=token,
             tls_ca=args.tls_ca,
+            reconnect_s=args.reconnect_s,
             name=f"ingest-http-{name}",
         )
         for name in args.source
@@ -200,6 +208,7 @@ def _run_nats(args: argparse.Namespace, token: bytes | None) -> int:
         max_pending=getattr(args, "max_pending", 100_000),
         token=token,
         tls_ca=args.tls_ca,
+        reconnect_s=args.reconnect_s,
         name=f"ingest-{args.kind}-{args.source}",
     ) as receiver:
         consumer: JetStreamReceiver | NatsReceiver

@@ -37,6 +37,8 @@ from typing import Any, Final, Self
 
 from ftlayer.errors import FTLayerError
 
+from .child import log_tail
+
 __all__ = ["HttpUpstream", "JetStreamUpstream", "Upstream", "UpstreamError"]
 
 _START_TIMEOUT_S: Final = 30.0
@@ -76,6 +78,7 @@ class Upstream:
         self.receivers_killed = 0
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * receivers
         self._started = 0
+        self._started_as = [0] * receivers  # receiver i's log: receiver-i-<this>.log
         self._lock = threading.Lock()
 
     # ---- receivers ----
@@ -88,6 +91,7 @@ class Upstream:
 
     def _start_receiver(self, index: int) -> None:
         log = self.workdir / f"receiver-{index}-{self._started}.log"
+        self._started_as[index] = self._started
         self._started += 1
         with log.open("wb") as stderr:
             proc = subprocess.Popen(
@@ -123,6 +127,22 @@ class Upstream:
         self.receivers_killed += 1
         time.sleep(self.restart_after_s)
         self._start_receiver(index)
+
+    def check(self) -> None:
+        """Raise UpstreamError if a receiver exited that nobody stopped, ending with its
+        log (a receiver goes on through FT-layer outages: an exit is a failure)."""
+        with self._lock:
+            procs = list(enumerate(self._procs))
+        dead = [(i, p) for i, p in procs if p is not None and p.poll() is not None]
+        for index, proc in dead:
+            log = self.workdir / f"receiver-{index}-{self._started_as[index]}.log"
+            raise UpstreamError(
+                f"receiver {index} exited with code {proc.returncode}{log_tail(log)}"
+            )
+
+    def logs(self) -> list[Path]:
+        """Every receiver's log so far, oldest first."""
+        return sorted(self.workdir.glob("receiver-*-*.log"), key=lambda p: p.stat().st_mtime)
 
     def receiver_pids(self) -> list[int]:
         with self._lock:

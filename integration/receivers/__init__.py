@@ -32,8 +32,9 @@ shard order), a receiver registers the source on each and stores each record on 
 a record with an identity always on the same shard (a hash of its identity, so a
 redelivery meets the first copy there and is dropped), the others on the shards in
 turn. Any shard may hold any record: the ftingest reader takes each partition's
-records from every shard. A shard that is down fails the stores of its records (they
-are not acknowledged, and come again); `has_room` counts the source's pending records
+records from every shard. A shard that is down fails the stores of its records once it
+did not answer for `reconnect_s` (60 s; they are not acknowledged, and come again: the
+bundled receivers go on, they do not exit); `has_room` counts the source's pending records
 over every shard, and says "no room" when a shard (or the one FT layer) does not answer
 within 2 s, with a warning at most every 10 s: the upstream keeps its records until it
 answers (an HTTP sender gets 503 at once, a JetStream receiver fetches nothing),
@@ -103,6 +104,7 @@ class Receiver:
         max_pending: int = DEFAULT_MAX_PENDING,
         token: bytes | None = None,
         tls_ca: str | None = None,
+        reconnect_s: float = 60.0,
         name: str = "receiver",
     ) -> None:
         if not source:
@@ -121,7 +123,8 @@ class Receiver:
         if not addresses:
             raise ConfigError(f"a receiver needs the FT layer's address, got {address!r}")
         self._clients = [
-            FTClient(a, token=token, tls=tls_ca or False, name=name) for a in addresses
+            FTClient(a, token=token, tls=tls_ca or False, reconnect_s=reconnect_s, name=name)
+            for a in addresses
         ]
         self._next_shard = 0  # records without an identity go to the shards in turn
         self._room_at = 0.0

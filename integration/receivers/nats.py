@@ -10,7 +10,10 @@ explicitly. Its loop, in asyncio:
 2. Store them (`Receiver.store`, in a thread of its own), each with the upstream name
    ``jetstream:<stream>`` and its stream sequence as its identity; meanwhile step 1
    fetches the next batch.
-3. Only once the store returned, acknowledge each message.
+3. Only once the store returned, acknowledge each message. A store that fails (the
+   FT layer unreachable for the client's reconnect window, its disk refusing the
+   write) acknowledges none of them: they are logged, negatively acknowledged with a
+   delay of `_RETRY_S`, so the stream delivers them again, and the loop goes on.
 
 A receiver that dies between step 1 and step 3 leaves its messages unacknowledged: the
 stream delivers them again after the consumer's `ack_wait` to whichever receiver of the
@@ -27,7 +30,9 @@ of its own while the subscription keeps reading. A receiver that crashes (SIGKIL
 power loss) loses what it received and did not store yet: the buffer (up to
 `flush_messages` messages or `flush_ms` of traffic, plus what arrived during the store
 that was running), the messages in the client's pending queue and those in its
-socket; and every message published while no receiver is subscribed. A clean stop
+socket; and every message published while no receiver is subscribed. A store that
+fails keeps its messages at the head of the buffer and is tried again after
+`_RETRY_S` (the buffer grows meanwhile: core NATS cannot send them again). A clean stop
 (`stop` set: SIGTERM, SIGINT) drains the subscription and stores everything first.
 Records carry no identity (core NATS never sends one twice).
 
@@ -78,6 +83,7 @@ _FETCH_WAIT_S: Final = 1.0  # a fetch on an empty stream returns after this (sto
 _NO_ROOM_WAIT_S: Final = 0.1
 _MAX_ACK_PENDING_BATCHES: Final = 8  # a new consumer's max_ack_pending, in batches
 _STORE_MAX: Final = 10_000  # messages per store of the core receiver
+_RETRY_S: Final = 1.0  # after a store that failed: its messages come again this much later
 
 
 class NatsUnreachable(FTLayerError):
@@ -233,8 +239,22 @@ class JetStreamReceiver:
 
     async def _acknowledge(self, stored: asyncio.Future[int], msgs: Sequence[Msg]) -> None:
         """Wait for the store of `msgs`, then ack each: only now are they durable in the
-        FT layer (a failed store raises, and nothing of them is acknowledged)."""
-        new = await stored
+        FT layer. A store that failed acknowledges none: they come again (module
+        docstring); a ConfigError (a message the source cannot route) raises."""
+        try:
+            new = await stored
+        except ConfigError:
+            raise
+        except (FTLayerError, OSError) as exc:
+            log.warning(
+                "JetStream receiver: storing %d messages of %s failed (%r); they are not "
+                "acknowledged and come again in %g s",
+                len(msgs), self.upstream, exc, _RETRY_S,
+            )  # fmt: skip
+            for msg in msgs:
+                await msg.nak(delay=_RETRY_S)
+            await asyncio.sleep(_RETRY_S)
+            return
         for msg in msgs:
             await msg.ack()
         self.stored += new
@@ -332,5 +352,17 @@ class NatsReceiver:
         taken, self._buffer = self._buffer[:_STORE_MAX], self._buffer[_STORE_MAX:]
         if len(self._buffer) < self.flush_messages:
             self._full.clear()
-        if taken:
+        if not taken:
+            return
+        try:
             self.stored += await store.store(taken, self.upstream)
+        except ConfigError:
+            raise
+        except (FTLayerError, OSError) as exc:
+            self._buffer[:0] = taken  # first again, ahead of what came meanwhile
+            log.warning(
+                "NATS receiver: storing %d messages of %s failed (%r); %d buffered, "
+                "tried again in %g s",
+                len(taken), self.upstream, exc, len(self._buffer), _RETRY_S,
+            )  # fmt: skip
+            await asyncio.sleep(_RETRY_S)

@@ -46,6 +46,7 @@ from jobproc import JOB, Job
 from ftlayer.client import FTClient
 from ftlayer.errors import FTLayerError
 from ftlayer.integration.harness.broker import free_port
+from ftlayer.integration.harness.child import log_tail
 from ftlayer.integration.harness.demo import busy_python_workers, python_workers
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.integration.harness.kafka import create_topic, read_all
@@ -109,11 +110,26 @@ class Server:
         self.process.stop()
 
 
-def _wait(what: str, predicate: Callable[[], bool], job: Job, timeout_s: float) -> None:
+def _wait(
+    what: str,
+    predicate: Callable[[], bool],
+    job: Job,
+    upstream: Upstream,
+    server: Server,
+    timeout_s: float,
+) -> None:
+    """Until `predicate`; fails at once if the job or a receiver exited, and after
+    `timeout_s` with the FT layer's status and the ends of every log."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         job.check()
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        upstream.check()
+        if time.monotonic() >= deadline:
+            logs = [server.process.log_path, job.stderr, *upstream.logs()]
+            raise AssertionError(
+                f"timed out waiting for {what} ({timeout_s:g} s); the FT layer's status: "
+                f"{server.client.status()}{''.join(log_tail(p) for p in logs)}"
+            )
         time.sleep(0.2)
 
 
@@ -152,6 +168,7 @@ def test_every_message_acknowledged_upstream_reaches_the_sink_through_four_kills
     command += ["--workdir", str(tmp_path / "job"), "--max-offsets-per-trigger", str(M)]
     job = Job(command, tmp_path / "job")
     kills: list[str] = []
+    watched = (job, upstream, server)
     try:
         upstream.start()  # the receivers register the source
         job.start()
@@ -159,16 +176,16 @@ def test_every_message_acknowledged_upstream_reaches_the_sink_through_four_kills
         def completed(share: float) -> Callable[[], bool]:
             return lambda: server.completed() >= share * N
 
-        _wait("15% acknowledged upstream", lambda: upstream.acked >= 0.15 * N, job, 300)
+        _wait("15% acknowledged upstream", lambda: upstream.acked >= 0.15 * N, *watched, 300)
         upstream.kill_receiver(0)
         kills.append(f"receiver at {upstream.acked} acked")
-        _wait("25% completed", completed(0.25), job, 300)
+        _wait("25% completed", completed(0.25), *watched, 300)
         server.kill_and_restart()
         kills.append("FT layer")
-        _wait("50% completed", completed(0.5), job, 300)
+        _wait("50% completed", completed(0.5), *watched, 300)
         assert job.proc is not None
         kills.append(f"Python worker {_kill_a_worker(job.proc.pid)}")
-        _wait("75% completed", completed(0.75), job, 300)
+        _wait("75% completed", completed(0.75), *watched, 300)
         job.kill()
         job.start()
         kills.append("driver")
@@ -177,7 +194,8 @@ def test_every_message_acknowledged_upstream_reaches_the_sink_through_four_kills
             status = server.client.status()
             return upstream.done and status.pending_of(source_id) == 0
 
-        _wait("every message acknowledged and every tree complete", settled, job, SETTLE_TIMEOUT_S)
+        everything = "every message acknowledged and every tree complete"
+        _wait(everything, settled, *watched, SETTLE_TIMEOUT_S)
         timeouts = server.timeouts()
         ingest_duplicates = server.duplicates_before + server.client.status().ingest_duplicates
         outputs = read_all(kafka_bootstrap, sink_topic, timeout=120)

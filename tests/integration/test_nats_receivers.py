@@ -15,12 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 from serverproc import Server, StartServer, queued_records, stop_process
 
 from ftlayer.client import FTClient
+from ftlayer.integration.harness.broker import free_port
 from ftlayer.integration.harness.nats import (
     NatsServer,
     add_stream,
@@ -41,17 +43,19 @@ StartReceiver = Callable[..., subprocess.Popen[bytes]]
 
 
 @pytest.fixture
-def start_receiver() -> Iterator[StartReceiver]:
+def start_receiver(tmp_path: Path) -> Iterator[StartReceiver]:
     """`start_receiver(kind, *args)`: an `ftlayer ingest KIND` process, once it printed
-    its "ftlayer ingest KIND on" line; the finalizer stops (or kills) every one."""
+    its "ftlayer ingest KIND on" line, its log in `receiver-<n>.log` of the test's
+    directory; the finalizer stops (or kills) every one."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(kind: str, *args: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ftlayer.cli", "ingest", kind, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        with (tmp_path / f"receiver-{len(procs)}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ftlayer.cli", "ingest", kind, *args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
         procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
@@ -200,6 +204,44 @@ def test_at_its_limit_the_receiver_stops_fetching_and_the_stream_keeps_the_rest(
             assert client.status().pending_of(source_id) <= limit + batch
             completed += _complete_all(client, "hold")
         assert client.status().ingested == n and completed == n
+
+
+def test_stores_that_fail_while_the_ft_layer_is_down_come_again_and_the_receiver_goes_on(
+    start_server: StartServer,
+    nats_server: NatsServer,
+    start_receiver: StartReceiver,
+    tmp_path: Path,
+) -> None:
+    """The FT layer SIGKILLed under a JetStream receiver storing at full speed, and
+    started again on its data dir 3 s later: the stores in flight fail (the receiver
+    waits 1 s for a server, --reconnect-s 1), their messages are not acknowledged and come
+    again; the receiver does not exit, and every message is stored once. Killed again
+    until a store failed."""
+    n = 30_000
+    port = str(free_port())
+    server, url = start_server(None, "--port", port), nats_server.url
+    asyncio.run(add_stream(url, "OUTAGE", ["outage"]))
+    asyncio.run(publish(url, "outage", _values(n)))
+    asyncio.run(wait_stream_messages(url, "OUTAGE", n))
+    args = _jetstream_args(server, nats_server, "OUTAGE", "--batch", "1000")
+    proc = start_receiver("jetstream", *args, "--max-pending", str(n), "--reconnect-s", "1")
+    log = tmp_path / "receiver-0.log"
+    outages = 0
+    while outages < 10 and "come again" not in log.read_text():
+        before = _status(server).ingested
+        assert before < n, "the stream was stored before a store failed"
+        _wait("a batch stored", lambda: _status(server).ingested > before)  # noqa: B023
+        server.kill()
+        time.sleep(3.0)  # past the receiver's reconnect window: its store fails
+        server = start_server(server.data_dir, "--port", port)
+        outages += 1
+    assert "come again" in log.read_text(), f"no store failed in {outages} outages"
+    _wait("every message acked", lambda: _drained(url, "OUTAGE"))  # acked once stored
+    assert proc.poll() is None, log.read_text()[-2000:]
+    with server.client() as client:
+        values = sorted(v for kvs in _queued(client, "outage").values() for _, v in kvs)
+    assert values == _values(n)  # 0 lost, 0 stored twice
+    print(f"\n{outages} outages until a store failed; the receiver went on")
 
 
 def _publisher(url: str, subject: str, n: int, per_s: float) -> tuple[threading.Thread, list[int]]:
