@@ -82,7 +82,8 @@ def main() -> int:
     # Spark's JVM and PySpark also make temporary directories of their own, which a
     # SIGKILL leaves behind: keep them in the job's work dir, not in /tmp.
     os.environ["TMPDIR"] = str(scratch)
-    os.environ["JAVA_TOOL_OPTIONS"] = f"-Djava.io.tmpdir={scratch}"
+    java_options = os.environ.get("JAVA_TOOL_OPTIONS", "")  # the suite's class archive
+    os.environ["JAVA_TOOL_OPTIONS"] = f"{java_options} -Djava.io.tmpdir={scratch}".strip()
     tempfile.tempdir = None  # read TMPDIR again
     spark = local_spark(
         master=MASTER,

@@ -340,7 +340,9 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
     # Every JVM's java.io.tmpdir under tmp_path: an executor fetches the archive into a
     # temporary directory there, which outlives an executor killed before its shutdown.
     (tmp_path / "jvm-tmp").mkdir()
-    monkeypatch.setenv("JAVA_TOOL_OPTIONS", f"-Djava.io.tmpdir={tmp_path / 'jvm-tmp'}")
+    java_options = os.environ.get("JAVA_TOOL_OPTIONS", "")  # the suite's class archive
+    java_options += f" -Djava.io.tmpdir={tmp_path / 'jvm-tmp'}"
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", java_options.strip())
     with StandaloneCluster(tmp_path / "spark", workers=(Host(),), worker_cores=2) as cluster:
         submit = submit.replace(theirs, cluster.master_url)
         # What section 5's first block exports, for this machine; no PYSPARK_* or
