@@ -1,4 +1,5 @@
-"""What the FT layer reports across the wire, typed: `Status` (the STATUS reply) and
+"""What the FT layer reports across the wire, typed: `Status` (the STATUS reply),
+`BriefStatus` (the brief STATUS reply: what a source's driver reads per batch) and
 `CheckpointReport` (one checkpoint, as a CHECKPOINT reply and STATUS carry it).
 
 Each has one parser (`from_json`, strict: every documented field, of its documented
@@ -23,6 +24,7 @@ from ftlayer.errors import CorruptData, PositionError
 from ftlayer.position import KafkaOffsets, Position, offsets_from_json, offsets_to_json
 
 __all__ = [
+    "BriefStatus",
     "CheckpointReport",
     "LatencySummary",
     "QueryCheckpoints",
@@ -494,18 +496,12 @@ class Status(Mapping[str, Any]):
         """The highest replay seq of these sources' records (a source with none since
         the server started reads `replay_cursor_at_start`): other sources' failures do
         not move it, so they cause no empty batches."""
-        return max(
-            (self.replay_cursors.get(str(s), self.replay_cursor_at_start) for s in source_ids),
-            default=self.replay_cursor_at_start,
-        )
+        return _cursor_of(self.replay_cursors, self.replay_cursor_at_start, source_ids)
 
     def replay_start_of(self, source_ids: Sequence[int]) -> int:
         """A new query's replay cursor: where its sources' queue rows were pruned to, so
         its first batch takes in every replay of its sources still queued."""
-        every = self.replay_pruned.get("*", 0)
-        return max(
-            (max(every, self.replay_pruned.get(str(s), 0)) for s in source_ids), default=every
-        )
+        return _start_of(self.replay_pruned, source_ids)
 
     def lease_of(self, source_id: int) -> float | None:
         """The seconds the heartbeat lease on `source_id`'s running batch has left (0:
@@ -522,6 +518,29 @@ class Status(Mapping[str, Any]):
         waiting to be read (the ftkafka source's ft.maxPendingRecords counts these)."""
         return self.pending_by_source.get(str(source_id), 0)
 
+    def unfilled_of(self, source_id: int) -> int:
+        """Failed records of one source stored by reference whose bytes it has not
+        copied in yet."""
+        figures = self.by_source.get(str(source_id))
+        return 0 if figures is None else figures.unfilled
+
+    def brief(self) -> BriefStatus:
+        """The fields of the brief reply (`BriefStatus`), from this whole one."""
+        return BriefStatus(
+            replay_cursors=self.replay_cursors,
+            replay_cursor_at_start=self.replay_cursor_at_start,
+            replay_pruned=self.replay_pruned,
+            pending_by_source=self.pending_by_source,
+            unfilled_by_source={k: f.unfilled for k, f in self.by_source.items() if f.unfilled},
+            timeout_s=self.timeout_s,
+            uptime_s=self.uptime_s,
+            version=self.version,
+            shard=self.shard,
+            shards=self.shards,
+            store_id=self.store_id,
+            parked=self.parked,
+        )
+
     # ---- a read-only mapping of the JSON form -----------------------------------------
 
     def __getitem__(self, key: str) -> Any:
@@ -532,6 +551,94 @@ class Status(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(dataclasses.fields(self))
+
+
+@dataclass(frozen=True, slots=True)
+class BriefStatus:
+    """The brief STATUS reply (docs/protocol.md 6.2, "The brief reply"): what the
+    ftkafka source's driver reads once per batch (its replay cursor, its pending roots
+    for flow control, the failed records whose bytes it owes, the server's place, store
+    and timeout), without the heavy sections of the whole reply (checkpoints, sources,
+    per-source meters, request costs). Each field means what the whole reply's field of
+    the same name means (`Status`); `unfilled_by_source` is `by_source[s].unfilled` of
+    the sources with any."""
+
+    replay_cursors: Mapping[str, int]
+    replay_cursor_at_start: int
+    replay_pruned: Mapping[str, int]
+    pending_by_source: Mapping[str, int]
+    unfilled_by_source: Mapping[str, int]
+    timeout_s: float
+    uptime_s: float
+    version: str
+    shard: int
+    shards: int
+    store_id: str
+    parked: Mapping[str, Mapping[str, int]]
+
+    @classmethod
+    def from_json(cls, data: object) -> BriefStatus:
+        """Strict, as `Status.from_json`: every key of the brief reply and no other."""
+        what = "the brief STATUS reply"
+        if not isinstance(data, Mapping):
+            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise StatusError(f"{what} has fields this client does not know: {extra}")
+        return cls(
+            replay_cursors=_counts(data, "replay_cursors", what),
+            replay_cursor_at_start=_field(data, "replay_cursor_at_start", int, what),
+            replay_pruned=_counts(data, "replay_pruned", what),
+            pending_by_source=_counts(data, "pending_by_source", what),
+            unfilled_by_source=_counts(data, "unfilled_by_source", what),
+            timeout_s=float(_field(data, "timeout_s", _NUMBER, what)),
+            uptime_s=float(_field(data, "uptime_s", _NUMBER, what)),
+            version=_field(data, "version", str, what),
+            shard=_field(data, "shard", int, what),
+            shards=_field(data, "shards", int, what),
+            store_id=_field(data, "store_id", str, what),
+            parked=_parked(_field(data, "parked", dict, what), what),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("replay_cursors", "replay_pruned", "pending_by_source", "unfilled_by_source"):
+            data[name] = dict(data[name])
+        data["parked"] = {k: dict(v) for k, v in self.parked.items()}
+        return data
+
+    # ---- the questions a source asks, answered as `Status` answers them -------------
+
+    def replay_cursor_of(self, source_ids: Sequence[int]) -> int:
+        """As `Status.replay_cursor_of`."""
+        return _cursor_of(self.replay_cursors, self.replay_cursor_at_start, source_ids)
+
+    def replay_start_of(self, source_ids: Sequence[int]) -> int:
+        """As `Status.replay_start_of`."""
+        return _start_of(self.replay_pruned, source_ids)
+
+    def parked_for(self, shard: int) -> int:
+        """As `Status.parked_for`."""
+        return int(self.parked.get(str(shard), {}).get("roots", 0))
+
+    def pending_of(self, source_id: int) -> int:
+        """As `Status.pending_of`."""
+        return self.pending_by_source.get(str(source_id), 0)
+
+    def unfilled_of(self, source_id: int) -> int:
+        """Failed records of one source stored by reference whose bytes it has not
+        copied in yet."""
+        return self.unfilled_by_source.get(str(source_id), 0)
+
+
+def _cursor_of(cursors: Mapping[str, int], at_start: int, source_ids: Sequence[int]) -> int:
+    return max((cursors.get(str(s), at_start) for s in source_ids), default=at_start)
+
+
+def _start_of(pruned: Mapping[str, int], source_ids: Sequence[int]) -> int:
+    every = pruned.get("*", 0)
+    return max((max(every, pruned.get(str(s), 0)) for s in source_ids), default=every)
 
 
 def _parked(value: object, what: str) -> dict[str, dict[str, int]]:

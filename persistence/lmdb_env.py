@@ -10,7 +10,8 @@ Transactions
 - `_write(work)`: write transactions run one at a time, under `_lock` (LMDB has one
   writer). What `stage_meta` and `stage_deletes` left staged rides on the next one,
   whatever it writes: in the same transaction, after `work`, and forgotten once it
-  commits (unless staged again meanwhile).
+  commits (unless staged again meanwhile); a staged meta entry whose key `work`
+  itself writes is older than that write and is dropped instead (`supersedes`).
 - The map grows by itself: a transaction that fills the map is aborted, the map size
   doubled, and the whole transaction run again from the start, so every operation stays
   all-or-nothing (and `work` must have no effect outside its transaction). A map that
@@ -45,7 +46,7 @@ import shutil
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -230,12 +231,20 @@ class LmdbEnvironment(PersistenceStorage):
         lmdb_writes: `_write` carries out the staged deletes with it)."""
 
     def _write(
-        self, work: Callable[[lmdb.Transaction[bytes]], _T], *, db: lmdb._Database | None
+        self,
+        work: Callable[[lmdb.Transaction[bytes]], _T],
+        *,
+        db: lmdb._Database | None,
+        supersedes: Collection[bytes] = (),
     ) -> _T:
         """Run `work` in one write transaction (default database `db`) and commit it.
 
         If the map is full, the transaction is aborted, the map doubled and `work` run
         again from the start, so it must not have effects outside the transaction.
+        `supersedes`: meta keys `work` writes; a value or delete staged for one of them
+        is older than that write, so it is left out of the transaction and forgotten
+        once it commits (a staged delete of a key a later write stores again never
+        undoes that write).
         """
         with self._lock:
             env = self._live_env()
@@ -247,6 +256,8 @@ class LmdbEnvironment(PersistenceStorage):
                     with env.begin(db=db, write=True) as txn:
                         result = work(txn)
                         for key, value in staged.items():
+                            if key in supersedes:
+                                continue
                             if value is None:
                                 txn.delete(key, db=self._meta)
                             else:

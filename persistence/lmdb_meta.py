@@ -54,10 +54,10 @@ class LmdbMeta(LmdbEnvironment):
         return self._read(read, db=self._meta)
 
     def _put_meta(self, key: bytes, value: MetaValue) -> None:
-        self._write(lambda txn: txn.put(key, value), db=self._meta)
+        self._write(lambda txn: txn.put(key, value), db=self._meta, supersedes=(key,))
 
     def _delete_meta(self, key: bytes) -> bool:
-        return bool(self._write(lambda txn: txn.delete(key), db=self._meta))
+        return bool(self._write(lambda txn: txn.delete(key), db=self._meta, supersedes=(key,)))
 
     def _update_meta(
         self, puts: Sequence[tuple[bytes, MetaValue]], deletes: Sequence[bytes]
@@ -68,7 +68,7 @@ class LmdbMeta(LmdbEnvironment):
             for key, value in puts:
                 txn.put(key, value)
 
-        self._write(write, db=self._meta)
+        self._write(write, db=self._meta, supersedes={*deletes, *(key for key, _ in puts)})
 
     def _meta_keys(self, prefix: bytes) -> list[str]:
         def keys(txn: lmdb.Transaction[bytes]) -> list[str]:

@@ -1,7 +1,7 @@
 """CPU per record of a real `ftlayer serve` on barrier mode's failure path with
 `ft.persist=reference`, without Spark: the requests the fast bench's pipeline sends at
 1% failures, in the order the ftkafka source and the task wrappers send them. Per
-micro-batch of 200,000 records over 4 partitions: the driver's STATUS (its replay
+micro-batch of 200,000 records over 4 partitions: the driver's brief STATUS (its replay
 cursor), CHECKPOINT_BEGIN (the barrier, completing the batch before), BATCH_RANGES;
 two task clients (two task slots) each FETCH_REPLAY their two partitions' replays and
 FAIL FAIL_PCT% of their new rows (by range root) in pieces of PIECE rows; then the
@@ -73,7 +73,7 @@ def main() -> None:
                         client.fail(roots[k : k + PIECE], FAILED)
 
             def micro_batch() -> None:
-                hi = driver.status().replay_cursor_of([SOURCE])
+                hi = driver.brief_status().replay_cursor_of([SOURCE])  # as the driver asks
                 ends = {str(p): offsets[p] + per_partition for p in range(PARTITIONS)}
                 end = {"kafka": {TOPIC: ends}, "replay": hi}
                 driver.checkpoint(

@@ -14,7 +14,7 @@ buffers its events; over a BatchingChannel, ftlayer.client.channel, it does not)
   server is waited for; nothing of a request is sent before its connection is up, so
   every call may wait this way. Then ConnectionLost.
 - A connection that breaks after a request was sent is retried once (reconnecting as
-  above) for the idempotent calls only (status, fetch_replay, register_source,
+  above) for the idempotent calls only (status, brief_status, fetch_replay, register_source,
   checkpoint, heartbeat, inspect, listing dead letters). persist, xor, fail and savepoint
   raise ConnectionLost instead: the request may or may not have been applied, and only
   the caller knows whether to resend. The next call reconnects.
@@ -63,7 +63,7 @@ from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.logs import fields
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
-from ftlayer.status import CheckpointReport, Status
+from ftlayer.status import BriefStatus, CheckpointReport, Status
 from ftlayer.wire import (
     DEFAULT_MAX_FRAME,
     DIGEST_SIZE,
@@ -74,6 +74,7 @@ from ftlayer.wire import (
     Frame,
     FrameReader,
     Kind,
+    MalformedFrame,
     NotAuthenticated,
     ParkedList,
     ParkedOp,
@@ -213,6 +214,7 @@ class FTClient:
         self.connections = 0
         """Connections opened so far (handshake done): replies got while it stays the
         same came over one connection, from one server process and its one store."""
+        self._whole_status_only = False  # the server refused the brief STATUS once
 
     # ---- FTChannel ---------------------------------------------------------------
 
@@ -542,6 +544,28 @@ class FTClient:
         status = Status.from_json(decode_status_reply(frame).status)
         self.store_id = status.store_id
         return status
+
+    def brief_status(self, *, reconnect_s: float | None = None) -> BriefStatus:
+        """The brief STATUS reply: what a source's driver reads per batch (replay
+        cursors, pending and unfilled records per source, the server's place, store and
+        timeout), without the whole reply's heavy sections. A server that predates it
+        refuses the request's flags byte (ERROR 1, MalformedFrame); this client then
+        asks it for the whole reply, and keeps doing so, and answers its brief part."""
+        if not self._whole_status_only:
+            try:
+                frame = self._call(
+                    lambda rid: encode_status_request(rid, brief=True),
+                    Kind.STATUS_REPLY,
+                    retry=True,
+                    reconnect_s=reconnect_s,
+                )
+            except MalformedFrame:
+                self._whole_status_only = True
+            else:
+                brief = BriefStatus.from_json(decode_status_reply(frame).status)
+                self.store_id = brief.store_id
+                return brief
+        return self.status(reconnect_s=reconnect_s).brief()
 
     def dead_letters(
         self, where: Mapping[str, Any] | None = None, limit: int | None = None

@@ -644,6 +644,12 @@ class FTLayer:
         coordinates, plus a read of the records found: a diagnostic, changes nothing."""
         return queries.inspect(self._s, query)
 
+    def brief_stats(self) -> dict[str, Any]:
+        """The core's part of the brief STATUS reply (ftlayer.status.BriefStatus), as
+        JSON: replay cursors and prune points, pending roots and unfilled records per
+        source."""
+        return queries.brief_stats(self._s)
+
     def current_stats(self) -> FTStats:
         """The counters, with the current state filled in: pending roots, and the replay
         queue's length and cursors."""

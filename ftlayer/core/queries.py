@@ -38,6 +38,8 @@ def lowest_pending_offsets(
     pending root (replayed ones keep their original offset), for `topics` only if
     given. A partition with nothing pending is absent. Records persisted without an
     offset (negative) are ignored."""
+    if not len(s.acker):  # barrier mode by reference: only open ranges, no entry each
+        return ranges.lowest_offsets(s, topics)
     cols = s.acker.live_columns("topic", "partition", "offset", copy=False)
     topic, partition = cols["topic"], cols["partition"]
     offsets = cols["offset"].astype(np.int64, copy=False)
@@ -189,6 +191,21 @@ def current_stats(s: CoreState) -> FTStats:
     }
     stats.complete_latency = total_latency(by_source).summary().to_json()
     return stats
+
+
+def brief_stats(s: CoreState) -> dict[str, Any]:
+    """What the brief STATUS reply holds of the core (ftlayer.status.BriefStatus): the
+    replay cursors and prune points, the pending roots and the unfilled records per
+    source, each by source id as a string. O(pending), as `pending_by_source`; none of
+    `current_stats`' meters."""
+    queue = s.queue
+    return {
+        "replay_cursors": queue.cursors(),
+        "replay_cursor_at_start": queue.cursor_at_start,
+        "replay_pruned": queue.pruned(),
+        "pending_by_source": {str(k): n for k, n in pending_by_source(s).items()},
+        "unfilled_by_source": {str(k): n for k, n in counts_by_source(s).items() if n},
+    }
 
 
 _DENSE_CELLS: Final = 1 << 20

@@ -13,7 +13,10 @@ range root (ftlayer.rangeroots). The contract:
   the group offset of a partition at its lowest open range's start, and
   `pending_counts` counts them for flow control.
 - `complete`: a batch of these sources is done up to a barrier position: every open
-  range wholly below it completes (its records counted completed, its meta deleted).
+  range wholly below it completes (its records counted completed, its meta deleted by
+  the store's next write transaction: staged, so a barrier costs no commit of its
+  own; a crash before that write leaves the ranges open, and the next done barrier,
+  past them too, completes them).
   A range left behind by a batch planned differently (a restart) is below a later
   barrier too, so it completes with it: Spark processed every offset below a done
   barrier. Ranges do not time out: Kafka and Spark's offset log re-read an unfinished
@@ -119,7 +122,11 @@ def complete(
     if not done:
         return 0
     s.changing()
-    s.storage.update_meta({}, [_key(r.number) for r in done])
+    # Staged, not committed: the deletes ride on the store's next write (the next
+    # batch's BATCH_RANGES, or the server's flush of an idle store). A crash before it
+    # leaves these ranges open, and the next done barrier of their sources, which is
+    # past them, completes them again: nothing is lost, no record is replayed.
+    s.storage.stage_meta({}, [_key(r.number) for r in done])
     completed = 0
     for r in done:
         del s.ranges.by_number[r.number]

@@ -281,9 +281,9 @@ class RequestHandlers(ServerState):
         return encode_mark(rid, mark, first)
 
     def _status_request(self, rid: int, frame: Frame) -> bytes:
-        decode_status_request(frame)
+        request = decode_status_request(frame)
         with self._core() as ft:
-            status = self._status(ft)
+            status = self._brief_status(ft) if request.brief else self._status(ft)
         return encode_status_reply(rid, status, max_frame=self.max_frame)
 
     def _register_source(self, rid: int, frame: Frame) -> bytes:
@@ -470,6 +470,29 @@ class RequestHandlers(ServerState):
         self._dead_letter_rows = (key, found)
         return found
 
+    def _brief_status(self, ft: FTLayer) -> dict[str, Any]:
+        """The brief reply (ftlayer.status.BriefStatus); called under the lock."""
+        status = ft.brief_stats()
+        status.update(
+            timeout_s=self.timeout_s,
+            uptime_s=round(time.monotonic() - self._started_at, 3),
+            version=__version__,
+            shard=self.shard.index,
+            shards=self.shard.count,
+            store_id=self.store_id,
+            parked=self._parked_counts(),
+        )
+        return status
+
+    def _parked_counts(self) -> dict[str, dict[str, int]]:
+        parked = self._parked
+        if parked is None:
+            return {}
+        return {
+            str(owner): {"entries": n, "roots": roots}
+            for owner, (n, roots) in parked.counts().items()
+        }
+
     def _status(self, ft: FTLayer) -> dict[str, Any]:
         """Called under the lock."""
         status = ft.current_stats().to_json()
@@ -494,12 +517,7 @@ class RequestHandlers(ServerState):
             shards=self.shard.count,
             store_id=self.store_id,
             requests=self._request_costs.to_json(),
-            parked={}
-            if self._parked is None
-            else {
-                str(owner): {"entries": n, "roots": roots}
-                for owner, (n, roots) in self._parked.counts().items()
-            },
+            parked=self._parked_counts(),
         )
         return status
 

@@ -25,7 +25,10 @@ from .state import _DELETE_CHUNK, _POLL_S, ServerState
 log = logging.getLogger("ftlayer.server")
 
 _SPOOL_CHECK_S: Final = 30.0  # the spool is checked for idle parts this often (at most)
-_STAGED_MAX_WAIT_S = 0.5  # staged checkpoint records commit within this on an idle store
+# Staged meta entries (checkpoint records, completed batch ranges) commit within this
+# on an idle store; on a running stream the next batch's write carries them first, so
+# a batch of up to this long costs one commit, not two.
+_STAGED_MAX_WAIT_S = 2.0
 # A record whose seq follows the one deleted before it in the same transaction weighs
 # this fraction of one that starts a run: a run of records lies in one chunk, or drops
 # whole chunks, which LMDB does for far less than a chunk state rewritten per record.

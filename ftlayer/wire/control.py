@@ -46,6 +46,7 @@ __all__ = [
     "COMPLETIONS",
     "MAX_SOURCE_PARTITIONS",
     "RETRY_KEYS",
+    "STATUS_BRIEF",
     "CheckpointReply",
     "CheckpointRequest",
     "ErrorReply",
@@ -147,7 +148,10 @@ class SavepointCreated:
 
 @dataclass(frozen=True, slots=True)
 class StatusRequest:
-    pass
+    """STATUS: the whole reply, or with `brief` only what a source's driver reads per
+    batch (docs/protocol.md 6.2, "The brief reply")."""
+
+    brief: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,13 +473,25 @@ def decode_heartbeat(message: Frame | bytes) -> Heartbeat:
 # ---- STATUS ----------------------------------------------------------------------------
 
 
-def encode_status_request(request_id: int) -> bytes:
-    return encode_frame(Kind.STATUS, request_id, b"")
+STATUS_BRIEF: Final = 0x01
+"""Bit 0 of the STATUS request's flags byte: the brief reply (docs/protocol.md 6.2)."""
+
+
+def encode_status_request(request_id: int, *, brief: bool = False) -> bytes:
+    """STATUS: an empty body (the whole reply), or with `brief` one flags byte."""
+    return encode_frame(Kind.STATUS, request_id, bytes([STATUS_BRIEF]) if brief else b"")
 
 
 def decode_status_request(message: Frame | bytes) -> StatusRequest:
-    _body(message, Kind.STATUS).done()
-    return StatusRequest()
+    """An empty body, or one flags byte whose bits 1-7 are 0 (BadRequest otherwise)."""
+    body = _body(message, Kind.STATUS)
+    if not body.data:
+        return StatusRequest()
+    (flags,) = body.raw(1, "flags")
+    body.done()
+    if flags & ~STATUS_BRIEF:
+        raise BadRequest(f"STATUS flags {flags:#04x} set a reserved bit (bits 1-7 must be 0)")
+    return StatusRequest(brief=bool(flags & STATUS_BRIEF))
 
 
 def encode_status_reply(

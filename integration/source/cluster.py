@@ -55,7 +55,7 @@ from ftlayer.client import ConnectionLost, FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import KafkaOffsets, Position
 from ftlayer.shards import partition_shard
-from ftlayer.status import CheckpointReport, Status
+from ftlayer.status import BriefStatus, CheckpointReport
 
 from .options import SourceOptions
 
@@ -214,14 +214,14 @@ class ShardClients:
         """The call on every shard, in shard order."""
         return [self.call(shard, what, call) for shard in range(self.count)]
 
-    def statuses(self) -> tuple[list[Status | None], list[int]]:
+    def statuses(self) -> tuple[list[BriefStatus | None], list[int]]:
         """Every shard's STATUS, None for a shard that is down, and the shards that are
         back since the last call. With one shard a failure is a SourceError (after
         ft.reconnectTimeoutMs); with several, only once no shard answered for
         ft.reconnectTimeoutMs."""
         if self.count == 1:
             return [self.call(0, "read the replay cursor", self._status)], []
-        statuses: list[Status | None] = []
+        statuses: list[BriefStatus | None] = []
         back: list[int] = []
         now = time.monotonic()
         for shard in range(self.count):
@@ -259,9 +259,9 @@ class ShardClients:
             )
         return statuses, back
 
-    def _status(self, client: FTClient) -> Status:
+    def _status(self, client: FTClient) -> BriefStatus:
         """A STATUS, noting the store that answered over the client's connection."""
-        status = client.status()
+        status = client.brief_status()
         self._stores_seen[client] = (client.connections, status.store_id)
         return status
 
@@ -290,7 +290,7 @@ class ShardClients:
             reconnect_s=reconnect_s,
         )
 
-    def check_places(self) -> list[Status]:
+    def check_places(self) -> list[BriefStatus]:
         """Every shard's STATUS, once each was found where ft.address puts it: shard i
         of as many shards as ft.address names (ConfigError naming the first that is
         not)."""

@@ -11,8 +11,9 @@ position has a replay cursor per shard, and every request goes to the shard it
 concerns (.cluster).
 
 Flow control (ft.maxPendingRecords, Storm's max.spout.pending per source, and per shard
-with several): the STATUS reply that gives `available` the replay cursor also gives
-each source's pending roots, counted by the FT layer at that moment: trees still in
+with several): the STATUS reply (the brief one, docs/protocol.md 6.2: only what this
+driver reads) that gives `available` the replay cursor also gives each source's
+pending roots, counted by the FT layer at that moment: trees still in
 flight and replays waiting in the queue. `limited` then admits at most (limit -
 pending) new Kafka records of that source's topic on each shard, split over the
 shard's partitions in proportion to their backlog, and none once pending reaches the
@@ -54,7 +55,7 @@ from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.registration import SourceRegistration
-from ftlayer.status import CheckpointReport, Status
+from ftlayer.status import BriefStatus, CheckpointReport, Status
 from ftlayer.wire import DeadLetterList, UnfilledList
 
 from .cluster import CheckpointAnswers, ShardClients, ShardMap
@@ -229,7 +230,7 @@ class SourceDriver:
         return Position.at(ends, cursors, stores).to_json()
 
     def _rewinds(
-        self, first: Position | None, known: Sequence[str], statuses: list[Status | None]
+        self, first: Position | None, known: Sequence[str], statuses: list[BriefStatus | None]
     ) -> list[Rewind]:
         """The rewinds of the shards that serve another store than `known`, the stores
         `first` names (.rewind)."""
@@ -243,7 +244,7 @@ class SourceDriver:
         ]
         return rewinds
 
-    def _rewind(self, first: Position, shard: int, was: str, status: Status) -> Rewind:
+    def _rewind(self, first: Position, shard: int, was: str, status: BriefStatus) -> Rewind:
         """Shard `shard`'s partitions back to their group offsets, its sources
         registered with its new store, logged."""
         where = self.shards.where(shard)
@@ -708,7 +709,7 @@ class SourceDriver:
 
     def _replay_cursors(
         self, previous: tuple[int, ...] | None, stores: Sequence[str] | None = None
-    ) -> tuple[list[int], list[Status | None]]:
+    ) -> tuple[list[int], list[BriefStatus | None]]:
         """Each shard's highest replay seq of this query's sources (see
         FTLayer.replay_cursor_of): other queries' failures do not move it, so they cause
         no empty batches here. The same reply gives each source's pending roots on the
@@ -736,15 +737,11 @@ class SourceDriver:
         self._cursors = tuple(cursors)
         return cursors, statuses
 
-    def _filled(self, shard: int, status: Status) -> Status:
+    def _filled(self, shard: int, status: BriefStatus) -> BriefStatus:
         """A shard's STATUS, once the bytes of its sources' failed records stored by
         reference were copied in (records copied in may be queued then, a batch range's
         routed by the key they brought, and this batch takes them in)."""
-        unfilled = [
-            s
-            for s in sorted(set(self.source_ids.values()))
-            if (figures := status.by_source.get(str(s))) is not None and figures.unfilled
-        ]
+        unfilled = [s for s in sorted(set(self.source_ids.values())) if status.unfilled_of(s)]
         if unfilled and self.fill_failed(unfilled, shard):
             status = self.shards.call(shard, "read the replay cursor", _status)
         return status
@@ -836,7 +833,12 @@ def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
     return shares
 
 
-def _status(client: FTClient) -> Status:
+def _status(client: FTClient) -> BriefStatus:
+    """The brief STATUS: all the driver reads per batch (docs/protocol.md 6.2)."""
+    return client.brief_status()
+
+
+def _whole_status(client: FTClient) -> Status:
     return client.status()
 
 

@@ -58,9 +58,9 @@ from kafka import TopicPartition
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import KafkaOffsets, Position
 from ftlayer.registration import SourceRegistration
-from ftlayer.status import Status
+from ftlayer.status import BriefStatus, Status
 
-from .driver import SourceDriver, _status
+from .driver import SourceDriver, _whole_status
 from .rewind import Rewind
 
 __all__ = ["IngestDriver"]
@@ -80,7 +80,7 @@ class IngestDriver(SourceDriver):
         query's partitioner theirs, unless ft.partitioner was given); ConfigError if
         no receiver registered a source, or with another partitioner than the option's,
         or the sources' receivers chose different partitioners."""
-        status: Status = self.shards.call(0, "read the sources' registrations", _status)
+        status: Status = self.shards.call(0, "read the sources' registrations", _whole_status)
         counts: dict[str, int] = {}
         chosen: dict[str, Mapping[str, Any]] = {}
         for name, source_id in self.source_ids.items():
@@ -132,7 +132,7 @@ class IngestDriver(SourceDriver):
     def _ends(self, tps: list[TopicPartition]) -> KafkaOffsets:
         return _nothing(tps)
 
-    def _rewind(self, first: Position, shard: int, was: str, status: Status) -> Rewind:
+    def _rewind(self, first: Position, shard: int, was: str, status: BriefStatus) -> Rewind:
         raise SourceError(
             f"{self.shards.where(shard)} serves another store than this query's position "
             f"names (store id {status.store_id}, was {was}): its data dir was lost or "

@@ -33,7 +33,7 @@ from functools import partial
 from ftlayer.client import FTClient
 from ftlayer.client.drain import Drained, drain
 from ftlayer.errors import SourceError
-from ftlayer.status import Status
+from ftlayer.status import BriefStatus
 from ftlayer.wire import Fail, ParkedList
 
 from .cluster import ShardClients
@@ -56,7 +56,9 @@ class Parking:
         self.dropped = 0
         """Roots delivered, and dropped as failures of a lost store, since the start."""
 
-    def settle(self, statuses: list[Status | None], stores: Sequence[str]) -> list[Status | None]:
+    def settle(
+        self, statuses: list[BriefStatus | None], stores: Sequence[str]
+    ) -> list[BriefStatus | None]:
         """Look at this STATUS round (None: down), deliver what can be delivered, and
         return the round with every held shard as None (module docstring). `stores`:
         the store of each shard the query's position names."""
@@ -154,8 +156,8 @@ class Parking:
         return self.shards.quick(keeper, "drop delivered parked failures", partial(_dropped, seqs))
 
 
-def _status(client: FTClient) -> Status:
-    return client.status()
+def _status(client: FTClient) -> BriefStatus:
+    return client.brief_status()
 
 
 def _listed(client: FTClient) -> ParkedList:

@@ -359,6 +359,9 @@ def test_savepoint_encoder_refuses_what_the_server_cannot_take(
 
 def test_status_ok_and_error_round_trip() -> None:
     assert p.decode(frame(p.encode_status_request(1))) == p.StatusRequest()
+    brief = p.encode_status_request(1, brief=True)
+    assert brief[9:] == b"\x01"  # one flags byte after the head
+    assert p.decode(frame(brief)) == p.StatusRequest(brief=True)
     status = {"persisted": 3, "failed": {"timeout": 1}, "name": "ü"}
     assert p.decode(frame(p.encode_status_reply(1, status))) == p.StatusReply(status)
     assert p.decode(frame(p.encode_ok(1, 2**32 - 1))) == p.Ok(2**32 - 1)
@@ -611,7 +614,8 @@ MALFORMED: list[tuple[str, p.Frame, type[p.ProtocolError], str]] = [
         p.BadRequest,
         "out of range",
     ),
-    ("status with a body", reframe(p.Kind.STATUS, b"x"), p.MalformedFrame, "trailing"),
+    ("status with two bytes", reframe(p.Kind.STATUS, b"\x01\x00"), p.MalformedFrame, "trailing"),
+    ("status with a reserved flag", reframe(p.Kind.STATUS, b"\x02"), p.BadRequest, "reserved"),
     ("status reply not utf-8", reframe(p.Kind.STATUS_REPLY, b"\xff"), p.MalformedFrame, "utf-8"),
     ("status reply not json", reframe(p.Kind.STATUS_REPLY, b"{"), p.MalformedFrame, "not JSON"),
     (

@@ -5,6 +5,7 @@ of its own, replayed once its source copied its bytes (and so its key) in."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,37 @@ def test_ranges_and_their_failed_records_survive_a_restart(tmp_path: Path) -> No
     assert [r[0] for r in _replays(ft)] == [510, 520]  # forward: partition 3
     assert ft.complete_ranges([SOURCE], {TOPIC: {3: 600}}) == 98
     storage.close()
+
+
+def test_a_barriers_completion_rides_on_the_next_write_and_a_kill_before_it_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    ft.register_ranges([(SOURCE, TOPIC, 0, 0, 100)])
+    commits = storage.commits
+    assert ft.complete_ranges([SOURCE], {TOPIC: {0: 100}}) == 100
+    assert storage.commits == commits  # no commit of its own: staged
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    shutil.copy(tmp_path / "ft" / "data.mdb", killed / "data.mdb")  # what a kill leaves
+    ft.register_ranges([(SOURCE, TOPIC, 0, 100, 200)])
+    assert storage.commits == commits + 1  # the next batch's ranges carried it
+    storage.close()
+    # Killed before that write: the range is open again, its records pending (none
+    # failed), and the next done barrier, past it too, completes it.
+    after = _layer(LmdbStorage(killed))
+    stats = after.current_stats()
+    assert (stats.open_ranges, sum(stats.failed.values())) == (1, 0)
+    assert after.pending_by_source() == {SOURCE: 100}
+    assert after.complete_ranges([SOURCE], {TOPIC: {0: 200}}) == 100
+    assert after.pending_by_source() == {}
+    after.storage.close()
+    # Restarted after it: only the next batch's range is open.
+    again = _layer(LmdbStorage(tmp_path / "ft"))
+    assert again.lowest_pending_offsets([TOPIC]) == {TOPIC: {0: 100}}
+    assert again.current_stats().open_ranges == 1
+    again.storage.close()
 
 
 def test_a_range_rows_first_failure_is_stored_at_once_with_its_history(tmp_path: Path) -> None:

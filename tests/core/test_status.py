@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from ftlayer.position import Position
-from ftlayer.status import CheckpointReport, Status, StatusError
+from ftlayer.status import BriefStatus, CheckpointReport, Status, StatusError
 
 
 def _checkpoint(**changes: Any) -> dict[str, Any]:
@@ -144,6 +144,48 @@ def test_a_sources_lease_is_its_running_batchs_and_none_without_one() -> None:
     status = Status.from_json(_status())
     assert status.lease_of(7) == 1.5 and status.lease_of(8) is None
     assert status.timeouts_postponed == 6
+
+
+def test_the_brief_reply_answers_a_sources_questions_as_the_whole_one() -> None:
+    status = Status.from_json(_status())
+    brief = status.brief()
+    assert BriefStatus.from_json(brief.to_json()) == brief
+    assert set(brief.to_json()) == {
+        "replay_cursors",
+        "replay_cursor_at_start",
+        "replay_pruned",
+        "pending_by_source",
+        "unfilled_by_source",
+        "timeout_s",
+        "uptime_s",
+        "version",
+        "shard",
+        "shards",
+        "store_id",
+        "parked",
+    }
+    for ids in ([7], [8], [7, 8], []):
+        assert brief.replay_cursor_of(ids) == status.replay_cursor_of(ids)
+        assert brief.replay_start_of(ids) == status.replay_start_of(ids)
+    for source in (7, 8):
+        assert brief.pending_of(source) == status.pending_of(source)
+        assert brief.unfilled_of(source) == status.unfilled_of(source)
+    assert brief.unfilled_of(7) == 1 and brief.parked_for(0) == status.parked_for(0) == 3
+    assert (brief.store_id, brief.shard, brief.shards) == (status.store_id, 1, 2)
+
+
+def test_a_malformed_brief_reply_names_its_field() -> None:
+    good = Status.from_json(_status()).brief().to_json()
+    with pytest.raises(StatusError, match="surprise"):
+        BriefStatus.from_json({**good, "surprise": 1})
+    with pytest.raises(StatusError, match="'checkpoints'"):
+        BriefStatus.from_json({**good, "checkpoints": {}})  # the whole reply's, not here
+    with pytest.raises(StatusError, match="'unfilled_by_source'"):
+        BriefStatus.from_json({**good, "unfilled_by_source": {"7": "1"}})
+    missing = dict(good)
+    del missing["store_id"]
+    with pytest.raises(StatusError, match="'store_id'"):
+        BriefStatus.from_json(missing)
 
 
 @pytest.mark.parametrize(

@@ -150,6 +150,27 @@ def test_staged_meta_is_readable_at_once_and_commits_with_the_next_write(
         assert storage.meta_keys("checkpoint/") == [f"checkpoint/q/{i}" for i in (2, 3, 4)]
 
 
+def test_a_meta_write_supersedes_what_was_staged_for_its_keys(tmp_path: Path) -> None:
+    """A staged value or delete is older than a later write of the same key: it rides
+    on no transaction after that write, so it never undoes it."""
+    path = tmp_path / "store"
+    with LmdbStorage(path) as storage:
+        storage.put_meta("range/7", b"old")
+        storage.stage_meta({"checkpoint/q/1": b"one"}, ["range/7", "range/8"])
+        storage.update_meta({"range/7": b"new"})  # the number given to a new range
+        assert _committed_meta(path, "range/7") == b"new"
+        assert _committed_meta(path, "checkpoint/q/1") == b"one"  # the others rode on it
+        assert storage.get_meta("range/7") == b"new"
+        storage.stage_meta({"range/9": b"staged"})
+        storage.delete_meta("range/9")
+        storage.flush_staged()
+        assert storage.get_meta("range/9") is None and _committed_meta(path, "range/9") is None
+        storage.put(batch_of(1))  # nothing staged is left to undo anything
+        assert _committed_meta(path, "range/7") == b"new"
+    with LmdbStorage(path) as storage:
+        assert storage.meta_keys("range/") == ["range/7"]
+
+
 def test_staged_deletes_ride_on_the_next_put(tmp_path: Path) -> None:
     with LmdbStorage(tmp_path / "store") as storage:
         seqs = storage.put(batch_of(10))
