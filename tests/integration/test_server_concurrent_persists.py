@@ -290,10 +290,18 @@ def test_a_failed_write_of_concurrent_persists_leaves_no_root_behind(
             thread.join(300)
         assert all(batch is not None for batch in refused)
         with FTClient(address, name="check") as client:
-            for batch in refused:
+            for index, batch in enumerate(refused):
                 assert batch is not None
-                with pytest.raises(ServerStorageError, match="disk may be full"):
-                    client.persist(batch)  # not "already present": nothing reserved
+                # Not "already present": nothing of it was reserved. The same error
+                # while the disk stays full; or, where the write that failed carried
+                # several clients' batches at once (group commit), this one alone may
+                # fit in what is left, and is stored now.
+                try:
+                    client.persist(batch)
+                except ServerStorageError as exc:
+                    assert "disk may be full" in str(exc)
+                else:
+                    confirmed[index] += list(batch.payloads)
             status = client.status()
         total = sum(len(c) for c in confirmed)
         assert total > 100
