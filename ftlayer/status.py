@@ -39,6 +39,17 @@ class StatusError(CorruptData):
     """A STATUS or CHECKPOINT reply that is not of the documented form."""
 
 
+def _strict_object(data: object, cls: type, what: str) -> Mapping[str, Any]:
+    """`data` as a JSON object holding no key that is not a field of dataclass `cls`
+    (StatusError otherwise, naming the keys this client does not know)."""
+    if not isinstance(data, Mapping):
+        raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
+    extra = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if extra:
+        raise StatusError(f"{what} has fields this client does not know: {extra}")
+    return data
+
+
 def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
     if name not in data:
         raise StatusError(f"{what} has no {name!r}")
@@ -406,12 +417,7 @@ class Status(Mapping[str, Any]):
     @classmethod
     def from_json(cls, data: object) -> Status:
         what = "the STATUS reply"
-        if not isinstance(data, Mapping):
-            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
-        known = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(data) - known)
-        if extra:
-            raise StatusError(f"{what} has fields this client does not know: {extra}")
+        data = _strict_object(data, cls, what)
         checkpoints = _field(data, "checkpoints", dict, what)
         return cls(
             persisted=_field(data, "persisted", int, what),
@@ -580,12 +586,7 @@ class BriefStatus:
     def from_json(cls, data: object) -> BriefStatus:
         """Strict, as `Status.from_json`: every key of the brief reply and no other."""
         what = "the brief STATUS reply"
-        if not isinstance(data, Mapping):
-            raise StatusError(f"{what} is a JSON object, got {data!r}"[:300])
-        known = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(data) - known)
-        if extra:
-            raise StatusError(f"{what} has fields this client does not know: {extra}")
+        data = _strict_object(data, cls, what)
         return cls(
             replay_cursors=_counts(data, "replay_cursors", what),
             replay_cursor_at_start=_field(data, "replay_cursor_at_start", int, what),
