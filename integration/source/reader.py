@@ -147,9 +147,12 @@ def read_partition(
     by_reference = options.persist == "reference"  # where each record is, not its bytes
     ranged = persister is not None and part.range_number > 0  # nothing persisted at all
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
-    # on, the next chunk is fetched and decoded while this one's persist is confirmed.
+    # on, the next chunk is fetched and decoded while this one's persist is confirmed. A
+    # batch range persists nothing (but a looped record), so it has no wait to overlap:
+    # its chunks go as FT off's do, whole (a read-ahead thread and 10,000-record pieces
+    # cost it 0.12 us of CPU per record, about a third of the reader's).
     chunks = read_kafka(options, part)
-    for chunk in chunks if persister is None else _pieces(_prefetched(chunks)):
+    for chunk in chunks if persister is None or ranged else _pieces(_prefetched(chunks)):
         n = len(chunk)
         kept = user_headers(chunk.header_lists()) if options.keeps_headers else None
         anchors = None
