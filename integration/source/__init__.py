@@ -71,6 +71,9 @@ timestamp, under a new root.
    integration.sinks) is not persisted: its tree's source record is. It is emitted
    under the root in its header with a fresh id, and one XOR event acks the id it was
    in transit under and anchors the fresh one, so the tree goes on.
+   A batch range (barrier mode, `ft.persist=reference`) persists nothing: each polled
+   chunk is yielded whole as it comes, as with FT off, its rows under range roots
+   (ftlayer.rangeroots) that name their records by offset.
 3. FT on: fetch this partition's replays, send each one's emission XOR event
    (`Persister.emit_replays`), rebuild their rows from the payloads, yield them.
 4. Flush the channel.
