@@ -1,13 +1,14 @@
 """Where the FT-layer server's CPU goes in the fast pipeline bench: one run of
 `bench_fast` (integration/harness/benchfast.py) at one batch size, with py-spy sampling
-the `ftlayer serve` process the whole time (threads holding the GIL only: Python at
+the `ftlayer serve` process of one FT mode (SERVER: barrier, the default, or tree; the
+bench gives each mode a server of its own) the whole time (threads holding the GIL only: Python at
 work, not numpy or LMDB with the GIL released; with PROFILE_NATIVE=1 every running
 thread, native frames included), folded into the functions that take
 the most samples, by own time and by time including callees, as a share of all
 samples and in µs per record of FT-on runs; and the server's whole CPU time (from
 /proc) per record. Needs py-spy in the virtualenv (`pip install py-spy`).
 
-    .venv/bin/python scripts/profile_server.py [BATCH_SIZE] [ROUNDS] [TOP]
+    [SERVER=tree] [FAIL_RATE=0.01] .venv/bin/python scripts/profile_server.py [BATCH_SIZE] [ROUNDS] [TOP]
 """
 
 import collections
@@ -26,6 +27,7 @@ BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 30
 NATIVE = os.environ.get("PROFILE_NATIVE") == "1"  # every running thread, C frames too
+SERVER = os.environ.get("SERVER", "barrier")  # the FT mode whose server is sampled
 RATE = 250  # samples per second
 RECORDS = 400_000
 
@@ -33,7 +35,10 @@ RECORDS = 400_000
 def _server_pid(deadline: float) -> int | None:
     while time.monotonic() < deadline:
         out = subprocess.run(
-            ["pgrep", "-f", "ftlayer.cli serve"], capture_output=True, text=True, check=False
+            ["pgrep", "-f", f"ftlayer.cli serve --data-dir .*/ft-{SERVER} "],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         pids = [int(p) for p in out.stdout.split()]
         if pids:
@@ -114,8 +119,8 @@ def main() -> None:
         total, own, inclusive = _fold(raw)
         if os.environ.get("PROFILE_RAW"):  # keep py-spy's raw stacks there
             shutil.copy(raw, os.environ["PROFILE_RAW"])
-    # Records the server saw: the FT-on warm-up runs and each round's tree and barrier runs.
-    ft_records = RECORDS * (sum(m != "off" for m in bf.WARM_UP) + 2 * ROUNDS)
+    # Records the server saw: its mode's warm-up run and one run each round.
+    ft_records = RECORDS * (sum(m == SERVER for m in bf.WARM_UP) + ROUNDS)
     us = 1e6 / RATE / ft_records
 
     def table(counter: collections.Counter[str]) -> list[dict[str, object]]:

@@ -63,7 +63,7 @@ def complete(s: CoreState, result: XorResult) -> None:
     s.stats.completed += len(done)
     seqs = result.columns["seq"]
     # A record with a retry record failed before: a replay, left out of the latency.
-    replays = s.book.forget(seqs.tolist()) if len(s.book) else None
+    replays = s.book.forget(seqs) if len(s.book) else None
     s.meters.completed(seqs, result.columns["topic"], replays, s.clock())
     if s.listeners:
         s.notify(done)

@@ -368,3 +368,31 @@ def test_dead_letters_restored_from_a_topic_are_replayed_with_their_history(
     assert ft.current_stats().dead_letters_requeued == 2
     with pytest.raises(ConfigError, match="2 records but 1 histories"):
         ft.restore_dead_letters(_records(2), [history])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    own=st.sets(st.integers(1, 400), max_size=40),
+    grouped=st.sets(st.integers(1, 400), max_size=40),
+    completed=st.lists(st.integers(1, 400), unique=True, max_size=300),
+)
+def test_completions_forget_exactly_the_retry_records_they_name(
+    own: set[int], grouped: set[int], completed: list[int]
+) -> None:
+    """Whether a completion names fewer seqs than the book holds (a lookup per seq) or
+    many more (a micro-batch of trees, looked for in one vectorized step), the book
+    forgets exactly the records and group members among them, and keeps the others."""
+    from ftlayer.core.retries import FreshGroup, RetryBook
+
+    grouped -= own
+    book = RetryBook(MemoryStorage())
+    records = {seq: RetryRecord(SOURCE, attempts=1) for seq in sorted(own)}
+    book.stage(records)
+    book.commit(records)
+    if grouped:
+        members = sorted(grouped)
+        cause = Cause(FailKind.EXPLICIT, "map", "no")
+        book.add_groups([FreshGroup.new(SOURCE, cause, 1.0, members, [0.0] * len(members))])
+    forgotten = book.forget(np.array(completed, dtype=np.uint64))
+    assert forgotten == [s for s in completed if s in own] + [s for s in completed if s in grouped]
+    assert sorted(book.seqs()) == sorted((own | grouped) - set(completed))
