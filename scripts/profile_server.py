@@ -8,7 +8,8 @@ the most samples, by own time and by time including callees, as a share of all
 samples and in µs per record of FT-on runs; and the server's whole CPU time (from
 /proc) per record. Needs py-spy in the virtualenv (`pip install py-spy`).
 
-    [SERVER=tree] [FAIL_RATE=0.01] .venv/bin/python scripts/profile_server.py [BATCH_SIZE] [ROUNDS] [TOP]
+    [SERVER=tree] [FAIL_RATE=0.01] \
+        .venv/bin/python scripts/profile_server.py [BATCH_SIZE] [ROUNDS] [TOP]
 """
 
 import collections

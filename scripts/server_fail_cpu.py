@@ -1,7 +1,7 @@
 """CPU per record of a real `ftlayer serve` on barrier mode's failure path with
 `ft.persist=reference`, without Spark: the requests the fast bench's pipeline sends at
 1% failures, in the order the ftkafka source and the task wrappers send them. Per
-micro-batch of 200,000 records over 4 partitions: the driver's brief STATUS (its replay
+micro-batch of PER_BATCH records (200,000) over 4 partitions: the driver's brief STATUS (its replay
 cursor), CHECKPOINT_BEGIN (the barrier, completing the batch before), BATCH_RANGES;
 two task clients (two task slots) each FETCH_REPLAY their two partitions' replays and
 FAIL FAIL_PCT% of their new rows (by range root) in pieces of PIECE rows; then the
@@ -11,7 +11,8 @@ over BATCHES micro-batches after three of warm-up, per record, and per request k
 the requests per batch and their handlers' CPU per record (STATUS `requests`), and the
 store's commits per batch.
 
-    .venv/bin/python scripts/server_fail_cpu.py [BATCHES]
+    [PER_BATCH=10000] [FAIL_PCT=1] [PIECE=10000] \
+        .venv/bin/python scripts/server_fail_cpu.py [BATCHES]
 """
 
 import os
@@ -33,7 +34,8 @@ from ftlayer.registration import SourceRegistration
 BATCHES = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 FAIL_PCT = float(os.environ.get("FAIL_PCT", "1"))
 PIECE = int(os.environ.get("PIECE", "10000"))  # rows per FAIL request, as a task's events
-PER_BATCH, PARTITIONS, SOURCE, TOPIC = 200_000, 4, 11, "t"
+PER_BATCH = int(os.environ.get("PER_BATCH", "200000"))  # records per micro-batch
+PARTITIONS, SOURCE, TOPIC = 4, 11, "t"
 FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
 TICK = os.sysconf("SC_CLK_TCK")
 
