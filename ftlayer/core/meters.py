@@ -23,9 +23,10 @@ process persisted); it counts in `completed`, not in the latency.
 The histogram's bucket edges are fixed: the R10 preferred numbers (1, 1.25, 1.6, 2,
 2.5, 3.15, 4, 5, 6.3, 8 per decade) from 100 µs to 100 s, kept per topic number (the
 numbers of a source's topics are summed when read). A batch of completions costs a
-sort of its seqs and a searchsorted of them over the ring, vectorized; sorted by seq
-their latencies fall, so the bucket counts cost one search per edge: O(completed log
-completed), about 10 ns per completion.
+searchsorted of its seqs over the ring (no sort: the ring is sorted) and a count per
+ring entry it reaches; each entry's latency then takes one search over the edges:
+O(completed log ring), vectorized (4 ms for 200,000 completions, against 9 ms
+when they were sorted first).
 Quantiles are estimated as Prometheus' histogram_quantile does (linear within a
 bucket), so p50 and p99 lie within one bucket (28 % at most) of the true value; a quantile
 above the top edge reads as the top edge. /metrics exports the edges 1, 2.5 and 5 of
@@ -111,36 +112,47 @@ class PersistTimes:
     def times_of(self, seqs: NDArray[np.uint64]) -> NDArray[np.float64]:
         """The persist times of seqs this process persisted, in any order; NaN for one
         older than the ring."""
-        order = np.argsort(seqs, kind="stable")
-        times, older = self.times_of_sorted(seqs[order])
+        at = self._entries(seqs)
         out = np.full(len(seqs), np.nan)
-        out[order[older:]] = times
+        known = at >= 0
+        out[known] = self._times[at[known]]
         return out
 
-    def times_of_sorted(self, ordered: NDArray[np.uint64]) -> tuple[NDArray[np.float64], int]:
-        """For ascending seqs: how many at the start are older than the ring, and the
-        persist times of the others (a search of sorted keys: a few ns each)."""
+    def entry_counts(
+        self, seqs: NDArray[np.uint64]
+    ) -> tuple[NDArray[np.float64], NDArray[np.int64], int]:
+        """For seqs in any order: the persist times of the ring entries they fall in,
+        how many fall in each, and how many are older than the ring. No sort: a search
+        per seq over the ring, and a count per entry over the span of entries they
+        reach (the few persist calls of the batch that completes)."""
+        at = self._entries(seqs)
+        known = at[at >= 0]
+        older = len(seqs) - len(known)
+        if not len(known):
+            return np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.int64), older
+        lo = int(known.min())
+        counts = np.bincount(known - lo)
+        hit = np.flatnonzero(counts)
+        return self._times[lo + hit], counts[hit], older
+
+    def _entries(self, seqs: NDArray[np.uint64]) -> NDArray[np.intp]:
+        """Per seq, the index of its ring entry (the last whose first seq <= it), or -1
+        for one older than the ring. The ring is one sorted run, or once it wrapped two:
+        [next:] the older one, [:next] the newer."""
+        seqs = np.asarray(seqs, dtype=np.uint64)
         if not self._size:
-            return np.zeros(0, dtype=np.float64), len(ordered)
+            return np.full(len(seqs), -1, dtype=np.intp)
         wrapped = self._size == len(self._seqs)
-        start = self._next if wrapped else 0
-        older = int(np.searchsorted(ordered, self._seqs[start], side="left"))
-        rest = ordered[older:]
-        if not wrapped or not self._next:  # one sorted run
-            run = slice(start, start + self._size) if not wrapped else slice(0, None)
-            return _lookup(self._seqs[run], self._times[run], rest), older
-        # Wrapped: [next:] is the older run, [:next] the newer one.
-        split = int(np.searchsorted(rest, self._seqs[0], side="left"))
-        first = _lookup(self._seqs[self._next :], self._times[self._next :], rest[:split])
-        second = _lookup(self._seqs[: self._next], self._times[: self._next], rest[split:])
-        return np.concatenate([first, second]), older
-
-
-def _lookup(
-    ring_seqs: NDArray[np.uint64], ring_times: NDArray[np.float64], seqs: NDArray[np.uint64]
-) -> NDArray[np.float64]:
-    """The time of the last entry whose first seq <= each of `seqs` (all >= the first)."""
-    return ring_times[np.searchsorted(ring_seqs, seqs, side="right") - 1]
+        if not wrapped or not self._next:  # one sorted run from index 0
+            run = self._seqs[: self._size]
+            return np.searchsorted(run, seqs, side="right").astype(np.intp) - 1
+        at = np.empty(len(seqs), dtype=np.intp)
+        newer = seqs >= self._seqs[0]
+        at[newer] = np.searchsorted(self._seqs[: self._next], seqs[newer], side="right") - 1
+        older_run = self._seqs[self._next :]
+        found = np.searchsorted(older_run, seqs[~newer], side="right") - 1
+        at[~newer] = np.where(found >= 0, found + self._next, -1)
+        return at
 
 
 @dataclass(slots=True)
@@ -300,20 +312,17 @@ class Meters:
                 self._measure(number, seqs[numbers == number], now)
 
     def _measure(self, number: int, seqs: NDArray[np.uint64], now: float) -> None:
-        """Add the latencies of one topic number's completions. Sorted by seq, their
-        persist times rise and their latencies fall, so the ring lookup is a search
-        of sorted keys and the bucket counts one search per edge (not per record)."""
-        ordered = np.sort(seqs)
-        times, unknown = self.persist_times.times_of_sorted(ordered)
-        # Ascending: the latest persisted (highest seq) first; the ones older than the
-        # ring (the lowest seqs) are not among them.
-        known = np.maximum(now - times[::-1], 0.0)
-        at_most = np.searchsorted(known, EDGES_S, side="right")
+        """Add the latencies of one topic number's completions: each ring entry they
+        fall in is one latency for all of its seqs, so the buckets cost a search per
+        entry, not per record (a bucket's upper edge is inclusive, as Prometheus'
+        `le`)."""
+        times, counts, unknown = self.persist_times.entry_counts(seqs)
+        latencies = np.maximum(now - times, 0.0)
+        buckets = np.searchsorted(EDGES_S, latencies, side="left")
         row = self._counts[number * _BUCKETS : (number + 1) * _BUCKETS]
-        row[0] += at_most[0]
-        row[1:-1] += np.diff(at_most)
-        row[-1] += len(known) - int(at_most[-1]) + unknown
-        total = float(known.sum())
+        row += np.bincount(buckets, weights=counts, minlength=_BUCKETS).astype(np.int64)
+        row[-1] += unknown
+        total = float(latencies @ counts)
         if unknown:  # at least as old as the ring reaches
             total += unknown * max(0.0, now - self.persist_times.oldest)
         self._sums[number] += total

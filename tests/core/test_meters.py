@@ -235,3 +235,44 @@ def test_the_replay_queue_counts_each_sources_entries(steps: list[tuple[Any, ...
         ids, counts = np.unique(column, return_counts=True)
         expected = dict(zip(ids.tolist(), counts.tolist(), strict=True))
         assert queue.counts() == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(st.integers(1, 40), st.floats(0.0, 3.0, allow_nan=False)),
+        min_size=1,
+        max_size=40,
+    ),
+    capacity=st.integers(1, 12),
+    picks=st.lists(st.integers(0, 10**6), max_size=200),
+    later=st.floats(0.0, 200.0, allow_nan=False),
+)
+def test_completions_land_in_the_bucket_of_their_own_latency(
+    calls: list[tuple[int, float]], capacity: int, picks: list[int], later: float
+) -> None:
+    """The histogram of a batch of completions (any order, a ring wrapped or not) is
+    what one latency per record gives: now minus its persist call's time, and a record
+    older than the ring above the top edge."""
+    meters = Meters(capacity, 0.0)
+    seq, now = 1, 0.0
+    for size, step in calls:
+        now += step
+        meters.persisted(np.zeros(size, dtype=np.uint32), seq, now)
+        seq += size
+    done = np.unique(np.array([1 + p % (seq - 1) for p in picks], dtype=np.uint64))
+    done = done[np.random.default_rng(len(done)).permutation(len(done))]
+    end = now + later
+    meters.completed(done, np.zeros(len(done), dtype=np.int32), None, end)
+    got = meters.by_source(np.zeros(1, dtype=np.uint32))
+    times = meters.persist_times.times_of(done)
+    known = np.maximum(end - times[~np.isnan(times)], 0.0)
+    expected = np.bincount(np.searchsorted(EDGES_S, known, side="left"), minlength=len(EDGES_S) + 1)
+    expected[-1] += int(np.isnan(times).sum())
+    if not len(done):
+        assert got.get(0) is None or got[0].latency.count == 0
+        return
+    latency = got[0].latency
+    assert latency.counts.tolist() == expected.tolist()
+    older = int(np.isnan(times).sum()) * max(0.0, end - meters.persist_times.oldest)
+    assert math.isclose(latency.sum_s, float(known.sum()) + older, rel_tol=1e-9, abs_tol=1e-9)
