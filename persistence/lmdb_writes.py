@@ -73,7 +73,7 @@ from .lmdb_layout import (
     ChunkHead,
     chunk_key,
     distinct_last,
-    firsts,
+    sorted_distinct,
     stored_count,
 )
 
@@ -203,8 +203,7 @@ class LmdbWrites(LmdbEnvironment):
 
     def _delete_in(self, txn: lmdb.Transaction[bytes], seqs: NDArray[np.uint64]) -> int:
         """Delete the records `seqs` in `txn` (see `delete`); how many were stored."""
-        ordered = np.sort(seqs)
-        wanted = ordered[firsts(ordered)]
+        wanted = sorted_distinct(seqs)
         removed = 0
         for head, lo, hi in list(self._chunks.spans(txn, wanted)):
             positions, stored = head.locate(wanted[lo:hi])

@@ -19,6 +19,7 @@ from ftlayer.checkpoint.fetch import expire_spooled
 from ftlayer.core import FTLayer
 from ftlayer.errors import StorageError
 from ftlayer.logs import fields
+from ftlayer.persistence.lmdb_layout import sorted_distinct
 
 from .state import _DELETE_CHUNK, _POLL_S, ServerState
 
@@ -100,7 +101,7 @@ class Workers(ServerState):
                     round_ = self._delete_rounds
             left = seqs
             try:
-                left = self._delete_chunks(ft, np.sort(seqs))
+                left = self._delete_chunks(ft, sorted_distinct(seqs))
             except Exception:  # a bug: the thread goes on (deleting twice does no harm)
                 log.exception("deleting completed records failed; they are tried again")
             finally:

@@ -353,3 +353,33 @@ def test_a_batch_whose_payloads_are_one_buffer_is_stored_byte_for_byte_the_same(
     blob, ends = encode_chunk(batch(Payloads.of(payloads)))
     want_blob, want_ends = encode_chunk(batch(list(payloads)))
     assert blob == want_blob and ends.tolist() == want_ends.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    st.integers(0, 2**40),
+    st.integers(0, 2**32),
+)
+def test_a_delete_in_any_order_removes_exactly_its_records(
+    tmp_path_factory: pytest.TempPathFactory, spreads: list[int], base: int, seed: int
+) -> None:
+    """Seqs completed in the acker's order, some twice, close together or spread out
+    (a mask of their span, or a sort): the records named go, the others stay."""
+    from ftlayer.persistence.lmdb_layout import sorted_distinct
+
+    rng = np.random.default_rng(seed)
+    for spread in spreads:  # the helper alone, over spans dense and sparse
+        n = int(rng.integers(1, 5_000))
+        seqs = np.uint64(base) + rng.integers(0, n * (1 + 3 * spread), n).astype(np.uint64)
+        assert sorted_distinct(seqs).tolist() == np.unique(seqs).tolist()
+    with LmdbStorage(tmp_path_factory.mktemp("store") / "store") as storage:
+        seqs = np.concatenate([storage.put(sample_batch(2_000, start=2_000 * i)) for i in range(3)])
+        gone = rng.permutation(seqs[rng.random(len(seqs)) < 0.7])
+        twice = np.concatenate([gone, gone[: len(gone) // 5]])
+        assert storage.delete(twice) == len(gone)
+        kept = np.setdiff1d(seqs, gone)
+        assert len(storage) == len(kept)
+        assert len(storage.get(kept)) == len(kept)  # each one still readable
+        assert not storage.contains(gone).any()
+        check_chunks(storage)
