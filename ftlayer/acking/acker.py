@@ -159,8 +159,10 @@ class AckerTable:
     def _take(self, rows: NDArray[np.intp]) -> Columns:
         return {name: self._map.columns[name][rows] for name in self._owned}
 
-    def xor(self, roots: ArrayLike, values: ArrayLike) -> XorResult:
-        """Apply a batch of XOR events (root, value); see the module docstring."""
+    def xor(self, roots: ArrayLike, values: ArrayLike, *, count_dropped: bool = True) -> XorResult:
+        """Apply a batch of XOR events (root, value); see the module docstring. With
+        `count_dropped` False, events of roots not pending are left out of
+        `dropped_events_total` (the caller knows why they are gone)."""
         keys = np.ascontiguousarray(roots, dtype=np.uint64)
         vals = np.ascontiguousarray(values, dtype=np.uint64)
         if len(vals) != len(keys):
@@ -172,7 +174,8 @@ class AckerTable:
         dropped = _EMPTY_U64
         if not bool(known.all()):
             dropped = keys[~known]
-            self.dropped_events_total += len(dropped)
+            if count_dropped:
+                self.dropped_events_total += len(dropped)
             slots, rows, vals = slots[known], rows[known], vals[known]
         ack: NDArray[np.uint64] = self._map.columns["ack"]  # type: ignore[assignment]
         # One event of each root wins its ack cell (each writes its position there; the

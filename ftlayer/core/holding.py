@@ -118,14 +118,14 @@ def sink_settle(s: CoreState, key: int, cause: Cause | None = None) -> int:
     roots, values = _release_holds(s, [key])
     if not len(roots):
         return 0
-    pending = s.acker.lookup("ack", roots)[0]
-    roots, values = roots[pending], values[pending]
     if cause is not None:
-        return fail(s, np.unique(roots), cause)
-    result = s.acker.xor(roots, values)
+        pending = s.acker.lookup("ack", roots)[0]
+        return fail(s, np.unique(roots[pending]), cause)
+    # Pairs of roots no longer pending (a re-read took them over) are dropped, uncounted.
+    result = s.acker.xor(roots, values, count_dropped=False)
     if len(result.completed):
         complete(s, result)
-    return len(roots)
+    return len(roots) - len(result.dropped)
 
 
 def drop_stale_sink_keys(s: CoreState, now: float) -> None:
