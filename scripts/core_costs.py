@@ -1,0 +1,166 @@
+"""CPU of the FT-layer core's calls, in this process, per call kind (LMDB with fsync, as
+the server runs it; INFO logging to /dev/null), for two paths of the fast bench:
+
+- `tree`: tree mode by reference. Per micro-batch of 200,000 records, 20 PERSISTs of
+  10,000 records stored by reference with their first ack values, each followed by its
+  sink's SINK_HOLD of their acks, then the SINK_SETTLE that completes them all, then the
+  deletes.
+- `failures`: barrier mode by reference at 1% failures. Per micro-batch of BATCH
+  records over 4 partitions (ranges, no record stored): the driver's UNFILLED and FILL
+  of the last batch's failures, a FETCH_REPLAY per partition, BATCH_RANGES, a FAIL per
+  partition of 1% of its range roots, then the barrier (COMPLETE, RELEASE, PRUNE) and
+  the deletes.
+
+Process CPU per record over BATCHES micro-batches after one (tree) or two (failures) of
+warm-up, and per call kind the calls per batch and their CPU; with -p, the functions
+that take the most time under cProfile.
+
+    .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
+    .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
+"""
+
+import collections
+import cProfile
+import logging
+import pstats
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ftlayer import rangeroots
+from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
+from ftlayer.core import FTLayer
+from ftlayer.core.retries import RetryPolicy
+from ftlayer.persistence import LmdbStorage
+from ftlayer.records import KEY_UNKNOWN, RecordBatch
+from ftlayer.registration import SourceRegistration
+
+SOURCE, TOPIC, PARTITIONS = 9, "orders", 4
+FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
+PROFILE = "-p" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "-p"]
+cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
+calls: collections.Counter[str] = collections.Counter()
+
+
+def timed(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    began = time.process_time()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        cpu[name] += time.process_time() - began
+        calls[name] += 1
+
+
+def tree(ft: FTLayer, batch: int, offset: int) -> int:
+    key = 0x8000_0000_0000_0000 | (offset + 1)
+    piece = 10_000
+    for p in range(200_000 // piece):
+        roots, ids = new_ids(piece), new_ids(piece)
+        records = RecordBatch.build(
+            roots,
+            [b""] * piece,
+            source_ids=SOURCE,
+            topics=TOPIC,
+            partitions=np.full(piece, p % PARTITIONS),
+            offsets=np.arange(offset, offset + piece),
+            key_hashes=np.full(piece, KEY_UNKNOWN, np.int64),
+            has_key=np.zeros(piece, np.bool_),
+            references=True,
+        )
+        offset += piece
+        timed("PERSIST", ft.persist, records, ids)
+        timed("SINK_HOLD", ft.sink_hold, key, roots, ids)
+    timed("SINK_SETTLE", ft.sink_settle, key)
+    timed("DELETES", ft.flush_deletes)
+    return offset
+
+
+class Failures:
+    def __init__(self, ft: FTLayer, batch: int) -> None:
+        self.ft, self.batch = ft, batch
+        self.rng = np.random.default_rng(1)
+        self.ends = [0] * PARTITIONS
+        self.cursor = 0
+
+    def __call__(self) -> None:
+        ft, rng = self.ft, self.rng
+        ft.batch_began([SOURCE])
+        wanted = timed("UNFILLED", ft.unfilled, SOURCE)
+        n = len(wanted)
+        if n:
+            keys = (rng.integers(0, 2**31, n, dtype=np.int64), np.ones(n, np.bool_))
+            timed("FILL", ft.fill, wanted.seqs, [b"x" * 40] * n, np.ones(n, np.bool_), keys)
+        hi = ft.replay_cursor_of(SOURCE)
+        for p in range(PARTITIONS):
+            timed("FETCH_REPLAY", ft.fetch_replay, self.cursor, hi, source_id=SOURCE, partition=p)
+        self.cursor = hi
+        per = self.batch // PARTITIONS
+        opened = [(SOURCE, TOPIC, p, self.ends[p], self.ends[p] + per) for p in range(PARTITIONS)]
+        numbers = timed("BATCH_RANGES", ft.register_ranges, opened)
+        for p, number in enumerate(numbers):
+            roots = rangeroots.encode(
+                number, self.ends[p], np.arange(self.ends[p], self.ends[p] + per)
+            )
+            failing = roots[rng.random(len(roots)) < 0.01]
+            if len(failing):
+                timed("FAIL", ft.fail, failing, FAILED)
+            self.ends[p] += per
+        kafka = {TOPIC: {p: self.ends[p] for p in range(PARTITIONS)}}
+        timed("COMPLETE", ft.complete_ranges, [SOURCE], kafka)
+        timed("RELEASE", ft.release_barrier, [SOURCE])
+        ft.batch_done([SOURCE])
+        timed("PRUNE", ft.prune_replay, self.cursor, SOURCE)
+        timed("DELETES", ft.flush_deletes)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=open("/dev/null", "w"))  # noqa: SIM115
+    path = ARGS[0] if ARGS else "tree"
+    if path == "tree":
+        batch, batches, warm = 200_000, int(ARGS[1]) if len(ARGS) > 1 else 5, 1
+    else:
+        batch = int(ARGS[1]) if len(ARGS) > 1 else 200_000
+        batches, warm = int(ARGS[2]) if len(ARGS) > 2 else 10, 2
+    with tempfile.TemporaryDirectory(prefix="ftlayer-core-costs-") as tmp:
+        ft = FTLayer(LmdbStorage(f"{tmp}/store"), timeout_s=120, seed=1, defer_deletes=True)
+        completion = "tree" if path == "tree" else "barrier"
+        retry = RetryPolicy(5, 0, 1)
+        ft.register_source(
+            SourceRegistration(SOURCE, "kafka-hash", PARTITIONS, retry=retry, completion=completion)
+        )
+        step = Failures(ft, batch) if path != "tree" else None
+        offset = 0
+        profile = cProfile.Profile() if PROFILE else None
+        for b in range(batches + warm):
+            if b == warm:
+                cpu.clear()
+                calls.clear()
+                began = time.process_time()
+                if profile is not None:
+                    profile.enable()
+            if step is None:
+                offset = tree(ft, batch, offset)
+            else:
+                step()
+        if profile is not None:
+            profile.disable()
+        spent = time.process_time() - began
+    records = batch * batches
+    print(f"{path}: {spent * 1e6 / records:.3f} us of CPU per record, batches of {batch:,}")
+    for name in cpu:
+        per_call = cpu[name] * 1e3 / calls[name]
+        print(
+            f"  {name:13s} {calls[name] / batches:5.1f} per batch {per_call:8.3f} ms each "
+            f"{cpu[name] * 1e6 / records:.4f} us per record"
+        )
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+
+
+main()
