@@ -37,7 +37,7 @@ from ftlayer.causes import Cause, FailKind
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import RetryPolicy
 from ftlayer.persistence import LmdbStorage
-from ftlayer.records import KEY_UNKNOWN, RecordBatch
+from ftlayer.records import KEY_UNKNOWN, Payloads, RecordBatch
 from ftlayer.registration import SourceRegistration
 
 SOURCE, TOPIC, PARTITIONS = 9, "orders", 4
@@ -64,7 +64,7 @@ def tree(ft: FTLayer, batch: int, offset: int) -> int:
         roots, ids = new_ids(piece), new_ids(piece)
         records = RecordBatch.build(
             roots,
-            [b""] * piece,
+            Payloads(b"", np.zeros(piece, dtype=np.int64)),  # by reference, as on the wire
             source_ids=SOURCE,
             topics=TOPIC,
             partitions=np.full(piece, p % PARTITIONS),
