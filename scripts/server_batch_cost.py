@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from proc_cpu import print_requests, user_sys
+
 from ftlayer.client import FTClient
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.policy import RetryPolicy
@@ -39,13 +41,6 @@ PER_BATCH = int(os.environ.get("PER_BATCH", "10000"))
 BRIEF = os.environ.get("BRIEF", "1") != "0"
 PAUSE_S = float(os.environ.get("PAUSE_S", "0"))  # the time a batch runs, between requests
 PARTITIONS, SOURCE, TOPIC = 4, 11, "t"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _user_sys(pid: int) -> tuple[float, float]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
 def _write_bytes(pid: int) -> int:
@@ -103,12 +98,12 @@ def main() -> None:
             time.sleep(1)
             status = driver.status()
             costs, commits = status.requests, status.store_commits
-            began, started, written = _user_sys(pid), time.perf_counter(), _write_bytes(pid)
+            began, started, written = user_sys(pid), time.perf_counter(), _write_bytes(pid)
             for _ in range(BATCHES):
                 micro_batch()
             wall = time.perf_counter() - started
             time.sleep(1)
-            ended, wrote = _user_sys(pid), _write_bytes(pid) - written
+            ended, wrote = user_sys(pid), _write_bytes(pid) - written
             user, system = ended[0] - began[0], ended[1] - began[1]
             used = user + system
             status = driver.status()
@@ -122,16 +117,7 @@ def main() -> None:
                 f"bytes per batch, {wrote / n:.2f} per record; store commits per batch "
                 f"{(status.store_commits - commits) / BATCHES:.2f}"
             )
-            for kind, cost in sorted(status.requests.items()):
-                before = costs.get(kind)
-                count = cost.count - (before.count if before else 0)
-                cpu_s = cost.cpu_s - (before.cpu_s if before else 0.0)
-                if count:
-                    print(
-                        f"  {kind:<18} {count / BATCHES:5.2f} per batch "
-                        f"{cpu_s / n * 1e6:.4f} µs per record, "
-                        f"{cpu_s / count * 1e6:,.0f} µs each"
-                    )
+            print_requests(costs, status.requests, BATCHES, n)
         finally:
             server.stop()
 

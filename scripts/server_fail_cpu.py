@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from proc_cpu import print_requests, user_sys
 
 from ftlayer import rangeroots
 from ftlayer.causes import Cause, FailKind
@@ -37,13 +38,6 @@ PIECE = int(os.environ.get("PIECE", "10000"))  # rows per FAIL request, as a tas
 PER_BATCH = int(os.environ.get("PER_BATCH", "200000"))  # records per micro-batch
 PARTITIONS, SOURCE, TOPIC = 4, 11, "t"
 FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _user_sys(pid: int) -> tuple[float, float]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
 def main() -> None:
@@ -115,12 +109,12 @@ def main() -> None:
             time.sleep(1)
             status = driver.status()
             costs, commits = status.requests, status.store_commits
-            began, started = _user_sys(pid), time.perf_counter()
+            began, started = user_sys(pid), time.perf_counter()
             for _ in range(BATCHES):
                 micro_batch()
             wall = time.perf_counter() - started
             time.sleep(1)
-            ended = _user_sys(pid)
+            ended = user_sys(pid)
             user, system = ended[0] - began[0], ended[1] - began[1]
             used = user + system
             status = driver.status()
@@ -131,15 +125,7 @@ def main() -> None:
                 f"{wall / n * 1e6:.3f} µs per record, store commits per "
                 f"batch {(status.store_commits - commits) / BATCHES:.1f}"
             )
-            for kind, cost in sorted(status.requests.items()):
-                before = costs.get(kind)
-                count = cost.count - (before.count if before else 0)
-                cpu_s = cost.cpu_s - (before.cpu_s if before else 0.0)
-                if count:
-                    print(
-                        f"  {kind:<18} {count / BATCHES:5.1f} per batch "
-                        f"{cpu_s / n * 1e6:.4f} µs per record"
-                    )
+            print_requests(costs, status.requests, BATCHES, n)
         finally:
             server.stop()
 
