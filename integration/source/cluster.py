@@ -59,7 +59,7 @@ from ftlayer.status import BriefStatus, CheckpointReport
 
 from .options import SourceOptions
 
-__all__ = ["CheckpointAnswers", "ShardClients", "ShardMap"]
+__all__ = ["CheckpointAnswers", "ShardClients", "ShardMap", "brief_status"]
 
 T = TypeVar("T")
 
@@ -261,7 +261,7 @@ class ShardClients:
 
     def _status(self, client: FTClient) -> BriefStatus:
         """A STATUS, noting the store that answered over the client's connection."""
-        status = client.brief_status()
+        status = brief_status(client)
         self._stores_seen[client] = (client.connections, status.store_id)
         return status
 
@@ -312,3 +312,8 @@ class ShardClients:
                 if client is not None:
                     client.close()
                 clients[shard] = None
+
+
+def brief_status(client: FTClient) -> BriefStatus:
+    """The brief STATUS: all the source's driver reads per batch (docs/protocol.md 6.2)."""
+    return client.brief_status()

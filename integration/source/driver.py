@@ -58,7 +58,7 @@ from ftlayer.registration import SourceRegistration
 from ftlayer.status import BriefStatus, CheckpointReport, Status
 from ftlayer.wire import DeadLetterList, UnfilledList
 
-from .cluster import CheckpointAnswers, ShardClients, ShardMap
+from .cluster import CheckpointAnswers, ShardClients, ShardMap, brief_status
 from .columnar import probe_consumer
 from .deadletters import dead_letter_messages, deliverable
 from .groups import SECURITY, ConsumerGroup
@@ -457,7 +457,7 @@ class SourceDriver:
         if self.options.timeout_s is not None:
             return self.options.timeout_s
         if self._server_timeout_s is None:
-            status = self.shards.call(0, "read the FT layer's timeout", _status)
+            status = self.shards.call(0, "read the FT layer's timeout", brief_status)
             self._server_timeout_s = status.timeout_s
         return self._server_timeout_s
 
@@ -703,7 +703,7 @@ class SourceDriver:
         queue entries to (FTLayer.replay_start_of), so its first batch takes in every
         queued replay of its sources, such as those recovered after an FT-layer restart
         or restored from a savepoint."""
-        statuses = self.shards.each("read the replay cursor", _status)
+        statuses = self.shards.each("read the replay cursor", brief_status)
         self._server_timeout_s = statuses[0].timeout_s
         return tuple(s.replay_start_of(list(self.source_ids.values())) for s in statuses)
 
@@ -743,7 +743,7 @@ class SourceDriver:
         routed by the key they brought, and this batch takes them in)."""
         unfilled = [s for s in sorted(set(self.source_ids.values())) if status.unfilled_of(s)]
         if unfilled and self.fill_failed(unfilled, shard):
-            status = self.shards.call(shard, "read the replay cursor", _status)
+            status = self.shards.call(shard, "read the replay cursor", brief_status)
         return status
 
     def open_ranges(self, parts: list[FTKafkaPartition]) -> list[FTKafkaPartition]:
@@ -831,11 +831,6 @@ def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
     for k in by_remainder[:left]:
         shares[k] += 1
     return shares
-
-
-def _status(client: FTClient) -> BriefStatus:
-    """The brief STATUS: all the driver reads per batch (docs/protocol.md 6.2)."""
-    return client.brief_status()
 
 
 def _whole_status(client: FTClient) -> Status:

@@ -36,7 +36,7 @@ from ftlayer.errors import SourceError
 from ftlayer.status import BriefStatus
 from ftlayer.wire import Fail, ParkedList
 
-from .cluster import ShardClients
+from .cluster import ShardClients, brief_status
 
 __all__ = ["Parking"]
 
@@ -109,7 +109,7 @@ class Parking:
                 if done is not None and done.delivered.get(owner):
                     # Its failed records want their bytes copied in this trigger.
                     with contextlib.suppress(SourceError):  # else at the next trigger
-                        out[owner] = shards.quick(owner, "read the replay cursor", _status)
+                        out[owner] = shards.quick(owner, "read the replay cursor", brief_status)
                 continue
             if owner not in shards.held:
                 silent = [s for s, status in enumerate(statuses) if status is None]
@@ -154,10 +154,6 @@ class Parking:
 
     def _drop(self, keeper: int, seqs: list[int]) -> int:
         return self.shards.quick(keeper, "drop delivered parked failures", partial(_dropped, seqs))
-
-
-def _status(client: FTClient) -> BriefStatus:
-    return client.brief_status()
 
 
 def _listed(client: FTClient) -> ParkedList:
