@@ -365,10 +365,13 @@ def sorted_distinct(seqs: NDArray[np.uint64]) -> NDArray[np.uint64]:
     together (mostly every seq of a span, in the acker's order), so where they fill at
     least a quarter of their span they are marked in a mask of it and read back in
     order: 1.1 ms for 200,000 seqs, against 9 for a sort (which costs as much on
-    sorted input). Scattered seqs are sorted."""
+    sorted input). Scattered seqs are sorted. Seqs already increasing (the server's
+    deleter hands the store slices of its own sorted_distinct) come back as they are."""
     n = len(seqs)
     if n < 1024:
         return np.unique(seqs)
+    if bool((seqs[1:] > seqs[:-1]).all()):
+        return seqs
     lo = int(seqs.min())
     span = int(seqs.max()) - lo + 1
     if span > 4 * n:
