@@ -1,7 +1,8 @@
 """The FT columns of a task's rows and the anchors they carry: `ft_root` and `ft_id`
-(one pair per row), and for a multi-anchored row (an aggregate's output) the extra
-pairs in `ft_extra_anchors`. `read_anchors` reads them as an Anchors batch without a
-Python object per row; `anchor_columns` writes them back."""
+(one pair per row; a barrier-mode row has `ft_root` only, its record id being 0), and
+for a multi-anchored row (an aggregate's output) the extra pairs in `ft_extra_anchors`.
+`read_anchors` reads them as an Anchors batch without a Python object per row;
+`anchor_columns` writes them back."""
 
 from __future__ import annotations
 
@@ -60,8 +61,13 @@ def _ids(batch: Any, name: str) -> NDArray[np.uint64]:
 
 
 def read_anchors(batch: Any) -> Anchors:
-    """The anchors of an Arrow batch's rows: (ft_root, ft_id), then ft_extra_anchors."""
-    roots, ids = _ids(batch, ROOT_COLUMN), _ids(batch, ID_COLUMN)
+    """The anchors of an Arrow batch's rows: (ft_root, ft_id), then ft_extra_anchors;
+    record id 0 where there is no ft_id (barrier mode)."""
+    roots = _ids(batch, ROOT_COLUMN)
+    if ID_COLUMN in batch.schema.names:
+        ids = _ids(batch, ID_COLUMN)
+    else:
+        ids = np.zeros(len(roots), dtype=np.uint64)
     if EXTRA_ANCHORS_COLUMN not in batch.schema.names:
         return Anchors.single(roots, ids)
     extra = batch.column(EXTRA_ANCHORS_COLUMN)
@@ -83,19 +89,19 @@ def read_anchors(batch: Any) -> Anchors:
     return Anchors(offsets, all_roots, all_ids)
 
 
-def anchor_columns(anchors: Anchors, multi: bool) -> list[Any]:
-    """The FT columns (Arrow arrays) for rows with these anchors: ft_root, ft_id, and
-    with `multi` ft_extra_anchors. Every row needs at least one anchor."""
+def anchor_columns(anchors: Anchors, multi: bool, ids: bool = True) -> list[Any]:
+    """The FT columns (Arrow arrays) for rows with these anchors: ft_root, ft_id (not
+    with `ids` False: rows of barrier mode, whose ids are 0), and with `multi`
+    ft_extra_anchors. Every row needs at least one anchor."""
     n = len(anchors)
     counts = np.diff(anchors.offsets)
     # Paranoid check: an output without anchors would never be acked or failed.
     if n and int(counts.min()) < 1:
         raise AssertionError("an output row has no anchor")
     first = anchors.offsets[:-1]
-    columns = [
-        pa.array(to_signed(anchors.roots[first]), type=pa.int64()),
-        pa.array(to_signed(anchors.ids[first]), type=pa.int64()),
-    ]
+    columns = [pa.array(to_signed(anchors.roots[first]), type=pa.int64())]
+    if ids:
+        columns.append(pa.array(to_signed(anchors.ids[first]), type=pa.int64()))
     if multi:
         is_extra = np.ones(len(anchors.roots), dtype=np.bool_)
         is_extra[first] = False

@@ -1,9 +1,13 @@
 """What every ftlayer-wrapped DataFrame shares: the FT columns and how to reach the FT layer.
 
-A record under fault tolerance carries its anchor in two LongType columns:
+A record under fault tolerance carries its anchor in LongType columns:
 
 - `ft_root` (ROOT_COLUMN): the root id of the source record it descends from;
-- `ft_id` (ID_COLUMN): its own record id.
+- `ft_id` (ID_COLUMN): its own record id, in tree mode only. A barrier-mode source's
+  rows complete at the barrier and carry no record id (it would be 0 on every row):
+  their `ft_root` column's metadata says so (COMPLETION_METADATA), and Spark keeps a
+  column's metadata through select, where and joins, so every wrapper and sink
+  downstream knows it too. One long column less through every step of the pipeline.
 
 Ids are unsigned 64-bit on the wire and in the acker; Spark has no unsigned type, so a
 column holds the same 64 bits read as a signed int64 (`to_signed` / `to_unsigned`
@@ -40,17 +44,25 @@ REPLAY_COLUMN: Final = "ft_replay"
 """With the source option ft.replayColumn: true on a row that is a replayed record. An FT
 column (tasks keep it from user code, sinks do not write it), but no anchor."""
 COMPLETION_METADATA: Final = "ftlayer.completion"
-"""The `ft_id` column's metadata key that says its rows' trees complete at the barrier
-(value "barrier"); Spark keeps a column's metadata through select, where, joins."""
+"""The `ft_root` column's metadata key that says its rows' trees complete at the barrier
+(value "barrier"), and that they have no `ft_id` column; Spark keeps a column's
+metadata through select, where, joins."""
 
 
 def completes_at_barrier(schema: StructType) -> bool:
     """Whether rows of this schema come from a barrier-mode source (COMPLETION_METADATA
-    on `ft_id`); False without it (then their record ids tell: 0 in barrier mode)."""
-    names = schema.fieldNames()
-    if ID_COLUMN not in names:
+    on `ft_root`)."""
+    if ROOT_COLUMN not in schema.fieldNames():
         return False
-    return schema[ID_COLUMN].metadata.get(COMPLETION_METADATA) == "barrier"
+    return schema[ROOT_COLUMN].metadata.get(COMPLETION_METADATA) == "barrier"
+
+
+def missing_ft_columns(schema: StructType) -> list[str]:
+    """The anchor columns an FT-on DataFrame of this schema lacks: `ft_root`, and
+    `ft_id` unless its rows complete at the barrier (`completes_at_barrier`)."""
+    names = set(schema.fieldNames())
+    wanted = [ROOT_COLUMN] if completes_at_barrier(schema) else list(FT_COLUMNS)
+    return [name for name in wanted if name not in names]
 
 
 HEADERS_TYPE: Final = ArrayType(

@@ -20,7 +20,7 @@ each partition. Nothing but a per-partition count comes back to the driver.
    time out and be replayed for ever. The cache makes `fn` and the acks read one
    computation. A cached partition that is evicted and recomputed costs a timeout
    and a replay of its roots (a duplicate, never a loss). In barrier mode (the
-   source's ft_id column says so) there is nothing to ack and tasks send no XOR
+   source's ft_root column says so) there is nothing to ack and tasks send no XOR
    events, so the batch is not cached: a second computation (to fail the roots when
    `fn` raised, or a second action inside `fn`) persists its records again under new
    roots, which the barrier completes or the failure replays.
@@ -134,12 +134,12 @@ from ftlayer.client.sharded import ShardedChannel
 from ftlayer.errors import ConfigError, FTLayerError
 
 from .ftcolumns import (
-    FT_COLUMNS,
     HEADERS_TYPE,
     LOOP_HEADER,
     FTSettings,
     completes_at_barrier,
     loop_header,
+    missing_ft_columns,
 )
 from .resume import (
     WRITE_HEADER,
@@ -224,9 +224,10 @@ def _check_on_error(on_error: str) -> SinkOnError:
 
 def _check_ft_columns(df: DataFrame, settings: FTSettings) -> tuple[str, ...]:
     present = ft_columns_of(df.columns)
-    if settings.enabled and not set(FT_COLUMNS) <= set(present):
+    missing = missing_ft_columns(df.schema) if settings.enabled else []
+    if missing:
         raise ConfigError(
-            f"FT is on but the sink's DataFrame has no {' / '.join(FT_COLUMNS)} columns "
+            f"FT is on but the sink's DataFrame has no {' / '.join(missing)} column "
             f"(it has {df.columns}): were they dropped by a select upstream?"
         )
     if not settings.enabled and present:

@@ -12,9 +12,10 @@ Usage::
           .load())
 
 Rows: key (binary), value (binary), topic (string), partition (int), offset (long),
-timestamp (timestamp), and with FT on `ft_root` and `ft_id` (LongType: the u64 root
-and record id of the row's anchor, as int64 bits; see `ftlayer.integration.ftcolumns`),
-and under `ft.replayColumn` `ft_replay` (boolean: the row is a replayed record).
+timestamp (timestamp), and with FT on `ft_root` and in tree mode `ft_id` (LongType: the
+u64 root and record id of the row's anchor, as int64 bits; a barrier-mode row has no
+record id: see `ftlayer.integration.ftcolumns`), and under `ft.replayColumn`
+`ft_replay` (boolean: the row is a replayed record).
 With FT off there are no FT columns, no FT-layer connection and no FT cost.
 
 ## Offsets, batches and input partitions
@@ -194,8 +195,8 @@ def source_schema(
 ) -> StructType:
     """The rows of an ftkafka source: the Kafka record (with its headers under
     includeHeaders), and its anchor with FT on (and `ft_replay` under ft.replayColumn).
-    In barrier mode the `ft_id` column's metadata says so (COMPLETION_METADATA), so a
-    sink downstream knows it has nothing to ack (its rows' record ids are 0 as well)."""
+    In barrier mode the anchor is `ft_root` alone, whose metadata says so
+    (COMPLETION_METADATA): a wrapper or sink downstream knows it has nothing to ack."""
     fields = [
         StructField("key", BinaryType()),
         StructField("value", BinaryType()),
@@ -207,11 +208,11 @@ def source_schema(
     if include_headers:
         fields.append(StructField("headers", HEADERS_TYPE))
     if ft_on:
-        metadata = {COMPLETION_METADATA: completion} if completion != "tree" else None
-        fields += [
-            StructField(ROOT_COLUMN, LongType()),
-            StructField(ID_COLUMN, LongType(), metadata=metadata),
-        ]
+        if completion == "tree":
+            fields += [StructField(ROOT_COLUMN, LongType()), StructField(ID_COLUMN, LongType())]
+        else:
+            metadata = {COMPLETION_METADATA: completion}
+            fields.append(StructField(ROOT_COLUMN, LongType(), metadata=metadata))
         if replay_column:
             fields.append(StructField(REPLAY_COLUMN, BooleanType(), nullable=False))
     return StructType(fields)

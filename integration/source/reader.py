@@ -35,7 +35,13 @@ from ftlayer.acking.handlers import Persister
 from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client.sharded import ShardedChannel
-from ftlayer.integration.ftcolumns import LOOP_HEADER, Channel, read_loop_headers, to_signed
+from ftlayer.integration.ftcolumns import (
+    ID_COLUMN,
+    LOOP_HEADER,
+    Channel,
+    read_loop_headers,
+    to_signed,
+)
 from ftlayer.partitioners import (
     kafka_key_hashes,
     spark_key_hashes,
@@ -465,8 +471,10 @@ def _arrow_batch(
     ]
     if headers is not None:
         columns.append(headers)
-    if anchors is not None:
-        columns += [pa.array(anchors[0], type=pa.int64()), pa.array(anchors[1], type=pa.int64())]
+    if anchors is not None:  # a barrier-mode row has no record id (always 0): no ft_id
+        columns.append(pa.array(anchors[0], type=pa.int64()))
+        if ID_COLUMN in arrow_schema.names:
+            columns.append(pa.array(anchors[1], type=pa.int64()))
     if replayed is not None:  # ft.replayColumn: every row of a batch alike
         columns.append(pa.array(np.full(len(timestamps_ms), replayed), type=pa.bool_()))
     return pa.RecordBatch.from_arrays(columns, schema=arrow_schema)

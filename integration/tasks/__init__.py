@@ -133,7 +133,13 @@ from ftlayer.integration.anchors import (
     ft_columns_of,
     read_anchors,
 )
-from ftlayer.integration.ftcolumns import FT_COLUMNS, ID_COLUMN, ROOT_COLUMN, FTSettings
+from ftlayer.integration.ftcolumns import (
+    ID_COLUMN,
+    ROOT_COLUMN,
+    FTSettings,
+    completes_at_barrier,
+    missing_ft_columns,
+)
 from ftlayer.integration.sinkhold import holding, named_task
 
 from .aggregate import aggregate_partition, plain_group_fn
@@ -446,9 +452,10 @@ class FTTasks:
 
     def _check_ft_columns(self, df: DataFrame) -> None:
         present = ft_columns_of(df.columns)
-        if self.ft and not set(FT_COLUMNS) <= set(present):
+        missing = missing_ft_columns(df.schema) if self.ft else []
+        if missing:
             raise ConfigError(
-                f"FT is on but the DataFrame has no {' / '.join(FT_COLUMNS)} columns "
+                f"FT is on but the DataFrame has no {' / '.join(missing)} column "
                 f"(it has {df.columns}): is it read from an FT source with the same "
                 "FTSettings? Rows after a Spark aggregation or state function carry no "
                 "root; use plain Spark code there (in barrier mode a failure there fails "
@@ -530,16 +537,17 @@ def _struct(df: DataFrame, schema: Schema) -> StructType:
 
 
 def _with_ft_fields(struct: StructType, multi: bool, like: StructType | None = None) -> StructType:
-    """`struct` with the FT columns; `ft_id` keeps the metadata it has in `like` (the
-    step's input), so barrier mode stays visible downstream."""
-    metadata = None
-    if like is not None and ID_COLUMN in like.fieldNames():
-        metadata = like[ID_COLUMN].metadata or None
-    fields = [
-        *struct.fields,
-        StructField(ROOT_COLUMN, LongType(), False),
-        StructField(ID_COLUMN, LongType(), False, metadata=metadata),
-    ]
+    """`struct` with the FT columns of `like` (the step's input): in barrier mode
+    `ft_root` alone, with the metadata that says so, visible downstream."""
+    if like is not None and completes_at_barrier(like):
+        root = like[ROOT_COLUMN]
+        fields = [*struct.fields, StructField(ROOT_COLUMN, LongType(), False, root.metadata)]
+    else:
+        fields = [
+            *struct.fields,
+            StructField(ROOT_COLUMN, LongType(), False),
+            StructField(ID_COLUMN, LongType(), False),
+        ]
     if multi:
         fields.append(StructField(EXTRA_ANCHORS_COLUMN, EXTRA_ANCHORS_TYPE, True))
     return StructType(fields)

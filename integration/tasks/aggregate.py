@@ -19,6 +19,7 @@ from ftlayer.acking.handlers import NoFTTaskHandler, TaskHandler
 from ftlayer.errors import FailException, TaskOutputError
 from ftlayer.integration.anchors import anchor_columns
 from ftlayer.integration.ftcolumns import (
+    ID_COLUMN,
     FTSettings,
 )
 
@@ -168,6 +169,7 @@ def aggregate_partition(
     output multi-anchored to its group's inputs (FT on); with FT off a failed group emits
     nothing. `failures` makes the partition's Failures (an observed step keeps it)."""
     ft = settings.enabled
+    ids = ID_COLUMN in out_schema.names  # not in barrier mode
     new_failures = failures
 
     def emit(
@@ -190,7 +192,8 @@ def aggregate_partition(
             if combined is None:
                 yield out
             else:
-                columns = [*out.columns, *anchor_columns(combined, multi=True)]
+                anchors = anchor_columns(combined, multi=True, ids=ids)
+                columns = [*out.columns, *anchors]
                 yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:

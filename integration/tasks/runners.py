@@ -22,7 +22,6 @@ from ftlayer.integration.anchors import (
 from ftlayer.integration.ftcolumns import (
     FT_COLUMNS,
     ID_COLUMN,
-    ROOT_COLUMN,
     FTSettings,
 )
 
@@ -72,6 +71,7 @@ def map_partition(
     """A mapInArrow function: run `step` per batch, anchor its outputs (FT on), flush at
     the end. With FT off failed records are dropped."""
     ft = settings.enabled
+    ids = ID_COLUMN in out_schema.names  # not in barrier mode
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         handler, finish = task_handler(settings)
@@ -94,8 +94,8 @@ def map_partition(
                 if outputs is None:
                     yield rows
                 else:
-                    columns = [*rows.columns, *anchor_columns(outputs, multi)]
-                    yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+                    anchors = anchor_columns(outputs, multi, ids)
+                    yield pa.RecordBatch.from_arrays([*rows.columns, *anchors], schema=out_schema)
         finish()
         log_failures(failures, what, ft=ft)
 
@@ -162,9 +162,10 @@ def _with_columns_of(rows: Any, batch: Any, schema: Any) -> Any:
 
 def _with_anchors(batch: Any, anchors: Anchors) -> Any:
     """`batch` with its FT columns replaced by these anchors (same positions)."""
-    multi = EXTRA_ANCHORS_COLUMN in batch.schema.names
-    names = [ROOT_COLUMN, ID_COLUMN, EXTRA_ANCHORS_COLUMN] if multi else list(FT_COLUMNS)
-    for name, column in zip(names, anchor_columns(anchors, multi), strict=True):
+    present = batch.schema.names
+    multi, ids = EXTRA_ANCHORS_COLUMN in present, ID_COLUMN in present
+    names = [n for n in (*FT_COLUMNS, EXTRA_ANCHORS_COLUMN) if n in present]
+    for name, column in zip(names, anchor_columns(anchors, multi, ids), strict=True):
         index = batch.schema.get_field_index(name)
         column = column.cast(batch.schema.field(index).type)
         batch = batch.set_column(index, batch.schema.field(index), column)

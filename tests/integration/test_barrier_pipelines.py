@@ -141,7 +141,7 @@ def test_where_select_explode_and_a_static_join_need_nothing_of_the_user(
     )
     shaped = (
         parsed.where(F.col("id") % 3 != 0)  # a plain where drops rows: fine here
-        .select("id", "ft_root", "ft_id", (F.col("id") % 7).alias("k"))
+        .select("id", "ft_root", (F.col("id") % 7).alias("k"))
         .withColumn("copy", F.explode(F.array(F.lit(0), F.lit(1))))
         .join(F.broadcast(names), "k")
     )
@@ -166,7 +166,7 @@ def test_where_select_explode_and_a_static_join_need_nothing_of_the_user(
     assert status.persisted == n
     if persist == "reference":
         assert status.filled == len(failing) and status.open_ranges == 0
-    # The sink knew from the ft_id column's metadata that it had nothing to ack.
+    # The sink knew from the ft_root column's metadata that it had nothing to ack.
     assert sink.last_result is not None and sink.last_result.at_barrier
 
 
@@ -233,7 +233,6 @@ def test_a_failed_record_in_a_stream_stream_join_comes_back_and_joins_again(
         F.col("key").cast("string").cast("long").alias("rid"),
         F.col("value").cast("string").alias("rvalue"),
         F.col("ft_root").alias("r_root"),
-        F.col("ft_id").alias("r_id"),
     )
     at = F.timestamp_millis(F.lit(BASE_MS))
     joined = (
@@ -459,7 +458,7 @@ def test_a_write_the_broker_refuses_fails_its_record_alone_until_it_is_a_dead_le
         .option("ft.maxRetries", "1")
         .option("ft.retryBackoffMs", "100")
         .load()
-        .select("key", "value", "ft_root", "ft_id")
+        .select("key", "value", "ft_root")
     )
     sink = ft_kafka_sink(
         kafka_bootstrap,

@@ -157,7 +157,7 @@ def assert_rows_match_kafka(rows: list[dict[str, Any]], kafka: Mapping[Coords, t
 def anchors(rows: Iterable[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
     rows = list(rows)
     roots = to_unsigned(np.array([r["ft_root"] for r in rows], dtype=np.int64))
-    ids = to_unsigned(np.array([r["ft_id"] for r in rows], dtype=np.int64))
+    ids = to_unsigned(np.array([r.get("ft_id", 0) for r in rows], dtype=np.int64))
     return roots, ids
 
 
