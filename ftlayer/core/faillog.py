@@ -80,7 +80,7 @@ def log_failed(
             "cause": kind,
             "count": len(rows),
             "offsets": batch.offsets[rows[:LISTED]].tolist(),
-            "roots": hex_ids(old_roots[rows].tolist()),
+            "roots": hex_ids(old_roots[rows[:LISTED]].tolist()),
         }
         if causes is not None and not causes.unspecified:
             cause = causes[first]
@@ -95,7 +95,7 @@ def log_failed(
                 last = record.last_cause
                 shown = kind if last is None else last.kind.label
         else:
-            extra["new_roots"] = hex_ids(new_roots[rows].tolist())
+            extra["new_roots"] = hex_ids(new_roots[rows[:LISTED]].tolist())
         if group_fate == WAITING:
             extra["due"] = round(float(due[rows].min()), 3)
         level = logging.WARNING if group_fate == DEAD or kind == "timeout" else logging.INFO
