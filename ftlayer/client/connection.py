@@ -92,7 +92,7 @@ from ftlayer.wire import (
     decode_ok,
     decode_parked_list,
     decode_range_numbers,
-    decode_replay,
+    decode_replay_page,
     decode_savepoint_bytes,
     decode_savepoint_created,
     decode_status_reply,
@@ -416,8 +416,9 @@ class FTClient:
         """`FTLayer.fetch_replay` on the server: records with lo < replay seq <= hi.
 
         A REPLAY holds at most one frame of rows; the server sends the first rows that
-        fit, whole replay seqs at a time, and this asks again from the last seq it got
-        until a reply comes back empty or reaches `hi`."""
+        fit, whole replay seqs at a time, and the seq up to which it sent every row
+        (`through`: `hi` when all fit), and this asks again from there until a reply
+        comes back empty or reaches `hi`: one request when every row fits."""
         pages: list[ReplayRecords] = []
         while True:
             start = lo
@@ -425,11 +426,11 @@ class FTClient:
             def encode(rid: int, start: int = start) -> bytes:
                 return encode_fetch_replay(rid, start, hi, source_id=source_id, partition=partition)
 
-            page = decode_replay(self._call(encode, Kind.REPLAY, retry=True))
+            page, through = decode_replay_page(self._call(encode, Kind.REPLAY, retry=True))
             pages.append(page)
-            if not len(page) or int(page.replay_seqs[-1]) >= hi:
+            if not len(page) or through >= hi:
                 return ReplayRecords.concat(pages)
-            lo = int(page.replay_seqs[-1])
+            lo = through
 
     def checkpoint(
         self,

@@ -266,7 +266,9 @@ class RequestHandlers(ServerState):
         m = decode_fetch_replay(frame)
         with self._core() as ft:
             replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
-        return encode_replay(rid, _first_page(replay, self.max_frame), max_frame=self.max_frame)
+        page = _first_page(replay, self.max_frame)
+        through = m.hi if len(page) == len(replay) else None  # None: its last row's seq
+        return encode_replay(rid, page, through=through, max_frame=self.max_frame)
 
     def _ingest(self, rid: int, frame: Frame) -> bytes:
         m = decode_ingest(frame)
@@ -536,8 +538,8 @@ def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:
     """The rows of `replay` that fit one REPLAY frame: all of them, or the longest
     prefix that ends at a replay seq boundary (a broadcast replay has one row per
     partition under one seq, and they travel together). The client asks again from the
-    last seq it got (docs/protocol.md, 5.2). A first seq too large for a frame is left
-    to the encoder's FrameTooLarge."""
+    last seq it got, the reply's `through` (docs/protocol.md, 5.2). A first seq too
+    large for a frame is left to the encoder's FrameTooLarge."""
     n = len(replay)
     if n < 2:
         return replay

@@ -52,6 +52,7 @@ __all__ = [
     "decode_hold",
     "decode_persist",
     "decode_replay",
+    "decode_replay_page",
     "decode_sink_hold",
     "decode_sink_settle",
     "decode_xor",
@@ -146,17 +147,26 @@ def decode_persist(message: Frame | bytes) -> Persist:
 
 
 def encode_replay(
-    request_id: int, replay: ReplayRecords, *, max_frame: int = DEFAULT_MAX_FRAME
+    request_id: int,
+    replay: ReplayRecords,
+    *,
+    through: int | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
-    """REPLAY: the reply to FETCH_REPLAY, `FTLayer.fetch_replay`'s ReplayRecords."""
+    """REPLAY: the reply to FETCH_REPLAY, `FTLayer.fetch_replay`'s ReplayRecords, and
+    `through`: the replay seq up to which the reply holds every row asked for (the
+    request's hi when all of them fit; by default the last row's seq, 0 if none)."""
     n = len(replay.records)
     if len(replay.replay_seqs) != n or len(replay.partitions) != n:
         raise BadRequest(
             f"REPLAY needs one replay seq and one partition per record: {n} records, "
             f"{len(replay.replay_seqs)} replay seqs, {len(replay.partitions)} partitions"
         )
+    if through is None:
+        through = int(replay.replay_seqs[-1]) if n else 0
     parts = [
         _U32.pack(n),
+        u64_column([through], 1, "REPLAY through").tobytes(),
         np.ascontiguousarray(replay.replay_seqs, dtype="<u8").tobytes(),
         np.ascontiguousarray(replay.partitions, dtype="<i4").tobytes(),
     ]
@@ -165,12 +175,19 @@ def encode_replay(
 
 
 def decode_replay(message: Frame | bytes) -> ReplayRecords:
+    return decode_replay_page(message)[0]
+
+
+def decode_replay_page(message: Frame | bytes) -> tuple[ReplayRecords, int]:
+    """A REPLAY's rows and its `through` (encode_replay): the client asks again from
+    `through` while it is below the hi it asked for."""
     body = _body(message, Kind.REPLAY)
     n = body.u32("record count")
+    through = int(body.array("<u8", 1, "through")[0])
     replay_seqs = body.array("<u8", n, "replay seqs")
     partitions = body.array("<i4", n, "target partitions")
     batch, _ = read_records(body, n, with_initial=False)
-    return ReplayRecords(replay_seqs=replay_seqs, partitions=partitions, records=batch)
+    return ReplayRecords(replay_seqs=replay_seqs, partitions=partitions, records=batch), through
 
 
 # ---- events (XOR, HOLD) ----------------------------------------------------------------

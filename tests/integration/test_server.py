@@ -388,6 +388,37 @@ def test_a_replay_larger_than_a_frame_comes_back_in_pages(tmp_path: Path) -> Non
     assert sorted(replay.partitions.tolist()) == [0] * 30 + [1] * 30
 
 
+def test_a_partitions_replays_that_fit_a_frame_come_in_one_request(tmp_path: Path) -> None:
+    # Failed records routed to two partitions by key: each partition's rows fit one
+    # REPLAY, so each reader asks once, also the one whose rows end before the range's
+    # last replay seq (that seq is the other partition's).
+    with FTServer(tmp_path / "data", max_frame=65_536) as server:
+        host, port = server.address
+        with FTClient(f"{host}:{port}") as client:
+            client.register_source(SourceRegistration(0, "kafka-hash", 2))
+            n = 40
+            anchors = Persister(client).persist(
+                [bytes([i]) * 1_000 for i in range(n)],
+                topics="orders",
+                partitions=np.zeros(n),
+                offsets=None,
+                key_hashes=np.arange(n),
+                has_key=np.ones(n, dtype=np.bool_),
+            )
+            assert client.fail(anchors.roots) == n
+            hi = client.status()["replay_cursor"]
+            fetched, asked = [], []
+            for partition in (0, 1):
+                before = client.requests_sent[Kind.FETCH_REPLAY]
+                fetched.append(client.fetch_replay(0, hi, 0, partition))
+                asked.append(client.requests_sent[Kind.FETCH_REPLAY] - before)
+    assert asked == [1, 1]
+    assert all(0 < len(replay) < n for replay in fetched)
+    assert [set(replay.partitions.tolist()) for replay in fetched] == [{0}, {1}]
+    seqs = [seq for replay in fetched for seq in replay.replay_seqs.tolist()]
+    assert sorted(seqs) == list(range(1, n + 1)) and hi == n
+
+
 def test_a_full_disk_is_a_clear_error_and_loses_nothing_confirmed(
     start_server: StartServer, tmp_path: Path
 ) -> None:
