@@ -58,7 +58,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 
 def read_serving_address(
-    proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0
+    proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0
 ) -> str:
     """The HOST:PORT of the "ftlayer serving on HOST:PORT" line a starting `ftlayer
     serve` prints first (its stdout a pipe; " (TLS)" follows the address of a TLS
@@ -67,7 +67,7 @@ def read_serving_address(
     return _read_line(proc, _SERVING, log_path, timeout)
 
 
-def read_http_url(proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 20.0) -> str:
+def read_http_url(proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0) -> str:
     """The URL of the "ftlayer http on" line that `ftlayer serve --http-port` prints
     right after its "serving on" line (read that one first)."""
     return _read_line(proc, _HTTP, log_path, timeout)
@@ -113,7 +113,7 @@ class FTServerProcess:
         data_dir: str | os.PathLike[str],
         *serve_args: str,
         log_path: str | os.PathLike[str] | None = None,
-        start_timeout: float = 20.0,
+        start_timeout: float = 60.0,
         command_prefix: Sequence[str] = (),
     ) -> None:
         self.data_dir = Path(data_dir)

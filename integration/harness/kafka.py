@@ -48,6 +48,7 @@ __all__ = [
     "end_offsets",
     "produce",
     "read_all",
+    "wait_progressing",
     "wait_until",
 ]
 
@@ -123,6 +124,30 @@ def wait_until(
     while not condition():
         if time.monotonic() >= deadline:
             raise KafkaHelperError(f"timed out after {timeout:.1f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_progressing(
+    condition: Callable[[], bool],
+    progress: Callable[[], object],
+    stall_s: float,
+    what: str,
+    interval: float = 0.1,
+) -> None:
+    """Poll `condition` until it holds, while `progress()` keeps changing: raise
+    `KafkaHelperError` naming `what` once `progress()` has returned the same value for
+    `stall_s` seconds. For waits whose length depends on the machine's speed and load (a
+    JVM's start, a backlog worked off), where only a stall is an error.
+    """
+    last, since = progress(), time.monotonic()
+    while not condition():
+        now, seen = time.monotonic(), progress()
+        if seen != last:
+            last, since = seen, now
+        elif now - since >= stall_s:
+            raise KafkaHelperError(
+                f"waiting for {what}: no progress for {stall_s:.1f} s (stuck at {seen!r})"
+            )
         time.sleep(interval)
 
 

@@ -96,7 +96,7 @@ class NetnsHost:
         found = ip("netns", "pids", self.netns, check=False).split()
         return [int(pid) for pid in found if not _zombie(int(pid))]
 
-    def kill_all(self, timeout: float = 10.0) -> int:
+    def kill_all(self, timeout: float = 60.0) -> int:
         """This host dies: every process on it SIGKILLed (stopped first, so none starts
         another meanwhile); returns how many, once they are gone (NetnsError after
         `timeout` seconds)."""

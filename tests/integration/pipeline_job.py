@@ -36,7 +36,7 @@ from ftlayer.integration.harness.demo import (
     make_enrich,
     parse,
 )
-from ftlayer.integration.harness.kafka import wait_until
+from ftlayer.integration.harness.kafka import wait_progressing, wait_until
 from ftlayer.integration.sinks import ft_foreach_batch, ft_kafka_sink
 from ftlayer.integration.source import register
 from ftlayer.integration.spark import local_spark
@@ -87,7 +87,14 @@ def wait_settled_shards(
                 return False
             return all(client.status()["pending"] == 0 for client in clients)
 
-        wait_until(settled, timeout, "every record read and every tree complete", interval=0.25)
+        def progress() -> tuple[int, list[tuple[int, int]]]:
+            counts = [client.status() for client in clients]
+            return records_read(query, topic), [(c["completed"], c["pending"]) for c in counts]
+
+        # `timeout`: how long the pipeline may make no progress (how long it takes in all
+        # depends on the machine and its load).
+        what = "every record read and every tree complete"
+        wait_progressing(settled, progress, timeout, what, interval=0.25)
         return [client.status().to_json() for client in clients]
 
 
@@ -200,7 +207,7 @@ def main() -> None:
     jsc = spark.sparkContext._jsc.sc()
     try:
         # The query must not start before both executors can take tasks.
-        wait_until(lambda: jsc.getExecutorMemoryStatus().size() == 3, 60, "two executors")
+        wait_until(lambda: jsc.getExecutorMemoryStatus().size() == 3, 180, "two executors")
         started = time.monotonic()
         register(spark)
         settings = FTSettings(args.ft_address)

@@ -717,7 +717,7 @@ def test_the_pipeline_on_a_local_cluster_of_two_executor_jvms(
     cluster_job: ClusterJob, kafka_bootstrap: str
 ) -> None:
     try:
-        code = cluster_job.proc.wait(timeout=240)
+        code = cluster_job.proc.wait(timeout=600)  # a hang guard: its waits are its own
     except subprocess.TimeoutExpired:
         code = None
     assert code == 0, f"the job ended with {code}: {cluster_job.stderr.read_text()[-4000:]}"

@@ -128,7 +128,11 @@ from ftlayer.client import FTClient
 from ftlayer.errors import FTLayerError
 from ftlayer.integration.harness.broker import free_port
 from ftlayer.integration.harness.ftprocess import FTServerProcess
-from ftlayer.integration.harness.kafka import create_topic, read_all, wait_until
+from ftlayer.integration.harness.kafka import (
+    create_topic,
+    read_all,
+    wait_progressing,
+)
 
 KILLS = 5
 PARTITIONS = 4
@@ -143,8 +147,11 @@ KILL_DELAY_S = (0.0, 1.5)
 PERSISTING_KILLS = 0.6
 # The FT layer stays down this long before its restart (executors wait 10 s for it).
 FT_DOWN_S = (0.0, 1.0)
-START_TIMEOUT_S = 120.0
-SETTLE_TIMEOUT_S = 150.0
+START_STALL_S = 120.0
+"""Waits for the job (its start, a batch) fail after this long without progress: no
+new line of the job's reports, no new batch logged or committed, no record persisted.
+How long a JVM's start or a backlog takes depends on the machine and its load."""
+SETTLE_STALL_S = 150.0
 SAMPLE_S = 0.1
 IN_FLIGHT_SHARE = 0.01
 """A driver kill's rows in flight, written again by the batch's run again: at most this
@@ -438,12 +445,20 @@ class Run:
         return f"kind {self.kind}, seed {self.seed} (rerun with KILL_SEED={self.seed})"
 
 
+def job_progress(stream: Stream) -> tuple[int, int, int]:
+    """What changes while the job works: its reports' size and its logged and committed
+    batches (the Spark checkpoint)."""
+    checkpoint = stream.checkpoint
+    logged = checkpoint.logged()
+    return stream.job.stdout.stat().st_size, logged[-1] if logged else -1, checkpoint.committed()
+
+
 def wait_for_commit_after(stream: Stream, committed: int, what: str) -> None:
     def progressed() -> bool:
         stream.job.check()
         return stream.checkpoint.committed() > committed
 
-    wait_until(progressed, START_TIMEOUT_S, what, interval=0.1)
+    wait_progressing(progressed, lambda: job_progress(stream), START_STALL_S, what)
 
 
 def persisted(stream: Stream) -> int:
@@ -480,7 +495,9 @@ def kill_and_restart(run: Run, rng: random.Random, stream: Stream, marks: Marks)
             job.check()
             return persisted(stream) > marks.persisted
 
-        wait_until(persisting, START_TIMEOUT_S, "records persisted", interval=0.1)
+        wait_progressing(
+            persisting, lambda: job_progress(stream), START_STALL_S, "records persisted"
+        )
     else:
         when = "committed"
         what = f"a batch committed after batch {marks.committed}"
@@ -586,7 +603,11 @@ def wait_settled(stream: Stream, produced: int) -> dict[str, Any]:
         streak[0] = streak[0] + 1 if done else 0
         return streak[0] >= 2
 
-    wait_until(settled, SETTLE_TIMEOUT_S, "every record read and every tree complete", 0.25)
+    def progress() -> tuple[tuple[int, int, int], Any]:
+        return job_progress(stream), status.get("pending")
+
+    what = "every record read and every tree complete"
+    wait_progressing(settled, progress, SETTLE_STALL_S, what, 0.25)
     return status
 
 
