@@ -13,7 +13,8 @@ the server runs it; INFO logging to /dev/null), for two paths of the fast bench:
 
 Process CPU per record over BATCHES micro-batches after one (tree) or two (failures) of
 warm-up, and per call kind the calls per batch and their CPU; with -p, the functions
-that take the most time under cProfile.
+that take the most time under cProfile (PROFILE_SORT=cumtime to sort by time
+with callees, PROFILE_LINES=N for more than 40).
 
     .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
     .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
@@ -22,6 +23,7 @@ that take the most time under cProfile.
 import collections
 import cProfile
 import logging
+import os
 import pstats
 import sys
 import tempfile
@@ -160,7 +162,9 @@ def main() -> None:
             f"{cpu[name] * 1e6 / records:.4f} us per record"
         )
     if profile is not None:
-        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+        order = os.environ.get("PROFILE_SORT", "tottime")  # or cumtime
+        lines = int(os.environ.get("PROFILE_LINES", "40"))
+        pstats.Stats(profile).sort_stats(order).print_stats(lines)
 
 
 main()

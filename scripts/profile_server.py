@@ -1,12 +1,13 @@
 """Where the FT-layer server's CPU goes in the fast pipeline bench: one run of
 `bench_fast` (integration/harness/benchfast.py) at one batch size, with py-spy sampling
 the `ftlayer serve` process of one FT mode (SERVER: barrier, the default, or tree; the
-bench gives each mode a server of its own) the whole time (threads holding the GIL only: Python at
-work, not numpy or LMDB with the GIL released; with PROFILE_NATIVE=1 every running
-thread, native frames included), folded into the functions that take
-the most samples, by own time and by time including callees, as a share of all
-samples and in µs per record of FT-on runs; and the server's whole CPU time (from
-/proc) per record. Needs py-spy in the virtualenv (`pip install py-spy`).
+bench gives each mode a server of its own) the whole time (threads holding the GIL
+only: Python at work, not numpy or LMDB with the GIL released; with PROFILE_NATIVE=1
+every running thread, native frames included), folded into the functions that take
+the most samples (the server's start, its imports, left out), by own time and by time
+including callees, as a share of all samples and in µs per record of FT-on runs; and
+the server's whole CPU time (from /proc) per record. Needs py-spy in the virtualenv
+(`pip install py-spy`).
 
     [SERVER=tree] [FAIL_RATE=0.01] \
         .venv/bin/python scripts/profile_server.py [BATCH_SIZE] [ROUNDS] [TOP]
@@ -87,6 +88,12 @@ def _idle(frames: list[str]) -> bool:
     return leaf in _WAITS or (leaf.startswith("0x") and "PyThread_acquire_lock_timed" in frames)
 
 
+def _starting(frames: list[str]) -> bool:
+    """A stack of the server's start (its imports, numba's cache loading): not the
+    bench's work, and up to 75% of the samples with PROFILE_NATIVE=1."""
+    return any(f in ("_find_and_load", "compile_kernels") for f in frames)
+
+
 def _fold(path: str) -> tuple[int, collections.Counter[str], collections.Counter[str]]:
     total = 0
     own: collections.Counter[str] = collections.Counter()
@@ -96,7 +103,7 @@ def _fold(path: str) -> tuple[int, collections.Counter[str], collections.Counter
             stack, _, count = line.rstrip("\n").rpartition(" ")
             n = int(count)
             frames = [frame.split(" (")[0] for frame in stack.split(";")[1:]]  # no thread
-            if not frames or (NATIVE and _idle(frames)):
+            if not frames or (NATIVE and _idle(frames)) or _starting(frames):
                 continue
             total += n
             own[frames[-1]] += n

@@ -125,7 +125,7 @@ def test_the_guide_job_runs_as_printed_and_its_totals_are_exact(tmp_path: Path) 
         start_new_session=True,  # its process group holds everything the guide starts
     )
     try:
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=900)  # a hang guard: the guide waits on progress
     finally:
         # The guide stops what it started; on a failure, stop the rest here.
         with contextlib.suppress(ProcessLookupError):
