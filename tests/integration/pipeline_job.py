@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -148,20 +149,37 @@ def ftkafka_source(
     return reader.load()
 
 
+SPARK_START_LIMIT = "Python worker failed to connect back"
+"""Spark gives a fresh Python process (its Python data source's planner) a fixed 10 s
+to connect back (PythonWorkerFactory.createSimpleWorker); a machine loaded by two
+other test runs can take longer. A query that dies of it before its first batch is
+started again from its checkpoint, as its supervisor would."""
+START_ATTEMPTS = 3
+
+
 def run_settled(df: Any, sink: Any, checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Run `df` into `sink` (foreachBatch) until every source record is settled
     (wait_settled), then stop the query; returns the FT layer's status then."""
-    query = (
-        df.writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(processingTime="500 milliseconds")
-        .start()
-    )
-    try:
-        return wait_settled(query, args.ft_address, args.source_topic, args.records, args.timeout)
-    finally:
-        with contextlib.suppress(Exception):
-            query.stop()
+    for attempt in range(1, START_ATTEMPTS + 1):
+        query = (
+            df.writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+        try:
+            return wait_settled(
+                query, args.ft_address, args.source_topic, args.records, args.timeout
+            )
+        except AssertionError as exc:
+            died_starting = query.lastProgress is None and SPARK_START_LIMIT in str(exc)
+            if not died_starting or attempt == START_ATTEMPTS:
+                raise
+            print(f"query start {attempt}: {SPARK_START_LIMIT}; again", file=sys.stderr)
+        finally:
+            with contextlib.suppress(Exception):
+                query.stop()
+    raise AssertionError("unreachable")
 
 
 def held_sink_run(spark: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, Causes, FailKind
 from ftlayer.cli import main
 from ftlayer.client import FTClient
+from ftlayer.inspection import RecordQuery, RecordState
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.source.deadletters import dead_letter_messages
 from ftlayer.payloads import encode_payloads
@@ -55,6 +56,17 @@ def _persist_pending(client: FTClient, n: int) -> np.ndarray:
         partitions=np.arange(n) % 2,
         offsets=np.arange(n),
     ).roots
+
+
+BACKOFF_MS = 15_000
+
+
+def _due_of_record_1(client: FTClient) -> float:
+    """When record 1 (events, partition 1, offset 1), waiting for its backoff, is due."""
+    found = client.inspect(RecordQuery(topic="events", partition=1, offset=1)).records
+    assert [r.state for r in found] == [RecordState.WAITING], found
+    assert found[0].due is not None
+    return found[0].due
 
 
 def _wait(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
@@ -152,28 +164,35 @@ def test_retry_counts_and_due_times_survive_a_sigkill_of_the_server(
     start_server: StartServer,
 ) -> None:
     server = start_server()
-    policy = RetryPolicy(max_retries=3, backoff_ms=6000, backoff_max_ms=6000)
+    # Longer than a restart of the server takes on a loaded machine (seconds).
+    policy = RetryPolicy(max_retries=3, backoff_ms=BACKOFF_MS, backoff_max_ms=BACKOFF_MS)
     with server.client() as client:
         _register(client, policy)
         roots = _persist_pending(client, 3)
         failed_at = time.time()
         client.fail(roots[[1]], Cause(FailKind.EXPLICIT, "enrich", "FailException: later"))
+        answered_at = time.time()
         status = client.status()
         assert (status.retry_waiting, status.replay_cursor_of([SOURCE])) == (1, 0)
+        due = _due_of_record_1(client)  # the backoff, less up to 20% of jitter
+        backoff_s = BACKOFF_MS / 1000
+        assert failed_at + 0.8 * backoff_s <= due <= answered_at + backoff_s, (failed_at, due)
     server.kill()
     server = start_server(server.data_dir)
     with server.client() as client:
         status = client.status()
-        # Record 1 still waits for its backoff (4.8 to 6 s after its failure); records
+        # Record 1 still waits for its backoff (12 to 15 s after its failure); records
         # 0 and 2 were pending at the kill: restored from the journal as they were, not
         # replayed.
         assert status.retry_waiting == 1
         assert (status.recovered_pending, status.failed["recovery"]) == (3, 0)
         cursor = status.replay_cursor_of([SOURCE])
         assert len(client.fetch_replay(0, cursor, SOURCE)) == 0
-        _wait(lambda: client.status().retry_waiting == 0)
-        waited = time.time() - failed_at
-        assert 4.8 <= waited <= 6.0 + 2.0, waited
+        # The due time itself survived (not the backoff started again at the restart),
+        # and the record is queued once it has passed, not before.
+        assert _due_of_record_1(client) == due
+        _wait(lambda: client.status().retry_waiting == 0, 60)
+        assert time.time() >= due
         replay = client.fetch_replay(cursor, client.status().replay_cursor_of([SOURCE]), SOURCE)
         assert replay.records.offsets.tolist() == [1]
         # Its count was kept: one failure before the kill; three more make it dead.
@@ -181,7 +200,7 @@ def test_retry_counts_and_due_times_survive_a_sigkill_of_the_server(
             client.fail(replay.records.roots, Cause(FailKind.ERROR, "enrich", "E: x"))
             if client.status().dead_letters:
                 break
-            _wait(lambda: client.status().retry_waiting == 0, 20)
+            _wait(lambda: client.status().retry_waiting == 0, 60)
             cursor = client.status().replay_cursor_of([SOURCE])
             replay = client.fetch_replay(cursor - 1, cursor, SOURCE)
         (letter,) = client.dead_letters().letters
