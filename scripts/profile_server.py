@@ -9,7 +9,7 @@ including callees, as a share of all samples and in µs per record of FT-on runs
 the server's whole CPU time (from /proc) per record. Needs py-spy in the virtualenv
 (`pip install py-spy`).
 
-    [SERVER=tree] [FAIL_RATE=0.01] \
+    [SERVER=tree] [FAIL_RATE=0.01] [PROFILE_NONBLOCKING=1] \
         .venv/bin/python scripts/profile_server.py [BATCH_SIZE] [ROUNDS] [TOP]
 """
 
@@ -71,6 +71,8 @@ def _record(path: str) -> None:
     threading.Thread(target=_watch_cpu, args=(pid,), daemon=True).start()
     spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
     which = ["--native"] if NATIVE else ["--gil"]
+    if os.environ.get("PROFILE_NONBLOCKING") == "1":  # the server is not stopped to sample
+        which.append("--nonblocking")
     subprocess.run(
         [spy, "record", "-p", str(pid), "-r", str(RATE), *which, "--format", "raw", "-o", path],
         capture_output=True,
