@@ -89,11 +89,8 @@ class Collected:
 
 def longest_batch_s(query: Any) -> float:
     """The longest of the query's batches (Spark's triggerExecution; its last 100)."""
-    longest = 0
-    for progress in query.recentProgress:
-        data = progress if isinstance(progress, dict) else json.loads(progress.json)
-        longest = max(longest, int(data["durationMs"]["triggerExecution"]))
-    return longest / 1000
+    durations = [int(p["durationMs"]["triggerExecution"]) for p in query.recentProgress]
+    return max(durations, default=0) / 1000
 
 
 def group_offsets(bootstrap: str, group: str, topic: str) -> dict[int, tuple[int, int]]:

@@ -406,47 +406,43 @@ def test_fuzzed_frames_get_well_formed_replies_and_change_nothing(served: Served
     assert time.monotonic() - started < 30
 
 
-def test_stalled_clients_do_not_block_others_and_stop_is_clean(tmp_path: Path) -> None:
-    # The stalled connections' timeouts are far past the deadline: a server that waited
-    # on any of them would answer the busy client only after it.
-    with serving(tmp_path, *STALLS_TIMED_OUT_AFTER) as served:
-        _stalled_clients_do_not_block_others_and_stop_is_clean(served)
-
-
 STALLS_TIMED_OUT_AFTER = ("--handshake-timeout-s", "600", "--frame-timeout-s", "600")
 BUSY_DEADLINE_S = 60.0
 """Far below the stalls' timeouts, far above what a loaded machine takes (about 0.1 s
 on a quiet one)."""
 
 
-def _stalled_clients_do_not_block_others_and_stop_is_clean(served: Served) -> None:
-    hello = encode_hello(1, bytes(16), "stalled")
-    half_hello = socket.create_connection(served.host_port, timeout=5)
-    half_hello.sendall(hello[: len(hello) // 2])
-    silent = socket.create_connection(served.host_port, timeout=5)
-    # A welcomed connection that stalls mid-frame is not subject to the handshake timeout.
-    half_xor = socket.create_connection(served.host_port, timeout=5)
-    half_xor.sendall(hello + encode_auth(2, bytes(32)))
-    xor = encode_xor(3, [1, 2], [3, 4])
-    half_xor.sendall(xor[: len(xor) // 2])
-    stalled = [half_hello, silent, half_xor]
-    try:
-        time.sleep(0.3)  # let the server's threads block on them
-        deadline = time.monotonic() + BUSY_DEADLINE_S
-        with FTClient(served.address, request_timeout=BUSY_DEADLINE_S) as client:
-            batch, acks = _batch(20, "busy"), new_ids(20)
-            client.persist(batch, acks)
-            assert client.xor(batch.roots, acks) == 20
-            status = client.status()
-        assert time.monotonic() < deadline
-        assert (status["persisted"], status["completed"], status["pending"]) == (20, 20, 0)
-        assert status["connections"] >= 4
+def test_stalled_clients_do_not_block_others_and_stop_is_clean(tmp_path: Path) -> None:
+    # The stalled connections' timeouts are far past the deadline: a server that waited
+    # on any of them would answer the busy client only after it.
+    with serving(tmp_path, *STALLS_TIMED_OUT_AFTER) as served:
+        hello = encode_hello(1, bytes(16), "stalled")
+        half_hello = socket.create_connection(served.host_port, timeout=5)
+        half_hello.sendall(hello[: len(hello) // 2])
+        silent = socket.create_connection(served.host_port, timeout=5)
+        # A welcomed connection that stalls mid-frame is not subject to the handshake timeout.
+        half_xor = socket.create_connection(served.host_port, timeout=5)
+        half_xor.sendall(hello + encode_auth(2, bytes(32)))
+        xor = encode_xor(3, [1, 2], [3, 4])
+        half_xor.sendall(xor[: len(xor) // 2])
+        stalled = [half_hello, silent, half_xor]
+        try:
+            time.sleep(0.3)  # let the server's threads block on them
+            deadline = time.monotonic() + BUSY_DEADLINE_S
+            with FTClient(served.address, request_timeout=BUSY_DEADLINE_S) as client:
+                batch, acks = _batch(20, "busy"), new_ids(20)
+                client.persist(batch, acks)
+                assert client.xor(batch.roots, acks) == 20
+                status = client.status()
+            assert time.monotonic() < deadline
+            assert (status["persisted"], status["completed"], status["pending"]) == (20, 20, 0)
+            assert status["connections"] >= 4
 
-        served.proc.send_signal(signal.SIGTERM)
-        assert served.proc.wait(10) == 0
-    finally:
-        for sock in stalled:
-            sock.close()
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(10) == 0
+        finally:
+            for sock in stalled:
+                sock.close()
 
 
 def test_model_rejects_streams_that_could_mutate() -> None:
