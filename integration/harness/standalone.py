@@ -69,6 +69,7 @@ __all__ = [
     "log_lost_tasks",
     "running_tasks",
     "spark_class",
+    "started_at",
     "wait_for_executors",
 ]
 
@@ -415,8 +416,8 @@ class StandaloneCluster:
                 process.proc.kill()
                 process.proc.wait()
         # What lives on under them, by pid and start time (a pid may be reused meanwhile).
-        left = {pid: _started(pid) for pids in under.values() for pid in pids}
-        freeze_and_kill(lambda: [pid for pid, t in left.items() if t and _started(pid) == t])
+        left = {pid: started_at(pid) for pids in under.values() for pid in pids}
+        freeze_and_kill(lambda: [pid for pid, t in left.items() if t and started_at(pid) == t])
         for process in processes:
             process.close()
         self._master = None
@@ -434,7 +435,7 @@ class StandaloneCluster:
         self.stop()
 
 
-def _started(pid: int) -> int | None:
+def started_at(pid: int) -> int | None:
     """When a running process started (clock ticks after boot); None for none or a zombie."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from ftlayer.integration.harness.standalone import Host, freeze_and_kill
+from ftlayer.integration.harness.standalone import Host, freeze_and_kill, started_at
 
 PREFIX = "ftl"
 _OWNED = re.compile(rf"^{PREFIX}([0-9a-f]+)-")
@@ -99,14 +99,42 @@ class NetnsHost:
     def kill_all(self, timeout: float = 60.0) -> int:
         """This host dies: every process on it SIGKILLed (stopped first, so none starts
         another meanwhile); returns how many, once they are gone (NetnsError after
-        `timeout` seconds)."""
-        killed = freeze_and_kill(self.pids)
+        `timeout` seconds). Only those are waited for: a process started on the host
+        after them (a supervisor starting its driver again as soon as the old one died)
+        is not this death's."""
+        started: dict[int, int | None] = {}
+
+        def find() -> list[int]:
+            found = self.pids()
+            for pid in found:
+                started.setdefault(pid, started_at(pid))
+            return found
+
+        killed = freeze_and_kill(find)
         deadline = time.monotonic() + timeout
-        while left := self.pids():
+        while left := [pid for pid, at in started.items() if _alive_since(pid, at)]:
             if time.monotonic() > deadline:
-                raise NetnsError(f"processes {left} on host {self.name} outlived SIGKILL")
+                states = ", ".join(f"{pid} ({_state(pid)})" for pid in left)
+                raise NetnsError(f"processes on host {self.name} outlived SIGKILL: {states}")
             time.sleep(0.02)
         return killed
+
+
+def _alive_since(pid: int, started: int | None) -> bool:
+    """Whether the process that started at `started` is `pid` still and not dead (a
+    pid may be reused by a new process meanwhile)."""
+    return started is not None and started_at(pid) == started and not _zombie(pid)
+
+
+def _state(pid: int) -> str:
+    """A process's state and where it waits in the kernel, for an error message."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "gone"
+    return f"state {state}, waiting in {wchan or '-'}: {cmdline[:80]}"
 
 
 def _zombie(pid: int) -> bool:
