@@ -31,6 +31,8 @@ from ftlayer.integration.harness.kafka import create_topic
 from ftlayer.integration.source import register
 from ftlayer.integration.spark import SparkSetupError, local_spark
 
+pytest_plugins = ("cpu_by_test",)  # FTLAYER_TEST_CPU=FILE: each test's CPU (tests/cpu_by_test.py)
+
 _INTEGRATION_FIXTURES = frozenset(
     {"tansu_broker", "kafka_bootstrap", "make_topic", "kafka_topic", "spark"}
 )
