@@ -1,14 +1,16 @@
 """CPU of each test, its processes' included: with FTLAYER_TEST_CPU=FILE in the
 environment, each test appends one line to FILE: its node id, its wall seconds and the
-CPU seconds of this pytest process and every process under it (Spark's JVM, its Python
-workers and source runners, the FT-layer servers and brokers the tests start, the
-processes on the test hosts) spent from the test's setup to its teardown.
+CPU seconds that this pytest process and every process under it (Spark's JVM, its
+Python workers and source runners, the FT-layer servers and brokers the tests start,
+the processes on the test hosts) spent from the test's setup to its teardown.
 
-Measured from /proc: the utime, stime, cutime and cstime of the process tree at both
-ends. A process that ended in between counts through its parent's cutime once the parent
-collected it; one that ended uncollected, or left the tree (daemonized), loses what it
-spent in the test. What a shared fixture costs (the Spark session, the broker) falls to
-the first test that uses it. Summed over a file, it says where the suite's CPU goes:
+Sampled from /proc: every process of the tree is looked at every SAMPLE_S seconds (and
+at each test's start and end), and its own CPU (utime + stime) at its last sample
+counts, so a process that ends between two samples loses at most SAMPLE_S of it. Its
+parent's cutime would not do: Spark's Python daemon ignores SIGCHLD, so its workers'
+CPU is never collected. What a shared fixture costs (the Spark session, the broker)
+falls to the first test that uses it. Summed over a file, it says where the suite's
+CPU goes:
 
     FTLAYER_TEST_CPU=/tmp/cpu.tsv make unit
     sort -t$'\\t' -k3 -g -r /tmp/cpu.tsv | head -30
@@ -17,6 +19,7 @@ the first test that uses it. Summed over a file, it says where the suite's CPU g
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,42 +27,62 @@ from pathlib import Path
 import pytest
 
 OUT = os.environ.get("FTLAYER_TEST_CPU")
+SAMPLE_S = 0.5
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU seconds of `root` and every process under it, with their collected children."""
-    parents: dict[int, int] = {}
-    spent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        spent[int(entry)] = sum(int(f) for f in fields[11:15])
-    total, queue, seen = 0, [root], set()
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    while queue:
-        pid = queue.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        total += spent.get(pid, 0)
-        queue.extend(children.get(pid, ()))
-    return total / _TICKS
+class _Tree:
+    """The CPU ticks every process of a tree has spent, by (pid, start time), as last
+    sampled."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.spent: dict[tuple[int, int], int] = {}
+        self.lock = threading.Lock()
+
+    def sample(self) -> float:
+        """Look at every process of the tree now; the CPU seconds of all seen so far."""
+        parents: dict[int, int] = {}
+        own: dict[int, tuple[int, int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+            own[int(entry)] = (int(fields[19]), int(fields[11]) + int(fields[12]))
+        children: dict[int, list[int]] = {}
+        for pid, parent in parents.items():
+            children.setdefault(parent, []).append(pid)
+        queue, seen = [self.root], set()
+        with self.lock:
+            while queue:
+                pid = queue.pop()
+                if pid in seen or pid not in own:
+                    continue
+                seen.add(pid)
+                started, ticks = own[pid]
+                self.spent[(pid, started)] = max(ticks, self.spent.get((pid, started), 0))
+                queue.extend(children.get(pid, ()))
+            return sum(self.spent.values()) / _TICKS
 
 
 if OUT:
+    _tree = _Tree(os.getpid())
+
+    def _sampling() -> None:
+        while True:
+            time.sleep(SAMPLE_S)
+            _tree.sample()
+
+    threading.Thread(target=_sampling, name="cpu-by-test", daemon=True).start()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-        began, cpu = time.monotonic(), _tree_cpu(os.getpid())
+        began, cpu = time.monotonic(), _tree.sample()
         yield
-        wall, used = time.monotonic() - began, _tree_cpu(os.getpid()) - cpu
+        wall, used = time.monotonic() - began, _tree.sample() - cpu
         with open(OUT, "a") as out:
             out.write(f"{item.nodeid}\t{wall:.2f}\t{used:.2f}\n")
