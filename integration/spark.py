@@ -148,6 +148,10 @@ def local_spark(
     (`PYSPARK_PYTHON`, `spark.pyspark.python`), which must exist at the same path on
     their hosts.
 
+    Spark's Python workers fork from `ftlayer.integration.daemon` (its docstring): each
+    starts with pandas, pyarrow and ftlayer's steps imported. `conf` may name another
+    `spark.python.daemon.module`, e.g. ``pyspark.daemon``, Spark's own.
+
     `log_file`: Spark's log (ERROR and above, with the stack traces of failed tasks)
     goes to this file instead of stderr.
 
@@ -180,6 +184,8 @@ def local_spark(
         "spark.sql.session.timeZone": "UTC",
         "spark.python.worker.faulthandler.enabled": "true",
         "spark.sql.execution.pyspark.udf.faulthandler.enabled": "true",
+        # Python workers fork with pandas, pyarrow and ftlayer's steps imported.
+        "spark.python.daemon.module": "ftlayer.integration.daemon",
     }
     settings.update(conf or {})
     builder = SparkSession.builder.master(master).appName(app_name)

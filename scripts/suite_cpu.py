@@ -27,6 +27,7 @@ _JVM_ROLES = (
 )
 _PYTHON_KINDS = (
     ("pyspark.daemon", "Python: Spark's workers (pyspark.daemon)"),
+    ("ftlayer.integration.daemon", "Python: Spark's workers (pyspark.daemon)"),
     ("python_streaming_source_runner", "Python: Spark's source runners (driver side)"),
     ("pyspark.sql.worker", "Python: Spark's planner workers"),
     ("ftlayer.cli serve", "Python: ftlayer serve"),

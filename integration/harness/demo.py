@@ -87,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from ftlayer.errors import FailException, FTLayerError
+from ftlayer.integration.daemon import is_task_worker_cmdline
 from ftlayer.integration.harness.broker import TansuBroker
 from ftlayer.integration.harness.demoshards import (
     ShardKill,
@@ -243,7 +244,7 @@ def keep(row: dict[str, Any]) -> bool:
 
 def python_workers(root: int | None = None) -> list[int]:
     """PIDs of the PySpark task workers of the driver `root` (None: this process): the
-    processes its own Spark JVM's `pyspark.daemon pyspark.worker` forked. Never another
+    processes its own Spark JVM's task daemon forked (`is_task_worker_cmdline`). Never another
     process's: the machine may run other Spark jobs, and the daemons of data source
     planning (`pyspark.sql.worker.*`) run no task. (The daemon makes a process group
     of its own: ancestry, not the group, tells whose it is.)"""
@@ -259,7 +260,7 @@ def python_workers(root: int | None = None) -> list[int]:
             continue
         pid = int(entry)
         parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-        if cmdline.rstrip(b"\0").endswith(b"pyspark.daemon\0pyspark.worker"):
+        if is_task_worker_cmdline(cmdline):
             task_daemons.add(pid)
     me = os.getpid() if root is None else root
 

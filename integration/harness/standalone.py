@@ -56,6 +56,7 @@ from types import TracebackType
 from typing import IO, Any, Self
 
 from ftlayer.errors import FTLayerError
+from ftlayer.integration.daemon import is_task_worker_cmdline
 
 from .broker import free_port
 
@@ -384,7 +385,7 @@ class StandaloneCluster:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if cmdline.rstrip(b"\0").endswith(b"pyspark.daemon\0pyspark.worker"):
+            if is_task_worker_cmdline(cmdline):
                 if parent in daemons:
                     found.append(pid)
                 daemons.add(pid)

@@ -301,7 +301,7 @@ def test_a_dead_letter_topic_that_does_not_exist_is_an_error_at_query_start(
         StreamingQueryException,
         match=r"ft\.deadLetterTopic: topic .no-such-dead-letters. does not exist",
     ):
-        query.awaitTermination(60)
+        query.awaitTermination(600)  # the error ends it; a bound for a hang only
     query.stop()
 
 

@@ -358,7 +358,6 @@ def check_replies(frames: list[Frame], reset: bool, expected: Expected) -> None:
 
 
 def test_fuzzed_frames_get_well_formed_replies_and_change_nothing(served: Served) -> None:
-    started = time.monotonic()
     with FTClient(served.address) as client:
         batch = _batch(8, "good")
         acks = new_ids(8)
@@ -403,7 +402,6 @@ def test_fuzzed_frames_get_well_formed_replies_and_change_nothing(served: Served
     assert after["failed"] == before["failed"]
     assert after["unknown_events"] == before["unknown_events"]
     assert served.proc.poll() is None
-    assert time.monotonic() - started < 30
 
 
 STALLS_TIMED_OUT_AFTER = ("--handshake-timeout-s", "600", "--frame-timeout-s", "600")
