@@ -22,9 +22,10 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+
+from ftlayer.integration.harness.standalone import proc_stats
 
 OUT = os.environ.get("FTLAYER_TEST_CPU")
 SAMPLE_S = 0.5
@@ -44,15 +45,9 @@ class _Tree:
         """Look at every process of the tree now; the CPU seconds of all seen so far."""
         parents: dict[int, int] = {}
         own: dict[int, tuple[int, int]] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)] = int(fields[1])
-            own[int(entry)] = (int(fields[19]), int(fields[11]) + int(fields[12]))
+        for pid, fields in proc_stats():
+            parents[pid] = int(fields[1])
+            own[pid] = (int(fields[19]), int(fields[11]) + int(fields[12]))
         children: dict[int, list[int]] = {}
         for pid, parent in parents.items():
             children.setdefault(parent, []).append(pid)

@@ -68,6 +68,7 @@ __all__ = [
     "executor_count",
     "freeze_and_kill",
     "log_lost_tasks",
+    "proc_stats",
     "running_tasks",
     "spark_class",
     "started_at",
@@ -112,16 +113,22 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before 
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _parents() -> dict[int, int]:
-    """Every process's parent, from /proc."""
-    found: dict[int, int] = {}
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command's name) of every process
+    now: fields[0] is its state, [1] its parent, [2] its process group, [11] and [12]
+    its utime and stime, [19] its start time (proc(5), less two)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            found[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return found
+        try:
+            yield int(entry), Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    return {pid: int(fields[1]) for pid, fields in proc_stats()}
 
 
 def _tree(pid: int) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ftlayer.integration.harness.kafka import wait_until
+from ftlayer.integration.harness.standalone import proc_stats
 
 __all__ = ["JOB", "Job"]
 
@@ -31,17 +32,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before 
 
 def _group_alive(pgid: int) -> list[int]:
     """Processes of process group `pgid` that are not zombies."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(entry))
-    return alive
+    return [pid for pid, fields in proc_stats() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
 class Job:
