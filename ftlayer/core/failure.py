@@ -186,6 +186,7 @@ def enqueue(
     s.queue.append(
         replay_seqs[index], roots[index], seqs[index], batch.source_ids[index], partitions
     )
+    s.queue.records.add(seqs, batch, replay_seqs)
     s.stats.replayed += len(seqs)
     s.meters.replayed(batch.source_ids)
 
@@ -269,6 +270,7 @@ def requeue(
             sub.source_ids[index],
             partitions,
         )
+        s.queue.records.add(q_seqs, sub, replay_seqs[queued_rows])
     for row in np.flatnonzero(waiting).tolist():
         s.book.wait(int(seqs[row]), int(new_roots[row]), float(due[row]))
     if unrouted is not None:
@@ -362,7 +364,8 @@ def fetch_replay(
         again, sources = again[live], sources[live]
     if bool(again.any()):
         roots = _renew(s, roots, again, sources)
-    records = s.storage.get(seqs).with_roots(roots)
+    kept = s.queue.records.get(seqs)  # as queued, when every one is kept
+    records = (s.storage.get(seqs) if kept is None else kept).with_roots(roots)
     if len(roots):
         s.track(roots, seqs, records.source_ids)
         if s.barrier_mode:

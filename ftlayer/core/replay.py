@@ -8,6 +8,16 @@ fetchable until the batch's checkpoint prunes them, so a batch that Spark runs a
 fetches the same replays. Each entry knows whether it was fetched before: fetching it
 again is a re-run (a retried task, a speculative attempt, a batch run again after a
 restart), which the FT layer gives a fresh root (`renew`; ftlayer.core.takeover).
+
+The records of the entries are kept beside them as their failure path had them in
+memory (`append` with `records`: the bytes a fill just stored, or the records a
+requeue read), so the reader that fetches them costs no read of the store
+(`records_of`). Only records with their bytes are kept (a record stored by reference
+is read from the store, where a later fill merges in); a record queued again (a dead
+letter requeued) is found in its newest append; and they go when their entries are
+pruned, or when more than KEPT_RECORDS or KEPT_BYTES are kept (the oldest first).
+The stored record stays the truth: nothing but a fill changes a record's bytes or
+coordinates, and a fill only applies to a record stored by reference.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.errors import StateConflict
+from ftlayer.records import RecordBatch
 
 __all__ = ["REPLAY_SEQ_META_KEY", "Fetched", "ReplayQueue"]
 
@@ -26,6 +37,95 @@ REPLAY_SEQ_META_KEY = "next_replay_seq"
 """Meta key of the next replay seq (decimal text): never reused, also across restarts."""
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 _NAMES = ("replay_seq", "root", "seq", "source_id", "partition")
+KEPT_RECORDS = 1_000_000
+"""At most this many queued records kept in memory with their bytes (QueuedRecords)."""
+KEPT_BYTES = 64 << 20
+"""At most this many bytes of their payloads."""
+
+
+class _Kept(NamedTuple):
+    seqs: NDArray[np.uint64]  # sorted
+    rows: NDArray[np.intp]  # each sorted seq's row of `records`
+    records: RecordBatch
+    newest: int  # the highest replay seq they were queued under
+    source_ids: frozenset[int]
+    size: int  # payload bytes
+
+
+class QueuedRecords:
+    """Queued records with their bytes, by storage seq (the module docstring)."""
+
+    __slots__ = ("_bytes", "_count", "_kept")
+
+    def __init__(self) -> None:
+        self._kept: list[_Kept] = []  # oldest first
+        self._count = 0
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(
+        self, seqs: NDArray[np.uint64], records: RecordBatch, replay_seqs: NDArray[np.uint64]
+    ) -> None:
+        """`records` (aligned with `seqs`) were queued under `replay_seqs`; those with
+        their bytes are kept."""
+        if not len(seqs):
+            return
+        if records.references is not None:
+            rows = np.flatnonzero(~records.references)
+            if not len(rows):
+                return
+            seqs, records = seqs[rows], records.take(rows)
+        order = np.argsort(seqs, kind="stable")
+        size = sum(map(len, records.payloads))
+        sources = frozenset(np.unique(records.source_ids).tolist())
+        newest = int(replay_seqs.max())
+        self._kept.append(_Kept(seqs[order], order, records, newest, sources, size))
+        self._count += len(seqs)
+        self._bytes += size
+        while self._kept and (self._count > KEPT_RECORDS or self._bytes > KEPT_BYTES):
+            self._drop(0)
+
+    def get(self, seqs: NDArray[np.uint64]) -> RecordBatch | None:
+        """The records of `seqs` in that order, if every one is kept; else None."""
+        if not self._kept or not len(seqs):
+            return None
+        where = np.full(len(seqs), -1, dtype=np.intp)  # index into `found`
+        found: list[RecordBatch] = []
+        start = 0
+        for kept in reversed(self._kept):  # the newest append of a seq wins
+            missing = np.flatnonzero(where < 0)
+            if not len(missing):
+                break
+            at = np.searchsorted(kept.seqs, seqs[missing])
+            at = np.minimum(at, len(kept.seqs) - 1)
+            hit = kept.seqs[at] == seqs[missing]
+            if bool(hit.any()):
+                found.append(kept.records.take(kept.rows[at[hit]]))
+                where[missing[hit]] = np.arange(start, start + int(hit.sum()))
+                start += int(hit.sum())
+        if bool((where < 0).any()):
+            return None
+        merged = RecordBatch.concat(found)
+        return merged if _in_order(where) else merged.take(where)
+
+    def prune(self, upto: int, source_id: int | None) -> None:
+        """Entries with replay seqs up to `upto` (of `source_id`, or of every source)
+        were pruned: records queued under none higher go."""
+        for i in range(len(self._kept) - 1, -1, -1):
+            kept = self._kept[i]
+            if kept.newest <= upto and (source_id is None or kept.source_ids == {source_id}):
+                self._drop(i)
+
+    def _drop(self, i: int) -> None:
+        kept = self._kept.pop(i)
+        self._count -= len(kept.seqs)
+        self._bytes -= kept.size
+
+
+def _in_order(where: NDArray[np.intp]) -> bool:
+    return bool((where == np.arange(len(where))).all())
 
 
 class Fetched(NamedTuple):
@@ -61,6 +161,8 @@ class ReplayQueue:
         """The cursor when this queue was made: the cursor of a source with none since."""
         self._cursors: dict[int, int] = {}  # per source id: its highest replay seq
         self._counts: dict[int, int] = {}  # per source id: its entries
+        self.records = QueuedRecords()
+        """The records of entries, with their bytes, as they were queued."""
 
     # ---- replay seqs and cursors ----------------------------------------------------
 
@@ -232,6 +334,7 @@ class ReplayQueue:
         """Drop entries with replay_seq <= upto (of one source, or of every source);
         returns how many were dropped."""
         self._pruned_upto[source_id] = max(self._pruned_upto.get(source_id, 0), upto)
+        self.records.prune(upto, source_id)
         if not self._columns[0]:
             return 0
         rseq, _roots, _seqs, sources, _parts, _fetched = self._merged()
