@@ -37,9 +37,9 @@ REPLAY_SEQ_META_KEY = "next_replay_seq"
 """Meta key of the next replay seq (decimal text): never reused, also across restarts."""
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 _NAMES = ("replay_seq", "root", "seq", "source_id", "partition")
-KEPT_RECORDS = 1_000_000
+KEPT_RECORDS = 250_000
 """At most this many queued records kept in memory with their bytes (QueuedRecords)."""
-KEPT_BYTES = 64 << 20
+KEPT_BYTES = 32 << 20
 """At most this many bytes of their payloads."""
 
 
