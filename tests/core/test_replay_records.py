@@ -28,7 +28,7 @@ FAILED = Cause(FailKind.EXPLICIT, "enrich", "FailException: no")
 
 def _layer(storage: PersistenceStorage) -> FTLayer:
     ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=Clock(1000.0), seed=3)
-    ft.register_source(SourceRegistration(SOURCE, "forward", 2, retry=RetryPolicy(5, 0, 0)))
+    ft.register_source(SourceRegistration(SOURCE, "forward", 2, retry=RetryPolicy(100, 0, 0)))
     return ft
 
 
