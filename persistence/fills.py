@@ -31,6 +31,7 @@ import struct
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from typing import Final, Protocol
 
 import numpy as np
@@ -194,13 +195,15 @@ class Fills:
         if not filled:
             return
         deletes: list[bytes] = []
-        with self._lock:
-            for seq in seqs.tolist():
-                key = filled.pop(seq, None)
-                if key is None:
-                    continue
-                self._live[key] -= 1
-                if not self._live[key]:
+        listed = seqs.tolist()
+        with self._lock:  # a seq given twice is taken out once (the second pop finds none)
+            counts = Counter(map(filled.pop, listed, repeat(None, len(listed))))
+            counts.pop(None, None)
+            for key, n in counts.items():
+                left = self._live[key] - n
+                if left:
+                    self._live[key] = left
+                else:
                     del self._live[key]
                     self._cache.pop(key, None)
                     deletes.append(key)

@@ -381,19 +381,31 @@ class RetryBook:
         self, seqs: Iterable[int], *, before: bool
     ) -> tuple[dict[str, bytes | None], dict[str, bytes]]:
         """The group entries once `seqs` left their groups (None: deleted), and, with
-        `before`, their entries now (for `unstage`); memory unchanged."""
-        by_group: dict[str, tuple[FreshGroup, list[int]]] = {}
+        `before`, their entries now (for `unstage`); memory unchanged. A group all of
+        whose records leave (the usual end: a FAIL's records complete at one barrier)
+        is deleted without a pass over its records."""
+        members: dict[str, set[int]] = {}
+        groups: dict[str, FreshGroup] = {}
+        grouped = self._grouped.get
         for seq in seqs:
-            group = self._grouped.get(seq)
+            group = grouped(seq)
             if group is not None:
-                by_group.setdefault(group.key, (group, []))[1].append(seq)
-        new = {key: group.without(gone) for key, (group, gone) in by_group.items()}
-        old = {key: group.encode() for key, (group, _) in by_group.items()} if before else {}
+                gone = members.get(group.key)
+                if gone is None:
+                    gone = members[group.key] = set()
+                    groups[group.key] = group
+                gone.add(seq)
+        new = {
+            key: None if len(gone) == len(groups[key].dues) else groups[key].without(gone)
+            for key, gone in members.items()
+        }
+        old = {key: group.encode() for key, group in groups.items()} if before else {}
         return new, old
 
     def _leave_groups(self, seqs: Iterable[int]) -> None:
+        pop = self._grouped.pop
         for seq in seqs:
-            group = self._grouped.pop(seq, None)
+            group = pop(seq, None)
             if group is not None:
                 group.dues.pop(seq, None)
 
