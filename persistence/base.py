@@ -711,20 +711,36 @@ def _prefix_rows(head: NDArray[np.void], topic: bytes) -> NDArray[np.uint8]:
 
 def decode_records(values: Sequence[bytes]) -> tuple[RecordBatch, NDArray[np.uint64]]:
     """The records stored as `values` (see the layout), and their replay seqs."""
-    n = len(values)
-    header_bytes = b"".join([value[:HEADER_SIZE] for value in values])
-    if len(header_bytes) != n * HEADER_SIZE:
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    return decode_packed(b"".join(values), np.cumsum(lengths) - lengths, lengths)
+
+
+def decode_packed(
+    buffer: bytes, starts: NDArray[np.int64], lengths: NDArray[np.int64]
+) -> tuple[RecordBatch, NDArray[np.uint64]]:
+    """The records stored as buffer[starts[i]:starts[i] + lengths[i]] (see the layout),
+    and their replay seqs.
+
+    Vectorized: the headers gathered in one step, the topics named once per distinct
+    topic (compared as rows of bytes), and the payloads sliced only when any record
+    has one (records stored by reference have none): no Python step per record but
+    those slices."""
+    n = len(starts)
+    if n and int(lengths.min()) < HEADER_SIZE:
         raise StorageError("a stored record is shorter than the record header: storage corrupt")
-    head = np.frombuffer(header_bytes, dtype=HEADER)
-    topic_ends = (head["topic_len"].astype(np.intp) + HEADER_SIZE).tolist()
-    names: dict[bytes, str] = {}
-    topics = []
-    for value, end in zip(values, topic_ends, strict=True):
-        raw = value[HEADER_SIZE:end]
-        topic = names.get(raw)
-        if topic is None:
-            topic = names[raw] = raw.decode("utf-8")
-        topics.append(topic)
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    head = np.ascontiguousarray(data[starts[:, None] + np.arange(HEADER_SIZE)])
+    head = head.view(HEADER).reshape(n)
+    topic_lengths = head["topic_len"].astype(np.int64)
+    ends = starts + lengths
+    topic_ends = starts + HEADER_SIZE + topic_lengths
+    if n and bool((topic_ends > ends).any()):
+        raise StorageError("a stored record's topic runs past its end: storage corrupt")
+    topics = _topics(data, starts + HEADER_SIZE, topic_lengths)
+    if not n or bool((topic_ends == ends).all()):
+        payloads: list[bytes] = [b""] * n
+    else:
+        payloads = [buffer[a:b] for a, b in zip(topic_ends.tolist(), ends.tolist(), strict=True)]
     flags = head["has_key"]
     references = (flags & REFERENCE_FLAG).astype(np.bool_)
     batch = RecordBatch(
@@ -735,10 +751,41 @@ def decode_records(values: Sequence[bytes]) -> tuple[RecordBatch, NDArray[np.uin
         topics=topics,
         partitions=head["partition"].astype(np.int32),
         offsets=head["offset"].astype(np.int64),
-        payloads=[value[end:] for value, end in zip(values, topic_ends, strict=True)],
+        payloads=payloads,
         references=references if references.any() else None,
     )
     return batch, head["replay_seq"].astype(np.uint64)
+
+
+def _topics(
+    buffer: NDArray[np.uint8], starts: NDArray[np.int64], lengths: NDArray[np.int64]
+) -> list[str]:
+    """The topic of each record, its UTF-8 bytes at buffer[starts:starts + lengths]:
+    each distinct one decoded once. Records of one topic length are compared as rows
+    of bytes; several lengths, one group each."""
+    n = len(starts)
+    topics: list[str] = [""] * n
+    if not n:
+        return topics
+    for length in np.unique(lengths).tolist():
+        same = lengths == length
+        rows = np.arange(n) if bool(same.all()) else np.flatnonzero(same)
+        if not length:
+            continue  # topics[rows] stay ""
+        names = buffer[starts[rows, None] + np.arange(length)]
+        first = names[0]
+        if bool((names == first).all()):
+            name = first.tobytes().decode("utf-8")
+            if len(rows) == n:
+                return [name] * n
+            for row in rows.tolist():
+                topics[row] = name
+            continue
+        distinct, inverse = np.unique(names.view(f"V{length}").ravel(), return_inverse=True)
+        decoded = [bytes(d).decode("utf-8") for d in distinct.tolist()]
+        for row, which in zip(rows.tolist(), inverse.ravel().tolist(), strict=True):
+            topics[row] = decoded[which]
+    return topics
 
 
 def retag_records(

@@ -198,8 +198,9 @@ class Fills:
         listed = seqs.tolist()
         with self._lock:  # a seq given twice is taken out once (the second pop finds none)
             counts = Counter(map(filled.pop, listed, repeat(None, len(listed))))
-            counts.pop(None, None)
             for key, n in counts.items():
+                if key is None:  # not filled
+                    continue
                 left = self._live[key] - n
                 if left:
                     self._live[key] = left
