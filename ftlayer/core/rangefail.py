@@ -24,6 +24,7 @@ waiting or unrouted, unfilled, counts, log lines) is the same either way.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from itertools import repeat
 from typing import Final
 
 import numpy as np
@@ -55,12 +56,12 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     ranged = np.flatnonzero(is_range_root(keys))
     if not len(ranged):
         return taken
-    rows, ranges, offsets = _fresh_rows(s, keys, ranged)
+    rows, ranges, which, offsets = _fresh_rows(s, keys, ranged)
     if not len(rows):
         return taken
     # Fates: only rows whose first failure leaves them a replay.
     now = s.wall()
-    source_ids = np.array([ranges[i].source_id for i in range(len(rows))], dtype=np.uint32)
+    source_ids = np.array([r.source_id for r in ranges], dtype=np.uint32)[which]
     row_causes = causes.take(rows)
     keep = np.ones(len(rows), dtype=np.bool_)
     for cause, at in row_causes.groups():
@@ -72,7 +73,7 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     if not bool(keep.all()):
         chosen = np.flatnonzero(keep)
         rows, source_ids, offsets = rows[chosen], source_ids[chosen], offsets[chosen]
-        ranges = [ranges[i] for i in chosen.tolist()]
+        which = which[chosen]
         row_causes = row_causes.take(chosen)
         if not len(rows):
             return taken
@@ -85,8 +86,8 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
         source_ids=source_ids,
         key_hashes=np.full(n, KEY_UNKNOWN, dtype=np.int64),
         has_key=np.zeros(n, dtype=np.bool_),
-        topics=[r.topic for r in ranges],
-        partitions=[r.partition for r in ranges],
+        topics=_topics(ranges, which),
+        partitions=np.array([r.partition for r in ranges], dtype=np.int32)[which],
         offsets=offsets,
         references=True,
     )
@@ -122,10 +123,10 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
             else:  # its key (so its replay partition) comes with its bytes
                 s.unrouted[seq] = (root, now)
     else:  # none waits for a backoff: all wait for their key
-        s.unrouted.update(zip(seq_list, ((root, now) for root in root_list), strict=True))
+        s.unrouted.update(zip(seq_list, zip(root_list, repeat(now, n), strict=True), strict=True))
     s.unfilled.add_many(seq_list, source_ids.tolist())
-    for r, offset in zip(ranges, offsets.tolist(), strict=True):
-        r.materialized.add(offset)
+    for i, r in enumerate(ranges):
+        r.materialized.update((offsets if len(ranges) == 1 else offsets[which == i]).tolist())
     # Counts and log lines, as a requeue's (no source-expired cause among them).
     s.stats.failed[FailCause.EXPLICIT.value] += n
     s.meters.failed(FailCause.EXPLICIT.value, source_ids)
@@ -146,12 +147,14 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
 
 def _fresh_rows(
     s: CoreState, keys: NDArray[np.uint64], ranged: NDArray[np.intp]
-) -> tuple[NDArray[np.intp], list[BatchRange], NDArray[np.int64]]:
+) -> tuple[NDArray[np.intp], list[BatchRange], NDArray[np.intp], NDArray[np.int64]]:
     """The rows of `keys` (among `ranged`) naming an offset of an open range that is
-    not materialized: their rows, ranges and offsets."""
+    not materialized: their rows, the ranges they name, which of those each row
+    names, and their offsets."""
     numbers, deltas = decode(keys[ranged])
     rows: list[NDArray[np.intp]] = []
     offsets: list[NDArray[np.int64]] = []
+    which: list[NDArray[np.intp]] = []
     ranges: list[BatchRange] = []
     for number in np.unique(numbers).tolist():
         r = s.ranges.by_number.get(number)
@@ -166,10 +169,19 @@ def _fresh_rows(
         if len(at):
             rows.append(ranged[at])
             offsets.append(found)
-            ranges += [r] * len(at)
+            which.append(np.full(len(at), len(ranges), dtype=np.intp))
+            ranges.append(r)
     if not rows:
-        return np.zeros(0, np.intp), [], np.zeros(0, np.int64)
-    return np.concatenate(rows), ranges, np.concatenate(offsets)
+        return np.zeros(0, np.intp), [], np.zeros(0, np.intp), np.zeros(0, np.int64)
+    return np.concatenate(rows), ranges, np.concatenate(which), np.concatenate(offsets)
+
+
+def _topics(ranges: list[BatchRange], which: NDArray[np.intp]) -> list[str]:
+    """The topic of each row (of the range `which` names)."""
+    names = [r.topic for r in ranges]
+    if len(set(names)) == 1:
+        return [names[0]] * len(which)
+    return [names[i] for i in which.tolist()]
 
 
 def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np.float64]:

@@ -322,14 +322,14 @@ class Unfilled:
         if len(seqs) != len(source_ids):
             raise ValueError(f"add_many: {len(seqs)} seqs but {len(source_ids)} source ids")
         source_of = self._source_of
-        if any(seq in source_of for seq in seqs):  # some re-listed: one at a time
+        if not source_of.keys().isdisjoint(seqs):  # some re-listed: one at a time
             for seq, source_id in zip(seqs, source_ids, strict=True):
                 self.add(seq, source_id)
             return
         source_of.update(zip(seqs, source_ids, strict=True))
         groups: dict[int, Sequence[int]] = {}
         first = source_ids[0] if len(source_ids) else None
-        if first is not None and all(source_id == first for source_id in source_ids):
+        if first is not None and list(source_ids).count(first) == len(source_ids):
             groups[first] = seqs
         elif first is not None:
             lists: dict[int, list[int]] = {}
