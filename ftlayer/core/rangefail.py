@@ -31,6 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.causes import Cause, Causes, FailKind
+from ftlayer.policy import JITTER
 from ftlayer.rangeroots import decode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
@@ -114,7 +115,9 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     waiting = due > 0
     fate = np.where(waiting, _WAIT, _QUEUE).astype(np.int8)
     root_list = new_roots.tolist()
-    if bool(waiting.any()):
+    if bool(waiting.all()):  # all wait for their backoff
+        s.book.wait_many(seq_list, root_list, due.tolist())
+    elif bool(waiting.any()):
         for seq, root, at, wait in zip(
             seq_list, root_list, due.tolist(), waiting.tolist(), strict=True
         ):
@@ -192,7 +195,10 @@ def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np
         if not policy.step_s(1):
             continue
         at = np.flatnonzero(source_ids == source_id)
-        delays = np.array([policy.delay_s(1, s.rng) for _ in range(len(at))], dtype=np.float64)
+        # RetryPolicy.delay_s(1) for each row, its jitter drawn from a generator the
+        # layer's own seeds (one draw of it per call, not one per row).
+        jitter = np.random.default_rng(s.rng.getrandbits(64)).random(len(at))
+        delays = policy.step_s(1) * (1.0 - JITTER * jitter)
         due[at] = np.where(delays > 0, now + delays, 0.0)
     return due
 

@@ -486,6 +486,18 @@ class RetryBook:
         self._waiting_roots[seq] = root
         heapq.heappush(self._waiting, (due, seq, root))
 
+    def wait_many(self, seqs: list[int], roots: list[int], dues: list[float]) -> None:
+        """`wait` for each (seq, root, due): the heap made again at once when they are
+        many against it, else pushed one by one."""
+        self._waiting_roots.update(zip(seqs, roots, strict=True))
+        entries = zip(dues, seqs, roots, strict=True)
+        if len(seqs) * 4 >= len(self._waiting):
+            self._waiting.extend(entries)
+            heapq.heapify(self._waiting)
+        else:
+            for entry in entries:
+                heapq.heappush(self._waiting, entry)
+
     @property
     def waiting(self) -> int:
         return len(self._waiting_roots)
