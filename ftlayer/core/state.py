@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import repeat
 from typing import Any, cast
 
 import numpy as np
@@ -341,17 +343,24 @@ class Unfilled:
 
     def discard_many(self, seqs: Iterable[int]) -> None:
         """`discard` for each seq, by source in one pass each."""
-        pop = self._source_of.pop
+        listed = seqs if isinstance(seqs, list) else list(seqs)
+        sources = list(map(self._source_of.pop, listed, repeat(None, len(listed))))
+        first = sources[0] if sources else None
+        if first is not None and sources.count(first) == len(sources):  # one source: in C
+            mine_all = self._by_source[first]
+            deque(map(mine_all.pop, listed), maxlen=0)
+            if not mine_all:
+                del self._by_source[first]
+            return
         gone: dict[int, list[int]] = {}
-        for seq in seqs:
-            source_id = pop(seq, None)
+        for seq, source_id in zip(listed, sources, strict=True):
             if source_id is not None:
                 gone.setdefault(source_id, []).append(seq)
         for source_id, mine in gone.items():
-            listed = self._by_source[source_id]
+            of_source = self._by_source[source_id]
             for seq in mine:
-                del listed[seq]
-            if not listed:
+                del of_source[seq]
+            if not of_source:
                 del self._by_source[source_id]
 
     def discard(self, seq: int) -> None:
