@@ -36,26 +36,15 @@ def _by_reference(n: int, first_offset: int, *, keyed: bool = False) -> RecordBa
     """Records stored by reference, their keys unknown (as a batch range's), or
     `keyed` as the source's driver knows them (queued before their bytes come)."""
     offsets = np.arange(first_offset, first_offset + n)
-    if keyed:
-        return RecordBatch.build(
-            new_ids(n),
-            [b""] * n,
-            source_ids=SOURCE,
-            topics="orders",
-            partitions=np.arange(n) % 2,
-            offsets=offsets,
-            key_hashes=offsets * 7 + 1,
-            references=True,
-        )
     return RecordBatch.build(
         new_ids(n),
         [b""] * n,
         source_ids=SOURCE,
         topics="orders",
         partitions=np.arange(n) % 2,
-        offsets=np.arange(first_offset, first_offset + n),
-        key_hashes=np.full(n, KEY_UNKNOWN, np.int64),  # as a batch range's records
-        has_key=np.zeros(n, np.bool_),
+        offsets=offsets,
+        key_hashes=offsets * 7 + 1 if keyed else np.full(n, KEY_UNKNOWN, np.int64),
+        has_key=np.full(n, keyed),
         references=True,
     )
 
