@@ -84,7 +84,7 @@ class LmdbReads(LmdbEnvironment):
     def _read_records(
         self, seqs: NDArray[np.uint64], txn: lmdb.Transaction[memoryview]
     ) -> RecordsRead:
-        """The records `seqs` (sorted, distinct); None for a seq not stored."""
+        """The records `seqs` (sorted, distinct); a row no chunk gave is not stored."""
         found = RecordsRead(seqs, len(seqs))
         for head, lo, hi in self._chunks.spans(txn, seqs):
             positions, stored = head.locate(seqs[lo:hi])

@@ -10,14 +10,14 @@ again is a re-run (a retried task, a speculative attempt, a batch run again afte
 restart), which the FT layer gives a fresh root (`renew`; ftlayer.core.takeover).
 
 The records of the entries are kept beside them as their failure path had them in
-memory (`append` with `records`: the bytes a fill just stored, or the records a
-requeue read), so the reader that fetches them costs no read of the store
-(`records_of`). Only records with their bytes are kept (a record stored by reference
-is read from the store, where a later fill merges in); a record queued again (a dead
-letter requeued) is found in its newest append; and they go when their entries are
-pruned, or when more than KEPT_RECORDS or KEPT_BYTES are kept (the oldest first).
-The stored record stays the truth: nothing but a fill changes a record's bytes or
-coordinates, and a fill only applies to a record stored by reference.
+memory (`records.add`: the bytes a fill just stored, or the records a requeue read),
+so the reader that fetches them costs no read of the store (`records.get`). Only
+records with their bytes are kept (a record stored by reference is read from the
+store, where a later fill merges in); a record queued again (a dead letter requeued)
+is found in its newest append; and they go when their entries are pruned, or when
+more than KEPT_RECORDS or KEPT_BYTES are kept (the oldest first). The stored record
+stays the truth: nothing but a fill changes a record's bytes or coordinates, and a
+fill only applies to a record stored by reference.
 """
 
 from __future__ import annotations
