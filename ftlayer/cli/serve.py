@@ -211,6 +211,5 @@ def run(args: argparse.Namespace) -> int:
         )
         if server.http_url is not None:
             print(f"ftlayer http on {server.http_url}", flush=True)
-        while not stop.wait(1.0):
-            pass
+        stop.wait()  # a signal's handler sets it
     return 0

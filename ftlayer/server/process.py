@@ -6,10 +6,12 @@ data dir's serve lock, which keeps a second server off a data dir in use.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from types import TracebackType
@@ -25,7 +27,6 @@ from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.shards import claim
 
 from .handlers import RequestHandlers
-from .state import _POLL_S
 from .transport import Transport, _listen, _shutdown
 from .workers import Workers
 
@@ -97,7 +98,6 @@ class FTServer(Transport, RequestHandlers, Workers):
             raise
         self._storage = storage
         self._parked = ParkedFailures(storage)
-        self._listener.settimeout(_POLL_S)
         self._started_at = time.monotonic()
         stats = self._ft.current_stats()
         log.info(
@@ -148,9 +148,12 @@ class FTServer(Transport, RequestHandlers, Workers):
         if self._stopping.is_set() or self._listener is None:
             return
         self._stopping.set()
-        self._deletes_due.set()  # the deleter stops waiting
+        self._deletes_due.set()  # the deleter and the checkpoint writer stop waiting
+        self._checkpoint_writes_due.set()
         if self._web is not None:
             self._web.stop()
+        with contextlib.suppress(OSError):  # ends the accept loop's accept() at once
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._connections_lock:
             connections = list(self._connections.values())

@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # the HTTP port's modules load only with an HTTP port
 # wakes the deleter (_core).
 _DELETE_CHUNK: Final = 16_384
 _POLL_S: Final = 0.25  # sockets and waits poll at this, to notice stop() and deadlines
+# A worker with nothing to do (the deleter with no completed records, the checkpoint
+# writer with nothing to write) waits for the request that gives it work (_core), and
+# looks again after this at the latest: an idle server wakes a few times a minute.
+_IDLE_WAIT_S: Final = 10.0
 
 Handler = Callable[[int, Frame], bytes]
 """A request's handler: (request id, frame) -> the reply frame; raises to refuse."""
@@ -147,6 +151,11 @@ class ServerState:
         self.max_connections = max_connections
         self._delete_interval_s = delete_interval_s
         self._deletes_due = threading.Event()  # a request left completed records
+        # Workers waiting for work (_IDLE_WAIT_S), set and cleared under the lock: the
+        # request that gives them some wakes them (_wake_workers).
+        self._deleter_idle = False
+        self._writer_idle = False
+        self._checkpoint_writes_due = threading.Event()
         # The deleter's rounds (each: the seqs it took from the core, deleted outside
         # the lock): how many were taken and the last one done, and the records of the
         # running one not deleted yet. A savepoint waits for the round it raced.
@@ -192,7 +201,7 @@ class ServerState:
     @contextlib.contextmanager
     def _core(self) -> Iterator[FTLayer]:
         """The core, under the lock; StorageError once the server is stopping. Wakes
-        the deleter when a transaction's worth of completed records waits."""
+        the workers the change gave work (`_wake_workers`)."""
         with self._lock:
             ft = self._ft
             if ft is None:
@@ -200,8 +209,21 @@ class ServerState:
             try:
                 yield ft
             finally:
-                if ft.persistence.marked >= _DELETE_CHUNK:
-                    self._deletes_due.set()
+                self._wake_workers(ft)
+
+    def _wake_workers(self, ft: FTLayer) -> None:
+        """After a change to the core (the caller holds the lock): wake the deleter
+        when a transaction's worth of completed records waits, or when it sleeps and
+        the first ones came; the checkpoint writer when it sleeps and something waits
+        to be written."""
+        marked = ft.persistence.marked
+        if marked >= _DELETE_CHUNK or (marked and self._deleter_idle):
+            self._deleter_idle = False
+            self._deletes_due.set()
+        checkpoints = self._checkpoints
+        if self._writer_idle and checkpoints is not None and checkpoints.has_writes:
+            self._writer_idle = False
+            self._checkpoint_writes_due.set()
 
 
 def _check_http_bind(

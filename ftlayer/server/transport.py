@@ -43,7 +43,7 @@ from ftlayer.wire import (
     kind_of,
 )
 
-from .state import ServerState, _Connection
+from .state import _POLL_S, ServerState, _Connection
 
 log = logging.getLogger("ftlayer.server")
 
@@ -69,12 +69,16 @@ class Transport(ServerState):
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stopping.is_set():
-            try:
+            try:  # blocks until a client connects, or stop() shuts the listener down
                 sock, peer_address = self._listener.accept()
-            except TimeoutError:
+            except OSError as exc:
+                if self._stopping.is_set():
+                    break
+                # A client gone before its accept, or no file descriptor left: the
+                # listener still serves the next one.
+                log.warning("could not accept a connection: %s", exc)
+                self._stopping.wait(_POLL_S)
                 continue
-            except OSError:
-                break  # the listener was closed by stop()
             peer = f"{peer_address[0]}:{peer_address[1]}"
             with contextlib.suppress(OSError):  # small replies go out at once
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -21,7 +21,7 @@ from ftlayer.errors import StorageError
 from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_layout import sorted_distinct
 
-from .state import _DELETE_CHUNK, _POLL_S, ServerState
+from .state import _DELETE_CHUNK, _IDLE_WAIT_S, _POLL_S, ServerState
 
 log = logging.getLogger("ftlayer.server")
 
@@ -71,6 +71,8 @@ class Workers(ServerState):
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
                     continue
+                finally:
+                    self._wake_workers(ft)
             try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
                 ft.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
             except StorageError as exc:
@@ -79,11 +81,17 @@ class Workers(ServerState):
     def _delete_loop(self) -> None:
         """Step 6 of the module docstring: take the completed records' seqs from the
         core (under the lock) as soon as a request left _DELETE_CHUNK of them, or
-        every `delete_interval_s`, and delete them outside the lock, in transactions
-        of their own of bounded work (`_delete_slices`), each after the requests
-        under way. Seqs whose delete failed go back to the core, tried again after
-        `delete_interval_s`."""
+        `delete_interval_s` after the first, and delete them outside the lock, in
+        transactions of their own of bounded work (`_delete_slices`), each after the
+        requests under way. With none, it sleeps until a change marks some
+        (`_wake_workers`). Seqs whose delete failed go back to the core, tried again
+        after `delete_interval_s`."""
+        idle = False
         while not self._stopping.is_set():
+            if idle:  # the first completed records wake it; then it gathers more
+                self._deletes_due.wait(_IDLE_WAIT_S)
+                self._deletes_due.clear()
+                idle = False
             self._deletes_due.wait(self._delete_interval_s)
             self._deletes_due.clear()
             if self._stopping.is_set():
@@ -94,6 +102,7 @@ class Workers(ServerState):
                     return
                 seqs = ft.take_deletes()
                 if not len(seqs):
+                    self._deleter_idle = idle = True
                     continue
                 with self._deletes_changed:
                     self._deleting = len(seqs)
@@ -144,8 +153,18 @@ class Workers(ServerState):
     def _checkpoint_write_loop(self) -> None:
         """Write a due journal base and the checkpoint records, outside the core lock: woken
         after a CHECKPOINT_BEGIN's reply; the records of checkpoints completed since
-        go with that write, or, on an idle stream, within _POLL_S."""
+        go with that write, or, on an idle stream, within _POLL_S. With nothing to
+        write, it sleeps until a change gives it something (`_wake_workers`)."""
         while not self._stopping.is_set():
+            with self._lock:
+                checkpoints = self._checkpoints
+                if checkpoints is None:
+                    return
+                self._writer_idle = idle = not checkpoints.has_writes
+            if idle:
+                self._checkpoint_writes_due.wait(_IDLE_WAIT_S)
+                self._checkpoint_writes_due.clear()
+                continue
             woken = self._checkpoints_queued.wait(_POLL_S)
             self._checkpoints_queued.clear()
             checkpoints = self._checkpoints

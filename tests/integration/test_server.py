@@ -97,6 +97,23 @@ def test_explicit_fail_is_replayed_with_the_same_bytes(start_server: StartServer
     assert status["completed"] == len(PAYLOADS) - 2
 
 
+def test_an_idle_servers_deleter_wakes_for_the_first_completed_records(
+    start_server: StartServer,
+) -> None:
+    """The deleter sleeps while no record completes (an idle server wakes a few times a
+    minute, not every delete interval): the first records that complete after a quiet
+    spell wake it, and leave the store within its interval, again and again."""
+    server = start_server()
+    with server.client() as client:
+        for _ in range(3):
+            time.sleep(1.0)  # several delete intervals with nothing to delete
+            sink(client, persist(client, PAYLOADS))
+            assert client.status()["completed"] % len(PAYLOADS) == 0
+            # Well under the sleeping deleter's own look (10 s): only the wake does it.
+            wait_until(lambda: client.status()["stored_records"] == 0, 4.0, "deletes")
+        assert client.status()["deletes_pending"] == 0
+
+
 def test_token_is_required_and_checked(start_server: StartServer, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_bytes(b"s3cret\n")

@@ -1,0 +1,61 @@
+"""The CPU an idle `ftlayer serve` (no client) spends, per thread: the server starts on
+an empty store, settles SETTLE_S, then each thread's CPU (/proc/<pid>/task/*/schedstat,
+ns on the CPU) is read over IDLE_S seconds, in ms of CPU per second.
+
+    .venv/bin/python scripts/server_idle_cpu.py [IDLE_S]
+"""
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+IDLE_S = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
+SETTLE_S = 3.0
+
+
+def _threads(pid: int) -> dict[str, int]:
+    """Thread (its place in the order threads were made: the main thread 0, then as
+    FTServer.start makes them: 1 accept, 2 ticker, 3 deleter, 4 checkpoint writer) -> ns
+    on the CPU so far."""
+    found: dict[str, int] = {}
+    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda task: int(task.name))
+    for place, task in enumerate(tasks):
+        try:
+            found[f"thread {place} ({task.name})"] = int(
+                (task / "schedstat").read_text().split()[0]
+            )
+        except OSError:
+            continue
+    return found
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as data_dir:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ftlayer")), "serve", "--data-dir", data_dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(SETTLE_S)
+            before = _threads(server.pid)
+            time.sleep(IDLE_S)
+            after = _threads(server.pid)
+        finally:
+            server.terminate()
+            server.wait(10)
+    rows = sorted(
+        ((name, (ns - before.get(name, 0)) / 1e6 / IDLE_S) for name, ns in after.items()),
+        key=lambda row: -row[1],
+    )
+    total = sum(ms for _, ms in rows)
+    print(f"idle server, {IDLE_S:.0f} s: {total:.2f} ms of CPU a second")
+    for name, ms in rows:
+        if ms >= 0.005:
+            print(f"  {name:<24} {ms:.2f}")
+
+
+if __name__ == "__main__":
+    main()
