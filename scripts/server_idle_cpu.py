@@ -16,18 +16,16 @@ SETTLE_S = 3.0
 
 
 def _threads(pid: int) -> dict[str, int]:
-    """Thread (its place in the order threads were made: the main thread 0, then as
-    FTServer.start makes them: 1 accept, 2 ticker, 3 deleter, 4 checkpoint writer) -> ns
-    on the CPU so far."""
+    """Thread name (ftlayer.threadnames; threads of one name summed) -> ns on the CPU
+    so far."""
     found: dict[str, int] = {}
-    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda task: int(task.name))
-    for place, task in enumerate(tasks):
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            found[f"thread {place} ({task.name})"] = int(
-                (task / "schedstat").read_text().split()[0]
-            )
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
         except OSError:
             continue
+        found[name] = found.get(name, 0) + ns
     return found
 
 

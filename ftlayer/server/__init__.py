@@ -49,7 +49,8 @@ format). The contract:
    so a root times out at most that late.
 6. Completed records are deleted from LMDB by the deleter thread, never in a PERSIST's
    transaction: it takes their seqs from the core (under the lock) as soon as a request
-   left _DELETE_CHUNK of them, and at the latest every `delete_interval_s`, and deletes
+   left _DELETE_CHUNK of them, and at the latest `delete_interval_s` after the first
+   (while none are left it sleeps until a change marks some), and deletes
    them outside the lock in transactions of their own of bounded work (`_delete_slices`:
    _DELETE_CHUNK scattered records, or up to 8 times as many that lie side by side, as
    a barrier's whole micro-batch does), each after the requests under way (the
@@ -62,7 +63,8 @@ format). The contract:
 7. Checkpoints (ftlayer.checkpoint): CHECKPOINT_BEGIN replies at once; when the acker
    journal is due a new base, it marks the state owed a copy, taken under the lock
    before the next change to the core or by the checkpoint-writer thread (woken after
-   the reply), which writes the base outside the lock. CHECKPOINT_DONE prunes and completes
+   the reply; it sleeps while nothing waits to be written), which writes the base
+   outside the lock. CHECKPOINT_DONE prunes and completes
    (unaligned) or starts aligning (aligned), staging the checkpoint's record in the
    store (it commits with the next write, or the ticker flushes it); the ticker
    completes aligning checkpoints once no root before their barrier is pending.

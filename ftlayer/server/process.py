@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import socket
-import threading
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
@@ -25,6 +24,7 @@ from ftlayer.errors import StateConflict, StorageError
 from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_storage import LmdbStorage
 from ftlayer.shards import claim
+from ftlayer.threadnames import named_thread
 
 from .handlers import RequestHandlers
 from .transport import Transport, _listen, _shutdown
@@ -115,9 +115,9 @@ class FTServer(Transport, RequestHandlers, Workers):
             (self._accept_loop, "accept"),
             (self._tick_loop, "ticker"),
             (self._delete_loop, "deleter"),
-            (self._checkpoint_write_loop, "checkpoint-writer"),
+            (self._checkpoint_write_loop, "ckpt-writer"),
         ):
-            thread = threading.Thread(target=target, name=f"ftlayer-{name}", daemon=True)
+            thread = named_thread(target, name)
             thread.start()
             self._threads.append(thread)
         if self._web is not None:

@@ -16,12 +16,12 @@ import logging
 import secrets
 import socket
 import ssl
-import threading
 import time
 from typing import Final
 
 from ftlayer.errors import ConfigError, FTLayerError, StorageError
 from ftlayer.logs import fields
+from ftlayer.threadnames import named_thread
 from ftlayer.wire import (
     HANDSHAKE_KINDS,
     PROTOCOL_VERSION,
@@ -83,9 +83,7 @@ class Transport(ServerState):
             with contextlib.suppress(OSError):  # small replies go out at once
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock, peer)
-            thread = threading.Thread(
-                target=self._serve, args=(conn,), name=f"ftlayer-conn-{peer}", daemon=True
-            )
+            thread = named_thread(self._serve, "conn", (conn,), detail=peer)
             with self._connections_lock:
                 full = len(self._connections) >= self.max_connections
                 if not full:

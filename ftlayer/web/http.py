@@ -44,6 +44,7 @@ from typing import Any, Final, Self
 from prometheus_client.exposition import choose_encoder
 
 from ftlayer.errors import ConfigError, FTLayerError
+from ftlayer.threadnames import named_thread
 
 from .metrics import registry
 from .observation import DeadLetterRows, Observation
@@ -131,7 +132,7 @@ class WebServer:
 
     def start(self) -> Self:
         for target, name in ((self._serve, "http"), (self._sample_loop, "sampler")):
-            thread = threading.Thread(target=target, name=f"ftlayer-{name}", daemon=True)
+            thread = named_thread(target, name)
             thread.start()
             self._threads.append(thread)
         return self

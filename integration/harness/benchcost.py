@@ -19,6 +19,12 @@ run land in that second):
   off the requests' threads (the deleter, the checkpoint writer, idle wake-ups) is the
   difference to `server_cpu_us_per_record`. And `store_commits_per_1000_records`: the
   write transactions the server's store committed (an fsync each).
+- `server_threads` (with `threads=True`): the CPU of each of the server's threads, by
+  the name the system knows it by (ftlayer.threadnames: `ftl-conn` the connections'
+  threads, `ftl-ticker`, `ftl-deleter`, ...; threads of one name summed), in µs per
+  record, from /proc/<pid>/task/*/schedstat; `exited` is the CPU of threads that ended
+  during a run (the process's total less its live threads'), with the rounding of
+  the two clocks.
 
 `ServerCost.run(key, records)` measures one run under `key` (a mode, or a batch size
 and a mode); `figures(keys)` gives both figures over the runs of those keys.
@@ -30,11 +36,19 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMMITS", "SETTLE_S", "ServerCost", "Usage", "server_requests", "usage"]
+__all__ = [
+    "COMMITS",
+    "SETTLE_S",
+    "ServerCost",
+    "Usage",
+    "server_requests",
+    "thread_usage",
+    "usage",
+]
 
 SETTLE_S = 1.0
 """After each run, before its end is read: the server's deferred deletes of the run."""
@@ -47,6 +61,17 @@ class Usage:
     """user + system CPU seconds of the process (all its threads)"""
     write_bytes: int | None
     """bytes it caused to be written to storage; None: /proc/<pid>/io is not readable"""
+
+
+def thread_usage(pid: int) -> dict[str, float]:
+    """CPU seconds so far of process `pid`'s live threads, by name (summed per name)."""
+    found: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+            found[name] = found.get(name, 0.0) + ns / 1e9
+    return found
 
 
 def usage(pid: int) -> Usage:
@@ -88,6 +113,22 @@ class _Run:
     write_bytes: int | None
     requests: Requests
     """The run's own requests (the difference over it)."""
+    threads: Mapping[str, float] = field(default_factory=dict)
+    """CPU seconds by thread name over the run (with `threads=True`)"""
+
+
+def _thread_difference(
+    after: Mapping[str, float], before: Mapping[str, float], cpu_s: float
+) -> dict[str, float]:
+    """Each thread name's CPU seconds over a run, and `exited`: the process's CPU over
+    it (`cpu_s`) less its live threads' (threads that ended during the run; at least
+    0). Nothing when the threads were not read."""
+    if not after:
+        return {}
+    found = {name: s - before.get(name, 0.0) for name, s in after.items()}
+    found = {name: s for name, s in found.items() if s > 0}
+    found["exited"] = max(0.0, cpu_s - sum(found.values()))
+    return found
 
 
 def _difference(after: Requests, before: Requests) -> Requests:
@@ -110,12 +151,14 @@ class ServerCost:
         pid: int | None,
         settle_s: float = SETTLE_S,
         requests: Callable[[], Requests] | None = None,
+        threads: bool = False,
     ) -> None:
         if pid is None:
             raise ValueError("the FT-layer server process is not running")
         self.pid = pid
         self.settle_s = settle_s
         self._requests = requests
+        self._threads = threads
         self.runs: list[_Run] = []
 
     @contextlib.contextmanager
@@ -124,19 +167,23 @@ class ServerCost:
         usage from the start to then as a run of `records` records under `key`. A run
         that raises is not recorded."""
         before = usage(self.pid) if key is not None else None
+        threads_before = thread_usage(self.pid) if key is not None and self._threads else {}
         requests_before = self._requests() if key is not None and self._requests else {}
         yield
         time.sleep(self.settle_s)
         if before is None:
             return
         after = usage(self.pid)
+        threads_after = thread_usage(self.pid) if self._threads else {}
         requests = _difference(self._requests(), requests_before) if self._requests else {}
         written = (
             None
             if before.write_bytes is None or after.write_bytes is None
             else after.write_bytes - before.write_bytes
         )
-        self.runs.append(_Run(key, records, after.cpu_s - before.cpu_s, written, requests))
+        cpu_s = after.cpu_s - before.cpu_s
+        threads = _thread_difference(threads_after, threads_before, cpu_s)
+        self.runs.append(_Run(key, records, cpu_s, written, requests, threads))
 
     def figures(self, keys: Iterable[Hashable]) -> dict[str, Any]:
         """`server_cpu_us_per_record` and `lmdb_bytes_per_record` over the runs of
@@ -162,8 +209,17 @@ class ServerCost:
             }
             for kind, (n, cpu_s) in sorted(by_kind.items(), key=lambda item: -item[1][1])
         }
+        by_thread: dict[str, float] = {}
+        for r in runs:
+            for name, cpu_s in r.threads.items():
+                by_thread[name] = by_thread.get(name, 0.0) + cpu_s
+        threads = {
+            name: round(cpu_s * 1e6 / records, 4)
+            for name, cpu_s in sorted(by_thread.items(), key=lambda item: -item[1])
+        }
         return {
             **({"server_requests": requests} if self._requests else {}),
+            **({"server_threads": threads} if self._threads else {}),
             **(
                 {"store_commits_per_1000_records": round(commits * 1000 / records, 3)}
                 if self._requests
@@ -187,6 +243,7 @@ class ServerCost:
                 "server_cpu_us_per_record",
                 "lmdb_bytes_per_record",
                 "server_requests",
+                "server_threads",
                 "store_commits_per_1000_records",
             )
             if any(figure in f for f in found.values())

@@ -27,7 +27,8 @@ the ratios tree/off, barrier/off and off/consumer; the complete latency of each
 FT-on run where the server measures it (`integration.harness.benchlatency`); and the
 FT-layer server process's CPU and storage writes per record over the timed runs of
 each FT-on mode, and by request kind the requests per 1,000 records and their handlers'
-CPU per record (`server_requests`; `integration.harness.benchcost`), those of barrier
+CPU per record (`server_requests`), and each of its threads' CPU per record
+(`server_threads`; `integration.harness.benchcost`), those of barrier
 mode over every batch size at the top level. Each FT mode has a server of its own, so
 one mode's work (a tree run's deletes, the acker journal base its events make due) is
 never counted in another's runs.
@@ -229,7 +230,7 @@ def bench_fast(
             runs = 0
             timed: list[LatencyRun] = []
             costs = {
-                mode: ServerCost(s.pid, requests=partial(server_requests, s.address))
+                mode: ServerCost(s.pid, requests=partial(server_requests, s.address), threads=True)
                 for mode, s in servers.items()
             }
 
@@ -388,6 +389,7 @@ def _by_mode(costs: dict[str, ServerCost], size: int) -> dict[str, dict[str, Any
             "server_cpu_us_per_record",
             "lmdb_bytes_per_record",
             "server_requests",
+            "server_threads",
             "store_commits_per_1000_records",
         )
         if any(figure in f for f in found.values())

@@ -115,3 +115,24 @@ def test_requests_by_kind_over_a_run_of_a_real_server(tmp_path: Path) -> None:
     # XOR commits nothing (the acker journal is a file of its own): no store commit.
     assert figures["store_commits_per_1000_records"] == 0.0
     assert all(r["cpu_us_per_record"] >= 0 for r in requests.values())
+
+
+def test_cpu_by_thread_names_a_real_servers_threads(tmp_path: Path) -> None:
+    """`server_threads`: the CPU of each of a server's threads over a run, by the name
+    the system knows it by (here a server in this process: its connection's thread
+    answers the requests), and `exited` for threads gone before the run ended."""
+    with FTServer(tmp_path / "data") as server:
+        address = "{}:{}".format(*server.address)
+        cost = ServerCost(os.getpid(), settle_s=0, threads=True)
+        with FTClient(address) as client, cost.run("tree", 2_000):
+            roots = np.arange(1, 200_001, dtype=np.uint64)
+            for _ in range(4):
+                client.xor(roots, np.ones(len(roots), np.uint64))
+        figures = cost.figures(["tree"])
+    threads = figures["server_threads"]
+    assert threads["ftl-conn"] > 0  # four XORs of 200,000 roots: milliseconds
+    assert threads["exited"] >= 0
+    # By name, largest first, together the process's CPU (to the clocks' rounding).
+    assert list(threads.values()) == sorted(threads.values(), reverse=True)
+    total = figures["server_cpu_us_per_record"]
+    assert sum(threads.values()) == pytest.approx(total, rel=0.2, abs=10_000 / 2_000)
