@@ -154,8 +154,19 @@ def release_due(s: CoreState, now: float | None = None) -> int:
         return 0
     order = np.argsort(seqs, kind="stable")
     seqs, roots = seqs[order], roots[order]
+    # Key unknown: routed once the source copied it in. Those the unfilled list knows
+    # so need no read (a batch range's failed rows, whose backoff usually ends before
+    # their source's next batch fills them).
+    unknown = s.unfilled.keys_unknown(seqs.tolist())
+    if bool(unknown.any()):
+        for seq, root in zip(seqs[unknown].tolist(), roots[unknown].tolist(), strict=True):
+            s.unrouted[seq] = (root, 0.0)
+        keep = np.flatnonzero(~unknown)
+        seqs, roots = seqs[keep], roots[keep]
+        if not len(seqs):
+            return 0
     batch = s.storage.get(seqs)
-    if batch.any_references:  # key unknown: routed once the source copied it in
+    if batch.any_references:
         unknown = batch.key_unknown
         if bool(unknown.any()):
             for seq, root in zip(seqs[unknown].tolist(), roots[unknown].tolist(), strict=True):

@@ -91,13 +91,14 @@ def note_failed(
     if not batch.any_references:
         return
     rows = np.flatnonzero(batch.reference_mask)
+    unknown = batch.key_unknown
     for row, seq, source_id in zip(
         rows.tolist(), seqs[rows].tolist(), batch.source_ids[rows].tolist(), strict=True
     ):
         if dead[row] and _expired_dead_letter(s, seq):
             s.unfilled.discard(seq)
         else:
-            s.unfilled.add(seq, int(source_id))
+            s.unfilled.add(seq, int(source_id), bool(unknown[row]))
 
 
 def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
@@ -312,11 +313,12 @@ def rebuild(s: CoreState) -> None:
         if not records.any_references:
             continue
         rows = np.flatnonzero(records.reference_mask)
-        for seq, source_id in zip(
-            chunk[rows].tolist(), records.source_ids[rows].tolist(), strict=True
+        unknown = records.key_unknown[rows].tolist()
+        for seq, source_id, key_unknown in zip(
+            chunk[rows].tolist(), records.source_ids[rows].tolist(), unknown, strict=True
         ):
             if not _expired_dead_letter(s, seq):
-                s.unfilled.add(seq, int(source_id))
+                s.unfilled.add(seq, int(source_id), key_unknown)
 
 
 def counts_by_source(s: CoreState) -> dict[int, int]:

@@ -304,6 +304,9 @@ class Unfilled:
     def __init__(self) -> None:
         self._source_of: dict[int, int] = {}
         self._by_source: dict[int, dict[int, None]] = {}
+        # Those whose key is unknown too (stored by reference without it: a batch
+        # range's row): routed only once filled, so nothing need read them before.
+        self._key_unknown: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._source_of)
@@ -311,14 +314,22 @@ class Unfilled:
     def __contains__(self, seq: object) -> bool:
         return seq in self._source_of
 
-    def add(self, seq: int, source_id: int) -> None:
+    def add(self, seq: int, source_id: int, key_unknown: bool = False) -> None:
+        """List `seq` of `source_id`; `key_unknown`: its stored record's key is
+        unknown too (`keys_unknown`)."""
+        if key_unknown:
+            self._key_unknown.add(seq)
+        else:
+            self._key_unknown.discard(seq)
         if self._source_of.get(seq) == source_id:
             return
-        self.discard(seq)
+        self._discard(seq)
         self._source_of[seq] = source_id
         self._by_source.setdefault(source_id, {})[seq] = None
 
-    def add_many(self, seqs: Sequence[int], source_ids: Sequence[int]) -> None:
+    def add_many(
+        self, seqs: Sequence[int], source_ids: Sequence[int], key_unknown: bool = False
+    ) -> None:
         """`add` for each pair; seqs not listed yet (a failure's new records, the
         usual case) go in by source in one dict update each, without a call per seq."""
         if len(seqs) != len(source_ids):
@@ -326,8 +337,10 @@ class Unfilled:
         source_of = self._source_of
         if not source_of.keys().isdisjoint(seqs):  # some re-listed: one at a time
             for seq, source_id in zip(seqs, source_ids, strict=True):
-                self.add(seq, source_id)
+                self.add(seq, source_id, key_unknown)
             return
+        if key_unknown:
+            self._key_unknown.update(seqs)
         source_of.update(zip(seqs, source_ids, strict=True))
         groups: dict[int, Sequence[int]] = {}
         first = source_ids[0] if len(source_ids) else None
@@ -344,6 +357,8 @@ class Unfilled:
     def discard_many(self, seqs: Iterable[int]) -> None:
         """`discard` for each seq, by source in one pass each."""
         listed = seqs if isinstance(seqs, list) else list(seqs)
+        if self._key_unknown:
+            self._key_unknown.difference_update(listed)
         sources = list(map(self._source_of.pop, listed, repeat(None, len(listed))))
         first = sources[0] if sources else None
         if first is not None and sources.count(first) == len(sources):  # one source: in C
@@ -364,6 +379,10 @@ class Unfilled:
                 del self._by_source[source_id]
 
     def discard(self, seq: int) -> None:
+        self._key_unknown.discard(seq)
+        self._discard(seq)
+
+    def _discard(self, seq: int) -> None:
         source_id = self._source_of.pop(seq, None)
         if source_id is None:
             return
@@ -374,6 +393,14 @@ class Unfilled:
 
     def source_of(self, seq: int) -> int | None:
         return self._source_of.get(seq)
+
+    def keys_unknown(self, seqs: Sequence[int]) -> NDArray[np.bool_]:
+        """Which of `seqs` are listed with their key unknown: their replay partition
+        is known only once their source fills them, so nothing routes them before."""
+        unknown = self._key_unknown
+        if not unknown:
+            return np.zeros(len(seqs), dtype=np.bool_)
+        return np.fromiter(map(unknown.__contains__, seqs), np.bool_, len(seqs))
 
     def of_source(self, source_id: int) -> list[int]:
         """The seqs of `source_id`, in order."""

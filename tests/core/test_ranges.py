@@ -165,6 +165,50 @@ def test_ranges_and_their_failed_records_survive_a_restart(tmp_path: Path) -> No
     storage.close()
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
+def test_a_range_rows_backoff_that_ends_before_its_fill_waits_for_its_key(
+    restart: bool, tmp_path: Path
+) -> None:
+    """A failed range row's backoff usually ends before its source's next batch copies
+    its bytes and key in: it waits, unqueued, and its fill routes it to its key's
+    partition, once; also when the FT layer restarted in between."""
+    path = tmp_path / "ft"
+    storage = LmdbStorage(path)
+    wall = Clock(1000.0)
+
+    def layer(storage: PersistenceStorage) -> FTLayer:
+        ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=wall, seed=1)
+        policy = RetryPolicy(5, 1_000, 1_000)
+        ft.register_source(
+            SourceRegistration(SOURCE, "kafka-hash", 4, retry=policy, completion="barrier")
+        )
+        return ft
+
+    ft = layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, 1000, 1100)])
+    assert ft.fail(rangeroots.encode(number, 1000, [1003, 1050, 1070]), FAILED) == 3
+    if restart:
+        storage.close()
+        storage = LmdbStorage(path)
+        ft = layer(storage)
+    wall.now += 5.0  # every backoff ended
+    ft.tick()
+    assert ft.replay_cursor_of(SOURCE) == 0  # no key yet, so no partition: not queued
+    assert len(ft.unfilled(SOURCE)) == 3
+    _fill_all(ft, key_hash=7, has_key=True)  # kafka-hash: 7 % 4 = 3
+    assert _replays(ft) == [(o, 3, _bytes(o)) for o in (1003, 1050, 1070)]
+    ft.tick()
+    assert len(_replays(ft)) == 3  # queued once
+    # A row filled before its backoff ends goes by its key when the backoff ends.
+    assert ft.fail(rangeroots.encode(number, 1000, [1080]), FAILED) == 1
+    _fill_all(ft, key_hash=7, has_key=True)
+    assert len(_replays(ft)) == 3
+    wall.now += 5.0
+    ft.tick()
+    assert _replays(ft)[-1] == (1080, 3, _bytes(1080))
+    storage.close()
+
+
 def test_a_barriers_completion_rides_on_the_next_write_and_a_kill_before_it_loses_nothing(
     tmp_path: Path,
 ) -> None:
