@@ -103,10 +103,15 @@ def note_failed(
 
 def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
     """Up to `limit` unfilled records of `source_id`, oldest first."""
-    listed = s.unfilled.of_source(source_id)
-    seqs = np.array(listed[: max(0, limit)], dtype=np.uint64)
+    listed = s.unfilled.of_source(source_id)[: max(0, limit)]
+    seqs = np.array(listed, dtype=np.uint64)
     if not len(seqs):
         return UnfilledRecords(seqs, RecordBatch.empty())
+    # A failure's records as it stored them, while all still wait under its roots (one
+    # that left the store since is met, and dropped, by the read below).
+    kept = s.unfilled.kept(listed)
+    if kept is not None and bool(s.live_with_seqs(kept.roots, seqs).all()):
+        return UnfilledRecords(seqs, kept)
     try:
         records = s.storage.get(seqs)
     except RecordNotStored as exc:  # completed or purged since

@@ -128,6 +128,7 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     else:  # none waits for a backoff: all wait for their key
         s.unrouted.update(zip(seq_list, zip(root_list, repeat(now, n), strict=True), strict=True))
     s.unfilled.add_many(seq_list, source_ids.tolist(), key_unknown=True)
+    s.unfilled.keep(seq_list, batch)  # UNFILLED answers from them, as stored
     for i, r in enumerate(ranges):
         r.materialized.update((offsets if len(ranges) == 1 else offsets[which == i]).tolist())
     # Counts and log lines, as a requeue's (no source-expired cause among them).

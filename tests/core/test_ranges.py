@@ -209,6 +209,59 @@ def test_a_range_rows_backoff_that_ends_before_its_fill_waits_for_its_key(
     storage.close()
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    fails=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 49)), min_size=1, max_size=40),
+    filled=st.sets(st.integers(0, 39)),
+    limit=st.integers(1, 50),
+)
+def test_unfilled_answers_a_failures_rows_from_memory_as_the_store_holds_them(
+    fails: list[tuple[int, int]],
+    filled: set[int],
+    limit: int,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """UNFILLED lists a first failure's range rows from the records that failure kept
+    in memory: column for column the records the store holds, and the seqs a
+    restart lists, however the rows failed (FAILs of several rows over three ranges)
+    and whichever were filled since."""
+    path = tmp_path_factory.mktemp("unfilled") / "ft"
+    storage = LmdbStorage(path)
+    ft = _layer(storage, partitioner="kafka-hash")
+    numbers = ft.register_ranges([(SOURCE, TOPIC, p, 100 * p, 100 * p + 50) for p in range(3)])
+    for at in range(0, len(fails), 7):  # a task's FAIL names several rows
+        rows = fails[at : at + 7]
+        ft.fail(
+            np.concatenate(
+                [rangeroots.encode(numbers[p], 100 * p, [100 * p + o]) for p, o in rows]
+            ),
+            FAILED,
+        )
+    wanted = ft.unfilled(SOURCE)
+    some = np.array(sorted(i for i in filled if i < len(wanted)), dtype=np.intp)
+    ft.fill(
+        wanted.seqs[some],
+        [_bytes(o) for o in wanted.records.offsets[some].tolist()],
+        np.ones(len(some), dtype=np.bool_),
+        (np.full(len(some), 5, dtype=np.int64), np.ones(len(some), dtype=np.bool_)),
+    )
+    from_memory = ft.unfilled(SOURCE, limit)
+    if len(from_memory):  # answered from memory
+        assert ft._s.unfilled.kept(from_memory.seqs.tolist()) is not None
+    # The records those seqs name in the store, and those a restart lists.
+    a, b = from_memory.records, storage.get(from_memory.seqs)
+    for column in ("roots", "source_ids", "key_hashes", "has_key", "partitions", "offsets"):
+        assert getattr(a, column).tolist() == getattr(b, column).tolist(), column
+    assert list(a.topics) == list(b.topics)
+    assert list(a.payloads) == list(b.payloads)
+    assert a.reference_mask.tolist() == b.reference_mask.tolist()
+    storage.close()
+    storage = LmdbStorage(path)
+    ft = _layer(storage, partitioner="kafka-hash")
+    assert ft.unfilled(SOURCE, limit).seqs.tolist() == from_memory.seqs.tolist()
+    storage.close()
+
+
 def test_a_barriers_completion_rides_on_the_next_write_and_a_kill_before_it_loses_nothing(
     tmp_path: Path,
 ) -> None:
