@@ -11,22 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ftlayer.integration.harness.benchcost import thread_usage
+
 IDLE_S = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
 SETTLE_S = 3.0
-
-
-def _threads(pid: int) -> dict[str, int]:
-    """Thread name (ftlayer.threadnames; threads of one name summed) -> ns on the CPU
-    so far."""
-    found: dict[str, int] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            ns = int((task / "schedstat").read_text().split()[0])
-        except OSError:
-            continue
-        found[name] = found.get(name, 0) + ns
-    return found
 
 
 def main() -> None:
@@ -38,14 +26,14 @@ def main() -> None:
         )
         try:
             time.sleep(SETTLE_S)
-            before = _threads(server.pid)
+            before = thread_usage(server.pid)
             time.sleep(IDLE_S)
-            after = _threads(server.pid)
+            after = thread_usage(server.pid)
         finally:
             server.terminate()
             server.wait(10)
     rows = sorted(
-        ((name, (ns - before.get(name, 0)) / 1e6 / IDLE_S) for name, ns in after.items()),
+        ((name, (s - before.get(name, 0.0)) * 1e3 / IDLE_S) for name, s in after.items()),
         key=lambda row: -row[1],
     )
     total = sum(ms for _, ms in rows)
