@@ -77,6 +77,11 @@ class Payloads(Sequence[bytes]):
         return self._blob
 
     @property
+    def ends(self) -> NDArray[np.int64]:
+        """Where each payload ends in `blob`."""
+        return self._ends
+
+    @property
     def lengths(self) -> NDArray[np.int64]:
         return np.diff(self._ends, prepend=np.int64(0))
 
@@ -245,6 +250,8 @@ class RecordBatch:
         """The records at `index` (an integer index array or a boolean mask), in that order."""
         positions = np.flatnonzero(index) if index.dtype == np.bool_ else index
         pos_list = positions.tolist()
+        payloads = self.payloads
+        listed = payloads.as_list() if isinstance(payloads, Payloads) else payloads
         return RecordBatch(
             roots=self.roots[positions],
             source_ids=self.source_ids[positions],
@@ -253,7 +260,7 @@ class RecordBatch:
             topics=[self.topics[i] for i in pos_list],
             partitions=self.partitions[positions],
             offsets=self.offsets[positions],
-            payloads=[self.payloads[i] for i in pos_list],
+            payloads=[listed[i] for i in pos_list],
             references=None if self.references is None else self.references[positions],
         )
 
@@ -280,9 +287,13 @@ class RecordBatch:
         """The same records with the payloads of `rows` given (the bytes of records
         stored by reference, read from their source): those rows are references no
         more. `keys`: their (key hashes, has_key), set where the key was unknown."""
-        merged = list(self.payloads)
-        for row, payload in zip(rows.tolist(), payloads, strict=True):
-            merged[row] = payload
+        merged: Sequence[bytes]
+        if len(rows) == len(self) and len(payloads) == len(rows) and _in_order(rows):
+            merged = payloads  # every row's, in order
+        else:
+            merged = list(self.payloads)
+            for row, payload in zip(rows.tolist(), payloads, strict=True):
+                merged[row] = payload
         references = self.reference_mask.copy()
         references[rows] = False
         key_hashes, has_key = self.key_hashes, self.has_key
@@ -374,3 +385,8 @@ def _column(value: ArrayLike, n: int) -> NDArray[np.int64]:
     """A column of n integers from a sequence, or a scalar repeated n times."""
     column = np.asarray(value, dtype=np.int64)
     return np.full(n, column, dtype=np.int64) if column.ndim == 0 else column
+
+
+def _in_order(rows: NDArray[np.intp]) -> bool:
+    """Whether `rows` is 0, 1, ..., len(rows) - 1."""
+    return not len(rows) or (int(rows[0]) == 0 and bool((np.diff(rows) == 1).all()))

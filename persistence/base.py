@@ -203,11 +203,14 @@ class PersistenceStorage(ABC):
         keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
         *,
         staged: bool = False,
+        stored: RecordBatch | None = None,
     ) -> tuple[NDArray[np.uint64], RecordBatch]:
         """`fill`, returning the seqs it filled and their records as `get` now returns
         them (bytes and keys in), so a caller needs no read of its own. `staged`: the
         bytes are staged (`stage_meta`), readable at once and committed with the next
-        write or `flush_staged`, which the caller owes before it calls them durable."""
+        write or `flush_staged`, which the caller owes before it calls them durable.
+        `stored`: the records of `seqs` as `get` returns them, when the caller knows
+        them (each stored, by reference, exactly so): nothing is read."""
         self._check_open()
         seq_array = as_seqs(seqs)
         if len(seq_array) != len(payloads) or (
@@ -217,23 +220,37 @@ class PersistenceStorage(ABC):
                 f"fill needs one payload per seq: got {len(seq_array)} seqs, "
                 f"{len(payloads)} payloads"
             )
-        try:  # one read of the records; a second only when some are not stored
-            stored, batch = np.arange(len(seq_array)), self._get(seq_array)
-        except RecordNotStored as exc:
-            stored = np.flatnonzero(~np.isin(seq_array, exc.missing))
-            if not len(stored):
-                return np.zeros(0, dtype=np.uint64), RecordBatch.empty()
-            batch = self._get(seq_array[stored])
+        if stored is not None:
+            if len(stored) != len(seq_array):
+                raise ConfigError(
+                    f"fill: {len(seq_array)} seqs but {len(stored)} stored records given"
+                )
+            present, batch = np.arange(len(seq_array)), stored
+        else:
+            try:  # one read of the records; a second only when some are not stored
+                present, batch = np.arange(len(seq_array)), self._get(seq_array)
+            except RecordNotStored as exc:
+                present = np.flatnonzero(~np.isin(seq_array, exc.missing))
+                if not len(present):
+                    return np.zeros(0, dtype=np.uint64), RecordBatch.empty()
+                batch = self._get(seq_array[present])
         filled = self._fills().index()
         at = np.flatnonzero(batch.reference_mask)  # rows of `batch`
         if filled and len(at):
-            at = at[[seq not in filled for seq in seq_array[stored[at]].tolist()]]
-        _, first = np.unique(seq_array[stored[at]], return_index=True)
-        at = at[np.sort(first)]  # a seq given twice is filled once
-        rows = stored[at]  # rows of `seqs`
+            listed = seq_array[present[at]].tolist()
+            if not filled.keys().isdisjoint(listed):
+                at = at[[seq not in filled for seq in listed]]
+        candidates = seq_array[present[at]]
+        if len(at) > 1 and not bool((candidates[1:] > candidates[:-1]).all()):
+            _, first = np.unique(candidates, return_index=True)
+            at = at[np.sort(first)]  # a seq given twice is filled once
+        rows = present[at]  # rows of `seqs`
         if not len(rows):
             return np.zeros(0, dtype=np.uint64), RecordBatch.empty()
-        wanted = [bytes(payloads[row]) for row in rows.tolist()]
+        if len(rows) == len(payloads):  # every one, in order: the payloads as given
+            wanted: Sequence[bytes] = payloads
+        else:
+            wanted = [bytes(payloads[row]) for row in rows.tolist()]
         done = seq_array[rows]
         given = None if keys is None else (keys[0][rows], keys[1][rows])
         self._fills().store(done, wanted, given, staged=staged)

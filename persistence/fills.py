@@ -38,7 +38,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.errors import CorruptData
-from ftlayer.records import RecordBatch
+from ftlayer.records import Payloads, RecordBatch
 
 __all__ = ["FILL_BATCH_PREFIX", "FILL_META_PREFIX", "FillBatch", "FillHost", "Fills"]
 
@@ -286,10 +286,15 @@ class FillBatch:
         payloads: Sequence[bytes],
         keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None,
     ) -> FillBatch:
-        order = np.argsort(seqs, kind="stable")
         n = len(seqs)
         key_hashes = np.zeros(n, np.int64) if keys is None else keys[0].astype(np.int64)
         flags = np.full(n, _NO_KEY, np.uint8) if keys is None else keys[1].astype(np.uint8)
+        if isinstance(payloads, Payloads) and (n < 2 or bool((seqs[1:] > seqs[:-1]).all())):
+            # In seq order already, in one buffer: taken as they are.
+            return cls(
+                seqs.astype(np.uint64), key_hashes, flags, payloads.ends, bytes(payloads.blob)
+            )
+        order = np.argsort(seqs, kind="stable")
         ordered = [payloads[i] for i in order.tolist()]
         lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=n)
         return cls(

@@ -258,7 +258,9 @@ class ChunkHead:
         self.deleted[positions] = True
         self.live -= len(positions)
         self.live_bytes -= int((ends - starts).sum())
-        if len(self.overrides):
+        if not self.live:  # every record gone: so are their overrides
+            self.overrides = self.overrides[:0]
+        elif len(self.overrides):
             self.overrides = self.overrides[~np.isin(self.overrides["index"], positions)]
 
     def retag(

@@ -38,7 +38,7 @@ from .lmdb_layout import FORMAT_MARKER
 from .lmdb_meta import LmdbMeta
 from .lmdb_open import is_open_in_process
 from .lmdb_reads import LmdbReads
-from .lmdb_writes import LmdbWrites
+from .lmdb_writes import OVERRIDES_KEPT, LmdbWrites
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -58,9 +58,10 @@ class LmdbStorage(LmdbWrites, LmdbReads, LmdbMeta):
     `map_size` is the initial map size in bytes; it doubles whenever a write needs more.
     `sync=False` trades durability of the last commits on an OS crash for speed (see
     lmdb_env). `chunk_bytes` bounds the bytes of a chunk a put writes (a record larger
-    than that is a chunk of its own). Raises NotAnLmdbEnvironment if `path` holds
-    something that is not an ftlayer LMDB store, and StorageError if the store is
-    already open in this process.
+    than that is a chunk of its own), `overrides_kept` how many override entries a
+    chunk keeps whatever its size (lmdb_writes, compaction). Raises
+    NotAnLmdbEnvironment if `path` holds something that is not an ftlayer LMDB store,
+    and StorageError if the store is already open in this process.
     """
 
     def __init__(
@@ -70,8 +71,15 @@ class LmdbStorage(LmdbWrites, LmdbReads, LmdbMeta):
         map_size: int = DEFAULT_MAP_SIZE,
         sync: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        overrides_kept: int = OVERRIDES_KEPT,
     ) -> None:
-        super().__init__(path, map_size=map_size, sync=sync, chunk_bytes=chunk_bytes)
+        super().__init__(
+            path,
+            map_size=map_size,
+            sync=sync,
+            chunk_bytes=chunk_bytes,
+            overrides_kept=overrides_kept,
+        )
 
     def __repr__(self) -> str:
         state = " (closed)" if self._env is None else ""

@@ -35,12 +35,17 @@ Delete, retag, compaction
   Retagging one record costs a state write, not a rewrite of its chunk.
 - Compaction (`_settle`): a chunk is rewritten (its stored records only, their tags from
   the override table written into their bytes, under the same key and seqs, now listed)
-  when a write leaves fewer than a quarter of its bytes stored, or more than a quarter
-  of its stored records with an override entry. So deleted records never take more than
-  three times the bytes of the stored ones in any chunk (a few records of a batch kept
-  long, say a dead letter or a slow tree, do not pin the batch), a rewrite for deletes
-  copies less than a third of the bytes deleted since the chunk was last written, and
-  the override table stays smaller than the chunk.
+  when a write leaves fewer than a quarter of its bytes stored, or more override
+  entries than a quarter of its stored records and than OVERRIDES_KEPT (1,024, the
+  store's `overrides_kept`). So
+  deleted records never take more than three times the bytes of the stored ones in any
+  chunk (a few records of a batch kept long, say a dead letter or a slow tree, do not
+  pin the batch), a rewrite for deletes copies less than a third of the bytes deleted
+  since the chunk was last written, and the override table stays smaller than the
+  chunk, and within 20 KiB or a quarter of its records. A chunk of up to 1,024 records
+  retagged at once (a failure's records, queued for replay by their fill) keeps its
+  tags in the table: they usually go with the whole chunk at the next barrier, which
+  a rewrite would only delay.
 
 Costs: a put is a few B-tree operations per chunk, appended at the right edge, however
 many records it holds, plus its encoding in the caller's thread; a delete or retag
@@ -57,12 +62,13 @@ import os
 import threading
 from collections.abc import Sequence
 from functools import partial
+from typing import Final
 
 import lmdb
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.errors import StorageError
+from ftlayer.errors import ConfigError, StorageError
 from ftlayer.records import RecordBatch
 
 from .base import TAGS, MetaOfSeqs, RecordNotStored, encode_chunk, encode_meta_key
@@ -77,15 +83,27 @@ from .lmdb_layout import (
     stored_count,
 )
 
-__all__ = ["LmdbWrites"]
+__all__ = ["OVERRIDES_KEPT", "LmdbWrites"]
+
+OVERRIDES_KEPT: Final = 1024
+"""A chunk keeps up to this many override entries whatever its size (compaction)."""
 
 
 class LmdbWrites(LmdbEnvironment):
     """The write path of `LmdbStorage`; see the module docstring."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, map_size: int, sync: bool, chunk_bytes: int
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int,
+        sync: bool,
+        chunk_bytes: int,
+        overrides_kept: int = OVERRIDES_KEPT,
     ) -> None:
+        if overrides_kept < 0:
+            raise ConfigError(f"overrides_kept must be 0 or more, got {overrides_kept}")
+        self._overrides_kept = overrides_kept
         # Puts waiting for a write transaction (group commit, see the module docstring).
         self._queued: list[_QueuedPut] = []
         self._queued_lock = threading.Lock()
@@ -220,7 +238,9 @@ class LmdbWrites(LmdbEnvironment):
         compact it if the rules of the module docstring say so."""
         if head.live == 0:
             self._chunks.drop(txn, head.key)
-        elif 4 * head.live_bytes < head.size or 4 * len(head.overrides) > head.live:
+        elif 4 * head.live_bytes < head.size or len(head.overrides) > max(
+            head.live // 4, self._overrides_kept
+        ):
             self._compact(txn, head)
         else:
             txn.put(chunk_key(head.key), head.encode_state(), db=self._chunks.state_db)

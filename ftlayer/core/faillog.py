@@ -59,18 +59,7 @@ def log_failed(
     n = len(old_roots)
     if not n or not log.isEnabledFor(logging.INFO):
         return
-    names = list(dict.fromkeys(batch.topics))
-    if len(names) == 1:
-        topic_codes = np.zeros(n, dtype=np.int64)
-    else:
-        code_of = {name: i for i, name in enumerate(names)}
-        topic_codes = np.fromiter((code_of[t] for t in batch.topics), np.int64, n)
-    keys = (fate.astype(np.int64), batch.source_ids.astype(np.int64), topic_codes,
-            batch.partitions.astype(np.int64))  # fmt: skip
-    order = np.lexsort(keys[::-1])
-    sorted_keys = np.stack([k[order] for k in keys])
-    starts = np.flatnonzero(np.r_[True, (np.diff(sorted_keys, axis=1) != 0).any(axis=0)])
-    for rows in np.split(order, starts[1:]):
+    for rows in _groups(batch, fate):
         first = int(rows[0])
         group_fate = int(fate[first])
         extra: dict[str, Any] = {
@@ -100,6 +89,27 @@ def log_failed(
             extra["due"] = round(float(due[rows].min()), 3)
         level = logging.WARNING if group_fate == DEAD or kind == "timeout" else logging.INFO
         log.log(level, _MESSAGES[group_fate], shown, extra=fields(**extra))
+
+
+def _groups(batch: RecordBatch, fate: NDArray[np.int8]) -> list[NDArray[np.intp]]:
+    """The rows of each (fate, source, topic, partition), in that order; the rows of
+    one group in the order given."""
+    n = len(batch)
+    names = list(dict.fromkeys(batch.topics))
+    columns = (fate, batch.source_ids, batch.partitions)
+    if len(names) == 1 and all(bool((c == c[0]).all()) for c in columns):
+        return [np.arange(n)]  # usual: a failure of one partition's records
+    if len(names) == 1:
+        topic_codes = np.zeros(n, dtype=np.int64)
+    else:
+        code_of = {name: i for i, name in enumerate(names)}
+        topic_codes = np.fromiter((code_of[t] for t in batch.topics), np.int64, n)
+    keys = (fate.astype(np.int64), batch.source_ids.astype(np.int64), topic_codes,
+            batch.partitions.astype(np.int64))  # fmt: skip
+    order = np.lexsort(keys[::-1])
+    sorted_keys = np.stack([k[order] for k in keys])
+    starts = np.flatnonzero(np.r_[True, (np.diff(sorted_keys, axis=1) != 0).any(axis=0)])
+    return np.split(order, starts[1:])
 
 
 def log_requeue_error(

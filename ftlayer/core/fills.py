@@ -33,6 +33,7 @@ storage since it was listed (completed, purged) is dropped when `unfilled` meets
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any, Final
 
 import numpy as np
@@ -144,15 +145,22 @@ def fill(
     rows = np.flatnonzero(found)
     filled = 0
     if len(rows):
-        found_keys = None if keys is None else (keys[0][rows], keys[1][rows])
+        every = len(rows) == len(seqs)  # the usual answer: all found, in one buffer
+        found_keys = None if keys is None or every else (keys[0][rows], keys[1][rows])
+        fill_seqs = seqs if every else seqs[rows]
+        listed = fill_seqs.tolist()
         # The bytes are staged: the retag of the records routed now commits them (one
         # transaction for both), or the flush below when none is routed.
         done, records = s.storage.fill_records(
-            seqs[rows], [payloads[i] for i in rows.tolist()], found_keys, staged=True
+            fill_seqs,
+            payloads if every else [payloads[i] for i in rows.tolist()],
+            keys if every else found_keys,
+            staged=True,
+            stored=_kept(s, fill_seqs, listed),
         )
         filled = len(done)
         s.stats.filled += filled
-        s.unfilled.discard_many(seqs[rows].tolist())
+        s.unfilled.discard_many(listed)
         try:
             _route_filled(s, done, records, enqueue)
         finally:
@@ -198,6 +206,18 @@ def fill(
     return FillResult(filled, len(roots) + len(changed))
 
 
+def _kept(s: CoreState, seqs: NDArray[np.uint64], listed: list[int]) -> RecordBatch | None:
+    """The records of `seqs` as their failure stored them, while every one is kept and
+    still waits under that failure's root (so stored exactly so); else None."""
+    kept = s.unfilled.kept(listed)
+    if kept is None or not bool(s.live_with_seqs(kept.roots, seqs).all()):
+        return None
+    return kept
+
+
+_WAITING: Final = np.dtype([("root", np.uint64), ("due", np.float64)])
+
+
 def _route_filled(
     s: CoreState, seqs: NDArray[np.uint64], records: RecordBatch, enqueue: Enqueue
 ) -> None:
@@ -205,31 +225,37 @@ def _route_filled(
     they wait for their backoff. The records are those the fill stored, so routing
     them reads nothing."""
     now = s.wall()
-    rows: list[int] = []
-    roots: list[int] = []
-    for row, seq in enumerate(seqs.tolist()):
-        waiting = s.unrouted.pop(seq, None)  # its key known now: it can be routed
-        if waiting is None:
-            continue
-        if waiting[1] > now:
-            s.book.wait(seq, waiting[0], waiting[1])
-        else:
-            rows.append(row)
-            roots.append(waiting[0])
-    if not rows:
+    seq_list = seqs.tolist()
+    # Their keys known now, they can be routed: out of the unrouted list, all at once.
+    popped = list(map(s.unrouted.pop, seq_list, repeat(None, len(seq_list))))
+    at = np.arange(len(popped), dtype=np.intp)
+    if None in popped:  # some were not waiting for their key
+        at = np.flatnonzero([w is not None for w in popped])
+    waits = [w for w in popped if w is not None]
+    if not waits:
         return
-    at = np.array(rows, dtype=np.intp)
-    root_array = np.array(roots, dtype=np.uint64)
+    waiting = np.array(waits, dtype=_WAITING)
+    later = waiting["due"] > now
+    if bool(later.any()):  # their backoff not over yet: they wait for it
+        for row in np.flatnonzero(later).tolist():
+            root, due = waits[row]
+            s.book.wait(seq_list[int(at[row])], root, due)
+        at, waiting = at[~later], waiting[~later]
+        if not len(at):
+            return
+    root_array = np.ascontiguousarray(waiting["root"])
     live = s.live_with_seqs(root_array, seqs[at])  # not completed or purged since
     if not bool(live.all()):
         at, root_array = at[live], root_array[live]
         if not len(at):
             return
-    order = np.argsort(seqs[at], kind="stable")  # replayed in the order they were stored
-    at, root_array = at[order], root_array[order]
+    routed = seqs[at]
+    if len(at) > 1 and not bool((routed[1:] > routed[:-1]).all()):
+        order = np.argsort(routed, kind="stable")  # replayed in the order they were stored
+        at, root_array, routed = at[order], root_array[order], routed[order]
     s.changing()
     try:
-        enqueue(s, root_array, seqs[at], records.take(at))
+        enqueue(s, root_array, routed, records if len(at) == len(records) else records.take(at))
     except BaseException as exc:
         log_requeue_error("bytes filled in", root_array, seqs[at], exc)
         for seq, root in zip(seqs[at].tolist(), root_array.tolist(), strict=True):

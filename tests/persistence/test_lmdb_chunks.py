@@ -35,6 +35,7 @@ from ftlayer.persistence.base import (
 )
 from ftlayer.persistence.lmdb_layout import ChunkHead
 from ftlayer.persistence.lmdb_storage import FORMAT_MARKER, LmdbStorage
+from ftlayer.persistence.lmdb_writes import OVERRIDES_KEPT
 from ftlayer.persistence.memory import MemoryStorage
 from ftlayer.records import Payloads, RecordBatch
 
@@ -55,10 +56,11 @@ def got(storage: PersistenceStorage, seqs: list[int]) -> list[Row] | tuple[str, 
         return ("not stored", exc.missing.tolist())
 
 
-def check_chunks(storage: LmdbStorage) -> None:
+def check_chunks(storage: LmdbStorage, overrides_kept: int = OVERRIDES_KEPT) -> None:
     """The layout's invariants: every chunk holds a stored record, the counts in its
     state are right, and the compaction rules hold (at most three deleted bytes per
-    stored byte, at most a quarter of the stored records with an override)."""
+    stored byte; override entries for at most a quarter of the stored records, or at
+    most `overrides_kept`, the store's)."""
     chunks = storage._chunks
 
     def heads(txn: lmdb.Transaction[bytes]) -> list[ChunkHead]:
@@ -71,7 +73,7 @@ def check_chunks(storage: LmdbStorage) -> None:
         assert head.live == int((~head.deleted).sum()) > 0
         assert head.live_bytes == int((ends - starts).sum())
         assert 4 * head.live_bytes >= head.size
-        assert 4 * len(head.overrides) <= head.live
+        assert len(head.overrides) <= max(head.live // 4, overrides_kept)
         assert not head.deleted[head.overrides["index"]].any()
     assert sum(head.live for head in found) == len(storage)
 
@@ -90,16 +92,26 @@ OPERATIONS = [
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), chunk_bytes=st.integers(60, 2000), batch_size=st.integers(1, 7))
+@given(
+    data=st.data(),
+    chunk_bytes=st.integers(60, 2000),
+    batch_size=st.integers(1, 7),
+    overrides_kept=st.integers(0, 3),
+)
 def test_chunks_behave_like_the_memory_storage(
-    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, chunk_bytes: int, batch_size: int
+    tmp_path_factory: pytest.TempPathFactory,
+    data: st.DataObject,
+    chunk_bytes: int,
+    batch_size: int,
+    overrides_kept: int,
 ) -> None:
     """Any sequence of operations gives the same answers and leaves the same records in
     LMDB (chunks of at most `chunk_bytes`, so batches split, and a few deletes make a
-    chunk sparse enough to compact) as in the memory storage."""
+    chunk sparse enough to compact; a few retags, one with many overrides) as in the
+    memory storage."""
     path = tmp_path_factory.mktemp("chunks") / "store"
     model = MemoryStorage()
-    storage = LmdbStorage(path, chunk_bytes=chunk_bytes)
+    storage = LmdbStorage(path, chunk_bytes=chunk_bytes, overrides_kept=overrides_kept)
     batches: list[list[int]] = []
     try:
         for _ in range(data.draw(st.integers(1, 16), label="steps")):
@@ -155,13 +167,13 @@ def test_chunks_behave_like_the_memory_storage(
                 assert stored(storage, batch_size) == stored(model, batch_size)
             else:
                 storage.close()
-                storage = LmdbStorage(path, chunk_bytes=chunk_bytes)
+                storage = LmdbStorage(path, chunk_bytes=chunk_bytes, overrides_kept=overrides_kept)
             assert len(storage) == len(model)
             assert storage.next_seq == model.next_seq
-            check_chunks(storage)
+            check_chunks(storage, overrides_kept)
         assert stored(storage, batch_size) == stored(model)
         storage.close()
-        storage = LmdbStorage(path, chunk_bytes=chunk_bytes)
+        storage = LmdbStorage(path, chunk_bytes=chunk_bytes, overrides_kept=overrides_kept)
         assert stored(storage, batch_size) == stored(model)
         assert storage.next_seq == model.next_seq
     finally:
