@@ -43,6 +43,7 @@ pending and time out again; a failure can be retried, never lost.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Final
 
 import numpy as np
@@ -159,8 +160,9 @@ def release_due(s: CoreState, now: float | None = None) -> int:
     # their source's next batch fills them).
     unknown = s.unfilled.keys_unknown(seqs.tolist())
     if bool(unknown.any()):
-        for seq, root in zip(seqs[unknown].tolist(), roots[unknown].tolist(), strict=True):
-            s.unrouted[seq] = (root, 0.0)
+        s.unrouted.update(
+            zip(seqs[unknown].tolist(), zip(roots[unknown].tolist(), repeat(0.0)), strict=True)
+        )
         keep = np.flatnonzero(~unknown)
         seqs, roots = seqs[keep], roots[keep]
         if not len(seqs):

@@ -33,8 +33,10 @@ import dataclasses
 import heapq
 import itertools
 import json
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Final
 
 import numpy as np
@@ -245,6 +247,7 @@ class DeadLetterFilter:
 # ---- first failures stored as one entry (groups) -----------------------------------
 
 RETRY_GROUP_PREFIX: Final = "retryg/"
+_POPS_BEFORE_SPLIT: Final = 32  # RetryBook.due: more due than this, one pass
 
 
 class FreshGroup:
@@ -384,30 +387,33 @@ class RetryBook:
         `before`, their entries now (for `unstage`); memory unchanged. A group all of
         whose records leave (the usual end: a FAIL's records complete at one barrier)
         is deleted without a pass over its records."""
-        members: dict[str, set[int]] = {}
-        groups: dict[str, FreshGroup] = {}
-        grouped = self._grouped.get
-        for seq in seqs:
-            group = grouped(seq)
-            if group is not None:
-                gone = members.get(group.key)
-                if gone is None:
-                    gone = members[group.key] = set()
-                    groups[group.key] = group
-                gone.add(seq)
-        new = {
-            key: None if len(gone) == len(groups[key].dues) else groups[key].without(gone)
-            for key, gone in members.items()
-        }
-        old = {key: group.encode() for key, group in groups.items()} if before else {}
+        listed = list(dict.fromkeys(seqs))  # each once
+        found = list(map(self._grouped.get, listed))
+        counts = _counts(found)  # per group, how many of its records leave
+        new: dict[str, bytes | None] = {}
+        partial = {group for group, n in counts.items() if n != len(group.dues)}
+        gone: dict[FreshGroup, set[int]] = {group: set() for group in partial}
+        if partial:
+            for seq, group in zip(listed, found, strict=True):
+                if group in gone:
+                    gone[group].add(seq)
+        for group in counts:
+            new[group.key] = group.without(gone[group]) if group in gone else None
+        old = {group.key: group.encode() for group in counts} if before else {}
         return new, old
 
     def _leave_groups(self, seqs: Iterable[int]) -> None:
-        pop = self._grouped.pop
-        for seq in seqs:
-            group = pop(seq, None)
-            if group is not None:
-                group.dues.pop(seq, None)
+        listed = list(dict.fromkeys(seqs))
+        left = list(map(self._grouped.pop, listed, repeat(None, len(listed))))
+        counts = _counts(left)
+        for group, n in counts.items():
+            if n == len(group.dues):  # every one left: the group is gone
+                group.dues = {}
+            else:
+                dues = group.dues
+                for seq, was in zip(listed, left, strict=True):
+                    if was is group:
+                        del dues[seq]
 
     # ---- durable writes (staged) -------------------------------------------------------
 
@@ -445,18 +451,22 @@ class RetryBook:
         """Drop the records of these seqs (completed, or purged): staged deletes.
         Returns the seqs that had one."""
         listed = self._known(seqs)
-        gone = [seq for seq in listed if seq in self._records]
+        records = self._records
+        gone = [seq for seq in listed if seq in records] if records else []
         for seq in gone:
-            del self._records[seq]
+            del records[seq]
             self.dead.pop(seq, None)
             self._waiting_roots.pop(seq, None)
-        grouped = [seq for seq in listed if seq in self._grouped] if self._grouped else []
+        grouped = (
+            (listed if not gone else [seq for seq in listed if seq in self._grouped])
+            if self._grouped
+            else []
+        )
         groups: dict[str, bytes | None] = {}
         if grouped:
             groups = self._ungroup(grouped, before=False)[0]
             self._leave_groups(grouped)
-            for seq in grouped:
-                self._waiting_roots.pop(seq, None)
+            deque(map(self._waiting_roots.pop, grouped, repeat(None, len(grouped))), maxlen=0)
         if gone or groups:
             self._storage.stage_meta(
                 {k: v for k, v in groups.items() if v is not None},
@@ -476,7 +486,11 @@ class RetryBook:
         if not size or not len(array):
             return []
         if len(array) <= size:
-            return [s for s in array.tolist() if s in self._records or s in self._grouped]
+            listed = array.tolist()
+            if not self._records:  # the usual book at a barrier: first failures only
+                grouped = self._grouped
+                return [s for s in listed if s in grouped]
+            return [s for s in listed if s in self._records or s in self._grouped]
         known = np.fromiter(itertools.chain(self._records, self._grouped), np.uint64, size)
         return array[np.isin(array, known)].tolist()  # type: ignore[no-any-return]
 
@@ -509,11 +523,24 @@ class RetryBook:
     def due(self, now: float) -> list[tuple[int, int]]:
         """(seq, root) of the waiting records due by `now`, no longer waiting."""
         out: list[tuple[int, int]] = []
-        while self._waiting and self._waiting[0][0] <= now:
-            _due, seq, root = heapq.heappop(self._waiting)
-            if self._waiting_roots.get(seq) == root:
-                del self._waiting_roots[seq]
-                out.append((seq, root))
+        heap, roots = self._waiting, self._waiting_roots
+        popped = 0
+        while heap and heap[0][0] <= now:
+            if popped == _POPS_BEFORE_SPLIT and len(heap) > _POPS_BEFORE_SPLIT:
+                # Many are due (a failure's records, their backoffs ending together):
+                # the due ones taken out in one pass and the heap made again, instead
+                # of a pop of O(log n) each.
+                entries = [entry for entry in heap if entry[0] <= now]
+                heap[:] = [entry for entry in heap if entry[0] > now]
+                heapq.heapify(heap)
+                entries.sort()  # the order the pops would have given
+            else:
+                entries = [heapq.heappop(heap)]
+                popped += 1
+            for _due, seq, root in entries:
+                if roots.get(seq) == root:
+                    del roots[seq]
+                    out.append((seq, root))
         return out
 
     def is_waiting(self, seq: int) -> bool:
@@ -532,6 +559,13 @@ class RetryBook:
         for due, seq, root in self._waiting:
             if self._waiting_roots.get(seq) == root:
                 yield seq, root, due
+
+
+def _counts(groups: list[FreshGroup | None]) -> dict[FreshGroup, int]:
+    """How many times each group is named (None: a seq in no group, left out)."""
+    counts = Counter(groups)
+    counts.pop(None, None)
+    return counts  # type: ignore[return-value]
 
 
 def _integer(value: Any) -> int:

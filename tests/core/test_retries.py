@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from manual_clock import Clock
 
@@ -396,3 +396,75 @@ def test_completions_forget_exactly_the_retry_records_they_name(
     forgotten = book.forget(np.array(completed, dtype=np.uint64))
     assert forgotten == [s for s in completed if s in own] + [s for s in completed if s in grouped]
     assert sorted(book.seqs()) == sorted((own | grouped) - set(completed))
+
+
+_MANY_WAITS = [(int(seq), float(at)) for seq, at in zip(
+    np.random.default_rng(5).integers(1, 400, 600), np.random.default_rng(6).random(600) * 100,
+    strict=True,
+)]  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    waits=st.lists(st.tuples(st.integers(1, 400), st.floats(0, 100)), max_size=600),
+    now=st.floats(0, 100),
+)
+@example(waits=_MANY_WAITS, now=60.0)  # hundreds due at once: one pass
+def test_the_records_due_are_those_whose_last_wait_ended_earliest_first(
+    waits: list[tuple[int, float]], now: float
+) -> None:
+    """Whether few records are due (a pop each) or many (one pass over the waiting
+    ones), `due` returns exactly the records whose last wait (under a root of its own)
+    ended by `now`, earliest first, and leaves the others waiting; a wait a later one
+    replaced is never returned."""
+    from ftlayer.core.retries import RetryBook
+
+    book = RetryBook(MemoryStorage())
+    last: dict[int, tuple[int, float]] = {}
+    for root, (seq, at) in enumerate(waits, start=1):
+        book.wait(seq, root, at)
+        last[seq] = (root, at)
+    ended = sorted((at, seq, root) for seq, (root, at) in last.items() if at <= now)
+    assert book.due(now) == [(seq, root) for _, seq, root in ended]
+    left = {seq: (root, at) for seq, (root, at) in last.items() if at > now}
+    assert book.waiting == len(left)
+    assert sorted(book.waiting_items()) == sorted((s, r, a) for s, (r, a) in left.items())
+    assert book.due(now) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(st.sets(st.integers(1, 300), min_size=1, max_size=60), max_size=5),
+    completed=st.lists(st.integers(1, 300), max_size=300),
+)
+def test_completions_leave_each_group_with_exactly_its_other_records_after_a_restart(
+    groups: list[set[int]], completed: list[int]
+) -> None:
+    """Several first failures' groups: completions (two, one after the other) naming
+    all of a group (deleted whole), part of one, or none of it, seqs named twice among
+    them, leave every group with exactly its other records, in memory and in the
+    entries a restart reads."""
+    from ftlayer.core.retries import FreshGroup, RetryBook
+
+    storage = MemoryStorage()
+    book = RetryBook(storage)
+    taken: set[int] = set()
+    members: list[list[int]] = []
+    for group in groups:
+        mine = sorted(group - taken)
+        taken |= group
+        if mine:
+            members.append(mine)
+    cause = Cause(FailKind.EXPLICIT, "map", "no")
+    fresh = [FreshGroup.new(SOURCE, cause, 1.0, m, [2.0] * len(m)) for m in members]
+    storage.update_meta({g.key: g.encode() for g in fresh})
+    book.add_groups(fresh)
+    half = len(completed) // 2  # two barriers: a group left in part, then the rest
+    book.forget(np.array(completed[:half], dtype=np.uint64))
+    book.forget(np.array(completed[half:], dtype=np.uint64))
+    storage.flush_staged()
+    left = sorted(taken - set(completed))
+    assert sorted(book.seqs()) == left
+    assert all(book.get(seq) is not None for seq in left)
+    assert all(book.get(seq) is None for seq in set(completed))
+    assert sorted(RetryBook(storage).seqs()) == left
