@@ -20,6 +20,11 @@ names fail for the first time together (ftlayer.core.rangefail): one source, one
 cause, one failure time; only their due times differ (the backoff's jitter). Their
 retry records are one meta entry, a *group*, under RETRY_GROUP_PREFIX + its first seq
 as 16 hex digits: the source id, the cause, the failure time and each seq's due time.
+The group entry is binary, all little-endian: a format byte (1), the source id (u32),
+the failure time (f64), the length of the cause's JSON (u32) and the count n (u32),
+the cause's JSON, then the n seqs (u64) and their n due times (f64); a JSON object
+(`{"source_id", "at", "cause", "seqs", "due"}`), as stores of earlier versions hold,
+is read too.
 The book gives a grouped record as the RetryRecord it stands for (`FreshGroup.record`),
 and takes it out of its group when it changes (a second failure, a dead letter: it gets
 an entry of its own) or goes (completed, purged): the group's entry is written again
@@ -33,6 +38,7 @@ import dataclasses
 import heapq
 import itertools
 import json
+import struct
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -247,6 +253,8 @@ class DeadLetterFilter:
 # ---- first failures stored as one entry (groups) -----------------------------------
 
 RETRY_GROUP_PREFIX: Final = "retryg/"
+_GROUP_FORMAT: Final = 1
+_GROUP_HEAD: Final = struct.Struct("<BIdII")  # format, source id, at, cause bytes, n
 _POPS_BEFORE_SPLIT: Final = 32  # RetryBook.due: more due than this, one pass
 
 
@@ -284,21 +292,45 @@ class FreshGroup:
         return self.encode(left) if left else None
 
     def encode(self, dues: dict[int, float] | None = None) -> bytes:
+        """The entry (module docstring, "The group entry"), of `dues` (default: the
+        group's)."""
         dues = self.dues if dues is None else dues
-        return json.dumps(
-            {
-                "source_id": self.source_id,
-                "at": self.at,
-                "cause": self.cause.to_json(),
-                "seqs": list(dues),
-                "due": list(dues.values()),
-            },
-            separators=(",", ":"),
-        ).encode()
+        n = len(dues)
+        cause = json.dumps(self.cause.to_json(), separators=(",", ":")).encode()
+        return b"".join(
+            (
+                _GROUP_HEAD.pack(_GROUP_FORMAT, self.source_id, self.at, len(cause), n),
+                cause,
+                np.fromiter(dues, np.uint64, n).astype("<u8", copy=False).tobytes(),
+                np.fromiter(dues.values(), np.float64, n).astype("<f8", copy=False).tobytes(),
+            )
+        )
 
     @classmethod
     def decode(cls, key: str, raw: bytes) -> FreshGroup:
-        """Strict: CorruptData unless `raw` is what encode wrote."""
+        """Strict: CorruptData unless `raw` is what encode wrote (or, from a store of
+        an earlier version, the JSON entry it wrote)."""
+        if raw[:1] == b"{":
+            return cls._decode_json(key, raw)
+        try:
+            head = _GROUP_HEAD.size
+            if len(raw) < head:
+                raise ValueError(f"{len(raw)} bytes, shorter than its head")
+            version, source_id, at, cause_len, n = _GROUP_HEAD.unpack_from(raw)
+            if version != _GROUP_FORMAT:
+                raise ValueError(f"format {version}, not {_GROUP_FORMAT}")
+            if len(raw) != head + cause_len + 16 * n:
+                raise ValueError(f"{len(raw)} bytes, not those of {n} records")
+            cause = Cause.from_json(json.loads(raw[head : head + cause_len]))
+            at_seqs = head + cause_len
+            seqs = np.frombuffer(raw, "<u8", n, at_seqs).tolist()
+            dues = np.frombuffer(raw, "<f8", n, at_seqs + 8 * n).tolist()
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptData(f"bad retry group {key}: {exc}") from None
+        return cls(key, source_id, cause, at, dict(zip(seqs, dues, strict=True)))
+
+    @classmethod
+    def _decode_json(cls, key: str, raw: bytes) -> FreshGroup:
         try:
             data: Any = json.loads(raw)
             seqs, dues = data["seqs"], data["due"]
