@@ -71,7 +71,11 @@ class OpenHolds:
         """Which of these replay roots of `source_id` hold nothing yet; they are marked
         as held from now on (until their source's release)."""
         held = self._held.setdefault(source_id, set())
-        fresh = np.fromiter((r not in held for r in roots.tolist()), np.bool_, len(roots))
+        listed = roots.tolist()
+        if held.isdisjoint(listed):  # the usual fetch: replays new to this batch
+            held.update(listed)
+            return np.ones(len(listed), dtype=np.bool_)
+        fresh = ~np.fromiter(map(held.__contains__, listed), np.bool_, len(listed))
         held.update(roots[fresh].tolist())
         return fresh
 
