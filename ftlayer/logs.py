@@ -22,6 +22,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterable
+from itertools import islice
 from typing import IO, Any, Final
 
 from ftlayer.errors import ConfigError
@@ -44,12 +45,7 @@ def fields(**values: Any) -> dict[str, Any]:
 
 def hex_ids(ids: Iterable[int], limit: int = LISTED) -> list[str]:
     """Root ids as 0x hex (what `ftlayer inspect --root` takes), at most `limit`."""
-    out: list[str] = []
-    for value in ids:
-        if len(out) == limit:
-            break
-        out.append(f"{int(value):#x}")
-    return out
+    return [f"{int(value):#x}" for value in islice(ids, limit)]
 
 
 def _fields_of(record: logging.LogRecord) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from .faillog import log_failed
 from .persist import stored_meanwhile
 from .rangetable import BatchRange
 from .retries import FreshGroup, RetryRecord
-from .state import CoreState
+from .state import CoreState, source_list
 from .stats import FailCause
 
 __all__ = ["fail_fresh"]
@@ -68,7 +68,8 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     for cause, at in row_causes.groups():
         if cause.final or cause.kind is FailKind.SOURCE_EXPIRED:
             keep[at] = False
-    for source_id in np.unique(source_ids).tolist():
+    sources = source_list(source_ids)
+    for source_id in sources:
         if s.retry_policy(source_id).exhausted(1):
             keep[source_ids == source_id] = False
     if not bool(keep.all()):
@@ -160,7 +161,7 @@ def _fresh_rows(
     offsets: list[NDArray[np.int64]] = []
     which: list[NDArray[np.intp]] = []
     ranges: list[BatchRange] = []
-    for number in np.unique(numbers).tolist():
+    for number in source_list(numbers):  # usually one range
         r = s.ranges.by_number.get(number)
         if r is None:
             continue
@@ -191,7 +192,7 @@ def _topics(ranges: list[BatchRange], which: NDArray[np.intp]) -> list[str]:
 def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np.float64]:
     """Per row, when its replay may start after its first failure (0: at once)."""
     due = np.zeros(len(source_ids), dtype=np.float64)
-    for source_id in np.unique(source_ids).tolist():
+    for source_id in source_list(source_ids):
         policy = s.retry_policy(source_id)
         if not policy.step_s(1):
             continue
@@ -209,7 +210,7 @@ def _kinds(
 ) -> list[tuple[int, Cause, NDArray[np.intp]]]:
     """(source id, cause, its rows) of every pair among the rows."""
     out: list[tuple[int, Cause, NDArray[np.intp]]] = []
-    for source_id in np.unique(source_ids).tolist():
+    for source_id in source_list(source_ids):
         mine = source_ids == source_id
         for cause, at in causes.groups():
             rows = at[mine[at]]
