@@ -167,7 +167,11 @@ def release_due(s: CoreState, now: float | None = None) -> int:
         seqs, roots = seqs[keep], roots[keep]
         if not len(seqs):
             return 0
-    batch = s.storage.get(seqs)
+    # Filled while they waited: as their fill stored them (ftlayer.core.fills).
+    listed = seqs.tolist()
+    kept = s.waiting_records.kept(listed)
+    s.waiting_records.discard_many(listed)
+    batch = s.storage.get(seqs) if kept is None else kept
     if batch.any_references:
         unknown = batch.key_unknown
         if bool(unknown.any()):

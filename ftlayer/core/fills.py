@@ -218,6 +218,18 @@ def _kept(s: CoreState, seqs: NDArray[np.uint64], listed: list[int]) -> RecordBa
 _WAITING: Final = np.dtype([("root", np.uint64), ("due", np.float64)])
 
 
+def _keep_waiting(
+    s: CoreState, seq_list: list[int], records: RecordBatch, rows: NDArray[np.intp]
+) -> None:
+    """Filled records (`rows` of `records`) still waiting for their backoff: kept as
+    stored, for the ticker to queue without a read (failure.release_due)."""
+    seqs = [seq_list[i] for i in rows.tolist()]
+    waiting = np.fromiter(map(s.book.is_waiting, seqs), np.bool_, len(seqs))
+    if bool(waiting.any()):
+        chosen = rows[waiting]
+        s.waiting_records.keep([seq_list[i] for i in chosen.tolist()], records.take(chosen))
+
+
 def _route_filled(
     s: CoreState, seqs: NDArray[np.uint64], records: RecordBatch, enqueue: Enqueue
 ) -> None:
@@ -230,7 +242,9 @@ def _route_filled(
     popped = list(map(s.unrouted.pop, seq_list, repeat(None, len(seq_list))))
     at = np.arange(len(popped), dtype=np.intp)
     if None in popped:  # some were not waiting for their key
-        at = np.flatnonzero([w is not None for w in popped])
+        unrouted = np.array([w is not None for w in popped], dtype=np.bool_)
+        at = np.flatnonzero(unrouted)
+        _keep_waiting(s, seq_list, records, np.flatnonzero(~unrouted))
     waits = [w for w in popped if w is not None]
     if not waits:
         return

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Hashable
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -51,6 +51,7 @@ from ftlayer.shards import ShardPlace
 from .barrier import OpenHolds
 from .ingestids import DEFAULT_WINDOW_S, IngestIds
 from .journal import Journal
+from .kept import KeptRecords
 from .leases import DEFAULT_LAPSED_S, BatchLeases, BatchTag
 from .meters import Meters
 from .rangetable import OpenRanges
@@ -72,6 +73,8 @@ __all__ = [
 ]
 
 EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+KEPT_WAITING: Final = 250_000
+"""At most this many filled records waiting for their backoff are kept in memory."""
 
 CompletionListener = Callable[[Completed], None]
 """Told of the roots whose records left the pipeline (completed, or dead-lettered) with
@@ -154,6 +157,9 @@ class CoreState:
         self.unfilled = Unfilled()
         """Failed records stored by reference whose bytes their source has not copied
         in yet, by source (ftlayer.core.fills)."""
+        self.waiting_records = KeptRecords(KEPT_WAITING)
+        """Filled records waiting for their backoff, as their fill stored them: the
+        ticker queues them without a read (ftlayer.core.fills, failure.release_due)."""
         self.barrier_mode = self.sources.barrier_mode
         """The ids of the sources registered with barrier completion."""
         self.holds = OpenHolds()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import pairwise, repeat
+from itertools import repeat
 from typing import Final
 
 import numpy as np
@@ -24,12 +24,13 @@ from numpy.typing import NDArray
 
 from ftlayer.records import RecordBatch
 
+from .kept import KeptRecords
+
 __all__ = ["KEPT_RECORDS", "Unfilled"]
 
 KEPT_RECORDS: Final = 250_000
 """At most this many unfilled records are kept in memory (`Unfilled.keep`); the others
 are read from the store."""
-_BLOCKS_PRUNED_AT: Final = 256  # failures' records held: drop those no seq keeps
 
 
 class Unfilled:
@@ -42,12 +43,8 @@ class Unfilled:
         # Those whose key is unknown too (stored by reference without it: a batch
         # range's row): routed only once filled, so nothing need read them before.
         self._key_unknown: set[int] = set()
-        # seq -> the number of the records its failure stored (`_blocks`), and its row
-        self._kept: dict[int, int] = {}
-        self._kept_rows: dict[int, int] = {}
-        self._blocks: dict[int, RecordBatch] = {}
-        self._next_block = 0
-        self._kept_max = kept_records
+        # The records a failure stored, kept as it stored them (ftlayer.core.kept).
+        self._kept = KeptRecords(kept_records)
 
     def __len__(self) -> int:
         return len(self._source_of)
@@ -101,9 +98,7 @@ class Unfilled:
         listed = seqs if isinstance(seqs, list) else list(seqs)
         if self._key_unknown:
             self._key_unknown.difference_update(listed)
-        if self._kept:
-            deque(map(self._kept.pop, listed, repeat(None, len(listed))), maxlen=0)
-            deque(map(self._kept_rows.pop, listed, repeat(None, len(listed))), maxlen=0)
+        self._kept.discard_many(listed)
         sources = list(map(self._source_of.pop, listed, repeat(None, len(listed))))
         first = sources[0] if sources else None
         if first is not None and sources.count(first) == len(sources):  # one source: in C
@@ -129,8 +124,7 @@ class Unfilled:
         self._discard(seq)
 
     def _unkeep(self, seq: int) -> None:
-        if self._kept.pop(seq, None) is not None:
-            del self._kept_rows[seq]
+        self._kept.discard(seq)
 
     def _discard(self, seq: int) -> None:
         source_id = self._source_of.pop(seq, None)
@@ -168,34 +162,9 @@ class Unfilled:
     def keep(self, seqs: Sequence[int], records: RecordBatch) -> None:
         """`records`, listed under `seqs` (aligned), are stored exactly so: UNFILLED
         may answer from them (`kept`). Nothing is kept past KEPT_RECORDS."""
-        n = len(seqs)
-        if n != len(records):
-            raise ValueError(f"keep: {n} seqs but {len(records)} records")
-        if len(self._kept) + n > self._kept_max:
-            return
-        if not self._kept:
-            self._blocks.clear()  # every one kept before is gone
-        elif len(self._blocks) >= _BLOCKS_PRUNED_AT:
-            held = set(self._kept.values())
-            self._blocks = {b: r for b, r in self._blocks.items() if b in held}
-        block = self._next_block
-        self._next_block += 1
-        self._blocks[block] = records
-        self._kept.update(zip(seqs, repeat(block, n), strict=True))
-        self._kept_rows.update(zip(seqs, range(n), strict=True))
+        self._kept.keep(seqs, records)
 
     def kept(self, seqs: Sequence[int]) -> RecordBatch | None:
         """The records of `seqs`, in their order, if every one is kept; else None (the
         caller reads them from the store)."""
-        n = len(seqs)
-        if not n or not self._kept:
-            return None
-        blocks = np.fromiter(map(self._kept.get, seqs, repeat(-1, n)), np.int64, n)
-        if bool((blocks < 0).any()):
-            return None
-        rows = np.fromiter(map(self._kept_rows.__getitem__, seqs), np.intp, n)
-        # One take per run of seqs kept by the same failure, in the order asked.
-        starts = [0, *(np.flatnonzero(np.diff(blocks)) + 1).tolist(), n]
-        return RecordBatch.concat(
-            [self._blocks[int(blocks[lo])].take(rows[lo:hi]) for lo, hi in pairwise(starts)]
-        )
+        return self._kept.kept(seqs)

@@ -209,6 +209,52 @@ def test_a_range_rows_backoff_that_ends_before_its_fill_waits_for_its_key(
     storage.close()
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
+def test_rows_filled_during_their_backoff_are_queued_by_their_keys_when_it_ends(
+    restart: bool, tmp_path: Path
+) -> None:
+    """Rows filled while their backoff lasts (each with its own key and bytes) are
+    queued when it ends, each to its key's partition with the bytes its fill brought,
+    once: from what the fill kept in memory, with no read of the store, or, after a
+    restart, from the store."""
+    path = tmp_path / "ft"
+    storage = LmdbStorage(path)
+    wall = Clock(1000.0)
+
+    def layer(storage: PersistenceStorage) -> FTLayer:
+        ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=wall, seed=1)
+        policy = RetryPolicy(5, 1_000, 1_000)
+        ft.register_source(
+            SourceRegistration(SOURCE, "kafka-hash", 4, retry=policy, completion="barrier")
+        )
+        return ft
+
+    ft = layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 2, 500, 600)])
+    failed = [503, 510, 544, 571, 599]
+    assert ft.fail(rangeroots.encode(number, 500, failed), FAILED) == len(failed)
+    wanted = ft.unfilled(SOURCE)
+    offsets = wanted.records.offsets.tolist()
+    keys = np.array([o % 7 for o in offsets], dtype=np.int64)  # kafka-hash: key % 4
+    ft.fill(wanted.seqs, [_bytes(o) for o in offsets], np.ones(len(offsets), np.bool_),
+            (keys, np.ones(len(offsets), np.bool_)))  # fmt: skip
+    assert ft.replay_cursor_of(SOURCE) == 0  # still in their backoff
+    if restart:
+        storage.close()
+        storage = LmdbStorage(path)
+        ft = layer(storage)
+    reads = []
+    get = storage.get
+    storage.get = lambda seqs: reads.append(len(seqs)) or get(seqs)  # type: ignore[method-assign]
+    wall.now += 5.0  # every backoff ended
+    ft.tick()
+    assert _replays(ft) == sorted((o, o % 7 % 4, _bytes(o)) for o in failed)
+    assert reads == ([len(failed)] if restart else [])
+    ft.tick()
+    assert len(_replays(ft)) == len(failed)  # queued once
+    storage.close()
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     fails=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 49)), min_size=1, max_size=40),
