@@ -11,7 +11,11 @@ over BATCHES micro-batches after three of warm-up, per record, and per request k
 the requests per batch and their handlers' CPU per record (STATUS `requests`), and the
 store's commits per batch.
 
-    [PER_BATCH=10000] [FAIL_PCT=1] [PIECE=10000] \
+With BACKOFF_MS (default 0: none) the failed records wait that long before they are
+queued: the server's ticker queues them (the fast bench's pipeline waits 500 ms), so
+its CPU, and every server thread's, is printed too.
+
+    [PER_BATCH=10000] [FAIL_PCT=1] [PIECE=10000] [BACKOFF_MS=0] \
         .venv/bin/python scripts/server_fail_cpu.py [BATCHES]
 """
 
@@ -28,6 +32,7 @@ from proc_cpu import print_requests, user_sys
 from ftlayer import rangeroots
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
+from ftlayer.integration.harness.benchcost import thread_usage
 from ftlayer.integration.harness.ftprocess import FTServerProcess
 from ftlayer.policy import RetryPolicy
 from ftlayer.registration import SourceRegistration
@@ -36,6 +41,7 @@ BATCHES = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 FAIL_PCT = float(os.environ.get("FAIL_PCT", "1"))
 PIECE = int(os.environ.get("PIECE", "10000"))  # rows per FAIL request, as a task's events
 PER_BATCH = int(os.environ.get("PER_BATCH", "200000"))  # records per micro-batch
+BACKOFF_MS = int(os.environ.get("BACKOFF_MS", "0"))  # each failed record's wait
 PARTITIONS, SOURCE, TOPIC = 4, 11, "t"
 FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
 
@@ -51,7 +57,11 @@ def main() -> None:
             driver = FTClient(server.address, name="driver")
             driver.register_source(
                 SourceRegistration(
-                    SOURCE, "forward", PARTITIONS, retry=RetryPolicy(3, 0, 0), completion="barrier"
+                    SOURCE,
+                    "forward",
+                    PARTITIONS,
+                    retry=RetryPolicy(3, BACKOFF_MS, BACKOFF_MS),
+                    completion="barrier",
                 )
             )
             clients = [FTClient(server.address, name=f"task-{i}") for i in range(2)]
@@ -109,6 +119,7 @@ def main() -> None:
             time.sleep(1)
             status = driver.status()
             costs, commits = status.requests, status.store_commits
+            threads = thread_usage(pid)
             began, started = user_sys(pid), time.perf_counter()
             for _ in range(BATCHES):
                 micro_batch()
@@ -126,6 +137,15 @@ def main() -> None:
                 f"batch {(status.store_commits - commits) / BATCHES:.1f}"
             )
             print_requests(costs, status.requests, BATCHES, n)
+            after = thread_usage(pid)
+            print(
+                "  threads (µs per record): "
+                + ", ".join(
+                    f"{name} {(after[name] - threads.get(name, 0.0)) / n * 1e6:.4f}"
+                    for name in sorted(after)
+                    if after[name] > threads.get(name, 0.0)
+                )
+            )
         finally:
             server.stop()
 
