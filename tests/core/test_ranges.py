@@ -165,6 +165,16 @@ def test_ranges_and_their_failed_records_survive_a_restart(tmp_path: Path) -> No
     storage.close()
 
 
+def _backoff_layer(storage: PersistenceStorage, wall: Clock) -> FTLayer:
+    """A layer whose source (kafka-hash, barrier mode) waits 1 s before each replay."""
+    ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=wall, seed=1)
+    policy = RetryPolicy(5, 1_000, 1_000)
+    ft.register_source(
+        SourceRegistration(SOURCE, "kafka-hash", 4, retry=policy, completion="barrier")
+    )
+    return ft
+
+
 @pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
 def test_a_range_rows_backoff_that_ends_before_its_fill_waits_for_its_key(
     restart: bool, tmp_path: Path
@@ -175,22 +185,13 @@ def test_a_range_rows_backoff_that_ends_before_its_fill_waits_for_its_key(
     path = tmp_path / "ft"
     storage = LmdbStorage(path)
     wall = Clock(1000.0)
-
-    def layer(storage: PersistenceStorage) -> FTLayer:
-        ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=wall, seed=1)
-        policy = RetryPolicy(5, 1_000, 1_000)
-        ft.register_source(
-            SourceRegistration(SOURCE, "kafka-hash", 4, retry=policy, completion="barrier")
-        )
-        return ft
-
-    ft = layer(storage)
+    ft = _backoff_layer(storage, wall)
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, 1000, 1100)])
     assert ft.fail(rangeroots.encode(number, 1000, [1003, 1050, 1070]), FAILED) == 3
     if restart:
         storage.close()
         storage = LmdbStorage(path)
-        ft = layer(storage)
+        ft = _backoff_layer(storage, wall)
     wall.now += 5.0  # every backoff ended
     ft.tick()
     assert ft.replay_cursor_of(SOURCE) == 0  # no key yet, so no partition: not queued
@@ -220,16 +221,7 @@ def test_rows_filled_during_their_backoff_are_queued_by_their_keys_when_it_ends(
     path = tmp_path / "ft"
     storage = LmdbStorage(path)
     wall = Clock(1000.0)
-
-    def layer(storage: PersistenceStorage) -> FTLayer:
-        ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=wall, seed=1)
-        policy = RetryPolicy(5, 1_000, 1_000)
-        ft.register_source(
-            SourceRegistration(SOURCE, "kafka-hash", 4, retry=policy, completion="barrier")
-        )
-        return ft
-
-    ft = layer(storage)
+    ft = _backoff_layer(storage, wall)
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 2, 500, 600)])
     failed = [503, 510, 544, 571, 599]
     assert ft.fail(rangeroots.encode(number, 500, failed), FAILED) == len(failed)
@@ -242,7 +234,7 @@ def test_rows_filled_during_their_backoff_are_queued_by_their_keys_when_it_ends(
     if restart:
         storage.close()
         storage = LmdbStorage(path)
-        ft = layer(storage)
+        ft = _backoff_layer(storage, wall)
     reads = []
     get = storage.get
     storage.get = lambda seqs: reads.append(len(seqs)) or get(seqs)  # type: ignore[method-assign]
