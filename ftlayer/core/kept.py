@@ -8,8 +8,9 @@ step takes them from memory. The caller keeps a record only while the store hold
 exactly so, and discards it when that stops being true (a new write of the record);
 `kept` answers only when every seq asked for is kept, else the caller reads the store.
 
-At most `limit` records are kept (`keep` keeps nothing past it); blocks no seq keeps
-any more are dropped once there are many of them.
+At most `limit` records, and blocks of at most `max_bytes` payload bytes, are held
+(`keep` keeps nothing past either); blocks no seq keeps any more are dropped once
+there are many of them, or when a new one would pass `max_bytes`.
 """
 
 from __future__ import annotations
@@ -21,25 +22,34 @@ from typing import Final
 
 import numpy as np
 
-from ftlayer.records import RecordBatch
+from ftlayer.records import Payloads, RecordBatch
 
-__all__ = ["KeptRecords"]
+__all__ = ["DEFAULT_MAX_BYTES", "KeptRecords"]
 
 _BLOCKS_PRUNED_AT: Final = 256  # blocks held: drop those no seq keeps
+DEFAULT_MAX_BYTES: Final = 32 << 20
+"""The payload bytes of the blocks held, at most (records by reference have none)."""
 
 
 class KeptRecords:
     """Records by storage seq, kept as the batches (blocks) they came in."""
 
-    __slots__ = ("_blocks", "_kept", "_limit", "_next_block", "_rows")
+    __slots__ = ("_blocks", "_bytes", "_kept", "_limit", "_max_bytes", "_next_block", "_rows")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         # seq -> the number of the block holding its record (`_blocks`), and its row
         self._kept: dict[int, int] = {}
         self._rows: dict[int, int] = {}
-        self._blocks: dict[int, RecordBatch] = {}
+        self._blocks: dict[int, tuple[RecordBatch, int]] = {}  # with its payload bytes
+        self._bytes = 0  # of the blocks held
         self._next_block = 0
         self._limit = limit
+        self._max_bytes = max_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """The payload bytes of the blocks held."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -52,14 +62,20 @@ class KeptRecords:
             raise ValueError(f"keep: {n} seqs but {len(records)} records")
         if not n or len(self._kept) + n > self._limit:
             return
+        size = _payload_bytes(records)
         if not self._kept:
             self._blocks.clear()  # every one kept before is gone
-        elif len(self._blocks) >= _BLOCKS_PRUNED_AT:
+            self._bytes = 0
+        elif len(self._blocks) >= _BLOCKS_PRUNED_AT or self._bytes + size > self._max_bytes:
             held = set(self._kept.values())
-            self._blocks = {b: r for b, r in self._blocks.items() if b in held}
+            self._blocks = {b: kept for b, kept in self._blocks.items() if b in held}
+            self._bytes = sum(size for _, size in self._blocks.values())
+        if self._bytes + size > self._max_bytes:
+            return
         block = self._next_block
         self._next_block += 1
-        self._blocks[block] = records
+        self._blocks[block] = (records, size)
+        self._bytes += size
         self._kept.update(zip(seqs, repeat(block, n), strict=True))
         self._rows.update(zip(seqs, range(n), strict=True))
 
@@ -76,7 +92,7 @@ class KeptRecords:
         # One take per run of seqs kept in the same block, in the order asked.
         starts = [0, *(np.flatnonzero(np.diff(blocks)) + 1).tolist(), n]
         return RecordBatch.concat(
-            [self._blocks[int(blocks[lo])].take(rows[lo:hi]) for lo, hi in pairwise(starts)]
+            [self._blocks[int(blocks[lo])][0].take(rows[lo:hi]) for lo, hi in pairwise(starts)]
         )
 
     def discard(self, seq: int) -> None:
@@ -90,3 +106,8 @@ class KeptRecords:
         listed = seqs if isinstance(seqs, list) else list(seqs)
         deque(map(self._kept.pop, listed, repeat(None, len(listed))), maxlen=0)
         deque(map(self._rows.pop, listed, repeat(None, len(listed))), maxlen=0)
+
+
+def _payload_bytes(records: RecordBatch) -> int:
+    payloads = records.payloads
+    return len(payloads.blob) if isinstance(payloads, Payloads) else sum(map(len, payloads))

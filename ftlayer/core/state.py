@@ -74,7 +74,8 @@ __all__ = [
 
 EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 KEPT_WAITING: Final = 250_000
-"""At most this many filled records waiting for their backoff are kept in memory."""
+"""At most this many filled records waiting for their backoff are kept in memory (and
+at most ftlayer.core.kept.DEFAULT_MAX_BYTES of their payloads)."""
 
 CompletionListener = Callable[[Completed], None]
 """Told of the roots whose records left the pipeline (completed, or dead-lettered) with
