@@ -110,8 +110,8 @@ def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
         return UnfilledRecords(seqs, RecordBatch.empty())
     # A failure's records as it stored them, while all still wait under its roots (one
     # that left the store since is met, and dropped, by the read below).
-    kept = s.unfilled.kept(listed)
-    if kept is not None and bool(s.live_with_seqs(kept.roots, seqs).all()):
+    kept = _kept(s, seqs, listed)
+    if kept is not None:
         return UnfilledRecords(seqs, kept)
     try:
         records = s.storage.get(seqs)
@@ -146,7 +146,7 @@ def fill(
     filled = 0
     if len(rows):
         every = len(rows) == len(seqs)  # the usual answer: all found, in one buffer
-        found_keys = None if keys is None or every else (keys[0][rows], keys[1][rows])
+        found_keys = keys if keys is None or every else (keys[0][rows], keys[1][rows])
         fill_seqs = seqs if every else seqs[rows]
         listed = fill_seqs.tolist()
         # The bytes are staged: the retag of the records routed now commits them (one
@@ -154,7 +154,7 @@ def fill(
         done, records = s.storage.fill_records(
             fill_seqs,
             payloads if every else [payloads[i] for i in rows.tolist()],
-            keys if every else found_keys,
+            found_keys,
             staged=True,
             stored=_kept(s, fill_seqs, listed),
         )
