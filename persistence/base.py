@@ -359,6 +359,12 @@ class PersistenceStorage(ABC):
         """Records whose staged delete is not committed yet."""
         return 0
 
+    @property
+    def staged_since(self) -> float | None:
+        """When (time.monotonic) the oldest staged write not committed yet was staged;
+        None when nothing waits (`flush_staged`)."""
+        return None
+
     def stage_deletes(self, seqs: Seqs) -> None:
         """Like `delete`, but a storage may carry out these deletes with its next write
         (say, the next `put`) rather than in a transaction of their own. For records

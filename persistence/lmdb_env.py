@@ -146,6 +146,11 @@ class LmdbEnvironment(PersistenceStorage):
         with self._staged_lock:
             return sum(len(seqs) for seqs in self._staged_deletes)
 
+    @property
+    def staged_since(self) -> float | None:
+        with self._staged_lock:
+            return self._staged_since
+
     def flush_staged(self, older_than_s: float = 0.0) -> None:
         with self._staged_lock:
             since = self._staged_since

@@ -116,10 +116,17 @@ class RootTimeouts:
         self._now = now
         return sum(batches.tick(now) for batches in list(self._by_timeout.values()))
 
-    @property
-    def shortest_rotation_interval_s(self) -> float:
-        """The shortest rotation interval over every timeout in use (for tickers)."""
-        return min(rotation_interval(t, self.buckets) for t in tuple(self._by_timeout))
+    def next_rotation(self, *, every_timeout: bool = False) -> float | None:
+        """The earliest time (by tick()'s clock) a rotation could time a root out: that
+        of the timeouts holding an entry (of every timeout with `every_timeout`); None
+        when none does. A tick before it does nothing, so a ticker may sleep until it;
+        a timeout's rotation that comes late delays its expiries by as much (tick)."""
+        due = [
+            batches.next_rotation
+            for batches in self._by_timeout.values()
+            if every_timeout or len(batches)
+        ]
+        return min(due) if due else None
 
     def _expired(self, timeout: float, batches: dict[int, _Entry]) -> None:
         entries = list(batches.values())

@@ -105,6 +105,11 @@ class RotatingHashMap(Generic[K, V]):
                 return bucket.pop(key)
         return default
 
+    @property
+    def next_rotation(self) -> float:
+        """When tick() rotates next (by the clock tick() is given; needs timeout_s)."""
+        return self._next_rotation
+
     def rotate(self) -> dict[K, V]:
         """Expire the oldest bucket: returns its entries after passing them to on_expire."""
         expired = self._buckets.pop()

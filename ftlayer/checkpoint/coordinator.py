@@ -489,6 +489,15 @@ class CheckpointCoordinator:
         self._align(query, q, now)
         return self._answer(q, checkpoint)
 
+    @property
+    def aligning(self) -> bool:
+        """Whether a checkpoint is aligning: `poll` may complete it."""
+        return any(
+            checkpoint.state is CheckpointState.ALIGNING
+            for q in self._queries.values()
+            for checkpoint in q.open.values()
+        )
+
     def poll(self, now: float | None = None) -> int:
         """Complete the aligning checkpoints whose roots are done and whose due base is
         written (the server calls this on every tick and after a write); returns how

@@ -358,6 +358,11 @@ class FTLayer:
         at least `older_than_s`. Safe to call without serializing the core."""
         self._s.storage.flush_staged(older_than_s)
 
+    def staged_since(self) -> float | None:
+        """When (time.monotonic) the oldest staged write `flush_staged` would commit was
+        staged; None when none waits."""
+        return self._s.storage.staged_since
+
     def store_figures(self) -> StoreFigures:
         """What the store holds: records, deletes not committed yet, size."""
         storage = self._s.storage
@@ -458,6 +463,21 @@ class FTLayer:
         if rotations and len(s.sink_keys):
             holding.drop_stale_sink_keys(s, now)
         return rotations
+
+    def tick_delay(self) -> float:
+        """Seconds until `tick` has something to do (<= 0: it has now; inf: nothing
+        until a request adds something): the earliest of the rotation that could time
+        a root out (any rotation while sink holds are open, which it may drop) and the
+        end of the first backoff. A tick before then does nothing."""
+        s = self._s
+        delay = math.inf
+        rotation = s.timeouts.next_rotation(every_timeout=bool(len(s.sink_keys)))
+        if rotation is not None:
+            delay = rotation - s.clock()
+        due = s.book.next_due()
+        if due is not None:
+            delay = min(delay, due - s.wall())
+        return delay
 
     def release_due(self, now: float | None = None) -> int:
         """Queue the failed records whose backoff has passed by `now` (wall clock,

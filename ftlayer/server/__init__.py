@@ -44,9 +44,14 @@ format). The contract:
    (any other FTLayerError or ValueError: ConfigError, StateConflict, CorruptData,
    PositionError, PartitioningError; nothing applied); anything else is
    100 and is logged with its traceback. Other connections are never affected.
-5. A ticker thread calls FTLayer.tick every min(0.5 s, rotation interval / 10), the
-   shortest rotation interval of any timeout in use (sources may register their own),
-   so a root times out at most that late.
+5. A ticker thread calls FTLayer.tick when it has work, and sleeps in between: when a
+   rotation of a timeout holding roots is due (any timeout's while sink holds are
+   open), when a failed record's backoff ends (FTLayer.tick_delay), every min(0.5 s,
+   rotation interval / 10) while a checkpoint aligns, and when a staged write has
+   waited 2 s. A request whose change brings its work sooner wakes it to sleep again
+   until then (`_wake_workers`), so a root times out within milliseconds of its
+   rotation, and an idle server's ticker wakes only to look for idle spooled savepoint
+   parts (every min(30 s, spool_idle_s / 4)).
 6. Completed records are deleted from LMDB by the deleter thread, never in a PERSIST's
    transaction: it takes their seqs from the core (under the lock) as soon as a request
    left _DELETE_CHUNK of them, and at the latest `delete_interval_s` after the first

@@ -148,7 +148,9 @@ class FTServer(Transport, RequestHandlers, Workers):
         if self._stopping.is_set() or self._listener is None:
             return
         self._stopping.set()
-        self._deletes_due.set()  # the deleter and the checkpoint writer stop waiting
+        # The deleter, the checkpoint writer and the ticker stop waiting.
+        self._deletes_due.set()
+        self._tick_due.set()
         self._checkpoint_writes_due.set()
         if self._web is not None:
             self._web.stop()

@@ -45,6 +45,10 @@ _POLL_S: Final = 0.25  # sockets and waits poll at this, to notice stop() and de
 # writer with nothing to write) waits for the request that gives it work (_core), and
 # looks again after this at the latest: an idle server wakes a few times a minute.
 _IDLE_WAIT_S: Final = 10.0
+# Staged meta entries (checkpoint records, completed batch ranges) commit within this
+# on an idle store; on a running stream the next batch's write carries them first, so
+# a batch of up to this long costs one commit, not two.
+_STAGED_MAX_WAIT_S: Final = 2.0
 
 Handler = Callable[[int, Frame], bytes]
 """A request's handler: (request id, frame) -> the reply frame; raises to refuse."""
@@ -156,6 +160,11 @@ class ServerState:
         self._deleter_idle = False
         self._writer_idle = False
         self._checkpoint_writes_due = threading.Event()
+        # The ticker sleeps until its next work (Workers._tick_wait), which it sets here
+        # (time.monotonic, under the lock); a request whose change brings work sooner
+        # wakes it (_wake_workers) to work out its sleep again.
+        self._tick_due = threading.Event()
+        self._ticker_wakes_at = 0.0
         # The deleter's rounds (each: the seqs it took from the core, deleted outside
         # the lock): how many were taken and the last one done, and the records of the
         # running one not deleted yet. A savepoint waits for the round it raced.
@@ -224,6 +233,22 @@ class ServerState:
         if self._writer_idle and checkpoints is not None and checkpoints.has_writes:
             self._writer_idle = False
             self._checkpoint_writes_due.set()
+        if not self._tick_due.is_set() and (
+            self._ticker_wakes_at - time.monotonic() > self._tick_delay(ft)
+        ):
+            self._tick_due.set()
+
+    def _tick_delay(self, ft: FTLayer) -> float:
+        """Seconds until the ticker has work (the caller holds the lock): the core's
+        (FTLayer.tick_delay), an aligning checkpoint's poll (every `_interval_s`),
+        staged writes due a commit (`_STAGED_MAX_WAIT_S` after the first)."""
+        delay = ft.tick_delay()
+        if self._checkpoints is not None and self._checkpoints.aligning:
+            delay = min(delay, self._interval_s)
+        since = ft.staged_since()
+        if since is not None:
+            delay = min(delay, since + _STAGED_MAX_WAIT_S - time.monotonic())
+        return delay
 
 
 def _check_http_bind(

@@ -1,6 +1,7 @@
 """The FT-layer server's worker threads, items 5, 6 and 7 of ftlayer.server's
-contract: the ticker (FTLayer.tick every min(0.5 s, the shortest rotation interval in
-use / 10), checkpoints polled, staged checkpoint records flushed on an idle store), the
+contract: the ticker (FTLayer.tick when a rotation or a backoff's end is due,
+checkpoints polled while one aligns, staged checkpoint records flushed on an idle
+store; asleep in between, `_tick_loop`), the
 deleter (completed records deleted outside the lock, in transactions of bounded work,
 `_delete_slices`, each after the requests under way) and the checkpoint writer
 (a due journal base and the checkpoint records written outside the lock).
@@ -21,15 +22,14 @@ from ftlayer.errors import StorageError
 from ftlayer.logs import fields
 from ftlayer.persistence.lmdb_layout import sorted_distinct
 
-from .state import _DELETE_CHUNK, _IDLE_WAIT_S, _POLL_S, ServerState
+from .state import _DELETE_CHUNK, _IDLE_WAIT_S, _POLL_S, _STAGED_MAX_WAIT_S, ServerState
 
 log = logging.getLogger("ftlayer.server")
 
 _SPOOL_CHECK_S: Final = 30.0  # the spool is checked for idle parts this often (at most)
-# Staged meta entries (checkpoint records, completed batch ranges) commit within this
-# on an idle store; on a running stream the next batch's write carries them first, so
-# a batch of up to this long costs one commit, not two.
-_STAGED_MAX_WAIT_S = 2.0
+# The ticker wakes this long after the work it sleeps until is due, so that the tick
+# finds it due (a rotation is due at its time by the same clock, not before).
+_TICK_SLACK_S: Final = 0.001
 # A record whose seq follows the one deleted before it in the same transaction weighs
 # this fraction of one that starts a run: a run of records lies in one chunk, or drops
 # whole chunks, which LMDB does for far less than a chunk state rewritten per record.
@@ -43,18 +43,32 @@ _EMPTY_SEQS: Final = np.zeros(0, dtype=np.uint64)
 class Workers(ServerState):
     """The ticker, deleter and checkpoint-writer threads' loops (started by FTServer)."""
 
-    def _tick_interval(self) -> float:
-        """min(0.5 s, the shortest rotation interval in use / 10): sources may register
-        timeouts shorter than the server's own."""
-        ft = self._ft
-        if ft is None:
-            return self._interval_s
-        return min(self._interval_s, ft.timeouts.shortest_rotation_interval_s / 10)
-
     def _tick_loop(self) -> None:
+        """Item 5 of ftlayer.server's contract: tick when the core, an aligning
+        checkpoint or a staged write has work (`_tick_delay`), and look for idle spooled
+        savepoint parts now and then; sleep in between (a request that brings work
+        sooner wakes it, `_wake_workers`). A tick that fails is tried again after
+        `_interval_s`, not at once."""
         spool_checked = time.monotonic()
-        while not self._stopping.wait(self._tick_interval()):
-            if time.monotonic() - spool_checked >= min(_SPOOL_CHECK_S, self.spool_idle_s / 4):
+        spool_every = min(_SPOOL_CHECK_S, self.spool_idle_s / 4)
+        not_before = 0.0  # after a failed tick or flush: no tick before this
+        while True:
+            with self._lock:
+                ft = self._ft
+                if ft is None:
+                    return
+                self._tick_due.clear()
+                now = time.monotonic()
+                wait = min(
+                    max(self._tick_delay(ft) + _TICK_SLACK_S, not_before - now, 0.0),
+                    spool_checked + spool_every - now,
+                )
+                self._ticker_wakes_at = now + wait
+            if self._tick_due.wait(max(wait, 0.0)) and not self._stopping.is_set():
+                continue  # a request brought work sooner: sleep again until it
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - spool_checked >= spool_every:
                 spool_checked = time.monotonic()
                 try:  # a savepoint part whose fetch was given up (ftlayer.checkpoint.fetch)
                     expire_spooled(self.data_dir, self.spool_idle_s, time.time())
@@ -70,6 +84,7 @@ class Workers(ServerState):
                         self._checkpoints.poll()
                 except Exception:
                     log.exception("tick failed; the roots stay pending and are retried")
+                    not_before = time.monotonic() + self._interval_s
                     continue
                 finally:
                     self._wake_workers(ft)
@@ -77,6 +92,7 @@ class Workers(ServerState):
                 ft.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
             except StorageError as exc:
                 log.error("could not write staged checkpoint records: %s", exc)
+                not_before = time.monotonic() + self._interval_s
 
     def _delete_loop(self) -> None:
         """Step 6 of the module docstring: take the completed records' seqs from the
@@ -174,8 +190,9 @@ class Workers(ServerState):
                 continue
             if checkpoints.write_pending():
                 with self._lock:  # a checkpoint completed by its commit before the write
-                    if self._checkpoints is not None:
+                    if self._checkpoints is not None and self._ft is not None:
                         self._checkpoints.poll()
+                        self._wake_workers(self._ft)  # its record staged: the ticker commits it
 
 
 def _delete_slices(seqs: NDArray[np.uint64], limit: int = _DELETE_CHUNK) -> list[tuple[int, int]]:
