@@ -48,7 +48,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -86,6 +86,10 @@ from .retries import IMMEDIATE, DeadLetterFilter, RetryPolicy, RetryRecord
 from .sources import SourceConfig
 from .state import CompletionListener, CoreState, PersistTicket
 from .stats import FTStats
+
+#: A ticker that sleeps until `tick_delay` queues a failed record at most this long
+#: after its backoff ended (never before).
+RELEASE_AFTER_S: Final = 0.1
 
 __all__ = ["CompletionListener", "FTLayer", "PersistTicket", "StoreFigures"]
 
@@ -467,8 +471,10 @@ class FTLayer:
     def tick_delay(self) -> float:
         """Seconds until `tick` has something to do (<= 0: it has now; inf: nothing
         until a request adds something): the earliest of the rotation that could time
-        a root out (any rotation while sink holds are open, which it may drop) and the
-        end of the first backoff. A tick before then does nothing."""
+        a root out (any rotation while sink holds are open, which it may drop) and
+        RELEASE_AFTER_S after the end of the first backoff, so that the records whose
+        backoffs end close together (a failure's, with their jitter) are queued by one
+        tick. A tick before then does nothing."""
         s = self._s
         delay = math.inf
         rotation = s.timeouts.next_rotation(every_timeout=bool(len(s.sink_keys)))
@@ -476,7 +482,7 @@ class FTLayer:
             delay = rotation - s.clock()
         due = s.book.next_due()
         if due is not None:
-            delay = min(delay, due - s.wall())
+            delay = min(delay, due + RELEASE_AFTER_S - s.wall())
         return delay
 
     def release_due(self, now: float | None = None) -> int:

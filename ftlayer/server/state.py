@@ -49,6 +49,9 @@ _IDLE_WAIT_S: Final = 10.0
 # on an idle store; on a running stream the next batch's write carries them first, so
 # a batch of up to this long costs one commit, not two.
 _STAGED_MAX_WAIT_S: Final = 2.0
+# A request wakes the ticker when its change brings work due more than this before the
+# ticker would wake (it wakes a little after what it sleeps until, Workers._tick_loop).
+_WAKE_SOONER_S: Final = 0.002
 
 Handler = Callable[[int, Frame], bytes]
 """A request's handler: (request id, frame) -> the reply frame; raises to refuse."""
@@ -234,7 +237,7 @@ class ServerState:
             self._writer_idle = False
             self._checkpoint_writes_due.set()
         if not self._tick_due.is_set() and (
-            self._ticker_wakes_at - time.monotonic() > self._tick_delay(ft)
+            self._ticker_wakes_at - time.monotonic() > self._tick_delay(ft) + _WAKE_SOONER_S
         ):
             self._tick_due.set()
 

@@ -30,6 +30,9 @@ _SPOOL_CHECK_S: Final = 30.0  # the spool is checked for idle parts this often (
 # The ticker wakes this long after the work it sleeps until is due, so that the tick
 # finds it due (a rotation is due at its time by the same clock, not before).
 _TICK_SLACK_S: Final = 0.001
+# Ticks are at least this far apart, whatever is due: what one tick left due waits for
+# the next (a bound on the ticker's CPU, not a schedule).
+_MIN_TICK_GAP_S: Final = 0.01
 # A record whose seq follows the one deleted before it in the same transaction weighs
 # this fraction of one that starts a run: a run of records lies in one chunk, or drops
 # whole chunks, which LMDB does for far less than a chunk state rewritten per record.
@@ -51,7 +54,7 @@ class Workers(ServerState):
         `_interval_s`, not at once."""
         spool_checked = time.monotonic()
         spool_every = min(_SPOOL_CHECK_S, self.spool_idle_s / 4)
-        not_before = 0.0  # after a failed tick or flush: no tick before this
+        not_before = 0.0  # no tick before this (_MIN_TICK_GAP_S; after a failure, longer)
         while True:
             with self._lock:
                 ft = self._ft
@@ -88,6 +91,7 @@ class Workers(ServerState):
                     continue
                 finally:
                     self._wake_workers(ft)
+                    not_before = max(not_before, time.monotonic() + _MIN_TICK_GAP_S)
             try:  # checkpoint records staged and no write since (ftlayer.checkpoint)
                 ft.flush_staged(older_than_s=_STAGED_MAX_WAIT_S)
             except StorageError as exc:
