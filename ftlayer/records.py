@@ -114,6 +114,22 @@ class Payloads(Sequence[bytes]):
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.as_list())
 
+    def take(self, positions: NDArray[np.intp]) -> Sequence[bytes]:
+        """The payloads at `positions` (an integer index array), in that order: from the
+        list if one was made, else gathered into one new buffer (no bytes object per
+        payload)."""
+        if self._list is not None:
+            listed = self._list
+            return [listed[i] for i in positions.tolist()]
+        lengths = self.lengths[positions]
+        if not len(lengths):
+            return Payloads(b"", lengths)
+        ends = np.cumsum(lengths)
+        # Byte i of the new buffer comes from blob[i + shift of its payload].
+        shift = self._ends[positions] - ends
+        at = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(shift, lengths)
+        return Payloads(np.frombuffer(self._blob, dtype=np.uint8)[at].tobytes(), lengths)
+
     def as_list(self) -> list[bytes]:
         """One bytes object per payload (made once, then kept)."""
         if self._list is None:
@@ -251,7 +267,11 @@ class RecordBatch:
         positions = np.flatnonzero(index) if index.dtype == np.bool_ else index
         pos_list = positions.tolist()
         payloads = self.payloads
-        listed = payloads.as_list() if isinstance(payloads, Payloads) else payloads
+        taken = (
+            payloads.take(positions)
+            if isinstance(payloads, Payloads)
+            else [payloads[i] for i in pos_list]
+        )
         return RecordBatch(
             roots=self.roots[positions],
             source_ids=self.source_ids[positions],
@@ -260,7 +280,7 @@ class RecordBatch:
             topics=[self.topics[i] for i in pos_list],
             partitions=self.partitions[positions],
             offsets=self.offsets[positions],
-            payloads=[listed[i] for i in pos_list],
+            payloads=taken,
             references=None if self.references is None else self.references[positions],
         )
 

@@ -2,7 +2,8 @@
 the server runs it; INFO logging to /dev/null), for two paths of the fast bench:
 
 - `tree`: tree mode by reference. Per micro-batch of 200,000 records, 20 PERSISTs of
-  10,000 records stored by reference with their first ack values, each followed by its
+  10,000 keyless records (replayed `forward`, as the bench's) stored by reference with
+  their first ack values, each followed by its
   sink's SINK_HOLD of their acks, then the SINK_SETTLE that completes them all, then the
   deletes.
 - `failures`: barrier mode by reference at 1% failures. Per micro-batch of BATCH
@@ -39,7 +40,7 @@ from ftlayer.causes import Cause, FailKind
 from ftlayer.core import FTLayer
 from ftlayer.core.retries import RetryPolicy
 from ftlayer.persistence import LmdbStorage
-from ftlayer.records import KEY_UNKNOWN, Payloads, RecordBatch
+from ftlayer.records import Payloads, RecordBatch
 from ftlayer.registration import SourceRegistration
 
 SOURCE, TOPIC, PARTITIONS = 9, "orders", 4
@@ -71,7 +72,7 @@ def tree(ft: FTLayer, batch: int, offset: int) -> int:
             topics=TOPIC,
             partitions=np.full(piece, p % PARTITIONS),
             offsets=np.arange(offset, offset + piece),
-            key_hashes=np.full(piece, KEY_UNKNOWN, np.int64),
+            key_hashes=np.zeros(piece, np.int64),  # keyless, as the bench's records
             has_key=np.zeros(piece, np.bool_),
             references=True,
         )
@@ -133,8 +134,10 @@ def main() -> None:
         ft = FTLayer(LmdbStorage(f"{tmp}/store"), timeout_s=120, seed=1, defer_deletes=True)
         completion = "tree" if path == "tree" else "barrier"
         retry = RetryPolicy(5, 0, 1)
+        # The bench's: keyless records replayed `forward` (tree); range rows by key hash.
+        partitioner = "forward" if path == "tree" else "kafka-hash"
         ft.register_source(
-            SourceRegistration(SOURCE, "kafka-hash", PARTITIONS, retry=retry, completion=completion)
+            SourceRegistration(SOURCE, partitioner, PARTITIONS, retry=retry, completion=completion)
         )
         step = Failures(ft, batch) if path != "tree" else None
         offset = 0

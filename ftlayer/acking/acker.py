@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from ftlayer.acking.u64map import U64Map
+from ftlayer.acking.u64map import U64Map, _kernels
 from ftlayer.errors import ConfigError
 
 _EMPTY_U64: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
@@ -177,21 +177,10 @@ class AckerTable:
             if count_dropped:
                 self.dropped_events_total += len(dropped)
             slots, rows, vals = slots[known], rows[known], vals[known]
-        ack: NDArray[np.uint64] = self._map.columns["ack"]  # type: ignore[assignment]
-        # One event of each root wins its ack cell (each writes its position there; the
-        # last write stays): winners apply their values with plain stores, the few
-        # roots with several events in the batch get the others' with ufunc.at (slow per
-        # element). Each touched root then has exactly one winner, which reports it.
-        before = ack[rows]
-        marks = np.arange(len(rows), dtype=np.uint64)
-        ack[rows] = marks
-        won = ack[rows] == marks
-        winners = rows[won]
-        ack[winners] = before[won] ^ vals[won]
-        if not bool(won.all()):
-            lost = ~won
-            np.bitwise_xor.at(ack, rows[lost], vals[lost])
-        zero = np.flatnonzero(won)[ack[winners] == 0]
+        # One pass XORs the events into their cells, one more finds the cells at 0, each
+        # root once (by its last event): a numba kernel (u64kernels.xor_rows).
+        zero = np.empty(len(rows), dtype=np.intp)
+        zero = zero[: _kernels().xor_rows(self._map.columns["ack"], rows, vals, zero)]
         if len(zero) == 0:
             return XorResult(_EMPTY_U64, dropped, self._take(zero))
         done = rows[zero]

@@ -1,6 +1,7 @@
 """The numba kernels of U64Map's probing (ftlayer/acking/u64map.py): find, place, and
 the slot of a row, each one pass over the batch with one probe loop per key, where the
-numpy versions make a few passes and a temporary array per probing round.
+numpy versions make a few passes and a temporary array per probing round; and the
+acker's XOR of a batch of events into their rows (`xor_rows`, ftlayer/acking/acker.py).
 
 Loaded by u64map on first use (importing numba takes a while); compiled once and
 cached on disk beside this file (numba's `cache=True`; `make` compiles them), so a
@@ -15,7 +16,7 @@ from typing import Final
 import numpy as np
 from numba import njit
 
-__all__ = ["OK", "PRESENT", "REPEATED", "find_slots", "place", "slots_of_rows"]
+__all__ = ["OK", "PRESENT", "REPEATED", "find_slots", "place", "slots_of_rows", "xor_rows"]
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
 _EMPTY: Final = -1
@@ -102,3 +103,21 @@ def slots_of_rows(
         while index[slot] != row:
             slot = (slot + 1) & mask
         slots[i] = slot
+
+
+@njit(cache=True, nogil=True)
+def xor_rows(ack: np.ndarray, rows: np.ndarray, values: np.ndarray, done: np.ndarray) -> int:
+    """XOR each event's value into its row's cell of `ack` (a row may have several
+    events); then the batch position of one event of each row whose cell came to 0
+    into `done`, each row once; returns how many. Those cells are left at 1 (a mark
+    that the row was counted): the caller removes their rows."""
+    for i in range(len(rows)):
+        ack[rows[i]] ^= values[i]
+    n = 0
+    for i in range(len(rows) - 1, -1, -1):
+        row = rows[i]
+        if ack[row] == 0:
+            ack[row] = 1
+            done[n] = i
+            n += 1
+    return n

@@ -293,6 +293,9 @@ def compile_kernels() -> None:
         table = U64Map({"ack": np.uint64}, 16)
         table.insert(keys)
         table.delete(table.find_slots(keys[:1])[0])
+        # The acker's XOR (ftlayer.acking.acker), of values as read off the wire too.
+        rows = np.zeros(2, dtype=np.intp)
+        _kernels().xor_rows(table.columns["ack"], rows, keys, np.empty(2, dtype=np.intp))
 
 
 def _regrown(column: NDArray[_T], live: int, rows: int) -> NDArray[_T]:
