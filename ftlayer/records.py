@@ -264,7 +264,9 @@ class RecordBatch:
 
     def take(self, index: NDArray[np.intp] | NDArray[np.bool_]) -> RecordBatch:
         """The records at `index` (an integer index array or a boolean mask), in that order."""
-        positions = np.flatnonzero(index) if index.dtype == np.bool_ else index
+        positions: NDArray[np.intp] = (
+            np.flatnonzero(index) if index.dtype == np.bool_ else index  # type: ignore[assignment]
+        )
         pos_list = positions.tolist()
         payloads = self.payloads
         taken = (
