@@ -77,10 +77,8 @@ def state_snapshot(s: CoreState, *, journal_base: bool | None = None) -> dict[st
         live = s.acker.live_columns("root", "seq", copy=False)
         failed = np.isin(live["seq"], np.array(s.book.seqs(), dtype=np.uint64))
         roots, seqs = live["root"][failed], live["seq"][failed].tolist()
-        records = [s.book.get(seq) for seq in seqs]
-        counts = [0 if r is None else r.attempts for r in records]
         state["retries.root"] = roots.copy()
-        state["retries.count"] = np.array(counts, dtype=np.int64)
+        state["retries.count"] = np.array(s.book.attempts(seqs), dtype=np.int64)
     else:
         state["retries.root"] = np.zeros(0, dtype=np.uint64)
         state["retries.count"] = np.zeros(0, dtype=np.int64)

@@ -405,6 +405,15 @@ class RetryBook:
     def seqs(self) -> list[int]:
         return [*self._records, *self._grouped]
 
+    def attempts(self, seqs: list[int]) -> list[int]:
+        """The failed attempts of each of `seqs` (0: never failed), without making the
+        retry record a group member stands for (its first failure: 1)."""
+        records, grouped = self._records, self._grouped
+        return [
+            record.attempts if (record := records.get(seq)) is not None else int(seq in grouped)
+            for seq in seqs
+        ]
+
     # ---- first failures, as groups --------------------------------------------------------
 
     def add_groups(self, groups: Iterable[FreshGroup]) -> None:

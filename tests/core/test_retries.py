@@ -381,12 +381,13 @@ def test_completions_forget_exactly_the_retry_records_they_name(
 ) -> None:
     """Whether a completion names fewer seqs than the book holds (a lookup per seq) or
     many more (a micro-batch of trees, looked for in one vectorized step), the book
-    forgets exactly the records and group members among them, and keeps the others."""
+    forgets exactly the records and group members among them, and keeps the others;
+    the attempts it tells of every seq (checkpoints copy them) are its records'."""
     from ftlayer.core.retries import FreshGroup, RetryBook
 
     grouped -= own
     book = RetryBook(MemoryStorage())
-    records = {seq: RetryRecord(SOURCE, attempts=1) for seq in sorted(own)}
+    records = {seq: RetryRecord(SOURCE, attempts=1 + seq % 3) for seq in sorted(own)}
     book.stage(records)
     book.commit(records)
     if grouped:
@@ -396,6 +397,10 @@ def test_completions_forget_exactly_the_retry_records_they_name(
     forgotten = book.forget(np.array(completed, dtype=np.uint64))
     assert forgotten == [s for s in completed if s in own] + [s for s in completed if s in grouped]
     assert sorted(book.seqs()) == sorted((own | grouped) - set(completed))
+    probe = list(range(1, 401))
+    assert book.attempts(probe) == [
+        0 if (record := book.get(seq)) is None else record.attempts for seq in probe
+    ]
 
 
 _MANY_WAITS = [(int(seq), float(at)) for seq, at in zip(
