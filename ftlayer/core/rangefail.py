@@ -117,7 +117,7 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
     fate = np.where(waiting, _WAIT, _QUEUE).astype(np.int8)
     root_list = new_roots.tolist()
     if bool(waiting.all()):  # all wait for their backoff
-        s.book.wait_many(seq_list, root_list, due.tolist())
+        s.book.wait_many(seqs, new_roots, due)
     elif bool(waiting.any()):
         for seq, root, at, wait in zip(
             seq_list, root_list, due.tolist(), waiting.tolist(), strict=True

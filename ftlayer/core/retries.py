@@ -30,6 +30,13 @@ and takes it out of its group when it changes (a second failure, a dead letter: 
 an entry of its own) or goes (completed, purged): the group's entry is written again
 without it, in the same transaction as the change, and deleted with its last record. A
 record named both by an entry of its own and by a group is the entry of its own's.
+
+Waiting for the backoff, in memory: a record that waits alone is an entry (due time,
+seq, root) of a heap; the records of a first failure begin waiting together (a
+*wave*, `wait_many`), one heap entry for them all with their due times, seqs and
+roots as arrays in due order, from which `due` takes the ended ones by a binary
+search. `due` returns them in (due time, seq, root) order across both; an entry whose
+seq no longer waits under its root (completed, purged, waiting again) is skipped.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from itertools import repeat
 from typing import Any, Final
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, FailKind
 from ftlayer.errors import ConfigError, CorruptData
@@ -373,6 +380,10 @@ class RetryBook:
         self._records: dict[int, RetryRecord] = {}
         self._grouped: dict[int, FreshGroup] = {}  # seq -> the group it is in
         self._waiting: list[tuple[float, int, int]] = []  # (due, seq, root): a heap
+        # Records that began waiting together (wait_many): (first due not taken, number,
+        # wave), a heap; each wave's records in due order.
+        self._waves: list[tuple[float, int, _Wave]] = []
+        self._waves_made = 0
         self._waiting_roots: dict[int, int] = {}  # seq -> root it waits under
         self.dead: dict[int, RetryRecord] = {}
         for key in storage.meta_keys(RETRY_PREFIX):
@@ -541,17 +552,22 @@ class RetryBook:
         self._waiting_roots[seq] = root
         heapq.heappush(self._waiting, (due, seq, root))
 
-    def wait_many(self, seqs: list[int], roots: list[int], dues: list[float]) -> None:
-        """`wait` for each (seq, root, due): the heap made again at once when they are
-        many against it, else pushed one by one."""
-        self._waiting_roots.update(zip(seqs, roots, strict=True))
-        entries = zip(dues, seqs, roots, strict=True)
-        if len(seqs) * 4 >= len(self._waiting):
-            self._waiting.extend(entries)
-            heapq.heapify(self._waiting)
-        else:
-            for entry in entries:
-                heapq.heappush(self._waiting, entry)
+    def wait_many(self, seqs: ArrayLike, roots: ArrayLike, dues: ArrayLike) -> None:
+        """`wait` for each (seq, root, due), as one wave (a failure's records): one heap
+        entry for them all, their due times, seqs and roots as arrays in that order,
+        of which `due` takes the ended ones by a binary search."""
+        seq_array = np.asarray(seqs, dtype=np.uint64)
+        if not len(seq_array):
+            return
+        root_array = np.asarray(roots, dtype=np.uint64)
+        due_array = np.asarray(dues, dtype=np.float64)
+        self._waiting_roots.update(zip(seq_array.tolist(), root_array.tolist(), strict=True))
+        order = np.lexsort((root_array, seq_array, due_array))
+        self._push_wave(_Wave(due_array[order], seq_array[order], root_array[order]))
+
+    def _push_wave(self, wave: _Wave) -> None:
+        self._waves_made += 1
+        heapq.heappush(self._waves, (float(wave.dues[wave.taken]), self._waves_made, wave))
 
     @property
     def waiting(self) -> int:
@@ -559,30 +575,57 @@ class RetryBook:
 
     def next_due(self) -> float | None:
         self._drop_stale()
-        return self._waiting[0][0] if self._waiting else None
+        heap, waves = self._waiting, self._waves
+        if not waves:
+            return heap[0][0] if heap else None
+        return min(heap[0][0], waves[0][0]) if heap else waves[0][0]
 
     def due(self, now: float) -> list[tuple[int, int]]:
-        """(seq, root) of the waiting records due by `now`, no longer waiting."""
+        """(seq, root) of the waiting records due by `now`, no longer waiting, in (due
+        time, seq, root) order."""
+        entries = self._due_entries(now)
+        waves = self._waves
+        if waves and waves[0][0] <= now:
+            runs = [entries] if entries else []
+            while waves and waves[0][0] <= now:
+                wave = heapq.heappop(waves)[2]
+                end = int(np.searchsorted(wave.dues, now, side="right"))
+                lo, wave.taken = wave.taken, end
+                runs.append(
+                    list(
+                        zip(
+                            wave.dues[lo:end].tolist(),
+                            wave.seqs[lo:end].tolist(),
+                            wave.roots[lo:end].tolist(),
+                            strict=True,
+                        )
+                    )
+                )
+                if end < len(wave.dues):
+                    self._push_wave(wave)
+            entries = runs[0] if len(runs) == 1 else sorted(itertools.chain(*runs))
         out: list[tuple[int, int]] = []
-        heap, roots = self._waiting, self._waiting_roots
-        popped = 0
+        roots = self._waiting_roots
+        for _due, seq, root in entries:
+            if roots.get(seq) == root:
+                del roots[seq]
+                out.append((seq, root))
+        return out
+
+    def _due_entries(self, now: float) -> list[tuple[float, int, int]]:
+        """The entries of the heap of single waits due by `now`, in order, taken off it."""
+        heap = self._waiting
+        entries: list[tuple[float, int, int]] = []
         while heap and heap[0][0] <= now:
-            if popped == _POPS_BEFORE_SPLIT and len(heap) > _POPS_BEFORE_SPLIT:
-                # Many are due (a failure's records, their backoffs ending together):
-                # the due ones taken out in one pass and the heap made again, instead
+            if len(entries) == _POPS_BEFORE_SPLIT and len(heap) > _POPS_BEFORE_SPLIT:
+                # Many are due: taken out in one pass and the heap made again, instead
                 # of a pop of O(log n) each.
-                entries = [entry for entry in heap if entry[0] <= now]
+                entries += sorted(entry for entry in heap if entry[0] <= now)
                 heap[:] = [entry for entry in heap if entry[0] > now]
                 heapq.heapify(heap)
-                entries.sort()  # the order the pops would have given
-            else:
-                entries = [heapq.heappop(heap)]
-                popped += 1
-            for _due, seq, root in entries:
-                if roots.get(seq) == root:
-                    del roots[seq]
-                    out.append((seq, root))
-        return out
+                break
+            entries.append(heapq.heappop(heap))
+        return entries
 
     def is_waiting(self, seq: int) -> bool:
         return seq in self._waiting_roots
@@ -592,14 +635,55 @@ class RetryBook:
         return self._waiting_roots.get(seq)
 
     def _drop_stale(self) -> None:
-        while self._waiting and self._waiting_roots.get(self._waiting[0][1]) != self._waiting[0][2]:
-            heapq.heappop(self._waiting)
+        """Drop the first entries that no longer wait (completed, purged, or waiting
+        under another root since), of the heap and of the first waves."""
+        heap, roots = self._waiting, self._waiting_roots
+        while heap and roots.get(heap[0][1]) != heap[0][2]:
+            heapq.heappop(heap)
+        waves = self._waves
+        while waves:
+            wave = waves[0][2]
+            at, n = wave.taken, len(wave.dues)
+            while at < n and roots.get(int(wave.seqs[at])) != int(wave.roots[at]):
+                at += 1
+            if at == wave.taken:
+                return
+            heapq.heappop(waves)
+            wave.taken = at
+            if at < n:
+                self._push_wave(wave)
 
     def waiting_items(self) -> Iterator[tuple[int, int, float]]:
         """(seq, root, due) of every waiting record."""
+        roots = self._waiting_roots
         for due, seq, root in self._waiting:
-            if self._waiting_roots.get(seq) == root:
+            if roots.get(seq) == root:
                 yield seq, root, due
+        for _first, _number, wave in self._waves:
+            lo = wave.taken
+            for due, seq, root in zip(
+                wave.dues[lo:].tolist(),
+                wave.seqs[lo:].tolist(),
+                wave.roots[lo:].tolist(),
+                strict=True,
+            ):
+                if roots.get(seq) == root:
+                    yield seq, root, due
+
+
+class _Wave:
+    """Records that began waiting together (`RetryBook.wait_many`): due times, seqs and
+    roots in (due, seq, root) order; `taken`: how many `due` took (or found stale)."""
+
+    __slots__ = ("dues", "roots", "seqs", "taken")
+
+    def __init__(
+        self, dues: NDArray[np.float64], seqs: NDArray[np.uint64], roots: NDArray[np.uint64]
+    ) -> None:
+        self.dues = dues
+        self.seqs = seqs
+        self.roots = roots
+        self.taken = 0
 
 
 def _counts(groups: list[FreshGroup | None]) -> dict[FreshGroup, int]:

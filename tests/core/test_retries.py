@@ -412,29 +412,43 @@ _MANY_WAITS = [(int(seq), float(at)) for seq, at in zip(
 @settings(max_examples=80, deadline=None)
 @given(
     waits=st.lists(st.tuples(st.integers(1, 400), st.floats(0, 100)), max_size=600),
+    waves=st.lists(st.integers(1, 80), max_size=8),
     now=st.floats(0, 100),
+    later=st.floats(0, 100),
 )
-@example(waits=_MANY_WAITS, now=60.0)  # hundreds due at once: one pass
+@example(waits=_MANY_WAITS, waves=[], now=60.0, later=80.0)  # hundreds due at once
+@example(waits=_MANY_WAITS, waves=[200, 150, 1], now=60.0, later=80.0)
 def test_the_records_due_are_those_whose_last_wait_ended_earliest_first(
-    waits: list[tuple[int, float]], now: float
+    waits: list[tuple[int, float]], waves: list[int], now: float, later: float
 ) -> None:
-    """Whether few records are due (a pop each) or many (one pass over the waiting
-    ones), `due` returns exactly the records whose last wait (under a root of its own)
-    ended by `now`, earliest first, and leaves the others waiting; a wait a later one
-    replaced is never returned."""
+    """Records wait one by one or in waves (a failure's, `wait_many`, of the sizes
+    drawn, then one by one): whether few are due (a pop each) or many (one pass over
+    the waiting ones, a binary search in a wave), `due` returns exactly the records
+    whose last wait (under a root of its own) ended by `now`, earliest first (ties by
+    seq), and leaves the others waiting, the earliest of them `next_due`; a wait a later
+    one replaced is never returned. The same again at a later time."""
     from ftlayer.core.retries import RetryBook
 
     book = RetryBook(MemoryStorage())
     last: dict[int, tuple[int, float]] = {}
-    for root, (seq, at) in enumerate(waits, start=1):
+    at_wait = 0
+    for size in waves:
+        chunk = waits[at_wait : at_wait + size]
+        roots = list(range(at_wait + 1, at_wait + 1 + len(chunk)))
+        book.wait_many([seq for seq, _ in chunk], roots, [at for _, at in chunk])
+        last.update((seq, (root, at)) for root, (seq, at) in zip(roots, chunk, strict=True))
+        at_wait += len(chunk)
+    for root, (seq, at) in enumerate(waits[at_wait:], start=at_wait + 1):
         book.wait(seq, root, at)
         last[seq] = (root, at)
-    ended = sorted((at, seq, root) for seq, (root, at) in last.items() if at <= now)
-    assert book.due(now) == [(seq, root) for _, seq, root in ended]
-    left = {seq: (root, at) for seq, (root, at) in last.items() if at > now}
-    assert book.waiting == len(left)
-    assert sorted(book.waiting_items()) == sorted((s, r, a) for s, (r, a) in left.items())
-    assert book.due(now) == []
+    for when in (now, max(now, later)):
+        ended = sorted((at, seq, root) for seq, (root, at) in last.items() if at <= when)
+        assert book.due(when) == [(seq, root) for _, seq, root in ended]
+        last = {seq: (root, at) for seq, (root, at) in last.items() if at > when}
+        assert book.waiting == len(last)
+        assert sorted(book.waiting_items()) == sorted((s, r, a) for s, (r, a) in last.items())
+        assert book.next_due() == min((at for _, at in last.values()), default=None)
+        assert book.due(when) == []
 
 
 @settings(max_examples=60, deadline=None)
