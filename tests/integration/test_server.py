@@ -844,6 +844,28 @@ def test_serve_takes_the_limits_from_its_options(start_server: StartServer) -> N
         assert _closed_within(idle, 5)
 
 
+def test_a_persist_wakes_an_idle_servers_ticker_and_its_trees_time_out_in_the_bound(
+    start_server: StartServer,
+) -> None:
+    """An idle server's ticker sleeps (with nothing pending it wakes only to look for
+    idle spooled savepoint parts, every 30 s). A PERSIST wakes it to sleep until the
+    rotation that times its trees out: with --tree-timeout-s 1 and 3 buckets they fail
+    between 1 and 1.5 s after it (plus a moment to see it), as on a busy server; and
+    then until their backoff ends, when they are queued for replay."""
+    server = start_server(None, "--tree-timeout-s", "1")
+    batch = RecordBatch.build(
+        new_ids(3), PAYLOADS[:3], source_ids=5, topics="events", partitions=0, offsets=None
+    )
+    with server.client() as client:
+        time.sleep(1.0)  # idle: the ticker found nothing to do and sleeps
+        began = time.monotonic()
+        client.persist(batch, new_ids(3))
+        wait_until(lambda: client.status().failed["timeout"] == 3, 20, "the timeouts")
+        waited = time.monotonic() - began
+        wait_until(lambda: client.status().replay_queue == 3, 10, "the replays")
+    assert 1.0 <= waited <= 1.5 + 1.0, waited
+
+
 def test_heartbeats_keep_a_running_batch_from_timing_out_until_they_stop(
     start_server: StartServer,
 ) -> None:
