@@ -110,6 +110,19 @@ class RotatingHashMap(Generic[K, V]):
         """When tick() rotates next (by the clock tick() is given; needs timeout_s)."""
         return self._next_rotation
 
+    def resume(self, now: float) -> None:
+        """Before a put into this map while it is empty: if `tick` was not called at
+        its rotations while it was empty (a ticker that sleeps when nothing can expire),
+        its next rotation moves onto the schedule those ticks would have kept (the first
+        one after `now`), so a key put now waits as long for its first rotation as
+        under a ticker that never sleeps, not none."""
+        if self._interval is None or now < self._next_rotation or len(self):
+            return
+        steps = math.floor((now - self._next_rotation) / self._interval) + 1
+        self._next_rotation += steps * self._interval
+        if self._next_rotation <= now:  # rounding
+            self._next_rotation += self._interval
+
     def rotate(self) -> dict[K, V]:
         """Expire the oldest bucket: returns its entries after passing them to on_expire."""
         expired = self._buckets.pop()

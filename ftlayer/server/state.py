@@ -163,7 +163,7 @@ class ServerState:
         self._deleter_idle = False
         self._writer_idle = False
         self._checkpoint_writes_due = threading.Event()
-        # The ticker sleeps until its next work (Workers._tick_wait), which it sets here
+        # The ticker sleeps until its next work (Workers._tick_loop), which it sets here
         # (time.monotonic, under the lock); a request whose change brings work sooner
         # wakes it (_wake_workers) to work out its sleep again.
         self._tick_due = threading.Event()

@@ -109,3 +109,30 @@ def test_tick_after_a_long_pause_rotates_once_and_never_expires_early() -> None:
     assert expired == []
     assert rmap.tick(1002.0) == 1
     assert expired == [{1: 1}]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    timeout=st.floats(0.5, 60.0),
+    buckets=st.integers(2, 6),
+    idle=st.floats(0.0, 1000.0),
+)
+def test_a_key_put_into_a_map_left_idle_waits_for_its_rotations_as_if_ticked_all_along(
+    timeout: float, buckets: int, idle: float
+) -> None:
+    """A ticker that sleeps while a map is empty calls `resume` before the next put: the
+    key's first rotation is the one a ticker that never slept would have done next (on
+    the map's schedule, after the put), and the key, ticked at its rotations, expires
+    between T and T*(1+1/(n-1)) after its put, as with a ticker that never sleeps."""
+    expired: list[dict[int, int]] = []
+    rmap: RotatingHashMap[int, int] = RotatingHashMap(buckets, expired.append, timeout_s=timeout)
+    interval = timeout / (buckets - 1)
+    rmap.resume(idle)
+    rmap.put(1, 1)
+    first = rmap.next_rotation  # on the map's schedule, within an interval after the put
+    assert idle < first <= idle + interval * (1 + 1e-9)
+    assert abs(first / interval - round(first / interval)) < 1e-6
+    while not expired:
+        rmap.tick(rmap.next_rotation)
+    waited = rmap.next_rotation - interval - idle  # the tick that expired it
+    assert timeout - 1e-6 <= waited <= timeout * (1 + 1 / (buckets - 1)) + 1e-6

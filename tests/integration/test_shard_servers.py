@@ -181,10 +181,10 @@ def test_a_sink_settle_does_not_wait_for_a_shard_that_is_down(
     """A batch sink's acks held on both shards under one key, then shard 1 SIGKILLed:
     the settle acks shard 0's trees at once instead of waiting for shard 1 (its
     clients' reconnect_s is 60 s); shard 1, started again on its data dir, times out
-    its held trees and replays them: nothing lost. (The tree timeout, 5 s, leaves the
-    hold after the persist room on a loaded machine: at 2 s a CI run with every core
-    busy once saw shard 1's trees time out before their hold.)"""
-    flags = ("--shards", "2", "--tree-timeout-s", "5")
+    its held trees and replays them: nothing lost. (The tree timeout, 10 s, leaves the
+    hold after the persist room on a loaded machine: at 2 s, and once at 5 s, a CI run
+    with every core busy saw shard 1's trees time out before their hold.)"""
+    flags = ("--shards", "2", "--tree-timeout-s", "10")
     servers = [start_server(tmp_path / f"s{i}", "--shard", str(i), *flags) for i in (0, 1)]
     channel = ShardedChannel([BatchingChannel(s.client()) for s in servers])
     key = SINK_KEY_BIT | 12345
