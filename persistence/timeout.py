@@ -96,7 +96,7 @@ class RootTimeouts:
         batches = self._by_timeout.get(timeout)
         if batches is None:  # not `or`: a map with no entries is falsy
             batches = self._buckets_of(timeout, now)
-        elif not len(batches):  # not ticked while empty (a sleeping ticker)
+        else:  # a map not ticked while empty (a sleeping ticker) resumes its schedule
             batches.resume(now)
         self._batch_number += 1
         batches.put(self._batch_number, (roots, seqs, tag))

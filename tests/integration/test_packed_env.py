@@ -1,29 +1,33 @@
 """docs/deploy.md's packed environment, as printed, on a real Spark standalone cluster.
 
 Section 4's block `pack` (`python3.11 -m venv ftlayer-env`, pip install of this
-project's wheel and venv-pack, `venv-pack -o ftlayer-env.tar.gz`) runs as written on
-a wheel built as section 3 says (`pip wheel --no-deps . -w dist`, in a copy of the
-sources). Then section 5's block `standalone-pack` runs as written, the master's URL
-the only change (the variables of section 5's first block are set for this machine):
-it unpacks the archive on the driver's side, and submits the user guide's job with
-`--archives ftlayer-env.tar.gz#environment` to a master and a worker that are
-processes of their own (pyspark's `bin/spark-class`, the demo's harness), against a
-real FT layer with a token and TLS and the session's broker.
+project's wheel and venv-pack, `venv-pack -o ftlayer-env.tar.gz` without pyspark and
+py4j) runs as written on a wheel built as section 3 says
+(`pip wheel --no-deps . -w dist`, in a copy of the sources). Then section 5's block
+`standalone-pack` runs as written, the master's URL the only change (the variables of
+section 5's first block are set for this machine, and `SPARK_HOME` is this
+environment's pyspark, the Spark the cluster runs): it unpacks the archive on the
+driver's side, and submits the user guide's job with
+`$SPARK_HOME/bin/spark-submit --archives ftlayer-env.tar.gz#environment` to a master
+and a worker that are processes of their own (pyspark's `bin/spark-class`, the demo's
+harness), against a real FT layer with a token and TLS and the session's broker.
 
 The job is the user guide's `job.py` with one statement added to its `parse`: each
 Python worker writes what it runs (`sys.executable`, the file of every module it
 loaded) to a file the test reads. Every worker must run `environment/bin/python` of
 an executor's working directory, with ftlayer and its dependencies from that
 environment: only pyspark and py4j (which Spark puts on its workers' PYTHONPATH from
-the Spark installation) and the interpreter's standard library come from elsewhere.
+the Spark installation, and the archive leaves out) and the interpreter's standard
+library come from elsewhere.
 What a user notices is checked as the guide checks it: `check_totals.py` prints that
 every user's totals are exact, and the FT layer completed every order, none pending.
 
-The archive takes over a minute to make on an idle machine, several under the suite's
-load (pip installs pyspark and numba, venv-pack compresses 1.1 GB to 660 MB). It is
-kept in `.pytest_cache/d/packed-env` under a key of the `pack` block's text, the
-interpreter and the contents of the wheel, so a run whose guide, interpreter and code
-did not change reuses the archive those commands made; any change builds it again.
+The archive takes about 40 s to make on an idle machine, minutes under the suite's
+load (pip installs pyspark and numba, venv-pack compresses the 600 MB left without
+pyspark and py4j to 200 MB). It is kept in `.pytest_cache/d/packed-env` under a key of
+the `pack` block's text, the interpreter and the contents of the wheel, so a run whose
+guide, interpreter and code did not change reuses the archive those commands made; any
+change builds it again.
 `FTLAYER_PACK_REBUILD=1` always builds. `python3.11` becomes this interpreter's base
 where no `python3.11` is on PATH.
 """
@@ -280,7 +284,7 @@ def run_plain_block(
         proc = subprocess.Popen(
             ["bash", "-e", "-o", "pipefail", "-c", script],
             cwd=work,
-            env={k: v for k, v in env.items() if k not in ("SPARK_MASTER", "KAFKA")},
+            env={k: v for k, v in env.items() if k not in ("SPARK_MASTER", "KAFKA", "SPARK_HOME")},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -359,6 +363,8 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
             "SPARK_LOCAL_IP": "127.0.0.1",  # the driver on loopback, as the cluster is
             # The driver's scratch (its copy of the archive, unpacked) under tmp_path.
             "SPARK_LOCAL_DIRS": str(tmp_path / "driver-scratch"),
+            # The driver host's Spark installation: the one the cluster runs.
+            "SPARK_HOME": str(spark_class().parent.parent),
         }
         job_log = tmp_path / "job.log"
         with job_log.open("wb") as out:
@@ -413,6 +419,10 @@ def test_the_packed_environment_runs_the_guide_job_on_a_standalone_cluster(
     assert status.persisted == ORDERS and status.failed["timeout"] == 0
     assert "Traceback" not in text, text[-4000:]
 
+    # The archive has no pyspark or py4j (section 4's --excludes): every process that
+    # imported them, the driver's included, had them from SPARK_HOME.
+    packed = {p.name for p in (work / "environment").glob("lib/python*/site-packages/*")}
+    assert "ftlayer" in packed and not {n for n in packed if n.startswith(("pyspark", "py4j"))}
     # The executors ran the archive's interpreter, unpacked in their working directory
     # on the worker (not the driver's copy in `work`), with ftlayer and its dependencies
     # from there; only pyspark and py4j come from the worker's Spark installation.
