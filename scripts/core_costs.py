@@ -17,8 +17,10 @@ warm-up, and per call kind the calls per batch and their CPU; with -p, the funct
 that take the most time under cProfile (PROFILE_SORT=cumtime to sort by time
 with callees, PROFILE_LINES=N for more than 40).
 
-    .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
-    .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
+With JOURNAL=1 the core keeps an acker journal, as `ftlayer serve` does.
+
+    [JOURNAL=1] .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
+    [JOURNAL=1] .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
 """
 
 import collections
@@ -131,7 +133,14 @@ def main() -> None:
         batch = int(ARGS[1]) if len(ARGS) > 1 else 200_000
         batches, warm = int(ARGS[2]) if len(ARGS) > 2 else 10, 2
     with tempfile.TemporaryDirectory(prefix="ftlayer-core-costs-") as tmp:
-        ft = FTLayer(LmdbStorage(f"{tmp}/store"), timeout_s=120, seed=1, defer_deletes=True)
+        journal = None
+        if os.environ.get("JOURNAL"):  # the server's acker journal, as `ftlayer serve` keeps it
+            from ftlayer.core.journal import Journal
+
+            journal = Journal(f"{tmp}/journal")
+        ft = FTLayer(
+            LmdbStorage(f"{tmp}/store"), timeout_s=120, seed=1, defer_deletes=True, journal=journal
+        )
         completion = "tree" if path == "tree" else "barrier"
         retry = RetryPolicy(5, 0, 1)
         # The bench's: keyless records replayed `forward` (tree); range rows by key hash.
