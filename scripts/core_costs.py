@@ -17,10 +17,13 @@ warm-up, and per call kind the calls per batch and their CPU; with -p, the funct
 that take the most time under cProfile (PROFILE_SORT=cumtime to sort by time
 with callees, PROFILE_LINES=N for more than 40).
 
-With JOURNAL=1 the core keeps an acker journal, as `ftlayer serve` does.
+With JOURNAL=1 the core keeps an acker journal, as `ftlayer serve` does. With
+PAUSE_MS the script sleeps that long before each call (not counted): each call then
+runs cold, as a server's request does between other work, instead of right after the
+last one with the caches warm.
 
-    [JOURNAL=1] .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
-    [JOURNAL=1] .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
+    [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
+    [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
 """
 
 import collections
@@ -48,12 +51,15 @@ from ftlayer.registration import SourceRegistration
 SOURCE, TOPIC, PARTITIONS = 9, "orders", 4
 FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
 PROFILE = "-p" in sys.argv
+PAUSE_S = float(os.environ.get("PAUSE_MS", "0")) / 1000
 ARGS = [a for a in sys.argv[1:] if a != "-p"]
 cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()
 
 
 def timed(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if PAUSE_S:
+        time.sleep(PAUSE_S)  # the call comes cold, as a request does
     began = time.process_time()
     try:
         return fn(*args, **kwargs)

@@ -150,7 +150,8 @@ _retry_warned_at: dict[tuple[str, str], float] = {}
 retrying goes on: shared by the clients of a process."""
 _FIRST_BACKOFF_S: Final = 0.05
 _MAX_BACKOFF_S: Final = 1.0
-_RECV_BYTES: Final = 1 << 20
+_RECV_BYTES: Final = 256 << 10
+"""A connection's receive buffer, made once (`recv(n)` would allocate n bytes a call)."""
 _CA_HINT: Final = "the source option ft.tlsCa, or --tls-ca of the ftlayer command"
 _NOT_TLS_REASONS: Final = frozenset(
     {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
@@ -206,6 +207,7 @@ class FTClient:
         self._sock: socket.socket | None = None
         self._reader = FrameReader(max_frame)
         self._frames: deque[Frame] = deque()
+        self._received: memoryview | None = None  # the receive buffer, from the first connect
         self._next_id = 1
         self.requests_sent: Counter[int] = Counter()
         """Frames sent, by kind (a `Kind`), handshakes included: for tests and metrics."""
@@ -801,7 +803,8 @@ class FTClient:
     def _receive(self) -> Frame:
         assert self._sock is not None
         while not self._frames:
-            data = self._sock.recv(_RECV_BYTES)
+            assert self._received is not None
+            data = self._received[: self._sock.recv_into(self._received)]
             if not data:
                 raise ConnectionResetError("the server closed the connection")
             try:
@@ -826,6 +829,8 @@ class FTClient:
                 raise
         sock.settimeout(self._request_timeout)
         self._sock, self._reader, self._frames = sock, FrameReader(self.max_frame), deque()
+        if self._received is None:
+            self._received = memoryview(bytearray(_RECV_BYTES))
         try:
             client_nonce = new_nonce()
             try:

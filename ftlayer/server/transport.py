@@ -47,7 +47,9 @@ from .state import _POLL_S, ServerState, _Connection
 
 log = logging.getLogger("ftlayer.server")
 
-_RECV_BYTES: Final = 1 << 20
+_RECV_BYTES: Final = 256 << 10
+"""A connection's receive buffer, made once: `recv(n)` would allocate n bytes a call
+(and, this large, map and unmap them), where `recv_into` reuses it."""
 _MAX_RECV_WAIT_S: Final = 2.0
 """The longest a connection's recv waits before it looks at the server's state again
 (a connection opened while stop() ran, which stop() did not see)."""
@@ -148,12 +150,13 @@ class Transport(ServerState):
     def _converse(self, conn: _Connection) -> str:
         """Serve one connection until it ends; returns why it ended."""
         reader = FrameReader(self.max_frame)
+        received = memoryview(bytearray(_RECV_BYTES))
         frame_started: float | None = None  # when the first bytes of a partial frame came
         last_active = time.monotonic()  # the last byte received or reply sent
         while not self._stopping.is_set():
             conn.sock.settimeout(self._recv_timeout(conn, frame_started, last_active))
             try:
-                data = conn.sock.recv(_RECV_BYTES)
+                data = received[: conn.sock.recv_into(received)]
             except TimeoutError:
                 now = time.monotonic()
                 if not conn.welcomed and now - conn.opened_at > self._handshake_timeout_s:

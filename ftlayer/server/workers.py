@@ -61,6 +61,10 @@ class Workers(ServerState):
                 if ft is None:
                     return
                 self._tick_due.clear()
+                if self._stopping.is_set():
+                    # stop() sets _stopping before it wakes the ticker: a wake-up the
+                    # clear above took would leave it asleep for its whole wait.
+                    return
                 now = time.monotonic()
                 wait = min(
                     max(self._tick_delay(ft) + _TICK_SLACK_S, not_before - now, 0.0),

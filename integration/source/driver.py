@@ -67,7 +67,7 @@ from .kafkaread import new_consumer
 from .options import SourceOptions
 from .parking import Parking
 from .reader import FTKafkaPartition
-from .refetch import read_at
+from .refetch import read_at, refetch_consumer
 from .rewind import Rewind, no_group, plan_rewind, same_stores
 
 T = TypeVar("T")
@@ -93,6 +93,7 @@ class SourceDriver:
         self.options = options
         self.source_ids = source_ids
         self._consumer: Any = None
+        self._refetch_consumer: Any = None  # fill_failed's (_refetcher)
         self.shards = ShardClients(options)
         self.shard_map = ShardMap(source_ids, options.ft.shards)
         self._partition_counts: dict[str, int] = {}
@@ -125,6 +126,7 @@ class SourceDriver:
             heartbeat.close()
         self._heartbeats = []
         self._drop_consumer()
+        self._drop_refetcher()
         self.group.close()
         self._drop_producer()
         self.shards.close()
@@ -599,6 +601,19 @@ class SourceDriver:
             probe_consumer(self._consumer)
         return self._consumer
 
+    def _refetcher(self) -> Any:
+        """The consumer `fill_failed` reads with, kept from trigger to trigger
+        (refetch.refetch_consumer)."""
+        if self._refetch_consumer is None:
+            self._refetch_consumer = refetch_consumer(self.options)
+        return self._refetch_consumer
+
+    def _drop_refetcher(self) -> None:
+        consumer, self._refetch_consumer = self._refetch_consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):  # a broken consumer is gone either way
+                consumer.close(autocommit=False)
+
     def _drop_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
@@ -788,8 +803,9 @@ class SourceDriver:
                 if not len(listed):
                     break
                 try:
-                    found, payloads, keys = read_at(self.options, listed.records)
+                    found, payloads, keys = read_at(self.options, listed.records, self._refetcher())
                 except (SourceError, KafkaError, OSError) as exc:
+                    self._drop_refetcher()  # the next trigger reads with a new one
                     log.warning(
                         "could not read %d failed records of source %d from Kafka to copy "
                         "them into the FT layer (tried again at the next trigger): %r",

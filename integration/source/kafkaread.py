@@ -18,7 +18,14 @@ from ftlayer.integration.ftcolumns import LOOP_HEADER
 from .columnar import RecordColumns, columnar_consumer
 from .options import SourceOptions
 
-__all__ = ["POLL_SECONDS", "KafkaRange", "new_consumer", "read_kafka", "user_headers"]
+__all__ = [
+    "POLL_SECONDS",
+    "KafkaRange",
+    "new_consumer",
+    "read_config",
+    "read_kafka",
+    "user_headers",
+]
 
 # An executor reads one partition, so one partition's fetch may use most of the fetch.
 _FETCH_MAX_BYTES: Final = 32 * 1024 * 1024
@@ -41,13 +48,10 @@ class KafkaRange(Protocol):
     def end(self) -> int: ...
 
 
-def read_kafka(options: SourceOptions, part: KafkaRange) -> Generator[RecordColumns, None, None]:
-    """Kafka [start, end) of one partition, in polled chunks of records as columns.
-    SourceError if no record arrives for pollTimeoutMs."""
-    if part.end <= part.start:
-        return
+def read_config(options: SourceOptions) -> dict[str, Any]:
+    """The configuration of a consumer that reads records (`read_kafka`)."""
     timeout_ms = int(options.poll_timeout_s * 1000)
-    config: dict[str, Any] = {
+    return {
         "bootstrap_timeout_ms": min(timeout_ms, 30_000),
         "fetch_max_bytes": _FETCH_MAX_BYTES,
         "max_partition_fetch_bytes": _PARTITION_FETCH_MAX_BYTES,
@@ -55,11 +59,23 @@ def read_kafka(options: SourceOptions, part: KafkaRange) -> Generator[RecordColu
         "fetch_max_wait_ms": 100,
         **options.kafka_config,
     }
+
+
+def read_kafka(
+    options: SourceOptions, part: KafkaRange, consumer: Any = None
+) -> Generator[RecordColumns, None, None]:
+    """Kafka [start, end) of one partition, in polled chunks of records as columns.
+    SourceError if no record arrives for pollTimeoutMs. With `consumer` (made with
+    `read_config`), read with it and leave it open; else with a consumer of its own."""
+    if part.end <= part.start:
+        return
     where = f"{part.topic}-{part.partition} [{part.start}, {part.end})"
+    own = consumer is None
     try:
-        consumer = new_consumer(options.bootstrap, config)
+        if own:
+            consumer = new_consumer(options.bootstrap, read_config(options))
         # Records as columns, one chunk per poll (the module docstring of .columnar).
-        columnar = columnar_consumer(consumer, int(config["max_poll_records"]))
+        columnar = columnar_consumer(consumer, int(consumer.config["max_poll_records"]))
         max_records = 1 if columnar else None
     except KafkaError as exc:
         raise SourceError(
@@ -93,7 +109,8 @@ def read_kafka(options: SourceOptions, part: KafkaRange) -> Generator[RecordColu
     except KafkaError as exc:
         raise SourceError(f"reading {where} from Kafka at {options.bootstrap}: {exc!r}") from exc
     finally:
-        consumer.close(autocommit=False)
+        if own:
+            consumer.close(autocommit=False)
 
 
 def new_consumer(bootstrap: str, config: Mapping[str, Any]) -> Any:
