@@ -100,6 +100,8 @@ def read_at(
     finally:
         if own:
             consumer.close(autocommit=False)
+        else:  # nor any topic the log starts' request added to its metadata (see read_kafka)
+            consumer.unsubscribe()
     return found, payloads, (hashes, has_key)
 
 
