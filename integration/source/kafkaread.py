@@ -111,8 +111,6 @@ def read_kafka(
     finally:
         if own:
             consumer.close(autocommit=False)
-        else:  # a kept consumer asks no metadata of this topic meanwhile (Tansu would
-            consumer.unsubscribe()  # make a deleted topic again: refetch's "gone" check)
 
 
 def new_consumer(bootstrap: str, config: Mapping[str, Any]) -> Any:

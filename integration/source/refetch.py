@@ -100,7 +100,10 @@ def read_at(
     finally:
         if own:
             consumer.close(autocommit=False)
-        else:  # nor any topic the log starts' request added to its metadata (see read_kafka)
+        else:
+            # A kept consumer asks no metadata of these topics until its next call: Tansu
+            # would make a deleted topic again on that refresh, and the "gone" check
+            # above would never see it gone.
             consumer.unsubscribe()
     return found, payloads, (hashes, has_key)
 
