@@ -88,8 +88,10 @@ from .state import CompletionListener, CoreState, PersistTicket
 from .stats import FTStats
 
 #: A ticker that sleeps until `tick_delay` queues a failed record at most this long
-#: after its backoff ended (never before).
-RELEASE_AFTER_S: Final = 0.1
+#: after its backoff ended (never before). Its source asks sooner: the server queues
+#: what ended at each brief STATUS, which asks for the replay cursor a batch takes in,
+#: so a running query never waits for this; a tick queues for those that do not ask.
+RELEASE_AFTER_S: Final = 1.0
 
 __all__ = ["CompletionListener", "FTLayer", "PersistTicket", "StoreFigures"]
 
@@ -473,8 +475,9 @@ class FTLayer:
         until a request adds something): the earliest of the rotation that could time
         a root out (any rotation while sink holds are open, which it may drop) and
         RELEASE_AFTER_S after the end of the first backoff, so that the records whose
-        backoffs end close together (a failure's, with their jitter) are queued by one
-        tick. A tick before then does nothing."""
+        backoffs end within a second (a batch's failures, with their jitter) are
+        queued by one tick, unless their source asked first (`release_due`). A tick
+        before then does nothing."""
         s = self._s
         delay = math.inf
         rotation = s.timeouts.next_rotation(every_timeout=bool(len(s.sink_keys)))
@@ -487,7 +490,8 @@ class FTLayer:
 
     def release_due(self, now: float | None = None) -> int:
         """Queue the failed records whose backoff has passed by `now` (wall clock,
-        default: now); returns how many. Called by tick."""
+        default: now); returns how many. Called by tick, and by the server before a
+        brief STATUS (the replay cursor a source's next batch takes in)."""
         return failure.release_due(self._s, now)
 
     def fetch_replay(

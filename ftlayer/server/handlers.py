@@ -285,6 +285,8 @@ class RequestHandlers(ServerState):
     def _status_request(self, rid: int, frame: Frame) -> bytes:
         request = decode_status_request(frame)
         with self._core() as ft:
+            if request.brief:
+                _release_for_source(ft)
             status = self._brief_status(ft) if request.brief else self._status(ft)
         return encode_status_reply(rid, status, max_frame=self.max_frame)
 
@@ -555,3 +557,16 @@ def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:
     while 0 < fits < n and seqs[fits] == seqs[fits - 1]:
         fits -= 1  # never split the rows of one replay seq
     return replay if fits == 0 else replay.take(np.arange(fits))
+
+
+def _release_for_source(ft: FTLayer) -> None:
+    """A source's brief STATUS asks for its replay cursor (each trigger of the ftkafka
+    driver): the failed records whose backoff has ended are queued first, so the batch
+    it plans takes them in. The ticker queues them too, but only RELEASE_AFTER_S after
+    the first backoff's end (ftlayer.core.layer): what ended meanwhile goes in one
+    write here instead of a write per tick. A release that fails is logged; the
+    records keep waiting and the ticker tries again."""
+    try:
+        ft.release_due()
+    except Exception:
+        log.exception("could not queue the records whose backoff ended; the ticker retries")

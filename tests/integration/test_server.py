@@ -24,12 +24,15 @@ from serverproc import Server, StartServer, read_address, serve_command
 
 from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.acking.ids import new_ids
+from ftlayer.causes import Cause, FailKind
 from ftlayer.client import ConnectionLost, FTClient, RequestRejected, ServerStorageError
 from ftlayer.core import recovery
+from ftlayer.core.layer import RELEASE_AFTER_S
 from ftlayer.errors import ConfigError
 from ftlayer.integration.harness.kafka import wait_until
 from ftlayer.partitioners import create_partitioner, kafka_key_hashes
 from ftlayer.persistence import LmdbStorage
+from ftlayer.policy import RetryPolicy
 from ftlayer.records import RecordBatch
 from ftlayer.registration import SourceRegistration
 from ftlayer.server import FTServer
@@ -864,6 +867,35 @@ def test_a_persist_wakes_an_idle_servers_ticker_and_its_trees_time_out_in_the_bo
         waited = time.monotonic() - began
         wait_until(lambda: client.status().replay_queue == 3, 10, "the replays")
     assert 1.0 <= waited <= 1.5 + 5.0, waited
+
+
+def test_a_brief_status_queues_the_failed_records_whose_backoff_ended(
+    start_server: StartServer,
+) -> None:
+    """The replay cursor a source reads before it plans a batch (brief STATUS) counts
+    every failed record whose backoff has ended: the server queues them then, without
+    waiting for its ticker (which queues them only RELEASE_AFTER_S after the first
+    backoff's end), so a running query takes a replay in at its first batch after the
+    backoff. A brief STATUS before the backoff's end queues nothing."""
+    assert RELEASE_AFTER_S >= 0.5  # the ticker alone would not queue them in time
+    server = start_server(None)
+    roots = new_ids(3)
+    batch = RecordBatch.build(
+        roots, PAYLOADS[:3], source_ids=5, topics="events", partitions=0, offsets=None
+    )
+    with server.client() as client:
+        client.register_source(SourceRegistration(5, "forward", 1, retry=RetryPolicy(3, 200, 200)))
+        client.persist(batch, new_ids(3))
+        failed = client.fail(roots[:2], Cause(FailKind.EXPLICIT, "map", "FailException: bad"))
+        failed_at = time.monotonic()
+        early = client.brief_status()
+        time.sleep(max(0.0, failed_at + 0.25 - time.monotonic()))  # past the 0.2 s backoff
+        cursor = client.brief_status().replay_cursor_of([5])
+        asked_s = time.monotonic() - failed_at
+    assert failed == 2
+    assert early.replay_cursor_of([5]) == 0, "queued before its backoff ended"
+    assert asked_s < 0.2 + RELEASE_AFTER_S, asked_s  # the ticker's release is not due yet
+    assert cursor == 2, cursor  # both failed records, replay seqs 1 and 2
 
 
 def test_heartbeats_keep_a_running_batch_from_timing_out_until_they_stop(
