@@ -121,6 +121,7 @@ class CoreState:
         (ftlayer.shards)."""
         self.wall = wall_clock
         self.rng = random.Random(seed)
+        self.jitter_rng: np.random.Generator | None = None  # rangefail's, made at first use
         self.journal = journal
         if journal_base_bytes is not None and (
             isinstance(journal_base_bytes, bool) or journal_base_bytes < 0

@@ -51,10 +51,13 @@ A batch has one input partition per (topic, Kafka partition), always listed, in 
 order of `subscribe` and then by partition; for one topic the Spark input partition
 index is the Kafka partition. The input partition of (topic, p) reads Kafka [S, E) of
 (topic, p), then the replays its topic's replay partitioner routed to partition p:
-`fetch_replay(S.replay, E.replay, source_id, p)` (of each shard, with several). A
-replayed record thus re-enters in a later batch, in the input partition its
-partitioner chose, with its original topic, partition, offset, key, value and
-timestamp, under a new root.
+`fetch_replay(S.replay, E.replay, source_id, p)` (of each shard, with several). In
+barrier mode the planner fetches them, once per shard and source right after the
+batch's barrier, and hands each input partition its rows (.given: the plan carries
+at most 4 MiB of them; beyond that, or from a shard whose fetch failed, each reader
+fetches its own). A replayed record thus re-enters in a later batch, in the input
+partition its partitioner chose, with its original topic, partition, offset, key,
+value and timestamp, under a new root.
 
 ## What read() does, per input partition (on an executor)
 
@@ -75,7 +78,8 @@ timestamp, under a new root.
    A batch range (barrier mode, `ft.persist=reference`) persists nothing: each polled
    chunk is yielded whole as it comes, as with FT off, its rows under range roots
    (ftlayer.rangeroots) that name their records by offset.
-3. FT on: fetch this partition's replays, send each one's emission XOR event
+3. FT on: take this partition's replays (handed over by the planner, or fetched),
+   send each one's emission XOR event
    (`Persister.emit_replays`), rebuild their rows from the payloads, yield them.
 4. Flush the channel.
 
@@ -167,6 +171,7 @@ from ftlayer.integration.ftcolumns import (
 from ftlayer.position import KafkaOffsets, Position
 
 from .driver import Offset, SourceDriver
+from .given import give_replays
 from .ingest import IngestDriver
 from .options import SourceOptions, parse_options
 from .reader import FTKafkaPartition, read_partition
@@ -374,6 +379,10 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             answers = driver.checkpoint(barrier, begin=True, complete=done)
             if answers.answered:  # the batch is open: its timeouts follow heartbeats
                 driver.batch_running()
+                if self.options.completion == "barrier":
+                    # Its replays, fetched once for every partition (after the barrier:
+                    # a replay's hold belongs to the batch running when it is fetched).
+                    parts = give_replays(driver.shards, parts, answers)
             if done is not None:
                 self._commit_group(driver, answers.completed_offsets())
         return parts if busy else []

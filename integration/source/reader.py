@@ -20,7 +20,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -75,7 +75,9 @@ class FTKafkaPartition(InputPartition):
     each shard of the FT layer (a number: the cursor of an FT layer of one shard; a
     sequence: one per shard, in shard order). `range_number`: the FT layer's number of
     [start, end) as a batch range (barrier mode, ft.persist=reference): its rows carry
-    range roots and nothing is persisted (0: none, each record is persisted)."""
+    range roots and nothing is persisted (0: none, each record is persisted). `given`:
+    per shard, the replays the planner fetched for this partition (None: the reader
+    fetches that shard's; integration.source.given)."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class FTKafkaPartition(InputPartition):
         replay_lo: int | Sequence[int],
         replay_hi: int | Sequence[int],
         range_number: int = 0,
+        given: Sequence[ReplayRecords | None] | None = None,
     ) -> None:
         super().__init__((topic, partition))
         self.topic = topic
@@ -99,9 +102,24 @@ class FTKafkaPartition(InputPartition):
         if len(self.replay_lo) != len(self.replay_hi):
             raise ValueError(f"replay cursors of different shards: {replay_lo}, {replay_hi}")
         self.range_number = range_number
+        self.given = None if given is None else tuple(given)
 
     def with_range(self, range_number: int) -> FTKafkaPartition:
         """This input partition with the FT layer's number of its batch range."""
+        return self._with(range_number, self.given)
+
+    def with_given(
+        self, given: Sequence[Mapping[tuple[int, int], ReplayRecords] | None]
+    ) -> FTKafkaPartition:
+        """This input partition with the replays the planner fetched for it: per shard,
+        the rows by (source id, partition), None for a shard its reader fetches."""
+        key = (self.source_id, self.partition)
+        mine = [None if rows is None else rows.get(key) for rows in given]
+        return self._with(self.range_number, mine)
+
+    def _with(
+        self, range_number: int, given: Sequence[ReplayRecords | None] | None
+    ) -> FTKafkaPartition:
         return FTKafkaPartition(
             self.topic,
             self.partition,
@@ -111,7 +129,12 @@ class FTKafkaPartition(InputPartition):
             self.replay_lo,
             self.replay_hi,
             range_number,
+            given,
         )
+
+    def given_for(self, shard: int) -> ReplayRecords | None:
+        """The replays of `shard` the planner fetched for this partition, or None."""
+        return None if self.given is None or shard >= len(self.given) else self.given[shard]
 
     def replays(self) -> list[tuple[int, int, int]]:
         """(shard, lo, hi) of each shard with replays to take in: lo < replay seq <= hi."""
@@ -232,7 +255,10 @@ def read_partition(
     # Step 3: this partition's replays (of each shard), emitted again under their
     # replay roots.
     for shard, lo, hi in part.replays():
-        if isinstance(channel, ShardedChannel):
+        given = part.given_for(shard)
+        if given is not None:  # fetched by the planner (integration.source.given)
+            replay = given
+        elif isinstance(channel, ShardedChannel):
             replay = channel.fetch_replay(shard, lo, hi, part.source_id, part.partition)
         else:
             replay = channel.fetch_replay(lo, hi, part.source_id, part.partition)
