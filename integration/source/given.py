@@ -59,7 +59,7 @@ def give_replays(
     shards: ShardClients, parts: list[FTKafkaPartition], answers: CheckpointAnswers
 ) -> list[FTKafkaPartition]:
     """`parts` with the replays each takes in handed over (module docstring)."""
-    if not parts or not any(p.replays() for p in parts[:1]):
+    if not parts or not parts[0].replays():  # every part has the batch's cursors
         return parts
     sources = sorted({p.source_id for p in parts})
     given: list[dict[tuple[int, int], ReplayRecords] | None] = [None] * shards.count
@@ -69,7 +69,7 @@ def give_replays(
             continue  # its barrier did not go through: its readers fetch
         try:
             fetched = [
-                shards.call(shard, "fetch the batch's replays", partial(_fetch, lo, hi, source))
+                shards.quick(shard, "fetch the batch's replays", partial(_fetch, lo, hi, source))
                 for source in sources
             ]
         except SourceError as exc:
