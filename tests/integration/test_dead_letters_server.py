@@ -163,7 +163,11 @@ def test_an_unknown_cause_encoding_is_a_clear_error(start_server: StartServer) -
 def test_retry_counts_and_due_times_survive_a_sigkill_of_the_server(
     start_server: StartServer,
 ) -> None:
-    server = start_server()
+    # Records 0 and 2 stay pending throughout: a tree timeout longer than the test's
+    # four backoffs (up to a minute on a loaded machine), or theirs would fail them,
+    # and their replays would move the replay cursor the test reads record 1's from.
+    timeout = ("--tree-timeout-s", "600")
+    server = start_server(None, *timeout)
     # Longer than a restart of the server takes on a loaded machine (seconds).
     policy = RetryPolicy(max_retries=3, backoff_ms=BACKOFF_MS, backoff_max_ms=BACKOFF_MS)
     with server.client() as client:
@@ -178,7 +182,7 @@ def test_retry_counts_and_due_times_survive_a_sigkill_of_the_server(
         backoff_s = BACKOFF_MS / 1000
         assert failed_at + 0.8 * backoff_s <= due <= answered_at + backoff_s, (failed_at, due)
     server.kill()
-    server = start_server(server.data_dir)
+    server = start_server(server.data_dir, *timeout)
     with server.client() as client:
         status = client.status()
         # Record 1 still waits for its backoff (12 to 15 s after its failure); records
