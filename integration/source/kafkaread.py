@@ -62,11 +62,15 @@ def read_config(options: SourceOptions) -> dict[str, Any]:
 
 
 def read_kafka(
-    options: SourceOptions, part: KafkaRange, consumer: Any = None
+    options: SourceOptions, part: KafkaRange, consumer: Any = None, *, to_log_end: bool = False
 ) -> Generator[RecordColumns, None, None]:
     """Kafka [start, end) of one partition, in polled chunks of records as columns.
     SourceError if no record arrives for pollTimeoutMs. With `consumer` (made with
-    `read_config`), read with it and leave it open; else with a consumer of its own."""
+    `read_config`), read with it and leave it open; else with a consumer of its own.
+    With `to_log_end`, stop early where the partition's log ends (a fetch's high
+    watermark at or below the position: the topic was made again, or its log cut):
+    the records past it are gone, for a caller that counts them so (`refetch`); a
+    batch's reader waits, then fails, as its batch's records must be there."""
     if part.end <= part.start:
         return
     where = f"{part.topic}-{part.partition} [{part.start}, {part.end})"
@@ -96,6 +100,10 @@ def read_kafka(
             if records or new_position > position:
                 last_progress = time.monotonic()
             position = max(position, new_position)
+            if to_log_end and not records:
+                mark = consumer.highwater(tp)
+                if mark is not None and int(mark) <= position:
+                    return
             if records:
                 if records.offsets[0] < part.start:  # paranoid: seek must not go back
                     raise SourceError(f"Kafka returned offset {records.offsets[0]} for {where}")

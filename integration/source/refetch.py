@@ -9,7 +9,10 @@ gives each record's payload exactly as the reader would have persisted it (the s
 
 "No longer has it" is decided only on what Kafka answers: an offset below the
 partition's log start (retention, DeleteRecords), missing inside a range Kafka
-returned (compaction), or a topic absent from two topic listings that name others. A
+returned (compaction), at or past the partition's log end as a fetch reports it (its
+high watermark: a topic deleted and made again, as a broker that creates topics on
+demand can do right after a delete, or a log cut by an unclean leader election), or a
+topic absent from two topic listings that name others. A
 broker that cannot be reached, or metadata that lists the topic without the partition,
 is an error (KafkaError or SourceError), never "gone": the records stay unfilled and
 are asked for again.
@@ -126,7 +129,7 @@ def _read_places(
         got = out[topic, partition] = {}
         for run in _runs(offsets):
             run_range = _Range(topic, partition, int(run[0]), int(run[-1]) + 1)
-            for chunk in read_kafka(options, run_range, consumer):
+            for chunk in read_kafka(options, run_range, consumer, to_log_end=True):
                 hit = np.flatnonzero(np.isin(chunk.offsets, run))
                 if len(hit):
                     got.update(_payloads_at(options, chunk, hit))

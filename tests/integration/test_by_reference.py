@@ -7,6 +7,8 @@ counted in STATUS, never skipped."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow as pa
 from fixture_types import MakeTopic
@@ -16,7 +18,7 @@ from serverproc import Server
 from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
-from ftlayer.integration.harness.kafka import produce, wait_until
+from ftlayer.integration.harness.kafka import create_topic, produce, wait_until
 from ftlayer.integration.source import parse_options, source_schema
 from ftlayer.integration.source.driver import SourceDriver
 from ftlayer.integration.source.options import SourceOptions
@@ -110,6 +112,41 @@ def test_the_driver_copies_failed_records_in_and_dead_letters_those_kafka_lost(
     finally:
         driver.close()
         client.close()
+
+
+def test_a_failed_record_whose_topic_was_made_again_is_a_dead_letter_at_once(
+    kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
+) -> None:
+    """A topic deleted and made again (empty) before the driver copies its failed
+    records in: Kafka's log of each partition now ends before their offsets, so they
+    are gone, source-expired dead letters at that trigger, not a read that waits
+    pollTimeoutMs (120 s) for records that will never come."""
+    topic, _, source_id, client, driver, where = _setup(kafka_bootstrap, make_topic, ft_server)
+    try:
+        roots = _persist_by_reference(client, topic, source_id, where)
+        client.fail(roots[:4], Cause(FailKind.EXPLICIT, "enrich", "FailException: no"))
+        _delete(kafka_bootstrap, topic)
+        wait_until(
+            lambda: _made_again(kafka_bootstrap, topic), 20, "the topic made again after its delete"
+        )
+        began = time.monotonic()
+        assert driver.fill_failed([source_id]) == 0
+        took = time.monotonic() - began
+        status = client.status()
+    finally:
+        driver.close()
+        client.close()
+    assert (status.unfilled, status.failed["source-expired"], status.dead_lettered) == (0, 4, 4)
+    assert took < 30, took  # not the 120 s of pollTimeoutMs
+
+
+def _made_again(kafka_bootstrap: str, topic: str) -> bool:
+    """Create `topic` (2 partitions, empty); False while its delete is still under way."""
+    try:
+        create_topic(kafka_bootstrap, topic, 2)
+    except Exception:  # the old topic still there: try again
+        return False
+    return True
 
 
 def test_a_replay_fetched_before_its_bytes_were_copied_is_read_from_kafka(
