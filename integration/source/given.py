@@ -62,8 +62,7 @@ def give_replays(
     if not parts or not parts[0].replays():  # every part has the batch's cursors
         return parts
     sources = sorted({p.source_id for p in parts})
-    given: list[dict[tuple[int, int], ReplayRecords] | None] = [None] * shards.count
-    total = 0
+    found: list[ReplayRecords | None] = [None] * shards.count
     for shard, lo, hi in parts[0].replays():
         if shard >= len(answers.reports) or answers.reports[shard] is None:
             continue  # its barrier did not go through: its readers fetch
@@ -75,11 +74,10 @@ def give_replays(
         except SourceError as exc:
             log.warning("%s; the batch's readers fetch their replays themselves", exc)
             continue
-        found = ReplayRecords.concat(fetched)
-        total += _payload_bytes(found)
-        given[shard] = _by_partition(found, parts)
-    if total > GIVEN_MAX_BYTES:
+        found[shard] = ReplayRecords.concat(fetched)
+    if sum(_payload_bytes(f) for f in found if f is not None) > GIVEN_MAX_BYTES:
         return parts
+    given = [None if f is None else _by_partition(f, parts) for f in found]
     return [p.with_given(given) for p in parts]
 
 
@@ -119,6 +117,4 @@ def _by_partition(
 
 def _payload_bytes(found: ReplayRecords) -> int:
     payloads = found.records.payloads
-    if isinstance(payloads, Payloads):
-        return int(payloads.ends[-1]) if len(payloads) else 0
-    return sum(map(len, payloads))
+    return len(payloads.blob) if isinstance(payloads, Payloads) else sum(map(len, payloads))
