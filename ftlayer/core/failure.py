@@ -81,10 +81,17 @@ __all__ = [
 _TIMEOUT: Final = Cause(FailKind.TIMEOUT)
 
 
-def fail(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
+def fail(
+    s: CoreState,
+    roots: ArrayLike,
+    causes: Causes | Cause | None = None,
+    failed_at: NDArray[np.float64] | None = None,
+) -> int:
     """Fail pending roots, with their causes (one for all, one per root, or none):
     each record is replayed after its backoff, or dead-lettered once its retries are
-    spent. Returns how many were pending."""
+    spent. Returns how many were pending. `failed_at`: per root, when it failed (failures
+    noted earlier, ftlayer.core.failnotes: a batch range's first failures count their
+    backoff from it)."""
     s.changing()
     root_array = np.ascontiguousarray(roots, dtype=np.uint64)
     if not isinstance(causes, Causes):
@@ -94,7 +101,7 @@ def fail(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None = None) -
     keys, first = np.unique(root_array, return_index=True)
     causes = causes.take(first)
     # A batch range's rows failed for the first time: in one write (rangefail).
-    fresh = fail_fresh(s, keys, causes)
+    fresh = fail_fresh(s, keys, causes, None if failed_at is None else failed_at[first])
     taken = int(np.count_nonzero(fresh))
     if taken:
         keys, causes = keys[~fresh], causes.take(np.flatnonzero(~fresh))

@@ -15,7 +15,10 @@ that live tasks were about to complete. The journal keeps the rest, cheaply:
   keeps what it wrote, the kernel has it): XOR events and first ack values (`xor`),
   roots that became pending with ack value 0 (`add`: requeued records waiting to be
   emitted again), roots whose trees completed or were taken over (`gone`), barrier
-  holds drawn (`hold`) and released (`release`), replay queue prunes (`prune`).
+  holds drawn (`hold`) and released (`release`), replay queue prunes (`prune`), and
+  failures of batch-range rows noted but not applied yet (`note`,
+  ftlayer.core.failnotes: their roots, causes and time, with a checksum) and the
+  moment they were (`notes_applied`).
 
 A snapshot that is to be a base starts a new segment (`rotate`, under the core's lock,
 at the moment the state is copied), so base k plus segments k, k+1, ... is the state
@@ -47,6 +50,7 @@ from a `gone` record whose checksum holds.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -59,7 +63,8 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.errors import ConfigError, StorageError
+from ftlayer.causes import Cause, Causes
+from ftlayer.errors import ConfigError, CorruptData, StorageError
 
 from .statecodec import decode_snapshot
 
@@ -78,6 +83,9 @@ _GONE: Final = 3  # count roots; aux: crc32 of the roots
 _HOLD: Final = 4  # count pairs; aux: source id
 _RELEASE: Final = 5  # count source ids
 _PRUNE: Final = 6  # count 0 (every source) or 1 source id; aux: upto
+_NOTE: Final = 7  # count words: n, table bytes, time, n roots, the causes; aux: crc32
+_NOTE_HEAD: Final = 3  # the words before the roots
+_APPLIED: Final = 8  # count 0: every note before it was applied
 _SEG = re.compile(r"^seg-(\d{12})$")
 _BASE = re.compile(r"^base-(\d{12})$")
 _BOOT_FILE: Final = "boot_id"
@@ -111,6 +119,8 @@ class JournalState:
     base_seqs: NDArray[np.uint64] = field(default_factory=lambda: _EMPTY)  # pending then, sorted
     # Stored at or past base_next_seq by persists that had ended by the base (sorted).
     base_ended: NDArray[np.uint64] = field(default_factory=lambda: _EMPTY)
+    notes: list[tuple[NDArray[np.uint64], Causes, float]] = field(default_factory=list)
+    """Failures noted (ftlayer.core.failnotes), in order: (roots, causes, wall time)."""
     segments: int = 0
     records: int = 0
     truncated: str | None = None  # why reading stopped early, if it did
@@ -176,8 +186,8 @@ class Journal:
             if segs or bases:
                 log.warning(
                     "the FT-layer journal in %s was written before the machine restarted: "
-                    "it may have lost writes, so it is not read, and every stored record is "
-                    "replayed (duplicates, nothing lost)",
+                    "it may have lost writes, so it is not read, and every stored record and "
+                    "every record of an open batch range is replayed (duplicates, nothing lost)",
                     self.directory,
                 )
         elif segs or bases:
@@ -249,6 +259,14 @@ class Journal:
                 elif kind == _PRUNE:
                     which = None if count == 0 else int(payload[0])
                     state.pruned[which] = max(state.pruned.get(which, 0), aux)
+                elif kind == _NOTE:
+                    note = _read_note(payload)
+                    if isinstance(note, str):
+                        state.truncated = f"segment {k}, before byte {offset}: {note}"
+                        break
+                    state.notes.append(note)
+                elif kind == _APPLIED:
+                    state.notes.clear()
         if state.truncated is not None:
             log.warning(
                 "the FT-layer journal ends early (%s): later events are lost, and "
@@ -304,6 +322,29 @@ class Journal:
             self._append(_PRUNE, 0, upto)
         else:
             self._append(_PRUNE, 1, upto, np.array([source_id], dtype=np.uint64))
+
+    def note(self, roots: NDArray[np.uint64], causes: Causes, at: float) -> None:
+        """Failures noted, not applied yet (ftlayer.core.failnotes); `at`: wall time."""
+        n = len(roots)
+        table = json.dumps([c.to_json() for c in causes.table], separators=(",", ":")).encode()
+        tail = causes.index.astype("<u2", copy=False).tobytes() + table
+        tail += bytes(-len(tail) % 8)
+        head = np.array([n, len(table), 0], dtype=np.uint64)
+        head[2:3] = np.array([at], dtype=np.float64).view(np.uint64)
+        payload = np.concatenate(
+            [head, np.ascontiguousarray(roots, dtype=np.uint64), np.frombuffer(tail, np.uint64)]
+        )
+        self._append(_NOTE, len(payload), zlib.crc32(payload.tobytes()), payload)
+
+    def notes_applied(self) -> None:
+        """Every note so far was applied: a restart reads none of them."""
+        self._append(_APPLIED, 0, 0)
+
+    @property
+    def trusted(self) -> bool:
+        """False when the journal was written before the machine restarted: `recover`
+        did not read it, and what it held may be lost."""
+        return self._trusted
 
     @property
     def wants_base(self) -> bool:
@@ -448,16 +489,34 @@ def _parse(data: bytes, offset: int) -> tuple[int, int, int, NDArray[np.uint64],
     if end > len(data):
         return "a cut header"
     magic, kind, _reserved, count, aux = _HEADER.unpack_from(data, offset)
-    if magic != _MAGIC or not _XOR <= kind <= _PRUNE:
+    if magic != _MAGIC or not _XOR <= kind <= _APPLIED:
         return "a bad header"
     words = 2 * count if kind in (_XOR, _HOLD) else count
     stop = end + 8 * words
     if stop > len(data):
         return "a cut record"
     payload = np.frombuffer(data, dtype=np.uint64, count=words, offset=end)
-    if kind == _GONE and zlib.crc32(payload.tobytes()) != aux:
+    if kind in (_GONE, _NOTE) and zlib.crc32(payload.tobytes()) != aux:
         return "a bad checksum"
     return kind, count, aux, payload, stop
+
+
+def _read_note(payload: NDArray[np.uint64]) -> tuple[NDArray[np.uint64], Causes, float] | str:
+    """A `note` record's (roots, causes, time), or why it cannot be read."""
+    if len(payload) < _NOTE_HEAD:
+        return "a cut note"
+    n, table_bytes = int(payload[0]), int(payload[1])
+    at = float(payload[2:3].view(np.float64)[0])
+    tail = payload[_NOTE_HEAD + n :].tobytes()
+    if len(payload) < _NOTE_HEAD + n or len(tail) < 2 * n + table_bytes:
+        return "a cut note"
+    try:
+        table = tuple(Cause.from_json(c) for c in json.loads(tail[2 * n : 2 * n + table_bytes]))
+        index = np.frombuffer(tail, dtype="<u2", count=n).astype(np.uint16)
+        causes = Causes(table, index)
+    except (ValueError, TypeError, KeyError, ConfigError, CorruptData) as exc:
+        return f"a note's causes: {exc}"
+    return payload[_NOTE_HEAD : _NOTE_HEAD + n].copy(), causes, at
 
 
 def _xor_reduce(

@@ -68,6 +68,7 @@ from ftlayer.shards import ShardPlace
 from . import (
     completion,
     deadletters,
+    failnotes,
     failure,
     fills,
     holding,
@@ -456,13 +457,39 @@ class FTLayer:
         and will time out: a failure can be retried, never lost."""
         return failure.fail(self._s, roots, causes)
 
+    def note_failures(self, roots: ArrayLike, causes: Causes | Cause | None = None) -> int:
+        """`fail` as the server takes a FAIL: the failures of fresh batch-range rows are
+        noted (journaled, applied later with the batch's others, ftlayer.core.failnotes),
+        anything else is failed at once, after the notes. Returns what `fail` would."""
+        s = self._s
+        noted = failnotes.note(s, roots, causes)
+        if noted is not None:
+            return noted
+        failnotes.apply(s)
+        return failure.fail(s, roots, causes)
+
+    @property
+    def has_noted(self) -> bool:
+        """Whether failures are noted and not applied yet (`apply_noted`)."""
+        return bool(self._s.noted)
+
+    def apply_noted(self) -> int:
+        """Apply the noted failures now (ftlayer.core.failnotes); returns how many roots
+        were pending."""
+        return failnotes.apply(self._s)
+
     def tick(self, now: float | None = None) -> int:
         """Fail the roots whose timeout passed by `now` (default: the clock), queue the
-        failed records whose backoff ended, and drop stale sink holds; returns the
-        number of bucket rotations done."""
+        failed records whose backoff ended, drop stale sink holds, and apply noted
+        failures once the oldest is NOTE_MAX_AGE_S old (no tick is due for them: every
+        request but FAIL and HEARTBEAT applies them first, so nothing sees them
+        unapplied); returns the number of bucket rotations done."""
         s = self._s
         s.changing()
         now = s.clock() if now is None else now
+        due = failnotes.due_in(s)
+        if due is not None and due <= 0:
+            failnotes.apply(s)
         s.retired.rotate(now)
         rotations = s.timeouts.tick(now)
         failure.release_due(s)
@@ -535,6 +562,7 @@ class FTLayer:
     ) -> int:
         """The batches of `source_ids` are done up to the barrier `kafka`: their open
         ranges wholly below it complete. Returns how many records completed."""
+        failnotes.apply(self._s)  # a noted offset is failed, not completed
         return ranges.complete(self._s, source_ids, kafka)
 
     @property

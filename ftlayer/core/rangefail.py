@@ -48,9 +48,15 @@ _WAIT: Final = 1  # faillog's WAITING
 _QUEUE: Final = 0  # faillog's QUEUED: unrouted until the key is known
 
 
-def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArray[np.bool_]:
+def fail_fresh(
+    s: CoreState,
+    keys: NDArray[np.uint64],
+    causes: Causes,
+    failed_at: NDArray[np.float64] | None = None,
+) -> NDArray[np.bool_]:
     """Fail the rows of `keys` (distinct roots, `causes` aligned) that this path takes
-    (module docstring); returns which keys it took (failed, counted)."""
+    (module docstring); returns which keys it took (failed, counted). `failed_at`: when each
+    failed (wall clock; default now), which its backoff counts from."""
     taken = np.zeros(len(keys), dtype=np.bool_)
     if not len(s.ranges) or not len(keys):
         return taken
@@ -80,7 +86,12 @@ def fail_fresh(s: CoreState, keys: NDArray[np.uint64], causes: Causes) -> NDArra
         if not len(rows):
             return taken
     n = len(rows)
-    due = _due(s, source_ids, now)
+    if failed_at is not None:  # failures noted earlier (ftlayer.core.failnotes)
+        row_at = failed_at[rows]
+        now = float(row_at.min())
+        due = _due(s, source_ids, row_at)
+    else:
+        due = _due(s, source_ids, now)
     new_roots = s.new_roots(n)
     batch = RecordBatch.build(
         new_roots,
@@ -189,8 +200,11 @@ def _topics(ranges: list[BatchRange], which: NDArray[np.intp]) -> list[str]:
     return [names[i] for i in which.tolist()]
 
 
-def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np.float64]:
-    """Per row, when its replay may start after its first failure (0: at once)."""
+def _due(
+    s: CoreState, source_ids: NDArray[np.uint32], now: float | NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """Per row, when its replay may start after its first failure at `now` (one time
+    for all, or one per row; 0: at once)."""
     due = np.zeros(len(source_ids), dtype=np.float64)
     for source_id in source_list(source_ids):
         policy = s.retry_policy(source_id)
@@ -202,7 +216,8 @@ def _due(s: CoreState, source_ids: NDArray[np.uint32], now: float) -> NDArray[np
         # costs 17 us, 130 us in a server's FAIL that runs cold).
         jitter = _jitter_rng(s).random(len(at))
         delays = policy.step_s(1) * (1.0 - JITTER * jitter)
-        due[at] = np.where(delays > 0, now + delays, 0.0)
+        start = now if np.ndim(now) == 0 else np.asarray(now)[at]
+        due[at] = np.where(delays > 0, start + delays, 0.0)
     return due
 
 

@@ -21,6 +21,9 @@ Contract:
 5. Failed records stored by reference whose bytes their source has not copied in are
    listed again (ftlayer.core.fills.rebuild), and bytes left behind by a record deleted
    just before a crash are dropped.
+6. Failures of batch-range rows that were noted and not applied (ftlayer.core.failnotes)
+   are applied from the journal; without a journal read whole, the open ranges' rows
+   are failed.
 
 `state_snapshot` copies the state a journal base holds (every pending root with its
 ack value and record seq, the replay queue, retry counts, open holds, prune points):
@@ -39,6 +42,7 @@ from numpy.typing import NDArray
 
 from ftlayer.records import RecordBatch
 
+from . import failnotes
 from .failure import requeue
 from .fills import rebuild as rebuild_unfilled
 from .journal import JournalState
@@ -70,6 +74,7 @@ def state_snapshot(s: CoreState, *, journal_base: bool | None = None) -> dict[st
     of its record ("acker.*"), the replay queue ("queue.*"), the retry counts
     ("retries.*"), the open holds ("holds.*"), the prune points and the replay counter;
     with `journal_base` (None: when due), also what makes it the journal's base."""
+    failnotes.apply(s)  # noted failures go into the state (a base drops their segment)
     # The Kafka coordinates are in the stored record (by seq): not copied again.
     state = {f"acker.{name}": column for name, column in s.acker.snapshot("seq").items()}
     state.update({f"queue.{name}": column for name, column in s.queue.columns().items()})
@@ -181,6 +186,8 @@ def recover(s: CoreState) -> None:
     # Step 5: failed records stored by reference whose bytes are still wanted.
     s.storage.drop_stale_fills()
     rebuild_unfilled(s)
+    # Step 6: failures of batch-range rows noted and not applied before the stop.
+    failnotes.recover(s, journal)
 
 
 def _restore(

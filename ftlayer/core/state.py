@@ -41,6 +41,7 @@ from numpy.typing import NDArray
 from ftlayer.acking.acker import AckerTable
 from ftlayer.acking.ids import new_ids
 from ftlayer.acking.u64map import U64Map
+from ftlayer.causes import Causes
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed, PersistenceLayer
@@ -151,6 +152,13 @@ class CoreState:
         self.book = RetryBook(storage)
         self.ranges = OpenRanges(storage, shard.range_numbers())
         """The open batch ranges (ftlayer.core.ranges)."""
+        self.noted: list[tuple[NDArray[np.uint64], Causes, float]] = []
+        """Failures of batch-range rows noted, not applied yet (ftlayer.core.failnotes):
+        (distinct roots, their causes, wall time), in order."""
+        self.noted_keys: set[int] = set()
+        """The roots of `noted`."""
+        self.noted_since: float | None = None
+        """When the first of `noted` came (the clock's time)."""
         self.unrouted: dict[int, tuple[int, float]] = {}
         """Failed records whose key (so their replay partition) is not known until their
         source copies their bytes in: storage seq -> (root, due time)."""

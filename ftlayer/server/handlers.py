@@ -161,7 +161,7 @@ class RequestHandlers(ServerState):
 
     def _heartbeat(self, rid: int, frame: Frame) -> bytes:
         message = decode_heartbeat(frame)
-        with self._core() as ft:
+        with self._core(noted=False) as ft:
             return encode_ok(rid, ft.heartbeat(message.source_ids, message.lease_ms / 1000))
 
     def _unfilled(self, rid: int, frame: Frame) -> bytes:
@@ -193,10 +193,13 @@ class RequestHandlers(ServerState):
         return encode_range_numbers(rid, numbers)
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
+        """Failures of fresh batch-range rows are noted (journaled) before the OK and
+        applied with the batch's others (ftlayer.core.failnotes); any other FAIL is
+        applied (synced) before it."""
         message = decode_fail(frame)
         self._own_roots(message.roots)
-        with self._core() as ft:
-            return encode_ok(rid, ft.fail(message.roots, message.causes))
+        with self._core(noted=False) as ft:
+            return encode_ok(rid, ft.note_failures(message.roots, message.causes))
 
     def _fail_parked(self, rid: int, frame: Frame) -> bytes:
         """Another shard's FAIL, kept here (ftlayer.core.parked): committed before the
@@ -393,6 +396,7 @@ class RequestHandlers(ServerState):
                     raise StorageError("the server is stopping")
                 if self._parked is not None:
                     self._parked.refuse_savepoint()
+                ft.apply_noted()  # the copy holds every failure the server answered
                 # Completed records leave the store first: a restore replays only
                 # records whose trees are not complete. Those the deleter took
                 # before are being deleted: the copy waits for them.

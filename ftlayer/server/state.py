@@ -211,14 +211,18 @@ class ServerState:
         return {}
 
     @contextlib.contextmanager
-    def _core(self) -> Iterator[FTLayer]:
+    def _core(self, *, noted: bool = True) -> Iterator[FTLayer]:
         """The core, under the lock; StorageError once the server is stopping. Wakes
-        the workers the change gave work (`_wake_workers`)."""
+        the workers the change gave work (`_wake_workers`). First applies the failures
+        noted by FAILs (ftlayer.core.failnotes) unless `noted` is False (a FAIL, a
+        HEARTBEAT: requests that neither read nor change what they concern)."""
         with self._lock:
             ft = self._ft
             if ft is None:
                 raise StorageError("the server is stopping")
             try:
+                if noted and ft.has_noted:
+                    ft.apply_noted()
                 yield ft
             finally:
                 self._wake_workers(ft)

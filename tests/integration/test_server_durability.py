@@ -28,10 +28,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serverproc import read_address
+from serverproc import StartServer, read_address
 
+from ftlayer import rangeroots
+from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
 from ftlayer.persistence import LmdbStorage
+from ftlayer.registration import SourceRegistration
 
 CLIENTS = 2
 PER_BATCH = 50
@@ -191,3 +194,29 @@ def test_no_confirmed_record_vanishes_after_sigkill(
     else:
         assert replayed == len(stored) and status["recovered_pending"] == 0
     assert batches >= CLIENTS, f"seed {seed}: the clients made too little progress"
+
+
+def test_a_batch_s_failures_answered_before_a_sigkill_are_failed_after_the_restart(
+    start_server: StartServer,
+) -> None:
+    """Barrier mode by reference: a FAIL of a batch's rows is answered once the server
+    journaled it (the failures of a batch are applied together, ftlayer.core.failnotes).
+    A SIGKILL right after the answers loses none of them, and the restarted server does
+    not complete them with their batch; STATUS shows a failure as soon as it is
+    answered."""
+    source, topic = 7, "orders"
+    cause = Cause(FailKind.EXPLICIT, "enrich", "FailException: no")
+    server = start_server()
+    with server.client() as client:
+        client.register_source(SourceRegistration(source, "forward", 2, completion="barrier"))
+        (number,) = client.register_ranges([(source, topic, 0, 0, 100)])
+        assert client.fail(rangeroots.encode(number, 0, [3, 5, 3]), cause) == 2
+        assert client.fail(rangeroots.encode(number, 0, [9]), cause) == 1
+    server.kill()
+    server = start_server(server.data_dir)
+    with server.client() as client:
+        assert sorted(client.unfilled(source).records.offsets.tolist()) == [3, 5, 9]
+        assert client.fail(rangeroots.encode(number, 0, [40]), cause) == 1
+        # The three the journal gave back, and this one, applied for the STATUS.
+        assert client.status().failed["explicit"] == 4
+        assert sorted(client.unfilled(source).records.offsets.tolist()) == [3, 5, 9, 40]

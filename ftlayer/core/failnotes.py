@@ -1,0 +1,184 @@
+"""Failures of batch-range rows: noted at their FAIL, applied together, once a batch.
+
+A barrier-mode batch read by reference (ftlayer.core.ranges) fails its rows by range
+root, one FAIL per task that failed any. Applied at once (ftlayer.core.rangefail), each
+FAIL is a synced write and a dozen structures: about 1.7 ms of the server's CPU a
+request, nearly all of it per request rather than per row, and a batch's tasks send
+one each. So the server *notes* such a FAIL (`note`): its roots, causes and time are
+appended to the acker journal (ftlayer.core.journal: one os.write, no fsync; a killed
+process keeps it) and kept in memory, and the FAIL is answered. The notes are applied
+together (`apply`: ftlayer.core.failure.fail over all of them, one write) before
+anything reads or changes what they concern: at the server's next request of another
+kind (the driver's STATUS before it plans its next batch, at the latest its barrier),
+before ranges complete, before a state copy, or by a tick once the oldest note is
+NOTE_MAX_AGE_S old (no tick is due for them: nothing but a request sees them, and a
+request applies them first). Each failed record's backoff counts from its own FAIL.
+
+Contract:
+
+- Only a FAIL whose every root names a fresh row is noted: a range root of an open
+  range whose offset is neither materialized nor noted. Any other FAIL applies the
+  notes first and then fails its roots at once, so a second event for a noted offset
+  meets it materialized, as it would have without the notes. The count a noted FAIL
+  answers is the one `fail` would have: each of its distinct roots was pending.
+- Nothing is noted without a journal that has not broken (a note must outlive the
+  process): then a FAIL applies at once. A note whose journal write broke the journal
+  is applied at once, with every earlier note (the broken journal's files are gone).
+- Once applied, the notes' end is journaled (`Journal.notes_applied`): a restart reads
+  only the notes after it, so a note never names a range number used again since.
+- A killed server's notes are in its journal: recovery (`recover`) applies them again,
+  for the offsets of open ranges that did not become records (applied before the
+  crash, they did). After a machine restart the journal is not read (its tail may be
+  lost, ftlayer.core.journal), and neither when it ends early: then every offset of
+  every open range that is not a record of its own is failed ("recovery", no attempt
+  counted), so the batches running at the crash are replayed whole (duplicates,
+  nothing lost).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ftlayer.causes import Cause, Causes
+from ftlayer.rangeroots import decode, encode, is_range_root
+
+from .failure import fail, requeue
+from .journal import JournalState
+from .ranges import materialize
+from .state import CoreState, source_list
+from .stats import FailCause
+
+__all__ = ["NOTE_MAX_AGE_S", "apply", "due_in", "fresh", "note", "recover"]
+
+log = logging.getLogger("ftlayer.core")
+
+NOTE_MAX_AGE_S: Final = 1.0
+"""A tick applies the notes once the oldest is this old (no request did before)."""
+
+
+def note(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None) -> int | None:
+    """Note the failures of `roots` when each names a fresh row (module docstring);
+    returns how many distinct roots it noted, or None when it noted nothing (the
+    caller applies the notes and fails the roots at once)."""
+    journal = s.journal
+    if journal is None or journal.broken is not None or not len(s.ranges):
+        return None
+    root_array = np.ascontiguousarray(roots, dtype=np.uint64)
+    if not len(root_array):
+        return None
+    if not isinstance(causes, Causes):
+        causes = Causes.one(causes, len(root_array))
+    elif len(causes) != len(root_array):
+        return None  # fail() refuses it, naming both counts
+    keys, first = np.unique(root_array, return_index=True)
+    if not bool(fresh(s, keys).all()):
+        return None
+    causes = causes.take(first)
+    at = s.wall()
+    journal.note(keys, causes, at)
+    if journal.broken is not None:  # not written: it must not wait in memory only
+        return None
+    s.changing()
+    if not s.noted:
+        s.noted_since = s.clock()
+    s.noted.append((keys, causes, at))
+    s.noted_keys.update(keys.tolist())
+    return len(keys)
+
+
+def fresh(s: CoreState, keys: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    """Per root: a range root of an open range whose offset is neither materialized
+    nor noted."""
+    ok = is_range_root(keys)
+    if not bool(ok.all()):
+        return ok
+    numbers, deltas = decode(keys)
+    noted = s.noted_keys
+    for number in source_list(numbers):  # usually one range
+        rows = np.flatnonzero(numbers == number)
+        r = s.ranges.by_number.get(number)
+        if r is None:
+            ok[rows] = False
+            continue
+        done, size = r.materialized, len(r)
+        ok[rows] = [
+            delta < size and (r.start + delta) not in done and key not in noted
+            for delta, key in zip(deltas[rows].tolist(), keys[rows].tolist(), strict=True)
+        ]
+    return ok
+
+
+def apply(s: CoreState) -> int:
+    """Fail every noted root (one `fail`), then journal that they were applied;
+    returns how many were pending. On an error the notes stay, to be applied again."""
+    if not s.noted:
+        return 0
+    failed = fail(s, *_gathered(s.noted))
+    s.noted, s.noted_keys, s.noted_since = [], set(), None
+    if s.journal is not None:
+        s.journal.notes_applied()
+    return failed
+
+
+def due_in(s: CoreState) -> float | None:
+    """Seconds until a tick applies the notes (None: there are none)."""
+    if s.noted_since is None:
+        return None
+    if s.journal is not None and s.journal.broken is not None:
+        return 0.0
+    return s.noted_since + NOTE_MAX_AGE_S - s.clock()
+
+
+def recover(s: CoreState, state: JournalState | None) -> None:
+    """After a restart (module docstring): apply the journal's notes again, or, when
+    the journal could not be read whole, fail every open range's rows."""
+    journal = s.journal
+    if journal is None or not len(s.ranges):
+        return
+    if not journal.trusted or (state is not None and state.truncated is not None):
+        _fail_open_ranges(s)
+        return
+    if state is None or not state.notes:
+        return
+    keys, causes, at = _gathered(state.notes)
+    keys, first = np.unique(keys, return_index=True)
+    causes, at = causes.take(first), at[first]
+    rows = np.flatnonzero(fresh(s, keys))
+    if len(rows):
+        fail(s, keys[rows], causes.take(rows), at[rows])
+    journal.notes_applied()
+
+
+def _gathered(
+    notes: list[tuple[NDArray[np.uint64], Causes, float]],
+) -> tuple[NDArray[np.uint64], Causes, NDArray[np.float64]]:
+    """The notes' roots, causes and times, one after another."""
+    keys = np.concatenate([k for k, _, _ in notes])
+    causes = Causes.concat([c for _, c, _ in notes])
+    at = np.concatenate([np.full(len(k), t, dtype=np.float64) for k, _, t in notes])
+    return keys, causes, at
+
+
+def _fail_open_ranges(s: CoreState) -> None:
+    """Every offset of every open range that is not a record of its own, failed as a
+    recovery (the journal that held the batch's noted failures was lost)."""
+    log.warning(
+        "the journal could not be read whole, so failures noted for the %d open batch "
+        "ranges may be lost: every record of them is replayed (duplicates, nothing lost)",
+        len(s.ranges),
+    )
+    for r in list(s.ranges.by_number.values()):
+        offsets = np.arange(r.start, r.end, dtype=np.int64)
+        if r.materialized:
+            offsets = np.setdiff1d(offsets, np.fromiter(r.materialized, np.int64))
+        if not len(offsets):
+            continue
+        keys = encode(r.number, r.start, offsets)
+        materialize(s, keys)
+        pending, seqs = s.acker.lookup("seq", keys)
+        if bool(pending.any()):
+            requeue(s, keys[pending], seqs[pending], FailCause.RECOVERY)

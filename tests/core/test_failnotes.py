@@ -1,0 +1,255 @@
+"""Failures of batch-range rows noted at their FAIL and applied together
+(ftlayer.core.failnotes): what a batch's tasks fail is failed exactly as `fail` would
+have failed it, never completed by its barrier, and survives a kill of the process
+through the journal; a machine restart replays the open batches whole."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from manual_clock import Clock
+
+from ftlayer import rangeroots
+from ftlayer.causes import Cause, FailKind
+from ftlayer.core import FTLayer
+from ftlayer.core.failnotes import NOTE_MAX_AGE_S
+from ftlayer.core.journal import Journal
+from ftlayer.core.retries import RetryPolicy
+from ftlayer.persistence import LmdbStorage
+from ftlayer.registration import SourceRegistration
+
+SOURCE = 9
+TOPIC = "orders"
+START = 1000
+FAILED = Cause(FailKind.EXPLICIT, "enrich", "FailException: no")
+
+
+class Server:
+    """An FT layer as the server runs it (LMDB, a journal), killed without warning."""
+
+    def __init__(self, data: Path, backoff_ms: int = 0, wall: Clock | None = None) -> None:
+        self.data, self.backoff_ms = data, backoff_ms
+        self.wall = wall or Clock(5000.0)
+        self.clock = Clock()
+        self.storage = LmdbStorage(data / "store")
+        self.ft = FTLayer(
+            self.storage,
+            timeout_s=30,
+            clock=self.clock,
+            wall_clock=self.wall,
+            seed=1,
+            defer_deletes=True,
+            journal=Journal(data / "journal"),
+        )
+        policy = RetryPolicy(5, backoff_ms, max(backoff_ms, 1))
+        self.ft.register_source(
+            SourceRegistration(SOURCE, "forward", 4, retry=policy, completion="barrier")
+        )
+
+    def kill(self) -> None:
+        assert self.ft.journal is not None
+        self.ft.journal.close()
+        self.storage.close()
+
+    def restart(self) -> FTLayer:
+        self.kill()
+        self.__init__(self.data, self.backoff_ms, self.wall)  # type: ignore[misc]
+        return self.ft
+
+
+def _roots(number: int, offsets: list[int]) -> np.ndarray:
+    return rangeroots.encode(number, START, offsets)
+
+
+def _unfilled(ft: FTLayer) -> list[int]:
+    return sorted(ft.unfilled(SOURCE).records.offsets.tolist())
+
+
+def _replayed(ft: FTLayer) -> list[int]:
+    found = ft.fetch_replay(0, ft.replay_cursor_of(SOURCE), source_id=SOURCE)
+    return sorted(found.records.offsets.tolist())
+
+
+def _fill(ft: FTLayer) -> None:
+    wanted = ft.unfilled(SOURCE)
+    n = len(wanted)
+    ft.fill(
+        wanted.seqs,
+        [b"r%d" % o for o in wanted.records.offsets.tolist()],
+        np.ones(n, dtype=np.bool_),
+        (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_)),
+    )
+
+
+def test_a_batch_s_failures_are_noted_then_failed_together_and_never_completed(
+    tmp_path: Path,
+) -> None:
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    # Two tasks' FAILs: answered with the count `fail` gives, nothing failed yet.
+    assert ft.note_failures(_roots(number, [1003, 1007, 1003]), FAILED) == 2
+    assert ft.note_failures(_roots(number, [1050]), FAILED) == 1
+    assert ft.has_noted and _unfilled(ft) == []
+    assert ft.current_stats().failed["explicit"] == 0
+    # The barrier: the noted rows are failed first, so they are not completed.
+    assert ft.complete_ranges([SOURCE], {TOPIC: {1: START + 100}}) == 97
+    assert not ft.has_noted
+    assert ft.current_stats().failed["explicit"] == 3
+    assert _unfilled(ft) == [1003, 1007, 1050]
+    _fill(ft)
+    assert _replayed(ft) == [1003, 1007, 1050]
+
+
+def test_a_fail_that_names_a_noted_row_again_meets_it_failed(tmp_path: Path) -> None:
+    """As with `fail`: a second event for a row is late (it was failed under a new
+    root), and the rest of its FAIL is failed at once."""
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    assert ft.note_failures(_roots(number, [1001, 1002]), FAILED) == 2
+    assert ft.note_failures(_roots(number, [1002, 1009]), FAILED) == 1  # 1002: late
+    assert not ft.has_noted
+    assert _unfilled(ft) == [1001, 1002, 1009]
+
+
+def test_noted_failures_survive_a_kill_and_are_failed_by_the_recovery(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1010, 1020]), FAILED)
+    ft.note_failures(_roots(number, [1030]), Cause(FailKind.SINK, "sink", "refused"))
+    ft = server.restart()  # killed before any request applied them
+    assert _unfilled(ft) == [1010, 1020, 1030]
+    assert ft.complete_ranges([SOURCE], {TOPIC: {1: START + 100}}) == 97
+    # Their causes came back with them (the dead-letter and log lines name them).
+    causes = {ft.retry_record(int(s)).last_cause.kind for s in ft.unfilled(SOURCE).seqs}
+    assert causes == {FailKind.EXPLICIT, FailKind.SINK}
+    # Applied once: a second kill does not fail them again.
+    ft = server.restart()
+    assert _unfilled(ft) == [1010, 1020, 1030]
+
+
+def test_notes_applied_before_a_kill_are_not_applied_again(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1010, 1020]), FAILED)
+    assert ft.apply_noted() == 2
+    ft = server.restart()
+    assert _unfilled(ft) == [1010, 1020]
+    assert len(ft.storage) == 2  # one stored record each, not two
+    # The range completes and its number is used again (by another partition's batch,
+    # at the same offsets): the old notes must not name its rows.
+    assert ft.complete_ranges([SOURCE], {TOPIC: {1: START + 100}}) == 98
+    ft.flush_staged()
+    ft = server.restart()
+    (again,) = ft.register_ranges([(SOURCE, TOPIC, 2, START, START + 100)])
+    assert again == number
+    ft = server.restart()
+    assert ft.unfilled(SOURCE).records.partitions.tolist() == [1, 1]
+    assert ft.complete_ranges([SOURCE], {TOPIC: {2: START + 100}}) == 100
+
+
+def test_after_a_machine_restart_the_open_batches_are_replayed_whole(tmp_path: Path) -> None:
+    """The journal written before the reboot may have lost its notes: every row of an
+    open range that is not a record yet is failed ("recovery": duplicates, nothing
+    lost)."""
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 40)])
+    ft.fail(_roots(number, [1005]), FAILED)  # applied: a record of its own
+    ft.note_failures(_roots(number, [1006]), FAILED)
+    server.kill()
+    (tmp_path / "journal" / "boot_id").write_text("another-boot")
+    ft = Server(tmp_path).ft
+    assert _unfilled(ft) == list(range(START, START + 40))
+    # 39 rows of the range, and the stored record (replayed as every stored one is).
+    assert ft.current_stats().failed["recovery"] == 40
+    assert ft.complete_ranges([SOURCE], {TOPIC: {1: START + 40}}) == 0
+
+
+def test_a_record_s_backoff_counts_from_its_fail_not_from_when_it_was_applied(
+    tmp_path: Path,
+) -> None:
+    wall = Clock(5000.0)
+    server = Server(tmp_path, backoff_ms=1000, wall=wall)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001, 1002]), FAILED)
+    wall.now += 0.95
+    ft.apply_noted()
+    _fill(ft)
+    wall.now = 5001.0  # a backoff of at most 1 s after the FAIL has ended
+    ft.tick()
+    assert _replayed(ft) == [1001, 1002]
+
+
+def test_a_tick_applies_notes_no_request_applied(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001]), FAILED)
+    ft.tick()
+    assert ft.has_noted  # not yet a second old
+    server.clock.now += NOTE_MAX_AGE_S
+    ft.tick()
+    assert not ft.has_noted and _unfilled(ft) == [1001]
+
+
+def test_without_a_journal_to_write_a_fail_is_applied_at_once(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001]), FAILED)
+    journal = ft.journal
+    assert journal is not None and journal._fd is not None
+    os.close(journal._fd)  # the next write fails, as on a full disk
+    assert ft.note_failures(_roots(number, [1002]), FAILED) == 1
+    assert not ft.has_noted  # the note's write broke the journal: all applied
+    assert _unfilled(ft) == [1001, 1002]
+    assert ft.note_failures(_roots(number, [1003]), FAILED) == 1
+    assert not ft.has_noted and _unfilled(ft) == [1001, 1002, 1003]
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    fails=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 29), min_size=1, max_size=8),
+            st.sampled_from([FailKind.EXPLICIT, FailKind.SINK]),
+            st.booleans(),  # a request of another kind comes after it (STATUS)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    kill=st.booleans(),
+)
+def test_noting_fails_as_failing_at_once_does(
+    tmp_path_factory: object, fails: list[tuple[list[int], FailKind, bool]], kill: bool
+) -> None:
+    """Any FAILs of a batch, noted (and applied between requests, or recovered after a
+    kill) or failed at once: the same answers, and the same records failed."""
+    base = tmp_path_factory.mktemp("notes")  # type: ignore[attr-defined]
+    noted, direct = Server(base / "noted"), Server(base / "direct")
+    ranges = [(SOURCE, TOPIC, 1, START, START + 30)]
+    (number,) = noted.ft.register_ranges(ranges)
+    assert direct.ft.register_ranges(ranges) == [number]
+    for offsets, kind, then_apply in fails:
+        roots = _roots(number, [START + o for o in offsets])
+        cause = Cause(kind, "step", "error")
+        assert noted.ft.note_failures(roots, cause) == direct.ft.fail(roots, cause)
+        if then_apply:
+            noted.ft.apply_noted()
+    ft = noted.restart() if kill else noted.ft
+    done = ft.complete_ranges([SOURCE], {TOPIC: {1: START + 30}})
+    assert done == direct.ft.complete_ranges([SOURCE], {TOPIC: {1: START + 30}})
+    assert _unfilled(ft) == _unfilled(direct.ft)
+    noted.kill()
+    direct.kill()
