@@ -94,6 +94,12 @@ from .stats import FTStats
 #: so a running query never waits for this; a tick queues for those that do not ask.
 RELEASE_AFTER_S: Final = 1.0
 
+#: A barrier that completes at most this many stored records (a batch's replays)
+#: stages their deletes, which then ride on the store's next write (the next batch's
+#: BATCH_RANGES, as the completed ranges' own deletes do) instead of waking the
+#: server's deleter for a transaction of their own; more go to the deleter.
+BARRIER_DELETES_STAGED_MAX: Final = 4096
+
 __all__ = ["CompletionListener", "FTLayer", "PersistTicket", "StoreFigures"]
 
 
@@ -562,8 +568,12 @@ class FTLayer:
     ) -> int:
         """The batches of `source_ids` are done up to the barrier `kafka`: their open
         ranges wholly below it complete. Returns how many records completed."""
-        failnotes.apply(self._s)  # a noted offset is failed, not completed
-        return ranges.complete(self._s, source_ids, kafka)
+        s = self._s
+        failnotes.apply(s)  # a noted offset is failed, not completed
+        completed = ranges.complete(s, source_ids, kafka)
+        if 0 < s.persistence.marked <= BARRIER_DELETES_STAGED_MAX:
+            s.storage.stage_deletes(s.persistence.take_marked())
+        return completed
 
     @property
     def open_ranges(self) -> int:

@@ -483,3 +483,28 @@ def test_first_failures_are_one_retry_entry_until_each_changes_or_goes(tmp_path:
     restored = ft.retry_record(seq_of[3])
     assert restored is not None and restored.attempts == 2
     storage.close()
+
+
+def test_a_barrier_s_completed_replays_leave_the_store_with_the_next_batch_s_ranges(
+    tmp_path: Path,
+) -> None:
+    """A server's barrier stages the deletes of the few stored records it completed
+    (a batch's replays): they ride on the next batch's BATCH_RANGES commit, so its
+    deleter needs no transaction of its own."""
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = FTLayer(storage, timeout_s=30, clock=Clock(), wall_clock=Clock(1000.0), seed=1,
+                 defer_deletes=True)  # fmt: skip
+    ft.register_source(SourceRegistration(SOURCE, "forward", 4, completion="barrier"))
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 10)])
+    ft.fail(rangeroots.encode(number, 0, [2, 7]), FAILED)
+    _fill_all(ft)
+    assert ft.complete_ranges([SOURCE], {TOPIC: {0: 10}}) == 8
+    ft.batch_began([SOURCE])  # the next batch takes the replays in
+    assert len(_replays(ft)) == 2 and len(storage) == 2
+    ft.release_barrier([SOURCE])  # its barrier completes them
+    ft.complete_ranges([SOURCE], {TOPIC: {0: 10}})
+    assert ft.persistence.marked == 0  # nothing for a deleter
+    assert len(ft) == 0 and len(storage) == 2  # staged, not committed yet
+    ft.register_ranges([(SOURCE, TOPIC, 0, 10, 20)])
+    assert len(storage) == 0
+    storage.close()
