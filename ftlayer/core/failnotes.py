@@ -26,6 +26,9 @@ Contract:
   is applied at once, with every earlier note (the broken journal's files are gone).
 - Once applied, the notes' end is journaled (`Journal.notes_applied`): a restart reads
   only the notes after it, so a note never names a range number used again since.
+  Notes are events after a state copy, not part of it: a copy that becomes the
+  journal's base writes the notes still pending into the segment it begins
+  (`journal_again`), so truncating the journal at that base drops none.
 - A killed server's notes are in its journal: recovery (`recover`) applies them again,
   for the offsets of open ranges that did not become records (applied before the
   crash, they did). After a machine restart the journal is not read (its tail may be
@@ -52,7 +55,7 @@ from .ranges import materialize
 from .state import CoreState, source_list
 from .stats import FailCause
 
-__all__ = ["NOTE_MAX_AGE_S", "apply", "due_in", "fresh", "note", "recover"]
+__all__ = ["NOTE_MAX_AGE_S", "apply", "due_in", "fresh", "journal_again", "note", "recover"]
 
 log = logging.getLogger("ftlayer.core")
 
@@ -79,10 +82,10 @@ def note(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None) -> int |
         return None
     causes = causes.take(first)
     at = s.wall()
+    s.changing()  # a state copy owed at a barrier is taken first (it rotates the journal)
     journal.note(keys, causes, at)
     if journal.broken is not None:  # not written: it must not wait in memory only
         return None
-    s.changing()
     if not s.noted:
         s.noted_since = s.clock()
     s.noted.append((keys, causes, at))
@@ -115,13 +118,29 @@ def fresh(s: CoreState, keys: NDArray[np.uint64]) -> NDArray[np.bool_]:
 def apply(s: CoreState) -> int:
     """Fail every noted root (one `fail`), then journal that they were applied;
     returns how many were pending. On an error the notes stay, to be applied again."""
-    if not s.noted:
+    notes, keys, since = s.noted, s.noted_keys, s.noted_since
+    if not notes:
         return 0
-    failed = fail(s, *_gathered(s.noted))
+    # Taken first: a state copy that `fail` takes (a change hook) sees none of them.
     s.noted, s.noted_keys, s.noted_since = [], set(), None
+    try:
+        failed = fail(s, *_gathered(notes))
+    except BaseException:
+        s.noted, s.noted_since = notes + s.noted, since
+        s.noted_keys |= keys
+        journal_again(s)  # a copy taken meanwhile may have ended their segment
+        raise
     if s.journal is not None:
         s.journal.notes_applied()
     return failed
+
+
+def journal_again(s: CoreState) -> None:
+    """Write the notes into the journal's segment again: called once the segment that
+    held them was ended by a state copy that does not hold them (a base)."""
+    if s.journal is not None:
+        for keys, causes, at in s.noted:
+            s.journal.note(keys, causes, at)
 
 
 def due_in(s: CoreState) -> float | None:

@@ -74,7 +74,6 @@ def state_snapshot(s: CoreState, *, journal_base: bool | None = None) -> dict[st
     of its record ("acker.*"), the replay queue ("queue.*"), the retry counts
     ("retries.*"), the open holds ("holds.*"), the prune points and the replay counter;
     with `journal_base` (None: when due), also what makes it the journal's base."""
-    failnotes.apply(s)  # noted failures go into the state (a base drops their segment)
     # The Kafka coordinates are in the stored record (by seq): not copied again.
     state = {f"acker.{name}": column for name, column in s.acker.snapshot("seq").items()}
     state.update({f"queue.{name}": column for name, column in s.queue.columns().items()})
@@ -97,6 +96,7 @@ def state_snapshot(s: CoreState, *, journal_base: bool | None = None) -> dict[st
         journal_base = journal_base_due(s)
     if s.journal is not None and journal_base:  # the base of the segment begun now
         state["journal.segment"] = np.array([s.journal.rotate()], dtype=np.uint64)
+        failnotes.journal_again(s)  # noted failures are events after it, not state
         # Records stored from here on are not in this state: a persist begun and not
         # ended may be storing some below the store's next seq (begin_persist).
         next_seq = min([s.storage.next_seq, *(t.floor for t in s.tickets)])

@@ -134,6 +134,20 @@ def test_noted_failures_survive_a_kill_and_are_failed_by_the_recovery(tmp_path: 
     assert _unfilled(ft) == [1010, 1020, 1030]
 
 
+def test_notes_pending_when_a_journal_base_truncates_the_journal_survive_a_kill(
+    tmp_path: Path,
+) -> None:
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1010, 1020]), FAILED)
+    ft.write_journal_base()  # the segment that held the notes is deleted
+    ft.note_failures(_roots(number, [1030]), FAILED)
+    assert ft.has_noted
+    ft = server.restart()
+    assert _unfilled(ft) == [1010, 1020, 1030]
+
+
 def test_notes_applied_before_a_kill_are_not_applied_again(tmp_path: Path) -> None:
     server = Server(tmp_path)
     ft = server.ft
