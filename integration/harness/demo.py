@@ -36,9 +36,9 @@ With `shards` N > 1 (2 by default with `cluster`), the FT layer is N `ftlayer se
 --shard I --shards N` processes, each on its own data dir and port, named in shard
 order by ft.address (`integration/harness/demoshards.py`); its figures are their sums.
 With `kill_shard` too, once a third of the events were persisted, the last shard is
-SIGKILLed between two micro-batches and started again on its data dir `outage_s`
-later (`ShardKill`: a batch in flight with failures of the dead shard's roots waits
-for it, and every other partition with it); meanwhile the source
+SIGKILLed right after a micro-batch was planned and started again on its data dir
+`outage_s` later (`ShardKill`: a batch being planned would wait for the dead shard,
+and every other partition with it); meanwhile the source
 holds back only that shard's partitions, and `completed_during_outage` counts the
 records the other shards completed (from their STATUS at the kill and at the restart).
 

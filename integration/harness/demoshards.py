@@ -10,7 +10,7 @@
   between its last answer and its death is counted nowhere, which is why `ShardKill`
   asks the victim once more right before the kill.
 - `ShardKill`: once a third of the events were persisted, SIGKILL the last shard
-  between two micro-batches (why then: its docstring), keep it down for `outage_s`,
+  right after a micro-batch was planned (why then: its docstring), keep it down for `outage_s`,
   then start it again on its data dir. The other shards' `completed`, sampled at the
   kill and at the restart, gives `completed_during_outage`: records of their partitions
   that completed while one shard was down (the source holds back only the dead
@@ -33,6 +33,10 @@ from ftlayer.integration.harness.ftprocess import FTServerProcess, ServerProcess
 from ftlayer.status import Status
 
 __all__ = ["ShardKill", "ShardSampler", "ShardTotals", "start_shards"]
+
+_PLANNED_WITHIN_S = 30.0
+"""A batch's planning (its STATUS, fills, ranges and barrier) takes well under this;
+past it the kill goes ahead without seeing the barrier."""
 
 _CUMULATIVE = ("persisted", "completed", "dead_lettered", "taken_over")
 """Counters since a server's start, summed over a restarted shard's lives."""
@@ -196,15 +200,18 @@ class ShardKill:
     """The kill of the last of several shards and its restart (module docstring).
 
     `watch(query)` starts a thread that kills the shard once a third of the events
-    were persisted (`step` feeds it the figures), at the end of a micro-batch (a new
-    progress, or the query waiting for its next trigger): a batch in flight whose tasks
-    fail records of the dead shard's partitions waits for it (in barrier mode a failure
-    must reach its shard before that shard's barrier completes the range, so a task's
-    flush waits for the shard, up to ft.reconnectTimeoutMs), and with it every other
-    partition; between batches, the next batch takes in only the live shards'
-    partitions. `step`, called by the demo's poll loop, starts the shard again once it
-    was down `outage_s`: on that loop's thread, never on a thread that ends, since a
-    server dies with the thread that started it (PDEATHSIG, `FTServerProcess`)."""
+    were persisted (`step` feeds it the figures), right after a batch was planned: when
+    a micro-batch ended (a new progress), once the next batch's barrier reached the
+    shard (its STATUS shows a newer checkpoint), or while the query waits for its next
+    trigger. Then nothing of the batch must reach the shard: its ranges are registered
+    and its barrier sent, and a failure its tasks send the dead shard is parked on
+    another (ftlayer.integration.source.cluster); the next batch takes in only the live
+    shards' partitions. A kill while a batch is planned would hold the batch, and every
+    partition with it, until the shard is back: the batch's offsets are in Spark's
+    offset log, so its ranges on that shard must be registered before any row of it.
+    `step`, called by the demo's poll loop, starts the shard again once it was down
+    `outage_s`: on that loop's thread, never on a thread that ends, since a server
+    dies with the thread that started it (PDEATHSIG, `FTServerProcess`)."""
 
     def __init__(
         self,
@@ -250,13 +257,33 @@ class ShardKill:
                 if self.stop.wait(0.02):
                     return
             seen = _batch_id(query)
+            barrier: int | None = None  # the shard's last checkpoint when a batch ended
+            planned_by = 0.0
             while not self.stop.wait(0.01):
-                waiting = str(query.status.get("message", "")).startswith("Waiting")
-                if waiting or _batch_id(query) != seen:
-                    self._kill()
-                    return
+                if str(query.status.get("message", "")).startswith("Waiting"):
+                    break  # no batch is planned now
+                if barrier is None:
+                    if _batch_id(query) != seen:  # the next batch is being planned
+                        barrier = self._last_barrier()
+                        planned_by = time.monotonic() + _PLANNED_WITHIN_S
+                elif self._last_barrier() != barrier or time.monotonic() > planned_by:
+                    break  # its barrier reached the shard: it was planned
+            else:
+                return
+            self._kill()
         except Exception as exc:  # handed to the demo's loop by `step`
             self.error = exc
+
+    def _last_barrier(self) -> int:
+        """The newest checkpoint the shard to kill knows, of any query (0: none)."""
+        status = self.sampler.refresh(self.victim)
+        if status is None:
+            raise ServerProcessError(f"shard {self.victim} of the FT layer did not answer STATUS")
+        ids = [0]
+        for q in status.checkpoints.values():
+            ids += [c.id for c in (*q.open, *q.recent)]
+            ids.append(q.last_complete_id or 0)
+        return max(ids)
 
     def _live_completed(self) -> int:
         total = 0
@@ -283,7 +310,8 @@ class ShardKill:
         self.kills = 1
         self._down_at = time.monotonic()
         self._say(
-            f"killed FT-layer shard {self.victim} (pid {pid}, SIGKILL) between two batches; "
+            f"killed FT-layer shard {self.victim} (pid {pid}, SIGKILL) right after a batch was "
+            "planned; "
             f"starting it again on its data dir in {self.outage_s:g} s"
         )
 

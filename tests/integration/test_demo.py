@@ -115,9 +115,10 @@ def test_demo_on_a_standalone_cluster_loses_nothing_when_a_worker_dies(tmp_path:
 def test_demo_on_two_shards_loses_nothing_when_one_is_killed_and_the_other_goes_on(
     tmp_path: Path,
 ) -> None:
-    """`ftlayer demo --shards 2 --kill-shard`: shard 1 SIGKILLed between two batches a
-    third of the way in, down `outage_s`, started again on its data dir; meanwhile shard
-    0's partitions go on completing (its STATUS at the kill and at the restart)."""
+    """`ftlayer demo --shards 2 --kill-shard`: shard 1 SIGKILLed a third of the way in,
+    right after a batch was planned, down `outage_s`, started again on its data dir;
+    meanwhile shard 0's partitions go on completing (its STATUS at the kill and at the
+    restart)."""
     outage_s = 5
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "ftlayer.cli", "demo", "--shards", "2", "--kill-shard"]
