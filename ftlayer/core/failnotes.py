@@ -10,7 +10,7 @@ process keeps it) and kept in memory, and the FAIL is answered. The notes are ap
 together (`apply`: ftlayer.core.failure.fail over all of them, one write) before
 anything reads or changes what they concern: at the server's next request of another
 kind (the driver's STATUS before it plans its next batch, at the latest its barrier),
-before ranges complete, before a state copy, or by a tick once the oldest note is
+before ranges complete, before a savepoint, or by a tick once the oldest note is
 NOTE_MAX_AGE_S old (no tick is due for them: nothing but a request sees them, and a
 request applies them first). Each failed record's backoff counts from its own FAIL.
 
