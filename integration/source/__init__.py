@@ -108,9 +108,11 @@ and the FT layer are retried with doubling backoff and then fail with SourceErro
 unreachable broker or FT layer is an error within seconds, not a hang.
 
 `maxOffsetsPerTrigger` caps the Kafka records of a batch, split over partitions in
-proportion to their backlog as Spark's Kafka source does (a partition with a backlog
-gets at least one record, so a batch may exceed the cap by fewer records than there
-are partitions); it also caps the number of replay seqs a batch takes in.
+proportion to their backlog: exactly that many when more wait (where Spark's Kafka
+source rounds each share down and leaves the difference to a batch of a few records of
+its own), and, as there, at least one record for each partition with a backlog, so a
+batch may exceed the cap by fewer records than there are partitions. It also caps the
+number of replay seqs a batch takes in.
 
 `ft.maxPendingRecords` (FT on) is flow control per source (and per shard), as Storm's
 max.spout.pending: a batch takes in new Kafka records of a topic only while its

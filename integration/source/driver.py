@@ -71,6 +71,7 @@ from .refetch import read_at, refetch_consumer
 from .rewind import Rewind, no_group, plan_rewind, same_stores
 
 T = TypeVar("T")
+_K = TypeVar("_K", int, tuple[str, int])  # share_out: a partition, or (topic, partition)
 
 Offset = dict[str, Any]
 """A position (ftlayer.position) in its JSON form, as Spark's offset log holds it."""
@@ -281,10 +282,11 @@ class SourceDriver:
         return position
 
     def limited(self, start: Offset, available: Offset, max_rows: int | None) -> Offset:
-        """`available`, cut to at most `max_rows` Kafka records split over partitions
-        in proportion to their backlog (Spark's KafkaMicroBatchStream.rateLimit), and
-        at most `max_rows` replay seqs; with FT on, then cut by ft.maxPendingRecords
-        (see the module docstring)."""
+        """`available`, cut to `max_rows` Kafka records split over partitions in
+        proportion to their backlog (`share_out`; a partition with a backlog gets at
+        least one, as in Spark's KafkaMicroBatchStream.rateLimit), and at most
+        `max_rows` replay seqs; with FT on, first cut by ft.maxPendingRecords (see the
+        module docstring)."""
         now, first = self.parse(available), self.parse(start)
         ends, starts, cursors = now.offsets(), first.kafka, now.cursors
         if self.options.ft_on:
@@ -297,12 +299,11 @@ class SourceDriver:
             for p, end in partitions.items()
             if p in starts.get(t, {}) and end > starts[t][p]
         }
-        total = sum(sizes.values())
-        if total > 0:
-            for (t, p), size in sizes.items():
-                share = max_rows * (size / total)
-                share_rows = int(np.ceil(share)) if share < 1 else int(share)
-                ends[t][p] = min(ends[t][p], starts[t][p] + share_rows)
+        # Exactly max_rows in all when the backlog exceeds it (the records rounding down
+        # leaves go to the largest remainders; Spark's Kafka source leaves them to a
+        # batch of their own), and at least one for each partition with a backlog.
+        for (t, p), share in share_out(max_rows, sizes).items():
+            ends[t][p] = min(ends[t][p], starts[t][p] + max(share, 1))
         if cursors is not None and first.cursors is not None:
             cursors = tuple(  # a rewound shard's cursor counts in another store
                 min(at, before + max_rows) if same else at
@@ -832,7 +833,7 @@ class SourceDriver:
         return copied
 
 
-def share_out(budget: int, backlog: Mapping[int, int]) -> dict[int, int]:
+def share_out(budget: int, backlog: Mapping[_K, int]) -> dict[_K, int]:
     """At most `budget` records over partitions with these backlogs: every backlog if
     they fit; otherwise each partition's share in proportion to its backlog, rounded
     down, and the records left one each to the largest remainders (ties: the lower

@@ -156,8 +156,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "maxOffsetsPerTrigger",
         "integer",
         "at most this many Kafka records per batch, split over partitions in proportion to "
-        "their backlog (a partition with a backlog gets at least one), and at most this many "
-        "replay seqs",
+        "their backlog (exactly this many when more wait; a partition with a backlog gets "
+        "at least one), and at most this many replay seqs",
         minimum=1,
     ),
     Option(

@@ -34,12 +34,13 @@ from ftlayer.errors import ConfigError
 from ftlayer.integration.ftcolumns import FTSettings
 from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.sinks import ft_foreach_batch
-from ftlayer.integration.source.driver import share_out
+from ftlayer.integration.source.driver import SourceDriver, share_out
 from ftlayer.integration.source.options import (
     DEFAULT_MAX_PENDING_RECORDS,
     parse_options,
     source_id,
 )
+from ftlayer.position import Position
 
 BASE = {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "ft.address": "h:2"}
 
@@ -89,6 +90,37 @@ def test_shares_add_up_to_the_budget_and_never_pass_a_backlog(
     total = sum(backlog.values())
     if budget < total:  # proportional: each share within one record of its exact part
         assert all(abs(shares[p] - budget * backlog[p] / total) < 1 for p in backlog)
+
+
+@given(
+    st.integers(1, 10_000),
+    st.lists(st.integers(0, 5_000), min_size=1, max_size=12),
+)
+def test_max_offsets_per_trigger_takes_exactly_that_many_when_more_wait(
+    max_rows: int, backlog: list[int]
+) -> None:
+    """A batch takes `maxOffsetsPerTrigger` records when more wait (Spark's Kafka
+    source rounds each partition's share down, leaving a few records to a batch of
+    their own), at least one of each partition with a backlog, and no more than a
+    partition holds."""
+    parsed = parse_options({"kafka.bootstrap.servers": "h:1", "subscribe": "t"})  # FT off
+    driver = SourceDriver(parsed, parsed.source_ids())
+    starts = {"t": {p: 1_000 * p for p in range(len(backlog))}}
+    ends = {"t": {p: 1_000 * p + n for p, n in enumerate(backlog)}}
+    cut = Position.parse(
+        driver.limited(
+            Position.at(starts, None).to_json(), Position.at(ends, None).to_json(), max_rows
+        ),
+        need_replay=False,
+    ).kafka["t"]
+    taken = [cut[p] - starts["t"][p] for p in range(len(backlog))]
+    waiting = [n for n in backlog if n]
+    assert all(0 <= got <= n for got, n in zip(taken, backlog, strict=True))
+    assert all(got >= 1 for got, n in zip(taken, backlog, strict=True) if n)
+    if sum(backlog) <= max_rows:
+        assert taken == backlog
+    else:
+        assert max_rows <= sum(taken) < max_rows + len(waiting)
 
 
 # ---- a stalled sink ----------------------------------------------------------------------
