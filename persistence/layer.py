@@ -80,9 +80,16 @@ class PersistenceLayer:
         returns the storage seqs. With defer_deletes, the records marked for deletion go
         with it (`stage_deletes`: the LMDB store deletes them in the batch's
         transaction, one commit and one fsync for both)."""
-        if self._marked:
-            self.storage.stage_deletes(self.take_marked())
+        self.stage_marked()
         return self.storage.put(batch, meta)
+
+    def stage_marked(self, at_most: int | None = None) -> None:
+        """Stage the deletes of the records marked for deletion (defer_deletes), so the
+        store's next write transaction commits them; nothing when more than `at_most`
+        are marked (they are the deleter's)."""
+        marked = self.marked
+        if marked and (at_most is None or marked <= at_most):
+            self.storage.stage_deletes(self.take_marked())
 
     def locators(self, batch: RecordBatch) -> dict[str, NDArray[Any]]:
         """The locator columns of a batch, but its seqs (set once stored)."""

@@ -47,12 +47,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, Causes
-from ftlayer.rangeroots import decode, encode, is_range_root
+from ftlayer.rangeroots import encode, is_range_root
 
 from .failure import fail, requeue
 from .journal import JournalState
+from .rangefail import fresh_rows
 from .ranges import materialize
-from .state import CoreState, source_list
+from .state import CoreState
 from .stats import FailCause
 
 __all__ = ["NOTE_MAX_AGE_S", "apply", "due_in", "fresh", "journal_again", "note", "recover"]
@@ -95,23 +96,14 @@ def note(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None) -> int |
 
 def fresh(s: CoreState, keys: NDArray[np.uint64]) -> NDArray[np.bool_]:
     """Per root: a range root of an open range whose offset is neither materialized
-    nor noted."""
-    ok = is_range_root(keys)
-    if not bool(ok.all()):
-        return ok
-    numbers, deltas = decode(keys)
+    (rangefail.fresh_rows) nor noted."""
+    ok = np.zeros(len(keys), dtype=np.bool_)
+    ranged = np.flatnonzero(is_range_root(keys))
+    if len(ranged):
+        ok[fresh_rows(s, keys, ranged)[0]] = True
     noted = s.noted_keys
-    for number in source_list(numbers):  # usually one range
-        rows = np.flatnonzero(numbers == number)
-        r = s.ranges.by_number.get(number)
-        if r is None:
-            ok[rows] = False
-            continue
-        done, size = r.materialized, len(r)
-        ok[rows] = [
-            delta < size and (r.start + delta) not in done and key not in noted
-            for delta, key in zip(deltas[rows].tolist(), keys[rows].tolist(), strict=True)
-        ]
+    if noted:
+        ok &= np.fromiter((k not in noted for k in keys.tolist()), np.bool_, len(keys))
     return ok
 
 

@@ -571,8 +571,7 @@ class FTLayer:
         s = self._s
         failnotes.apply(s)  # a noted offset is failed, not completed
         completed = ranges.complete(s, source_ids, kafka)
-        if 0 < s.persistence.marked <= BARRIER_DELETES_STAGED_MAX:
-            s.storage.stage_deletes(s.persistence.take_marked())
+        s.persistence.stage_marked(at_most=BARRIER_DELETES_STAGED_MAX)
         return completed
 
     @property

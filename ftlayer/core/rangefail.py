@@ -42,7 +42,7 @@ from .retries import FreshGroup, RetryRecord
 from .state import CoreState, source_list
 from .stats import FailCause
 
-__all__ = ["fail_fresh"]
+__all__ = ["fail_fresh", "fresh_rows"]
 
 _WAIT: Final = 1  # faillog's WAITING
 _QUEUE: Final = 0  # faillog's QUEUED: unrouted until the key is known
@@ -63,7 +63,7 @@ def fail_fresh(
     ranged = np.flatnonzero(is_range_root(keys))
     if not len(ranged):
         return taken
-    rows, ranges, which, offsets = _fresh_rows(s, keys, ranged)
+    rows, ranges, which, offsets = fresh_rows(s, keys, ranged)
     if not len(rows):
         return taken
     # Fates: only rows whose first failure leaves them a replay.
@@ -161,7 +161,7 @@ def fail_fresh(
     return taken
 
 
-def _fresh_rows(
+def fresh_rows(
     s: CoreState, keys: NDArray[np.uint64], ranged: NDArray[np.intp]
 ) -> tuple[NDArray[np.intp], list[BatchRange], NDArray[np.intp], NDArray[np.int64]]:
     """The rows of `keys` (among `ranged`) naming an offset of an open range that is
