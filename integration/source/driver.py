@@ -47,7 +47,7 @@ from functools import partial
 from typing import Any, Final, TypeVar
 
 import numpy as np
-from kafka import KafkaProducer, TopicPartition
+from kafka import TopicPartition
 from kafka.errors import KafkaError
 from numpy.typing import NDArray
 
@@ -56,12 +56,12 @@ from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import BriefStatus, CheckpointReport, Status
-from ftlayer.wire import DeadLetterList, UnfilledList
+from ftlayer.wire import UnfilledList
 
 from .cluster import CheckpointAnswers, ShardClients, ShardMap, brief_status
 from .columnar import probe_consumer
-from .deadletters import dead_letter_messages, deliverable
-from .groups import SECURITY, ConsumerGroup
+from .deadletters import DeadLetterDelivery
+from .groups import ConsumerGroup
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .kafkaread import new_consumer
 from .options import SourceOptions
@@ -83,7 +83,6 @@ _DRIVER_TIMEOUT_MS: Final = 1500
 # _ends polls in short slices: a probe poll returns no record, so poll() would wait out
 # its whole timeout, fetching the same batch again and again meanwhile.
 _PROBE_POLL_MS: Final = 2
-_DELIVER_CHUNK: Final = 500  # dead letters per DEAD_LETTERS request and producer flush
 _FILL_CHUNK: Final = 10_000  # failed records per UNFILLED request and Kafka read
 
 
@@ -103,12 +102,11 @@ class SourceDriver:
         """Per topic: its source's pending roots on each shard at the last `available`
         (FT on)."""
         self._held: set[tuple[str, int]] = set()  # (topic, shard)s flow control holds back
-        self._producer: Any = None
-        self._next_delivery = 0.0
         self._server_timeout_s: float | None = None  # the server's T, from its STATUS
         self._heartbeats: list[Heartbeat] = []
         self._cursors: tuple[int, ...] = ()  # each shard's replay cursor, as last read
         self.parking = Parking(self.shards)
+        self.dead_letters = DeadLetterDelivery(options, self.shards, source_ids, self._timeout_ms())
 
     # ---- lifecycle ----
 
@@ -129,7 +127,7 @@ class SourceDriver:
         self._drop_consumer()
         self._drop_refetcher()
         self.group.close()
-        self._drop_producer()
+        self.dead_letters.close()
         self.shards.close()
 
     # ---- offsets ----
@@ -484,86 +482,9 @@ class SourceDriver:
     # ---- dead letters ----
 
     def deliver_dead_letters(self, *, every_s: float = 1.0) -> int:
-        """With ft.deadLetterTopic: write this query's dead letters to the topic, and
-        once the broker confirmed them, have the FT layer delete them (at most once per
-        `every_s`), shard by shard. Returns how many were delivered. A failure is logged
-        and retried at the next call: the dead letters stay in the FT layer's store
-        meanwhile."""
-        topic = self.options.dead_letter_topic
-        now = time.monotonic()
-        if topic is None or not self.options.ft_on or now < self._next_delivery:
-            return 0
-        self._next_delivery = now + every_s
-        delivered = 0
-        for shard in range(self.shards.count):
-            if shard in self.shards.down:
-                continue
-            try:
-                for source_id in sorted(set(self.source_ids.values())):
-                    delivered += self._deliver_source(topic, shard, source_id)
-            except (SourceError, KafkaError, OSError) as exc:
-                self._drop_producer()
-                log.warning(
-                    "could not write dead letters of %s to topic %r (retried at the next "
-                    "batch; they stay in the FT layer's store meanwhile): %r",
-                    self.shards.where(shard),
-                    topic,
-                    exc,
-                )
-        return delivered
-
-    def _deliver_source(self, topic: str, shard: int, source_id: int) -> int:
-        delivered = 0
-        while True:
-            # One connection attempt: this runs before the trigger's STATUS notices a
-            # shard that just died, and waiting for it would hold up every partition.
-            listed = self.shards.quick(
-                shard, "read the dead letters", partial(_list_dead, source_id)
-            )
-            rows = deliverable(listed.letters, listed.records)
-            if not rows:  # none, or only records whose bytes are still to be copied in
-                return delivered
-            letters = [listed.letters[i] for i in rows]
-            producer = self._dead_letter_producer()
-            messages = dead_letter_messages(letters, listed.records.take(np.array(rows)))
-            futures = [
-                producer.send(topic, key=key, value=value, headers=headers)
-                for key, value, headers in messages
-            ]
-            producer.flush(timeout=self._timeout_ms() * 4 / 1000)
-            confirmed = [
-                letter["seq"]
-                for letter, future in zip(letters, futures, strict=True)
-                if future.is_done and future.succeeded()
-            ]
-            if confirmed:
-                self.shards.call(
-                    shard, "mark dead letters delivered", partial(_delivered, confirmed)
-                )
-                delivered += len(confirmed)
-            if len(rows) < len(listed.letters):  # the rest after their bytes are copied
-                return delivered
-            if len(confirmed) < len(letters):
-                failed = next(f for f in futures if not (f.is_done and f.succeeded()))
-                raise KafkaError(f"the broker did not confirm a dead letter: {failed.exception}")
-            if not listed.more:
-                return delivered
-
-    def _dead_letter_producer(self) -> Any:
-        if self._producer is None:
-            self._producer = KafkaProducer(
-                bootstrap_servers=self.options.bootstrap,
-                acks="all",
-                max_request_size=64 * 1024 * 1024,
-                **{k: v for k, v in self.options.kafka_config.items() if k in SECURITY},
-            )
-        return self._producer
-
-    def _drop_producer(self) -> None:
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            with contextlib.suppress(Exception):
-                producer.close(timeout=0)
+        """With ft.deadLetterTopic: write this query's dead letters to the topic
+        (.deadletters.DeadLetterDelivery). Returns how many were delivered."""
+        return self.dead_letters.deliver(every_s=every_s)
 
     # ---- Kafka ----
 
@@ -756,10 +677,13 @@ class SourceDriver:
     def _filled(self, shard: int, status: BriefStatus) -> BriefStatus:
         """A shard's STATUS, once the bytes of its sources' failed records stored by
         reference were copied in (records copied in may be queued then, a batch range's
-        routed by the key they brought, and this batch takes them in)."""
+        routed by the key they brought, and this batch takes them in): the reply of the
+        last FILL, which carries it."""
         unfilled = [s for s in sorted(set(self.source_ids.values())) if status.unfilled_of(s)]
-        if unfilled and self.fill_failed(unfilled, shard):
-            status = self.shards.call(shard, "read the replay cursor", brief_status)
+        if unfilled:
+            _, after = self._fill_shard(unfilled, shard)
+            if after is not None:
+                status = after
         return status
 
     def open_ranges(self, parts: list[FTKafkaPartition]) -> list[FTKafkaPartition]:
@@ -795,7 +719,12 @@ class SourceDriver:
         and the rest waits for the next trigger."""
         if shard is None:
             return sum(self.fill_failed(source_ids, s) for s in range(self.shards.count))
-        copied = 0
+        return self._fill_shard(source_ids, shard)[0]
+
+    def _fill_shard(self, source_ids: list[int], shard: int) -> tuple[int, BriefStatus | None]:
+        """`fill_failed` on one shard; also the brief STATUS the last FILL answered with
+        (None: no FILL was made)."""
+        copied, status = 0, None
         for source_id in source_ids:
             while True:
                 listed = self.shards.call(
@@ -812,8 +741,8 @@ class SourceDriver:
                         "them into the FT layer (tried again at the next trigger): %r",
                         len(listed), source_id, exc,
                     )  # fmt: skip
-                    return copied
-                self.shards.call(
+                    return copied, status
+                status = self.shards.call(
                     shard,
                     "copy failed records into the FT layer",
                     partial(_fill, listed.seqs, found, payloads, keys),
@@ -830,7 +759,7 @@ class SourceDriver:
                     )  # fmt: skip
                 if len(listed) < _FILL_CHUNK:
                     break
-        return copied
+        return copied, status
 
 
 def share_out(budget: int, backlog: Mapping[_K, int]) -> dict[_K, int]:
@@ -868,16 +797,8 @@ def _fill(
     payloads: list[bytes],
     keys: tuple[NDArray[np.int64], NDArray[np.bool_]],
     client: FTClient,
-) -> int:
-    return client.fill(seqs, found, payloads, keys)
-
-
-def _list_dead(source_id: int, client: FTClient) -> DeadLetterList:
-    return client.dead_letters({"source_id": source_id}, _DELIVER_CHUNK)
-
-
-def _delivered(seqs: list[int], client: FTClient) -> int:
-    return client.dead_letter_op("delivered", {"seqs": seqs})
+) -> BriefStatus:
+    return client.fill_with_status(seqs, found, payloads, keys)
 
 
 class _NoFetchResponse(Exception):

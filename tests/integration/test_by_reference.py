@@ -15,6 +15,7 @@ from fixture_types import MakeTopic
 from kafka import KafkaAdminClient
 from serverproc import Server
 
+from ftlayer import rangeroots
 from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
@@ -24,6 +25,7 @@ from ftlayer.integration.source.driver import SourceDriver
 from ftlayer.integration.source.options import SourceOptions
 from ftlayer.integration.source.reader import FTKafkaPartition, read_partition
 from ftlayer.payloads import decode_payloads
+from ftlayer.wire import Kind
 
 N = 12
 
@@ -112,6 +114,34 @@ def test_the_driver_copies_failed_records_in_and_dead_letters_those_kafka_lost(
     finally:
         driver.close()
         client.close()
+
+
+def test_a_trigger_plans_the_rows_it_copied_in_from_the_fill_s_answer(
+    kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
+) -> None:
+    """Failed rows of a barrier-mode batch range wait for their bytes and keys (their
+    replay partition) before they are queued; the driver's next trigger copies them in,
+    which queues them (no backoff here), and the batch it plans takes them in: the
+    replay cursor in its offsets covers them. The cursor comes from the brief STATUS
+    the FILL answers with: one STATUS, one UNFILLED and one FILL, not a STATUS more."""
+    topic, _, source_id, client, driver, where = _setup(kafka_bootstrap, make_topic, ft_server)
+    try:
+        (number,) = client.register_ranges([(source_id, topic, 0, 0, 3)])
+        failing = rangeroots.encode(number, 0, [0, 2])
+        client.fail(failing, Cause(FailKind.EXPLICIT, "enrich", "FailException: no"))
+        assert client.status().unfilled == 2
+        sent = driver.shards.call(0, "count", lambda c: c.requests_sent.copy())
+        offset = driver.available(None)
+        sent = driver.shards.call(0, "count", lambda c: c.requests_sent - sent)
+        cursor = driver.parse(offset).cursors[0]
+        replay = client.fetch_replay(0, cursor, source_id)
+    finally:
+        driver.close()
+        client.close()
+    on_0 = {o: i for i, (p, o) in enumerate(where) if p == 0}
+    _, values, _, _ = decode_payloads(replay.records.payloads)
+    assert sorted(values.to_pylist()) == sorted(b"value-%d" % on_0[o] for o in (0, 2))
+    assert (sent[Kind.STATUS], sent[Kind.UNFILLED], sent[Kind.FILL]) == (1, 1, 1)
 
 
 def test_a_failed_record_whose_topic_was_made_again_is_a_dead_letter_at_once(
