@@ -697,9 +697,9 @@ def _pipeline_section(benches: Mapping[str, Mapping[str, Any]], drawn: set[str])
         yield ""
         yield (
             "| batch size | FT off records/s | tree records/s | barrier records/s | "
-            "tree / off | barrier / off | off / consumer |"
+            "tree / off | barrier / off | off / consumer | rounds |"
         )
-        yield "|---|---|---|---|---|---|---|"
+        yield "|---|---|---|---|---|---|---|---|"
         for size, row in sorted(fast.get("batch_sizes", {}).items(), key=lambda x: int(x[0])):
             keys = (
                 "ft_off_records_per_s",
@@ -708,6 +708,7 @@ def _pipeline_section(benches: Mapping[str, Mapping[str, Any]], drawn: set[str])
                 "ratio_tree_vs_off",
                 "ratio_barrier_vs_off",
                 "ratio_off_vs_consumer",
+                "rounds",
             )
             yield f"| {int(size):,} | " + " | ".join(_text(row.get(k)) for k in keys) + " |"
 

@@ -217,7 +217,6 @@ class FTClient:
         """Connections opened so far (handshake done): replies got while it stays the
         same came over one connection, from one server process and its one store."""
         self._whole_status_only = False  # the server refused the brief STATUS once
-        self._fill_then_status = False  # the server refused FILL's status flag once
 
     # ---- FTChannel ---------------------------------------------------------------
 
@@ -538,35 +537,6 @@ class FTClient:
             return encode_fill(rid, seqs, found, payloads, keys, max_frame=self.max_frame)
 
         return decode_ok(self._call(encode, Kind.OK, retry=True)).count
-
-    def fill_with_status(
-        self,
-        seqs: NDArray[np.uint64],
-        found: NDArray[np.bool_],
-        payloads: Sequence[bytes],
-        keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
-    ) -> BriefStatus:
-        """`fill`, answered with the brief STATUS taken right after it (one round trip
-        where a source's driver would make two). A server that predates the flag
-        refuses it (ERROR 1, MalformedFrame); this client then fills and asks for the
-        STATUS apart, and keeps doing so."""
-        if not self._fill_then_status:
-
-            def encode(rid: int) -> bytes:
-                return encode_fill(
-                    rid, seqs, found, payloads, keys, with_status=True, max_frame=self.max_frame
-                )
-
-            try:
-                frame = self._call(encode, Kind.STATUS_REPLY, retry=True)
-            except MalformedFrame:
-                self._fill_then_status = True
-            else:
-                brief = BriefStatus.from_json(decode_status_reply(frame).status)
-                self.store_id = brief.store_id
-                return brief
-        self.fill(seqs, found, payloads, keys)
-        return self.brief_status()
 
     def status(self, *, reconnect_s: float | None = None) -> Status:
         """The server's counters (FTStats fields, lmdb_size_bytes, connections, ...).

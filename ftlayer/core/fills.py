@@ -9,12 +9,13 @@ source copies its bytes in:
 
 - `note_failed` (from every failure path, through requeue) lists the failed records
   still stored by reference;
-- the source asks for its unfilled records (`unfilled`: the ftkafka driver, at every
-  trigger), reads each at its coordinates and hands the bytes back (`fill`), with each
-  record's key hash: stored in one transaction before the reply
-  (`PersistenceStorage.fill`), and from then on every read of the record (a replay, a
-  dead letter, inspect) has them. A record of a batch range, whose key the FT layer
-  did not know, waits *unrouted* until then: its key picks its replay partition;
+- the source asks for its unfilled records (`unfilled`: the ftkafka driver's filler
+  thread, behind every trigger that finds some), reads each at its coordinates and
+  hands the bytes back (`fill`), with each record's key hash: stored in one
+  transaction before the reply (`PersistenceStorage.fill`), and from then on every
+  read of the record (a replay, a dead letter, inspect) has them. A record of a
+  batch range, whose key the FT layer did not know, waits *unrouted* until then: its
+  key picks its replay partition;
 - a record the source no longer has (retention, compaction, a deleted topic) is
   *expired*: a pending one (queued, waiting for its backoff, or replaying) fails with
   the final cause `source-expired` and becomes a dead letter; a dead letter gets that

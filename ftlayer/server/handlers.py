@@ -171,20 +171,13 @@ class RequestHandlers(ServerState):
         return encode_unfilled_list(rid, found.seqs, found.records, max_frame=self.max_frame)
 
     def _fill(self, rid: int, frame: Frame) -> bytes:
-        """The bytes are stored (one transaction, synced) before the reply: once the
-        source has it, it may forget them. With the flag, the reply is the brief STATUS
-        the source's driver would ask for next (the records filled may be queued), as
-        the brief STATUS request makes it, under the same lock."""
+        """The bytes are stored (one transaction, synced) before the OK: once the
+        source has it, it may forget them."""
         message = decode_fill(frame)
         with self._core() as ft:
             result = ft.fill(
                 message.seqs, message.payloads, message.found, (message.key_hashes, message.has_key)
             )
-            if message.with_status:
-                _release_for_source(ft)
-                status = self._brief_status(ft)
-        if message.with_status:
-            return encode_status_reply(rid, status, max_frame=self.max_frame)
         return encode_ok(rid, result.filled)
 
     def _batch_ranges(self, rid: int, frame: Frame) -> bytes:

@@ -80,13 +80,6 @@ class Fill:
     payloads: Sequence[bytes]
     key_hashes: NDArray[np.int64]
     has_key: NDArray[np.bool_]
-    with_status: bool = False
-    """The flags byte's bit 0: answer with the brief STATUS reply, not OK."""
-
-
-FILL_WITH_STATUS: Final = 1
-"""FILL's flags byte, bit 0: reply with the brief STATUS (what the source's driver
-would ask next), not OK."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +134,10 @@ def encode_fill(
     payloads: Sequence[bytes],
     keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None = None,
     *,
-    with_status: bool = False,
     max_frame: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
     """FILL: u32 n, seqs u64[n], found u8[n] (0 or 1), key hashes i64[n], has_key
-    u8[n], payload lengths u32[n] (0 where not found), the payloads concatenated, and
-    with `with_status` a flags byte (FILL_WITH_STATUS) after them."""
+    u8[n], payload lengths u32[n] (0 where not found), the payloads concatenated."""
     seq_array = np.asarray(seqs, dtype="<u8")
     found_array = np.asarray(found, dtype=np.bool_)
     n = len(seq_array)
@@ -169,8 +160,6 @@ def encode_fill(
         lengths.astype("<u4").tobytes(),
         *payloads,
     ]
-    if with_status:
-        parts.append(bytes((FILL_WITH_STATUS,)))
     return _join_frame(Kind.FILL, request_id, parts, max_frame)
 
 
@@ -184,15 +173,10 @@ def decode_fill(message: Frame | bytes) -> Fill:
     lengths = body.array("<u4", n, "payload lengths")
     blob = body.rest()
     total = int(lengths.sum(dtype=np.uint64))
-    flags = 0
-    if len(blob) == total + 1:  # the optional flags byte
-        flags, blob = blob[-1], blob[:-1]
     if total != len(blob):
         raise MalformedFrame(
             f"FILL payload lengths add up to {total} bytes, but {len(blob)} bytes follow them"
         )
-    if flags & ~FILL_WITH_STATUS:
-        raise BadRequest(f"FILL flags byte is 0 or {FILL_WITH_STATUS}, got {flags}")
     if n and (
         int(found.max()) > 1 or int(has_key.max()) > 1 or bool((lengths[found == 0] > 0).any())
     ):
@@ -200,12 +184,7 @@ def decode_fill(message: Frame | bytes) -> Fill:
             "FILL found and has_key flags are 0 or 1, and a record not found has no payload"
         )
     return Fill(
-        seqs,
-        found.astype(np.bool_),
-        Payloads(blob, lengths),
-        key_hashes,
-        has_key.astype(np.bool_),
-        bool(flags & FILL_WITH_STATUS),
+        seqs, found.astype(np.bool_), Payloads(blob, lengths), key_hashes, has_key.astype(np.bool_)
     )
 
 

@@ -39,35 +39,31 @@ error within seconds, never a hang.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final, TypeVar
 
-import numpy as np
 from kafka import TopicPartition
 from kafka.errors import KafkaError
-from numpy.typing import NDArray
 
 from ftlayer.client import FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import BriefStatus, CheckpointReport, Status
-from ftlayer.wire import UnfilledList
 
 from .cluster import CheckpointAnswers, ShardClients, ShardMap, brief_status
 from .columnar import probe_consumer
 from .deadletters import DeadLetterDelivery
+from .filling import Filler
 from .groups import ConsumerGroup
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
-from .kafkaread import new_consumer
+from .kafkaread import close_consumer, new_consumer
 from .options import SourceOptions
 from .parking import Parking
 from .reader import FTKafkaPartition
-from .refetch import read_at, refetch_consumer
 from .rewind import Rewind, no_group, plan_rewind, same_stores
 
 T = TypeVar("T")
@@ -83,7 +79,6 @@ _DRIVER_TIMEOUT_MS: Final = 1500
 # _ends polls in short slices: a probe poll returns no record, so poll() would wait out
 # its whole timeout, fetching the same batch again and again meanwhile.
 _PROBE_POLL_MS: Final = 2
-_FILL_CHUNK: Final = 10_000  # failed records per UNFILLED request and Kafka read
 
 
 class SourceDriver:
@@ -93,7 +88,6 @@ class SourceDriver:
         self.options = options
         self.source_ids = source_ids
         self._consumer: Any = None
-        self._refetch_consumer: Any = None  # fill_failed's (_refetcher)
         self.shards = ShardClients(options)
         self.shard_map = ShardMap(source_ids, options.ft.shards)
         self._partition_counts: dict[str, int] = {}
@@ -106,6 +100,7 @@ class SourceDriver:
         self._heartbeats: list[Heartbeat] = []
         self._cursors: tuple[int, ...] = ()  # each shard's replay cursor, as last read
         self.parking = Parking(self.shards)
+        self.filler = Filler(options, self.shards)
         self.dead_letters = DeadLetterDelivery(options, self.shards, source_ids, self._timeout_ms())
 
     # ---- lifecycle ----
@@ -125,7 +120,7 @@ class SourceDriver:
             heartbeat.close()
         self._heartbeats = []
         self._drop_consumer()
-        self._drop_refetcher()
+        self.filler.close()
         self.group.close()
         self.dead_letters.close()
         self.shards.close()
@@ -523,24 +518,9 @@ class SourceDriver:
             probe_consumer(self._consumer)
         return self._consumer
 
-    def _refetcher(self) -> Any:
-        """The consumer `fill_failed` reads with, kept from trigger to trigger
-        (refetch.refetch_consumer)."""
-        if self._refetch_consumer is None:
-            self._refetch_consumer = refetch_consumer(self.options)
-        return self._refetch_consumer
-
-    def _drop_refetcher(self) -> None:
-        consumer, self._refetch_consumer = self._refetch_consumer, None
-        if consumer is not None:
-            with contextlib.suppress(Exception):  # a broken consumer is gone either way
-                consumer.close(autocommit=False)
-
     def _drop_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            with contextlib.suppress(Exception):  # a broken consumer is gone either way
-                consumer.close(autocommit=False)
+        close_consumer(consumer)
 
     def _topic_partitions(self, check_exist: bool) -> dict[str, int]:
         """The partition count of every topic. `check_exist` asks the broker for all
@@ -666,7 +646,8 @@ class SourceDriver:
         for shard, answered in enumerate(statuses):
             if answered is None:
                 continue
-            status = statuses[shard] = self._filled(shard, answered)
+            self._fill_behind(shard, answered)
+            status = answered
             self._server_timeout_s = status.timeout_s
             cursors[shard] = status.replay_cursor_of(sources)
             for topic, source in self.source_ids.items():
@@ -674,17 +655,13 @@ class SourceDriver:
         self._cursors = tuple(cursors)
         return cursors, statuses
 
-    def _filled(self, shard: int, status: BriefStatus) -> BriefStatus:
-        """A shard's STATUS, once the bytes of its sources' failed records stored by
-        reference were copied in (records copied in may be queued then, a batch range's
-        routed by the key they brought, and this batch takes them in): the reply of the
-        last FILL, which carries it."""
+    def _fill_behind(self, shard: int, status: BriefStatus) -> None:
+        """Have the filler's thread copy in the bytes of the failed records `status`
+        shows the shard holding of this query's sources, while the batch this trigger
+        plans runs (.filling: the trigger does not wait for Kafka's reads)."""
         unfilled = [s for s in sorted(set(self.source_ids.values())) if status.unfilled_of(s)]
         if unfilled:
-            _, after = self._fill_shard(unfilled, shard)
-            if after is not None:
-                status = after
-        return status
+            self.filler.request(shard, unfilled)
 
     def open_ranges(self, parts: list[FTKafkaPartition]) -> list[FTKafkaPartition]:
         """`parts` with the range numbers the FT layer gave their Kafka ranges (stored
@@ -712,54 +689,13 @@ class SourceDriver:
 
     def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         """Copy the bytes of these sources' failed records stored by reference from
-        Kafka into the FT layer (ftlayer.core.fills; into shard `shard`, or every
-        shard), so their retries, dead letters and `ftlayer inspect` no longer depend on
-        the topic's retention; a record Kafka no longer has becomes a dead letter
-        (source-expired) there. Returns how many were copied. A Kafka error is logged
-        and the rest waits for the next trigger."""
+        Kafka into the FT layer now, in this thread (into shard `shard`, or every
+        shard): what a trigger hands to the filler's thread (.filling). Returns how
+        many were copied. A Kafka error is logged and the rest waits for the next
+        trigger."""
         if shard is None:
             return sum(self.fill_failed(source_ids, s) for s in range(self.shards.count))
-        return self._fill_shard(source_ids, shard)[0]
-
-    def _fill_shard(self, source_ids: list[int], shard: int) -> tuple[int, BriefStatus | None]:
-        """`fill_failed` on one shard; also the brief STATUS the last FILL answered with
-        (None: no FILL was made)."""
-        copied, status = 0, None
-        for source_id in source_ids:
-            while True:
-                listed = self.shards.call(
-                    shard, "list the failed records to copy", partial(_unfilled, source_id)
-                )
-                if not len(listed):
-                    break
-                try:
-                    found, payloads, keys = read_at(self.options, listed.records, self._refetcher())
-                except (SourceError, KafkaError, OSError) as exc:
-                    self._drop_refetcher()  # the next trigger reads with a new one
-                    log.warning(
-                        "could not read %d failed records of source %d from Kafka to copy "
-                        "them into the FT layer (tried again at the next trigger): %r",
-                        len(listed), source_id, exc,
-                    )  # fmt: skip
-                    return copied, status
-                status = self.shards.call(
-                    shard,
-                    "copy failed records into the FT layer",
-                    partial(_fill, listed.seqs, found, payloads, keys),
-                )
-                copied += int(found.sum())
-                if not found.all():
-                    gone = listed.records.take(np.flatnonzero(~found))
-                    log.warning(
-                        "%d failed records of source %d are no longer in Kafka (retention, "
-                        "compaction or a deleted topic): dead letters with the cause "
-                        "source-expired; the first is %s-%d at offset %d",
-                        len(gone), source_id, gone.topics[0], int(gone.partitions[0]),
-                        int(gone.offsets[0]),
-                    )  # fmt: skip
-                if len(listed) < _FILL_CHUNK:
-                    break
-        return copied, status
+        return self.filler.fill(source_ids, shard)
 
 
 def share_out(budget: int, backlog: Mapping[_K, int]) -> dict[_K, int]:
@@ -785,20 +721,6 @@ def _whole_status(client: FTClient) -> Status:
 
 def _register_ranges(ranges: list[tuple[int, str, int, int, int]], client: FTClient) -> list[int]:
     return client.register_ranges(ranges)
-
-
-def _unfilled(source_id: int, client: FTClient) -> UnfilledList:
-    return client.unfilled(source_id, _FILL_CHUNK)
-
-
-def _fill(
-    seqs: NDArray[np.uint64],
-    found: NDArray[np.bool_],
-    payloads: list[bytes],
-    keys: tuple[NDArray[np.int64], NDArray[np.bool_]],
-    client: FTClient,
-) -> BriefStatus:
-    return client.fill_with_status(seqs, found, payloads, keys)
 
 
 class _NoFetchResponse(Exception):

@@ -11,7 +11,6 @@ progress is in Spark's checkpoint, the group offsets only mirror it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -22,6 +21,7 @@ from kafka.structs import OffsetAndMetadata
 
 from ftlayer.position import KafkaOffsets
 
+from .kafkaread import close_consumer
 from .options import SourceOptions
 
 __all__ = ["ConsumerGroup"]
@@ -94,9 +94,7 @@ class ConsumerGroup:
 
     def close(self) -> None:
         consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            with contextlib.suppress(Exception):
-                consumer.close(autocommit=False)
+        close_consumer(consumer)
 
 
 def _by_topic(found: Mapping[TopicPartition, int]) -> KafkaOffsets:

@@ -5,6 +5,7 @@ failed ones stored by reference."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Final, Protocol
@@ -21,6 +22,7 @@ from .options import SourceOptions
 __all__ = [
     "POLL_SECONDS",
     "KafkaRange",
+    "close_consumer",
     "new_consumer",
     "read_config",
     "read_kafka",
@@ -118,6 +120,14 @@ def read_kafka(
         raise SourceError(f"reading {where} from Kafka at {options.bootstrap}: {exc!r}") from exc
     finally:
         if own:
+            consumer.close(autocommit=False)
+
+
+def close_consumer(consumer: Any) -> None:
+    """Close a consumer that may be broken, committing nothing (a broken one is gone
+    either way, and its close may raise)."""
+    if consumer is not None:
+        with contextlib.suppress(Exception):
             consumer.close(autocommit=False)
 
 

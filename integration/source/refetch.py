@@ -1,8 +1,8 @@
 """Records stored by reference, read back from Kafka at their coordinates.
 
 With `ft.persist=reference` the FT layer keeps where each record is, not its bytes
-(ftlayer.core.fills). When a record fails, its bytes are wanted: the driver copies them
-into the FT layer at its next trigger (`SourceDriver.fill_failed`), and a reader that
+(ftlayer.core.fills). When a record fails, its bytes are wanted: the driver's filler copies them
+into the FT layer behind its next trigger (.filling), and a reader that
 fetched a replay before that reads it here itself. Both read with `read_at`, which
 gives each record's payload exactly as the reader would have persisted it (the same
 `encode_payloads`), or says Kafka no longer has it.

@@ -254,6 +254,7 @@ _BENCHES: dict[str, dict[str, Any]] = {
                     "ratio_barrier_vs_off": 0.97,
                     "ratio_off_vs_consumer": round(rate / 128805, 3),
                     "ratio_tree_vs_off": tree,
+                    "rounds": 1,
                     "seconds": {"barrier": [1.73], "off": [2.42], "tree": [2.05]},
                     "wall_seconds": {"barrier": [2.82], "off": [3.52], "tree": [2.96]},
                 }

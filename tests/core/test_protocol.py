@@ -1368,29 +1368,3 @@ def test_a_request_id_is_an_integer(request_id: object) -> None:
 def test_encoders_refuse_floats_and_bools_for_integers(encode: Callable[[], bytes]) -> None:
     with pytest.raises(p.BadRequest):
         encode()
-
-
-@pytest.mark.parametrize("with_status", [False, True])
-def test_fill_round_trips_with_and_without_its_status_flag(with_status: bool) -> None:
-    seqs = np.array([7, 9, 12], dtype=np.uint64)
-    keys = (np.array([-3, 0, 5], dtype=np.int64), np.array([True, False, True]))
-    data = p.encode_fill(
-        1, seqs, [True, False, True], [b"ab", b"", b"cde"], keys, with_status=with_status
-    )
-    fill = p.decode(frame(data))
-    assert isinstance(fill, p.Fill) and fill.with_status is with_status
-    assert fill.seqs.tolist() == [7, 9, 12] and fill.found.tolist() == [True, False, True]
-    assert [bytes(x) for x in fill.payloads] == [b"ab", b"", b"cde"]
-    assert fill.key_hashes.tolist() == [-3, 0, 5] and fill.has_key.tolist() == [True, False, True]
-    # The flag is one byte after the payloads, or none.
-    plain = p.encode_fill(1, seqs, [True, False, True], [b"ab", b"", b"cde"], keys)
-    assert data == plain if not with_status else data[9:] == plain[9:] + b"\x01"
-
-
-def test_fill_refuses_an_unknown_flag_and_bytes_the_lengths_do_not_cover() -> None:
-    data = bytearray(p.encode_fill(1, [7], [True], [b"ab"], with_status=True))
-    data[-1] = 2
-    with pytest.raises(p.BadRequest, match="flags byte"):
-        p.decode_fill(bytes(data[9:]))
-    with pytest.raises(p.MalformedFrame, match="add up to 2 bytes, but 4"):
-        p.decode_fill(p.encode_fill(1, [7], [True], [b"ab"])[9:] + b"\x01\x01")

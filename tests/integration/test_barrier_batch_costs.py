@@ -9,16 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from serverproc import Server, StartServer
 
-from ftlayer import rangeroots
 from ftlayer.client import FTClient
 from ftlayer.policy import RetryPolicy
 from ftlayer.registration import SourceRegistration
 from ftlayer.server import FTServer, handlers
-from ftlayer.wire import Fill, Kind, MalformedFrame, StatusRequest, decode_fill
+from ftlayer.wire import Kind, MalformedFrame, StatusRequest
 
 SOURCE, TOPIC, PARTITIONS, PER_PARTITION = 11, "t", 4, 2_500
 
@@ -174,34 +172,3 @@ def test_a_server_without_the_brief_status_gets_the_whole_one_asked(
     assert sent == 3  # one refused, then the whole reply twice
     assert first.store_id == second.store_id == whole.store_id
     assert first.timeout_s == whole.timeout_s and first.pending_of(SOURCE) == 0
-
-
-def test_a_server_without_fill_s_status_flag_gets_the_fill_and_a_status_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A server that predates FILL's flags byte refuses it (ERROR 1, as its lengths do
-    not cover it): the client fills again without it and asks for the brief STATUS
-    apart, then and from then on; the record is filled and queued all the same."""
-
-    def decode_old(frame: Any) -> Fill:
-        fill = decode_fill(frame)
-        if fill.with_status:
-            raise MalformedFrame("FILL payload lengths add up to 1 bytes, but 2 bytes follow them")
-        return fill
-
-    monkeypatch.setattr(handlers, "decode_fill", decode_old)
-    with FTServer(tmp_path / "data") as server:
-        host, port = server.address
-        with FTClient(f"{host}:{port}") as client:
-            _register(client)
-            (number,) = client.register_ranges([(SOURCE, TOPIC, 0, 0, 3)])
-            client.fail(rangeroots.encode(number, 0, [1]))
-            listed = client.unfilled(SOURCE)
-            keys = (np.array([5], dtype=np.int64), np.array([True]))
-            first = client.fill_with_status(listed.seqs, np.array([True]), [b"x"], keys)
-            again = client.fill_with_status(listed.seqs, np.array([True]), [b"x"], keys)
-            sent = client.requests_sent
-            replay = client.fetch_replay(0, first.replay_cursor_of([SOURCE]), SOURCE)
-    assert (sent[Kind.FILL], sent[Kind.STATUS]) == (3, 2)  # one refused, then two plain
-    assert first.unfilled_of(SOURCE) == again.unfilled_of(SOURCE) == 0
-    assert [bytes(p) for p in replay.records.payloads] == [b"x"]

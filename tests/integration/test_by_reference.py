@@ -92,8 +92,9 @@ def test_the_driver_copies_failed_records_in_and_dead_letters_those_kafka_lost(
         client.fail(roots[:3], explicit)
         status = client.status()
         assert status.unfilled == 3 and status.by_source[str(source_id)].unfilled == 3
-        # The driver's next trigger copies their bytes from Kafka.
+        # The driver's next trigger has its filler copy their bytes from Kafka.
         driver.available(None)
+        assert driver.filler.wait_idle(30)
         status = client.status()
         assert (status.unfilled, status.filled) == (0, 3)
         replay = client.fetch_replay(0, status.replay_cursor_of([source_id]), source_id)
@@ -116,14 +117,14 @@ def test_the_driver_copies_failed_records_in_and_dead_letters_those_kafka_lost(
         client.close()
 
 
-def test_a_trigger_plans_the_rows_it_copied_in_from_the_fill_s_answer(
+def test_a_trigger_leaves_the_copying_to_the_filler_and_the_next_takes_the_rows_in(
     kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
 ) -> None:
     """Failed rows of a barrier-mode batch range wait for their bytes and keys (their
-    replay partition) before they are queued; the driver's next trigger copies them in,
-    which queues them (no backoff here), and the batch it plans takes them in: the
-    replay cursor in its offsets covers them. The cursor comes from the brief STATUS
-    the FILL answers with: one STATUS, one UNFILLED and one FILL, not a STATUS more."""
+    replay partition) before they are queued. A trigger that sees them does not wait
+    for Kafka's reads: it asks one STATUS, and its filler copies them in behind it (its
+    own client), which queues them (no backoff here); the next trigger's batch takes
+    them in, its replay cursor covering them."""
     topic, _, source_id, client, driver, where = _setup(kafka_bootstrap, make_topic, ft_server)
     try:
         (number,) = client.register_ranges([(source_id, topic, 0, 0, 3)])
@@ -131,17 +132,21 @@ def test_a_trigger_plans_the_rows_it_copied_in_from_the_fill_s_answer(
         client.fail(failing, Cause(FailKind.EXPLICIT, "enrich", "FailException: no"))
         assert client.status().unfilled == 2
         sent = driver.shards.call(0, "count", lambda c: c.requests_sent.copy())
-        offset = driver.available(None)
+        first = driver.available(None)
         sent = driver.shards.call(0, "count", lambda c: c.requests_sent - sent)
-        cursor = driver.parse(offset).cursors[0]
-        replay = client.fetch_replay(0, cursor, source_id)
+        before = client.fetch_replay(0, driver.parse(first).cursors[0], source_id)
+        assert driver.filler.wait_idle(30)
+        assert client.status().unfilled == 0
+        second = driver.available(first)
+        replay = client.fetch_replay(0, driver.parse(second).cursors[0], source_id)
     finally:
         driver.close()
         client.close()
+    assert dict(sent) == {Kind.STATUS: 1}
+    assert len(before.records) == 0  # planned before the copy: not queued yet
     on_0 = {o: i for i, (p, o) in enumerate(where) if p == 0}
     _, values, _, _ = decode_payloads(replay.records.payloads)
     assert sorted(values.to_pylist()) == sorted(b"value-%d" % on_0[o] for o in (0, 2))
-    assert (sent[Kind.STATUS], sent[Kind.UNFILLED], sent[Kind.FILL]) == (1, 1, 1)
 
 
 def test_a_failed_record_whose_topic_was_made_again_is_a_dead_letter_at_once(

@@ -13,7 +13,7 @@ from serverproc import Server
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
 from ftlayer.integration.ftcolumns import ROOT_COLUMN
-from ftlayer.integration.harness.kafka import produce
+from ftlayer.integration.harness.kafka import produce, wait_until
 from ftlayer.integration.source import FTKafkaStreamReader, parse_options, source_schema
 
 PARTITIONS, N = 3, 60
@@ -40,9 +40,9 @@ def test_a_barrier_batchs_replays_take_one_fetch_and_each_reaches_its_partition(
     kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
 ) -> None:
     """Records of three partitions fail in one batch (by their range roots, as a task
-    does); the next batch takes each replay in, in the input partition its key routes
-    it to (its own: Kafka's partitioner), with one FETCH_REPLAY for the whole batch
-    made by its planner, and none by its readers."""
+    does); once the driver copied them in, the next batch takes each replay in, in the
+    input partition its key routes it to (its own: Kafka's partitioner), with one
+    FETCH_REPLAY for the whole batch made by its planner, and none by its readers."""
     topic = make_topic(PARTITIONS)
     produce(kafka_bootstrap, topic, [(b"k%d" % i, b"value-%d" % i) for i in range(N)])
     options = parse_options(
@@ -67,7 +67,11 @@ def test_a_barrier_batchs_replays_take_one_fetch_and_each_reaches_its_partition(
         client.fail(np.array([r for _, _, r in failed], dtype=np.uint64), FAILED)
         reader.commit(end)
         before = _fetches(client)
-        second_end = reader.latestOffset(end, ReadAllAvailable())  # copies their bytes in
+        # The next trigger has its filler copy their bytes in (which queues them) while
+        # it plans; the one after takes them in.
+        reader.latestOffset(end, ReadAllAvailable())
+        wait_until(lambda: client.status().unfilled == 0, 30, "the failed records copied in")
+        second_end = reader.latestOffset(end, ReadAllAvailable())
         second = reader.partitions(end, second_end)
         planned = _fetches(client)
         replays = _rows(reader, second)
