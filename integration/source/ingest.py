@@ -144,6 +144,9 @@ class IngestDriver(SourceDriver):
     def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         return 0  # every ingested record is stored with its bytes
 
+    def _fill_behind(self, shard: int, status: BriefStatus) -> None:
+        pass  # nothing to copy in, as above
+
     def commit_group(self, target: Mapping[str, Mapping[int, int]]) -> KafkaOffsets:
         return {}  # no consumer group (refused by the options)
 

@@ -7,18 +7,22 @@ counted in STATUS, never skipped."""
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from fixture_types import MakeTopic
 from kafka import KafkaAdminClient
-from serverproc import Server
+from serverproc import Server, StartServer
 
 from ftlayer import rangeroots
 from ftlayer.acking.handlers import Persister
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
+from ftlayer.integration.harness.broker import free_port
 from ftlayer.integration.harness.kafka import create_topic, produce, wait_until
 from ftlayer.integration.source import parse_options, source_schema
 from ftlayer.integration.source.driver import SourceDriver
@@ -212,3 +216,36 @@ def test_a_replay_fetched_before_its_bytes_were_copied_is_read_from_kafka(
     finally:
         driver.close()
         client.close()
+
+
+def test_a_copy_that_cannot_reach_the_ft_layer_is_logged_and_made_by_a_later_request(
+    kafka_bootstrap: str,
+    make_topic: MakeTopic,
+    start_server: StartServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The filler's thread finds the FT layer down: it says so in the log, and the
+    failed records stay unfilled (nothing is lost or skipped); once the server is
+    back, the next request (a later trigger's) copies them in."""
+    port = str(free_port())
+    server = start_server(tmp_path / "ft", "--port", port)
+    topic, _, source_id, client, driver, where = _setup(kafka_bootstrap, make_topic, server)
+    try:
+        roots = _persist_by_reference(client, topic, source_id, where)
+        client.fail(roots[:2], Cause(FailKind.EXPLICIT, "enrich", "FailException: no"))
+        client.close()
+        server.kill()
+        with caplog.at_level(logging.WARNING, logger="ftlayer.source"):
+            driver.filler.request(0, [source_id])
+            assert driver.filler.wait_idle(30)
+        assert "could not copy failed records into the FT layer" in caplog.text
+        server = start_server(server.data_dir, "--port", port)
+        with FTClient(server.address) as again:
+            assert again.status().unfilled == 2
+            driver.filler.request(0, [source_id])
+            assert driver.filler.wait_idle(30)
+            status = again.status()
+    finally:
+        driver.close()
+    assert (status.unfilled, status.filled) == (0, 2)
