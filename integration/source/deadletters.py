@@ -190,7 +190,7 @@ class DeadLetterDelivery:
             if not rows:  # none, or only records whose bytes are still to be copied in
                 return delivered
             letters = [listed.letters[i] for i in rows]
-            producer = self._producer_()
+            producer = self._kept_producer()
             messages = dead_letter_messages(letters, listed.records.take(np.array(rows)))
             futures = [
                 producer.send(topic, key=key, value=value, headers=headers)
@@ -215,7 +215,7 @@ class DeadLetterDelivery:
             if not listed.more:
                 return delivered
 
-    def _producer_(self) -> Any:
+    def _kept_producer(self) -> Any:
         if self._producer is None:
             self._producer = KafkaProducer(
                 bootstrap_servers=self.options.bootstrap,

@@ -643,11 +643,10 @@ class SourceDriver:
         sources = list(self.source_ids.values())
         cursors = list(previous or self._cursors or [0] * self.shards.count)
         self.pending = {t: [0] * self.shards.count for t in self.source_ids}
-        for shard, answered in enumerate(statuses):
-            if answered is None:
+        for shard, status in enumerate(statuses):
+            if status is None:
                 continue
-            self._fill_behind(shard, answered)
-            status = answered
+            self._fill_behind(shard, status)
             self._server_timeout_s = status.timeout_s
             cursors[shard] = status.replay_cursor_of(sources)
             for topic, source in self.source_ids.items():

@@ -98,11 +98,7 @@ class Filler:
     def fill(self, source_ids: Sequence[int], shard: int) -> int:
         """Copy these sources' failed records on `shard` in, in this thread, over the
         driver's own client of the shard. Returns how many were copied."""
-
-        def call(what: str, request: Callable[[FTClient], T]) -> T:
-            return self._shards.call(shard, what, request)
-
-        return self._fill(source_ids, call)
+        return self._fill(source_ids, partial(self._shards.call, shard))
 
     def close(self) -> None:
         """Stop the thread (waiting a little for a copy under way; what it has not
@@ -118,10 +114,8 @@ class Filler:
 
     def _release(self) -> None:
         with self._work:
-            for client in self._clients.values():
-                with contextlib.suppress(Exception):
-                    client.close()
-            self._clients.clear()
+            for shard in list(self._clients):
+                self._drop_client(shard)
             self._drop_consumer()
 
     # ---- the thread ----
