@@ -21,7 +21,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +55,8 @@ from .kafkaread import read_kafka, user_headers
 from .options import SourceOptions
 
 log = logging.getLogger("ftlayer.source")
+
+T = TypeVar("T")
 
 SOURCE_EXPIRED: Final = Cause(
     FailKind.SOURCE_EXPIRED, "ftkafka", "Kafka no longer has the record", final=True
@@ -154,6 +157,12 @@ class FTKafkaPartition(InputPartition):
 
 
 KeyHashes = Callable[[Sequence[bytes | None]], tuple[NDArray[np.int64], NDArray[np.bool_]]]
+Anchored = tuple[
+    RecordColumns,
+    "list[list[tuple[str, bytes | None]]] | None",
+    "tuple[NDArray[np.int64], NDArray[np.int64]] | None",
+]
+"""A chunk, its kept user headers, and its (ft_root, ft_id) columns."""
 
 
 def read_partition(
@@ -176,68 +185,23 @@ def read_partition(
     by_reference = options.persist == "reference"  # where each record is, not its bytes
     ranged = persister is not None and part.range_number > 0  # nothing persisted at all
     # Steps 1 and 2: the Kafka range, each chunk persisted before it is yielded. With FT
-    # on, the next chunk is fetched and decoded while this one's persist is confirmed. A
-    # batch range persists nothing (but a looped record), so it has no wait to overlap:
-    # its chunks go as FT off's do, whole (a read-ahead thread and 10,000-record pieces
+    # on, a thread fetches and decodes the next chunks while another persists the next
+    # piece, and this generator yields pieces whose persist was confirmed: the FT
+    # layer's fsync of piece k + 1 overlaps the hand-over of piece k to Spark. A batch
+    # range persists nothing (but a looped record), so it has no wait to overlap: its
+    # chunks go as FT off's do, whole (a read-ahead thread and 10,000-record pieces
     # cost it 0.12 us of CPU per record, about a third of the reader's).
     chunks = read_kafka(options, part)
-    for chunk in chunks if persister is None or ranged else _pieces(_prefetched(chunks)):
+    anchoring = _Anchoring(
+        options, part, persister, channel, key_hashes, loop_secret, by_reference, ranged
+    )
+    pieces = (
+        anchoring.each(chunks)
+        if persister is None or ranged
+        else _prefetched(anchoring.each(_pieces(_prefetched(chunks))), depth=1)
+    )
+    for chunk, kept, anchors in pieces:
         n = len(chunk)
-        kept = user_headers(chunk.header_lists()) if options.keeps_headers else None
-        anchors = None
-        if ranged and chunk.headers is None:
-            # A batch range (barrier mode, by reference): the FT layer has the range;
-            # each row's root names its record by its offset (ftlayer.rangeroots).
-            roots = rangeroots.encode(part.range_number, part.start, chunk.offsets)
-            anchors = (to_signed(roots), np.zeros(n, dtype=np.int64))
-        elif persister is not None and channel is not None and chunk.headers is None:
-            # The usual chunk: no record has a Kafka header, so none was looped, and
-            # every record starts a tree; its payloads are built column-wise (none by
-            # reference: the FT layer stores where each record is).
-            columns = (
-                _no_payloads(n)
-                if by_reference
-                else encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
-            )
-            hashes = _key_hashes_of(chunk.keys, key_hashes)
-            anchors = _persist(persister, part, columns, chunk.offsets, *hashes, by_reference)
-        elif persister is not None and channel is not None and chunk.headers is not None:
-            keys, values = chunk.keys.to_pylist(), chunk.values.to_pylist()
-            loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, loop_secret)
-            if refused:
-                log.warning(
-                    "%d records of %s-%d carry an %s header that is not signed with this "
-                    "pipeline's loop key (copied or forged): each starts a tree of its own",
-                    refused, part.topic, part.partition, LOOP_HEADER,
-                )  # fmt: skip
-            if ranged and not loop_roots.any():
-                roots = rangeroots.encode(part.range_number, part.start, chunk.offsets)
-                anchors = (to_signed(roots), np.zeros(n, dtype=np.int64))
-            elif not loop_roots.any():  # no loop record: every record starts a tree
-                payloads = (
-                    _no_payloads(n)
-                    if by_reference
-                    else encode_payloads(keys, values, chunk.timestamps, kept)
-                )
-                anchors = _persist(
-                    persister, part, payloads, chunk.offsets, *key_hashes(keys), by_reference
-                )
-            else:
-                anchors = _persist_or_continue(
-                    persister,
-                    channel,
-                    part,
-                    key_hashes,
-                    keys,
-                    values,
-                    chunk.offsets,
-                    chunk.timestamps,
-                    kept,
-                    loop_roots,
-                    loop_ids,
-                    by_reference,
-                    part.range_number,
-                )
         yield _arrow_batch(
             arrow_schema,
             chunk.keys,
@@ -284,6 +248,98 @@ def read_partition(
     channel.flush()
 
 
+@dataclass(frozen=True)
+class _Anchoring:
+    """Step 2 of read(): a chunk's (ft_root, ft_id) columns, its records persisted
+    first where they must be."""
+
+    options: SourceOptions
+    part: FTKafkaPartition
+    persister: Persister | None
+    channel: Channel | None
+    key_hashes: KeyHashes
+    loop_secret: bytes | None
+    by_reference: bool
+    ranged: bool
+
+    def each(self, chunks: Iterator[RecordColumns]) -> Generator[Anchored, None, None]:
+        """Each chunk, its user headers kept (or None) and its FT columns (None: FT
+        off); closing this closes `chunks` (a read-ahead thread below stops with it)."""
+        try:
+            for chunk in chunks:
+                keeps = self.options.keeps_headers
+                kept = user_headers(chunk.header_lists()) if keeps else None
+                yield chunk, kept, self.anchors(chunk, kept)
+        finally:
+            if isinstance(chunks, Generator):
+                chunks.close()
+
+    def anchors(
+        self, chunk: RecordColumns, kept: list[list[tuple[str, bytes | None]]] | None
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]] | None:
+        n = len(chunk)
+        if self.persister is None or self.channel is None:
+            return None
+        if self.ranged and chunk.headers is None:
+            # A batch range (barrier mode, by reference): the FT layer has the range;
+            # each row's root names its record by its offset (ftlayer.rangeroots).
+            roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
+            return to_signed(roots), np.zeros(n, dtype=np.int64)
+        if chunk.headers is None:
+            # The usual chunk: no record has a Kafka header, so none was looped, and
+            # every record starts a tree; its payloads are built column-wise (none by
+            # reference: the FT layer stores where each record is).
+            columns = (
+                _no_payloads(n)
+                if self.by_reference
+                else encode_payload_columns(chunk.keys, chunk.values, chunk.timestamps)
+            )
+            hashes = _key_hashes_of(chunk.keys, self.key_hashes)
+            return _persist(
+                self.persister, self.part, columns, chunk.offsets, *hashes, self.by_reference
+            )
+        keys, values = chunk.keys.to_pylist(), chunk.values.to_pylist()
+        loop_roots, loop_ids, refused = read_loop_headers(chunk.headers, self.loop_secret)
+        if refused:
+            log.warning(
+                "%d records of %s-%d carry an %s header that is not signed with this "
+                "pipeline's loop key (copied or forged): each starts a tree of its own",
+                refused, self.part.topic, self.part.partition, LOOP_HEADER,
+            )  # fmt: skip
+        if self.ranged and not loop_roots.any():
+            roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
+            return to_signed(roots), np.zeros(n, dtype=np.int64)
+        if not loop_roots.any():  # no loop record: every record starts a tree
+            payloads = (
+                _no_payloads(n)
+                if self.by_reference
+                else encode_payloads(keys, values, chunk.timestamps, kept)
+            )
+            return _persist(
+                self.persister,
+                self.part,
+                payloads,
+                chunk.offsets,
+                *self.key_hashes(keys),
+                self.by_reference,
+            )
+        return _persist_or_continue(
+            self.persister,
+            self.channel,
+            self.part,
+            self.key_hashes,
+            keys,
+            values,
+            chunk.offsets,
+            chunk.timestamps,
+            kept,
+            loop_roots,
+            loop_ids,
+            self.by_reference,
+            self.part.range_number,
+        )
+
+
 def _read_back(options: SourceOptions, channel: Channel, replay: ReplayRecords) -> ReplayRecords:
     """Replays fetched before their source copied their bytes into the FT layer (stored
     by reference): read from Kafka at their coordinates. Those Kafka no longer has
@@ -310,7 +366,7 @@ def _read_back(options: SourceOptions, channel: Channel, replay: ReplayRecords) 
     return replay if keep.all() else replay.take(np.flatnonzero(keep))
 
 
-def _pieces(chunks: Iterator[RecordColumns]) -> Iterator[RecordColumns]:
+def _pieces(chunks: Iterator[RecordColumns]) -> Generator[RecordColumns, None, None]:
     """Each chunk in pieces of at most PERSIST_PIECE_RECORDS records (slices: no copy)."""
     for chunk in chunks:
         n = len(chunk)
@@ -321,14 +377,13 @@ def _pieces(chunks: Iterator[RecordColumns]) -> Iterator[RecordColumns]:
             yield chunk.slice(lo, min(n, lo + PERSIST_PIECE_RECORDS))
 
 
-def _prefetched(
-    chunks: Generator[RecordColumns, None, None], depth: int = 2
-) -> Iterator[RecordColumns]:
-    """`chunks`, read ahead by a thread of its own (at most `depth` chunks waiting): the
-    Kafka fetch and decode of chunk k+1 runs while chunk k's persist waits for the FT
-    layer's fsync (a socket wait, which releases the GIL). An error of the reading
-    thread is raised here, where the chunk it failed at would have been taken; closing
-    this generator early stops the thread and closes the consumer."""
+def _prefetched(chunks: Generator[T, None, None], depth: int = 2) -> Generator[T, None, None]:
+    """`chunks`, taken ahead by a thread of its own (at most `depth` items waiting):
+    the Kafka fetch and decode of chunk k+1 runs while chunk k's persist waits for the
+    FT layer's fsync (a socket wait, which releases the GIL), and the persist of piece
+    k+1 while piece k is handed to Spark. An error of the thread is raised here, where
+    the item it failed at would have been taken; closing this generator early stops
+    the thread and closes `chunks` (and with it the consumer)."""
     slots: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
