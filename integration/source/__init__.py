@@ -68,9 +68,12 @@ value and timestamp, under a new root.
    (`PERSIST_PIECE_RECORDS`: Spark's steps downstream work on one piece while the next
    is persisted), through this process's shared BatchingChannel (`Persister.persist`,
    which returns only once the FT layer confirmed), and only then yield it as a
-   pyarrow.RecordBatch. Each record is stored with a compact payload
-   (`encode_payloads`: key or null, value or null, timestamp), its Kafka coordinates,
-   and its key hash (Kafka's murmur2; `portable_hash` under `spark-hash`).
+   pyarrow.RecordBatch. Two threads of the reader's own keep the wait short: one
+   fetches and decodes the next chunks, one persists the next piece while this one is
+   handed to Spark (at most one persisted piece waits to be yielded). Each record is
+   stored with a compact payload (`encode_payloads`: key or null, value or null,
+   timestamp), its Kafka coordinates, and its key hash (Kafka's murmur2;
+   `portable_hash` under `spark-hash`).
    A record that a loop sink fed back (Kafka header `ftlayer-anchor`, see
    integration.sinks) is not persisted: its tree's source record is. It is emitted
    under the root in its header with a fresh id, and one XOR event acks the id it was
