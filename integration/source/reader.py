@@ -265,9 +265,9 @@ class _Anchoring:
     def each(self, chunks: Iterator[RecordColumns]) -> Generator[Anchored, None, None]:
         """Each chunk, its user headers kept (or None) and its FT columns (None: FT
         off); closing this closes `chunks` (a read-ahead thread below stops with it)."""
+        keeps = self.options.keeps_headers
         try:
             for chunk in chunks:
-                keeps = self.options.keeps_headers
                 kept = user_headers(chunk.header_lists()) if keeps else None
                 yield chunk, kept, self.anchors(chunk, kept)
         finally:
@@ -281,10 +281,7 @@ class _Anchoring:
         if self.persister is None or self.channel is None:
             return None
         if self.ranged and chunk.headers is None:
-            # A batch range (barrier mode, by reference): the FT layer has the range;
-            # each row's root names its record by its offset (ftlayer.rangeroots).
-            roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
-            return to_signed(roots), np.zeros(n, dtype=np.int64)
+            return self._range_anchors(chunk)
         if chunk.headers is None:
             # The usual chunk: no record has a Kafka header, so none was looped, and
             # every record starts a tree; its payloads are built column-wise (none by
@@ -307,8 +304,7 @@ class _Anchoring:
                 refused, self.part.topic, self.part.partition, LOOP_HEADER,
             )  # fmt: skip
         if self.ranged and not loop_roots.any():
-            roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
-            return to_signed(roots), np.zeros(n, dtype=np.int64)
+            return self._range_anchors(chunk)
         if not loop_roots.any():  # no loop record: every record starts a tree
             payloads = (
                 _no_payloads(n)
@@ -338,6 +334,12 @@ class _Anchoring:
             self.by_reference,
             self.part.range_number,
         )
+
+    def _range_anchors(self, chunk: RecordColumns) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """A batch range's chunk (barrier mode, by reference): the FT layer has the
+        range; each row's root names its record by its offset (ftlayer.rangeroots)."""
+        roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
+        return to_signed(roots), np.zeros(len(chunk), dtype=np.int64)
 
 
 def _read_back(options: SourceOptions, channel: Channel, replay: ReplayRecords) -> ReplayRecords:
