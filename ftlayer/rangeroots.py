@@ -12,6 +12,13 @@ A drawn root never has bit 63 set (ftlayer.acking.ids), so the two kinds never m
 A step or sink fails a row exactly as it fails any other (FAIL with its root); the FT
 layer finds the range by its number and the record by its offset.
 
+In tree mode a range's records complete one by one, each when its tree does. The
+reader then emits each row with its *emission id* (`emission_ids`): a mix of the
+row's range root and a salt the FT layer drew for the range, never 0. The FT layer
+computes the same id where it needs it, so it starts no ack value per record: a
+record is complete when the XOR of the events naming its range root equals its
+emission id (ftlayer.core.rangeacks).
+
 Limits: range numbers are 1 to 2**23 - 1 (numbers of completed ranges are used again),
 and a range holds at most 2**40 offsets. Nothing here imports the core: executors
 compute range roots with this module alone.
@@ -32,6 +39,7 @@ __all__ = [
     "MAX_RANGE",
     "RANGE_BIT",
     "decode",
+    "emission_ids",
     "encode",
     "is_range_root",
 ]
@@ -43,6 +51,12 @@ MAX_RANGE: Final = 1 << DELTA_BITS
 MAX_NUMBER: Final = (1 << 23) - 1
 _DELTA_MASK: Final = np.uint64(MAX_RANGE - 1)
 _NUMBER_MASK: Final = np.uint64(MAX_NUMBER)
+_U64: Final = (1 << 64) - 1
+# splitmix64's finalizer (Steele, Lea and Flood, 2014): every input bit reaches every
+# output bit, so the ids of neighbouring roots share no pattern.
+_GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
+_MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2: Final = np.uint64(0x94D049BB133111EB)
 
 
 def encode(number: int, start: int, offsets: ArrayLike) -> NDArray[np.uint64]:
@@ -69,3 +83,16 @@ def decode(roots: ArrayLike) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     array = np.asarray(roots, dtype=np.uint64)
     numbers = (array >> np.uint64(DELTA_BITS)) & _NUMBER_MASK
     return numbers.astype(np.int64), (array & _DELTA_MASK).astype(np.int64)
+
+
+def emission_ids(salt: int, roots: ArrayLike) -> NDArray[np.uint64]:
+    """The emission id of each range root of a range salted `salt` (tree mode: the
+    `ft_id` its reader emits the row with, and what the XOR of the row's events must
+    equal for its tree to be complete); never 0."""
+    z = np.asarray(roots, dtype=np.uint64) ^ np.uint64(salt & _U64)
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    z[z == 0] = 1
+    return z

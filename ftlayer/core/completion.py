@@ -27,7 +27,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.acking.acker import XorResult
 
-from . import ranges
+from . import rangeacks, ranges
 from .recovery import write_journal_base
 from .state import CoreState
 
@@ -38,8 +38,15 @@ def xor(s: CoreState, roots: ArrayLike, values: ArrayLike) -> XorResult:
     """Apply XOR events; completes the roots whose ack value returns to 0. Events for
     range roots (ftlayer.core.ranges): value 0 says the offset is no record of its
     range (a record a loop fed back, read under its own tree's root); any other value
-    makes the record one of its own first (a loop sink's ack and anchor)."""
+    makes the record one of its own first (a loop sink's ack and anchor). Events for
+    the roots of a tree-mode range go to its ack values (ftlayer.core.rangeacks)."""
     if len(s.ranges):
+        if rangeacks.has_tree_ranges(s):
+            roots, values, _ = rangeacks.xor(
+                s,
+                np.ascontiguousarray(roots, dtype=np.uint64),
+                np.ascontiguousarray(values, dtype=np.uint64),
+            )
         roots, values = ranges.sort_out(s, roots, values)
     s.changing()
     result = s.acker.xor(roots, values)

@@ -184,8 +184,7 @@ def _fail_open_ranges(s: CoreState) -> None:
     )
     for r in list(s.ranges.by_number.values()):
         offsets = np.arange(r.start, r.end, dtype=np.int64)
-        if r.materialized:
-            offsets = np.setdiff1d(offsets, np.fromiter(r.materialized, np.int64))
+        offsets = offsets[r.unfinished(offsets)]
         if not len(offsets):
             continue
         keys = encode(r.number, r.start, offsets)

@@ -14,6 +14,7 @@ pending      | ack value back to 0: XOR, barrier release,     | complete: record
 pending      | fail: FailException, error, refused sink write | failed
 pending      | timeout, its batch running and leased          | pending (postponed)
 pending      | timeout (on_timeout)                           | failed
+range record | tree mode: its range's timeout (time_out_ranges) | failed
 pending      | barrier mode: timeout, a newer copy pending    | retired, no replay
 pending      | tree mode: the same record persisted again     | retired; the new root pending
 failed       | fate: retries left, no backoff (requeue)       | queued under a new root
@@ -55,6 +56,7 @@ from ftlayer.errors import ConfigError
 from ftlayer.persistence.layer import Completed
 from ftlayer.records import RecordBatch, ReplayRecords
 
+from . import rangeacks
 from .faillog import DEAD as _DEAD
 from .faillog import QUEUED as _QUEUE
 from .faillog import WAITING as _WAIT
@@ -76,6 +78,7 @@ __all__ = [
     "prune_replay",
     "release_due",
     "requeue",
+    "time_out_ranges",
 ]
 
 _TIMEOUT: Final = Cause(FailKind.TIMEOUT)
@@ -104,10 +107,12 @@ def fail(
     fresh = fail_fresh(s, keys, causes, None if failed_at is None else failed_at[first])
     taken = int(np.count_nonzero(fresh))
     if taken:
+        rangeacks.close_finished(s)
         keys, causes = keys[~fresh], causes.take(np.flatnonzero(~fresh))
         if not len(keys):
             return taken
     materialize(s, keys)  # other records of a batch range become records of their own
+    rangeacks.close_finished(s)
     pending, seqs = s.acker.lookup("seq", keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
@@ -144,6 +149,33 @@ def on_timeout(s: CoreState, roots: NDArray[np.uint64], seqs: NDArray[np.uint64]
         # error here would leave them pending with no timeout at all.
         s.timeouts.track(roots, seqs)
         raise
+
+
+def time_out_ranges(s: CoreState, now: float) -> int:
+    """Fail the records of tree-mode ranges whose timeout passed by `now` (the core's
+    clock; ftlayer.core.rangeacks.expired), counted as timeouts: each becomes a record
+    of its own and is replayed after its backoff (or dead-lettered). Returns how many."""
+    roots = np.unique(rangeacks.expired(s, now))
+    if not len(roots):
+        return 0
+    s.changing()
+    causes = Causes.one(_TIMEOUT, len(roots))
+    fresh = fail_fresh(s, roots, causes, counted=FailCause.TIMEOUT)
+    rest = roots[~fresh]
+    if len(rest):  # a first failure that is also the last: the general path's
+        materialize(s, rest)
+    rangeacks.close_finished(s)
+    if len(rest):
+        pending, seqs = s.acker.lookup("seq", rest)
+        if bool(pending.any()):
+            requeue(
+                s,
+                rest[pending],
+                seqs[pending],
+                FailCause.TIMEOUT,
+                Causes.one(_TIMEOUT, int(np.count_nonzero(pending))),
+            )
+    return len(roots)
 
 
 def release_due(s: CoreState, now: float | None = None) -> int:

@@ -29,6 +29,7 @@ from ftlayer.acking.ids import new_ids
 from ftlayer.causes import Cause
 from ftlayer.errors import ConfigError
 
+from . import rangeacks
 from .completion import complete, xor
 from .failure import fail
 from .ranges import materialize
@@ -92,7 +93,7 @@ def sink_hold(s: CoreState, key: int, roots: ArrayLike, values: ArrayLike) -> in
     if keys.shape != vals.shape:
         raise ConfigError(f"sink hold: {keys.shape} roots but {vals.shape} values")
     s.changing()
-    pending = s.acker.lookup("ack", keys)[0]
+    pending = _pending(s, keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
         keys, vals = keys[pending], vals[pending]
@@ -119,13 +120,16 @@ def sink_settle(s: CoreState, key: int, cause: Cause | None = None) -> int:
     if not len(roots):
         return 0
     if cause is not None:
-        pending = s.acker.lookup("ack", roots)[0]
+        pending = _pending(s, roots)
         return fail(s, np.unique(roots[pending]), cause)
+    n = len(roots)
+    if rangeacks.has_tree_ranges(s):  # a tree-mode range's records: its ack values
+        roots, values, _ = rangeacks.xor(s, roots, values)
     # Pairs of roots no longer pending (a re-read took them over) are dropped, uncounted.
     result = s.acker.xor(roots, values, count_dropped=False)
     if len(result.completed):
         complete(s, result)
-    return len(roots) - len(result.dropped)
+    return n - len(result.dropped)
 
 
 def drop_stale_sink_keys(s: CoreState, now: float) -> None:
@@ -133,7 +137,7 @@ def drop_stale_sink_keys(s: CoreState, now: float) -> None:
     (timed out, failed, taken over): their sink will never settle them."""
     for key in s.sink_keys.older_than(now - s.timeouts.timeout_s):
         roots = s.holds.roots_of(key)
-        if not bool(s.acker.lookup("ack", roots)[0].any()):
+        if not bool(_pending(s, roots).any()):
             _release_holds(s, [key])
             s.sink_keys.forget(key)
 
@@ -144,7 +148,15 @@ def open_holds_pending(s: CoreState) -> int:
     if not len(s.holds):
         return 0
     roots = s.holds.columns()["root"]
-    return int(np.count_nonzero(s.acker.lookup("ack", roots)[0]))
+    return int(np.count_nonzero(_pending(s, roots)))
+
+
+def _pending(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    """Per root: pending, in the acker table or in a tree-mode range."""
+    found = s.acker.lookup("ack", roots)[0]
+    if rangeacks.has_tree_ranges(s):
+        found = found | rangeacks.pending(s, roots)
+    return found
 
 
 def _release_holds(

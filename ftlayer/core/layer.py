@@ -75,6 +75,7 @@ from . import (
     ingest,
     persist,
     queries,
+    rangeacks,
     ranges,
     recovery,
     sinkmarks,
@@ -498,6 +499,8 @@ class FTLayer:
             failnotes.apply(s)
         s.retired.rotate(now)
         rotations = s.timeouts.tick(now)
+        if len(s.ranges):
+            failure.time_out_ranges(s, now)
         failure.release_due(s)
         if rotations and len(s.sink_keys):
             holding.drop_stale_sink_keys(s, now)
@@ -519,6 +522,9 @@ class FTLayer:
         due = s.book.next_due()
         if due is not None:
             delay = min(delay, due + RELEASE_AFTER_S - s.wall())
+        expiry = rangeacks.next_expiry(s, s.clock())
+        if expiry is not None:
+            delay = min(delay, expiry - s.clock())
         return delay
 
     def release_due(self, now: float | None = None) -> int:
@@ -556,12 +562,22 @@ class FTLayer:
 
     # ---- batch ranges (ftlayer.core.ranges) ------------------------------------------
 
-    def register_ranges(self, opened: Sequence[tuple[int, str, int, int, int]]) -> list[int]:
+    def register_ranges(
+        self, opened: Sequence[tuple[int, str, int, int, int]], *, tree: bool = False
+    ) -> list[int]:
         """Open a batch's ranges, (source id, topic, partition, start, end) each, durable
         on return; their numbers in order (0 for an empty one). The rows of a range
         carry range roots (ftlayer.rangeroots); its records are pending until a barrier
-        of their source at or past its end is done (`complete_ranges`)."""
-        return ranges.register(self._s, opened)
+        of their source at or past its end is done (`complete_ranges`). With `tree`,
+        each record is pending until its tree completes instead (its rows carry their
+        emission ids, `range_salt`; ftlayer.core.rangeacks), or its range's timeout
+        fails it."""
+        return ranges.register(self._s, opened, tree=tree)
+
+    def range_salt(self, number: int) -> int:
+        """The salt of open tree-mode range `number`, from which its rows' emission ids
+        follow (ftlayer.rangeroots.emission_ids); 0 for any other number."""
+        return ranges.salt_of(self._s, number)
 
     def complete_ranges(
         self, source_ids: Sequence[int], kafka: Mapping[str, Mapping[Any, int]]

@@ -262,11 +262,17 @@ class Meters:
         """A batch range of `n` records opened (counted persisted: ftlayer.core.ranges)."""
         self._persisted[source_id] = self._persisted.get(source_id, 0) + n
 
-    def range_completed(self, number: int, n: int) -> None:
-        """`n` records of a batch range of topic number `number` completed (no latency:
-        a range's records complete with their batch)."""
+    def range_completed(self, number: int, n: int, latency_s: float | None = None) -> None:
+        """`n` records of a batch range of topic number `number` completed: with their
+        batch (barrier mode, no latency), or each with its tree (tree mode: `latency_s`,
+        from the range's opening, for all `n`)."""
         self._grow(number + 1)
         self._completed[number] += n
+        if latency_s is not None:
+            latency = max(latency_s, 0.0)
+            bucket = int(np.searchsorted(EDGES_S, latency, side="left"))
+            self._counts[number * _BUCKETS + bucket] += n
+            self._sums[number] += latency * n
 
     def failed(self, cause: str, source_ids: NDArray[Any]) -> None:
         _count(self._failed[cause], source_ids)

@@ -53,10 +53,12 @@ def fail_fresh(
     keys: NDArray[np.uint64],
     causes: Causes,
     failed_at: NDArray[np.float64] | None = None,
+    counted: FailCause = FailCause.EXPLICIT,
 ) -> NDArray[np.bool_]:
     """Fail the rows of `keys` (distinct roots, `causes` aligned) that this path takes
-    (module docstring); returns which keys it took (failed, counted). `failed_at`: when each
-    failed (wall clock; default now), which its backoff counts from."""
+    (module docstring); returns which keys it took (failed, counted under `counted`).
+    `failed_at`: when each failed (wall clock; default now), which its backoff counts
+    from."""
     taken = np.zeros(len(keys), dtype=np.bool_)
     if not len(s.ranges) or not len(keys):
         return taken
@@ -142,12 +144,12 @@ def fail_fresh(
     s.unfilled.add_many(seq_list, source_ids.tolist(), key_unknown=True)
     s.unfilled.keep(seq_list, batch)  # UNFILLED answers from them, as stored
     for i, r in enumerate(ranges):
-        r.materialized.update((offsets if len(ranges) == 1 else offsets[which == i]).tolist())
+        r.leave((offsets if len(ranges) == 1 else offsets[which == i]).tolist())
     # Counts and log lines, as a requeue's (no source-expired cause among them).
-    s.stats.failed[FailCause.EXPLICIT.value] += n
-    s.meters.failed(FailCause.EXPLICIT.value, source_ids)
+    s.stats.failed[counted.value] += n
+    s.meters.failed(counted.value, source_ids)
     log_failed(
-        FailCause.EXPLICIT.value,
+        counted.value,
         keys[rows],
         new_roots,
         seqs,
@@ -178,9 +180,8 @@ def fresh_rows(
             continue
         at = np.flatnonzero((numbers == number) & (deltas < len(r)))
         found = r.start + deltas[at].astype(np.int64)
-        if r.materialized:  # a lookup per row, not an array of the whole set per call
-            done = r.materialized
-            fresh = np.fromiter((o not in done for o in found.tolist()), np.bool_, len(found))
+        if r.materialized or r.acks is not None:
+            fresh = r.unfinished(found)
             at, found = at[fresh], found[fresh]
         if len(at):
             rows.append(ranged[at])

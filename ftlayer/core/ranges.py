@@ -52,7 +52,7 @@ from ftlayer.rangeroots import MAX_RANGE, decode, encode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
 from .persist import persist
-from .rangetable import RANGE_META_PREFIX, BatchRange, OpenRanges
+from .rangetable import RANGE_META_PREFIX, BatchRange, OpenRanges, RangeAcks
 from .state import CoreState
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "note_stored",
     "pending_counts",
     "register",
+    "salt_of",
 ]
 
 
@@ -72,9 +73,13 @@ def _key(number: int) -> str:
     return f"{RANGE_META_PREFIX}{number}"
 
 
-def register(s: CoreState, ranges: Sequence[tuple[int, str, int, int, int]]) -> list[int]:
+def register(
+    s: CoreState, ranges: Sequence[tuple[int, str, int, int, int]], *, tree: bool = False
+) -> list[int]:
     """Open (source id, topic, partition, start, end) ranges; returns their numbers in
-    order (0 for an empty range, which needs none). Durable on return."""
+    order (0 for an empty range, which needs none). Durable on return. With `tree`,
+    their records complete one by one with their trees (ftlayer.core.rangeacks), each
+    range with a salt of its own (`salt_of`)."""
     numbers: list[int] = []
     new: dict[int, BatchRange] = {}
     for source_id, topic, partition, start, end in ranges:
@@ -86,7 +91,7 @@ def register(s: CoreState, ranges: Sequence[tuple[int, str, int, int, int]]) -> 
                 f"a batch range holds 1 to {MAX_RANGE} offsets from 0 on, got "
                 f"{topic}-{partition} [{start}, {end})"
             )
-        number = s.ranges.find(source_id, topic, partition, start, end)
+        number = s.ranges.find(source_id, topic, partition, start, end, tree=tree)
         if not number:
             twin = [
                 n
@@ -95,7 +100,11 @@ def register(s: CoreState, ranges: Sequence[tuple[int, str, int, int, int]]) -> 
                 == (source_id, topic, partition, start)
             ]
             number = twin[0] if twin else s.ranges.allocate(set(new))
-            new[number] = BatchRange(number, source_id, topic, partition, start, end)
+            r = BatchRange(number, source_id, topic, partition, start, end)
+            if tree:
+                salt = s.rng.getrandbits(64) | 1
+                r.acks = RangeAcks.new(salt, len(r), s.clock(), s.leases.tag(source_id))
+            new[number] = r
         numbers.append(number)
     if new:
         s.changing()
@@ -105,6 +114,13 @@ def register(s: CoreState, ranges: Sequence[tuple[int, str, int, int, int]]) -> 
             s.stats.persisted += len(r)
             s.meters.ranged(r.source_id, len(r))
     return numbers
+
+
+def salt_of(s: CoreState, number: int) -> int:
+    """The salt of open tree-mode range `number` (its rows' emission ids,
+    ftlayer.rangeroots.emission_ids); 0 for a barrier-mode range or none open."""
+    r = s.ranges.by_number.get(number)
+    return 0 if r is None or r.acks is None else r.acks.salt
 
 
 def complete(
@@ -117,7 +133,9 @@ def complete(
     done = [
         r
         for r in s.ranges.by_number.values()
-        if r.source_id in sources and r.end <= _offset(kafka, r.topic, r.partition)
+        if r.acks is None
+        and r.source_id in sources
+        and r.end <= _offset(kafka, r.topic, r.partition)
     ]
     if not done:
         return 0
@@ -162,7 +180,7 @@ def materialize(s: CoreState, roots: NDArray[np.uint64]) -> None:
     ranges: list[BatchRange] = []
     for i, (number, delta) in enumerate(zip(numbers.tolist(), deltas.tolist(), strict=True)):
         r = s.ranges.by_number.get(number)
-        if r is None or delta >= len(r) or (r.start + delta) in r.materialized:
+        if r is None or delta >= len(r) or not _unfinished(r, r.start + delta):
             continue
         rows.append(i)
         ranges.append(r)
@@ -182,7 +200,11 @@ def materialize(s: CoreState, roots: NDArray[np.uint64]) -> None:
     )
     persist(s, batch, counted=False)  # counted persisted when its range opened
     for r, offset in zip(ranges, offsets, strict=True):
-        r.materialized.add(offset)
+        r.leave((offset,))
+
+
+def _unfinished(r: BatchRange, offset: int) -> bool:
+    return bool(r.unfinished(np.array([offset], dtype=np.int64))[0])
 
 
 def sort_out(
@@ -209,8 +231,8 @@ def _exclude(s: CoreState, roots: NDArray[np.uint64]) -> None:
     numbers, deltas = decode(roots)
     for number, delta in zip(numbers.tolist(), deltas.tolist(), strict=True):
         r = s.ranges.by_number.get(number)
-        if r is not None and delta < len(r) and (r.start + delta) not in r.materialized:
-            r.materialized.add(r.start + delta)
+        if r is not None and delta < len(r) and _unfinished(r, r.start + delta):
+            r.leave((r.start + delta,))
             s.stats.persisted -= 1
             s.meters.ranged(r.source_id, -1)
 
@@ -230,7 +252,7 @@ def note_stored(s: CoreState, batch: RecordBatch) -> None:
         if bool(rows.any()):
             for row in np.flatnonzero(rows).tolist():
                 if batch.topics[row] == r.topic:
-                    r.materialized.add(int(batch.offsets[row]))
+                    r.leave((int(batch.offsets[row]),))
 
 
 def inspect(s: CoreState, query: RecordQuery) -> tuple[InspectedRecord, ...]:
@@ -275,9 +297,10 @@ def lowest_offsets(s: CoreState, topics: Sequence[str] | None) -> dict[str, dict
     out: dict[str, dict[int, int]] = {}
     wanted = None if topics is None else set(topics)
     for r in s.ranges.by_number.values():
-        if r.pending and (wanted is None or r.topic in wanted):
+        first = r.lowest_pending()
+        if first is not None and (wanted is None or r.topic in wanted):
             lowest = out.setdefault(r.topic, {})
-            lowest[r.partition] = min(r.start, lowest.get(r.partition, r.start))
+            lowest[r.partition] = min(first, lowest.get(r.partition, first))
     return out
 
 

@@ -1,20 +1,64 @@
 """The open batch ranges (the data; ftlayer.core.ranges has what the core does with
 them): each range's number, source, Kafka coordinates and the offsets that became
-records of their own, loaded from their meta entries (`range/<number>`)."""
+records of their own, loaded from their meta entries (`range/<number>`); a range of
+tree mode also has its salt and its records' ack values (`RangeAcks`,
+ftlayer.core.rangeacks)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
 
 from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.rangeroots import MAX_NUMBER
 
-__all__ = ["RANGE_META_PREFIX", "BatchRange", "OpenRanges"]
+__all__ = [
+    "COMPLETED",
+    "GONE",
+    "PENDING",
+    "RANGE_META_PREFIX",
+    "BatchRange",
+    "OpenRanges",
+    "RangeAcks",
+]
 
 RANGE_META_PREFIX: Final = "range/"
+
+PENDING: Final = 0
+COMPLETED: Final = 1
+GONE: Final = 2
+"""A tree-mode range record's states: pending as part of its range, its tree
+complete, or gone from it (materialized: a record of its own; or excluded)."""
+
+
+@dataclass(slots=True)
+class RangeAcks:
+    """Tree completion of a range's records (ftlayer.core.rangeacks): per record the
+    XOR of the events that named its range root so far (complete when it equals the
+    record's emission id, ftlayer.rangeroots.emission_ids) and its state; in memory."""
+
+    salt: int
+    opened_at: float
+    """The core's clock when the range opened: its records' latency and timeout start."""
+    acc: NDArray[np.uint64]
+    state: NDArray[np.uint8]
+    left: int
+    """Records still PENDING."""
+    batch: tuple[int, int] | None = None
+    """The batch it opened in (ftlayer.core.leases.BatchTag): its timeouts wait while
+    that batch runs."""
+
+    @classmethod
+    def new(
+        cls, salt: int, n: int, opened_at: float, batch: tuple[int, int] | None = None
+    ) -> RangeAcks:
+        return cls(salt, opened_at, np.zeros(n, np.uint64), np.zeros(n, np.uint8), n, batch)
 
 
 @dataclass(slots=True)
@@ -29,6 +73,8 @@ class BatchRange:
     end: int
     materialized: set[int] = field(default_factory=set)
     """Offsets that became records of their own (an event named them)."""
+    acks: RangeAcks | None = None
+    """Tree mode's ack values; None: a barrier-mode range, complete with its batch."""
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -36,30 +82,73 @@ class BatchRange:
     @property
     def pending(self) -> int:
         """Records still pending as part of the range."""
+        if self.acks is not None:
+            return self.acks.left
         return len(self) - len(self.materialized)
 
+    def lowest_pending(self) -> int | None:
+        """The lowest offset pending as part of the range (None: none is)."""
+        if self.acks is None:
+            return self.start if self.pending else None
+        if not self.acks.left:
+            return None
+        return self.start + int(np.argmin(self.acks.state != PENDING))
+
+    def unfinished(self, offsets: NDArray[np.int64]) -> NDArray[np.bool_]:
+        """Per offset (each in the range): still pending as part of it, neither
+        materialized nor (tree mode) complete."""
+        if self.acks is not None:
+            pending: NDArray[np.bool_] = self.acks.state[offsets - self.start] == PENDING
+            return pending
+        if not self.materialized:
+            return np.ones(len(offsets), dtype=np.bool_)
+        done = self.materialized  # a lookup per row, not an array of the whole set
+        return np.fromiter((o not in done for o in offsets.tolist()), np.bool_, len(offsets))
+
+    def leave(self, offsets: Iterable[int]) -> None:
+        """These offsets (pending in the range) became records of their own, or are
+        excluded from it."""
+        listed = list(offsets)
+        self.materialized.update(listed)
+        if self.acks is not None and listed:
+            at = np.asarray(listed, dtype=np.int64) - self.start
+            self.acks.left -= int(np.count_nonzero(self.acks.state[at] == PENDING))
+            self.acks.state[at] = GONE
+
     def to_json(self) -> bytes:
-        body = [self.source_id, self.topic, self.partition, self.start, self.end]
+        body: list[object] = [self.source_id, self.topic, self.partition, self.start, self.end]
+        if self.acks is not None:
+            body.append(str(self.acks.salt))
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, number: int, raw: bytes) -> BatchRange:
-        source_id, topic, partition, start, end = json.loads(raw)
-        return cls(number, int(source_id), str(topic), int(partition), int(start), int(end))
+    def from_json(cls, number: int, raw: bytes, now: float = 0.0) -> BatchRange:
+        """A range as its meta holds it; a tree-mode range's records all pending again
+        (their acks lived in memory), opened at `now`."""
+        source_id, topic, partition, start, end, *salt = json.loads(raw)
+        r = cls(number, int(source_id), str(topic), int(partition), int(start), int(end))
+        if salt:
+            r.acks = RangeAcks.new(int(salt[0]), len(r), now)
+        return r
 
 
 class OpenRanges:
     """The open ranges by number, and the next number to try."""
 
     def __init__(
-        self, storage: PersistenceStorage, numbers: tuple[int, int] = (1, MAX_NUMBER)
+        self,
+        storage: PersistenceStorage,
+        numbers: tuple[int, int] = (1, MAX_NUMBER),
+        now: float = 0.0,
     ) -> None:
+        """The ranges stored in `storage` of this shard's `numbers`; a tree-mode range's
+        records pending again from `now` on (the core's clock)."""
         self.by_number: dict[int, BatchRange] = {}
         for key in storage.meta_keys(RANGE_META_PREFIX):
             raw = storage.get_meta(key)
             if raw is not None:
                 number = int(key[len(RANGE_META_PREFIX) :])
-                self.by_number[number] = BatchRange.from_json(number, raw)
+                self.by_number[number] = BatchRange.from_json(number, raw, now)
         self._first, self._last = numbers  # this shard's numbers (ftlayer.shards)
         mine = [n for n in self.by_number if self._first <= n <= self._last]
         self._next = max(mine, default=self._first - 1) + 1
@@ -69,15 +158,18 @@ class OpenRanges:
     def __len__(self) -> int:
         return len(self.by_number)
 
-    def find(self, source_id: int, topic: str, partition: int, start: int, end: int) -> int:
-        """The number of this exact open range, or 0."""
+    def find(
+        self, source_id: int, topic: str, partition: int, start: int, end: int, *, tree: bool
+    ) -> int:
+        """The number of this exact open range of this mode (`tree`), or 0."""
         for number, r in self.by_number.items():
-            if (r.source_id, r.topic, r.partition, r.start, r.end) == (
+            if (r.source_id, r.topic, r.partition, r.start, r.end, r.acks is not None) == (
                 source_id,
                 topic,
                 partition,
                 start,
                 end,
+                tree,
             ):
                 return number
         return 0

@@ -150,7 +150,7 @@ class CoreState:
         self.queue = ReplayQueue(next_seq=int(meta.decode()) if meta else 1)
         self.retired = RetiredRoots(retired_ttl_s or 2 * timeout_s, start=clock())
         self.book = RetryBook(storage)
-        self.ranges = OpenRanges(storage, shard.range_numbers())
+        self.ranges = OpenRanges(storage, shard.range_numbers(), now=clock())
         """The open batch ranges (ftlayer.core.ranges)."""
         self.noted: list[tuple[NDArray[np.uint64], Causes, float]] = []
         """Failures of batch-range rows noted, not applied yet (ftlayer.core.failnotes):

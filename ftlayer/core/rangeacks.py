@@ -1,0 +1,196 @@
+"""Tree mode by range: a batch range's records complete one by one, without an entry each.
+
+A tree-mode batch read by reference can be registered as ranges too (ftlayer.core.ranges,
+`register(..., tree=True)`): the FT layer draws each range a salt, and the reader emits
+each row with its range root and its emission id (ftlayer.rangeroots.emission_ids). The
+FT layer keeps per range one array of ack values and one of states
+(ftlayer.core.rangetable.RangeAcks), not an acker entry, a stored record and a delete
+per record. The contract:
+
+- `xor` applies the XOR events that name a tree-mode range's roots to its arrays
+  (vectorized, per range); a record whose value equals its emission id is complete:
+  counted completed with its latency from the range's opening. Events of every other
+  root are handed back for the acker table. An event for a record no longer pending
+  in its range (complete, or gone: failed, excluded) is dropped as late. A value of 0
+  excludes its offset (the reader's word for a record a loop fed back, as in barrier
+  mode). A range none of whose records is pending any more is closed: its meta is
+  deleted with the store's next write transaction (staged), as a barrier's ranges are.
+- A failure (FAIL, a timeout) of a range record makes it a record of its own, as in
+  barrier mode (ftlayer.core.rangefail), under a new root: it leaves its range (GONE;
+  later events for its range root are late), and a range left with no pending record
+  closes (`close_finished`).
+- `expired`: the roots of the records still pending in ranges opened at least the
+  tree timeout ago, whose batch is not running (a running batch's heartbeats hold its
+  timeouts off, as they hold those of stored records): the ticker fails them
+  (`FailCause.TIMEOUT`), and they are replayed.
+- A batch sink's held acks (ftlayer.core.holding) name range roots like any other:
+  `pending` says which are pending, and a settle XORs them in here.
+- Recovery: the ack values live in memory. A range that comes back from its meta has
+  every record pending again from the restart on; what did not complete again by the
+  timeout is replayed (duplicates, nothing lost).
+
+Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
+emission ids of the touched records only; nothing per record at registration but the
+two arrays (9 bytes a record in memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ftlayer.rangeroots import decode, emission_ids, encode, is_range_root
+
+from .rangetable import COMPLETED, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
+from .state import CoreState, source_list
+
+__all__ = ["close_finished", "expired", "has_tree_ranges", "next_expiry", "pending", "xor"]
+
+
+def has_tree_ranges(s: CoreState) -> bool:
+    """Whether any open range is a tree-mode one."""
+    return any(r.acks is not None for r in s.ranges.by_number.values())
+
+
+def pending(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    """Per root: the range root of a record pending in an open tree-mode range."""
+    found = np.zeros(len(roots), dtype=np.bool_)
+    ranged = np.flatnonzero(is_range_root(roots))
+    if not len(ranged):
+        return found
+    numbers, deltas = decode(roots[ranged])
+    for number in source_list(numbers):
+        r = s.ranges.by_number.get(number)
+        if r is None or r.acks is None:
+            continue
+        mine = np.flatnonzero((numbers == number) & (deltas < len(r)))
+        found[ranged[mine]] = r.acks.state[deltas[mine]] == PENDING
+    return found
+
+
+def xor(
+    s: CoreState, roots: NDArray[np.uint64], values: NDArray[np.uint64]
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64], int]:
+    """Apply the events of tree-mode range roots (see the module docstring); returns
+    the other events, to be applied to the acker table, and how many records
+    completed."""
+    ranged = is_range_root(roots)
+    if not bool(ranged.any()):
+        return roots, values, 0
+    at = np.flatnonzero(ranged)
+    numbers, deltas = decode(roots[at])
+    taken = np.zeros(len(roots), dtype=np.bool_)
+    completed = 0
+    for number in source_list(numbers):  # usually one range per partition of a batch
+        r = s.ranges.by_number.get(number)
+        if r is None or r.acks is None:
+            continue  # a barrier-mode range's, or none open: the acker table's path
+        mine = np.flatnonzero(numbers == number)
+        taken[at[mine]] = True
+        completed += _apply(s, r, deltas[mine], values[at[mine]])
+    if not bool(taken.any()):
+        return roots, values, completed
+    return roots[~taken], values[~taken], completed
+
+
+def _apply(
+    s: CoreState, r: BatchRange, deltas: NDArray[np.int64], values: NDArray[np.uint64]
+) -> int:
+    """The events (offset from the range's start, value) of range `r`; returns how
+    many of its records completed."""
+    acks = r.acks
+    if acks is None:
+        raise TypeError(f"range {r.number} is a barrier-mode range")
+    inside = deltas < len(r)
+    if not bool(inside.all()):
+        s.stats.unknown_events += int(np.count_nonzero(~inside))
+        deltas, values = deltas[inside], values[inside]
+    pending = acks.state[deltas] == PENDING
+    if not bool(pending.all()):
+        s.stats.late_events += int(np.count_nonzero(~pending))
+        deltas, values = deltas[pending], values[pending]
+    if not len(deltas):
+        return 0
+    zero = values == 0
+    if bool(zero.any()):  # excluded: a record a loop fed back (module docstring)
+        excluded = np.unique(deltas[zero])
+        r.leave((excluded + r.start).tolist())
+        s.stats.persisted -= len(excluded)
+        s.meters.ranged(r.source_id, -len(excluded))
+        keep = acks.state[deltas] == PENDING
+        deltas, values = deltas[keep], values[keep]
+    s.stats.xor_events += len(deltas)
+    np.bitwise_xor.at(acks.acc, deltas, values)
+    touched = np.unique(deltas)
+    ids = emission_ids(acks.salt, encode(r.number, 0, touched))
+    done = touched[acks.acc[touched] == ids]
+    if len(done):
+        s.changing()
+        acks.state[done] = COMPLETED
+        acks.left -= len(done)
+        s.stats.completed += len(done)
+        number = s.persistence.topic_number(r.source_id, r.topic)
+        s.meters.range_completed(number, len(done), latency_s=s.clock() - acks.opened_at)
+    if not acks.left:
+        _close(s, r)
+    return len(done)
+
+
+def close_finished(s: CoreState) -> None:
+    """Close every tree-mode range none of whose records is pending any more (its last
+    ones failed or timed out: records of their own now)."""
+    for r in [r for r in s.ranges.by_number.values() if r.acks is not None and not r.acks.left]:
+        _close(s, r)
+
+
+def _close(s: CoreState, r: BatchRange) -> None:
+    """Range `r` holds no pending record any more: its meta goes with the store's next
+    write transaction."""
+    s.changing()
+    s.storage.stage_meta({}, [f"{RANGE_META_PREFIX}{r.number}"])
+    del s.ranges.by_number[r.number]
+
+
+def expired(s: CoreState, now: float) -> NDArray[np.uint64]:
+    """The roots of records pending in tree-mode ranges opened at least their source's
+    tree timeout (the FT layer's, for a source without one) before `now` (the core's
+    clock), unless the batch the range opened in is still running."""
+    found = [
+        encode(r.number, 0, np.flatnonzero(acks.state == PENDING))
+        for r, acks, deadline in _deadlines(s)
+        if deadline <= now and not _running(s, acks, now)
+    ]
+    if not found:
+        return np.zeros(0, dtype=np.uint64)
+    return np.concatenate(found)
+
+
+def next_expiry(s: CoreState, now: float) -> float | None:
+    """When `expired` next has something (the core's clock; None: no tree-mode range
+    has a pending record). A range whose timeout passed while its batch runs is looked
+    at again a rotation of the timeouts later."""
+    found: float | None = None
+    for _, acks, deadline in _deadlines(s):
+        if deadline <= now and _running(s, acks, now):
+            deadline = now + s.timeouts.rotation_interval_s
+        found = deadline if found is None else min(found, deadline)
+    return found
+
+
+def _deadlines(s: CoreState) -> Iterator[tuple[BatchRange, RangeAcks, float]]:
+    """Each tree-mode range with a pending record, its acks, and when its timeout ends."""
+    for r in s.ranges.by_number.values():
+        acks = r.acks
+        if acks is None or not acks.left:
+            continue
+        config = s.source_config(r.source_id)
+        timeout_s = None if config is None else config.timeout_s
+        yield r, acks, acks.opened_at + (s.timeouts.timeout_s if timeout_s is None else timeout_s)
+
+
+def _running(s: CoreState, acks: RangeAcks, now: float) -> bool:
+    """Whether the batch the range opened in still runs (its heartbeats hold its
+    timeout off)."""
+    return acks.batch is not None and s.leases.running(acks.batch, now)
