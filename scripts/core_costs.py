@@ -6,6 +6,10 @@ the server runs it; INFO logging to /dev/null), for two paths of the fast bench:
   their first ack values, each followed by its
   sink's SINK_HOLD of their acks, then the SINK_SETTLE that completes them all, then the
   deletes.
+- `tree-ranges`: tree mode by range (ftlayer.core.rangeacks). Per micro-batch of
+  200,000 records, one BATCH_RANGES of 4 partitions (tree), then per 10,000-record
+  piece the sink's SINK_HOLD of the reader's rows' acks (range roots and emission
+  ids), then the SINK_SETTLE that completes them all, then the deletes (none).
 - `failures`: barrier mode by reference at 1% failures. Per micro-batch of BATCH
   records over 4 partitions (ranges, no record stored): the driver's UNFILLED and FILL
   of the last batch's failures, a FETCH_REPLAY per partition, BATCH_RANGES, a FAIL per
@@ -22,7 +26,7 @@ PAUSE_MS the script sleeps that long before each call (not counted): each call t
 runs cold, as a server's request does between other work, instead of right after the
 last one with the caches warm.
 
-    [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py tree [BATCHES] [-p]
+    [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py tree|tree-ranges [BATCHES] [-p]
     [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
 """
 
@@ -92,6 +96,22 @@ def tree(ft: FTLayer, batch: int, offset: int) -> int:
     return offset
 
 
+def tree_ranges(ft: FTLayer, batch: int, offset: int) -> int:
+    key = 0x8000_0000_0000_0000 | (offset + 1)
+    piece, per = 10_000, 200_000 // PARTITIONS
+    opened = [(SOURCE, TOPIC, p, offset, offset + per) for p in range(PARTITIONS)]
+    numbers = timed("BATCH_RANGES", ft.register_ranges, opened, tree=True)
+    for k in range(200_000 // piece):
+        p = k % PARTITIONS
+        start = offset + (k // PARTITIONS) * piece
+        roots = rangeroots.encode(numbers[p], offset, np.arange(start, start + piece))
+        ids = rangeroots.emission_ids(ft.range_salt(numbers[p]), roots)
+        timed("SINK_HOLD", ft.sink_hold, key, roots, ids)
+    timed("SINK_SETTLE", ft.sink_settle, key)
+    timed("DELETES", ft.flush_deletes)
+    return offset + per
+
+
 class Failures:
     def __init__(self, ft: FTLayer, batch: int) -> None:
         self.ft, self.batch = ft, batch
@@ -133,7 +153,7 @@ class Failures:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=open("/dev/null", "w"))  # noqa: SIM115
     path = ARGS[0] if ARGS else "tree"
-    if path == "tree":
+    if path in ("tree", "tree-ranges"):
         batch, batches, warm = 200_000, int(ARGS[1]) if len(ARGS) > 1 else 5, 1
     else:
         batch = int(ARGS[1]) if len(ARGS) > 1 else 200_000
@@ -147,14 +167,15 @@ def main() -> None:
         ft = FTLayer(
             LmdbStorage(f"{tmp}/store"), timeout_s=120, seed=1, defer_deletes=True, journal=journal
         )
-        completion = "tree" if path == "tree" else "barrier"
+        completion = "barrier" if path == "failures" else "tree"
         retry = RetryPolicy(5, 0, 1)
         # The bench's: keyless records replayed `forward` (tree); range rows by key hash.
-        partitioner = "forward" if path == "tree" else "kafka-hash"
+        partitioner = "kafka-hash" if path == "failures" else "forward"
         ft.register_source(
             SourceRegistration(SOURCE, partitioner, PARTITIONS, retry=retry, completion=completion)
         )
-        step = Failures(ft, batch) if path != "tree" else None
+        step = Failures(ft, batch) if path == "failures" else None
+        persisting = tree_ranges if path == "tree-ranges" else tree
         offset = 0
         profile = cProfile.Profile() if PROFILE else None
         for b in range(batches + warm):
@@ -165,7 +186,7 @@ def main() -> None:
                 if profile is not None:
                     profile.enable()
             if step is None:
-                offset = tree(ft, batch, offset)
+                offset = persisting(ft, batch, offset)
             else:
                 step()
         if profile is not None:

@@ -44,7 +44,7 @@ from numpy.typing import NDArray
 from ftlayer.rangeroots import decode, emission_ids, encode, is_range_root
 
 from .rangetable import COMPLETED, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
-from .state import CoreState, source_list
+from .state import CoreState
 
 __all__ = ["close_finished", "expired", "has_tree_ranges", "next_expiry", "pending", "xor"]
 
@@ -61,11 +61,11 @@ def pending(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
     if not len(ranged):
         return found
     numbers, deltas = decode(roots[ranged])
-    for number in source_list(numbers):
+    for number, mine in _groups(numbers):
         r = s.ranges.by_number.get(number)
         if r is None or r.acks is None:
             continue
-        mine = np.flatnonzero((numbers == number) & (deltas < len(r)))
+        mine = mine[deltas[mine] < len(r)]
         found[ranged[mine]] = r.acks.state[deltas[mine]] == PENDING
     return found
 
@@ -83,11 +83,10 @@ def xor(
     numbers, deltas = decode(roots[at])
     taken = np.zeros(len(roots), dtype=np.bool_)
     completed = 0
-    for number in source_list(numbers):  # usually one range per partition of a batch
+    for number, mine in _groups(numbers):  # a range per partition of a batch
         r = s.ranges.by_number.get(number)
         if r is None or r.acks is None:
             continue  # a barrier-mode range's, or none open: the acker table's path
-        mine = np.flatnonzero(numbers == number)
         taken[at[mine]] = True
         completed += _apply(s, r, deltas[mine], values[at[mine]])
     if not bool(taken.any()):
@@ -123,19 +122,48 @@ def _apply(
         deltas, values = deltas[keep], values[keep]
     s.stats.xor_events += len(deltas)
     np.bitwise_xor.at(acks.acc, deltas, values)
-    touched = np.unique(deltas)
-    ids = emission_ids(acks.salt, encode(r.number, 0, touched))
-    done = touched[acks.acc[touched] == ids]
-    if len(done):
-        s.changing()
-        acks.state[done] = COMPLETED
-        acks.left -= len(done)
-        s.stats.completed += len(done)
-        number = s.persistence.topic_number(r.source_id, r.topic)
-        s.meters.range_completed(number, len(done), latency_s=s.clock() - acks.opened_at)
+    # Checked per event, not per distinct record (no sort): a record named twice is
+    # marked twice, and counted once by what is left pending.
+    ids = emission_ids(acks.salt, encode(r.number, 0, deltas))
+    done = deltas[acks.acc[deltas] == ids]
+    if not len(done):
+        return 0
+    s.changing()
+    acks.state[done] = COMPLETED
+    left = int(np.count_nonzero(acks.state == PENDING))
+    completed, acks.left = acks.left - left, left
+    s.stats.completed += completed
+    number = s.persistence.topic_number(r.source_id, r.topic)
+    s.meters.range_completed(number, completed, latency_s=s.clock() - acks.opened_at)
     if not acks.left:
         _close(s, r)
-    return len(done)
+    return completed
+
+
+_PEELED = 8
+"""Range numbers split off one by one before `_groups` sorts the rest."""
+
+
+def _groups(numbers: NDArray[np.int64]) -> Iterator[tuple[int, NDArray[np.intp]]]:
+    """(number, its positions) of each distinct number: an event batch names a few
+    ranges (one per partition), so each is split off with one comparison, not a
+    sort of the whole batch; past `_PEELED` of them the rest is grouped by a sort."""
+    rest = np.arange(len(numbers))
+    left = numbers
+    for _ in range(_PEELED):
+        if not len(rest):
+            return
+        first = int(left[0])
+        mine = left == first
+        yield first, rest[mine]
+        rest, left = rest[~mine], left[~mine]
+    if len(rest):
+        order = np.argsort(left, kind="stable")
+        ordered = left[order]
+        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        for i, start in enumerate(starts.tolist()):
+            end = int(starts[i + 1]) if i + 1 < len(starts) else len(order)
+            yield int(ordered[start]), rest[order[start:end]]
 
 
 def close_finished(s: CoreState) -> None:
