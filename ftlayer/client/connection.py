@@ -92,6 +92,7 @@ from ftlayer.wire import (
     decode_ok,
     decode_parked_list,
     decode_range_numbers,
+    decode_range_salts,
     decode_replay_page,
     decode_savepoint_bytes,
     decode_savepoint_created,
@@ -498,6 +499,23 @@ class FTClient:
             return encode_batch_ranges(rid, ranges)
 
         return decode_range_numbers(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
+
+    def register_tree_ranges(
+        self, ranges: Sequence[tuple[int, str, int, int, int]]
+    ) -> list[tuple[int, int]]:
+        """`FTLayer.register_ranges(..., tree=True)`: open a tree-mode batch's offset
+        ranges; durable once this returns; each one's (number, salt) (0, 0 for an empty
+        range). The same range opened again gets its number back with a new salt (a
+        re-run of its batch: its records not complete start over), so a retry after a
+        lost reply gives the salt that holds."""
+
+        def encode(rid: int) -> bytes:
+            return encode_batch_ranges(rid, ranges, tree=True)
+
+        numbers, salts = decode_range_salts(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
+        if salts is None:
+            raise ProtocolError("the FT layer answered tree-mode ranges without their salts")
+        return list(zip(numbers, salts, strict=True))
 
     def ingest(self, batch: RecordBatch) -> int:
         """`FTLayer.ingest`: a receiver's records (with their bytes; `offsets` each

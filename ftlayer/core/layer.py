@@ -437,6 +437,7 @@ class FTLayer:
         of theirs still open (never reported done: its driver died and the restarted
         one plans it again) is adopted: its trees follow this batch from now on."""
         self._s.leases.began(source_ids, self._s.clock())
+        ranges.tag_batch(self._s, source_ids)
 
     def batch_done(self, source_ids: Sequence[int]) -> None:
         """The batch of these sources is done: its lease ends, and the trees it left

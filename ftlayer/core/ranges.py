@@ -32,7 +32,7 @@ range root (ftlayer.rangeroots). The contract:
 - Recovery: the open ranges come back from their meta, and which offsets were
   materialized from the stored records (`note_stored`).
 - `inspect`: a record pending as part of a range shows as pending, held to its
-  batch's barrier, with nothing stored (seq 0).
+  batch's barrier (barrier mode), with nothing stored (seq 0).
 - `sort_out`: an XOR event of value 0 for a range root says its offset is no record of
   the range (the reader's word for a record a loop fed back: it runs under its own
   tree's root); it is excluded, counted neither persisted nor completed.
@@ -52,7 +52,7 @@ from ftlayer.rangeroots import MAX_RANGE, decode, encode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
 from .persist import persist
-from .rangetable import RANGE_META_PREFIX, BatchRange, OpenRanges, RangeAcks
+from .rangetable import PENDING, RANGE_META_PREFIX, BatchRange, OpenRanges, RangeAcks
 from .state import CoreState
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "pending_counts",
     "register",
     "salt_of",
+    "tag_batch",
 ]
 
 
@@ -82,6 +83,7 @@ def register(
     range with a salt of its own (`salt_of`)."""
     numbers: list[int] = []
     new: dict[int, BatchRange] = {}
+    again: dict[int, tuple[int, float]] = {}  # tree-mode ranges opened again: new salts
     for source_id, topic, partition, start, end in ranges:
         if end <= start:
             numbers.append(0)
@@ -92,6 +94,8 @@ def register(
                 f"{topic}-{partition} [{start}, {end})"
             )
         number = s.ranges.find(source_id, topic, partition, start, end, tree=tree)
+        if number and tree:
+            again[number] = (s.rng.getrandbits(64) | 1, s.clock())
         if not number:
             twin = [
                 n
@@ -101,11 +105,12 @@ def register(
             ]
             number = twin[0] if twin else s.ranges.allocate(set(new))
             r = BatchRange(number, source_id, topic, partition, start, end)
-            if tree:
-                salt = s.rng.getrandbits(64) | 1
-                r.acks = RangeAcks.new(salt, len(r), s.clock(), s.leases.tag(source_id))
+            if tree:  # its batch, for the timeouts, is the one its next barrier begins
+                r.acks = RangeAcks.new(s.rng.getrandbits(64) | 1, len(r), s.clock())
             new[number] = r
         numbers.append(number)
+    if again:
+        _again(s, again)
     if new:
         s.changing()
         s.storage.update_meta({_key(n): r.to_json() for n, r in new.items()})
@@ -114,6 +119,42 @@ def register(
             s.stats.persisted += len(r)
             s.meters.ranged(r.source_id, len(r))
     return numbers
+
+
+def _again(s: CoreState, salts: Mapping[int, tuple[int, float]]) -> None:
+    """Tree-mode ranges opened again (their batch planned again: a re-run) start over
+    with new salts: the records not complete are pending from now with no event
+    applied, and the events of the earlier run's rows (the old salt's ids) can no
+    longer complete one. Durable on return."""
+    changed = {n: s.ranges.by_number[n] for n in salts}
+    old = {n: r.acks.salt for n, r in changed.items() if r.acks is not None}
+    for number, r in changed.items():
+        if r.acks is not None:
+            r.acks.salt = salts[number][0]
+    try:
+        s.changing()
+        s.storage.update_meta({_key(n): r.to_json() for n, r in changed.items()})
+    except BaseException:
+        for number, salt in old.items():
+            acks = changed[number].acks
+            if acks is not None:
+                acks.salt = salt
+        raise
+    for number, r in changed.items():
+        acks = r.acks
+        if acks is not None:
+            acks.acc[acks.state == PENDING] = 0
+            acks.opened_at, acks.batch = salts[number][1], None
+
+
+def tag_batch(s: CoreState, source_ids: Iterable[int]) -> None:
+    """A batch of these sources begins (its barrier): their tree-mode ranges that
+    belong to no batch yet (opened for it just before) belong to it, so its heartbeats
+    hold their timeouts off."""
+    sources = set(source_ids)
+    for r in s.ranges.by_number.values():
+        if r.acks is not None and r.acks.batch is None and r.source_id in sources:
+            r.acks.batch = s.leases.tag(r.source_id)
 
 
 def salt_of(s: CoreState, number: int) -> int:
@@ -272,7 +313,7 @@ def inspect(s: CoreState, query: RecordQuery) -> tuple[InspectedRecord, ...]:
             offset = int(query.offset or 0)
         else:
             continue
-        if offset in r.materialized:
+        if not _unfinished(r, offset):  # a record of its own (or a tree that completed)
             continue
         return (
             InspectedRecord(
@@ -286,7 +327,7 @@ def inspect(s: CoreState, query: RecordQuery) -> tuple[InspectedRecord, ...]:
                 payload_bytes=0,
                 has_key=False,
                 key_hash=KEY_UNKNOWN,
-                barrier_hold=True,
+                barrier_hold=r.acks is None,
             ),
         )
     return ()

@@ -189,8 +189,9 @@ class RequestHandlers(ServerState):
             np.array([r[2] for r in message.ranges], dtype=np.int64),
         )
         with self._core() as ft:
-            numbers = ft.register_ranges(message.ranges)
-        return encode_range_numbers(rid, numbers)
+            numbers = ft.register_ranges(message.ranges, tree=message.tree)
+            salts = [ft.range_salt(n) for n in numbers] if message.tree else None
+        return encode_range_numbers(rid, numbers, salts)
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
         """Failures of fresh batch-range rows are noted (journaled) before the OK and

@@ -69,7 +69,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 |      |                     | u8[n], payload lengths u32[n], the payloads (none where not |
 |      |                     | found)                                                      |
 | 0x2C | BATCH_RANGES        | utf-8 JSON {"ranges": [[source id, topic, partition, start, |
-|      |                     | end]]}: a barrier-mode batch's offset ranges to open        |
+|      |                     | end]]} [, "tree": true]: a batch's offset ranges to open    |
 | 0x2D | SINK_MARK           | utf-8 JSON {"sink": name, "batch": id, "mark": object}      |
 | 0x2E | INGEST              | u32 n, record columns without initial values (below)        |
 | 0x2F | SAVEPOINT_READ      | utf-8 JSON {"name": str, "offset": int, "length": int,      |
@@ -93,7 +93,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x97 | INSPECT_REPLY       | u32 J, utf-8 JSON {"query", "records": [...], "retired"},   |
 |      |                     | then per record u32 length + the start of its payload       |
 | 0x98 | UNFILLED_LIST       | u32 n, seqs u64[n], record columns without initial values   |
-| 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n]: the reply to BATCH_RANGES            |
+| 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n] [, u64 salts[n] of tree-mode ranges]: |
+|      |                     | the reply to BATCH_RANGES                                   |
 | 0x9A | MARK                | utf-8 JSON {"mark": object, "first": bool}: SINK_MARK's     |
 | 0x9B | SAVEPOINT_BYTES     | the bytes read: SAVEPOINT_READ's reply                      |
 | 0x9C | PARKED_LIST         | u8 more, u32 E, per entry: u64 seq, u16 owner, u8 S + store |
@@ -240,6 +241,7 @@ from .messages import (
     decode_parked_list,
     decode_persist,
     decode_range_numbers,
+    decode_range_salts,
     decode_register_source,
     decode_replay,
     decode_replay_page,
@@ -387,6 +389,7 @@ __all__ = [
     "decode_parked_list",
     "decode_persist",
     "decode_range_numbers",
+    "decode_range_salts",
     "decode_register_source",
     "decode_replay",
     "decode_replay_page",

@@ -84,9 +84,11 @@ class Fill:
 
 @dataclass(frozen=True, slots=True)
 class BatchRanges:
-    """BATCH_RANGES: (source id, topic, partition, start, end) ranges to open."""
+    """BATCH_RANGES: (source id, topic, partition, start, end) ranges to open; `tree`:
+    as tree-mode ranges (each record completes with its tree; the reply has salts)."""
 
     ranges: list[tuple[int, str, int, int, int]]
+    tree: bool = False
 
 
 def encode_unfilled(request_id: int, source_id: int, limit: int) -> bytes:
@@ -188,9 +190,14 @@ def decode_fill(message: Frame | bytes) -> Fill:
     )
 
 
-def encode_batch_ranges(request_id: int, ranges: Sequence[tuple[int, str, int, int, int]]) -> bytes:
-    """BATCH_RANGES: utf-8 JSON {"ranges": [[source id, topic, partition, start, end]]}."""
-    body = {"ranges": [list(r) for r in ranges]}
+def encode_batch_ranges(
+    request_id: int, ranges: Sequence[tuple[int, str, int, int, int]], *, tree: bool = False
+) -> bytes:
+    """BATCH_RANGES: utf-8 JSON {"ranges": [[source id, topic, partition, start, end]]},
+    with "tree": true for tree-mode ranges."""
+    body: dict[str, object] = {"ranges": [list(r) for r in ranges]}
+    if tree:
+        body["tree"] = True
     _check_ranges(body)
     return encode_frame(Kind.BATCH_RANGES, request_id, dump_json(body, "BATCH_RANGES body"))
 
@@ -199,14 +206,16 @@ def decode_batch_ranges(message: Frame | bytes) -> BatchRanges:
     body = parse_json(_body(message, Kind.BATCH_RANGES).rest(), Kind.BATCH_RANGES)
     _check_ranges(body)
     return BatchRanges(
-        [(int(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in body["ranges"]]
+        [(int(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in body["ranges"]],
+        tree=bool(body.get("tree", False)),
     )
 
 
 def _check_ranges(body: object) -> None:
     ok = (
         isinstance(body, dict)
-        and set(body) == {"ranges"}
+        and set(body) in ({"ranges"}, {"ranges", "tree"})
+        and isinstance(body.get("tree", False), bool)
         and isinstance(body["ranges"], list)
         and len(body["ranges"]) <= MAX_U32
         and all(
@@ -225,23 +234,39 @@ def _check_ranges(body: object) -> None:
     if not ok:
         raise BadRequest(
             'BATCH_RANGES body must be {"ranges": [[u32 source id, topic, partition, start, '
-            f"end]]}} with 0 <= start <= end, got {body!r}"[:600]
+            f'end]]}} (and "tree": a bool) with 0 <= start <= end, got {body!r}'[:600]
         )
 
 
-def encode_range_numbers(request_id: int, numbers: Sequence[int]) -> bytes:
-    """RANGE_NUMBERS: u32 n, u32 numbers[n] (0: an empty range, none opened)."""
+def encode_range_numbers(
+    request_id: int, numbers: Sequence[int], salts: Sequence[int] | None = None
+) -> bytes:
+    """RANGE_NUMBERS: u32 n, u32 numbers[n] (0: an empty range, none opened), and for
+    tree-mode ranges u64 salts[n] (0 for an empty range)."""
     array = np.asarray(list(numbers), dtype=np.int64)
     if len(array) and (int(array.min()) < 0 or int(array.max()) > MAX_U32):
         raise BadRequest("range numbers are u32")
-    return encode_frame(
-        Kind.RANGE_NUMBERS, request_id, _U32.pack(len(array)) + array.astype("<u4").tobytes()
-    )
+    body = _U32.pack(len(array)) + array.astype("<u4").tobytes()
+    if salts is not None:
+        if len(salts) != len(array):
+            raise BadRequest(f"{len(array)} range numbers but {len(salts)} salts")
+        body += np.asarray(list(salts), dtype=np.uint64).astype("<u8").tobytes()
+    return encode_frame(Kind.RANGE_NUMBERS, request_id, body)
 
 
 def decode_range_numbers(message: Frame | bytes) -> list[int]:
+    """The range numbers of a RANGE_NUMBERS reply (see `decode_range_salts`)."""
+    return decode_range_salts(message)[0]
+
+
+def decode_range_salts(message: Frame | bytes) -> tuple[list[int], list[int] | None]:
+    """A RANGE_NUMBERS reply's range numbers and, for tree-mode ranges, their salts
+    (None: barrier-mode ranges, none sent)."""
     body = _body(message, Kind.RANGE_NUMBERS)
     n = body.u32("count")
     numbers = body.array("<u4", n, "range numbers")
+    salts = None if body.pos == len(body.data) else body.array("<u8", n, "range salts")
     body.done()
-    return [int(x) for x in numbers.tolist()]
+    return [int(x) for x in numbers.tolist()], None if salts is None else [
+        int(x) for x in salts.tolist()
+    ]

@@ -667,6 +667,8 @@ class SourceDriver:
         before this returns: BATCH_RANGES), one request per shard for the batch: each
         partition's range on the shard that owns it."""
         numbers = [p.range_number for p in parts]
+        salts = [p.range_salt for p in parts]
+        tree = self.options.completion == "tree"
         for shard in range(self.shards.count):
             rows = [
                 i
@@ -680,11 +682,13 @@ class SourceDriver:
             if not any(end > start for _, _, _, start, end in ranges):
                 continue
             given = self.shards.call(
-                shard, "open the batch's ranges in the FT layer", partial(_register_ranges, ranges)
+                shard,
+                "open the batch's ranges in the FT layer",
+                partial(_register_ranges, ranges, tree),
             )
-            for i, number in zip(rows, given, strict=True):
-                numbers[i] = number
-        return [p.with_range(n) for p, n in zip(parts, numbers, strict=True)]
+            for i, (number, salt) in zip(rows, given, strict=True):
+                numbers[i], salts[i] = number, salt
+        return [p.with_range(n, s) for p, n, s in zip(parts, numbers, salts, strict=True)]
 
     def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         """Copy the bytes of these sources' failed records stored by reference from
@@ -718,8 +722,13 @@ def _whole_status(client: FTClient) -> Status:
     return client.status()
 
 
-def _register_ranges(ranges: list[tuple[int, str, int, int, int]], client: FTClient) -> list[int]:
-    return client.register_ranges(ranges)
+def _register_ranges(
+    ranges: list[tuple[int, str, int, int, int]], tree: bool, client: FTClient
+) -> list[tuple[int, int]]:
+    """Each range's (number, salt): tree-mode ranges have salts, barrier-mode ones 0."""
+    if tree:
+        return client.register_tree_ranges(ranges)
+    return [(number, 0) for number in client.register_ranges(ranges)]
 
 
 class _NoFetchResponse(Exception):

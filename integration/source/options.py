@@ -439,10 +439,11 @@ class SourceOptions:
 
     @property
     def by_range(self) -> bool:
-        """FT on, barrier completion and ft.persist=reference: a batch's records are one
-        offset range per partition in the FT layer (ftlayer.core.ranges), nothing is
-        persisted per record, and rows carry range roots (ftlayer.rangeroots)."""
-        return self.ft_on and self.completion == "barrier" and self.persist == "reference"
+        """FT on and ft.persist=reference: a batch's records are one offset range per
+        partition in the FT layer (ftlayer.core.ranges), nothing is persisted per
+        record, and rows carry range roots (ftlayer.rangeroots); in tree mode each
+        record completes with its tree (ftlayer.core.rangeacks)."""
+        return self.ft_on and self.persist == "reference"
 
     @property
     def keeps_headers(self) -> bool:

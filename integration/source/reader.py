@@ -77,8 +77,10 @@ class FTKafkaPartition(InputPartition):
     replays of its source routed to `partition` with replay_lo < seq <= replay_hi, on
     each shard of the FT layer (a number: the cursor of an FT layer of one shard; a
     sequence: one per shard, in shard order). `range_number`: the FT layer's number of
-    [start, end) as a batch range (barrier mode, ft.persist=reference): its rows carry
-    range roots and nothing is persisted (0: none, each record is persisted). `given`:
+    [start, end) as a batch range (ft.persist=reference): its rows carry range roots
+    and nothing is persisted (0: none, each record is persisted); `range_salt`: a
+    tree-mode range's salt, from which its rows' ids follow (0: a barrier-mode
+    range's rows carry id 0). `given`:
     per shard, the replays the planner fetched for this partition (None: the reader
     fetches that shard's; integration.source.given)."""
 
@@ -93,6 +95,7 @@ class FTKafkaPartition(InputPartition):
         replay_hi: int | Sequence[int],
         range_number: int = 0,
         given: Sequence[ReplayRecords | None] | None = None,
+        range_salt: int = 0,
     ) -> None:
         super().__init__((topic, partition))
         self.topic = topic
@@ -105,11 +108,13 @@ class FTKafkaPartition(InputPartition):
         if len(self.replay_lo) != len(self.replay_hi):
             raise ValueError(f"replay cursors of different shards: {replay_lo}, {replay_hi}")
         self.range_number = range_number
+        self.range_salt = range_salt
         self.given = None if given is None else tuple(given)
 
-    def with_range(self, range_number: int) -> FTKafkaPartition:
-        """This input partition with the FT layer's number of its batch range."""
-        return self._with(range_number, self.given)
+    def with_range(self, range_number: int, salt: int = 0) -> FTKafkaPartition:
+        """This input partition with the FT layer's number of its batch range (and a
+        tree-mode range's salt)."""
+        return self._with(range_number, self.given, salt)
 
     def with_given(
         self, given: Sequence[Mapping[tuple[int, int], ReplayRecords] | None]
@@ -118,10 +123,10 @@ class FTKafkaPartition(InputPartition):
         the rows by (source id, partition), None for a shard its reader fetches."""
         key = (self.source_id, self.partition)
         mine = [None if rows is None else rows.get(key) for rows in given]
-        return self._with(self.range_number, mine)
+        return self._with(self.range_number, mine, self.range_salt)
 
     def _with(
-        self, range_number: int, given: Sequence[ReplayRecords | None] | None
+        self, range_number: int, given: Sequence[ReplayRecords | None] | None, salt: int
     ) -> FTKafkaPartition:
         return FTKafkaPartition(
             self.topic,
@@ -133,6 +138,7 @@ class FTKafkaPartition(InputPartition):
             self.replay_hi,
             range_number,
             given,
+            salt,
         )
 
     def given_for(self, shard: int) -> ReplayRecords | None:
@@ -336,10 +342,11 @@ class _Anchoring:
         )
 
     def _range_anchors(self, chunk: RecordColumns) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-        """A batch range's chunk (barrier mode, by reference): the FT layer has the
-        range; each row's root names its record by its offset (ftlayer.rangeroots)."""
+        """A batch range's chunk (by reference): the FT layer has the range; each row's
+        root names its record by its offset (ftlayer.rangeroots), and in tree mode its
+        id is its emission id, which the FT layer computes too."""
         roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
-        return to_signed(roots), np.zeros(len(chunk), dtype=np.int64)
+        return to_signed(roots), _range_ids(self.part, roots)
 
 
 def _read_back(options: SourceOptions, channel: Channel, replay: ReplayRecords) -> ReplayRecords:
@@ -446,7 +453,8 @@ def _persist_or_continue(
     roots, ids = np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64)
     fresh = np.flatnonzero(loop_roots == 0)
     if len(fresh) and range_number:  # a batch range: the fresh records' range roots
-        roots[fresh] = to_signed(rangeroots.encode(range_number, part.start, offsets[fresh]))
+        fresh_roots = rangeroots.encode(range_number, part.start, offsets[fresh])
+        roots[fresh], ids[fresh] = to_signed(fresh_roots), _range_ids(part, fresh_roots)
     elif len(fresh):
         keys_f = [keys[i] for i in fresh.tolist()]
         payloads = (
@@ -474,6 +482,14 @@ def _persist_or_continue(
     channel.xor(loop_roots[looped], loop_ids[looped] ^ new)
     roots[looped], ids[looped] = to_signed(loop_roots[looped]), to_signed(new)
     return roots, ids
+
+
+def _range_ids(part: FTKafkaPartition, roots: NDArray[np.uint64]) -> NDArray[np.int64]:
+    """The ft_id column of a batch range's rows: their emission ids in tree mode (a
+    salted range), 0 in barrier mode."""
+    if not part.range_salt:
+        return np.zeros(len(roots), dtype=np.int64)
+    return to_signed(rangeroots.emission_ids(part.range_salt, roots))
 
 
 def _no_payloads(n: int) -> Payloads:
