@@ -12,12 +12,12 @@ A drawn root never has bit 63 set (ftlayer.acking.ids), so the two kinds never m
 A step or sink fails a row exactly as it fails any other (FAIL with its root); the FT
 layer finds the range by its number and the record by its offset.
 
-In tree mode a range's records complete one by one, each when its tree does. The
-reader then emits each row with its *emission id* (`emission_ids`): a mix of the
-row's range root and a salt the FT layer drew for the range, never 0. The FT layer
-computes the same id where it needs it, so it starts no ack value per record: a
-record is complete when the XOR of the events naming its range root equals its
-emission id (ftlayer.core.rangeacks).
+In tree mode a range's records complete one by one, each when its tree does. A reader
+of a range draws a random *seed* and tells the FT layer (RANGE_READ) before it emits
+a row; each row then carries its *emission id* (`emission_ids`): a mix of its range
+root and the seed, never 0. The FT layer computes the same id where it needs it, so
+it starts no ack value per record: a record is complete when the XOR of the events
+naming its range root equals its emission id (ftlayer.core.rangeacks).
 
 Limits: range numbers are 1 to 2**23 - 1 (numbers of completed ranges are used again),
 and a range holds at most 2**40 offsets. Nothing here imports the core: executors
@@ -85,11 +85,12 @@ def decode(roots: ArrayLike) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     return numbers.astype(np.int64), (array & _DELTA_MASK).astype(np.int64)
 
 
-def emission_ids(salt: int, roots: ArrayLike) -> NDArray[np.uint64]:
-    """The emission id of each range root of a range salted `salt` (tree mode: the
-    `ft_id` its reader emits the row with, and what the XOR of the row's events must
-    equal for its tree to be complete); never 0."""
-    z = np.asarray(roots, dtype=np.uint64) ^ np.uint64(salt & _U64)
+def emission_ids(seed: int | NDArray[np.uint64], roots: ArrayLike) -> NDArray[np.uint64]:
+    """The emission id of each range root read under `seed` (one for all, or one per
+    root; tree mode: the `ft_id` its reader emits the row with, and what the XOR of
+    the row's events must equal for its tree to be complete); never 0."""
+    mix = np.uint64(seed & _U64) if isinstance(seed, int) else np.asarray(seed, np.uint64)
+    z = np.asarray(roots, dtype=np.uint64) ^ mix
     z = z + _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2

@@ -153,6 +153,14 @@ class BatchingChannel:
         """`FTClient.register_source`."""
         self.client.register_source(registration)
 
+    def read_range(self, first: int, n: int, seed: int) -> int:
+        """`FTClient.read_range`, after what is buffered (an earlier read's events of
+        the same records, so they cannot land after this read began)."""
+        with self._cond:
+            self._check()
+            self._flush_locked()
+            return self.client.read_range(first, n, seed)
+
     def hold(self, roots: ArrayLike, values: ArrayLike) -> int:
         """`FTClient.hold`, after what is buffered (so an XOR buffered before it is
         applied first)."""

@@ -92,7 +92,6 @@ from ftlayer.wire import (
     decode_ok,
     decode_parked_list,
     decode_range_numbers,
-    decode_range_salts,
     decode_replay_page,
     decode_savepoint_bytes,
     decode_savepoint_created,
@@ -115,6 +114,7 @@ from ftlayer.wire import (
     encode_inspect,
     encode_parked,
     encode_persist,
+    encode_range_read,
     encode_register_source,
     encode_savepoint,
     encode_savepoint_read,
@@ -489,33 +489,28 @@ class FTClient:
 
         return decode_unfilled_list(self._call(encode, Kind.UNFILLED_LIST, retry=True))
 
-    def register_ranges(self, ranges: Sequence[tuple[int, str, int, int, int]]) -> list[int]:
-        """`FTLayer.register_ranges`: open a barrier-mode batch's offset ranges, (source
-        id, topic, partition, start, end) each; durable once this returns; their numbers
-        (0 for an empty range). Idempotent (the same range gets its number back), so
-        retried."""
+    def register_ranges(
+        self, ranges: Sequence[tuple[int, str, int, int, int]], *, tree: bool = False
+    ) -> list[int]:
+        """`FTLayer.register_ranges`: open a batch's offset ranges, (source id, topic,
+        partition, start, end) each (`tree`: tree-mode ranges); durable once this
+        returns; their numbers (0 for an empty range). Idempotent (the same range gets
+        its number back), so retried."""
 
         def encode(rid: int) -> bytes:
-            return encode_batch_ranges(rid, ranges)
+            return encode_batch_ranges(rid, ranges, tree=tree)
 
         return decode_range_numbers(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
 
-    def register_tree_ranges(
-        self, ranges: Sequence[tuple[int, str, int, int, int]]
-    ) -> list[tuple[int, int]]:
-        """`FTLayer.register_ranges(..., tree=True)`: open a tree-mode batch's offset
-        ranges; durable once this returns; each one's (number, salt) (0, 0 for an empty
-        range). The same range opened again gets its number back with a new salt (a
-        re-run of its batch: its records not complete start over), so a retry after a
-        lost reply gives the salt that holds."""
+    def read_range(self, first: int, n: int, seed: int) -> int:
+        """`FTLayer.read_range`: the `n` records of a tree-mode range from range root
+        `first` on are emitted with ids under `seed` (ftlayer.rangeroots.emission_ids);
+        returns how many start their trees over. Idempotent, so retried."""
 
         def encode(rid: int) -> bytes:
-            return encode_batch_ranges(rid, ranges, tree=True)
+            return encode_range_read(rid, first, n, seed)
 
-        numbers, salts = decode_range_salts(self._call(encode, Kind.RANGE_NUMBERS, retry=True))
-        if salts is None:
-            raise ProtocolError("the FT layer answered tree-mode ranges without their salts")
-        return list(zip(numbers, salts, strict=True))
+        return decode_ok(self._call(encode, Kind.OK, retry=True)).count
 
     def ingest(self, batch: RecordBatch) -> int:
         """`FTLayer.ingest`: a receiver's records (with their bytes; `offsets` each

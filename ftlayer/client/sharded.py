@@ -145,6 +145,11 @@ class ShardedChannel:
             self.channels[shard].fail(r[rows], causes.take(rows))
         return len(r)
 
+    def read_range(self, first: int, n: int, seed: int) -> int:
+        """To the shard the range root names (the shard that owns the range)."""
+        ((shard, _),) = self._split(np.array([first], dtype=np.uint64))
+        return self.channels[shard].read_range(first, n, seed)
+
     def hold(self, roots: ArrayLike, values: ArrayLike) -> int:
         r = np.ascontiguousarray(roots, dtype=np.uint64)
         v = np.ascontiguousarray(values, dtype=np.uint64)

@@ -571,14 +571,15 @@ class FTLayer:
         carry range roots (ftlayer.rangeroots); its records are pending until a barrier
         of their source at or past its end is done (`complete_ranges`). With `tree`,
         each record is pending until its tree completes instead (its rows carry their
-        emission ids, `range_salt`; ftlayer.core.rangeacks), or its range's timeout
-        fails it."""
+        emission ids under their read's seed, `read_range`; ftlayer.core.rangeacks),
+        or its range's timeout fails it."""
         return ranges.register(self._s, opened, tree=tree)
 
-    def range_salt(self, number: int) -> int:
-        """The salt of open tree-mode range `number`, from which its rows' emission ids
-        follow (ftlayer.rangeroots.emission_ids); 0 for any other number."""
-        return ranges.salt_of(self._s, number)
+    def read_range(self, first: int, n: int, seed: int) -> int:
+        """A reader emits `n` records of a tree-mode range from range root `first` on,
+        with ids under `seed` (ftlayer.rangeroots.emission_ids): the pending ones start
+        their trees over (ftlayer.core.rangeacks.read). Returns how many."""
+        return rangeacks.read(self._s, first, n, seed)
 
     def complete_ranges(
         self, source_ids: Sequence[int], kafka: Mapping[str, Mapping[Any, int]]

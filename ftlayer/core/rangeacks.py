@@ -1,12 +1,20 @@
 """Tree mode by range: a batch range's records complete one by one, without an entry each.
 
 A tree-mode batch read by reference can be registered as ranges too (ftlayer.core.ranges,
-`register(..., tree=True)`): the FT layer draws each range a salt, and the reader emits
-each row with its range root and its emission id (ftlayer.rangeroots.emission_ids). The
-FT layer keeps per range one array of ack values and one of states
+`register(..., tree=True)`). Each reader of a range draws a seed and announces it
+(`read`, RANGE_READ) before it emits a row; every row carries its range root and its
+emission id under that seed (ftlayer.rangeroots.emission_ids). The FT layer keeps per
+range an array of ack values, one of states and one of seeds
 (ftlayer.core.rangetable.RangeAcks), not an acker entry, a stored record and a delete
 per record. The contract:
 
+- `read`: a read of records of an open range starts their trees over: each record
+  still pending gets the read's seed and no event applied. A task retried, a batch
+  computed twice (a sink's two actions) or run again reads its records again under a
+  new seed, so the events of the earlier read complete nothing: its rows' ids are
+  not the records' emission ids any more. (An event of an earlier read that arrives
+  after the new read began is XOR-ed in all the same and leaves its record to time
+  out: a replay, never a loss.)
 - `xor` applies the XOR events that name a tree-mode range's roots to its arrays
   (vectorized, per range); a record whose value equals its emission id is complete:
   counted completed with its latency from the range's opening. Events of every other
@@ -26,8 +34,8 @@ per record. The contract:
 - A batch sink's held acks (ftlayer.core.holding) name range roots like any other:
   `pending` says which are pending, and a settle XORs them in here.
 - Recovery: the ack values live in memory. A range that comes back from its meta has
-  every record pending again from the restart on; what did not complete again by the
-  timeout is replayed (duplicates, nothing lost).
+  every record pending again from the restart on and none read: what a later read
+  does not complete by the timeout is replayed (duplicates, nothing lost).
 
 Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
 emission ids of the touched records only; nothing per record at registration but the
@@ -46,12 +54,42 @@ from ftlayer.rangeroots import decode, emission_ids, encode, is_range_root
 from .rangetable import COMPLETED, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
 from .state import CoreState
 
-__all__ = ["close_finished", "expired", "has_tree_ranges", "next_expiry", "pending", "xor"]
+__all__ = [
+    "close_finished",
+    "expired",
+    "has_tree_ranges",
+    "next_expiry",
+    "pending",
+    "read",
+    "xor",
+]
 
 
 def has_tree_ranges(s: CoreState) -> bool:
     """Whether any open range is a tree-mode one."""
     return any(r.acks is not None for r in s.ranges.by_number.values())
+
+
+def read(s: CoreState, first: int, n: int, seed: int) -> int:
+    """A reader emits the `n` records of a range from the one whose range root is
+    `first` on, under `seed` (see the module docstring); returns how many of them
+    were still pending in an open tree-mode range (their trees start over)."""
+    if not seed or n <= 0 or not is_range_root([first])[0]:
+        return 0
+    numbers, deltas = decode([first])
+    r = s.ranges.by_number.get(int(numbers[0]))
+    if r is None or r.acks is None:
+        return 0
+    lo = int(deltas[0])
+    hi = min(lo + n, len(r))
+    if lo >= hi:
+        return 0
+    acks = r.acks
+    mine = np.flatnonzero(acks.state[lo:hi] == PENDING) + lo
+    s.changing()
+    acks.acc[mine] = 0
+    acks.seeds[mine] = seed
+    return len(mine)
 
 
 def pending(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
@@ -123,9 +161,11 @@ def _apply(
     s.stats.xor_events += len(deltas)
     np.bitwise_xor.at(acks.acc, deltas, values)
     # Checked per event, not per distinct record (no sort): a record named twice is
-    # marked twice, and counted once by what is left pending.
-    ids = emission_ids(acks.salt, encode(r.number, 0, deltas))
-    done = deltas[acks.acc[deltas] == ids]
+    # marked twice, and counted once by what is left pending. A record no read
+    # announced (seed 0) completes nothing.
+    seeds = acks.seeds[deltas]
+    ids = emission_ids(seeds, encode(r.number, 0, deltas))
+    done = deltas[(acks.acc[deltas] == ids) & (seeds != 0)]
     if not len(done):
         return 0
     s.changing()

@@ -52,7 +52,7 @@ from ftlayer.rangeroots import MAX_RANGE, decode, encode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
 from .persist import persist
-from .rangetable import PENDING, RANGE_META_PREFIX, BatchRange, OpenRanges, RangeAcks
+from .rangetable import RANGE_META_PREFIX, BatchRange, OpenRanges, RangeAcks
 from .state import CoreState
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
     "note_stored",
     "pending_counts",
     "register",
-    "salt_of",
     "tag_batch",
 ]
 
@@ -79,11 +78,10 @@ def register(
 ) -> list[int]:
     """Open (source id, topic, partition, start, end) ranges; returns their numbers in
     order (0 for an empty range, which needs none). Durable on return. With `tree`,
-    their records complete one by one with their trees (ftlayer.core.rangeacks), each
-    range with a salt of its own (`salt_of`)."""
+    their records complete one by one with their trees (ftlayer.core.rangeacks). A
+    range opened again (its batch planned again) gets its number back."""
     numbers: list[int] = []
     new: dict[int, BatchRange] = {}
-    again: dict[int, tuple[int, float]] = {}  # tree-mode ranges opened again: new salts
     for source_id, topic, partition, start, end in ranges:
         if end <= start:
             numbers.append(0)
@@ -94,8 +92,6 @@ def register(
                 f"{topic}-{partition} [{start}, {end})"
             )
         number = s.ranges.find(source_id, topic, partition, start, end, tree=tree)
-        if number and tree:
-            again[number] = (s.rng.getrandbits(64) | 1, s.clock())
         if not number:
             twin = [
                 n
@@ -106,11 +102,9 @@ def register(
             number = twin[0] if twin else s.ranges.allocate(set(new))
             r = BatchRange(number, source_id, topic, partition, start, end)
             if tree:  # its batch, for the timeouts, is the one its next barrier begins
-                r.acks = RangeAcks.new(s.rng.getrandbits(64) | 1, len(r), s.clock())
+                r.acks = RangeAcks.new(len(r), s.clock())
             new[number] = r
         numbers.append(number)
-    if again:
-        _again(s, again)
     if new:
         s.changing()
         s.storage.update_meta({_key(n): r.to_json() for n, r in new.items()})
@@ -121,32 +115,6 @@ def register(
     return numbers
 
 
-def _again(s: CoreState, salts: Mapping[int, tuple[int, float]]) -> None:
-    """Tree-mode ranges opened again (their batch planned again: a re-run) start over
-    with new salts: the records not complete are pending from now with no event
-    applied, and the events of the earlier run's rows (the old salt's ids) can no
-    longer complete one. Durable on return."""
-    changed = {n: s.ranges.by_number[n] for n in salts}
-    old = {n: r.acks.salt for n, r in changed.items() if r.acks is not None}
-    for number, r in changed.items():
-        if r.acks is not None:
-            r.acks.salt = salts[number][0]
-    try:
-        s.changing()
-        s.storage.update_meta({_key(n): r.to_json() for n, r in changed.items()})
-    except BaseException:
-        for number, salt in old.items():
-            acks = changed[number].acks
-            if acks is not None:
-                acks.salt = salt
-        raise
-    for number, r in changed.items():
-        acks = r.acks
-        if acks is not None:
-            acks.acc[acks.state == PENDING] = 0
-            acks.opened_at, acks.batch = salts[number][1], None
-
-
 def tag_batch(s: CoreState, source_ids: Iterable[int]) -> None:
     """A batch of these sources begins (its barrier): their tree-mode ranges that
     belong to no batch yet (opened for it just before) belong to it, so its heartbeats
@@ -155,13 +123,6 @@ def tag_batch(s: CoreState, source_ids: Iterable[int]) -> None:
     for r in s.ranges.by_number.values():
         if r.acks is not None and r.acks.batch is None and r.source_id in sources:
             r.acks.batch = s.leases.tag(r.source_id)
-
-
-def salt_of(s: CoreState, number: int) -> int:
-    """The salt of open tree-mode range `number` (its rows' emission ids,
-    ftlayer.rangeroots.emission_ids); 0 for a barrier-mode range or none open."""
-    r = s.ranges.by_number.get(number)
-    return 0 if r is None or r.acks is None else r.acks.salt
 
 
 def complete(

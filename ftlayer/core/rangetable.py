@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 RANGE_META_PREFIX: Final = "range/"
+TREE: Final = "tree"
+"""The mode a tree-mode range's meta entry ends with (a barrier-mode one has none)."""
 
 PENDING: Final = 0
 COMPLETED: Final = 1
@@ -41,13 +43,15 @@ complete, or gone from it (materialized: a record of its own; or excluded)."""
 class RangeAcks:
     """Tree completion of a range's records (ftlayer.core.rangeacks): per record the
     XOR of the events that named its range root so far (complete when it equals the
-    record's emission id, ftlayer.rangeroots.emission_ids) and its state; in memory."""
+    record's emission id, ftlayer.rangeroots.emission_ids, under the seed of the read
+    that emitted it), its state, and that seed (0: not read since the range opened or
+    the FT layer started); in memory."""
 
-    salt: int
     opened_at: float
     """The core's clock when the range opened: its records' latency and timeout start."""
     acc: NDArray[np.uint64]
     state: NDArray[np.uint8]
+    seeds: NDArray[np.uint64]
     left: int
     """Records still PENDING."""
     batch: tuple[int, int] | None = None
@@ -55,10 +59,14 @@ class RangeAcks:
     that batch runs."""
 
     @classmethod
-    def new(
-        cls, salt: int, n: int, opened_at: float, batch: tuple[int, int] | None = None
-    ) -> RangeAcks:
-        return cls(salt, opened_at, np.zeros(n, np.uint64), np.zeros(n, np.uint8), n, batch)
+    def new(cls, n: int, opened_at: float) -> RangeAcks:
+        return cls(
+            opened_at,
+            np.zeros(n, np.uint64),
+            np.zeros(n, np.uint8),
+            np.zeros(n, np.uint64),
+            n,
+        )
 
 
 @dataclass(slots=True)
@@ -118,17 +126,19 @@ class BatchRange:
     def to_json(self) -> bytes:
         body: list[object] = [self.source_id, self.topic, self.partition, self.start, self.end]
         if self.acks is not None:
-            body.append(str(self.acks.salt))
+            body.append(TREE)
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, number: int, raw: bytes, now: float = 0.0) -> BatchRange:
         """A range as its meta holds it; a tree-mode range's records all pending again
-        (their acks lived in memory), opened at `now`."""
-        source_id, topic, partition, start, end, *salt = json.loads(raw)
+        (their acks lived in memory), opened at `now`, none read."""
+        source_id, topic, partition, start, end, *mode = json.loads(raw)
         r = cls(number, int(source_id), str(topic), int(partition), int(start), int(end))
-        if salt:
-            r.acks = RangeAcks.new(int(salt[0]), len(r), now)
+        if mode == [TREE]:
+            r.acks = RangeAcks.new(len(r), now)
+        elif mode:
+            raise ValueError(f"range {number}'s meta has an unknown mode {mode!r}")
         return r
 
 

@@ -48,6 +48,7 @@ from ftlayer.wire import (
     decode_inspect,
     decode_parked,
     decode_persist,
+    decode_range_read,
     decode_register_source,
     decode_savepoint,
     decode_savepoint_read,
@@ -111,6 +112,7 @@ class RequestHandlers(ServerState):
             Kind.INGEST: self._ingest,
             Kind.FAIL_PARKED: self._fail_parked,
             Kind.PARKED: self._parked_request,
+            Kind.RANGE_READ: self._range_read,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -190,8 +192,16 @@ class RequestHandlers(ServerState):
         )
         with self._core() as ft:
             numbers = ft.register_ranges(message.ranges, tree=message.tree)
-            salts = [ft.range_salt(n) for n in numbers] if message.tree else None
-        return encode_range_numbers(rid, numbers, salts)
+        return encode_range_numbers(rid, numbers)
+
+    def _range_read(self, rid: int, frame: Frame) -> bytes:
+        """A reader announces the seed of its rows' ids before it emits them (in
+        memory: a restart makes the range's records pending again)."""
+        m = decode_range_read(frame)
+        self._own_roots(np.array([m.first], dtype=np.uint64))
+        with self._core() as ft:
+            started = ft.read_range(m.first, m.n, m.seed)
+        return encode_ok(rid, started)
 
     def _fail(self, rid: int, frame: Frame) -> bytes:
         """Failures of fresh batch-range rows are noted (journaled) before the OK and

@@ -77,6 +77,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x30 | FAIL_PARKED         | u16 owner shard, u8 S + S bytes utf-8 store id, then FAIL's |
 |      |                     | body: a FAIL for a shard that could not be reached          |
 | 0x31 | PARKED              | u8 op: 0 list (u32 limit), 1 drop (u32 n, seqs u64[n])      |
+| 0x32 | RANGE_READ          | u64 range root of the first record, u64 n, u64 seed: a      |
+|      |                     | tree-mode range's records read under the seed               |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -93,8 +95,7 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x97 | INSPECT_REPLY       | u32 J, utf-8 JSON {"query", "records": [...], "retired"},   |
 |      |                     | then per record u32 length + the start of its payload       |
 | 0x98 | UNFILLED_LIST       | u32 n, seqs u64[n], record columns without initial values   |
-| 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n] [, u64 salts[n] of tree-mode ranges]: |
-|      |                     | the reply to BATCH_RANGES                                   |
+| 0x99 | RANGE_NUMBERS       | u32 n, u32 numbers[n]: the reply to BATCH_RANGES            |
 | 0x9A | MARK                | utf-8 JSON {"mark": object, "first": bool}: SINK_MARK's     |
 | 0x9B | SAVEPOINT_BYTES     | the bytes read: SAVEPOINT_READ's reply                      |
 | 0x9C | PARKED_LIST         | u8 more, u32 E, per entry: u64 seq, u16 owner, u8 S + store |
@@ -203,6 +204,7 @@ from .messages import (
     ParkedOp,
     ParkedRequest,
     Persist,
+    RangeRead,
     RegisterSource,
     SavepointBytes,
     SavepointCreated,
@@ -241,7 +243,7 @@ from .messages import (
     decode_parked_list,
     decode_persist,
     decode_range_numbers,
-    decode_range_salts,
+    decode_range_read,
     decode_register_source,
     decode_replay,
     decode_replay_page,
@@ -279,6 +281,7 @@ from .messages import (
     encode_parked_list,
     encode_persist,
     encode_range_numbers,
+    encode_range_read,
     encode_register_source,
     encode_replay,
     encode_savepoint,
@@ -342,6 +345,7 @@ __all__ = [
     "ParkedRequest",
     "Persist",
     "ProtocolError",
+    "RangeRead",
     "RegisterSource",
     "SavepointBytes",
     "SavepointCreated",
@@ -389,7 +393,7 @@ __all__ = [
     "decode_parked_list",
     "decode_persist",
     "decode_range_numbers",
-    "decode_range_salts",
+    "decode_range_read",
     "decode_register_source",
     "decode_replay",
     "decode_replay_page",
@@ -432,6 +436,7 @@ __all__ = [
     "encode_parked_list",
     "encode_persist",
     "encode_range_numbers",
+    "encode_range_read",
     "encode_register_source",
     "encode_replay",
     "encode_savepoint",

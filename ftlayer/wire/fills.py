@@ -34,21 +34,25 @@ from .frames import (
 __all__ = [
     "BatchRanges",
     "Fill",
+    "RangeRead",
     "Unfilled",
     "UnfilledList",
     "decode_batch_ranges",
     "decode_fill",
     "decode_range_numbers",
+    "decode_range_read",
     "decode_unfilled",
     "decode_unfilled_list",
     "encode_batch_ranges",
     "encode_fill",
     "encode_range_numbers",
+    "encode_range_read",
     "encode_unfilled",
     "encode_unfilled_list",
 ]
 
 _UNFILLED: Final = struct.Struct("<II")  # source id, limit
+_RANGE_READ: Final = struct.Struct("<QQQ")  # first range root, count, seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +87,19 @@ class Fill:
 
 
 @dataclass(frozen=True, slots=True)
+class RangeRead:
+    """RANGE_READ: a reader emits `n` records of a tree-mode range from the one whose
+    range root is `first` on, with ids under `seed` (ftlayer.core.rangeacks.read)."""
+
+    first: int
+    n: int
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
 class BatchRanges:
     """BATCH_RANGES: (source id, topic, partition, start, end) ranges to open; `tree`:
-    as tree-mode ranges (each record completes with its tree; the reply has salts)."""
+    as tree-mode ranges (each record completes with its tree)."""
 
     ranges: list[tuple[int, str, int, int, int]]
     tree: bool = False
@@ -238,35 +252,35 @@ def _check_ranges(body: object) -> None:
         )
 
 
-def encode_range_numbers(
-    request_id: int, numbers: Sequence[int], salts: Sequence[int] | None = None
-) -> bytes:
-    """RANGE_NUMBERS: u32 n, u32 numbers[n] (0: an empty range, none opened), and for
-    tree-mode ranges u64 salts[n] (0 for an empty range)."""
+def encode_range_numbers(request_id: int, numbers: Sequence[int]) -> bytes:
+    """RANGE_NUMBERS: u32 n, u32 numbers[n] (0: an empty range, none opened)."""
     array = np.asarray(list(numbers), dtype=np.int64)
     if len(array) and (int(array.min()) < 0 or int(array.max()) > MAX_U32):
         raise BadRequest("range numbers are u32")
-    body = _U32.pack(len(array)) + array.astype("<u4").tobytes()
-    if salts is not None:
-        if len(salts) != len(array):
-            raise BadRequest(f"{len(array)} range numbers but {len(salts)} salts")
-        body += np.asarray(list(salts), dtype=np.uint64).astype("<u8").tobytes()
-    return encode_frame(Kind.RANGE_NUMBERS, request_id, body)
+    return encode_frame(
+        Kind.RANGE_NUMBERS, request_id, _U32.pack(len(array)) + array.astype("<u4").tobytes()
+    )
 
 
 def decode_range_numbers(message: Frame | bytes) -> list[int]:
-    """The range numbers of a RANGE_NUMBERS reply (see `decode_range_salts`)."""
-    return decode_range_salts(message)[0]
-
-
-def decode_range_salts(message: Frame | bytes) -> tuple[list[int], list[int] | None]:
-    """A RANGE_NUMBERS reply's range numbers and, for tree-mode ranges, their salts
-    (None: barrier-mode ranges, none sent)."""
     body = _body(message, Kind.RANGE_NUMBERS)
     n = body.u32("count")
     numbers = body.array("<u4", n, "range numbers")
-    salts = None if body.pos == len(body.data) else body.array("<u8", n, "range salts")
     body.done()
-    return [int(x) for x in numbers.tolist()], None if salts is None else [
-        int(x) for x in salts.tolist()
-    ]
+    return [int(x) for x in numbers.tolist()]
+
+
+def encode_range_read(request_id: int, first: int, n: int, seed: int) -> bytes:
+    """RANGE_READ: u64 the range root of the first record read, u64 n, u64 seed."""
+    if not (0 <= first < 2**64 and 0 <= n < 2**64 and 0 < seed < 2**64):
+        raise BadRequest(f"RANGE_READ needs u64 root, count and seed (not 0), got {first, n, seed}")
+    return encode_frame(Kind.RANGE_READ, request_id, _RANGE_READ.pack(first, n, seed))
+
+
+def decode_range_read(message: Frame | bytes) -> RangeRead:
+    body = _body(message, Kind.RANGE_READ)
+    first, n, seed = body.unpack(_RANGE_READ, "RANGE_READ body")
+    body.done()
+    if not seed:
+        raise BadRequest("RANGE_READ's seed is not 0")
+    return RangeRead(first, n, seed)

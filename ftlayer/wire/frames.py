@@ -58,6 +58,7 @@ class Kind(enum.IntEnum):
     SAVEPOINT_READ = 0x2F
     FAIL_PARKED = 0x30
     PARKED = 0x31
+    RANGE_READ = 0x32
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90

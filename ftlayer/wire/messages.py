@@ -102,17 +102,19 @@ from .data import (
 from .fills import (
     BatchRanges,
     Fill,
+    RangeRead,
     Unfilled,
     UnfilledList,
     decode_batch_ranges,
     decode_fill,
     decode_range_numbers,
-    decode_range_salts,
+    decode_range_read,
     decode_unfilled,
     decode_unfilled_list,
     encode_batch_ranges,
     encode_fill,
     encode_range_numbers,
+    encode_range_read,
     encode_unfilled,
     encode_unfilled_list,
 )
@@ -168,6 +170,7 @@ __all__ = [
     "ParkedOp",
     "ParkedRequest",
     "Persist",
+    "RangeRead",
     "RegisterSource",
     "SavepointBytes",
     "SavepointCreated",
@@ -206,7 +209,7 @@ __all__ = [
     "decode_parked_list",
     "decode_persist",
     "decode_range_numbers",
-    "decode_range_salts",
+    "decode_range_read",
     "decode_register_source",
     "decode_replay",
     "decode_replay_page",
@@ -244,6 +247,7 @@ __all__ = [
     "encode_parked_list",
     "encode_persist",
     "encode_range_numbers",
+    "encode_range_read",
     "encode_register_source",
     "encode_replay",
     "encode_savepoint",
@@ -289,6 +293,7 @@ Message = (
     | UnfilledList
     | Fill
     | BatchRanges
+    | RangeRead
     | SinkMarkRequest
     | Ingest
     | SinkMark
@@ -333,6 +338,7 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.FILL: decode_fill,
     Kind.BATCH_RANGES: decode_batch_ranges,
     Kind.RANGE_NUMBERS: decode_range_numbers,
+    Kind.RANGE_READ: decode_range_read,
     Kind.SINK_MARK: decode_sink_mark,
     Kind.INGEST: decode_ingest,
     Kind.MARK: decode_mark,

@@ -667,7 +667,6 @@ class SourceDriver:
         before this returns: BATCH_RANGES), one request per shard for the batch: each
         partition's range on the shard that owns it."""
         numbers = [p.range_number for p in parts]
-        salts = [p.range_salt for p in parts]
         tree = self.options.completion == "tree"
         for shard in range(self.shards.count):
             rows = [
@@ -686,9 +685,9 @@ class SourceDriver:
                 "open the batch's ranges in the FT layer",
                 partial(_register_ranges, ranges, tree),
             )
-            for i, (number, salt) in zip(rows, given, strict=True):
-                numbers[i], salts[i] = number, salt
-        return [p.with_range(n, s) for p, n, s in zip(parts, numbers, salts, strict=True)]
+            for i, number in zip(rows, given, strict=True):
+                numbers[i] = number
+        return [p.with_range(n) for p, n in zip(parts, numbers, strict=True)]
 
     def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         """Copy the bytes of these sources' failed records stored by reference from
@@ -724,11 +723,8 @@ def _whole_status(client: FTClient) -> Status:
 
 def _register_ranges(
     ranges: list[tuple[int, str, int, int, int]], tree: bool, client: FTClient
-) -> list[tuple[int, int]]:
-    """Each range's (number, salt): tree-mode ranges have salts, barrier-mode ones 0."""
-    if tree:
-        return client.register_tree_ranges(ranges)
-    return [(number, 0) for number in client.register_ranges(ranges)]
+) -> list[int]:
+    return client.register_ranges(ranges, tree=tree)
 
 
 class _NoFetchResponse(Exception):

@@ -78,9 +78,7 @@ class FTKafkaPartition(InputPartition):
     each shard of the FT layer (a number: the cursor of an FT layer of one shard; a
     sequence: one per shard, in shard order). `range_number`: the FT layer's number of
     [start, end) as a batch range (ft.persist=reference): its rows carry range roots
-    and nothing is persisted (0: none, each record is persisted); `range_salt`: a
-    tree-mode range's salt, from which its rows' ids follow (0: a barrier-mode
-    range's rows carry id 0). `given`:
+    and nothing is persisted (0: none, each record is persisted). `given`:
     per shard, the replays the planner fetched for this partition (None: the reader
     fetches that shard's; integration.source.given)."""
 
@@ -95,7 +93,6 @@ class FTKafkaPartition(InputPartition):
         replay_hi: int | Sequence[int],
         range_number: int = 0,
         given: Sequence[ReplayRecords | None] | None = None,
-        range_salt: int = 0,
     ) -> None:
         super().__init__((topic, partition))
         self.topic = topic
@@ -108,13 +105,11 @@ class FTKafkaPartition(InputPartition):
         if len(self.replay_lo) != len(self.replay_hi):
             raise ValueError(f"replay cursors of different shards: {replay_lo}, {replay_hi}")
         self.range_number = range_number
-        self.range_salt = range_salt
         self.given = None if given is None else tuple(given)
 
-    def with_range(self, range_number: int, salt: int = 0) -> FTKafkaPartition:
-        """This input partition with the FT layer's number of its batch range (and a
-        tree-mode range's salt)."""
-        return self._with(range_number, self.given, salt)
+    def with_range(self, range_number: int) -> FTKafkaPartition:
+        """This input partition with the FT layer's number of its batch range."""
+        return self._with(range_number, self.given)
 
     def with_given(
         self, given: Sequence[Mapping[tuple[int, int], ReplayRecords] | None]
@@ -123,10 +118,10 @@ class FTKafkaPartition(InputPartition):
         the rows by (source id, partition), None for a shard its reader fetches."""
         key = (self.source_id, self.partition)
         mine = [None if rows is None else rows.get(key) for rows in given]
-        return self._with(self.range_number, mine, self.range_salt)
+        return self._with(self.range_number, mine)
 
     def _with(
-        self, range_number: int, given: Sequence[ReplayRecords | None] | None, salt: int
+        self, range_number: int, given: Sequence[ReplayRecords | None] | None
     ) -> FTKafkaPartition:
         return FTKafkaPartition(
             self.topic,
@@ -138,7 +133,6 @@ class FTKafkaPartition(InputPartition):
             self.replay_hi,
             range_number,
             given,
-            salt,
         )
 
     def given_for(self, shard: int) -> ReplayRecords | None:
@@ -198,8 +192,9 @@ def read_partition(
     # chunks go as FT off's do, whole (a read-ahead thread and 10,000-record pieces
     # cost it 0.12 us of CPU per record, about a third of the reader's).
     chunks = read_kafka(options, part)
+    seed = _RangeSeed(channel, part) if ranged and not barrier and channel is not None else None
     anchoring = _Anchoring(
-        options, part, persister, channel, key_hashes, loop_secret, by_reference, ranged
+        options, part, persister, channel, key_hashes, loop_secret, by_reference, ranged, seed
     )
     pieces = (
         anchoring.each(chunks)
@@ -267,6 +262,9 @@ class _Anchoring:
     loop_secret: bytes | None
     by_reference: bool
     ranged: bool
+    seed: _RangeSeed | None
+    """Tree mode by range: this read's seed of its rows' ids; None: barrier mode, or no
+    range."""
 
     def each(self, chunks: Iterator[RecordColumns]) -> Generator[Anchored, None, None]:
         """Each chunk, its user headers kept (or None) and its FT columns (None: FT
@@ -339,6 +337,7 @@ class _Anchoring:
             loop_ids,
             self.by_reference,
             self.part.range_number,
+            self.seed,
         )
 
     def _range_anchors(self, chunk: RecordColumns) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
@@ -346,7 +345,7 @@ class _Anchoring:
         root names its record by its offset (ftlayer.rangeroots), and in tree mode its
         id is its emission id, which the FT layer computes too."""
         roots = rangeroots.encode(self.part.range_number, self.part.start, chunk.offsets)
-        return to_signed(roots), _range_ids(self.part, roots)
+        return to_signed(roots), _range_ids(self.seed, roots)
 
 
 def _read_back(options: SourceOptions, channel: Channel, replay: ReplayRecords) -> ReplayRecords:
@@ -446,6 +445,7 @@ def _persist_or_continue(
     loop_ids: NDArray[np.uint64],
     by_reference: bool,
     range_number: int = 0,
+    seed: _RangeSeed | None = None,
 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """The (ft_root, ft_id) columns of a chunk holding records a loop fed back (step 2):
     the others are persisted as new trees; a looped record starts none: one XOR event
@@ -454,7 +454,7 @@ def _persist_or_continue(
     fresh = np.flatnonzero(loop_roots == 0)
     if len(fresh) and range_number:  # a batch range: the fresh records' range roots
         fresh_roots = rangeroots.encode(range_number, part.start, offsets[fresh])
-        roots[fresh], ids[fresh] = to_signed(fresh_roots), _range_ids(part, fresh_roots)
+        roots[fresh], ids[fresh] = to_signed(fresh_roots), _range_ids(seed, fresh_roots)
     elif len(fresh):
         keys_f = [keys[i] for i in fresh.tolist()]
         payloads = (
@@ -484,12 +484,31 @@ def _persist_or_continue(
     return roots, ids
 
 
-def _range_ids(part: FTKafkaPartition, roots: NDArray[np.uint64]) -> NDArray[np.int64]:
-    """The ft_id column of a batch range's rows: their emission ids in tree mode (a
-    salted range), 0 in barrier mode."""
-    if not part.range_salt:
+class _RangeSeed:
+    """Tree mode by range: the seed of this read's row ids, drawn and announced to the
+    FT layer (RANGE_READ, for the partition's whole range) before the first row is
+    emitted: from then on only this read's rows can complete the range's records
+    (ftlayer.core.rangeacks)."""
+
+    def __init__(self, channel: Channel, part: FTKafkaPartition) -> None:
+        self.channel, self.part, self.seed = channel, part, 0
+
+    def ids(self, roots: NDArray[np.uint64]) -> NDArray[np.uint64]:
+        if not self.seed:
+            part = self.part
+            first = rangeroots.encode(part.range_number, part.start, [part.start])
+            seed = int(new_ids(1)[0])
+            self.channel.read_range(int(first[0]), part.end - part.start, seed)
+            self.seed = seed
+        return rangeroots.emission_ids(self.seed, roots)
+
+
+def _range_ids(seed: _RangeSeed | None, roots: NDArray[np.uint64]) -> NDArray[np.int64]:
+    """The ft_id column of a batch range's rows: their emission ids under this read's
+    seed in tree mode, 0 in barrier mode."""
+    if seed is None:
         return np.zeros(len(roots), dtype=np.int64)
-    return to_signed(rangeroots.emission_ids(part.range_salt, roots))
+    return to_signed(seed.ids(roots))
 
 
 def _no_payloads(n: int) -> Payloads:

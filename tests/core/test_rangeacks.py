@@ -43,10 +43,14 @@ def _layer(storage: PersistenceStorage, clock: Clock | None = None) -> FTLayer:
     return ft
 
 
-def _emitted(ft: FTLayer, number: int, start: int, offsets: list[int]) -> tuple:
-    """What the reader emits for these offsets: (range roots, emission ids)."""
+def _emitted(
+    ft: FTLayer, number: int, start: int, offsets: list[int], seed: int = 0x5EED
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a reader of these (consecutive) offsets does: announce its seed, then emit
+    each row with its range root and emission id."""
     roots = rangeroots.encode(number, start, offsets)
-    return roots, rangeroots.emission_ids(ft.range_salt(number), roots)
+    ft.read_range(int(roots[0]), len(offsets), seed)
+    return roots, rangeroots.emission_ids(seed, roots)
 
 
 def _fill_all(ft: FTLayer) -> None:
@@ -71,7 +75,6 @@ def test_a_records_tree_completes_it_alone_and_its_range_closes_with_the_last(
     clock = Clock()
     ft = _layer(storage, clock)
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 2, 100, 110)], tree=True)
-    assert ft.range_salt(number) != 0
     roots, ids = _emitted(ft, number, 100, list(range(100, 110)))
     children = new_ids(10)
     # A map step emits one child per record; nothing is complete before its sink acks.
@@ -108,9 +111,8 @@ def test_late_doubled_and_foreign_events_never_complete_a_record(
     # An event sent twice cancels itself: record 1 stays pending, and times out.
     ft.xor(np.repeat(roots[1:2], 2), np.repeat(ids[1:2], 2))
     assert ft.pending_by_source() == {SOURCE: 3}
-    # Another range's salt (a late event of a range whose number came round again)
-    # does not complete a record either.
-    ft.xor(roots[2:3], rangeroots.emission_ids(ft.range_salt(number) ^ 1, roots[2:3]))
+    # Another read's id (a late event of an earlier read) does not complete one either.
+    ft.xor(roots[2:3], rangeroots.emission_ids(0x5EED ^ 1, roots[2:3]))
     assert ft.pending_by_source() == {SOURCE: 3}
     # An offset past the range's end is no record of it.
     unknown = ft.current_stats().unknown_events
@@ -144,9 +146,11 @@ def test_records_whose_trees_do_not_complete_time_out_while_no_batch_runs(
 ) -> None:
     clock = Clock()
     ft = _layer(storage, clock)
-    ft.batch_began([SOURCE])
-    ft.heartbeat([SOURCE], 60.0)  # the batch runs and is leased for a minute
+    # The driver opens the batch's ranges, then its barrier begins the batch, which
+    # its heartbeats lease for a minute.
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 6)], tree=True)
+    ft.batch_began([SOURCE])
+    ft.heartbeat([SOURCE], 60.0)
     roots, ids = _emitted(ft, number, 0, list(range(6)))
     ft.xor(roots[:4], ids[:4])
     assert 0 < ft.tick_delay() <= TIMEOUT_S
@@ -166,23 +170,25 @@ def test_a_restart_makes_a_tree_ranges_records_pending_again_so_none_is_lost(
     tmp_path: Path,
 ) -> None:
     """The ack values live in memory: after a restart every record of an open tree-mode
-    range is pending again, and what does not complete again times out and is
-    replayed (duplicates, never a loss)."""
+    range is pending again, unread: events of the reads before complete nothing, and
+    what a read after it does not complete times out and is replayed (duplicates,
+    never a loss)."""
     storage = LmdbStorage(tmp_path / "ft")
     ft = _layer(storage)
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 3, 0, 5)], tree=True)
-    salt = ft.range_salt(number)
     roots, ids = _emitted(ft, number, 0, list(range(5)))
     ft.xor(roots[:2], ids[:2])
     storage.close()
     storage = LmdbStorage(tmp_path / "ft")
     clock = Clock(5.0)
     ft = _layer(storage, clock)
-    assert ft.range_salt(number) == salt
     assert ft.pending_by_source() == {SOURCE: 5}
-    # The same batch planned again gets the same range, and its re-run completes it.
+    ft.xor(roots[2:3], ids[2:3])  # an event of the read before the restart
+    assert ft.pending_by_source() == {SOURCE: 5}
+    # The same batch planned again gets the same range; its re-run reads three.
     assert ft.register_ranges([(SOURCE, TOPIC, 3, 0, 5)], tree=True) == [number]
-    ft.xor(roots[2:], ids[2:])
+    again, again_ids = _emitted(ft, number, 0, [2, 3, 4], seed=77)
+    ft.xor(again, again_ids)
     assert ft.pending_by_source() == {SOURCE: 2}
     clock.now = 5.0 + TIMEOUT_S
     ft.tick()
@@ -191,13 +197,48 @@ def test_a_restart_makes_a_tree_ranges_records_pending_again_so_none_is_lost(
     storage.close()
 
 
+def test_a_read_again_starts_its_records_trees_over(storage: PersistenceStorage) -> None:
+    """A batch computed twice (a sink's two actions) or a task retried reads its records
+    again under a new seed: the events of the earlier read, which came before, are
+    undone, and the new read's complete every record not complete before; the
+    earlier read's ids complete nothing any more."""
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 6)], tree=True)
+    roots, first_ids = _emitted(ft, number, 0, list(range(6)), seed=1)
+    children = new_ids(6)
+    ft.xor(roots[:2], first_ids[:2])  # complete
+    ft.xor(roots[2:], first_ids[2:] ^ children[2:])  # half way, when the read ends
+    _, second_ids = _emitted(ft, number, 0, list(range(6)), seed=2)
+    assert ft.current_stats().completed == 2
+    ft.xor(roots[2:], first_ids[2:])  # as if the earlier read had completed them
+    assert ft.pending_by_source() == {SOURCE: 4}
+    ft.xor(roots[2:], first_ids[2:])  # undone again
+    ft.xor(roots[2:], second_ids[2:])
+    assert ft.current_stats().completed == 6 and ft.pending_by_source() == {}
+    # The range closed with its last record: events naming it are dropped, counted.
+    assert ft.current_stats().open_ranges == 0
+    ft.xor(roots[:2], second_ids[:2])
+    assert ft.current_stats().unknown_events == 2 and ft.current_stats().completed == 6
+
+
+def test_a_record_no_read_announced_completes_nothing(storage: PersistenceStorage) -> None:
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 3)], tree=True)
+    roots = rangeroots.encode(number, 0, [0, 1, 2])
+    ft.xor(roots, rangeroots.emission_ids(0, roots))
+    assert ft.pending_by_source() == {SOURCE: 3}
+    assert ft.read_range(int(roots[0]), 3, 9) == 3
+
+
 def test_a_barrier_range_and_a_tree_range_of_the_same_records_are_two(
     storage: PersistenceStorage,
 ) -> None:
     ft = _layer(storage)
     (barrier,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 5)])
     (tree,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 5)], tree=True)
-    assert barrier != tree and ft.range_salt(barrier) == 0 and ft.range_salt(tree) != 0
+    assert barrier != tree
+    first = int(rangeroots.encode(barrier, 0, [0])[0])
+    assert ft.read_range(first, 5, 9) == 0  # a barrier-mode range has no reads
 
 
 @settings(max_examples=40, deadline=None)

@@ -3,7 +3,8 @@ source's own driver and reader, no Spark): a tree-mode batch read by reference i
 offset range per partition in the FT layer, stored before any row is emitted, with
 nothing stored per record; each row carries its range root and its emission id, and
 its record completes when its tree does; a failed row is replayed with its bytes; a
-batch planned again starts its incomplete records over."""
+second read of the same records (a batch computed twice, a task retried) starts their
+trees over."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_a_tree_mode_batch_is_ranges_whose_rows_complete_with_their_trees(
         before = client.status()
         planned = [FTKafkaPartition(topic, p, 0, ends[p], source_id, 0, 0) for p in (0, 1)]
         parts = driver.open_ranges(planned)
-        assert all(p.range_number > 0 and p.range_salt != 0 for p in parts)
+        assert all(p.range_number > 0 for p in parts)
         schema = source_schema(True)
         tables = [pa.Table.from_batches(list(read_partition(options, schema, p))) for p in parts]
         table = pa.concat_tables(tables)
@@ -70,7 +71,7 @@ def test_a_tree_mode_batch_is_ranges_whose_rows_complete_with_their_trees(
             roots, ids = _unsigned(rows.column("ft_root")), _unsigned(rows.column("ft_id"))
             offsets = np.asarray(rows.column("offset").to_numpy())
             assert (roots == rangeroots.encode(part.range_number, 0, offsets)).all()
-            assert (ids == rangeroots.emission_ids(part.range_salt, roots)).all()
+            assert len(set(ids.tolist())) == len(ids) and 0 not in ids
         roots, ids = _unsigned(table.column("ft_root")), _unsigned(table.column("ft_id"))
         # A step emits a child per row; a sink acks all but the first two children;
         # a step fails the first row.
@@ -96,14 +97,12 @@ def test_a_tree_mode_batch_is_ranges_whose_rows_complete_with_their_trees(
         client.close()
 
 
-def test_a_batch_planned_again_gets_its_ranges_back_with_new_salts(
+def test_a_second_read_of_a_range_starts_its_records_trees_over(
     kafka_bootstrap: str, make_topic: MakeTopic, ft_server: Server
 ) -> None:
-    """A re-run of a batch (its driver restarted) reads the same ranges: their numbers
-    come back with new salts, so the ids the earlier run's rows carried complete
-    nothing, and the re-run's rows complete the records not complete before. An
-    earlier run's event that comes after the re-run began leaves its record to time
-    out (replayed: a duplicate, never a loss)."""
+    """A batch computed twice (a sink that counts, then collects) or a task retried
+    reads its range again: the second read's rows complete the records the first one
+    left half way, and the first read's ids complete nothing any more."""
     topic = make_topic(1)
     produce(kafka_bootstrap, topic, [(b"k", b"v%d" % i) for i in range(6)], partition=0)
     options = parse_options(
@@ -117,26 +116,25 @@ def test_a_batch_planned_again_gets_its_ranges_back_with_new_salts(
     source_id = options.source_ids()[topic]
     driver = SourceDriver(options, options.source_ids())
     client = FTClient(ft_server.address)
+    schema = source_schema(True)
     try:
         driver.start()
         before = client.status().completed
-        plan = [FTKafkaPartition(topic, 0, 0, 6, source_id, 0, 0)]
-        (first,) = driver.open_ranges(plan)
-        old_roots = rangeroots.encode(first.range_number, 0, np.arange(6))
-        old_ids = rangeroots.emission_ids(first.range_salt, old_roots)
-        client.xor(old_roots[:2], old_ids[:2])  # the earlier run completed two
-        (again,) = driver.open_ranges(plan)
-        assert again.range_number == first.range_number
-        assert again.range_salt not in (0, first.range_salt)
-        client.xor(old_roots[2:4], old_ids[2:4])  # late events of the earlier run
+        (part,) = driver.open_ranges([FTKafkaPartition(topic, 0, 0, 6, source_id, 0, 0)])
+        first = pa.Table.from_batches(list(read_partition(options, schema, part)))
+        roots, first_ids = _unsigned(first.column("ft_root")), _unsigned(first.column("ft_id"))
+        children = np.arange(1, 7, dtype=np.uint64) << np.uint64(20)
+        client.xor(roots[:2], first_ids[:2])  # the first read's trees of two complete
+        client.xor(roots[2:], first_ids[2:] ^ children[2:])  # the others half way
+        second = pa.Table.from_batches(list(read_partition(options, schema, part)))
+        second_ids = _unsigned(second.column("ft_id"))
+        assert not np.isin(second_ids, first_ids).any()  # a seed of its own
+        client.xor(roots[2:], children[2:])  # the first read's sink: completes nothing
         assert client.status().completed - before == 2
-        table = pa.Table.from_batches(list(read_partition(options, source_schema(True), again)))
-        client.xor(_unsigned(table.column("ft_root")), _unsigned(table.column("ft_id")))
+        client.xor(roots[2:], children[2:])  # (undone)
+        client.xor(roots[2:], second_ids[2:])
         status = client.status()
-        # Two before the re-run, two by it (4 and 5); 2 and 3 wait for their timeout.
-        assert status.completed - before == 4
-        assert status.pending_by_source == {str(source_id): 2}
-        assert status.late_events == 2  # the re-run's rows of the two complete before
+        assert status.completed - before == 6 and status.pending_by_source == {}
     finally:
         driver.close()
         client.close()
