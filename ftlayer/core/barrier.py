@@ -84,6 +84,21 @@ class OpenHolds:
         chunks = self._roots.get(source_id, [])
         return np.concatenate(chunks) if chunks else _EMPTY
 
+    def discard(self, roots: NDArray[np.uint64]) -> int:
+        """Drop every open hold of these roots, under any key (a tree-mode range read
+        again: the held acks of the earlier read, ftlayer.core.rangeacks); returns how
+        many were dropped."""
+        dropped = 0
+        for key, chunks in self._roots.items():
+            values = self._values[key]
+            for i, chunk in enumerate(chunks):
+                gone = np.isin(chunk, roots)
+                if bool(gone.any()):
+                    chunks[i], values[i] = chunk[~gone], values[i][~gone]
+                    dropped += int(np.count_nonzero(gone))
+        self.count -= dropped
+        return dropped
+
     def release(self, source_ids: Iterable[int]) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
         """Every open hold of these sources, (roots, values), removed."""
         roots: list[NDArray[np.uint64]] = []

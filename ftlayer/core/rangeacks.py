@@ -12,9 +12,10 @@ per record. The contract:
   still pending gets the read's seed and no event applied. A task retried, a batch
   computed twice (a sink's two actions) or run again reads its records again under a
   new seed, so the events of the earlier read complete nothing: its rows' ids are
-  not the records' emission ids any more. (An event of an earlier read that arrives
-  after the new read began is XOR-ed in all the same and leaves its record to time
-  out: a replay, never a loss.)
+  not the records' emission ids any more; the acks a batch sink holds for the
+  earlier read's rows are dropped. (An event of an earlier read that arrives after
+  the new read began is XOR-ed in all the same and leaves its record to time out: a
+  replay, never a loss.)
 - `xor` applies the XOR events that name a tree-mode range's roots to its arrays
   (vectorized, per range); a record whose value equals its emission id is complete:
   counted completed with its latency from the range's opening. Events of every other
@@ -35,7 +36,9 @@ per record. The contract:
   `pending` says which are pending, and a settle XORs them in here.
 - Recovery: the ack values live in memory. A range that comes back from its meta has
   every record pending again from the restart on and none read: what a later read
-  does not complete by the timeout is replayed (duplicates, nothing lost).
+  does not complete by the timeout is replayed (duplicates, nothing lost). (A sink's
+  held acks come back from the journal, including those a second read dropped: they
+  too can only leave a record to time out.)
 
 Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
 emission ids of the touched records only; nothing per record at registration but the
@@ -87,6 +90,9 @@ def read(s: CoreState, first: int, n: int, seed: int) -> int:
     acks = r.acks
     mine = np.flatnonzero(acks.state[lo:hi] == PENDING) + lo
     s.changing()
+    again = mine[acks.seeds[mine] != 0]
+    if len(again) and len(s.holds):  # read before: the earlier read's held sink acks go
+        s.holds.discard(encode(r.number, 0, again))
     acks.acc[mine] = 0
     acks.seeds[mine] = seed
     return len(mine)

@@ -356,6 +356,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         choices=("reference", "payload"),
     ),
     Option(
+        "ft.treeRanges",
+        "boolean",
+        "tree mode with `ft.persist=reference`: the FT layer learns each batch as one "
+        "offset range per partition and keeps each record's ack value in an array of its "
+        "range, instead of a stored reference, an acker entry and a delete per record "
+        "(section 4.10)",
+        shown_default="false",
+    ),
+    Option(
         "ft.checkpointMode",
         "choice",
         "how the FT layer's checkpoint of each batch boundary completes (section 6.6): "
@@ -417,6 +426,9 @@ class SourceOptions:
     persist: str = "reference"
     """ft.persist: "reference" (the default: where each record is in Kafka) or "payload"
     (its bytes too)."""
+    tree_ranges: bool = False
+    """ft.treeRanges: tree mode by reference reads each batch as ranges
+    (ftlayer.core.rangeacks)."""
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
     """ft.heartbeatMs: how often the driver heartbeats a running batch; 0: never."""
     replay_column: bool = False
@@ -439,11 +451,16 @@ class SourceOptions:
 
     @property
     def by_range(self) -> bool:
-        """FT on and ft.persist=reference: a batch's records are one offset range per
-        partition in the FT layer (ftlayer.core.ranges), nothing is persisted per
-        record, and rows carry range roots (ftlayer.rangeroots); in tree mode each
-        record completes with its tree (ftlayer.core.rangeacks)."""
-        return self.ft_on and self.persist == "reference"
+        """FT on and ft.persist=reference, in barrier mode or with ft.treeRanges: a
+        batch's records are one offset range per partition in the FT layer
+        (ftlayer.core.ranges), nothing is persisted per record, and rows carry range
+        roots (ftlayer.rangeroots); in tree mode each record completes with its tree
+        (ftlayer.core.rangeacks)."""
+        return (
+            self.ft_on
+            and self.persist == "reference"
+            and (self.completion == "barrier" or self.tree_ranges)
+        )
 
     @property
     def keeps_headers(self) -> bool:
@@ -583,6 +600,7 @@ def parse_options(options: Mapping[str, str], *, ingest: bool = False) -> Source
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
         completion=given.choice("ft.completion"),
         persist="payload" if ingest else given.choice("ft.persist"),
+        tree_ranges=given.boolean("ft.treeRanges", False),
         heartbeat_ms=_required(given.integer("ft.heartbeatMs")),
         replay_column=given.boolean("ft.replayColumn", False),
         idle_probe_s=_required(given.integer("idleProbeIntervalMs")) / 1000,

@@ -316,3 +316,22 @@ def test_a_batch_sinks_held_acks_complete_range_records_when_its_write_is_done(
     _fill_all(ft)
     assert _replayed_offsets(ft) == [4, 5, 6, 7]
     assert ft.current_stats().open_ranges == 0
+
+
+def test_a_second_read_drops_the_sink_acks_held_for_the_first(
+    storage: PersistenceStorage,
+) -> None:
+    """A batch sink that runs two actions (count, then collect) has its steps hold acks
+    for the rows of both reads: the second read drops the first's, and the settle
+    completes every record."""
+    ft = _layer(storage)
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 0, 0, 4)], tree=True)
+    key = SINK_KEY_BIT | 7
+    for seed in (1, 2):  # the two actions
+        roots, ids = _emitted(ft, number, 0, [0, 1, 2, 3], seed=seed)
+        children = new_ids(4)
+        ft.xor(roots, ids ^ children)
+        ft.sink_hold(key, roots, children)
+    assert ft.open_holds == 4
+    assert ft.sink_settle(key) == 4
+    assert ft.current_stats().completed == 4 and ft.pending_by_source() == {}

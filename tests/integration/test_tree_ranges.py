@@ -46,10 +46,11 @@ def test_a_tree_mode_batch_is_ranges_whose_rows_complete_with_their_trees(
             "subscribe": topic,
             "ft.address": ft_server.address,
             "ft.completion": "tree",
+            "ft.treeRanges": "true",
             "ft.retryBackoffMs": "0",
         }
     )
-    assert options.persist == "reference" and options.by_range  # the defaults
+    assert options.persist == "reference" and options.by_range
     source_id = options.source_ids()[topic]
     driver = SourceDriver(options, options.source_ids())
     client = FTClient(ft_server.address)
@@ -111,6 +112,7 @@ def test_a_second_read_of_a_range_starts_its_records_trees_over(
             "subscribe": topic,
             "ft.address": ft_server.address,
             "ft.completion": "tree",
+            "ft.treeRanges": "true",
         }
     )
     source_id = options.source_ids()[topic]
