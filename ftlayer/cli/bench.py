@@ -137,6 +137,11 @@ def add_parser(commands: Any) -> None:
         default="reference",
         help="ft.persist of the FT-on runs: where each record is in Kafka, or its bytes too",
     )
+    pipeline.add_argument(
+        "--tree-ranges",
+        action="store_true",
+        help="--fast: the tree-mode runs read their batches as ranges (ft.treeRanges)",
+    )
     pipeline.add_argument("--rounds", type=positive_int, default=2, help="alternating pairs")
     pipeline.add_argument(
         "--observe",
@@ -225,6 +230,7 @@ def _run_bench(args: argparse.Namespace) -> dict[str, Any]:
             rounds=args.rounds,
             fail_rate=args.fail_rate or 0.0,
             persist=args.persist,
+            tree_ranges=args.tree_ranges,
         )
     if args.bench == "pipeline":
         from ftlayer.integration.harness.benchpipe import bench_pipeline

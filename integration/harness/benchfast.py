@@ -206,8 +206,10 @@ def bench_fast(
     deadline_s: float = 900.0,
     fail_rate: float = 0.0,
     persist: str = "reference",
+    tree_ranges: bool = False,
 ) -> dict[str, Any]:
-    """See the module docstring; returns the figures."""
+    """See the module docstring; returns the figures. `tree_ranges`: the tree-mode runs
+    read their batches as ranges (ft.treeRanges)."""
     from ftlayer.integration.sinks import ft_foreach_batch
     from ftlayer.integration.source import register
     from ftlayer.integration.spark import local_spark
@@ -274,6 +276,7 @@ def bench_fast(
                         reader.option("ft.address", server.address)
                         .option("ft.completion", mode)
                         .option("ft.persist", persist)
+                        .option("ft.treeRanges", str(tree_ranges).lower())
                     )
                 measured = tasks.map_batches(reader.load(), measure, schema)
                 kept = tasks.filter_batches(measured, _long)
@@ -375,6 +378,7 @@ def bench_fast(
         "fail_rate": fail_rate,
         "failing_records_per_ft_run": failing,
         "persist": persist,
+        "tree_ranges": tree_ranges,
         **top,
         "consumer_records_per_s": round(consumer_rate),
         "consumer_seconds": [round(s, 2) for s in consumer_s],
