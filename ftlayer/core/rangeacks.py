@@ -36,9 +36,8 @@ per record. The contract:
   `pending` says which are pending, and a settle XORs them in here.
 - Recovery: the ack values live in memory. A range that comes back from its meta has
   every record pending again from the restart on and none read: what a later read
-  does not complete by the timeout is replayed (duplicates, nothing lost). (A sink's
-  held acks come back from the journal, including those a second read dropped: they
-  too can only leave a record to time out.)
+  does not complete by the timeout is replayed (duplicates, nothing lost). A sink's
+  held acks of range records are not journaled either (CoreState.add_holds).
 
 Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
 emission ids of the touched records only; nothing per record at registration but the

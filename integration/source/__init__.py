@@ -78,9 +78,13 @@ value and timestamp, under a new root.
    integration.sinks) is not persisted: its tree's source record is. It is emitted
    under the root in its header with a fresh id, and one XOR event acks the id it was
    in transit under and anchors the fresh one, so the tree goes on.
-   A batch range (barrier mode, `ft.persist=reference`) persists nothing: each polled
-   chunk is yielded whole as it comes, as with FT off, its rows under range roots
-   (ftlayer.rangeroots) that name their records by offset.
+   A batch range (barrier mode, `ft.persist=reference`; tree mode too with
+   `ft.treeRanges`) persists nothing: each polled chunk is yielded whole as it comes,
+   as with FT off, its rows under range roots (ftlayer.rangeroots) that name their
+   records by offset. A tree-mode range's read first announces a random seed
+   (RANGE_READ), and each row's `ft_id` is its emission id under it
+   (ftlayer.core.rangeacks): a read again (a retried task, a batch computed twice)
+   starts the records' trees over under its own seed.
 3. FT on: take this partition's replays (handed over by the planner, or fetched),
    send each one's emission XOR event
    (`Persister.emit_replays`), rebuild their rows from the payloads, yield them.
