@@ -49,6 +49,11 @@ def add_parser(commands: Any) -> None:
         help="ft.persist: the FT layer stores where each event is in Kafka, or its bytes too",
     )
     demo.add_argument(
+        "--tree-ranges",
+        action="store_true",
+        help="ft.treeRanges: tree mode reads its batches as ranges (section 4.10)",
+    )
+    demo.add_argument(
         "--http-port",
         type=port,
         default=None,
@@ -191,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
             max_retries=args.max_retries,
             completion=args.completion,
             persist=args.persist,
+            tree_ranges=args.tree_ranges,
             http_port=args.http_port,
             workdir=args.workdir,
             cluster=args.cluster,

@@ -423,6 +423,7 @@ def source_options(
     persist: str = "reference",
     dead_topic: str | None = None,
     group: str | None = None,
+    tree_ranges: bool = False,
 ) -> dict[str, str]:
     """The demo's `ftkafka` source options: Kafka, the replay partitioner, retries,
     completion and persistence, plus `ft_options` (ft.address, and with a token and TLS
@@ -435,6 +436,7 @@ def source_options(
         "ft.maxRetries": str(max_retries),
         "ft.completion": completion,
         "ft.persist": persist,
+        "ft.treeRanges": str(tree_ranges).lower(),
         **ft_options,
     }
     if dead_topic is not None:
@@ -508,10 +510,12 @@ def run_demo(
     shards: int | None = None,
     kill_shard: bool = False,
     outage_s: float = 20.0,
+    tree_ranges: bool = False,
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts. With `http_port`,
     the FT-layer process serves its status page and /metrics on that loopback port;
-    `completion` and `persist` are the source's ft.completion and ft.persist.
+    `completion`, `persist` and `tree_ranges` are the source's ft.completion,
+    ft.persist and ft.treeRanges.
 
     With `cluster`, Spark is a standalone cluster of a master and two workers, each a
     process of its own (`StandaloneCluster`), the driver (this process) in client mode,
@@ -583,6 +587,7 @@ def run_demo(
             persist=persist,
             dead_topic=dead_topic,
             group=group,
+            tree_ranges=tree_ranges,
         )
         standalone = parts.enter_context(StandaloneCluster(work / "spark")) if cluster else None
         spark = local_spark(
@@ -705,6 +710,7 @@ def run_demo(
             "max_attempts_seen": max((a for a, _ in letters.values()), default=0),
             "completion": completion,
             "persist": persist,
+            "tree_ranges": tree_ranges,
             "group_lag_at_end": lag,
             # Records read again by a re-run (a retried task): each retired its earlier
             # root instead of leaving it to time out (ftlayer.core.takeover).

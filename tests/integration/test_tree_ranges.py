@@ -20,12 +20,27 @@ from ftlayer.client import FTClient
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.source import parse_options, source_schema
 from ftlayer.integration.source.driver import SourceDriver
+from ftlayer.integration.source.options import SourceOptions
 from ftlayer.integration.source.reader import FTKafkaPartition, read_partition
 from ftlayer.payloads import decode_payloads
 
 pytestmark = pytest.mark.integration
 
 N = 40
+
+
+def _options(bootstrap: str, topic: str, server: Server, **extra: str) -> SourceOptions:
+    """A tree-mode source by range (ft.treeRanges) reading `topic`."""
+    return parse_options(
+        {
+            "kafka.bootstrap.servers": bootstrap,
+            "subscribe": topic,
+            "ft.address": server.address,
+            "ft.completion": "tree",
+            "ft.treeRanges": "true",
+            **extra,
+        }
+    )
 
 
 def _unsigned(column: pa.ChunkedArray) -> np.ndarray:
@@ -40,16 +55,7 @@ def test_a_tree_mode_batch_is_ranges_whose_rows_complete_with_their_trees(
     for p in (0, 1):
         produce(kafka_bootstrap, topic, records[p * N // 2 : (p + 1) * N // 2], partition=p)
     ends = {0: N // 2, 1: N // 2}
-    options = parse_options(
-        {
-            "kafka.bootstrap.servers": kafka_bootstrap,
-            "subscribe": topic,
-            "ft.address": ft_server.address,
-            "ft.completion": "tree",
-            "ft.treeRanges": "true",
-            "ft.retryBackoffMs": "0",
-        }
-    )
+    options = _options(kafka_bootstrap, topic, ft_server, **{"ft.retryBackoffMs": "0"})
     assert options.persist == "reference" and options.by_range
     source_id = options.source_ids()[topic]
     driver = SourceDriver(options, options.source_ids())
@@ -106,15 +112,7 @@ def test_a_second_read_of_a_range_starts_its_records_trees_over(
     left half way, and the first read's ids complete nothing any more."""
     topic = make_topic(1)
     produce(kafka_bootstrap, topic, [(b"k", b"v%d" % i) for i in range(6)], partition=0)
-    options = parse_options(
-        {
-            "kafka.bootstrap.servers": kafka_bootstrap,
-            "subscribe": topic,
-            "ft.address": ft_server.address,
-            "ft.completion": "tree",
-            "ft.treeRanges": "true",
-        }
-    )
+    options = _options(kafka_bootstrap, topic, ft_server)
     source_id = options.source_ids()[topic]
     driver = SourceDriver(options, options.source_ids())
     client = FTClient(ft_server.address)
