@@ -1368,3 +1368,32 @@ def test_a_request_id_is_an_integer(request_id: object) -> None:
 def test_encoders_refuse_floats_and_bools_for_integers(encode: Callable[[], bytes]) -> None:
     with pytest.raises(p.BadRequest):
         encode()
+
+
+def test_batch_ranges_say_tree_mode_and_a_range_read_carries_its_seed() -> None:
+    """BATCH_RANGES with "tree" opens tree-mode ranges (docs/protocol.md 5.14); RANGE_READ
+    is the first range root read, the count and the read's seed (5.19)."""
+    ranges = [(9, "orders", 0, 10, 20), (9, "orders", 1, 0, 0)]
+    for tree in (False, True):
+        decoded = p.decode(frame(p.encode_batch_ranges(3, ranges, tree=tree)))
+        assert decoded == p.BatchRanges(ranges, tree=tree)
+    first = (1 << 63) | (5 << 40)
+    read = frame(p.encode_range_read(4, first, 10, 2**64 - 1))
+    assert read.kind == p.Kind.RANGE_READ and len(read.body) == 24
+    assert p.decode(read) == p.RangeRead(first, 10, 2**64 - 1)
+    with pytest.raises(p.BadRequest, match="seed"):
+        p.encode_range_read(5, first, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "match"),
+    [
+        (p.Kind.RANGE_READ, struct.pack("<QQQ", 1 << 63, 5, 0), "seed is not 0"),
+        (p.Kind.RANGE_READ, struct.pack("<QQ", 1 << 63, 5), "RANGE_READ"),
+        (p.Kind.BATCH_RANGES, b'{"ranges": [], "tree": 1}', '"tree": a bool'),
+        (p.Kind.BATCH_RANGES, b'{"ranges": [], "mode": "tree"}', '"tree": a bool'),
+    ],
+)
+def test_a_bad_range_read_or_tree_flag_is_refused(kind: p.Kind, body: bytes, match: str) -> None:
+    with pytest.raises(p.ProtocolError, match=match):
+        p.decode(frame(p.encode_frame(kind, 1, body)))
