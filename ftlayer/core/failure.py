@@ -89,12 +89,14 @@ def fail(
     roots: ArrayLike,
     causes: Causes | Cause | None = None,
     failed_at: NDArray[np.float64] | None = None,
+    counted: FailCause = FailCause.EXPLICIT,
 ) -> int:
     """Fail pending roots, with their causes (one for all, one per root, or none):
     each record is replayed after its backoff, or dead-lettered once its retries are
     spent. Returns how many were pending. `failed_at`: per root, when it failed (failures
     noted earlier, ftlayer.core.failnotes: a batch range's first failures count their
-    backoff from it)."""
+    backoff from it). `counted`: the cause they are counted under (but source-expired
+    ones: FailCause.SOURCE_EXPIRED)."""
     s.changing()
     root_array = np.ascontiguousarray(roots, dtype=np.uint64)
     if not isinstance(causes, Causes):
@@ -104,15 +106,14 @@ def fail(
     keys, first = np.unique(root_array, return_index=True)
     causes = causes.take(first)
     # A batch range's rows failed for the first time: in one write (rangefail).
-    fresh = fail_fresh(s, keys, causes, None if failed_at is None else failed_at[first])
+    fresh = fail_fresh(s, keys, causes, None if failed_at is None else failed_at[first], counted)
     taken = int(np.count_nonzero(fresh))
     if taken:
-        rangeacks.close_finished(s)
         keys, causes = keys[~fresh], causes.take(np.flatnonzero(~fresh))
-        if not len(keys):
-            return taken
     materialize(s, keys)  # other records of a batch range become records of their own
-    rangeacks.close_finished(s)
+    rangeacks.close_finished(s)  # a tree-mode range whose last pending records failed
+    if not len(keys):
+        return taken
     pending, seqs = s.acker.lookup("seq", keys)
     if not bool(pending.all()):
         s.count_dropped(keys[~pending])
@@ -120,9 +121,9 @@ def fail(
         roots, causes = keys[pending], causes.take(np.flatnonzero(pending))
         # Counted by who decided: a task (explicit), or the source (source-expired).
         expired = causes.of_kind(FailKind.SOURCE_EXPIRED)
-        for rows, counted in ((~expired, FailCause.EXPLICIT), (expired, FailCause.SOURCE_EXPIRED)):
+        for rows, kind in ((~expired, counted), (expired, FailCause.SOURCE_EXPIRED)):
             if bool(rows.any()):
-                requeue(s, roots[rows], seqs[rows], counted, causes.take(np.flatnonzero(rows)))
+                requeue(s, roots[rows], seqs[rows], kind, causes.take(np.flatnonzero(rows)))
     return taken + int(np.count_nonzero(pending))
 
 
@@ -155,27 +156,10 @@ def time_out_ranges(s: CoreState, now: float) -> int:
     """Fail the records of tree-mode ranges whose timeout passed by `now` (the core's
     clock; ftlayer.core.rangeacks.expired), counted as timeouts: each becomes a record
     of its own and is replayed after its backoff (or dead-lettered). Returns how many."""
-    roots = np.unique(rangeacks.expired(s, now))
+    roots = rangeacks.expired(s, now)
     if not len(roots):
         return 0
-    s.changing()
-    causes = Causes.one(_TIMEOUT, len(roots))
-    fresh = fail_fresh(s, roots, causes, counted=FailCause.TIMEOUT)
-    rest = roots[~fresh]
-    if len(rest):  # a first failure that is also the last: the general path's
-        materialize(s, rest)
-    rangeacks.close_finished(s)
-    if len(rest):
-        pending, seqs = s.acker.lookup("seq", rest)
-        if bool(pending.any()):
-            requeue(
-                s,
-                rest[pending],
-                seqs[pending],
-                FailCause.TIMEOUT,
-                Causes.one(_TIMEOUT, int(np.count_nonzero(pending))),
-            )
-    return len(roots)
+    return fail(s, roots, _TIMEOUT, counted=FailCause.TIMEOUT)
 
 
 def release_due(s: CoreState, now: float | None = None) -> int:

@@ -40,8 +40,8 @@ per record. The contract:
   held acks of range records are not journaled either (CoreState.add_holds).
 
 Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
-emission ids of the touched records only; nothing per record at registration but the
-two arrays (9 bytes a record in memory).
+emission ids of the events' records only; nothing per record at registration but the
+three arrays (17 bytes a record in memory).
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def fresh_rows(
             continue
         at = np.flatnonzero((numbers == number) & (deltas < len(r)))
         found = r.start + deltas[at].astype(np.int64)
-        if r.materialized or r.acks is not None:
+        if r.materialized or r.acks is not None:  # else every offset is fresh
             fresh = r.unfinished(found)
             at, found = at[fresh], found[fresh]
         if len(at):

@@ -1,7 +1,7 @@
 """The open batch ranges (the data; ftlayer.core.ranges has what the core does with
 them): each range's number, source, Kafka coordinates and the offsets that became
 records of their own, loaded from their meta entries (`range/<number>`); a range of
-tree mode also has its salt and its records' ack values (`RangeAcks`,
+tree mode also has its records' ack values, states and read seeds (`RangeAcks`,
 ftlayer.core.rangeacks)."""
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class BatchRange:
     start: int
     end: int
     materialized: set[int] = field(default_factory=set)
-    """Offsets that became records of their own (an event named them)."""
+    """Offsets that became records of their own (an event named them); a tree-mode
+    range has them as GONE in its `acks` instead."""
     acks: RangeAcks | None = None
     """Tree mode's ack values; None: a barrier-mode range, complete with its batch."""
 
@@ -116,10 +117,11 @@ class BatchRange:
     def leave(self, offsets: Iterable[int]) -> None:
         """These offsets (pending in the range) became records of their own, or are
         excluded from it."""
-        listed = list(offsets)
-        self.materialized.update(listed)
-        if self.acks is not None and listed:
-            at = np.asarray(listed, dtype=np.int64) - self.start
+        if self.acks is None:
+            self.materialized.update(offsets)
+            return
+        at = np.fromiter(offsets, dtype=np.int64) - self.start
+        if len(at):
             self.acks.left -= int(np.count_nonzero(self.acks.state[at] == PENDING))
             self.acks.state[at] = GONE
 
