@@ -148,6 +148,7 @@ class FTServer(Transport, RequestHandlers, Workers):
         if self._stopping.is_set() or self._listener is None:
             return
         self._stopping.set()
+        log.info("stopping")
         # The deleter, the checkpoint writer and the ticker stop waiting.
         self._deletes_due.set()
         self._tick_due.set()
