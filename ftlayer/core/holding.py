@@ -124,7 +124,7 @@ def sink_settle(s: CoreState, key: int, cause: Cause | None = None) -> int:
         return fail(s, np.unique(roots[pending]), cause)
     n = len(roots)
     if rangeacks.has_tree_ranges(s):  # a tree-mode range's records: its ack values
-        roots, values, _ = rangeacks.xor(s, roots, values)
+        roots, values, _ = rangeacks.xor(s, roots, values, journal=False)  # released
     # Pairs of roots no longer pending (a re-read took them over) are dropped, uncounted.
     result = s.acker.xor(roots, values, count_dropped=False)
     if len(result.completed):

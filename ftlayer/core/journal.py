@@ -6,10 +6,10 @@ values, so without more a restart can only replay every stored record, including
 that live tasks were about to complete. The journal keeps the rest, cheaply:
 
 - a *base*: the state at one moment (every pending root with its ack value, the replay
-  queue, its prune points, the open barrier holds): the state snapshot
-  (`FTLayer.state_snapshot`), written to `base-<k>` by the server's checkpoint writer
-  when a base was due at a barrier, or by the core itself when no checkpoint came for
-  `max_segment_bytes` of journal;
+  queue, its prune points, the open barrier holds, the open tree-mode ranges' arrays):
+  the state snapshot (`FTLayer.state_snapshot`), written to `base-<k>` by the server's
+  checkpoint writer when a base was due at a barrier, or by the core itself when no
+  checkpoint came for `max_segment_bytes` of journal;
 - *segments* `seg-<k>`: what happened to the ack values since base k, appended as it is
   applied, one os.write per request (no user-space buffer, no fsync: a killed process
   keeps what it wrote, the kernel has it): XOR events and first ack values (`xor`),
@@ -18,7 +18,11 @@ that live tasks were about to complete. The journal keeps the rest, cheaply:
   holds drawn (`hold`) and released (`release`), replay queue prunes (`prune`), and
   failures of batch-range rows noted but not applied yet (`note`,
   ftlayer.core.failnotes: their roots, causes and time, with a checksum) and the
-  moment they were (`notes_applied`).
+  moment they were (`notes_applied`); and what happened to tree-mode ranges
+  (ftlayer.core.rangeacks), kept in order because a read starts its records over:
+  a range opened (`range_open`), a read and its seed (`range_read`), events applied
+  to the ranges' arrays (`range_xor`). A sink's released holds of range roots become
+  range events in that order too.
 
 A snapshot that is to be a base starts a new segment (`rotate`, under the core's lock,
 at the moment the state is copied), so base k plus segments k, k+1, ... is the state
@@ -65,10 +69,11 @@ from numpy.typing import NDArray
 
 from ftlayer.causes import Cause, Causes
 from ftlayer.errors import ConfigError, CorruptData, StorageError
+from ftlayer.rangeroots import is_range_root
 
 from .statecodec import decode_snapshot
 
-__all__ = ["JOURNAL_DIR", "Journal", "JournalState"]
+__all__ = ["JOURNAL_DIR", "RANGE_OPEN", "RANGE_READ", "RANGE_XOR", "Journal", "JournalState"]
 
 JOURNAL_DIR: Final = "journal"
 """The journal's directory inside a server's data dir."""
@@ -86,6 +91,14 @@ _PRUNE: Final = 6  # count 0 (every source) or 1 source id; aux: upto
 _NOTE: Final = 7  # count words: n, table bytes, time, n roots, the causes; aux: crc32
 _NOTE_HEAD: Final = 3  # the words before the roots
 _APPLIED: Final = 8  # count 0: every note before it was applied
+_RANGE_OPEN: Final = 9  # count 1: a tree-mode range's number
+_RANGE_READ: Final = 10  # count 3: first range root, records, seed
+_RANGE_XOR: Final = 11  # count pairs: range roots, values
+_LAST_KIND: Final = _RANGE_XOR
+_PAIRS: Final = (_XOR, _HOLD, _RANGE_XOR)  # records of count (root, value) pairs
+RANGE_OPEN: Final = _RANGE_OPEN
+RANGE_READ: Final = _RANGE_READ
+RANGE_XOR: Final = _RANGE_XOR
 _SEG = re.compile(r"^seg-(\d{12})$")
 _BASE = re.compile(r"^base-(\d{12})$")
 _BOOT_FILE: Final = "boot_id"
@@ -121,6 +134,13 @@ class JournalState:
     base_ended: NDArray[np.uint64] = field(default_factory=lambda: _EMPTY)
     notes: list[tuple[NDArray[np.uint64], Causes, float]] = field(default_factory=list)
     """Failures noted (ftlayer.core.failnotes), in order: (roots, causes, wall time)."""
+    range_ops: list[tuple[int, NDArray[np.uint64]]] = field(default_factory=list)
+    """What happened to tree-mode ranges since the base, in order (ftlayer.core.rangeacks
+    applies it again): (RANGE_OPEN, [number]), (RANGE_READ, [first root, records, seed]),
+    (RANGE_XOR, roots then values); a sink's released holds of range roots are
+    RANGE_XOR ops at their release."""
+    ranges: dict[str, NDArray[Any]] = field(default_factory=dict)
+    """The base's tree-mode ranges (`tranges.*` columns), if any."""
     segments: int = 0
     records: int = 0
     truncated: str | None = None  # why reading stopped early, if it did
@@ -225,6 +245,9 @@ class Journal:
                 if "replay.next_seq" in base:
                     state.queue["next_seq"] = base["replay.next_seq"]
                 state.pruned = _pruned_of(base)
+                state.ranges = {
+                    name: column for name, column in base.items() if name.startswith("tranges.")
+                }
                 break
         first = 0 if state.base is None else state.base
         for k in sorted(s for s in segs if s >= first):
@@ -244,6 +267,11 @@ class Journal:
                 if kind == _XOR:
                     pairs_roots.append(payload[:count])
                     pairs_values.append(payload[count:])
+                elif kind in (_RANGE_OPEN, _RANGE_XOR):
+                    state.range_ops.append((kind, payload))
+                elif kind == _RANGE_READ:
+                    state.range_ops.append((kind, payload))
+                    _discard_held(holds, int(payload[0]), int(payload[1]))
                 elif kind == _ADD:
                     pairs_roots.append(payload)
                     pairs_values.append(np.zeros(count, dtype=np.uint64))
@@ -254,6 +282,11 @@ class Journal:
                 elif kind == _RELEASE:
                     for released in payload.tolist():
                         for root, value in holds.pop(int(released), []):
+                            ranged = is_range_root(root)
+                            if bool(ranged.any()):  # a sink's acks of tree-mode range records
+                                both = np.concatenate([root[ranged], value[ranged]])
+                                state.range_ops.append((_RANGE_XOR, both))
+                                root, value = root[~ranged], value[~ranged]
                             pairs_roots.append(root)
                             pairs_values.append(value)
                 elif kind == _PRUNE:
@@ -322,6 +355,21 @@ class Journal:
             self._append(_PRUNE, 0, upto)
         else:
             self._append(_PRUNE, 1, upto, np.array([source_id], dtype=np.uint64))
+
+    def range_open(self, number: int) -> None:
+        """A tree-mode range opened under `number` (ops on an earlier range of that
+        number, before this record, are not this one's)."""
+        self._append(_RANGE_OPEN, 1, 0, np.array([number], dtype=np.uint64))
+
+    def range_read(self, first: int, n: int, seed: int) -> None:
+        """A read of `n` records of a tree-mode range from the range root `first` on,
+        under `seed` (ftlayer.core.rangeacks.read)."""
+        self._append(_RANGE_READ, 3, 0, np.array([first, n, seed], dtype=np.uint64))
+
+    def range_xor(self, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
+        """XOR events applied to tree-mode ranges' ack values."""
+        if len(roots):
+            self._append(_RANGE_XOR, len(roots), 0, roots, values)
 
     def note(self, roots: NDArray[np.uint64], causes: Causes, at: float) -> None:
         """Failures noted, not applied yet (ftlayer.core.failnotes); `at`: wall time."""
@@ -489,9 +537,9 @@ def _parse(data: bytes, offset: int) -> tuple[int, int, int, NDArray[np.uint64],
     if end > len(data):
         return "a cut header"
     magic, kind, _reserved, count, aux = _HEADER.unpack_from(data, offset)
-    if magic != _MAGIC or not _XOR <= kind <= _APPLIED:
+    if magic != _MAGIC or not _XOR <= kind <= _LAST_KIND:
         return "a bad header"
-    words = 2 * count if kind in (_XOR, _HOLD) else count
+    words = 2 * count if kind in _PAIRS else count
     stop = end + 8 * words
     if stop > len(data):
         return "a cut record"
@@ -499,6 +547,19 @@ def _parse(data: bytes, offset: int) -> tuple[int, int, int, NDArray[np.uint64],
     if kind in (_GONE, _NOTE) and zlib.crc32(payload.tobytes()) != aux:
         return "a bad checksum"
     return kind, count, aux, payload, stop
+
+
+def _discard_held(
+    holds: dict[int, list[tuple[NDArray[np.uint64], NDArray[np.uint64]]]], first: int, n: int
+) -> None:
+    """A read of range roots [first, first + n) starts their trees over: the acks a sink
+    held for an earlier read of them go (as `OpenHolds.discard` does live)."""
+    lo, hi = np.uint64(first), np.uint64(first + n)
+    for chunks in holds.values():
+        for i, (root, value) in enumerate(chunks):
+            keep = (root < lo) | (root >= hi)
+            if not bool(keep.all()):
+                chunks[i] = (root[keep], value[keep])
 
 
 def _read_note(payload: NDArray[np.uint64]) -> tuple[NDArray[np.uint64], Causes, float] | str:

@@ -34,10 +34,18 @@ per record. The contract:
   (`FailCause.TIMEOUT`), and they are replayed.
 - A batch sink's held acks (ftlayer.core.holding) name range roots like any other:
   `pending` says which are pending, and a settle XORs them in here.
-- Recovery: the ack values live in memory. A range that comes back from its meta has
-  every record pending again from the restart on and none read: what a later read
-  does not complete by the timeout is replayed (duplicates, nothing lost). A sink's
-  held acks of range records are not journaled either (CoreState.add_holds).
+- Recovery (with the acker journal, ftlayer.core.journal): the opening of a tree-mode
+  range (RANGE_OPEN), each read (RANGE_READ), the events applied to its arrays
+  (RANGE_XOR) and a sink's held acks (as every hold) are journaled, and a journal base
+  copies the open ranges' arrays (`snapshot`). `recover` puts the base's arrays back
+  into the ranges that come back from their meta, then applies the segments' ops in
+  order, uncounted and not journaled again: every record's tree is as it was at the
+  stop (a record stored since, a record of its own, is GONE from its range, marked by
+  the scan of the store). Only the ops after the newest opening of a range number are
+  that range's (numbers go round). Without a journal (`--no-journal`, or one written
+  before a machine restart) a range that comes back from its meta has every record
+  pending again and none read: what a later read does not complete by the timeout is
+  replayed (duplicates, nothing lost).
 
 Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
 emission ids of the events' records only; nothing per record at registration but the
@@ -47,13 +55,15 @@ three arrays (17 bytes a record in memory).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ftlayer.rangeroots import decode, emission_ids, encode, is_range_root
 
-from .rangetable import COMPLETED, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
+from .journal import RANGE_OPEN, RANGE_READ, RANGE_XOR, JournalState
+from .rangetable import COMPLETED, GONE, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
 from .state import CoreState
 
 __all__ = [
@@ -63,6 +73,8 @@ __all__ = [
     "next_expiry",
     "pending",
     "read",
+    "recover",
+    "snapshot",
     "xor",
 ]
 
@@ -76,6 +88,15 @@ def read(s: CoreState, first: int, n: int, seed: int) -> int:
     """A reader emits the `n` records of a range from the one whose range root is
     `first` on, under `seed` (see the module docstring); returns how many of them
     were still pending in an open tree-mode range (their trees start over)."""
+    started = _read(s, first, n, seed, discard=True)
+    if started and s.journal is not None:
+        s.journal.range_read(first, n, seed)
+    return started
+
+
+def _read(s: CoreState, first: int, n: int, seed: int, *, discard: bool) -> int:
+    """`read` without the journal; `discard`: drop the held sink acks of an earlier
+    read (the journal's reader drops them itself)."""
     if not seed or n <= 0 or not is_range_root([first])[0]:
         return 0
     numbers, deltas = decode([first])
@@ -90,7 +111,7 @@ def read(s: CoreState, first: int, n: int, seed: int) -> int:
     mine = np.flatnonzero(acks.state[lo:hi] == PENDING) + lo
     s.changing()
     again = mine[acks.seeds[mine] != 0]
-    if len(again) and len(s.holds):  # read before: the earlier read's held sink acks go
+    if discard and len(again) and len(s.holds):  # the earlier read's held sink acks go
         s.holds.discard(encode(r.number, 0, again))
     acks.acc[mine] = 0
     acks.seeds[mine] = seed
@@ -114,11 +135,18 @@ def pending(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
 
 
 def xor(
-    s: CoreState, roots: NDArray[np.uint64], values: NDArray[np.uint64]
+    s: CoreState,
+    roots: NDArray[np.uint64],
+    values: NDArray[np.uint64],
+    *,
+    journal: bool = True,
+    counted: bool = True,
 ) -> tuple[NDArray[np.uint64], NDArray[np.uint64], int]:
     """Apply the events of tree-mode range roots (see the module docstring); returns
     the other events, to be applied to the acker table, and how many records
-    completed."""
+    completed. `journal`: write the events applied to the journal (not when the
+    journal has them already: a sink's released holds, a recovery); `counted`: count
+    completions and events in the stats and meters (not in a recovery)."""
     ranged = is_range_root(roots)
     if not bool(ranged.any()):
         return roots, values, 0
@@ -131,14 +159,20 @@ def xor(
         if r is None or r.acks is None:
             continue  # a barrier-mode range's, or none open: the acker table's path
         taken[at[mine]] = True
-        completed += _apply(s, r, deltas[mine], values[at[mine]])
+        completed += _apply(s, r, deltas[mine], values[at[mine]], counted)
     if not bool(taken.any()):
         return roots, values, completed
+    if journal and s.journal is not None:
+        s.journal.range_xor(roots[taken], values[taken])
     return roots[~taken], values[~taken], completed
 
 
 def _apply(
-    s: CoreState, r: BatchRange, deltas: NDArray[np.int64], values: NDArray[np.uint64]
+    s: CoreState,
+    r: BatchRange,
+    deltas: NDArray[np.int64],
+    values: NDArray[np.uint64],
+    counted: bool = True,
 ) -> int:
     """The events (offset from the range's start, value) of range `r`; returns how
     many of its records completed."""
@@ -147,11 +181,13 @@ def _apply(
         raise TypeError(f"range {r.number} is a barrier-mode range")
     inside = deltas < len(r)
     if not bool(inside.all()):
-        s.stats.unknown_events += int(np.count_nonzero(~inside))
+        if counted:
+            s.stats.unknown_events += int(np.count_nonzero(~inside))
         deltas, values = deltas[inside], values[inside]
     pending = acks.state[deltas] == PENDING
     if not bool(pending.all()):
-        s.stats.late_events += int(np.count_nonzero(~pending))
+        if counted:
+            s.stats.late_events += int(np.count_nonzero(~pending))
         deltas, values = deltas[pending], values[pending]
     if not len(deltas):
         return 0
@@ -159,11 +195,14 @@ def _apply(
     if bool(zero.any()):  # excluded: a record a loop fed back (module docstring)
         excluded = np.unique(deltas[zero])
         r.leave((excluded + r.start).tolist())
-        s.stats.persisted -= len(excluded)
-        s.meters.ranged(r.source_id, -len(excluded))
+        if counted:
+            s.stats.persisted -= len(excluded)
+            s.meters.ranged(r.source_id, -len(excluded))
         keep = acks.state[deltas] == PENDING
         deltas, values = deltas[keep], values[keep]
-    s.stats.xor_events += len(deltas)
+    if counted:
+        s.stats.xor_events += len(deltas)
+    s.changing()  # the ack values are state a journal base copies
     np.bitwise_xor.at(acks.acc, deltas, values)
     # Checked per event, not per distinct record (no sort): a record named twice is
     # marked twice, and counted once by what is left pending. A record no read
@@ -173,13 +212,13 @@ def _apply(
     done = deltas[(acks.acc[deltas] == ids) & (seeds != 0)]
     if not len(done):
         return 0
-    s.changing()
     acks.state[done] = COMPLETED
     left = int(np.count_nonzero(acks.state == PENDING))
     completed, acks.left = acks.left - left, left
-    s.stats.completed += completed
-    number = s.persistence.topic_number(r.source_id, r.topic)
-    s.meters.range_completed(number, completed, latency_s=s.clock() - acks.opened_at)
+    if counted:
+        s.stats.completed += completed
+        number = s.persistence.topic_number(r.source_id, r.topic)
+        s.meters.range_completed(number, completed, latency_s=s.clock() - acks.opened_at)
     if not acks.left:
         _close(s, r)
     return completed
@@ -267,3 +306,97 @@ def _running(s: CoreState, acks: RangeAcks, now: float) -> bool:
     """Whether the batch the range opened in still runs (its heartbeats hold its
     timeout off)."""
     return acks.batch is not None and s.leases.running(acks.batch, now)
+
+
+def snapshot(s: CoreState) -> dict[str, NDArray[Any]]:
+    """The open tree-mode ranges for a journal base ("tranges.*"): per range its number,
+    source, partition, start and end; and their records' ack values, seeds and states,
+    range after range."""
+    found = [r for r in s.ranges.by_number.values() if r.acks is not None]
+    acks = [r.acks for r in found if r.acks is not None]
+
+    def column(values: list[int]) -> NDArray[np.int64]:
+        return np.array(values, dtype=np.int64)
+
+    return {
+        "tranges.number": column([r.number for r in found]),
+        "tranges.source": column([r.source_id for r in found]),
+        "tranges.partition": column([r.partition for r in found]),
+        "tranges.start": column([r.start for r in found]),
+        "tranges.end": column([r.end for r in found]),
+        "tranges.acc": _joined([a.acc for a in acks], np.uint64),
+        "tranges.seeds": _joined([a.seeds for a in acks], np.uint64),
+        "tranges.state": _joined([a.state for a in acks], np.uint8),
+    }
+
+
+def _joined(arrays: list[NDArray[Any]], dtype: Any) -> NDArray[Any]:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+
+
+def recover(s: CoreState, journal: JournalState) -> None:
+    """The ack values of the open tree-mode ranges as they were at the stop: the
+    journal base's copy of each range that is still open (the same range: number,
+    source, partition and bounds), then what the journal's segments say happened
+    since, in order (reads, events, a sink's released acks), uncounted and not
+    journaled again. A range opened again under a number after the base starts from
+    that opening. The caller closes the ranges left with no pending record
+    (`close_finished`) once the records stored since are marked."""
+    opened = {
+        int(payload[0]): i
+        for i, (kind, payload) in enumerate(journal.range_ops)
+        if kind == RANGE_OPEN
+    }
+    _restore_base(s, journal.ranges, set(opened))
+    for i, (kind, payload) in enumerate(journal.range_ops):
+        if kind == RANGE_READ:
+            first, n, seed = (int(v) for v in payload[:3])
+            if _current(opened, decode([first])[0], i)[0]:
+                _read(s, first, n, seed, discard=False)
+        elif kind == RANGE_XOR:
+            half = len(payload) // 2
+            roots, values = payload[:half], payload[half:]
+            mine = _current(opened, decode(roots)[0], i)
+            if bool(mine.any()):
+                xor(s, roots[mine], values[mine], journal=False, counted=False)
+
+
+def _current(opened: dict[int, int], numbers: NDArray[np.int64], at: int) -> NDArray[np.bool_]:
+    """Per range number: whether an op at position `at` is about the range open now
+    under it (no later RANGE_OPEN of that number)."""
+    mine = np.ones(len(numbers), dtype=np.bool_)
+    for number, i in opened.items():
+        if i > at:
+            mine &= numbers != number
+    return mine
+
+
+def _restore_base(s: CoreState, base: dict[str, NDArray[Any]], reopened: set[int]) -> None:
+    """The base's copies of the ranges still open as they were (not those whose number
+    was opened again since)."""
+    if "tranges.number" not in base:
+        return
+    ends = np.cumsum(base["tranges.end"] - base["tranges.start"])
+    rows = zip(
+        base["tranges.number"].tolist(),
+        base["tranges.source"].tolist(),
+        base["tranges.partition"].tolist(),
+        base["tranges.start"].tolist(),
+        base["tranges.end"].tolist(),
+        ends.tolist(),
+        strict=True,
+    )
+    for number, source_id, partition, start, end, stop in rows:
+        r = s.ranges.by_number.get(number)
+        if r is None or r.acks is None or number in reopened:
+            continue
+        if (r.source_id, r.partition, r.start, r.end) != (source_id, partition, start, end):
+            continue
+        at = slice(stop - (end - start), stop)
+        acks = r.acks
+        gone = acks.state == GONE  # stored since (note_stored): records of their own
+        acks.acc[:] = base["tranges.acc"][at]
+        acks.seeds[:] = base["tranges.seeds"][at]
+        acks.state[:] = base["tranges.state"][at]
+        acks.state[gone] = GONE
+        acks.left = int(np.count_nonzero(acks.state == PENDING))

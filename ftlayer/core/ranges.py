@@ -112,6 +112,8 @@ def register(
         for r in new.values():
             s.stats.persisted += len(r)
             s.meters.ranged(r.source_id, len(r))
+            if r.acks is not None and s.journal is not None:  # ops before it are not its
+                s.journal.range_open(r.number)
     return numbers
 
 

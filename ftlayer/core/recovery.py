@@ -42,7 +42,7 @@ from numpy.typing import NDArray
 
 from ftlayer.records import RecordBatch
 
-from . import failnotes
+from . import failnotes, rangeacks
 from .failure import requeue
 from .fills import rebuild as rebuild_unfilled
 from .journal import JournalState
@@ -88,6 +88,8 @@ def state_snapshot(s: CoreState, *, journal_base: bool | None = None) -> dict[st
         state["retries.count"] = np.zeros(0, dtype=np.int64)
     holds = s.holds.columns()
     state.update({f"holds.{name}": column for name, column in holds.items()})
+    if rangeacks.has_tree_ranges(s):
+        state.update(rangeacks.snapshot(s))
     points = s.queue.prune_points()
     state["pruned.source"] = np.array([-1 if p is None else p for p in points], dtype=np.int64)
     state["pruned.upto"] = np.array(list(points.values()), dtype=np.int64)
@@ -137,6 +139,8 @@ def write_journal_base(s: CoreState) -> None:
 def recover(s: CoreState) -> None:
     """Restore the state from storage and journal (the module docstring's contract)."""
     journal = None if s.journal is None else s.journal.recover()
+    if journal is not None and rangeacks.has_tree_ranges(s):
+        rangeacks.recover(s, journal)  # the open tree-mode ranges' ack values
     # Step 1: collect first (re-tagging writes to the storage being scanned).
     found = []
     stored_dead: set[int] = set()
@@ -149,6 +153,8 @@ def recover(s: CoreState) -> None:
             seqs, batch, replay = seqs[keep], batch.take(keep), replay[keep]
         if len(seqs):
             found.append((batch, seqs, replay))
+    if rangeacks.has_tree_ranges(s):
+        rangeacks.close_finished(s)  # their last pending records were stored since
     stored = {int(q) for _, seqs, _ in found for q in seqs.tolist()} | stored_dead
     stale = [seq for seq in s.book.seqs() if seq not in stored]
     if stale:  # completed or purged, and the crash came before their record left
@@ -179,6 +185,7 @@ def recover(s: CoreState) -> None:
             requeue(s, batch.roots[rows], seqs[rows], FailCause.RECOVERY)
     if journal is not None:
         _restore(s, journal, restored, gone)
+        _restore_range_holds(s, journal)
     # Step 4: a re-read of a recovered record takes over its root.
     if len(s.acker):
         live = s.acker.live_columns("topic", "partition", "offset", copy=False)
@@ -188,6 +195,19 @@ def recover(s: CoreState) -> None:
     rebuild_unfilled(s)
     # Step 6: failures of batch-range rows noted and not applied before the stop.
     failnotes.recover(s, journal)
+
+
+def _restore_range_holds(s: CoreState, journal: JournalState) -> None:
+    """A sink's held acks of records pending in tree-mode ranges: held again, for its
+    settle (or they go stale)."""
+    if not rangeacks.has_tree_ranges(s):
+        return
+    for key, (hold_roots, values) in journal.holds.items():
+        if key & SINK_KEY_BIT:
+            pending = rangeacks.pending(s, hold_roots)
+            if bool(pending.any()):
+                s.holds.add(key, hold_roots[pending], values[pending])
+                s.sink_keys.opened(key, s.clock())
 
 
 def _restore(

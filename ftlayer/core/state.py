@@ -46,7 +46,6 @@ from ftlayer.errors import ConfigError
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import LOCATOR_COLUMNS, Completed, PersistenceLayer
 from ftlayer.persistence.timeout import RootTimeouts
-from ftlayer.rangeroots import is_range_root
 from ftlayer.records import RecordBatch
 from ftlayer.shards import ShardPlace
 
@@ -60,7 +59,7 @@ from .rangetable import OpenRanges
 from .replay import REPLAY_SEQ_META_KEY, ReplayQueue
 from .retired import RetiredRoots
 from .retries import RetryBook, RetryPolicy
-from .sinkholds import SINK_KEY_BIT, SinkKeys
+from .sinkholds import SinkKeys
 from .sources import SourceConfig, SourceRegistry
 from .stats import FTStats
 from .takeover import ReadMarks
@@ -274,20 +273,10 @@ class CoreState:
         self.stats.unknown_events += len(roots) - late
 
     def add_holds(self, key: int, roots: NDArray[np.uint64], values: NDArray[np.uint64]) -> None:
-        """Open holds (root, value) under a source id or a sink key, journaled; but a
-        sink's held acks of tree-mode range records (range roots under a sink key):
-        their ack values live in memory only (ftlayer.core.rangeacks), so after a
-        restart these acks could only spoil the records' next read."""
+        """Open holds (root, value) under a source id or a sink key, journaled."""
         self.holds.add(key, roots, values)
-        if self.journal is None:
-            return
-        if key & SINK_KEY_BIT and len(self.ranges):
-            kept = ~is_range_root(roots)
-            if not bool(kept.all()):
-                roots, values = roots[kept], values[kept]
-                if not len(roots):
-                    return
-        self.journal.hold(key, roots, values)
+        if self.journal is not None:
+            self.journal.hold(key, roots, values)
 
     def barrier_mode_rows(
         self, source_ids: NDArray[Any]

@@ -169,8 +169,9 @@ def test_records_whose_trees_do_not_complete_time_out_while_no_batch_runs(
 def test_a_restart_makes_a_tree_ranges_records_pending_again_so_none_is_lost(
     tmp_path: Path,
 ) -> None:
-    """The ack values live in memory: after a restart every record of an open tree-mode
-    range is pending again, unread: events of the reads before complete nothing, and
+    """Without a journal the ack values live in memory only: after a restart every
+    record of an open tree-mode range is pending again, unread (with one, see
+    test_rangeacks_journal): events of the reads before complete nothing, and
     what a read after it does not complete times out and is replayed (duplicates,
     never a loss)."""
     storage = LmdbStorage(tmp_path / "ft")

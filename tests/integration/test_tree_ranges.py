@@ -12,11 +12,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from fixture_types import MakeTopic
-from serverproc import Server
+from serverproc import Server, StartServer
 
 from ftlayer import rangeroots
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
+from ftlayer.core.sinkholds import SINK_KEY_BIT
 from ftlayer.integration.harness.kafka import produce
 from ftlayer.integration.source import parse_options, source_schema
 from ftlayer.integration.source.driver import SourceDriver
@@ -138,3 +139,47 @@ def test_a_second_read_of_a_range_starts_its_records_trees_over(
     finally:
         driver.close()
         client.close()
+
+
+def test_a_sigkill_of_the_ft_layer_keeps_every_range_records_tree(
+    kafka_bootstrap: str, make_topic: MakeTopic, start_server: StartServer
+) -> None:
+    """The FT layer is SIGKILLed with a range's records in every state: two complete,
+    two half way through their trees, two whose acks a batch sink holds, two only
+    read. The restarted server (same data dir and port) has four of them done, the
+    others pending; the half-way ones complete with their last events, the sink's
+    settle completes its two, the last two with the events of the read before the
+    kill; nothing is replayed and nothing times out."""
+    topic = make_topic(1)
+    produce(kafka_bootstrap, topic, [(b"k", b"v%d" % i) for i in range(8)], partition=0)
+    server = start_server()
+    options = _options(kafka_bootstrap, topic, server)
+    source_id = options.source_ids()[topic]
+    driver = SourceDriver(options, options.source_ids())
+    schema = source_schema(True)
+    try:
+        driver.start()
+        (part,) = driver.open_ranges([FTKafkaPartition(topic, 0, 0, 8, source_id, 0, 0)])
+        rows = pa.Table.from_batches(list(read_partition(options, schema, part)))
+        roots, ids = _unsigned(rows.column("ft_root")), _unsigned(rows.column("ft_id"))
+        children = np.arange(1, 9, dtype=np.uint64) << np.uint64(24)
+        sink = SINK_KEY_BIT | 41
+        with server.client() as client:
+            client.xor(roots[:2], ids[:2])
+            client.xor(roots[2:6], ids[2:6] ^ children[2:6])
+            assert client.sink_hold(sink, roots[4:6], children[4:6]) == 2
+            assert client.status().completed == 2
+        server.kill()
+        port = server.address.rsplit(":", 1)[1]
+        server = start_server(server.data_dir, "--port", port)
+        with server.client() as client:
+            assert client.status().pending_by_source == {str(source_id): 6}
+            client.xor(roots[2:4], children[2:4])
+            assert client.sink_settle(sink) == 2
+            client.xor(roots[6:], ids[6:])
+            status = client.status()
+            assert status.completed == 6 and status.pending_by_source == {}
+            assert status.failed["recovery"] == 0 and status.failed["timeout"] == 0
+            assert status.open_ranges == 0 and status.stored_records == 0
+    finally:
+        driver.close()
