@@ -71,6 +71,7 @@ __all__ = [
     "expired",
     "has_tree_ranges",
     "next_expiry",
+    "open_records",
     "pending",
     "read",
     "recover",
@@ -82,6 +83,11 @@ __all__ = [
 def has_tree_ranges(s: CoreState) -> bool:
     """Whether any open range is a tree-mode one."""
     return any(r.acks is not None for r in s.ranges.by_number.values())
+
+
+def open_records(s: CoreState) -> int:
+    """Records of the open tree-mode ranges (a journal base copies each)."""
+    return sum(len(r) for r in s.ranges.by_number.values() if r.acks is not None)
 
 
 def read(s: CoreState, first: int, n: int, seed: int) -> int:

@@ -65,6 +65,7 @@ JOURNAL_BASE_MIN_BYTES: Final = 1 << 20
 """A checkpoint's state copy is the journal's base only once the journal has grown by
 this much (or by a base's size, if larger): `journal_base_due`."""
 _BASE_BYTES_PER_ROOT: Final = 24
+_BASE_BYTES_PER_RANGE_RECORD: Final = 17
 
 _Restored = list[tuple[RecordBatch, NDArray[np.uint64], NDArray[np.uint64], Any]]
 
@@ -113,7 +114,8 @@ def state_snapshot(s: CoreState, *, journal_base: bool | None = None) -> dict[st
 
 def journal_base_due(s: CoreState) -> bool:
     """Whether a state copy should also be the journal's base: once the journal has
-    grown by as much as a base would hold (24 bytes per pending root, at least
+    grown by as much as a base would hold (24 bytes per pending root and 17 per record
+    of an open tree-mode range, at least
     JOURNAL_BASE_MIN_BYTES), so a checkpoint per micro-batch does not write a base each
     time, and recovery reads at most about twice a base; or by `journal_base_bytes`
     when the FT layer was given it (`ftlayer serve --journal-base-bytes`); and at once
@@ -123,7 +125,10 @@ def journal_base_due(s: CoreState) -> bool:
         return False
     due = s.journal_base_bytes
     if due is None:
-        due = max(JOURNAL_BASE_MIN_BYTES, _BASE_BYTES_PER_ROOT * len(s.acker))
+        size = _BASE_BYTES_PER_ROOT * len(s.acker)
+        if len(s.ranges):  # a tree-mode range's records: 17 bytes each
+            size += _BASE_BYTES_PER_RANGE_RECORD * rangeacks.open_records(s)
+        due = max(JOURNAL_BASE_MIN_BYTES, size)
     return journal.broken is not None or journal.segment_bytes >= due
 
 
