@@ -394,7 +394,7 @@ class CheckpointCoordinator:
             key=key,
             sources=tuple(sorted({int(s) for s in sources})),
             begun_at=time.time() if now is None else now,
-            pending_roots=len(self.ft),
+            pending_roots=self.ft.pending,
             replay_queue=self.ft.queued_replays,
             write_s=None if owes_base else 0.0,
             owes_base=owes_base,

@@ -139,8 +139,10 @@ def add_parser(commands: Any) -> None:
     )
     pipeline.add_argument(
         "--tree-ranges",
-        action="store_true",
-        help="--fast: the tree-mode runs read their batches as ranges (ft.treeRanges)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--fast: the tree-mode runs read their batches as ranges (ft.treeRanges, the "
+        "default); --no-tree-ranges: they store a reference per record",
     )
     pipeline.add_argument("--rounds", type=positive_int, default=2, help="alternating pairs")
     pipeline.add_argument(

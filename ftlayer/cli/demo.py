@@ -50,8 +50,10 @@ def add_parser(commands: Any) -> None:
     )
     demo.add_argument(
         "--tree-ranges",
-        action="store_true",
-        help="ft.treeRanges: tree mode reads its batches as ranges (section 4.10)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ft.treeRanges: tree mode reads its batches as ranges (the default; section "
+        "4.10); --no-tree-ranges: it stores a reference per record",
     )
     demo.add_argument(
         "--http-port",

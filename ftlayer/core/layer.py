@@ -281,6 +281,12 @@ class FTLayer:
         return len(self._s.acker)
 
     @property
+    def pending(self) -> int:
+        """Roots whose tree is not complete: the acker table's, and the records pending
+        in open batch ranges (STATUS `pending`)."""
+        return len(self._s.acker) + sum(ranges.pending_counts(self._s).values())
+
+    @property
     def queued_replays(self) -> int:
         """Entries in the replay queue (not pruned yet)."""
         return len(self._s.queue)

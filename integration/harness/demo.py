@@ -423,7 +423,7 @@ def source_options(
     persist: str = "reference",
     dead_topic: str | None = None,
     group: str | None = None,
-    tree_ranges: bool = False,
+    tree_ranges: bool = True,
 ) -> dict[str, str]:
     """The demo's `ftkafka` source options: Kafka, the replay partitioner, retries,
     completion and persistence, plus `ft_options` (ft.address, and with a token and TLS
@@ -510,7 +510,7 @@ def run_demo(
     shards: int | None = None,
     kill_shard: bool = False,
     outage_s: float = 20.0,
-    tree_ranges: bool = False,
+    tree_ranges: bool = True,
 ) -> DemoResult:
     """Run the demo (see the module docstring); returns its counts. With `http_port`,
     the FT-layer process serves its status page and /metrics on that loopback port;

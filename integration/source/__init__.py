@@ -333,7 +333,13 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable() if limit is None else ReadMaxRows(limit)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = self._driver_side().available(None)
+        driver = self._driver_side()
+        if self.options.ft_on and self.options.persist == "reference":
+            # Records that failed by reference (a batch range's) are routed for replay
+            # once their bytes are in: copied now, the failures of the runs before are
+            # among the replays this run reads, as stored ones are.
+            driver.fill_failed(sorted(set(driver.source_ids.values())))
+        self._target = driver.available(None)
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         idle = self._idle

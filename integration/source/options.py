@@ -360,9 +360,9 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "boolean",
         "tree mode with `ft.persist=reference`: the FT layer learns each batch as one "
         "offset range per partition and keeps each record's ack value in an array of its "
-        "range, instead of a stored reference, an acker entry and a delete per record "
-        "(section 4.10)",
-        shown_default="false",
+        "range, instead of a stored reference, an acker entry and a delete per record; "
+        "false: stored references (section 4.10)",
+        shown_default="true",
     ),
     Option(
         "ft.checkpointMode",
@@ -426,9 +426,9 @@ class SourceOptions:
     persist: str = "reference"
     """ft.persist: "reference" (the default: where each record is in Kafka) or "payload"
     (its bytes too)."""
-    tree_ranges: bool = False
+    tree_ranges: bool = True
     """ft.treeRanges: tree mode by reference reads each batch as ranges
-    (ftlayer.core.rangeacks)."""
+    (ftlayer.core.rangeacks); false: it stores a reference per record."""
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
     """ft.heartbeatMs: how often the driver heartbeats a running batch; 0: never."""
     replay_column: bool = False
@@ -600,7 +600,7 @@ def parse_options(options: Mapping[str, str], *, ingest: bool = False) -> Source
         dead_letter_topic=(given.text("ft.deadLetterTopic") or "").strip() or None,
         completion=given.choice("ft.completion"),
         persist="payload" if ingest else given.choice("ft.persist"),
-        tree_ranges=given.boolean("ft.treeRanges", False),
+        tree_ranges=given.boolean("ft.treeRanges", True),
         heartbeat_ms=_required(given.integer("ft.heartbeatMs")),
         replay_column=given.boolean("ft.replayColumn", False),
         idle_probe_s=_required(given.integer("idleProbeIntervalMs")) / 1000,

@@ -391,11 +391,14 @@ def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(
     kafka_bootstrap: str, make_topic: MakeTopic, start_server: StartServer
 ) -> None:
     """Spark re-runs a batch (an uncommitted batch after a restart, a retried task) by
-    calling read() again for the same offsets; here read() is called twice directly."""
+    calling read() again for the same offsets; here read() is called twice directly.
+    With stored references (ft.treeRanges=false): each read persists its records under
+    roots of its own. (By range, the default, a second read starts the same records'
+    trees over: tests/integration/test_tree_ranges.py.)"""
     server = start_server(None, "--tree-timeout-s", "3")
     topic = make_topic(2)
     produce(kafka_bootstrap, topic, records("t", 60))
-    opts = ft_options(kafka_bootstrap, [topic], server)
+    opts = ft_options(kafka_bootstrap, [topic], server, ft_treeRanges="false")
     reader = FTKafkaDataSource(opts).streamReader(source_schema(True))
 
     def read_batch(start: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], list[dict]]]:
@@ -445,14 +448,21 @@ def test_a_batch_read_twice_never_completes_a_root_early_and_loses_nothing(
         reader.stop()
 
 
+@pytest.mark.parametrize("by_range", [True, False], ids=["by-range", "stored"])
 def test_a_task_spark_retries_takes_the_dead_attempts_roots_over_never_completing_early(
     spark: SparkSession,
     kafka_bootstrap: str,
     make_topic: MakeTopic,
-    ft_layer: Server,
+    start_server: StartServer,
     tmp_path: Path,
+    by_range: bool,
 ) -> None:
-    server = ft_layer
+    """A task that fails after the source read its records is run again: by range (the
+    default) the retry reads them again under a seed of its own, which starts their
+    trees over; with stored references the retry persists them again under roots of
+    its own, which take the dead attempt's over. Either way no record completes early,
+    none is replayed, and the retry's acks complete every one."""
+    server = start_server()
     topic = make_topic(2)
     positions = produce(kafka_bootstrap, topic, records("retry", 40))
 
@@ -474,17 +484,21 @@ def test_a_task_spark_retries_takes_the_dead_attempts_roots_over_never_completin
 
     rows, _ = run_available_now(
         spark,
-        ft_options(kafka_bootstrap, [topic], server),
+        ft_options(kafka_bootstrap, [topic], server, ft_treeRanges=str(by_range).lower()),
         tmp_path / "checkpoint",
         lambda frame: frame.withColumn("checked", fail_first_attempt("offset")),
     )
 
     assert_rows_match_kafka(rows, kafka_contents(kafka_bootstrap, [topic]))
-    # The failed attempt had persisted partition 0's records under roots of its own;
-    # the retry read them again, and its roots took those over (no replay will come).
     seen = status(server)
-    assert (seen["persisted"], seen["pending"]) == (40 + in_partition_0, 40)
-    assert seen["taken_over"] == in_partition_0
+    if by_range:  # one range per partition, read twice: nothing persisted per read
+        assert (seen["persisted"], seen["pending"], seen["taken_over"]) == (40, 40, 0)
+        assert seen["stored_records"] == 0
+    else:
+        # The failed attempt had persisted partition 0's records under roots of its
+        # own; the retry read them again, and its roots took those over (no replay).
+        assert (seen["persisted"], seen["pending"]) == (40 + in_partition_0, 40)
+        assert seen["taken_over"] == in_partition_0
     ack(server, rows)
     seen = status(server)
     assert (seen["completed"], seen["pending"], seen["failed"]["timeout"]) == (40, 0, 0)
