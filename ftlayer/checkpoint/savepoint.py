@@ -19,8 +19,10 @@ part saved alone), `shard` and `shards` (the store's place), `ftlayer_version` a
 `positions`: per checkpoint query name, the position of its newest complete checkpoint,
 if it has one. That batch ran: every Kafka record below the position was read and
 persisted, so it either completed or is in the savepoint, and a restored query that
-starts there loses nothing. (A later checkpoint that is only begun may belong to a
-batch that never ran.)
+starts there loses nothing. A position is lowered to the start of every batch range
+of its partitions still open in the copy: a tree-mode range's pending records are in
+the FT layer's memory, not in its store, so the restored query reads them again. (A
+later checkpoint that is only begun may belong to a batch that never ran.)
 Every fact in it is read from the copy, not from the live store, so it describes
 exactly what the savepoint holds. Nothing ever deletes a savepoint but its user.
 
@@ -63,7 +65,8 @@ empty:
    partition, and the dead letters per source apart (recovery does not replay them).
 4. Delete the checkpoint records and snapshots: they describe the old job's Spark
    checkpoint, and the restored job starts a new one. Their positions stay in the
-   manifest.
+   manifest. Delete the open batch ranges too: the restored query reads their records
+   again from those positions, which are at or below their starts.
 5. Close, fsync, and rename the staging directory to the target.
 
 When `ftlayer serve --data-dir <target>` starts, recovery replays every stored record
@@ -107,6 +110,7 @@ from ftlayer.checkpoint import (
     CheckpointState,
 )
 from ftlayer.core import REPLAY_SEQ_META_KEY, SOURCES_META_KEY, SourceConfig
+from ftlayer.core.rangetable import RANGE_META_PREFIX
 from ftlayer.core.retries import DEAD_LETTER
 from ftlayer.core.sinkmarks import MARK_META_PREFIX
 from ftlayer.errors import (
@@ -543,6 +547,9 @@ def restore_savepoint(
                     *storage.meta_keys(SNAPSHOT_PREFIX),
                     *storage.meta_keys(CLUSTER_META_PREFIX),
                     *storage.meta_keys(MARK_META_PREFIX),  # the sinks' marks of old batches
+                    # Open batch ranges: the restored query reads their records again
+                    # from the starting offsets, which are at or below their starts.
+                    *storage.meta_keys(RANGE_META_PREFIX),
                 ],
             )
         # Step 5.
@@ -721,7 +728,31 @@ def _newest_positions(*stores: LmdbStorage | None) -> dict[str, Any]:
         rank = (_checkpoint_number(value, checkpoint), key)
         if query not in newest or rank > newest[query][0]:
             newest[query] = (rank, value["position"])
-    return {query: position for query, (_rank, position) in sorted(newest.items())}
+    positions = {query: position for query, (_rank, position) in sorted(newest.items())}
+    for store in stores:
+        if store is not None:
+            _below_open_ranges(store, positions)
+    return positions
+
+
+def _below_open_ranges(store: LmdbStorage, positions: dict[str, Any]) -> None:
+    """Lower each position to the start of every open batch range of its partitions in
+    `store`: a range is open while a record of it is pending, and a tree-mode range's
+    records stay pending past their batch's checkpoint (their trees complete one by
+    one), in memory only. A savepoint does not hold them, so a restored query reads
+    them again from Kafka: from the range's start (the records of it that completed
+    come again too: duplicates, nothing lost)."""
+    for key in store.meta_keys(RANGE_META_PREFIX):
+        raw = store.get_meta(key)
+        try:
+            _source, topic, partition, start, *_rest = json.loads(raw or b"")
+        except (ValueError, TypeError):
+            continue
+        for position in positions.values():
+            kafka = position.get("kafka") if isinstance(position, dict) else None
+            at = kafka.get(topic) if isinstance(kafka, dict) else None
+            if isinstance(at, dict) and str(partition) in at and int(start) < at[str(partition)]:
+                at[str(partition)] = int(start)
 
 
 def _checkpoint_number(value: Mapping[str, Any], checkpoint: str) -> int:

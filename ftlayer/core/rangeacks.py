@@ -275,14 +275,26 @@ def expired(s: CoreState, now: float) -> NDArray[np.uint64]:
     """The roots of records pending in tree-mode ranges opened at least their source's
     tree timeout (the FT layer's, for a source without one) before `now` (the core's
     clock), unless the batch the range opened in is still running."""
-    found = [
-        encode(r.number, 0, np.flatnonzero(acks.state == PENDING))
-        for r, acks, deadline in _deadlines(s)
-        if deadline <= now and not _running(s, acks, now)
-    ]
+    found = []
+    for r, acks, deadline in list(_deadlines(s)):
+        if deadline > now:
+            continue
+        if _running(s, acks, now):
+            _postpone(s, acks, now)
+        else:
+            found.append(encode(r.number, 0, np.flatnonzero(acks.state == PENDING)))
     if not found:
         return np.zeros(0, dtype=np.uint64)
     return np.concatenate(found)
+
+
+def _postpone(s: CoreState, acks: RangeAcks, now: float) -> None:
+    """A range's timeout came while its batch runs: it is held off, and its pending
+    records count as postponed timeouts once a rotation of the timeouts, as stored
+    roots' entries do (STATUS `timeouts_postponed`)."""
+    if now >= acks.postponed_until:
+        s.timeouts.postponed += acks.left
+        acks.postponed_until = now + s.timeouts.rotation_interval_s
 
 
 def next_expiry(s: CoreState, now: float) -> float | None:

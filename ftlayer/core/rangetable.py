@@ -57,6 +57,9 @@ class RangeAcks:
     batch: tuple[int, int] | None = None
     """The batch it opened in (ftlayer.core.leases.BatchTag): its timeouts wait while
     that batch runs."""
+    postponed_until: float = 0.0
+    """The core's clock until which its timeout is held off (its batch ran at its
+    deadline): counted postponed again only after it."""
 
     @classmethod
     def new(cls, n: int, opened_at: float) -> RangeAcks:

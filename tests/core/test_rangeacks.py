@@ -157,6 +157,9 @@ def test_records_whose_trees_do_not_complete_time_out_while_no_batch_runs(
     clock.now = TIMEOUT_S + 1  # timed out, but its batch still runs: postponed
     ft.tick()
     assert ft.current_stats().failed["timeout"] == 0
+    assert ft.current_stats().timeouts_postponed == 2  # its two pending records
+    ft.tick()  # within the same rotation of the timeouts: not counted again
+    assert ft.current_stats().timeouts_postponed == 2
     assert 0 < ft.tick_delay() < TIMEOUT_S  # looked at again, not in a busy loop
     ft.batch_done([SOURCE])
     ft.tick()

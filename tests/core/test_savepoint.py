@@ -300,6 +300,26 @@ def test_positions_are_the_newest_complete_checkpoint_of_each_query(
     assert job.storage.meta_keys("checkpoint/") == records
 
 
+def test_positions_go_back_to_the_start_of_every_open_range_of_their_partitions(
+    job: Job, tmp_path: Path
+) -> None:
+    """A tree-mode range stays open past its batch's checkpoint while a record of it is
+    pending, and its records' trees live in memory, not in the store a savepoint
+    copies: a restored query must read them again, from the range's start."""
+    checkpoints = CheckpointCoordinator(job.ft)
+    job.ft.register_ranges([(FORWARD, "orders", 0, 30, 50)], tree=True)
+    job.ft.register_ranges([(FORWARD, "orders", 1, 2, 9)], tree=True)
+    barrier(checkpoints, "orders-job", {"orders": {"0": 50, "1": 9}})
+    created = create_savepoint(job.storage, tmp_path / "sp", "with-open-ranges")
+    assert created.positions == {
+        "orders-job": {"kafka": {"orders": {"0": 30, "1": 2}}, "replay": 0}
+    }
+    result = restore_savepoint(tmp_path / "sp", "with-open-ranges", tmp_path / "new")
+    assert result.starting_offsets == {"orders-job": {"orders": {"0": 30, "1": 2}}}
+    with LmdbStorage(tmp_path / "new") as restored:  # not replayed on top of the re-read
+        assert restored.meta_keys("range/") == []
+
+
 def test_kafka_offsets_of_takes_the_shapes_a_position_can_have() -> None:
     assert kafka_offsets_of({"kafka": {"t": {"0": 5}}, "replay": 1}) == {"t": {0: 5}}
     assert kafka_offsets_of('{"kafka": {"t": {"1": 2}}}') == {"t": {1: 2}}

@@ -68,6 +68,10 @@ def run_query(
         .option("subscribe", topic)
         .option("ft.address", addresses)
         .option("ft.completion", "tree")  # rows are left pending by not acking them
+        # Stored references: the held records are stored, and the restore moves them
+        # (by range they stay in memory, and a restored query reads them again from
+        # Kafka: tests/core/test_savepoint.py).
+        .option("ft.treeRanges", "false")
         .option("ft.sourceName", SOURCE_NAME)
         .option("maxOffsetsPerTrigger", "100")
         .options(**extra)
