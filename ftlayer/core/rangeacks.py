@@ -197,6 +197,7 @@ def _apply(
         deltas, values = deltas[pending], values[pending]
     if not len(deltas):
         return 0
+    s.changing()  # the ack values and states are state a journal base copies
     zero = values == 0
     if bool(zero.any()):  # excluded: a record a loop fed back (module docstring)
         excluded = np.unique(deltas[zero])
@@ -208,7 +209,6 @@ def _apply(
         deltas, values = deltas[keep], values[keep]
     if counted:
         s.stats.xor_events += len(deltas)
-    s.changing()  # the ack values are state a journal base copies
     np.bitwise_xor.at(acks.acc, deltas, values)
     # Checked per event, not per distinct record (no sort): a record named twice is
     # marked twice, and counted once by what is left pending. A record no read
