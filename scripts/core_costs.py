@@ -7,7 +7,8 @@ the server runs it; INFO logging to /dev/null), for two paths of the fast bench:
   sink's SINK_HOLD of their acks, then the SINK_SETTLE that completes them all, then the
   deletes.
 - `tree-ranges`: tree mode by range (ftlayer.core.rangeacks). Per micro-batch of
-  200,000 records, one BATCH_RANGES of 4 partitions (tree), then per 10,000-record
+  200,000 records, one BATCH_RANGES of 4 partitions (tree), a RANGE_READ per partition
+  (its reader's seed), then per 10,000-record
   piece the sink's SINK_HOLD of the reader's rows' acks (range roots and emission
   ids), then the SINK_SETTLE that completes them all, then the deletes (none).
 - `failures`: barrier mode by reference at 1% failures. Per micro-batch of BATCH
@@ -101,11 +102,15 @@ def tree_ranges(ft: FTLayer, batch: int, offset: int) -> int:
     piece, per = 10_000, 200_000 // PARTITIONS
     opened = [(SOURCE, TOPIC, p, offset, offset + per) for p in range(PARTITIONS)]
     numbers = timed("BATCH_RANGES", ft.register_ranges, opened, tree=True)
+    seeds = [int(s) | 1 for s in new_ids(PARTITIONS)]  # one read per partition
+    for p in range(PARTITIONS):
+        first = rangeroots.encode(numbers[p], offset, [offset])
+        timed("RANGE_READ", ft.read_range, int(first[0]), per, seeds[p])
     for k in range(200_000 // piece):
         p = k % PARTITIONS
         start = offset + (k // PARTITIONS) * piece
         roots = rangeroots.encode(numbers[p], offset, np.arange(start, start + piece))
-        ids = rangeroots.emission_ids(ft.range_salt(numbers[p]), roots)
+        ids = rangeroots.emission_ids(seeds[p], roots)
         timed("SINK_HOLD", ft.sink_hold, key, roots, ids)
     timed("SINK_SETTLE", ft.sink_settle, key)
     timed("DELETES", ft.flush_deletes)
