@@ -63,7 +63,7 @@ from numpy.typing import NDArray
 from ftlayer.rangeroots import decode, emission_ids, encode, is_range_root
 
 from .journal import RANGE_OPEN, RANGE_READ, RANGE_XOR, JournalState
-from .rangetable import COMPLETED, GONE, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
+from .rangetable import COMPLETED, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
 from .state import CoreState
 
 __all__ = [
@@ -360,33 +360,32 @@ def recover(s: CoreState, journal: JournalState) -> None:
     journaled again. A range opened again under a number after the base starts from
     that opening. The caller closes the ranges left with no pending record
     (`close_finished`) once the records stored since are marked."""
-    opened = {
+    last_open = {
         int(payload[0]): i
         for i, (kind, payload) in enumerate(journal.range_ops)
         if kind == RANGE_OPEN
     }
-    _restore_base(s, journal.ranges, set(opened))
+    _restore_base(s, journal.ranges, set(last_open))
+    ahead = set(last_open)  # numbers whose newest opening is still to come
     for i, (kind, payload) in enumerate(journal.range_ops):
-        if kind == RANGE_READ:
+        if kind == RANGE_OPEN:
+            if last_open[int(payload[0])] == i:
+                ahead.discard(int(payload[0]))
+        elif kind == RANGE_READ:
             first, n, seed = (int(v) for v in payload[:3])
-            if _current(opened, decode([first])[0], i)[0]:
+            if int(decode([first])[0][0]) not in ahead:
                 _read(s, first, n, seed, discard=False)
         elif kind == RANGE_XOR:
             half = len(payload) // 2
             roots, values = payload[:half], payload[half:]
-            mine = _current(opened, decode(roots)[0], i)
-            if bool(mine.any()):
-                xor(s, roots[mine], values[mine], journal=False, counted=False)
-
-
-def _current(opened: dict[int, int], numbers: NDArray[np.int64], at: int) -> NDArray[np.bool_]:
-    """Per range number: whether an op at position `at` is about the range open now
-    under it (no later RANGE_OPEN of that number)."""
-    mine = np.ones(len(numbers), dtype=np.bool_)
-    for number, i in opened.items():
-        if i > at:
-            mine &= numbers != number
-    return mine
+            if ahead:  # an earlier range's events under a number opened again later
+                mine = np.ones(len(roots), dtype=np.bool_)
+                for number, at in _groups(decode(roots)[0]):
+                    if number in ahead:
+                        mine[at] = False
+                roots, values = roots[mine], values[mine]
+            if len(roots):
+                xor(s, roots, values, journal=False, counted=False)
 
 
 def _restore_base(s: CoreState, base: dict[str, NDArray[Any]], reopened: set[int]) -> None:
@@ -412,9 +411,7 @@ def _restore_base(s: CoreState, base: dict[str, NDArray[Any]], reopened: set[int
             continue
         at = slice(stop - (end - start), stop)
         acks = r.acks
-        gone = acks.state == GONE  # stored since (note_stored): records of their own
         acks.acc[:] = base["tranges.acc"][at]
         acks.seeds[:] = base["tranges.seeds"][at]
         acks.state[:] = base["tranges.state"][at]
-        acks.state[gone] = GONE
         acks.left = int(np.count_nonzero(acks.state == PENDING))

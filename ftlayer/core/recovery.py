@@ -190,7 +190,7 @@ def recover(s: CoreState) -> None:
             requeue(s, batch.roots[rows], seqs[rows], FailCause.RECOVERY)
     if journal is not None:
         _restore(s, journal, restored, gone)
-        _restore_range_holds(s, journal)
+        _restore_holds(s, journal)
     # Step 4: a re-read of a recovered record takes over its root.
     if len(s.acker):
         live = s.acker.live_columns("topic", "partition", "offset", copy=False)
@@ -202,17 +202,19 @@ def recover(s: CoreState) -> None:
     failnotes.recover(s, journal)
 
 
-def _restore_range_holds(s: CoreState, journal: JournalState) -> None:
-    """A sink's held acks of records pending in tree-mode ranges: held again, for its
-    settle (or they go stale)."""
-    if not rangeacks.has_tree_ranges(s):
-        return
-    for key, (hold_roots, values) in journal.holds.items():
-        if key & SINK_KEY_BIT:
-            pending = rangeacks.pending(s, hold_roots)
-            if bool(pending.any()):
-                s.holds.add(key, hold_roots[pending], values[pending])
-                s.sink_keys.opened(key, s.clock())
+def _restore_holds(s: CoreState, journal: JournalState) -> None:
+    """The open holds of roots still pending (restored ones, or records pending in
+    tree-mode ranges): a barrier's are released at their batch's barrier; a sink's
+    acks, at its settle (or they go stale)."""
+    ranged = rangeacks.has_tree_ranges(s)
+    for source_id, (hold_roots, values) in journal.holds.items():
+        pending = s.acker.lookup("seq", hold_roots)[0]
+        if ranged:
+            pending |= rangeacks.pending(s, hold_roots)
+        if bool(pending.any()):
+            s.holds.add(source_id, hold_roots[pending], values[pending])
+            if source_id & SINK_KEY_BIT:  # a sink's acks: it settles them, or they go stale
+                s.sink_keys.opened(source_id, s.clock())
 
 
 def _restore(
@@ -298,10 +300,3 @@ def _restore(
     if bool(timed.any()):
         rows = np.flatnonzero(timed)
         s.track(roots[rows], seqs[rows], batch.source_ids[rows])
-    # Open barrier holds of roots still pending: released at their batch's barrier.
-    for source_id, (hold_roots, values) in journal.holds.items():
-        pending = s.acker.lookup("seq", hold_roots)[0]
-        if bool(pending.any()):
-            s.holds.add(source_id, hold_roots[pending], values[pending])
-            if source_id & SINK_KEY_BIT:  # a sink's acks: it settles them, or they go stale
-                s.sink_keys.opened(source_id, s.clock())
