@@ -24,11 +24,29 @@ __all__ = [
     "read_http",
     "serve_command",
     "stop_process",
+    "terminated",
 ]
 
 START_DEADLINE_S = 60.0
 """A server starts in about 2 s on a quiet machine; beside two other test runs on two
 slow cores it took over 15: the deadline only catches a server that never starts."""
+
+
+STOP_DEADLINE_S = 60.0
+"""A SIGTERMed server stops in 30 to 120 ms on a quiet machine (it syncs LMDB and the
+journal); fsync waits seconds on a disk the rest of a parallel suite keeps busy, so the
+deadline only catches a stop that hangs."""
+
+
+def terminated(proc: subprocess.Popen[bytes], log: Path) -> int:
+    """SIGTERM (a clean stop), then the exit code; a stop that hangs fails the test
+    with the server's log (it logs when its stop begins, and each step's failure)."""
+    proc.terminate()
+    try:
+        return proc.wait(STOP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        text = log.read_text(errors="replace")
+        raise AssertionError(f"the server did not stop in {STOP_DEADLINE_S:g} s:\n{text}") from None
 
 
 def read_address(proc: subprocess.Popen[bytes], log: Path) -> str:

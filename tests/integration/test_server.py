@@ -10,7 +10,6 @@ import errno
 import logging
 import re
 import resource
-import signal
 import socket
 import subprocess
 import threading
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serverproc import Server, StartServer, read_address, serve_command
+from serverproc import Server, StartServer, read_address, serve_command, terminated
 
 from ftlayer.acking.handlers import Anchors, Persister, TaskHandler
 from ftlayer.acking.ids import new_ids
@@ -79,8 +78,7 @@ def test_records_complete_over_the_wire(start_server: StartServer) -> None:
     assert status["persisted"] == status["completed"] == len(PAYLOADS)
     assert status["pending"] == 0
     assert status["lmdb_size_bytes"] > 0
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(10) == 0
+    assert terminated(server.proc, server.log) == 0
 
 
 def test_explicit_fail_is_replayed_with_the_same_bytes(start_server: StartServer) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serverproc import StartServer, read_address, serve_command
+from serverproc import StartServer, read_address, serve_command, terminated
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import FTClient, RequestRejected, ServerStorageError
@@ -384,15 +384,15 @@ def test_a_sigkill_while_persists_are_in_flight_loses_nothing_confirmed(
     data_dir = tmp_path / "data"
     procs: list[subprocess.Popen[bytes]] = []
 
-    def serve() -> tuple[subprocess.Popen[bytes], str]:
+    def serve() -> tuple[subprocess.Popen[bytes], str, Path]:
         log = tmp_path / f"server-{len(procs)}.log"
         with log.open("wb") as stderr:
             proc = subprocess.Popen(serve_command(data_dir), stdout=subprocess.PIPE, stderr=stderr)
         procs.append(proc)
-        return proc, read_address(proc, log)
+        return proc, read_address(proc, log), log
 
     try:
-        server, address = serve()
+        server, address, _log = serve()
         logs = [tmp_path / f"client-{c}.log" for c in range(KILL_CLIENTS)]
         clients = []
         for c in range(KILL_CLIENTS):
@@ -407,11 +407,10 @@ def test_a_sigkill_while_persists_are_in_flight_loses_nothing_confirmed(
         for proc in clients:  # each stops at its first error
             assert proc.wait(30) == 0
 
-        restarted, address = serve()
+        restarted, address, log = serve()
         with FTClient(address) as client:
             status = client.status()
-        restarted.send_signal(signal.SIGTERM)
-        assert restarted.wait(10) == 0
+        assert terminated(restarted, log) == 0
     finally:
         for proc in procs:
             if proc.poll() is None:

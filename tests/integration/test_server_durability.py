@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serverproc import StartServer, read_address
+from serverproc import StartServer, read_address, terminated
 
 from ftlayer import rangeroots
 from ftlayer.causes import Cause, FailKind
@@ -141,16 +141,6 @@ def _wait_for_batches(logs: list[Path], at_least: int, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def _exit_code(server: subprocess.Popen[bytes], log: Path) -> int:
-    """The exit code of a server sent SIGTERM. A stop that hangs fails with the
-    server's log; the bound is generous because a stop syncs LMDB and the journal, and
-    fsync waits seconds on a disk that the rest of a parallel suite keeps busy."""
-    try:
-        return server.wait(60)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the server did not stop in 60 s:\n{log.read_text()}") from None
-
-
 @pytest.mark.parametrize(("kill_point", "journal"), [(0, True), (1, True), (2, True), (3, False)])
 def test_no_confirmed_record_vanishes_after_sigkill(
     processes: Processes, tmp_path: Path, kill_point: int, journal: bool
@@ -172,8 +162,7 @@ def test_no_confirmed_record_vanishes_after_sigkill(
     restarted, address = processes.server(data_dir, *flags)
     with FTClient(address) as client:
         status = client.status()
-    restarted.send_signal(signal.SIGTERM)
-    assert _exit_code(restarted, processes.logs[restarted.pid]) == 0
+    assert terminated(restarted, processes.logs[restarted.pid]) == 0
     with LmdbStorage(data_dir) as storage:  # what the restarted server held
         stored = {bytes(p) for _seqs, batch, _r in storage.scan() for p in batch.payloads}
 

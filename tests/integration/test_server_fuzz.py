@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import signal
 import socket
 import struct
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serverproc import read_address, serve_command
+from serverproc import read_address, serve_command, terminated
 
 from ftlayer.acking.ids import new_ids
 from ftlayer.client import FTClient
@@ -84,6 +83,7 @@ _KINDS = {int(k) for k in Kind}
 class Served:
     proc: subprocess.Popen[bytes]
     address: str
+    log: Path
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -107,7 +107,7 @@ def serving(tmp_path: Path, *serve_args: str) -> Iterator[Served]:
             stderr=stderr,
         )
     try:
-        yield Served(proc, read_address(proc, log))
+        yield Served(proc, read_address(proc, log), log)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -436,8 +436,7 @@ def test_stalled_clients_do_not_block_others_and_stop_is_clean(tmp_path: Path) -
             assert (status["persisted"], status["completed"], status["pending"]) == (20, 20, 0)
             assert status["connections"] >= 4
 
-            served.proc.send_signal(signal.SIGTERM)
-            assert served.proc.wait(10) == 0
+            assert terminated(served.proc, served.log) == 0
         finally:
             for sock in stalled:
                 sock.close()
