@@ -127,6 +127,7 @@ from ftlayer.wire import (
     new_nonce,
 )
 
+from . import trace
 from .endpoint import client_tls_context, parse_address, trusted_cas
 from .errors import (
     PROTOCOL_ERRORS,
@@ -790,7 +791,12 @@ class FTClient:
         assert self._sock is not None
         self._sock.sendall(data)
         self.requests_sent[data[4]] += 1  # the kind byte of the frame head (>IBI)
-        return self._reply(rid, expect)
+        if trace.TRACE_PATH is None:
+            return self._reply(rid, expect)
+        sent = time.perf_counter()
+        reply = self._reply(rid, expect)
+        trace.note(Kind(data[4]).name, time.perf_counter() - sent, len(data))
+        return reply
 
     def _take_id(self) -> int:
         rid = self._next_id
