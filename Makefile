@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c 'from ftlayer.integration.source.columnar import compile_kernels; compile_kernels()'
 	$(BIN)/python -c 'from ftlayer.acking.u64map import compile_kernels; compile_kernels()'
 	$(BIN)/python -c 'from ftlayer.persistence.kernels import compile_kernels; compile_kernels()'
+	$(BIN)/python -c 'from ftlayer.core.rangeacks import compile_kernels; compile_kernels()'
 	touch $(STAMP)
 
 lint: $(STAMP)

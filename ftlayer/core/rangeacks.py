@@ -47,23 +47,27 @@ per record. The contract:
   pending again and none read: what a later read does not complete by the timeout is
   replayed (duplicates, nothing lost).
 
-Cost: O(events) per XOR batch with one `np.bitwise_xor.at` per range touched, and the
-emission ids of the events' records only; nothing per record at registration but the
-three arrays (17 bytes a record in memory).
+Cost: O(events) per XOR batch and range it names, in compiled loops
+(ftlayer.core.rangekernels: the ranges named, then per range one pass that sorts out
+unknown and late events and one that XORs the others in and checks the records they
+name against their emission ids); nothing per record at registration but the three
+arrays (17 bytes a record in memory).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.rangeroots import decode, emission_ids, encode, is_range_root
+from ftlayer.rangeroots import DELTA_BITS, MAX_NUMBER, MAX_RANGE, decode, encode, is_range_root
 
 from .journal import RANGE_OPEN, RANGE_READ, RANGE_XOR, JournalState
-from .rangetable import COMPLETED, PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
+from .rangetable import PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
 from .state import CoreState
 
 __all__ = [
@@ -126,17 +130,12 @@ def _read(s: CoreState, first: int, n: int, seed: int, *, discard: bool) -> int:
 
 def pending(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
     """Per root: the range root of a record pending in an open tree-mode range."""
+    roots = np.ascontiguousarray(roots, dtype=np.uint64)
     found = np.zeros(len(roots), dtype=np.bool_)
-    ranged = np.flatnonzero(is_range_root(roots))
-    if not len(ranged):
-        return found
-    numbers, deltas = decode(roots[ranged])
-    for number, mine in _groups(numbers):
-        r = s.ranges.by_number.get(number)
-        if r is None or r.acks is None:
-            continue
-        mine = mine[deltas[mine] < len(r)]
-        found[ranged[mine]] = r.acks.state[deltas[mine]] == PENDING
+    for head in _named_heads(roots):
+        r = s.ranges.by_number.get(head & MAX_NUMBER)
+        if r is not None and r.acks is not None:
+            _kernels().mark_pending(roots, np.uint64(head), r.acks.state, found)
     return found
 
 
@@ -153,19 +152,18 @@ def xor(
     completed. `journal`: write the events applied to the journal (not when the
     journal has them already: a sink's released holds, a recovery); `counted`: count
     completions and events in the stats and meters (not in a recovery)."""
-    ranged = is_range_root(roots)
-    if not bool(ranged.any()):
+    roots = np.ascontiguousarray(roots, dtype=np.uint64)
+    values = np.ascontiguousarray(values, dtype=np.uint64)
+    heads = _named_heads(roots)
+    if not heads:
         return roots, values, 0
-    at = np.flatnonzero(ranged)
-    numbers, deltas = decode(roots[at])
     taken = np.zeros(len(roots), dtype=np.bool_)
     completed = 0
-    for number, mine in _groups(numbers):  # a range per partition of a batch
-        r = s.ranges.by_number.get(number)
+    for head in heads:  # a range per partition of a batch
+        r = s.ranges.by_number.get(head & MAX_NUMBER)
         if r is None or r.acks is None:
             continue  # a barrier-mode range's, or none open: the acker table's path
-        taken[at[mine]] = True
-        completed += _apply(s, r, deltas[mine], values[at[mine]], counted)
+        completed += _apply(s, r, head, roots, values, taken, counted)
     if not bool(taken.any()):
         return roots, values, completed
     if journal and s.journal is not None:
@@ -176,58 +174,94 @@ def xor(
 def _apply(
     s: CoreState,
     r: BatchRange,
-    deltas: NDArray[np.int64],
+    head: int,
+    roots: NDArray[np.uint64],
     values: NDArray[np.uint64],
+    taken: NDArray[np.bool_],
     counted: bool = True,
 ) -> int:
-    """The events (offset from the range's start, value) of range `r`; returns how
-    many of its records completed."""
+    """The events among (`roots`, `values`) of range `r`, whose roots' head is `head`
+    (each marked in `taken`); returns how many of its records completed."""
     acks = r.acks
     if acks is None:
         raise TypeError(f"range {r.number} is a barrier-mode range")
-    inside = deltas < len(r)
-    if not bool(inside.all()):
-        if counted:
-            s.stats.unknown_events += int(np.count_nonzero(~inside))
-        deltas, values = deltas[inside], values[inside]
-    pending = acks.state[deltas] == PENDING
-    if not bool(pending.all()):
-        if counted:
-            s.stats.late_events += int(np.count_nonzero(~pending))
-        deltas, values = deltas[pending], values[pending]
-    if not len(deltas):
+    kernels = _kernels()
+    counts = np.zeros(4, dtype=np.int64)
+    kernels.scan_events(roots, values, np.uint64(head), acks.state, taken, counts)
+    unknown, late, zeros, live = counts.tolist()
+    if counted:
+        s.stats.unknown_events += unknown
+        s.stats.late_events += late
+    if not live:
         return 0
     s.changing()  # the ack values and states are state a journal base copies
-    zero = values == 0
-    if bool(zero.any()):  # excluded: a record a loop fed back (module docstring)
-        excluded = np.unique(deltas[zero])
+    if zeros:  # excluded: a record a loop fed back (module docstring)
+        mine = (roots >> np.uint64(DELTA_BITS)) == np.uint64(head)
+        deltas = (roots[mine] & np.uint64(MAX_RANGE - 1)).astype(np.int64)
+        zero = values[mine] == 0
+        inside = deltas < len(r)
+        at = deltas[zero & inside]
+        excluded = np.unique(at[acks.state[at] == PENDING])
         r.leave((excluded + r.start).tolist())
         if counted:
             s.stats.persisted -= len(excluded)
             s.meters.ranged(r.source_id, -len(excluded))
-        keep = acks.state[deltas] == PENDING
-        deltas, values = deltas[keep], values[keep]
+    # Every event is applied before any record is checked (a record named twice is
+    # checked on its final value, completed once); a record no read announced (seed 0)
+    # completes nothing.
+    applied, done = kernels.apply_events(
+        roots, values, np.uint64(head), acks.acc, acks.state, acks.seeds
+    )
     if counted:
-        s.stats.xor_events += len(deltas)
-    np.bitwise_xor.at(acks.acc, deltas, values)
-    # Checked per event, not per distinct record (no sort): a record named twice is
-    # marked twice, and counted once by what is left pending. A record no read
-    # announced (seed 0) completes nothing.
-    seeds = acks.seeds[deltas]
-    ids = emission_ids(seeds, encode(r.number, 0, deltas))
-    done = deltas[(acks.acc[deltas] == ids) & (seeds != 0)]
-    if not len(done):
-        return 0
-    acks.state[done] = COMPLETED
-    left = int(np.count_nonzero(acks.state == PENDING))
-    completed, acks.left = acks.left - left, left
-    if counted:
-        s.stats.completed += completed
-        number = s.persistence.topic_number(r.source_id, r.topic)
-        s.meters.range_completed(number, completed, latency_s=s.clock() - acks.opened_at)
-    if not acks.left:
+        s.stats.xor_events += applied
+    completed = 0
+    if done:
+        left = int(np.count_nonzero(acks.state == PENDING))
+        completed, acks.left = acks.left - left, left
+        if counted:
+            s.stats.completed += completed
+            number = s.persistence.topic_number(r.source_id, r.topic)
+            s.meters.range_completed(number, completed, latency_s=s.clock() - acks.opened_at)
+    if not acks.left:  # its last pending records completed, or were excluded
         _close(s, r)
     return completed
+
+
+_MAX_HEADS = 64
+"""Distinct ranges an event batch may name before they are found by a sort."""
+
+
+def _named_heads(roots: NDArray[np.uint64]) -> list[int]:
+    """The distinct heads (range bit and number) of the range roots among `roots`."""
+    out = np.zeros(_MAX_HEADS, dtype=np.uint64)
+    found = _kernels().distinct_heads(roots, out)
+    if found >= 0:
+        return [int(head) for head in out[:found].tolist()]
+    heads = roots[is_range_root(roots)] >> np.uint64(DELTA_BITS)
+    return [int(head) for head in np.unique(heads).tolist()]
+
+
+@functools.cache
+def _kernels() -> Any:
+    """ftlayer.core.rangekernels, imported on first use (numba's import takes a while)."""
+    return importlib.import_module("ftlayer.core.rangekernels")
+
+
+def compile_kernels() -> None:
+    """Compile the kernels (ftlayer.core.rangekernels), or load them from numba's
+    cache, with the types `xor` calls them with: events of held acks, and events as
+    read off the wire (read-only arrays, which numba types apart). `make` runs this
+    once, so no server start waits for it."""
+    acks = RangeAcks.new(4, 0.0)
+    roots = encode(1, 0, np.arange(2))
+    for events in (roots, np.frombuffer(roots.tobytes(), np.uint64)):
+        kernels = _kernels()
+        taken = np.zeros(2, dtype=np.bool_)
+        kernels.distinct_heads(events, np.zeros(_MAX_HEADS, dtype=np.uint64))
+        head = np.uint64(int(events[0]) >> DELTA_BITS)
+        kernels.mark_pending(events, head, acks.state, taken)
+        kernels.scan_events(events, events, head, acks.state, taken, np.zeros(4, np.int64))
+        kernels.apply_events(events, events, head, acks.acc, acks.state, acks.seeds)
 
 
 _PEELED = 8

@@ -339,3 +339,107 @@ def test_a_second_read_drops_the_sink_acks_held_for_the_first(
     assert ft.open_holds == 4
     assert ft.sink_settle(key) == 4
     assert ft.current_stats().completed == 4 and ft.pending_by_source() == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    unread=st.integers(-1, 2),
+    batches=st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 3),  # the range (3: a root of no range, the acker's)
+                st.integers(0, 7),  # the offset from its start (past its end: unknown)
+                st.sampled_from(["emission", "other", "zero"]),
+            ),
+            max_size=25,
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_range_events_follow_the_contract_in_any_mix(
+    sizes: list[int], unread: int, batches: list[list[tuple[int, int, str]]]
+) -> None:
+    """XOR batches mixing several ranges' events, events past a range's end, events of
+    records no longer pending, doubled events, exclusions (value 0), a range no read
+    announced, and roots of no range: what completes, what stays pending, which ranges
+    stay open and every count are those of the contract (the module docstring), written
+    out plainly here one event at a time. (Once a range closed, its roots are no
+    range's: none is sent.)"""
+    ft = _layer(MemoryStorage())
+    opened = [(SOURCE, TOPIC, p, 100, 100 + n) for p, n in enumerate(sizes)]
+    numbers = ft.register_ranges(opened, tree=True)
+    ids: list[np.ndarray] = []
+    for p, (number, n) in enumerate(zip(numbers, sizes, strict=True)):
+        roots = rangeroots.encode(number, 100, np.arange(100, 100 + n))
+        seed = 0 if p == unread else 0x5EED + p  # a range no read announced
+        if seed:
+            ft.read_range(int(roots[0]), n, seed)
+        ids.append(rangeroots.emission_ids(seed, roots) if seed else np.zeros(n, np.uint64))
+    acc = [[0] * n for n in sizes]
+    state = [["pending"] * n for n in sizes]
+    expected = {"completed": 0, "late": 0, "unknown": 0, "events": 0, "excluded": 0}
+    foreign = int(new_ids(1)[0])
+    counted = ("completed", "late_events", "unknown_events", "xor_events", "persisted")
+    before = {name: getattr(ft.current_stats(), name) for name in counted}
+    for batch in batches:
+        roots_list, values_list = [], []
+        for which, delta, kind in batch:
+            if which >= len(sizes):  # the acker table's, where no root is pending
+                roots_list.append(foreign)
+                values_list.append(1 + delta)
+                expected["unknown"] += 1
+                continue
+            if "pending" not in state[which]:
+                continue  # its range closed: its roots are no range's any more
+            roots_list.append(int(rangeroots.encode(numbers[which], 0, [delta])[0]))
+            value = 0 if kind == "zero" else 7 + delta if kind == "other" else None
+            if value is None:
+                value = int(ids[which][delta]) if delta < sizes[which] else 5
+            values_list.append(value)
+        # The contract, range by range: count the unknown and late events, exclude the
+        # zeros' records, XOR the rest in, then complete each record named whose value
+        # is its emission id (a read announced).
+        for p, n in enumerate(sizes):
+            mine = [
+                (int(rangeroots.decode([r])[1][0]), v)
+                for r, v in zip(roots_list, values_list, strict=True)
+                if rangeroots.is_range_root([r])[0]
+                and int(rangeroots.decode([r])[0][0]) == numbers[p]
+            ]
+            live = []
+            for delta, value in mine:
+                if delta >= n:
+                    expected["unknown"] += 1
+                elif state[p][delta] != "pending":
+                    expected["late"] += 1
+                else:
+                    live.append((delta, value))
+            for delta, value in live:
+                if value == 0 and state[p][delta] == "pending":
+                    state[p][delta] = "gone"
+                    expected["excluded"] += 1
+            live = [(d, v) for d, v in live if state[p][d] == "pending"]
+            for delta, value in live:
+                acc[p][delta] ^= value
+                expected["events"] += 1
+            for delta, _value in live:
+                if (
+                    state[p][delta] == "pending"
+                    and ids[p][delta]
+                    and acc[p][delta] == ids[p][delta]
+                ):
+                    state[p][delta] = "complete"
+                    expected["completed"] += 1
+        ft.xor(np.array(roots_list, dtype=np.uint64), np.array(values_list, dtype=np.uint64))
+        stats = ft.current_stats()
+        now = {name: getattr(stats, name) - before[name] for name in counted}
+        assert now["completed"] == expected["completed"]
+        assert now["late_events"] == expected["late"]
+        assert now["unknown_events"] == expected["unknown"]
+        assert now["xor_events"] >= expected["events"]  # and the acker table's
+        assert now["persisted"] == -expected["excluded"]
+        pending = sum(row.count("pending") for row in state)
+        assert ft.pending_by_source().get(SOURCE, 0) == pending
+        assert stats.open_ranges == sum(1 for row in state if "pending" in row)
