@@ -2,10 +2,12 @@
 `ft.persist=reference`, without Spark: the requests the fast bench's pipeline sends at
 1% failures, in the order the ftkafka source and the task wrappers send them. Per
 micro-batch of PER_BATCH records (200,000) over 4 partitions: the driver's brief STATUS (its replay
-cursor), CHECKPOINT_BEGIN (the barrier, completing the batch before), BATCH_RANGES;
-two task clients (two task slots) each FETCH_REPLAY their two partitions' replays and
-FAIL FAIL_PCT% of their new rows (by range root) in pieces of PIECE rows; then the
-driver's UNFILLED and FILL (40-byte values, keys known). The server's CPU (user +
+cursor), CHECKPOINT_BEGIN (the barrier, completing the batch before), BATCH_RANGES, and
+one FETCH_REPLAY of the batch's replays for all partitions (the planner's,
+integration/source/given.py); two task clients (two task slots) each FAIL FAIL_PCT% of
+their two partitions' new rows (by range root) in pieces of PIECE rows, a request per
+partition; then the driver's UNFILLED and FILL (40-byte values, keys known: the
+source's filler). The server's CPU (user +
 system, from /proc, a second after the last batch so its deferred deletes are in)
 over BATCHES micro-batches after three of warm-up, per record, and per request kind
 the requests per batch and their handlers' CPU per record (STATUS `requests`), and the
@@ -69,10 +71,8 @@ def main() -> None:
             previous: list[dict[str, object] | None] = [None]
             cursor = [0]
 
-            def task(client: FTClient, parts: list[int], numbers: list[int], lo: int, hi: int):
+            def task(client: FTClient, parts: list[int], numbers: list[int]):
                 for p in parts:
-                    if hi > lo:
-                        client.fetch_replay(lo, hi, source_id=SOURCE, partition=p)
                     chosen = rng.choice(per_partition, int(per_partition * FAIL_PCT / 100), False)
                     roots = rangeroots.encode(numbers[p], offsets[p], offsets[p] + np.sort(chosen))
                     for k in range(0, len(roots), PIECE):
@@ -91,10 +91,10 @@ def main() -> None:
                         for p in range(PARTITIONS)
                     ]
                 )
+                if hi > cursor[0]:  # the planner hands the replays to the readers
+                    driver.fetch_replay(cursor[0], hi, SOURCE)
                 threads = [
-                    threading.Thread(
-                        target=task, args=(clients[i], [2 * i, 2 * i + 1], numbers, cursor[0], hi)
-                    )
+                    threading.Thread(target=task, args=(clients[i], [2 * i, 2 * i + 1], numbers))
                     for i in range(2)
                 ]
                 for t in threads:
