@@ -195,11 +195,15 @@ def test_poison_events_are_dead_lettered_with_their_causes_and_the_rest_flows(
         assert all(c["step"].startswith("map(step)") for c in causes)
         times = [c["at"] for c in causes]
         gaps = [b - a for a, b in itertools.pairwise(times)]
-        for gap, step in zip(gaps, steps, strict=True):
+        for attempt, (gap, step) in enumerate(zip(gaps, steps, strict=True)):
             # Not before the backoff; after it, at most the ticker's release (0.5 s), the
             # batch running then, a trigger interval and the replay's batch up to the
-            # record: two of the query's longest batches (10 s at least).
-            late = max(10.0, 0.5 + TRIGGER_S + 2 * longest_s)
+            # record: two of the query's longest batches (10 s at least). The first
+            # failure of a record read by reference (a batch range's row) also waits for
+            # its bytes, which the driver copies in behind the next trigger, so it is
+            # replayed a trigger later (user guide 4.10): one batch more.
+            batches = 3 if attempt == 0 else 2
+            late = max(10.0, 0.5 + TRIGGER_S + batches * longest_s)
             assert 0.8 * step <= gap <= step + late, (event_id, times, longest_s)
 
 
