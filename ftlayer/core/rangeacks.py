@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ftlayer.rangeroots import DELTA_BITS, MAX_NUMBER, MAX_RANGE, decode, encode, is_range_root
+from ftlayer.rangeroots import DELTA_BITS, MAX_NUMBER, decode, encode, is_range_root
 
 from .journal import RANGE_OPEN, RANGE_READ, RANGE_XOR, JournalState
 from .rangetable import PENDING, RANGE_META_PREFIX, BatchRange, RangeAcks
@@ -197,7 +197,7 @@ def _apply(
     s.changing()  # the ack values and states are state a journal base copies
     if zeros:  # excluded: a record a loop fed back (module docstring)
         mine = (roots >> np.uint64(DELTA_BITS)) == np.uint64(head)
-        deltas = (roots[mine] & np.uint64(MAX_RANGE - 1)).astype(np.int64)
+        deltas = decode(roots[mine])[1]
         zero = values[mine] == 0
         inside = deltas < len(r)
         at = deltas[zero & inside]
@@ -254,8 +254,8 @@ def compile_kernels() -> None:
     once, so no server start waits for it."""
     acks = RangeAcks.new(4, 0.0)
     roots = encode(1, 0, np.arange(2))
+    kernels = _kernels()
     for events in (roots, np.frombuffer(roots.tobytes(), np.uint64)):
-        kernels = _kernels()
         taken = np.zeros(2, dtype=np.bool_)
         kernels.distinct_heads(events, np.zeros(_MAX_HEADS, dtype=np.uint64))
         head = np.uint64(int(events[0]) >> DELTA_BITS)
