@@ -2,12 +2,13 @@
 `ft.persist=reference`, without Spark: the requests the fast bench's pipeline sends at
 1% failures, in the order the ftkafka source and the task wrappers send them. Per
 micro-batch of PER_BATCH records (200,000) over 4 partitions: the driver's brief STATUS (its replay
-cursor), CHECKPOINT_BEGIN (the barrier, completing the batch before), BATCH_RANGES, and
-one FETCH_REPLAY of the batch's replays for all partitions (the planner's,
-integration/source/given.py); two task clients (two task slots) each FAIL FAIL_PCT% of
-their two partitions' new rows (by range root) in pieces of PIECE rows, a request per
-partition; then the driver's UNFILLED and FILL (40-byte values, keys known: the
-source's filler). The server's CPU (user +
+cursor), its filler's UNFILLED of the last batch's failed records, CHECKPOINT_BEGIN
+(the barrier, completing the batch before), BATCH_RANGES, and one FETCH_REPLAY of the
+batch's replays for all partitions (the planner's, integration/source/given.py); the
+filler's FILL (40-byte values, keys known), after the barrier as in the pipeline, whose
+Kafka reads take longer than the trigger's planning; then two task clients (two task
+slots) each FAIL FAIL_PCT% of their two partitions' new rows (by range root) in pieces
+of PIECE rows, a request per partition. The server's CPU (user +
 system, from /proc, a second after the last batch so its deferred deletes are in)
 over BATCHES micro-batches after three of warm-up, per record, and per request kind
 the requests per batch and their handlers' CPU per record (STATUS `requests`), and the
@@ -27,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from proc_cpu import print_requests, user_sys
@@ -69,6 +71,7 @@ def main() -> None:
             clients = [FTClient(server.address, name=f"task-{i}") for i in range(2)]
             offsets = [0] * PARTITIONS
             previous: list[dict[str, object] | None] = [None]
+            listed: list[Any] = [None]
             cursor = [0]
 
             def task(client: FTClient, parts: list[int], numbers: list[int]):
@@ -78,8 +81,22 @@ def main() -> None:
                     for k in range(0, len(roots), PIECE):
                         client.fail(roots[k : k + PIECE], FAILED)
 
+            def fill() -> None:
+                """The filler's copy of the last batch's failed records (UNFILLED came
+                before the barrier, FILL comes after it: Kafka's reads take longer)."""
+                wanted = listed[0]
+                n = len(wanted)
+                if n:
+                    driver.fill(
+                        wanted.seqs,
+                        np.ones(n, np.bool_),
+                        [b"%039d" % o for o in wanted.records.offsets.tolist()],
+                        (wanted.records.offsets.astype(np.int64) * 31, np.ones(n, np.bool_)),
+                    )
+
             def micro_batch() -> None:
                 hi = driver.brief_status().replay_cursor_of([SOURCE])  # as the driver asks
+                listed[0] = driver.unfilled(SOURCE)  # the filler, behind the trigger
                 ends = {str(p): offsets[p] + per_partition for p in range(PARTITIONS)}
                 end = {"kafka": {TOPIC: ends}, "replay": hi}
                 driver.checkpoint(
@@ -93,6 +110,7 @@ def main() -> None:
                 )
                 if hi > cursor[0]:  # the planner hands the replays to the readers
                     driver.fetch_replay(cursor[0], hi, SOURCE)
+                fill()
                 threads = [
                     threading.Thread(target=task, args=(clients[i], [2 * i, 2 * i + 1], numbers))
                     for i in range(2)
@@ -101,15 +119,6 @@ def main() -> None:
                     t.start()
                 for t in threads:
                     t.join()
-                wanted = driver.unfilled(SOURCE)
-                n = len(wanted)
-                if n:
-                    driver.fill(
-                        wanted.seqs,
-                        np.ones(n, np.bool_),
-                        [b"%039d" % o for o in wanted.records.offsets.tolist()],
-                        (wanted.records.offsets.astype(np.int64) * 31, np.ones(n, np.bool_)),
-                    )
                 for p in range(PARTITIONS):
                     offsets[p] += per_partition
                 previous[0], cursor[0] = end, hi

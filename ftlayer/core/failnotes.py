@@ -6,13 +6,24 @@ FAIL is a synced write and a dozen structures: about 1.7 ms of the server's CPU 
 request, nearly all of it per request rather than per row, and a batch's tasks send
 one each. So the server *notes* such a FAIL (`note`): its roots, causes and time are
 appended to the acker journal (ftlayer.core.journal: one os.write, no fsync; a killed
-process keeps it) and kept in memory, and the FAIL is answered. The notes are applied
-together (`apply`: ftlayer.core.failure.fail over all of them, one write) before
-anything reads or changes what they concern: at the server's next request of another
-kind (the driver's STATUS before it plans its next batch, at the latest its barrier),
-before ranges complete, before a savepoint, or by a tick once the oldest note is
-NOTE_MAX_AGE_S old (no tick is due for them: nothing but a request sees them, and a
-request applies them first). Each failed record's backoff counts from its own FAIL.
+process keeps it) and kept in memory, and the FAIL is answered.
+
+A noted row is a failed record whose bytes its source has not copied in yet, like one
+stored by reference (ftlayer.core.fills): the brief STATUS counts it unfilled
+(`counts`), and UNFILLED lists it (`unfilled`) under its range root in place of a
+storage seq, with its Kafka coordinates. The source's FILL of those range roots
+applies the notes (`fill`): every noted row is failed in one `fail`, the filled ones
+stored with their bytes and keys and routed at once (ftlayer.core.rangefail.FilledRows:
+one write, no record by reference, no second write for the bytes). Until then nothing
+in the batch's path needs them applied: the barrier completes every other record of
+their range and keeps the range open for them (ftlayer.core.ranges, `BatchRange.held`),
+so a group offset never passes them and flow control counts them. Anything that reads
+or changes what they concern applies them first, by reference (`apply`): a request of
+another kind than FAIL, HEARTBEAT, BATCH_RANGES, FETCH_REPLAY, a brief STATUS,
+UNFILLED, FILL and the checkpoint requests (a full STATUS, INSPECT, an XOR, a
+savepoint), or a tick once the oldest note is NOTE_MAX_AGE_S old (no tick is due for
+them before: a fill comes behind the next trigger). Each failed record's backoff counts
+from its own FAIL.
 
 Contract:
 
@@ -41,27 +52,43 @@ Contract:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ftlayer.causes import Cause, Causes
-from ftlayer.rangeroots import encode, is_range_root
+from ftlayer.rangeroots import decode, encode, is_range_root
+from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
-from .failure import fail, requeue
+from .failure import enqueue, fail, requeue
+from .fills import UnfilledRecords
 from .journal import JournalState
-from .rangefail import fresh_rows
-from .ranges import materialize
+from .rangefail import FilledRows, fresh_rows
+from .ranges import complete_held, materialize
 from .state import CoreState
 from .stats import FailCause
 
-__all__ = ["NOTE_MAX_AGE_S", "apply", "due_in", "fresh", "journal_again", "note", "recover"]
+__all__ = [
+    "NOTE_MAX_AGE_S",
+    "apply",
+    "counts",
+    "due_in",
+    "fill",
+    "fresh",
+    "journal_again",
+    "note",
+    "recover",
+    "unfilled",
+]
 
 log = logging.getLogger("ftlayer.core")
 
-NOTE_MAX_AGE_S: Final = 1.0
-"""A tick applies the notes once the oldest is this old (no request did before)."""
+NOTE_MAX_AGE_S: Final = 10.0
+"""A tick applies the notes once the oldest is this old (no FILL nor other request did
+before): longer than a batch and the trigger behind it take, so that the source's
+fill, behind its next trigger, applies them with their bytes."""
 
 
 def note(s: CoreState, roots: ArrayLike, causes: Causes | Cause | None) -> int | None:
@@ -107,16 +134,17 @@ def fresh(s: CoreState, keys: NDArray[np.uint64]) -> NDArray[np.bool_]:
     return ok
 
 
-def apply(s: CoreState) -> int:
+def apply(s: CoreState, filled: FilledRows | None = None) -> int:
     """Fail every noted root (one `fail`), then journal that they were applied;
-    returns how many were pending. On an error the notes stay, to be applied again."""
+    returns how many were pending. On an error the notes stay, to be applied again.
+    `filled`: the bytes of noted rows their source copied in (`fill`)."""
     notes, keys, since = s.noted, s.noted_keys, s.noted_since
     if not notes:
         return 0
     # Taken first: a state copy that `fail` takes (a change hook) sees none of them.
     s.noted, s.noted_keys, s.noted_since = [], set(), None
     try:
-        failed = fail(s, *_gathered(notes))
+        failed = fail(s, *_gathered(notes), filled=filled)
     except BaseException:
         s.noted, s.noted_since = notes + s.noted, since
         s.noted_keys |= keys
@@ -124,7 +152,120 @@ def apply(s: CoreState) -> int:
         raise
     if s.journal is not None:
         s.journal.notes_applied()
+    complete_held(s)
     return failed
+
+
+def unfilled(s: CoreState, source_id: int, limit: int) -> UnfilledRecords:
+    """Up to `limit` noted rows of `source_id`, oldest first, as UNFILLED lists them:
+    their range roots in place of storage seqs, their Kafka coordinates, no key yet
+    (the source reads them and hands their bytes to `fill`)."""
+    roots = _noted_of(s, source_id)[: max(0, limit)]
+    if not len(roots):
+        return UnfilledRecords(roots, RecordBatch.empty())
+    numbers, deltas = decode(roots)
+    ranges = [s.ranges.by_number[n] for n in numbers.tolist()]
+    n = len(roots)
+    records = RecordBatch.build(
+        roots,
+        [b""] * n,
+        source_ids=source_id,
+        key_hashes=np.full(n, KEY_UNKNOWN, dtype=np.int64),
+        has_key=np.zeros(n, dtype=np.bool_),
+        topics=[r.topic for r in ranges],
+        partitions=[r.partition for r in ranges],
+        offsets=np.array([r.start for r in ranges], dtype=np.int64) + deltas,
+        references=True,
+    )
+    return UnfilledRecords(roots, records)
+
+
+def counts(s: CoreState) -> dict[int, int]:
+    """Noted rows per source id (those with any): unfilled, as STATUS counts them."""
+    out: dict[int, int] = {}
+    if not s.noted:
+        return out
+    numbers, _ = decode(np.fromiter(s.noted_keys, dtype=np.uint64, count=len(s.noted_keys)))
+    found, count = np.unique(numbers, return_counts=True)
+    for number, n in zip(found.tolist(), count.tolist(), strict=True):
+        r = s.ranges.by_number.get(number)
+        if r is not None:
+            out[r.source_id] = out.get(r.source_id, 0) + n
+    return out
+
+
+def fill(
+    s: CoreState,
+    roots: NDArray[np.uint64],
+    payloads: Sequence[bytes],
+    found: NDArray[np.bool_],
+    keys: tuple[NDArray[np.int64], NDArray[np.bool_]] | None,
+) -> int:
+    """The source read noted rows that `unfilled` listed (`roots`, range roots): every
+    note is applied now, the `found` rows with their bytes and keys (stored with them
+    and routed at once, ftlayer.core.rangefail.FilledRows: one write, no record by
+    reference), the others as `apply` applies them (by reference: a row the source no
+    longer has becomes a source-expired dead letter when it is filled again, by its
+    seq). Without keys, or when no row given is noted any more (a request that needed
+    them applied the notes meanwhile, by reference: they are listed again by seq),
+    nothing is applied. A row without a key whose source's replay partitioner needs
+    one is left to `apply` too. Returns how many rows were stored with their bytes."""
+    if not s.noted or keys is None or not len(roots):
+        return 0
+    noted = s.noted_keys
+    usable = found & np.fromiter(map(noted.__contains__, roots.tolist()), np.bool_, len(roots))
+    keyless = usable & ~keys[1]
+    if bool(keyless.any()):
+        usable[np.flatnonzero(keyless)[_need_keys(s, roots[keyless])]] = False
+    if not bool(usable.any()):
+        return 0
+    rows = np.flatnonzero(usable)
+    rows = rows[np.argsort(roots[rows], kind="stable")]
+    before = s.stats.filled
+    apply(
+        s,
+        FilledRows(
+            roots[rows],
+            [payloads[i] for i in rows.tolist()],
+            keys[0][rows],
+            keys[1][rows],
+            enqueue,
+        ),
+    )
+    return s.stats.filled - before
+
+
+def _noted_of(s: CoreState, source_id: int) -> NDArray[np.uint64]:
+    """The distinct noted roots of `source_id`'s ranges, in the order they were noted."""
+    if not s.noted:
+        return np.zeros(0, dtype=np.uint64)
+    keys = np.concatenate([k for k, _, _ in s.noted])
+    numbers, _ = decode(keys)
+    ranges = s.ranges.by_number
+    distinct = np.unique(numbers)
+    wanted = [
+        n
+        for n in distinct.tolist()
+        if (r := ranges.get(n)) is not None and r.source_id == source_id
+    ]
+    if len(wanted) != len(distinct):
+        keys = keys[np.isin(numbers, wanted)]
+    _, first = np.unique(keys, return_index=True)  # noted twice: by one FAIL each
+    return keys[np.sort(first)]
+
+
+def _need_keys(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    """Per range root: whether its source's replay partitioner needs a key."""
+    numbers, _ = decode(roots)
+    needs: dict[int, bool] = {}
+    out = np.zeros(len(roots), dtype=np.bool_)
+    for i, number in enumerate(numbers.tolist()):
+        if number not in needs:
+            r = s.ranges.by_number.get(number)
+            config = None if r is None else s.source_config(r.source_id)
+            needs[number] = config is None or config.partitioner.requires_key
+        out[i] = needs[number]
+    return out
 
 
 def journal_again(s: CoreState) -> None:

@@ -63,7 +63,7 @@ from .faillog import WAITING as _WAIT
 from .faillog import log_failed, log_requeue_error
 from .fills import note_failed
 from .persist import covered_at_timeout, retire_covered
-from .rangefail import fail_fresh
+from .rangefail import FilledRows, fail_fresh
 from .ranges import materialize
 from .replay import REPLAY_SEQ_META_KEY
 from .retries import DEAD_LETTER, RetryRecord
@@ -90,13 +90,15 @@ def fail(
     causes: Causes | Cause | None = None,
     failed_at: NDArray[np.float64] | None = None,
     counted: FailCause = FailCause.EXPLICIT,
+    filled: FilledRows | None = None,
 ) -> int:
     """Fail pending roots, with their causes (one for all, one per root, or none):
     each record is replayed after its backoff, or dead-lettered once its retries are
     spent. Returns how many were pending. `failed_at`: per root, when it failed (failures
     noted earlier, ftlayer.core.failnotes: a batch range's first failures count their
     backoff from it). `counted`: the cause they are counted under (but source-expired
-    ones: FailCause.SOURCE_EXPIRED)."""
+    ones: FailCause.SOURCE_EXPIRED). `filled`: bytes a source copied in for batch-range
+    rows among them (rangefail.fail_fresh)."""
     s.changing()
     root_array = np.ascontiguousarray(roots, dtype=np.uint64)
     if not isinstance(causes, Causes):
@@ -106,7 +108,8 @@ def fail(
     keys, first = np.unique(root_array, return_index=True)
     causes = causes.take(first)
     # A batch range's rows failed for the first time: in one write (rangefail).
-    fresh = fail_fresh(s, keys, causes, None if failed_at is None else failed_at[first], counted)
+    at = None if failed_at is None else failed_at[first]
+    fresh = fail_fresh(s, keys, causes, at, counted, filled)
     taken = int(np.count_nonzero(fresh))
     if taken:
         keys, causes = keys[~fresh], causes.take(np.flatnonzero(~fresh))

@@ -61,6 +61,7 @@ from ftlayer.inspection import Inspection, RecordQuery
 from ftlayer.persistence.base import PersistenceStorage
 from ftlayer.persistence.layer import PersistenceLayer
 from ftlayer.persistence.timeout import RootTimeouts
+from ftlayer.rangeroots import is_range_root
 from ftlayer.records import RecordBatch, ReplayRecords
 from ftlayer.registration import SourceRegistration
 from ftlayer.shards import ShardPlace
@@ -591,9 +592,10 @@ class FTLayer:
         self, source_ids: Sequence[int], kafka: Mapping[str, Mapping[Any, int]]
     ) -> int:
         """The batches of `source_ids` are done up to the barrier `kafka`: their open
-        ranges wholly below it complete. Returns how many records completed."""
+        ranges wholly below it complete, but for the offsets of failures noted and not
+        applied yet, which wait for their bytes (`BatchRange.held`, applied by `fill`
+        or any request that needs them). Returns how many records completed."""
         s = self._s
-        failnotes.apply(s)  # a noted offset is failed, not completed
         completed = ranges.complete(s, source_ids, kafka)
         s.persistence.stage_marked(at_most=BARRIER_DELETES_STAGED_MAX)
         return completed
@@ -606,8 +608,19 @@ class FTLayer:
 
     def unfilled(self, source_id: int, limit: int = 10_000) -> fills.UnfilledRecords:
         """Up to `limit` failed records of `source_id` stored by reference whose bytes
-        the source has not copied in yet, oldest first: their seqs and coordinates."""
-        return fills.unfilled(self._s, source_id, limit)
+        the source has not copied in yet, oldest first: their seqs and coordinates;
+        then the rows of batch ranges whose failures are noted and not applied yet
+        (ftlayer.core.failnotes), under their range roots in place of seqs."""
+        listed = fills.unfilled(self._s, source_id, limit)
+        noted = failnotes.unfilled(self._s, source_id, limit - len(listed))
+        if not len(noted):
+            return listed
+        if not len(listed):
+            return noted
+        return fills.UnfilledRecords(
+            np.concatenate([listed.seqs, noted.seqs]),
+            RecordBatch.concat([listed.records, noted.records]),
+        )
 
     def ingest(self, batch: RecordBatch) -> IngestResult:
         """A receiver's records of a source that cannot replay, with their bytes:
@@ -651,10 +664,32 @@ class FTLayer:
             )
             if not len(key_arrays[0]) == len(key_arrays[1]) == len(seq_array):
                 raise ConfigError("fill needs a key hash and a has_key flag per seq")
-        result = fills.fill(
-            self._s, seq_array, payloads, found_array, failure.requeue, failure.enqueue, key_arrays
-        )
-        failure.release_due(self._s)
+        s = self._s
+        # Rows whose failures are noted (UNFILLED listed them by range root): applied
+        # now with their bytes (ftlayer.core.failnotes.fill); the rest are stored seqs.
+        ranged = is_range_root(seq_array)
+        noted_filled = 0
+        if bool(ranged.any()):
+            rows = np.flatnonzero(ranged)
+            noted_filled = failnotes.fill(
+                s,
+                seq_array[rows],
+                [payloads[i] for i in rows.tolist()],
+                found_array[rows],
+                None if key_arrays is None else (key_arrays[0][rows], key_arrays[1][rows]),
+            )
+            rest = np.flatnonzero(~ranged)
+            seq_array, found_array = seq_array[rest], found_array[rest]
+            payloads = [payloads[i] for i in rest.tolist()]
+            if key_arrays is not None:
+                key_arrays = (key_arrays[0][rest], key_arrays[1][rest])
+        result = fills.FillResult(0, 0)
+        if len(seq_array):
+            result = fills.fill(
+                s, seq_array, payloads, found_array, failure.requeue, failure.enqueue, key_arrays
+            )
+        result.filled += noted_filled
+        failure.release_due(s)
         return result
 
     # ---- state copies and recovery (ftlayer.core.recovery) --------------------------

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from ftlayer.inspection import InspectedRecord, Inspection, RecordQuery, RecordState
 
-from . import ranges
+from . import failnotes, ranges
 from .deadletters import DEAD_LETTER_CHUNK
 from .fills import counts_by_source
 from .holding import open_holds_pending
@@ -184,7 +184,7 @@ def current_stats(s: CoreState) -> FTStats:
     stats.batches_running = s.leases.status(s.clock())
     by_source = s.meters.by_source(s.persistence.number_sources())
     queued = s.queue.counts()
-    unfilled = counts_by_source(s)
+    unfilled = _unfilled_counts(s)
     stats.by_source = {
         str(k): meters.figures(queued.get(k, 0), unfilled.get(k, 0)).to_json()
         for k, meters in by_source.items()
@@ -204,8 +204,18 @@ def brief_stats(s: CoreState) -> dict[str, Any]:
         "replay_cursor_at_start": queue.cursor_at_start,
         "replay_pruned": queue.pruned(),
         "pending_by_source": {str(k): n for k, n in pending_by_source(s).items()},
-        "unfilled_by_source": {str(k): n for k, n in counts_by_source(s).items() if n},
+        "unfilled_by_source": {str(k): n for k, n in _unfilled_counts(s).items() if n},
     }
+
+
+def _unfilled_counts(s: CoreState) -> dict[int, int]:
+    """Per source id: its failed records stored by reference whose bytes it has not
+    copied in yet, and its noted failures (ftlayer.core.failnotes), which it copies
+    in the same way."""
+    counts = counts_by_source(s)
+    for source_id, n in failnotes.counts(s).items():
+        counts[source_id] = counts.get(source_id, 0) + n
+    return counts
 
 
 _DENSE_CELLS: Final = 1 << 20

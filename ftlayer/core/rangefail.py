@@ -14,6 +14,11 @@ write transaction (`PersistenceStorage.put` with `meta`): the retry records as o
 entry per (source, cause), a group (ftlayer.core.retries.FreshGroup). The rest happens
 in memory, with one vectorized step per column.
 
+A row whose bytes its source copied in already (`FilledRows`: the notes of a batch's
+FAILs applied by the source's FILL, ftlayer.core.failnotes.fill) is stored with them
+and its key instead, in the same write: never unfilled, it waits for its backoff or
+enters the replay queue at once.
+
 Rows this path leaves to the general one: a root of no open range, an offset already
 materialized (a second event for it), and a row whose first failure is its last (a
 final cause, or a policy with no retries), whose dead letter the general path makes.
@@ -23,7 +28,8 @@ waiting or unrouted, unfilled, counts, log lines) is the same either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Final
 
@@ -42,10 +48,37 @@ from .retries import FreshGroup, RetryRecord
 from .state import CoreState, source_list
 from .stats import FailCause
 
-__all__ = ["fail_fresh", "fresh_rows"]
+__all__ = ["FilledRows", "fail_fresh", "fresh_rows"]
+
+Enqueue = Callable[[CoreState, NDArray[np.uint64], NDArray[np.uint64], RecordBatch], None]
 
 _WAIT: Final = 1  # faillog's WAITING
 _QUEUE: Final = 0  # faillog's QUEUED: unrouted until the key is known
+
+
+@dataclass(frozen=True, slots=True)
+class FilledRows:
+    """The bytes a source copied in for rows failed and not applied yet
+    (ftlayer.core.failnotes.fill): per range root, ascending, its payload, key hash
+    and whether it has a key."""
+
+    roots: NDArray[np.uint64]
+    payloads: list[bytes]
+    key_hashes: NDArray[np.int64]
+    has_key: NDArray[np.bool_]
+    enqueue: Enqueue
+    """How records due at once enter the replay queue (ftlayer.core.failure's)."""
+
+    def find(self, keys: NDArray[np.uint64]) -> tuple[NDArray[np.bool_], NDArray[np.intp]]:
+        """Per key: whether its bytes are here, and where (valid where they are)."""
+        at = np.searchsorted(self.roots, keys)
+        inside = np.minimum(at, max(len(self.roots) - 1, 0))
+        hit = (
+            (at < len(self.roots)) & (self.roots[inside] == keys)
+            if len(self.roots)
+            else (np.zeros(len(keys), dtype=np.bool_))
+        )
+        return hit, inside
 
 
 def fail_fresh(
@@ -54,11 +87,13 @@ def fail_fresh(
     causes: Causes,
     failed_at: NDArray[np.float64] | None = None,
     counted: FailCause = FailCause.EXPLICIT,
+    filled: FilledRows | None = None,
 ) -> NDArray[np.bool_]:
     """Fail the rows of `keys` (distinct roots, `causes` aligned) that this path takes
     (module docstring); returns which keys it took (failed, counted under `counted`).
     `failed_at`: when each failed (wall clock; default now), which its backoff counts
-    from."""
+    from. `filled`: rows whose bytes their source copied in already: stored with them
+    (not by reference) and routed by their keys at once, so they are never unfilled."""
     taken = np.zeros(len(keys), dtype=np.bool_)
     if not len(s.ranges) or not len(keys):
         return taken
@@ -95,16 +130,28 @@ def fail_fresh(
     else:
         due = _due(s, source_ids, now)
     new_roots = s.new_roots(n)
+    payloads: list[bytes] = [b""] * n
+    key_hashes = np.full(n, KEY_UNKNOWN, dtype=np.int64)
+    has_key = np.zeros(n, dtype=np.bool_)
+    with_bytes = np.zeros(n, dtype=np.bool_)
+    if filled is not None:
+        with_bytes, at = filled.find(keys[rows])
+        for row, i in zip(
+            np.flatnonzero(with_bytes).tolist(), at[with_bytes].tolist(), strict=True
+        ):
+            payloads[row] = filled.payloads[i]
+        key_hashes[with_bytes] = filled.key_hashes[at[with_bytes]]
+        has_key[with_bytes] = filled.has_key[at[with_bytes]]
     batch = RecordBatch.build(
         new_roots,
-        [b""] * n,
+        payloads,
         source_ids=source_ids,
-        key_hashes=np.full(n, KEY_UNKNOWN, dtype=np.int64),
-        has_key=np.zeros(n, dtype=np.bool_),
+        key_hashes=key_hashes,
+        has_key=has_key,
         topics=_topics(ranges, which),
         partitions=np.array([r.partition for r in ranges], dtype=np.int32)[which],
         offsets=offsets,
-        references=True,
+        references=~with_bytes,
     )
     kinds = _kinds(source_ids, row_causes)
     groups: list[FreshGroup] = []
@@ -132,17 +179,31 @@ def fail_fresh(
     if bool(waiting.all()):  # all wait for their backoff
         s.book.wait_many(seqs, new_roots, due)
     elif bool(waiting.any()):
-        for seq, root, at, wait in zip(
-            seq_list, root_list, due.tolist(), waiting.tolist(), strict=True
+        for seq, root, at, wait, known in zip(
+            seq_list, root_list, due.tolist(), waiting.tolist(), with_bytes.tolist(), strict=True
         ):
             if wait:
                 s.book.wait(seq, root, at)
-            else:  # its key (so its replay partition) comes with its bytes
+            elif not known:  # its key (so its replay partition) comes with its bytes
                 s.unrouted[seq] = (root, now)
-    else:  # none waits for a backoff: all wait for their key
+    elif not bool(with_bytes.any()):  # none waits for a backoff: all wait for their key
         s.unrouted.update(zip(seq_list, zip(root_list, repeat(now, n), strict=True), strict=True))
-    s.unfilled.add_many(seq_list, source_ids.tolist(), key_unknown=True)
-    s.unfilled.keep(seq_list, batch)  # UNFILLED answers from them, as stored
+    else:
+        for seq, root, known in zip(seq_list, root_list, with_bytes.tolist(), strict=True):
+            if not known:
+                s.unrouted[seq] = (root, now)
+    if bool(with_bytes.any()):
+        assert filled is not None
+        due_now = with_bytes & ~waiting
+        _route_with_bytes(s, seqs, new_roots, batch, with_bytes & waiting, due_now, filled.enqueue)
+    if not bool(with_bytes.any()):  # stored by reference: unfilled
+        s.unfilled.add_many(seq_list, source_ids.tolist(), key_unknown=True)
+        s.unfilled.keep(seq_list, batch)  # UNFILLED answers from them, as stored
+    elif not bool(with_bytes.all()):
+        by_reference = np.flatnonzero(~with_bytes)
+        listed = seqs[by_reference].tolist()
+        s.unfilled.add_many(listed, source_ids[by_reference].tolist(), key_unknown=True)
+        s.unfilled.keep(listed, batch.take(by_reference))
     for i, r in enumerate(ranges):
         r.leave((offsets if len(ranges) == 1 else offsets[which == i]).tolist())
     # Counts and log lines, as a requeue's (no source-expired cause among them).
@@ -163,6 +224,27 @@ def fail_fresh(
     return taken
 
 
+def _route_with_bytes(
+    s: CoreState,
+    seqs: NDArray[np.uint64],
+    roots: NDArray[np.uint64],
+    batch: RecordBatch,
+    waiting: NDArray[np.bool_],
+    due_now: NDArray[np.bool_],
+    enqueue: Enqueue,
+) -> None:
+    """Rows stored with their bytes (their keys known): those waiting for their
+    backoff are kept as stored, for the ticker to queue without a read
+    (failure.release_due); those due now enter the replay queue."""
+    s.stats.filled += int(np.count_nonzero(waiting | due_now))
+    if bool(waiting.any()):
+        rows = np.flatnonzero(waiting)
+        s.waiting_records.keep(seqs[rows].tolist(), batch.take(rows))
+    if bool(due_now.any()):
+        rows = np.flatnonzero(due_now)
+        enqueue(s, roots[rows], seqs[rows], batch.take(rows))
+
+
 def fresh_rows(
     s: CoreState, keys: NDArray[np.uint64], ranged: NDArray[np.intp]
 ) -> tuple[NDArray[np.intp], list[BatchRange], NDArray[np.intp], NDArray[np.int64]]:
@@ -180,7 +262,7 @@ def fresh_rows(
             continue
         at = np.flatnonzero((numbers == number) & (deltas < len(r)))
         found = r.start + deltas[at].astype(np.int64)
-        if r.materialized or r.acks is not None:  # else every offset is fresh
+        if r.materialized or r.acks is not None or r.held is not None:  # else all fresh
             fresh = r.unfinished(found)
             at, found = at[fresh], found[fresh]
         if len(at):

@@ -16,7 +16,10 @@ range root (ftlayer.rangeroots). The contract:
   range wholly below it completes (its records counted completed, its meta deleted by
   the store's next write transaction: staged, so a barrier costs no commit of its
   own; a crash before that write leaves the ranges open, and the next done barrier,
-  past them too, completes them).
+  past them too, completes them). A range with failures noted and not applied yet
+  (ftlayer.core.failnotes) completes all its other records and stays open, `held`,
+  for them: pending, and its lowest one the group offset, until they are records of
+  their own (`complete_held`, once the notes are applied).
   A range left behind by a batch planned differently (a restart) is below a later
   barrier too, so it completes with it: Spark processed every offset below a done
   barrier. Ranges do not time out: Kafka and Spark's offset log re-read an unfinished
@@ -60,6 +63,7 @@ __all__ = [
     "BatchRange",
     "OpenRanges",
     "complete",
+    "complete_held",
     "lowest_offsets",
     "materialize",
     "note_stored",
@@ -138,26 +142,73 @@ def complete(
         r
         for r in s.ranges.by_number.values()
         if r.acks is None
+        and r.held is None
         and r.source_id in sources
         and r.end <= _offset(kafka, r.topic, r.partition)
     ]
     if not done:
         return 0
     s.changing()
-    # Staged, not committed: the deletes ride on the store's next write (the next
-    # batch's BATCH_RANGES, or the server's flush of an idle store). A crash before it
-    # leaves these ranges open, and the next done barrier of their sources, which is
-    # past them, completes them again: nothing is lost, no record is replayed.
-    s.storage.stage_meta({}, [_key(r.number) for r in done])
+    noted = _noted_offsets(s, {r.number for r in done})
     completed = 0
+    gone: list[BatchRange] = []
     for r in done:
-        del s.ranges.by_number[r.number]
-        completed += r.pending
-        number = s.persistence.topic_number(r.source_id, r.topic)
-        s.meters.range_completed(number, r.pending)
-    s.stats.completed += completed
-    s.stats.barrier_released += completed  # they entered a batch that is done
+        held = noted.get(r.number)
+        if held:  # its noted failures wait for their bytes (ftlayer.core.failnotes)
+            before = r.pending
+            r.held = held
+            completed += _completed(s, r, before - r.pending)
+        else:
+            gone.append(r)
+            completed += _completed(s, r, r.pending)
+    _drop(s, gone)
     return completed
+
+
+def complete_held(s: CoreState) -> int:
+    """Ranges whose batch was done but for noted failures (`BatchRange.held`) complete
+    once every such offset is a record of its own (the notes applied). Returns how
+    many ranges completed."""
+    gone = [r for r in s.ranges.by_number.values() if r.held is not None and not r.pending]
+    if gone:
+        s.changing()
+        _drop(s, gone)
+    return len(gone)
+
+
+def _completed(s: CoreState, r: BatchRange, n: int) -> int:
+    """Count `n` records of range `r` completed at its batch's barrier."""
+    s.meters.range_completed(s.persistence.topic_number(r.source_id, r.topic), n)
+    s.stats.completed += n
+    s.stats.barrier_released += n  # they entered a batch that is done
+    return n
+
+
+def _drop(s: CoreState, gone: list[BatchRange]) -> None:
+    """Forget these ranges. Staged, not committed: their meta deletes ride on the
+    store's next write (the next batch's BATCH_RANGES, or the server's flush of an
+    idle store). A crash before it leaves them open, and the next done barrier of
+    their sources, which is past them, completes them again: nothing is lost, no
+    record is replayed."""
+    if not gone:
+        return
+    s.storage.stage_meta({}, [_key(r.number) for r in gone])
+    for r in gone:
+        del s.ranges.by_number[r.number]
+
+
+def _noted_offsets(s: CoreState, numbers: set[int]) -> dict[int, set[int]]:
+    """The offsets of noted failures (ftlayer.core.failnotes) in these ranges."""
+    if not s.noted_keys:
+        return {}
+    keys = np.fromiter(s.noted_keys, dtype=np.uint64, count=len(s.noted_keys))
+    found, deltas = decode(keys)
+    out: dict[int, set[int]] = {}
+    for number in numbers:
+        mine = deltas[found == number]
+        if len(mine):
+            out[number] = set((s.ranges.by_number[number].start + mine.astype(np.int64)).tolist())
+    return out
 
 
 def _offset(kafka: Mapping[str, Mapping[Any, int]], topic: str, partition: int) -> int:

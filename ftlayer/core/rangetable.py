@@ -87,6 +87,12 @@ class BatchRange:
     range has them as GONE in its `acks` instead."""
     acks: RangeAcks | None = None
     """Tree mode's ack values; None: a barrier-mode range, complete with its batch."""
+    held: set[int] | None = None
+    """A barrier-mode range whose batch is done but for these offsets, failures noted
+    and not applied yet (ftlayer.core.failnotes): every other offset of it completed
+    at the barrier, and the range completes once they are records of their own. In
+    memory: after a restart the range is open again, and completes with the next done
+    barrier past it."""
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -96,10 +102,14 @@ class BatchRange:
         """Records still pending as part of the range."""
         if self.acks is not None:
             return self.acks.left
+        if self.held is not None:
+            return len(self.held - self.materialized)
         return len(self) - len(self.materialized)
 
     def lowest_pending(self) -> int | None:
         """The lowest offset pending as part of the range (None: none is)."""
+        if self.held is not None:
+            return min(self.held - self.materialized, default=None)
         if self.acks is None:
             return self.start if self.pending else None
         if not self.acks.left:
@@ -112,6 +122,11 @@ class BatchRange:
         if self.acks is not None:
             pending: NDArray[np.bool_] = self.acks.state[offsets - self.start] == PENDING
             return pending
+        if self.held is not None:
+            held, done = self.held, self.materialized
+            return np.fromiter(
+                (o in held and o not in done for o in offsets.tolist()), np.bool_, len(offsets)
+            )
         if not self.materialized:
             return np.ones(len(offsets), dtype=np.bool_)
         done = self.materialized  # a lookup per row, not an array of the whole set
@@ -176,9 +191,17 @@ class OpenRanges:
     def find(
         self, source_id: int, topic: str, partition: int, start: int, end: int, *, tree: bool
     ) -> int:
-        """The number of this exact open range of this mode (`tree`), or 0."""
+        """The number of this exact open range of this mode (`tree`), or 0 (a range
+        whose batch is done, `held`, is never planned again)."""
         for number, r in self.by_number.items():
-            if (r.source_id, r.topic, r.partition, r.start, r.end, r.acks is not None) == (
+            if r.held is None and (
+                r.source_id,
+                r.topic,
+                r.partition,
+                r.start,
+                r.end,
+                r.acks is not None,
+            ) == (
                 source_id,
                 topic,
                 partition,

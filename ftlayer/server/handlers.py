@@ -168,7 +168,7 @@ class RequestHandlers(ServerState):
 
     def _unfilled(self, rid: int, frame: Frame) -> bytes:
         message = decode_unfilled(frame)
-        with self._core() as ft:
+        with self._core(noted=False) as ft:  # noted rows are listed as they are
             found = ft.unfilled(message.source_id, message.limit)
         return encode_unfilled_list(rid, found.seqs, found.records, max_frame=self.max_frame)
 
@@ -176,7 +176,7 @@ class RequestHandlers(ServerState):
         """The bytes are stored (one transaction, synced) before the OK: once the
         source has it, it may forget them."""
         message = decode_fill(frame)
-        with self._core() as ft:
+        with self._core(noted=False) as ft:  # noted rows are applied with their bytes
             result = ft.fill(
                 message.seqs, message.payloads, message.found, (message.key_hashes, message.has_key)
             )
@@ -190,7 +190,7 @@ class RequestHandlers(ServerState):
             np.array([r[0] for r in message.ranges], dtype=np.int64),
             np.array([r[2] for r in message.ranges], dtype=np.int64),
         )
-        with self._core() as ft:
+        with self._core(noted=False) as ft:
             numbers = ft.register_ranges(message.ranges, tree=message.tree)
         return encode_range_numbers(rid, numbers)
 
@@ -278,7 +278,7 @@ class RequestHandlers(ServerState):
 
     def _fetch_replay(self, rid: int, frame: Frame) -> bytes:
         m = decode_fetch_replay(frame)
-        with self._core() as ft:
+        with self._core(noted=False) as ft:  # noted rows are queued only once filled
             replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
         page = _first_page(replay, self.max_frame)
         through = m.hi if len(page) == len(replay) else None  # None: its last row's seq
@@ -298,7 +298,7 @@ class RequestHandlers(ServerState):
 
     def _status_request(self, rid: int, frame: Frame) -> bytes:
         request = decode_status_request(frame)
-        with self._core() as ft:
+        with self._core(noted=not request.brief) as ft:  # brief: noted rows count unfilled
             if request.brief:
                 _release_for_source(ft)
             status = self._brief_status(ft) if request.brief else self._status(ft)
@@ -353,7 +353,7 @@ class RequestHandlers(ServerState):
     def _checkpoint_request(self, rid: int, frame: Frame) -> bytes:
         begin = frame.kind == Kind.CHECKPOINT_BEGIN
         message = (decode_checkpoint_begin if begin else decode_checkpoint_done)(frame)
-        with self._core():
+        with self._core(noted=False):  # noted rows' ranges wait for them (BatchRange.held)
             checkpoint = self._checkpoint(message)
         return encode_checkpoint_reply(rid, checkpoint)
 

@@ -214,8 +214,11 @@ class ServerState:
     def _core(self, *, noted: bool = True) -> Iterator[FTLayer]:
         """The core, under the lock; StorageError once the server is stopping. Wakes
         the workers the change gave work (`_wake_workers`). First applies the failures
-        noted by FAILs (ftlayer.core.failnotes) unless `noted` is False (a FAIL, a
-        HEARTBEAT: requests that neither read nor change what they concern)."""
+        noted by FAILs (ftlayer.core.failnotes) unless `noted` is False: requests that
+        neither read nor change what they concern (a FAIL, a HEARTBEAT, BATCH_RANGES,
+        FETCH_REPLAY, a brief STATUS), or that take them as they are (a barrier's
+        ranges wait for them, UNFILLED lists them, FILL applies them with their
+        bytes)."""
         with self._lock:
             ft = self._ft
             if ft is None:

@@ -85,7 +85,7 @@ def _fill(ft: FTLayer) -> None:
     )
 
 
-def test_a_batch_s_failures_are_noted_then_failed_together_and_never_completed(
+def test_a_batch_s_failures_are_noted_then_filled_and_failed_together_never_completed(
     tmp_path: Path,
 ) -> None:
     server = Server(tmp_path)
@@ -94,15 +94,87 @@ def test_a_batch_s_failures_are_noted_then_failed_together_and_never_completed(
     # Two tasks' FAILs: answered with the count `fail` gives, nothing failed yet.
     assert ft.note_failures(_roots(number, [1003, 1007, 1003]), FAILED) == 2
     assert ft.note_failures(_roots(number, [1050]), FAILED) == 1
-    assert ft.has_noted and _unfilled(ft) == []
+    assert ft.has_noted
     assert ft.current_stats().failed["explicit"] == 0
-    # The barrier: the noted rows are failed first, so they are not completed.
+    # UNFILLED lists them at once, by range root: their source copies them in.
+    wanted = ft.unfilled(SOURCE)
+    assert wanted.records.offsets.tolist() == [1003, 1007, 1050]
+    assert wanted.seqs.tolist() == _roots(number, [1003, 1007, 1050]).tolist()
+    assert ft.brief_stats()["unfilled_by_source"] == {str(SOURCE): 3}
+    # The barrier: every other row completes; the range waits for the noted ones, so
+    # the group offset stays at the first of them.
     assert ft.complete_ranges([SOURCE], {TOPIC: {1: START + 100}}) == 97
-    assert not ft.has_noted
-    assert ft.current_stats().failed["explicit"] == 3
-    assert _unfilled(ft) == [1003, 1007, 1050]
+    assert ft.pending_by_source() == {SOURCE: 3}
+    assert ft.lowest_pending_offsets([TOPIC]) == {TOPIC: {1: 1003}}
+    assert ft.open_ranges == 1
+    # The fill applies them with their bytes: failed, replayed with those bytes, none
+    # stored by reference, and the range gone.
     _fill(ft)
-    assert _replayed(ft) == [1003, 1007, 1050]
+    assert not ft.has_noted and ft.open_ranges == 0
+    assert ft.current_stats().failed["explicit"] == 3
+    assert ft.current_stats().filled == 3
+    assert _unfilled(ft) == []
+    found = ft.fetch_replay(0, ft.replay_cursor_of(SOURCE), source_id=SOURCE).records
+    assert sorted(zip(found.offsets.tolist(), list(found.payloads), strict=True)) == [
+        (1003, b"r1003"),
+        (1007, b"r1007"),
+        (1050, b"r1050"),
+    ]
+    assert ft.lowest_pending_offsets([TOPIC]) == {TOPIC: {1: 1003}}  # replays pending
+
+
+def test_a_barrier_before_the_fill_completes_the_rest_and_a_late_fail_is_unknown(
+    tmp_path: Path,
+) -> None:
+    """A range whose batch is done but for noted rows: a FAIL naming a row that
+    completed is not noted; it applies the notes first (which completes the range once
+    they are records), and its row is late (its root is known no more)."""
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 10)])
+    assert ft.note_failures(_roots(number, [1002]), FAILED) == 1
+    assert ft.complete_ranges([SOURCE], {TOPIC: {1: START + 10}}) == 9
+    assert ft.open_ranges == 1 and _unfilled(ft) == [1002]
+    assert ft.note_failures(_roots(number, [1004]), FAILED) == 0  # completed: late
+    assert not ft.has_noted and ft.open_ranges == 0
+    assert _unfilled(ft) == [1002]  # stored by reference: listed by its seq
+    assert ft.unfilled(SOURCE).seqs.tolist() != _roots(number, [1002]).tolist()
+    _fill(ft)
+    assert _replayed(ft) == [1002]
+    assert ft.current_stats().failed["explicit"] == 1
+
+
+def test_a_fill_of_rows_applied_meanwhile_or_gone_from_the_source_loses_none(
+    tmp_path: Path,
+) -> None:
+    """The fill names rows by range root: those a request applied meanwhile are left
+    to be filled by their seqs; a row the source no longer has is applied by
+    reference and becomes a source-expired dead letter at its own fill."""
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 10)])
+    ft.note_failures(_roots(number, [1001, 1002]), FAILED)
+    wanted = ft.unfilled(SOURCE)
+    ft.apply_noted()  # a request of another kind came between UNFILLED and FILL
+    n = len(wanted)
+    keys = (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_))
+    assert ft.fill(wanted.seqs, [b"x"] * n, np.ones(n, dtype=np.bool_), keys).filled == 0
+    assert _unfilled(ft) == [1001, 1002]
+    _fill(ft)
+    assert _replayed(ft) == [1001, 1002]
+    # A row Kafka no longer has, filled by range root.
+    ft.note_failures(_roots(number, [1005, 1006]), FAILED)
+    wanted = ft.unfilled(SOURCE)
+    assert wanted.records.offsets.tolist() == [1005, 1006]
+    found = np.array([True, False])
+    keys = (np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.bool_))
+    assert ft.fill(wanted.seqs, [b"r1005", b""], found, keys).filled == 1
+    assert not ft.has_noted
+    wanted = ft.unfilled(SOURCE)
+    assert wanted.records.offsets.tolist() == [1006]
+    ft.fill(wanted.seqs, [b""], np.array([False]), (keys[0][:1], keys[1][:1]))
+    assert ft.current_stats().failed["source-expired"] == 1
+    assert [o for o in _replayed(ft) if o >= 1005] == [1005]
 
 
 def test_a_fail_that_names_a_noted_row_again_meets_it_failed(tmp_path: Path) -> None:
@@ -209,7 +281,7 @@ def test_a_tick_applies_notes_no_request_applied(tmp_path: Path) -> None:
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
     ft.note_failures(_roots(number, [1001]), FAILED)
     ft.tick()
-    assert ft.has_noted  # not yet a second old
+    assert ft.has_noted  # not yet NOTE_MAX_AGE_S old
     server.clock.now += NOTE_MAX_AGE_S
     ft.tick()
     assert not ft.has_noted and _unfilled(ft) == [1001]
@@ -244,12 +316,17 @@ def test_without_a_journal_to_write_a_fail_is_applied_at_once(tmp_path: Path) ->
         max_size=6,
     ),
     kill=st.booleans(),
+    fill_first=st.booleans(),
 )
 def test_noting_fails_as_failing_at_once_does(
-    tmp_path_factory: object, fails: list[tuple[list[int], FailKind, bool]], kill: bool
+    tmp_path_factory: object,
+    fails: list[tuple[list[int], FailKind, bool]],
+    kill: bool,
+    fill_first: bool,
 ) -> None:
     """Any FAILs of a batch, noted (and applied between requests, or recovered after a
-    kill) or failed at once: the same answers, and the same records failed."""
+    kill, or filled by range root before or after the barrier) or failed at once: the
+    same answers, the same records failed, and the same replays with their bytes."""
     base = tmp_path_factory.mktemp("notes")  # type: ignore[attr-defined]
     noted, direct = Server(base / "noted"), Server(base / "direct")
     ranges = [(SOURCE, TOPIC, 1, START, START + 30)]
@@ -262,8 +339,45 @@ def test_noting_fails_as_failing_at_once_does(
         if then_apply:
             noted.ft.apply_noted()
     ft = noted.restart() if kill else noted.ft
+    if fill_first:
+        _fill(ft)
+        _fill(direct.ft)
     done = ft.complete_ranges([SOURCE], {TOPIC: {1: START + 30}})
     assert done == direct.ft.complete_ranges([SOURCE], {TOPIC: {1: START + 30}})
     assert _unfilled(ft) == _unfilled(direct.ft)
+    _fill(ft)
+    _fill(direct.ft)
+    assert _unfilled(ft) == [] and ft.open_ranges == 0 and not ft.has_noted
+    replays = [
+        sorted(x.fetch_replay(0, x.replay_cursor_of(SOURCE), source_id=SOURCE).records.payloads)
+        for x in (ft, direct.ft)
+    ]
+    assert replays[0] == replays[1]
+    if not kill:  # counts are the process's own
+        assert ft.current_stats().failed == direct.ft.current_stats().failed
     noted.kill()
     direct.kill()
+
+
+def test_noted_rows_filled_before_their_backoff_ends_are_replayed_when_it_does(
+    tmp_path: Path,
+) -> None:
+    """Filled by range root while their backoff runs: stored with their bytes, they
+    wait for it, and the tick that ends it queues them (bytes and all)."""
+    wall = Clock(5000.0)
+    server = Server(tmp_path, backoff_ms=1000, wall=wall)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001, 1002]), FAILED)
+    wall.now += 0.5
+    _fill(ft)
+    assert not ft.has_noted and _unfilled(ft) == []
+    ft.tick()
+    assert _replayed(ft) == []  # the backoff runs from the FAIL: 0.5 s left at least
+    wall.now = 5001.0
+    ft.tick()
+    found = ft.fetch_replay(0, ft.replay_cursor_of(SOURCE), source_id=SOURCE).records
+    assert sorted(found.payloads) == [b"r1001", b"r1002"]
+    # After a restart they are still there, with their bytes (none by reference).
+    ft = server.restart()
+    assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
