@@ -58,6 +58,7 @@ SOURCE, TOPIC, PARTITIONS = 9, "orders", 4
 FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
 PROFILE = "-p" in sys.argv
 PAUSE_S = float(os.environ.get("PAUSE_MS", "0")) / 1000
+JOURNALED = bool(os.environ.get("JOURNAL"))
 ARGS = [a for a in sys.argv[1:] if a != "-p"]
 cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()
@@ -148,8 +149,8 @@ class Failures:
                 number, self.ends[p], np.arange(self.ends[p], self.ends[p] + per)
             )
             failing = roots[rng.random(len(roots)) < 0.01]
-            if len(failing):
-                timed("FAIL", ft.fail, failing, FAILED)
+            if len(failing):  # with a journal noted, as the server does (failnotes)
+                timed("FAIL", ft.note_failures if JOURNALED else ft.fail, failing, FAILED)
             self.ends[p] += per
         kafka = {TOPIC: {p: self.ends[p] for p in range(PARTITIONS)}}
         timed("COMPLETE", ft.complete_ranges, [SOURCE], kafka)
@@ -169,7 +170,7 @@ def main() -> None:
         batches, warm = int(ARGS[2]) if len(ARGS) > 2 else 10, 2
     with tempfile.TemporaryDirectory(prefix="ftlayer-core-costs-") as tmp:
         journal = None
-        if os.environ.get("JOURNAL"):  # the server's acker journal, as `ftlayer serve` keeps it
+        if JOURNALED:  # the server's acker journal, as `ftlayer serve` keeps it
             from ftlayer.core.journal import Journal
 
             journal = Journal(f"{tmp}/journal")
