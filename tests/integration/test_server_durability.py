@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from serverproc import StartServer, read_address, terminated
 
@@ -34,6 +35,7 @@ from ftlayer import rangeroots
 from ftlayer.causes import Cause, FailKind
 from ftlayer.client import FTClient
 from ftlayer.persistence import LmdbStorage
+from ftlayer.policy import RetryPolicy
 from ftlayer.registration import SourceRegistration
 
 CLIENTS = 2
@@ -221,3 +223,64 @@ def test_a_batch_s_failures_answered_before_a_sigkill_are_failed_after_the_resta
         # The three the journal gave back, and this one, applied for the STATUS.
         assert client.status().failed["explicit"] == 4
         assert sorted(client.unfilled(source).records.offsets.tolist()) == [3, 5, 9, 40]
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["filled", "killed-before-the-fill"])
+def test_a_batch_s_failures_are_filled_by_range_root_after_its_barrier(
+    start_server: StartServer, kill: bool
+) -> None:
+    """Over the wire, in the pipeline's order: a batch's FAILs are noted; the next
+    trigger's brief STATUS counts them unfilled and the filler's UNFILLED lists them by
+    range root; the barrier that completes the batch commits the group offset only up
+    to the first failed row; the filler's FILL stores them with their bytes, and the
+    planner's FETCH_REPLAY gets them back with those bytes. A SIGKILL between the
+    barrier and the FILL loses none: the restarted server lists them by seq."""
+    source, topic = 7, "orders"
+    cause = Cause(FailKind.EXPLICIT, "enrich", "FailException: no")
+    server = start_server()
+
+    def end(offset: int, replay: int) -> dict[str, object]:
+        return {"kafka": {topic: {"0": offset}}, "replay": replay}
+
+    with server.client() as client:
+        client.register_source(
+            SourceRegistration(
+                source, "forward", 2, retry=RetryPolicy(3, 0, 0), completion="barrier"
+            )
+        )
+        client.checkpoint(begin=True, query="q", position=end(100, 0), sources=[source])
+        (number,) = client.register_ranges([(source, topic, 0, 0, 100)])
+        assert client.fail(rangeroots.encode(number, 0, [5, 3]), cause) == 2
+        # The next trigger.
+        assert client.brief_status().unfilled_of(source) == 2
+        wanted = client.unfilled(source)
+        assert sorted(wanted.seqs.tolist()) == rangeroots.encode(number, 0, [3, 5]).tolist()
+        reply = client.checkpoint(
+            begin=True, query="q", position=end(200, 0), sources=[source], complete=end(100, 0)
+        )
+        assert reply["completed"]["commit_offsets"] == {topic: {"0": 3}}
+        if kill:
+            server.kill()
+            server = start_server(server.data_dir)
+            client = server.client()
+            wanted = client.unfilled(source)
+            assert sorted(wanted.records.offsets.tolist()) == [3, 5]
+            assert not bool(rangeroots.is_range_root(wanted.seqs).any())
+        offsets = wanted.records.offsets.tolist()
+        n = len(offsets)
+        filled = client.fill(
+            wanted.seqs,
+            np.ones(n, dtype=np.bool_),
+            [b"bytes of %d" % o for o in offsets],
+            (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_)),
+        )
+        assert filled == 2
+        assert client.brief_status().unfilled_of(source) == 0
+        hi = client.brief_status().replay_cursor_of([source])
+        replays = client.fetch_replay(0, hi, source).records
+        assert sorted(zip(replays.offsets.tolist(), list(replays.payloads), strict=True)) == [
+            (3, b"bytes of 3"),
+            (5, b"bytes of 5"),
+        ]
+        assert client.status().failed["explicit"] == 2
+        client.close()
