@@ -41,7 +41,7 @@ from ftlayer.policy import JITTER
 from ftlayer.rangeroots import decode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
-from .faillog import log_failed
+from .faillog import log_failed, log_requeue_error
 from .persist import stored_meanwhile
 from .rangetable import BatchRange
 from .retries import FreshGroup, RetryRecord
@@ -235,14 +235,22 @@ def _route_with_bytes(
 ) -> None:
     """Rows stored with their bytes (their keys known): those waiting for their
     backoff are kept as stored, for the ticker to queue without a read
-    (failure.release_due); those due now enter the replay queue."""
+    (failure.release_due); those due now enter the replay queue, or, when that write
+    fails, wait a second for the ticker to queue them (the failure is applied: it must
+    not be applied again)."""
     s.stats.filled += int(np.count_nonzero(waiting | due_now))
     if bool(waiting.any()):
         rows = np.flatnonzero(waiting)
         s.waiting_records.keep(seqs[rows].tolist(), batch.take(rows))
     if bool(due_now.any()):
         rows = np.flatnonzero(due_now)
-        enqueue(s, roots[rows], seqs[rows], batch.take(rows))
+        try:
+            enqueue(s, roots[rows], seqs[rows], batch.take(rows))
+        except Exception as exc:  # stored already: they wait a moment and are queued then
+            log_requeue_error("bytes filled in", roots[rows], seqs[rows], exc)
+            now = s.wall()
+            for seq, root in zip(seqs[rows].tolist(), roots[rows].tolist(), strict=True):
+                s.book.wait(seq, root, now + 1.0)
 
 
 def fresh_rows(

@@ -19,6 +19,7 @@ from ftlayer.core import FTLayer
 from ftlayer.core.failnotes import NOTE_MAX_AGE_S
 from ftlayer.core.journal import Journal
 from ftlayer.core.retries import RetryPolicy
+from ftlayer.errors import StorageError
 from ftlayer.persistence import LmdbStorage
 from ftlayer.registration import SourceRegistration
 
@@ -381,3 +382,30 @@ def test_noted_rows_filled_before_their_backoff_ends_are_replayed_when_it_does(
     # After a restart they are still there, with their bytes (none by reference).
     ft = server.restart()
     assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
+
+
+def test_filled_rows_the_store_cannot_queue_yet_are_queued_by_a_later_tick(
+    tmp_path: Path,
+) -> None:
+    """The fill stored the rows with their bytes, then their queueing's write failed
+    (a full disk): the failure stays applied once, and the rows wait a second for the
+    ticker, which queues them once the store takes writes again."""
+    wall = Clock(5000.0)
+    server = Server(tmp_path, wall=wall)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001, 1002]), FAILED)
+    storage = server.storage
+    retag = storage.set_roots
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise StorageError("disk full")
+
+    storage.set_roots = refuse  # type: ignore[method-assign]
+    _fill(ft)
+    assert not ft.has_noted and _unfilled(ft) == [] and _replayed(ft) == []
+    storage.set_roots = retag  # type: ignore[method-assign]
+    wall.now += 1.0
+    ft.tick()
+    assert _replayed(ft) == [1001, 1002]
+    assert ft.current_stats().failed["explicit"] == 2
