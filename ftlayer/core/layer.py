@@ -496,9 +496,9 @@ class FTLayer:
     def tick(self, now: float | None = None) -> int:
         """Fail the roots whose timeout passed by `now` (default: the clock), queue the
         failed records whose backoff ended, drop stale sink holds, and apply noted
-        failures once the oldest is NOTE_MAX_AGE_S old (no tick is due for them: every
-        request but FAIL and HEARTBEAT applies them first, so nothing sees them
-        unapplied); returns the number of bucket rotations done."""
+        failures once the oldest is NOTE_MAX_AGE_S old (no tick is due for them: the
+        source's fill applies them, and every request that reads or changes them
+        applies them first); returns the number of bucket rotations done."""
         s = self._s
         s.changing()
         now = s.clock() if now is None else now
