@@ -63,7 +63,7 @@ from ftlayer.rangeroots import decode, encode, is_range_root
 from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
 from .failure import enqueue, fail, requeue
-from .fills import UnfilledRecords
+from .fills import UnfilledRecords, requires_key
 from .journal import JournalState
 from .rangefail import FilledRows, fresh_rows
 from .ranges import complete_held, materialize
@@ -255,17 +255,16 @@ def _noted_of(s: CoreState, source_id: int) -> NDArray[np.uint64]:
 
 
 def _need_keys(s: CoreState, roots: NDArray[np.uint64]) -> NDArray[np.bool_]:
-    """Per range root: whether its source's replay partitioner needs a key."""
+    """Per range root: whether its source's replay partitioner needs a key (or its
+    range or its source is unknown: left to `apply` as well)."""
     numbers, _ = decode(roots)
     needs: dict[int, bool] = {}
-    out = np.zeros(len(roots), dtype=np.bool_)
-    for i, number in enumerate(numbers.tolist()):
-        if number not in needs:
-            r = s.ranges.by_number.get(number)
-            config = None if r is None else s.source_config(r.source_id)
-            needs[number] = config is None or config.partitioner.requires_key
-        out[i] = needs[number]
-    return out
+    for number in set(numbers.tolist()):
+        r = s.ranges.by_number.get(number)
+        needs[number] = (
+            r is None or s.source_config(r.source_id) is None or requires_key(s, r.source_id)
+        )
+    return np.fromiter(map(needs.__getitem__, numbers.tolist()), np.bool_, len(numbers))
 
 
 def journal_again(s: CoreState) -> None:

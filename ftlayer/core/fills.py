@@ -48,7 +48,15 @@ from .faillog import log_requeue_error
 from .state import CoreState
 from .stats import FailCause
 
-__all__ = ["FillResult", "UnfilledRecords", "fill", "note_failed", "rebuild", "unfilled"]
+__all__ = [
+    "FillResult",
+    "UnfilledRecords",
+    "fill",
+    "note_failed",
+    "rebuild",
+    "requires_key",
+    "unfilled",
+]
 
 Requeue = Callable[[CoreState, NDArray[np.uint64], NDArray[np.uint64], FailCause, Causes], None]
 Enqueue = Callable[[CoreState, NDArray[np.uint64], NDArray[np.uint64], RecordBatch], None]
@@ -297,7 +305,7 @@ def _without_needed_keys(
     needing: dict[int | None, bool] = {None: False}
     sources = [s.unfilled.source_of(seq) for seq in candidates.tolist()]
     for source_id in set(sources) - set(needing):
-        needing[source_id] = source_id is not None and _requires_key(s, source_id)
+        needing[source_id] = source_id is not None and requires_key(s, source_id)
     candidates = candidates[np.array([needing[x] for x in sources], dtype=np.bool_)]
     if not len(candidates):
         return found
@@ -307,7 +315,7 @@ def _without_needed_keys(
     records = s.storage.get(candidates)
     needs = np.array(
         [
-            bool(unknown) and _requires_key(s, int(source))
+            bool(unknown) and requires_key(s, int(source))
             for unknown, source in zip(records.key_unknown, records.source_ids, strict=True)
         ],
         dtype=np.bool_,
@@ -337,7 +345,8 @@ def _without_needed_keys(
     return found  # their bytes are still stored: the dead letters keep them
 
 
-def _requires_key(s: CoreState, source_id: int) -> bool:
+def requires_key(s: CoreState, source_id: int) -> bool:
+    """Whether `source_id`'s replay partitioner routes by key."""
     config = s.source_config(source_id)
     return config is not None and config.partitioner.requires_key
 

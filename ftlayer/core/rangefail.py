@@ -71,14 +71,10 @@ class FilledRows:
 
     def find(self, keys: NDArray[np.uint64]) -> tuple[NDArray[np.bool_], NDArray[np.intp]]:
         """Per key: whether its bytes are here, and where (valid where they are)."""
-        at = np.searchsorted(self.roots, keys)
-        inside = np.minimum(at, max(len(self.roots) - 1, 0))
-        hit = (
-            (at < len(self.roots)) & (self.roots[inside] == keys)
-            if len(self.roots)
-            else (np.zeros(len(keys), dtype=np.bool_))
-        )
-        return hit, inside
+        if not len(self.roots):
+            return np.zeros(len(keys), dtype=np.bool_), np.zeros(len(keys), dtype=np.intp)
+        at = np.minimum(np.searchsorted(self.roots, keys), len(self.roots) - 1)
+        return self.roots[at] == keys, at
 
 
 def fail_fresh(
@@ -175,23 +171,23 @@ def fail_fresh(
     stored_meanwhile(s, seqs)
     waiting = due > 0
     fate = np.where(waiting, _WAIT, _QUEUE).astype(np.int8)
-    root_list = new_roots.tolist()
     if bool(waiting.all()):  # all wait for their backoff
         s.book.wait_many(seqs, new_roots, due)
     elif bool(waiting.any()):
-        for seq, root, at, wait, known in zip(
-            seq_list, root_list, due.tolist(), waiting.tolist(), with_bytes.tolist(), strict=True
-        ):
-            if wait:
-                s.book.wait(seq, root, at)
-            elif not known:  # its key (so its replay partition) comes with its bytes
-                s.unrouted[seq] = (root, now)
-    elif not bool(with_bytes.any()):  # none waits for a backoff: all wait for their key
-        s.unrouted.update(zip(seq_list, zip(root_list, repeat(now, n), strict=True), strict=True))
-    else:
-        for seq, root, known in zip(seq_list, root_list, with_bytes.tolist(), strict=True):
-            if not known:
-                s.unrouted[seq] = (root, now)
+        rows = np.flatnonzero(waiting)
+        s.book.wait_many(seqs[rows], new_roots[rows], due[rows])
+    # The others wait for their key (so their replay partition), which comes with their
+    # bytes; the rows filled have both already.
+    unrouted = ~waiting & ~with_bytes
+    if bool(unrouted.any()):
+        rows = np.flatnonzero(unrouted)
+        s.unrouted.update(
+            zip(
+                seqs[rows].tolist(),
+                zip(new_roots[rows].tolist(), repeat(now, len(rows)), strict=True),
+                strict=True,
+            )
+        )
     if bool(with_bytes.any()):
         assert filled is not None
         due_now = with_bytes & ~waiting
