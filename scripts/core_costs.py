@@ -26,10 +26,13 @@ with callees, PROFILE_LINES=N for more than 40).
 With JOURNAL=1 the core keeps an acker journal, as `ftlayer serve` does. With
 PAUSE_MS the script sleeps that long before each call (not counted): each call then
 runs cold, as a server's request does between other work, instead of right after the
-last one with the caches warm.
+last one with the caches warm; with PAUSE_SPIN=1 the pause is spent on the CPU (a
+loop reading the clock) instead of asleep.
 
-    [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py tree|tree-ranges [BATCHES] [-p]
-    [JOURNAL=1] [PAUSE_MS=2] .venv/bin/python scripts/core_costs.py failures [BATCH] [BATCHES] [-p]
+    [JOURNAL=1] [PAUSE_MS=2 [PAUSE_SPIN=1]] .venv/bin/python scripts/core_costs.py \
+        tree|tree-ranges [BATCHES] [-p]
+    [JOURNAL=1] [PAUSE_MS=2 [PAUSE_SPIN=1]] .venv/bin/python scripts/core_costs.py \
+        failures [BATCH] [BATCHES] [-p]
 """
 
 import collections
@@ -58,14 +61,21 @@ SOURCE, TOPIC, PARTITIONS = 9, "orders", 4
 FAILED = Cause(FailKind.EXPLICIT, "map", "FailException: bench")
 PROFILE = "-p" in sys.argv
 PAUSE_S = float(os.environ.get("PAUSE_MS", "0")) / 1000
+SPIN = os.environ.get("PAUSE_SPIN") == "1"  # the pause on the CPU, not asleep
 JOURNALED = bool(os.environ.get("JOURNAL"))
 ARGS = [a for a in sys.argv[1:] if a != "-p"]
 cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()
+spun = [0.0]  # CPU seconds of the PAUSE_SPIN pauses
 
 
 def timed(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if PAUSE_S:
+    if PAUSE_S and SPIN:
+        spin_began, until = time.process_time(), time.perf_counter() + PAUSE_S
+        while time.perf_counter() < until:  # awake, but away from the core's code
+            pass
+        spun[0] += time.process_time() - spin_began  # not the core's: left out of the total
+    elif PAUSE_S:
         time.sleep(PAUSE_S)  # the call comes cold, as a request does
     began = time.process_time()
     try:
@@ -191,6 +201,7 @@ def main() -> None:
         for b in range(batches + warm):
             if b == warm:
                 cpu.clear()
+                spun[0] = 0.0
                 calls.clear()
                 began = time.process_time()
                 if profile is not None:
@@ -201,7 +212,7 @@ def main() -> None:
                 step()
         if profile is not None:
             profile.disable()
-        spent = time.process_time() - began
+        spent = time.process_time() - began - spun[0]
     records = batch * batches
     print(f"{path}: {spent * 1e6 / records:.3f} us of CPU per record, batches of {batch:,}")
     for name in cpu:

@@ -5,7 +5,10 @@ of the run land in it), grouped as Spark's JVM, its Python workers, the
 FT-layer server, the broker and the rest, and given in µs per record (the machine has
 2 cores, so CPU the server spends is CPU Spark's tasks do not get).
 
-    .venv/bin/python scripts/fast_cpu.py [BATCH_SIZE] [ROUNDS]
+With FAIL_RATE (default 0) the FT-on runs fail that share of the records once each
+(the bench's `--fail-rate`).
+
+    [FAIL_RATE=0.01] .venv/bin/python scripts/fast_cpu.py [BATCH_SIZE] [ROUNDS]
 """
 
 import collections
@@ -23,6 +26,7 @@ import ftlayer.integration.harness.benchfast as bf
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 RECORDS = 400_000
+FAIL_RATE = float(os.environ.get("FAIL_RATE", "0"))
 SETTLE_S = 1.0
 
 
@@ -81,7 +85,7 @@ def capture(query: Any, records: int) -> float:
 
 
 bf._wait, bf._processing_s = wait_, capture
-result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS)
+result = bf.bench_fast(records=RECORDS, batch_sizes=[BATCH], rounds=ROUNDS, fail_rate=FAIL_RATE)
 # The bench adds rounds where runs are short (benchfast's MIN_TIMED_S): every run counts.
 timed_rounds = (len(runs) - len(bf.WARM_UP)) // len(bf._order(0))
 names = [f"warm-up ({m})" for m in bf.WARM_UP] + [
