@@ -2,7 +2,8 @@
 
 Before a source emits a record, the FT layer stores it here (`put`); when the record's
 tree completes it is deleted (`delete`); when the tree fails, the stored record is
-re-tagged with a new root id and queued for replay (`set_roots`). After a crash,
+re-tagged with a new root id and queued for replay (`set_roots`), or a record that
+enters the replay queue as it is stored is put with its replay seq. After a crash,
 recovery rebuilds the FT layer's in-memory state from `scan`. So a record the source
 emitted is lost only if the storage loses it.
 
@@ -144,13 +145,21 @@ class PersistenceStorage(ABC):
     """
 
     @abstractmethod
-    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
+    def put(
+        self,
+        batch: RecordBatch,
+        meta: MetaOfSeqs | None = None,
+        replay_seqs: NDArray[np.uint64] | None = None,
+    ) -> NDArray[np.uint64]:
         """Store every record of `batch` in one transaction; return their seqs in batch order.
 
         The seqs are the next `len(batch)` numbers, consecutive. Every record is stored
-        with replay_seq 0 (not queued for replay). An empty batch stores nothing and uses
+        with replay_seq 0 (not queued for replay), or with its entry of `replay_seqs`
+        (one per record, batch order: as if `set_roots` gave it that replay seq and its
+        own root in the same transaction). An empty batch stores nothing and uses
         no seq. Raises StorageError (nothing stored, no seq used) if a topic is longer than
-        65535 UTF-8 bytes, and TypeError if a payload is not bytes-like.
+        65535 UTF-8 bytes, TypeError if a payload is not bytes-like, and ConfigError if
+        `replay_seqs` has not one entry per record.
 
         `meta`, if given, is called with the seqs once they are known and the meta
         entries it returns ({key: value}, keys as for `put_meta`) are stored in the same
@@ -588,8 +597,26 @@ def encode_meta_changes(
     return raw_puts, raw_deletes
 
 
-def encode_records(batch: RecordBatch) -> list[bytes]:
-    """The stored value of every record in `batch` (replay_seq 0), in batch order.
+def check_replay_column(
+    batch: RecordBatch, replay_seqs: NDArray[np.uint64] | Sequence[int] | None
+) -> NDArray[np.uint64] | None:
+    """`put`'s `replay_seqs` as an array of one entry per record of `batch` (None: none
+    given); ConfigError when the counts differ."""
+    if replay_seqs is None:
+        return None
+    replay_array = np.asarray(replay_seqs, dtype=np.uint64)
+    if len(replay_array) != len(batch):
+        raise ConfigError(
+            f"put needs one replay seq per record: got {len(replay_array)} for {len(batch)} records"
+        )
+    return replay_array
+
+
+def encode_records(
+    batch: RecordBatch, replay_seqs: NDArray[np.uint64] | None = None
+) -> list[bytes]:
+    """The stored value of every record in `batch` (replay_seq 0, or its entry of
+    `replay_seqs`), in batch order.
 
     Headers are filled column by column in one structured array; for each distinct topic
     the header and topic bytes of its records become fixed-width rows, turned into one
@@ -597,12 +624,15 @@ def encode_records(batch: RecordBatch) -> list[bytes]:
     """
     if len(batch) == 0:
         return []
-    return list(map(operator.add, _record_prefixes(batch), batch.payloads))
+    return list(map(operator.add, _record_prefixes(batch, None, replay_seqs), batch.payloads))
 
 
-def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
-    """The values of `encode_records(batch)` back to back in one bytes object, and the
-    end offset of each record in it: what LMDB stores a batch as (one chunk).
+def encode_chunk(
+    batch: RecordBatch, replay_seqs: NDArray[np.uint64] | None = None
+) -> tuple[bytes, NDArray[np.int64]]:
+    """The values of `encode_records(batch, replay_seqs)` back to back in one bytes
+    object, and the end offset of each record in it: what LMDB stores a batch as (one
+    chunk).
 
     No bytes object per record is built when the batch has one topic and payloads of
     one length (numpy writes fixed-width rows); otherwise the header-and-topic prefixes
@@ -620,10 +650,10 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
         lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
     same_length = bool((lengths == lengths[0]).all())
     if buffer is not None and len(topic_bytes) == 1 and not same_length:
-        return _chunk_of_buffer(batch, buffer, next(iter(topic_bytes.values())))
+        return _chunk_of_buffer(batch, buffer, next(iter(topic_bytes.values())), replay_seqs)
     if len(topic_bytes) == 1 and same_length:
         topic = next(iter(topic_bytes.values()))
-        head = _headers(batch)
+        head = _headers(batch, replay_seqs)
         head["topic_len"] = len(topic)
         prefix = HEADER_SIZE + len(topic)
         width = prefix + int(lengths[0])
@@ -633,7 +663,7 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
         joined = buffer.blob if buffer is not None else b"".join(payloads)
         rows[:, prefix:] = np.frombuffer(joined, dtype=np.uint8).reshape(n, -1)
         return rows.tobytes(), np.arange(width, width * (n + 1), width, dtype=np.int64)
-    prefixes = _record_prefixes(batch, topic_bytes)
+    prefixes = _record_prefixes(batch, topic_bytes, replay_seqs)
     parts: list[bytes] = [b""] * (2 * n)
     parts[::2] = prefixes
     parts[1::2] = payloads
@@ -643,7 +673,10 @@ def encode_chunk(batch: RecordBatch) -> tuple[bytes, NDArray[np.int64]]:
 
 
 def _chunk_of_buffer(
-    batch: RecordBatch, payloads: Payloads, topic: bytes
+    batch: RecordBatch,
+    payloads: Payloads,
+    topic: bytes,
+    replay_seqs: NDArray[np.uint64] | None = None,
 ) -> tuple[bytes, NDArray[np.int64]]:
     """encode_chunk of one topic's batch whose payloads are one buffer (as a PERSIST
     frame brings them): the fixed-width header-and-topic prefixes and the payload
@@ -651,7 +684,7 @@ def _chunk_of_buffer(
     object per record."""
     from ftlayer.persistence.kernels import prefixed  # numba: imported on first use
 
-    rows = _prefix_rows(_headers(batch), topic)
+    rows = _prefix_rows(_headers(batch, replay_seqs), topic)
     blob = np.frombuffer(payloads.blob, dtype=np.uint8)
     lengths = np.ascontiguousarray(payloads.lengths, dtype=np.int64)
     out = np.empty(rows.size + len(blob), dtype=np.uint8)
@@ -660,11 +693,12 @@ def _chunk_of_buffer(
     return out.tobytes(), ends
 
 
-def _headers(batch: RecordBatch) -> NDArray[np.void]:
-    """The record headers of `batch` (replay_seq 0; topic_len left for the caller)."""
+def _headers(batch: RecordBatch, replay_seqs: NDArray[np.uint64] | None = None) -> NDArray[np.void]:
+    """The record headers of `batch` (replay_seq 0 or `replay_seqs`; topic_len left for
+    the caller)."""
     head = np.empty(len(batch), dtype=HEADER)
     head["root"] = batch.roots
-    head["replay_seq"] = 0
+    head["replay_seq"] = 0 if replay_seqs is None else replay_seqs
     head["source_id"] = batch.source_ids
     head["has_key"] = batch.has_key.astype(np.uint8)
     if batch.references is not None:
@@ -676,11 +710,13 @@ def _headers(batch: RecordBatch) -> NDArray[np.void]:
 
 
 def _record_prefixes(
-    batch: RecordBatch, topic_bytes: dict[str, bytes] | None = None
+    batch: RecordBatch,
+    topic_bytes: dict[str, bytes] | None = None,
+    replay_seqs: NDArray[np.uint64] | None = None,
 ) -> list[bytes]:
     """Header + topic of each record of `batch` (not empty), one bytes object each."""
     n = len(batch)
-    head = _headers(batch)
+    head = _headers(batch, replay_seqs)
     if topic_bytes is None:
         topic_bytes = _encode_topics(batch.topics)
     if len(topic_bytes) == 1:

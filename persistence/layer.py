@@ -75,13 +75,18 @@ class PersistenceLayer:
         self._sources: list[int] = []
         self._topic_numbers: dict[tuple[int, str], int] = {}
 
-    def persist(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
-        """Store the batch durably (with `meta`, as `PersistenceStorage.put` does);
-        returns the storage seqs. With defer_deletes, the records marked for deletion go
-        with it (`stage_deletes`: the LMDB store deletes them in the batch's
-        transaction, one commit and one fsync for both)."""
+    def persist(
+        self,
+        batch: RecordBatch,
+        meta: MetaOfSeqs | None = None,
+        replay_seqs: NDArray[np.uint64] | None = None,
+    ) -> NDArray[np.uint64]:
+        """Store the batch durably (with `meta` and `replay_seqs`, as
+        `PersistenceStorage.put` does); returns the storage seqs. With defer_deletes,
+        the records marked for deletion go with it (`stage_deletes`: the LMDB store
+        deletes them in the batch's transaction, one commit and one fsync for both)."""
         self.stage_marked()
-        return self.storage.put(batch, meta)
+        return self.storage.put(batch, meta, replay_seqs)
 
     def stage_marked(self, at_most: int | None = None) -> None:
         """Stage the deletes of the records marked for deletion (defer_deletes), so the

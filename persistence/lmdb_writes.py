@@ -71,7 +71,14 @@ from numpy.typing import NDArray
 from ftlayer.errors import ConfigError, StorageError
 from ftlayer.records import RecordBatch
 
-from .base import TAGS, MetaOfSeqs, RecordNotStored, encode_chunk, encode_meta_key
+from .base import (
+    TAGS,
+    MetaOfSeqs,
+    RecordNotStored,
+    check_replay_column,
+    encode_chunk,
+    encode_meta_key,
+)
 from .lmdb_env import LmdbEnvironment
 from .lmdb_layout import (
     NEXT_SEQ_KEY,
@@ -109,15 +116,21 @@ class LmdbWrites(LmdbEnvironment):
         self._queued_lock = threading.Lock()
         super().__init__(path, map_size=map_size, sync=sync, chunk_bytes=chunk_bytes)
 
-    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
+    def put(
+        self,
+        batch: RecordBatch,
+        meta: MetaOfSeqs | None = None,
+        replay_seqs: NDArray[np.uint64] | None = None,
+    ) -> NDArray[np.uint64]:
         """Store `batch` (see the contract); with other threads putting at once, in one
         transaction with theirs (group commit, see the module docstring): each put's
         batch is encoded in its own thread and written as its own chunk(s), its `meta`
-        entries with it."""
+        entries with it, its records' `replay_seqs` in their headers."""
+        replay_array = check_replay_column(batch, replay_seqs)
         self._live_env()
         if len(batch) == 0:
             return np.zeros(0, dtype=np.uint64)
-        queued = _QueuedPut(len(batch), encode_chunk(batch), meta)
+        queued = _QueuedPut(len(batch), encode_chunk(batch, replay_array), meta)
         with self._queued_lock:
             self._queued.append(queued)
         with self._lock:

@@ -29,6 +29,7 @@ from .base import (
     MetaOfSeqs,
     MetaValue,
     PersistenceStorage,
+    check_replay_column,
     check_stored,
     decode_records,
     encode_meta_key,
@@ -53,14 +54,20 @@ class MemoryStorage(PersistenceStorage):
         state = " (closed)" if self._closed else ""
         return f"MemoryStorage({len(self._values)} records){state}"
 
-    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
+    def put(
+        self,
+        batch: RecordBatch,
+        meta: MetaOfSeqs | None = None,
+        replay_seqs: NDArray[np.uint64] | None = None,
+    ) -> NDArray[np.uint64]:
+        replay_array = check_replay_column(batch, replay_seqs)
         self._check_open()
         n = len(batch)
         first = self._next_seq
         seqs = np.arange(first, first + n, dtype=np.uint64)
         if n == 0:
             return seqs
-        values = encode_records(batch)
+        values = encode_records(batch, replay_array)
         if meta is not None:
             entries = [(encode_meta_key(k), bytes(v)) for k, v in meta(seqs).items()]
             self._meta.update(entries)

@@ -63,9 +63,9 @@ from .faillog import WAITING as _WAIT
 from .faillog import log_failed, log_requeue_error
 from .fills import note_failed
 from .persist import covered_at_timeout, retire_covered
+from .queueing import queue_stored, reserve_replay_seqs
 from .rangefail import FilledRows, fail_fresh
 from .ranges import materialize
-from .replay import REPLAY_SEQ_META_KEY
 from .retries import DEAD_LETTER, RetryRecord
 from .state import CoreState
 from .stats import FailCause
@@ -223,26 +223,10 @@ def enqueue(
     """Records waiting (pending, untimed) under `roots` enter the replay queue now:
     replay seqs, stored with the records; their timeout starts when their source
     fetches them."""
-    index, partitions = s.route(batch)
+    route = s.route(batch)
     replay_seqs = reserve_replay_seqs(s, len(seqs))
     s.persistence.retag(seqs, roots, replay_seqs)
-    s.queue.append(
-        replay_seqs[index], roots[index], seqs[index], batch.source_ids[index], partitions
-    )
-    s.queue.records.add(seqs, batch, replay_seqs)
-    s.stats.replayed += len(seqs)
-    s.meters.replayed(batch.source_ids)
-
-
-def reserve_replay_seqs(s: CoreState, n: int) -> NDArray[np.uint64]:
-    """The next n replay seqs. The counter is staged (PersistenceStorage.stage_meta),
-    so it commits in the transaction of the retag that gives the records their replay
-    seqs, which every caller writes next: stored no later than any record uses one,
-    without a commit of its own."""
-    return s.queue.reserve(
-        n,
-        lambda next_seq: s.storage.stage_meta({REPLAY_SEQ_META_KEY: str(next_seq).encode()}),
-    )
+    queue_stored(s, roots, seqs, batch, replay_seqs, route)
 
 
 def requeue(

@@ -32,8 +32,8 @@ from numpy.typing import NDArray
 from ftlayer.errors import ConfigError
 from ftlayer.records import RecordBatch
 
-from .failure import reserve_replay_seqs
 from .ingestids import INGEST_META_PREFIX, IngestResult
+from .queueing import reserve_replay_seqs
 from .state import CoreState
 
 __all__ = ["ingest"]
@@ -75,9 +75,9 @@ def ingest(s: CoreState, batch: RecordBatch) -> IngestResult:
         return dict(written)
 
     s.changing()
-    seqs = s.persistence.persist(batch, meta)
     replay_seqs = reserve_replay_seqs(s, n)
-    s.persistence.retag(seqs, roots, replay_seqs)  # queued: durable, found again at start
+    # Stored queued, in one write: durable, found again at start.
+    seqs = s.persistence.persist(batch, meta, replay_seqs)
     for key, raw in written:
         ids.add(key, raw)
     s.acker.add(roots, None, seq=seqs, **s.persistence.locators(batch))

@@ -43,6 +43,7 @@ from ftlayer.records import KEY_UNKNOWN, RecordBatch
 
 from .faillog import log_failed, log_requeue_error
 from .persist import stored_meanwhile
+from .queueing import queue_stored, reserve_replay_seqs
 from .rangetable import BatchRange
 from .retries import FreshGroup, RetryRecord
 from .state import CoreState, source_list
@@ -149,6 +150,14 @@ def fail_fresh(
         offsets=offsets,
         references=~with_bytes,
     )
+    # Filled rows whose backoff is over (or who have none) are stored queued: their
+    # replay seqs in the write that stores them, not in a retag of their own.
+    waiting = due > 0
+    ready = with_bytes & (~waiting | (due <= s.wall()))
+    route = _route_ready(s, batch, ready)
+    if route is None:
+        ready[:] = False
+    waiting &= ~ready
     kinds = _kinds(source_ids, row_causes)
     groups: list[FreshGroup] = []
 
@@ -161,7 +170,12 @@ def fail_fresh(
         return {group.key: group.encode() for group in groups}
 
     s.changing()
-    seqs = s.persistence.persist(batch, meta)  # records and retry records: one write
+    replay_column = None
+    if route is not None:
+        replay_column = np.zeros(n, dtype=np.uint64)
+        replay_column[ready] = reserve_replay_seqs(s, int(np.count_nonzero(ready)))
+    # The records, their retry records and the ready rows' replay seqs: one write.
+    seqs = s.persistence.persist(batch, meta, replay_column)
     # In memory: the book, the acker, the journal, and where each record waits.
     seq_list = seqs.tolist()
     s.book.add_groups(groups)
@@ -169,7 +183,6 @@ def fail_fresh(
     if s.journal is not None:
         s.journal.add(new_roots)
     stored_meanwhile(s, seqs)
-    waiting = due > 0
     fate = np.where(waiting, _WAIT, _QUEUE).astype(np.int8)
     if bool(waiting.all()):  # all wait for their backoff
         s.book.wait_many(seqs, new_roots, due)
@@ -190,7 +203,14 @@ def fail_fresh(
         )
     if bool(with_bytes.any()):
         assert filled is not None
-        due_now = with_bytes & ~waiting
+        if route is not None:
+            assert replay_column is not None
+            rows = np.flatnonzero(ready)
+            queue_stored(
+                s, new_roots[rows], seqs[rows], batch.take(rows), replay_column[rows], route
+            )
+        due_now = with_bytes & ~waiting & ~ready
+        s.stats.filled += int(np.count_nonzero(ready))
         _route_with_bytes(s, seqs, new_roots, batch, with_bytes & waiting, due_now, filled.enqueue)
     if not bool(with_bytes.any()):  # stored by reference: unfilled
         s.unfilled.add_many(seq_list, source_ids.tolist(), key_unknown=True)
@@ -218,6 +238,20 @@ def fail_fresh(
     )
     taken[rows] = True
     return taken
+
+
+def _route_ready(
+    s: CoreState, batch: RecordBatch, ready: NDArray[np.bool_]
+) -> tuple[NDArray[np.intp], NDArray[np.int32]] | None:
+    """The replay partitions of the `ready` rows (CoreState.route of them); None when
+    there are none, or when routing them fails: they are then stored waiting and
+    queued after the write, by a retag, as before their backoff ended."""
+    if not bool(ready.any()):
+        return None
+    try:
+        return s.route(batch.take(np.flatnonzero(ready)))
+    except Exception:  # the queueing after the write meets it again, and logs it
+        return None
 
 
 def _route_with_bytes(

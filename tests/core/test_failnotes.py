@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from manual_clock import Clock
@@ -384,28 +385,83 @@ def test_noted_rows_filled_before_their_backoff_ends_are_replayed_when_it_does(
     assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
 
 
-def test_filled_rows_the_store_cannot_queue_yet_are_queued_by_a_later_tick(
+@pytest.mark.parametrize("backoff_ms", [0, 500])
+def test_filled_rows_due_at_once_are_stored_queued_in_one_write(
+    tmp_path: Path, backoff_ms: int
+) -> None:
+    """Rows whose backoff is over when their bytes come (none, or it ran out while the
+    source read them) are stored with their bytes and their replay seqs in one write:
+    one commit, queued on return, and queued after a restart."""
+    wall = Clock(5000.0)
+    server = Server(tmp_path, backoff_ms=backoff_ms, wall=wall)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001, 1002]), FAILED)
+    wall.now += 1.0  # longer than the backoff with its jitter
+    commits = server.storage.commits
+    _fill(ft)
+    assert server.storage.commits == commits + 1
+    assert not ft.has_noted and _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
+    assert ft.current_stats().failed["explicit"] == 2
+    ft = server.restart()
+    assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
+
+
+def test_filled_rows_that_cannot_be_queued_yet_are_queued_by_a_later_tick(
     tmp_path: Path,
 ) -> None:
-    """The fill stored the rows with their bytes, then their queueing's write failed
-    (a full disk): the failure stays applied once, and the rows wait a second for the
-    ticker, which queues them once the store takes writes again."""
+    """The fill stored the rows with their bytes, but they could not be queued (their
+    routing failed, before the write and again after it): the failure stays applied
+    once, and the rows wait a second for the ticker, which queues them once routing
+    works again."""
+    wall = Clock(5000.0)
+    server = Server(tmp_path, wall=wall)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001, 1002]), FAILED)
+    state = ft._s
+    route = state.route
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise StorageError("partitioner unavailable")
+
+    state.route = refuse  # type: ignore[method-assign]
+    _fill(ft)
+    assert not ft.has_noted and _unfilled(ft) == [] and _replayed(ft) == []
+    state.route = route  # type: ignore[method-assign]
+    wall.now += 1.0
+    ft.tick()
+    assert _replayed(ft) == [1001, 1002]
+    assert ft.current_stats().failed["explicit"] == 2
+
+
+def test_a_fill_the_store_refuses_applies_nothing_and_the_next_applies_once(
+    tmp_path: Path,
+) -> None:
+    """Rows due at once are stored queued, their replay seqs in the write that stores
+    them: when the store refuses that write (a full disk), nothing of the failure is
+    applied (the notes stay, nothing is queued or counted), and the next fill, once
+    the store takes writes again, applies it once."""
     wall = Clock(5000.0)
     server = Server(tmp_path, wall=wall)
     ft = server.ft
     (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
     ft.note_failures(_roots(number, [1001, 1002]), FAILED)
     storage = server.storage
-    retag = storage.set_roots
+    put = storage.put
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise StorageError("disk full")
 
-    storage.set_roots = refuse  # type: ignore[method-assign]
+    storage.put = refuse  # type: ignore[method-assign]
+    with pytest.raises(StorageError, match="disk full"):
+        _fill(ft)
+    assert ft.has_noted and _unfilled(ft) == [1001, 1002]
+    assert ft.current_stats().failed["explicit"] == 0
+    storage.put = put  # type: ignore[method-assign]
     _fill(ft)
-    assert not ft.has_noted and _unfilled(ft) == [] and _replayed(ft) == []
-    storage.set_roots = retag  # type: ignore[method-assign]
-    wall.now += 1.0
-    ft.tick()
-    assert _replayed(ft) == [1001, 1002]
+    assert not ft.has_noted and _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
     assert ft.current_stats().failed["explicit"] == 2
+    # Queued in that one write: a restart finds them queued, with their bytes.
+    ft = server.restart()
+    assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]

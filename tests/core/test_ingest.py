@@ -91,6 +91,24 @@ def test_ingested_records_are_queued_by_partition_and_leave_the_store_once_compl
     storage.close()
 
 
+def test_an_ingest_is_one_write_and_its_records_are_queued_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The records, their identities and their replay seqs go in one commit (the
+    receiver's acknowledgement waits for it): a restart finds them queued as they were."""
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    commits = storage.commits
+    assert ft.ingest(_received(list(range(12)))).taken == 12
+    assert storage.commits == commits + 1
+    before = _queued(ft)
+    storage.close()
+    storage = LmdbStorage(tmp_path / "ft")
+    ft = _layer(storage)
+    assert _queued(ft) == before
+    storage.close()
+
+
 def test_a_second_copy_is_dropped_within_the_window_also_after_a_restart(
     tmp_path: Path,
 ) -> None:

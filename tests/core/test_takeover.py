@@ -188,10 +188,15 @@ class RefusingPuts(MemoryStorage):
 
     refuse = False
 
-    def put(self, batch: RecordBatch, meta: MetaOfSeqs | None = None) -> NDArray[np.uint64]:
+    def put(
+        self,
+        batch: RecordBatch,
+        meta: MetaOfSeqs | None = None,
+        replay_seqs: NDArray[np.uint64] | None = None,
+    ) -> NDArray[np.uint64]:
         if self.refuse:
             raise StorageError("disk full")
-        return super().put(batch, meta)
+        return super().put(batch, meta, replay_seqs)
 
 
 def test_a_reread_that_cannot_be_stored_takes_nothing_over() -> None:

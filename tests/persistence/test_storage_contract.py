@@ -224,6 +224,30 @@ def test_set_roots_retags_and_keeps_everything_else(storage: PersistenceStorage)
     assert storage.get([1, 3]).roots.tolist() == [77, U64_MAX]
 
 
+def test_a_put_with_replay_seqs_stores_them_as_a_retag_would(backend: Backend) -> None:
+    """put(..., replay_seqs) leaves what a put and a set_roots of the same roots and
+    replay seqs leave, in one write, after a reopen too; mixed: 0 is not queued."""
+    rows = sample_rows()
+    storage = backend.open()
+    storage.put(make_batch(rows), replay_seqs=np.array([9, 0, U64_MAX], dtype=np.uint64))
+    expected = {
+        1: (rows[0][0], 9, *rows[0][2:]),
+        2: rows[1],
+        3: (rows[2][0], U64_MAX, *rows[2][2:]),
+    }
+    assert scanned(storage) == expected
+    assert scanned(backend.reopen(storage)) == expected
+
+
+def test_a_put_with_a_replay_seq_count_unlike_its_records_stores_nothing(
+    storage: PersistenceStorage,
+) -> None:
+    with pytest.raises(ConfigError, match="one replay seq per record: got 2 for 3 records"):
+        storage.put(make_batch(sample_rows()), replay_seqs=np.array([1, 2], dtype=np.uint64))
+    assert scanned(storage) == {}
+    assert storage.put(make_batch(sample_rows()[:1])).tolist() == [1]
+
+
 def test_set_roots_with_a_seq_given_twice_keeps_the_last(storage: PersistenceStorage) -> None:
     storage.put(make_batch(sample_rows()))
     storage.set_roots([2, 2], [40, 41], [1, 2])
