@@ -187,17 +187,17 @@ def fail_fresh(
     if bool(waiting.all()):  # all wait for their backoff
         s.book.wait_many(seqs, new_roots, due)
     elif bool(waiting.any()):
-        rows = np.flatnonzero(waiting)
-        s.book.wait_many(seqs[rows], new_roots[rows], due[rows])
+        at_waiting = np.flatnonzero(waiting)
+        s.book.wait_many(seqs[at_waiting], new_roots[at_waiting], due[at_waiting])
     # The others wait for their key (so their replay partition), which comes with their
     # bytes; the rows filled have both already.
     unrouted = ~waiting & ~with_bytes
     if bool(unrouted.any()):
-        rows = np.flatnonzero(unrouted)
+        at_unrouted = np.flatnonzero(unrouted)
         s.unrouted.update(
             zip(
-                seqs[rows].tolist(),
-                zip(new_roots[rows].tolist(), repeat(now, len(rows)), strict=True),
+                seqs[at_unrouted].tolist(),
+                zip(new_roots[at_unrouted].tolist(), repeat(now, len(at_unrouted)), strict=True),
                 strict=True,
             )
         )
@@ -205,9 +205,14 @@ def fail_fresh(
         assert filled is not None
         if route is not None:
             assert replay_column is not None
-            rows = np.flatnonzero(ready)
+            at_ready = np.flatnonzero(ready)
             queue_stored(
-                s, new_roots[rows], seqs[rows], batch.take(rows), replay_column[rows], route
+                s,
+                new_roots[at_ready],
+                seqs[at_ready],
+                batch.take(at_ready),
+                replay_column[at_ready],
+                route,
             )
         due_now = with_bytes & ~waiting & ~ready
         s.stats.filled += int(np.count_nonzero(ready))

@@ -407,6 +407,53 @@ def test_filled_rows_due_at_once_are_stored_queued_in_one_write(
     assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1002]
 
 
+def test_a_fill_queues_the_rows_whose_backoff_ended_and_leaves_the_others_waiting(
+    tmp_path: Path,
+) -> None:
+    """One fill of rows failed at different times: those whose backoff ended are
+    stored queued, the others wait for theirs; each failure applied once."""
+    wall = Clock(5000.0)
+    server = Server(tmp_path, backoff_ms=1000, wall=wall)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.note_failures(_roots(number, [1001, 1003]), FAILED)  # due by 5001.0
+    wall.now = 5000.5
+    ft.note_failures(_roots(number, [1002]), FAILED)  # due at 5001.3 at the earliest
+    wall.now = 5001.1
+    _fill(ft)
+    assert not ft.has_noted and _unfilled(ft) == [] and _replayed(ft) == [1001, 1003]
+    stats = ft.current_stats()
+    assert stats.failed["explicit"] == 3
+    assert (stats.late_events, stats.unknown_events) == (0, 0)  # none failed twice
+    ft = server.restart()  # queued and waiting as they were
+    assert _unfilled(ft) == [] and _replayed(ft) == [1001, 1003]
+    wall.now = 5002.0
+    ft.tick()
+    assert _replayed(ft) == [1001, 1002, 1003]
+
+
+def test_a_fail_of_fresh_range_rows_and_other_roots_fails_every_one_once(
+    tmp_path: Path,
+) -> None:
+    """One FAIL names a replayed record's root and a fresh range row (no backoff, by
+    reference): both fail, each once; none is left pending, none failed twice."""
+    server = Server(tmp_path)
+    ft = server.ft
+    (number,) = ft.register_ranges([(SOURCE, TOPIC, 1, START, START + 100)])
+    ft.fail(_roots(number, [1001]), FAILED)
+    _fill(ft)
+    first = ft.replay_cursor_of(SOURCE)
+    replay = ft.fetch_replay(0, first, source_id=SOURCE).records
+    assert replay.offsets.tolist() == [1001]
+    ft.fail(np.concatenate([replay.roots, _roots(number, [1002])]), FAILED)
+    stats = ft.current_stats()
+    assert stats.failed["explicit"] == 3
+    assert (stats.late_events, stats.unknown_events) == (0, 0)
+    _fill(ft)
+    again = ft.fetch_replay(first, ft.replay_cursor_of(SOURCE), source_id=SOURCE).records
+    assert sorted(again.offsets.tolist()) == [1001, 1002]
+
+
 def test_filled_rows_that_cannot_be_queued_yet_are_queued_by_a_later_tick(
     tmp_path: Path,
 ) -> None:
