@@ -154,8 +154,8 @@ def fail_fresh(
     # replay seqs in the write that stores them, not in a retag of their own.
     waiting = due > 0
     ready = with_bytes & (~waiting | (due <= s.wall()))
-    route = _route_ready(s, batch, ready)
-    if route is None:
+    routed = _route_ready(s, batch, ready)
+    if routed is None:
         ready[:] = False
     waiting &= ~ready
     kinds = _kinds(source_ids, row_causes)
@@ -171,7 +171,7 @@ def fail_fresh(
 
     s.changing()
     replay_column = None
-    if route is not None:
+    if routed is not None:
         replay_column = np.zeros(n, dtype=np.uint64)
         replay_column[ready] = reserve_replay_seqs(s, int(np.count_nonzero(ready)))
     # The records, their retry records and the ready rows' replay seqs: one write.
@@ -203,14 +203,14 @@ def fail_fresh(
         )
     if bool(with_bytes.any()):
         assert filled is not None
-        if route is not None:
+        if routed is not None:
             assert replay_column is not None
-            at_ready = np.flatnonzero(ready)
+            at_ready, ready_batch, route = routed
             queue_stored(
                 s,
                 new_roots[at_ready],
                 seqs[at_ready],
-                batch.take(at_ready),
+                ready_batch,
                 replay_column[at_ready],
                 route,
             )
@@ -247,14 +247,17 @@ def fail_fresh(
 
 def _route_ready(
     s: CoreState, batch: RecordBatch, ready: NDArray[np.bool_]
-) -> tuple[NDArray[np.intp], NDArray[np.int32]] | None:
-    """The replay partitions of the `ready` rows (CoreState.route of them); None when
-    there are none, or when routing them fails: they are then stored waiting and
-    queued after the write, by a retag, as before their backoff ended."""
+) -> tuple[NDArray[np.intp], RecordBatch, tuple[NDArray[np.intp], NDArray[np.int32]]] | None:
+    """The `ready` rows (their positions and records) and their replay partitions
+    (CoreState.route of them); None when there are none, or when routing them fails:
+    they are then stored waiting and queued after the write, by a retag, as before
+    their backoff ended."""
     if not bool(ready.any()):
         return None
+    at_ready = np.flatnonzero(ready)
+    ready_batch = batch.take(at_ready)
     try:
-        return s.route(batch.take(np.flatnonzero(ready)))
+        return at_ready, ready_batch, s.route(ready_batch)
     except Exception:  # the queueing after the write meets it again, and logs it
         return None
 
