@@ -8,7 +8,7 @@ from .channel import (
     close_shared_channels,
     shared_channel,
 )
-from .connection import SAVEPOINT_TIMEOUT_S, FTClient
+from .connection import SAVEPOINT_TIMEOUT_S, BatchStart, FTClient
 from .endpoint import client_tls_context, parse_address, read_token_file
 from .errors import (
     ConnectionLost,
@@ -21,6 +21,7 @@ from .errors import (
 
 __all__ = [
     "SAVEPOINT_TIMEOUT_S",
+    "BatchStart",
     "BatchingChannel",
     "ConnectionLost",
     "FTClient",

@@ -20,8 +20,8 @@ their range and keeps the range open for them (ftlayer.core.ranges, `BatchRange.
 so a group offset never passes them and flow control counts them. Anything that reads
 or changes what they concern applies them first, by reference (`apply`): a request of
 another kind than FAIL, HEARTBEAT, BATCH_RANGES, FETCH_REPLAY, a brief STATUS,
-UNFILLED, FILL and the checkpoint requests (a full STATUS, INSPECT, an XOR, a
-savepoint), or a tick once the oldest note is NOTE_MAX_AGE_S old (no tick is due for
+UNFILLED, FILL, the checkpoint requests and BATCH_BEGIN (a full STATUS, INSPECT, an
+XOR, a savepoint), or a tick once the oldest note is NOTE_MAX_AGE_S old (no tick is due for
 them before: a fill comes behind the next trigger). Each failed record's backoff counts
 from its own FAIL.
 

@@ -76,7 +76,8 @@ format). The contract:
    `status` shows every query's checkpoints. A BEGIN also opens its sources' batch,
    its completion closes it, and HEARTBEAT (from the source's driver while the batch
    runs) leases it: its trees' timeouts are postponed while it is open and leased
-   (ftlayer.core.leases; `status` shows `batches_running`).
+   (ftlayer.core.leases; `status` shows `batches_running`). BATCH_BEGIN is a
+   BATCH_RANGES, a CHECKPOINT_BEGIN and the batch's FETCH_REPLAYs in one request.
 8. Savepoints (ftlayer.checkpoint.savepoint): SAVEPOINT first deletes the completed
    records not deleted yet, under the lock (FTLayer.flush_deletes), and waits for those
    the deleter took before, so the store holds exactly the records whose trees are not

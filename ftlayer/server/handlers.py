@@ -10,6 +10,7 @@ the store outside it, one at a time (item 8). Also the reads of the HTTP port
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -33,6 +34,7 @@ from ftlayer.wire import (
     Kind,
     ParkedOp,
     SavepointRequest,
+    decode_batch_begin,
     decode_batch_ranges,
     decode_checkpoint_begin,
     decode_checkpoint_done,
@@ -58,6 +60,7 @@ from ftlayer.wire import (
     decode_status_request,
     decode_unfilled,
     decode_xor,
+    encode_batch_begun,
     encode_checkpoint_reply,
     encode_dead_letter_list,
     encode_inspect_reply,
@@ -113,6 +116,7 @@ class RequestHandlers(ServerState):
             Kind.FAIL_PARKED: self._fail_parked,
             Kind.PARKED: self._parked_request,
             Kind.RANGE_READ: self._range_read,
+            Kind.BATCH_BEGIN: self._batch_begin,
         }
 
     def _persist(self, rid: int, frame: Frame) -> bytes:
@@ -357,6 +361,38 @@ class RequestHandlers(ServerState):
             checkpoint = self._checkpoint(message)
         return encode_checkpoint_reply(rid, checkpoint)
 
+    def _batch_begin(self, rid: int, frame: Frame) -> bytes:
+        """BATCH_RANGES, CHECKPOINT_BEGIN and a FETCH_REPLAY per source, in that order,
+        under one hold of the lock (docs/protocol.md 5.19): the ranges are stored
+        (synced) before the barrier begins, and the replays are fetched after it, so
+        their holds belong to the batch it begins. An error of a step is the request's
+        ERROR; the steps before it stay done (each is idempotent: the request is sent
+        again as a whole)."""
+        m = decode_batch_begin(frame)
+        if m.ranges:
+            self._own_partitions(
+                np.array([r[0] for r in m.ranges], dtype=np.int64),
+                np.array([r[2] for r in m.ranges], dtype=np.int64),
+            )
+        replay = ReplayRecords.concat([])
+        with self._core(noted=False) as ft:  # as each of the three requests does
+            numbers = ft.register_ranges(m.ranges, tree=m.tree) if m.ranges else []
+            checkpoint = self._checkpoint(m.checkpoint)
+            if m.replays is not None:
+                lo, hi = m.replays
+                replay = _by_seq(
+                    [ft.fetch_replay(lo, hi, source_id=s) for s in sorted(set(m.replay_sources))]
+                )
+        through: int | None = 0
+        if m.replays is not None:
+            head = len(json.dumps(checkpoint)) + 12 * len(numbers) + _BEGUN_HEAD_SLACK
+            replay_page = _first_page(replay, self.max_frame - head)
+            through = m.replays[1] if len(replay_page) == len(replay) else None
+            replay = replay_page
+        return encode_batch_begun(
+            rid, checkpoint, numbers, replay, through=through, max_frame=self.max_frame
+        )
+
     def _savepoint_request(self, rid: int, frame: Frame) -> bytes:
         saved = self._savepoint(decode_savepoint(frame))  # takes the core lock only briefly
         return encode_savepoint_created(rid, saved.as_dict())
@@ -549,6 +585,20 @@ _REPLAY_SLACK: Final = 64
 # up to 16 causes of up to 1,200 bytes each, as JSON.
 _DEAD_LETTER_ROW_BYTES: Final = _REPLAY_ROW_BYTES + 20_000
 _MAX_LISTED_DEAD_LETTERS: Final = 10_000
+
+
+_BEGUN_HEAD_SLACK: Final = 64
+"""Room kept in a BATCH_BEGUN frame for its JSON beyond the checkpoint's and the range
+numbers' own (its keys, its length prefix)."""
+
+
+def _by_seq(found: list[ReplayRecords]) -> ReplayRecords:
+    """The replays fetched source by source, in replay seq order (a page ends at a seq:
+    `_first_page`)."""
+    if len(found) == 1:
+        return found[0]
+    replay = ReplayRecords.concat(found)
+    return replay.take(np.argsort(replay.replay_seqs, kind="stable"))
 
 
 def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:

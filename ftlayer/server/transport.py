@@ -174,7 +174,8 @@ class Transport(ServerState):
                 reply, close = self._handle(conn, frame)
                 self._send(conn, reply)
                 checkpoints = self._checkpoints
-                if frame.kind == Kind.CHECKPOINT_BEGIN and checkpoints and checkpoints.has_writes:
+                begins = frame.kind in (Kind.CHECKPOINT_BEGIN, Kind.BATCH_BEGIN)
+                if begins and checkpoints and checkpoints.has_writes:
                     # The checkpoint writer copies the state owed (unless the next
                     # change did), writes the base and completes what it can, all
                     # after this reply: the client goes on meanwhile. (Not after a

@@ -79,6 +79,9 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x31 | PARKED              | u8 op: 0 list (u32 limit), 1 drop (u32 n, seqs u64[n])      |
 | 0x32 | RANGE_READ          | u64 range root of the first record, u64 n, u64 seed: a      |
 |      |                     | tree-mode range's records read under the seed               |
+| 0x33 | BATCH_BEGIN         | utf-8 JSON {"checkpoint": CHECKPOINT_BEGIN's object,        |
+|      |                     | "ranges": BATCH_RANGES' list, "tree": bool, "replays":      |
+|      |                     | [lo, hi] or null}: a batch's start in one round trip        |
 | 0x81 | CHALLENGE           | u8 flags (bit 0: auth required; others 0), 32-byte server nonce |
 | 0x82 | WELCOME             | u16 version, u64 session id                                 |
 | 0x90 | OK                  | u32 count (records persisted, events applied, roots failed) |
@@ -100,6 +103,8 @@ Kinds: requests (client to server) are below 0x80, replies have the high bit set
 | 0x9B | SAVEPOINT_BYTES     | the bytes read: SAVEPOINT_READ's reply                      |
 | 0x9C | PARKED_LIST         | u8 more, u32 E, per entry: u64 seq, u16 owner, u8 S + store |
 |      |                     | id, u32 L + L bytes of FAIL's body                          |
+| 0x9D | BATCH_BEGUN         | u32 J, utf-8 JSON {"checkpoint": object, "range_numbers":   |
+|      |                     | [u32]}, then REPLAY's body: BATCH_BEGIN's reply             |
 | 0xFF | ERROR               | u16 error code, utf-8 message (the rest of the body)        |
 
 Kinds 0x16, 0x17 and 0x93 are reserved (never assigned): they decode as unknown kinds.
@@ -186,6 +191,8 @@ from .frames import (
 from .messages import (
     DEAD_LETTER_OPS,
     SINK_KEY_BIT,
+    BatchBegin,
+    BatchBegun,
     BatchRanges,
     CheckpointReply,
     CheckpointRequest,
@@ -220,6 +227,8 @@ from .messages import (
     UnfilledList,
     Xor,
     decode,
+    decode_batch_begin,
+    decode_batch_begun,
     decode_batch_ranges,
     decode_checkpoint_begin,
     decode_checkpoint_done,
@@ -259,6 +268,8 @@ from .messages import (
     decode_unfilled,
     decode_unfilled_list,
     decode_xor,
+    encode_batch_begin,
+    encode_batch_begun,
     encode_batch_ranges,
     encode_checkpoint_reply,
     encode_checkpoint_request,
@@ -317,6 +328,8 @@ __all__ = [
     "Auth",
     "AuthFailed",
     "BadRequest",
+    "BatchBegin",
+    "BatchBegun",
     "BatchRanges",
     "Challenge",
     "CheckpointReply",
@@ -368,6 +381,8 @@ __all__ = [
     "check_auth",
     "decode",
     "decode_auth",
+    "decode_batch_begin",
+    "decode_batch_begun",
     "decode_batch_ranges",
     "decode_challenge",
     "decode_checkpoint_begin",
@@ -411,6 +426,8 @@ __all__ = [
     "decode_welcome",
     "decode_xor",
     "encode_auth",
+    "encode_batch_begin",
+    "encode_batch_begun",
     "encode_batch_ranges",
     "encode_challenge",
     "encode_checkpoint_reply",

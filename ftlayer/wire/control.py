@@ -320,6 +320,11 @@ def encode_checkpoint_request(
 def _decode_checkpoint_request(message: Frame | bytes, kind: Kind) -> CheckpointRequest:
     body = parse_json(_body(message, kind).rest(), kind)
     _check_checkpoint(body, kind)
+    return _checkpoint_request(body, kind)
+
+
+def _checkpoint_request(body: dict[str, Any], kind: Kind) -> CheckpointRequest:
+    """The request of a checked body (`_check_checkpoint`)."""
     return CheckpointRequest(
         kind is Kind.CHECKPOINT_BEGIN,
         body["query"],

@@ -34,6 +34,7 @@ from .frames import (
     Frame,
     Kind,
     MalformedFrame,
+    _Body,
     _body,
     _join_frame,
     encode_frame,
@@ -156,6 +157,14 @@ def encode_replay(
     """REPLAY: the reply to FETCH_REPLAY, `FTLayer.fetch_replay`'s ReplayRecords, and
     `through`: the replay seq up to which the reply holds every row asked for (the
     request's hi when all of them fit; by default the last row's seq, 0 if none)."""
+    return _join_frame(Kind.REPLAY, request_id, replay_parts(replay, through), max_frame)
+
+
+def replay_parts(
+    replay: ReplayRecords, through: int | None = None, parts: list[bytes] | None = None
+) -> list[bytes]:
+    """REPLAY's body (encode_replay) as byte strings, appended to `parts`: the replay
+    page that BATCH_BEGUN carries after its JSON too."""
     n = len(replay.records)
     if len(replay.replay_seqs) != n or len(replay.partitions) != n:
         raise BadRequest(
@@ -164,14 +173,15 @@ def encode_replay(
         )
     if through is None:
         through = int(replay.replay_seqs[-1]) if n else 0
-    parts = [
+    out = [] if parts is None else parts
+    out += [
         _U32.pack(n),
         u64_column([through], 1, "REPLAY through").tobytes(),
         np.ascontiguousarray(replay.replay_seqs, dtype="<u8").tobytes(),
         np.ascontiguousarray(replay.partitions, dtype="<i4").tobytes(),
     ]
-    record_parts(replay.records, None, parts)
-    return _join_frame(Kind.REPLAY, request_id, parts, max_frame)
+    record_parts(replay.records, None, out)
+    return out
 
 
 def decode_replay(message: Frame | bytes) -> ReplayRecords:
@@ -181,7 +191,11 @@ def decode_replay(message: Frame | bytes) -> ReplayRecords:
 def decode_replay_page(message: Frame | bytes) -> tuple[ReplayRecords, int]:
     """A REPLAY's rows and its `through` (encode_replay): the client asks again from
     `through` while it is below the hi it asked for."""
-    body = _body(message, Kind.REPLAY)
+    return read_replay(_body(message, Kind.REPLAY))
+
+
+def read_replay(body: _Body) -> tuple[ReplayRecords, int]:
+    """A replay page (`replay_parts`) from `body`, to its end."""
     n = body.u32("record count")
     through = int(body.array("<u8", 1, "through")[0])
     replay_seqs = body.array("<u8", n, "replay seqs")

@@ -225,7 +225,8 @@ def decode_batch_ranges(message: Frame | bytes) -> BatchRanges:
     )
 
 
-def _check_ranges(body: object) -> None:
+def _check_ranges(body: object, kind: Kind = Kind.BATCH_RANGES) -> None:
+    """BATCH_RANGES' body, or the ranges and "tree" of another `kind`'s."""
     ok = (
         isinstance(body, dict)
         and set(body) in ({"ranges"}, {"ranges", "tree"})
@@ -247,7 +248,7 @@ def _check_ranges(body: object) -> None:
     )
     if not ok:
         raise BadRequest(
-            'BATCH_RANGES body must be {"ranges": [[u32 source id, topic, partition, start, '
+            f'{kind.name} body must be {{"ranges": [[u32 source id, topic, partition, start, '
             f'end]]}} (and "tree": a bool) with 0 <= start <= end, got {body!r}'[:600]
         )
 

@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     FAIL_PARKED = 0x30
     PARKED = 0x31
     RANGE_READ = 0x32
+    BATCH_BEGIN = 0x33
     CHALLENGE = 0x81
     WELCOME = 0x82
     OK = 0x90
@@ -73,6 +74,7 @@ class Kind(enum.IntEnum):
     MARK = 0x9A
     SAVEPOINT_BYTES = 0x9B
     PARKED_LIST = 0x9C
+    BATCH_BEGUN = 0x9D
     ERROR = 0xFF
 
 

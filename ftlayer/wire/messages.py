@@ -1,7 +1,8 @@
 """Every message after the handshake, and `decode`: one table from kind to decoder.
 
 The codecs live by concern: `data` (PERSIST, REPLAY, XOR, HOLD, FAIL, SINK_HOLD,
-SINK_SETTLE, FETCH_REPLAY), `fills` (UNFILLED, UNFILLED_LIST, FILL), `control`
+SINK_SETTLE, FETCH_REPLAY), `fills` (UNFILLED, UNFILLED_LIST, FILL, BATCH_RANGES, RANGE_NUMBERS,
+RANGE_READ), `batches` (BATCH_BEGIN, BATCH_BEGUN), `control`
 (REGISTER_SOURCE, the checkpoint and savepoint requests and replies, HEARTBEAT,
 STATUS, OK, ERROR) and `admin` (the dead letters, INSPECT); `blocks` has the pieces
 they share. This module re-exports them all, so `ftlayer.wire.messages.X` names every
@@ -38,6 +39,14 @@ from .auth import (
     decode_challenge,
     decode_hello,
     decode_welcome,
+)
+from .batches import (
+    BatchBegin,
+    BatchBegun,
+    decode_batch_begin,
+    decode_batch_begun,
+    encode_batch_begin,
+    encode_batch_begun,
 )
 from .control import (
     CheckpointReply,
@@ -152,6 +161,8 @@ from .parts import (
 __all__ = [
     "DEAD_LETTER_OPS",
     "SINK_KEY_BIT",
+    "BatchBegin",
+    "BatchBegun",
     "BatchRanges",
     "CheckpointReply",
     "CheckpointRequest",
@@ -186,6 +197,8 @@ __all__ = [
     "UnfilledList",
     "Xor",
     "decode",
+    "decode_batch_begin",
+    "decode_batch_begun",
     "decode_batch_ranges",
     "decode_checkpoint_begin",
     "decode_checkpoint_done",
@@ -225,6 +238,8 @@ __all__ = [
     "decode_unfilled",
     "decode_unfilled_list",
     "decode_xor",
+    "encode_batch_begin",
+    "encode_batch_begun",
     "encode_batch_ranges",
     "encode_checkpoint_reply",
     "encode_checkpoint_request",
@@ -293,6 +308,8 @@ Message = (
     | UnfilledList
     | Fill
     | BatchRanges
+    | BatchBegin
+    | BatchBegun
     | RangeRead
     | SinkMarkRequest
     | Ingest
@@ -339,6 +356,8 @@ _DECODERS: Final[dict[Kind, Callable[[Frame], Message]]] = {
     Kind.BATCH_RANGES: decode_batch_ranges,
     Kind.RANGE_NUMBERS: decode_range_numbers,
     Kind.RANGE_READ: decode_range_read,
+    Kind.BATCH_BEGIN: decode_batch_begin,
+    Kind.BATCH_BEGUN: decode_batch_begun,
     Kind.SINK_MARK: decode_sink_mark,
     Kind.INGEST: decode_ingest,
     Kind.MARK: decode_mark,

@@ -180,7 +180,6 @@ from ftlayer.integration.ftcolumns import (
 from ftlayer.position import KafkaOffsets, Position
 
 from .driver import Offset, SourceDriver
-from .given import give_replays
 from .ingest import IngestDriver
 from .options import SourceOptions, parse_options
 from .reader import FTKafkaPartition, read_partition
@@ -384,20 +383,17 @@ class FTKafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     FTKafkaPartition(topic, p, lo, hi, self.source_ids[topic], replay_lo, replay_hi)
                 )
         if driver is not None and barrier.cursors is not None:
-            # Spark logged `end` before planning the batch: it is barrier n. The commit
-            # of batch n - 1, which Spark made just before, goes in the same request.
-            if self.options.by_range:
-                # Barrier mode by reference: the batch's records are one offset range per
-                # partition, stored by the FT layer before any row of them is emitted.
-                parts = driver.open_ranges(parts)
+            # Spark logged `end` before planning the batch: it is barrier n. One request
+            # per shard begins it: by range, the batch's records are one offset range
+            # per partition, stored by the FT layer before any row of them is emitted;
+            # the commit of batch n - 1, which Spark made just before, completes first;
+            # in barrier mode its replays come back, fetched once for every partition
+            # (after the barrier: a replay's hold belongs to the batch running when it
+            # is fetched).
             done, self._deferred_commit = self._deferred_commit, None
-            answers = driver.checkpoint(barrier, begin=True, complete=done)
+            parts, answers = driver.begin_batch(parts, barrier, done)
             if answers.answered:  # the batch is open: its timeouts follow heartbeats
                 driver.batch_running()
-                if self.options.completion == "barrier":
-                    # Its replays, fetched once for every partition (after the barrier:
-                    # a replay's hold belongs to the batch running when it is fetched).
-                    parts = give_replays(driver.shards, parts, answers)
             if done is not None:
                 self._commit_group(driver, answers.completed_offsets())
         return parts if busy else []

@@ -48,9 +48,10 @@ from typing import Any, Final, TypeVar
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from ftlayer.client import FTClient
+from ftlayer.client import BatchStart, FTClient
 from ftlayer.errors import ConfigError, SourceError
 from ftlayer.position import EARLIEST, LATEST, KafkaOffsets, Position
+from ftlayer.records import ReplayRecords
 from ftlayer.registration import SourceRegistration
 from ftlayer.status import BriefStatus, CheckpointReport, Status
 
@@ -58,6 +59,7 @@ from .cluster import CheckpointAnswers, ShardClients, ShardMap, brief_status
 from .columnar import probe_consumer
 from .deadletters import DeadLetterDelivery
 from .filling import Filler
+from .given import hand_over
 from .groups import ConsumerGroup
 from .heartbeat import LEASE_INTERVALS, Heartbeat, heartbeat_interval_s
 from .kafkaread import close_consumer, new_consumer
@@ -358,15 +360,7 @@ class SourceDriver:
         the batches before it). A shard is sent no part of a barrier of a store it no
         longer serves, and completes no barrier of its old store (.rewind)."""
         what = "begin the checkpoint" if begin else "complete the checkpoint"
-        completes = complete is not None or not begin
-        if self.shards.count > 1 and completes and not self.parking.settled:
-            # A batch ran since the last look at the parked failures (this completion
-            # comes before the next trigger's STATUS): look now, before any barrier
-            # completes the ranges those failures belong to.
-            statuses, back = self.shards.statuses()
-            if back:
-                self._register_sources(back)
-            self.parking.settle(statuses, self.shards.store_ids)
+        self._settle_parked(completes=complete is not None or not begin)
         reports: list[CheckpointReport | None] = []
         kept = None if complete is None else same_stores(complete, end)
         for shard in range(self.shards.count):
@@ -390,6 +384,137 @@ class SourceDriver:
             reports.append(report)
         return CheckpointAnswers(tuple(reports), self.shard_map)
 
+    def _settle_parked(self, *, completes: bool) -> None:
+        """Before a barrier completes: with several shards, if a batch ran since the last
+        look at the parked failures (this completion comes before the next trigger's
+        STATUS), look now, before any barrier completes the ranges those failures
+        belong to."""
+        if self.shards.count > 1 and completes and not self.parking.settled:
+            statuses, back = self.shards.statuses()
+            if back:
+                self._register_sources(back)
+            self.parking.settle(statuses, self.shards.store_ids)
+
+    def begin_batch(
+        self, parts: list[FTKafkaPartition], end: Position, complete: Position | None
+    ) -> tuple[list[FTKafkaPartition], CheckpointAnswers]:
+        """The batch of `parts` that ends at barrier `end` begins, on each shard in one
+        request (BATCH_BEGIN, one round trip where three were: BATCH_RANGES,
+        CHECKPOINT_BEGIN and FETCH_REPLAY): its ranges opened and numbered (FT on by
+        range, `open_ranges`), its barrier begun (with `complete`, the batch before
+        completes first: `checkpoint`), and in barrier mode the replays it takes in
+        fetched and handed to `parts` (.given). Returns `parts` so completed and the
+        shards' answers to the barrier.
+
+        A shard with ranges to open must answer (SourceError otherwise: the batch's
+        rows cannot be emitted before their range is stored). One without may fail: it
+        is logged, the next batch's barrier covers this one, and its readers fetch
+        their replays. An answer from another store than `end` names does not count
+        (`_checkpoint_call`), and its replays are not handed over."""
+        self._settle_parked(completes=complete is not None)
+        tree = self.options.completion == "tree"
+        fetch = self.options.completion == "barrier" and bool(parts) and parts[0].replays()
+        bounds = {shard: (lo, hi) for shard, lo, hi in (parts[0].replays() if fetch else [])}
+        replay_sources = sorted({p.source_id for p in parts})
+        numbers = [p.range_number for p in parts]
+        reports: list[CheckpointReport | None] = []
+        found: list[ReplayRecords | None] = [None] * self.shards.count
+        kept = None if complete is None else same_stores(complete, end)
+        for shard in range(self.shards.count):
+            rows = self._shard_rows(parts, shard) if self.options.by_range else []
+            ranges = [
+                (p.source_id, p.topic, p.partition, p.start, p.end)
+                for p in (parts[i] for i in rows)
+            ]
+            if not any(end_ > start for _, _, _, start, end_ in ranges):
+                rows, ranges = [], []  # nothing new on this shard: no range to open
+            store = None if end.stores is None else end.stores[shard]
+            if shard in self.shards.stalled or store not in (None, self.shards.store_ids[shard]):
+                reports.append(None)  # down: its barriers when it is back; lost: gone
+                if ranges:  # the rows still need their ranges' numbers (`open_ranges`)
+                    given = self.shards.call(
+                        shard,
+                        "open the batch's ranges in the FT layer",
+                        partial(_register_ranges, ranges, tree),
+                    )
+                    for i, number in zip(rows, given, strict=True):
+                        numbers[i] = number
+                continue
+            done = None
+            if complete is not None and kept is not None and kept[shard]:
+                done = self.shard_map.part(complete, shard)
+            call = partial(
+                self._begin_call,
+                store,
+                self.shard_map.part(end, shard),
+                done,
+                ranges,
+                tree,
+                bounds.get(shard),
+                replay_sources,
+            )
+            what = f"begin the batch of {self.options.checkpoint_query!r}"
+            started: tuple[BatchStart, bool] | None = None
+            if ranges:
+                started = self.shards.call(shard, what, call)
+            else:
+                try:
+                    started = self.shards.quick(shard, what, call)
+                except SourceError as exc:
+                    log.warning("%s (covered by the next batch's checkpoint)", exc)
+            if started is None:
+                reports.append(None)
+                continue
+            start, counts = started
+            reports.append(start.checkpoint if counts else None)
+            for i, number in zip(rows, start.range_numbers, strict=True):
+                numbers[i] = number
+            if counts and shard in bounds:
+                found[shard] = start.replays
+        if self.options.by_range:
+            parts = [p.with_range(n) for p, n in zip(parts, numbers, strict=True)]
+        answers = CheckpointAnswers(tuple(reports), self.shard_map)
+        if fetch and answers.answered:
+            parts = hand_over(parts, found)
+        return parts, answers
+
+    def _begin_call(
+        self,
+        store: str | None,
+        end: Position,
+        complete: Position | None,
+        ranges: list[tuple[int, str, int, int, int]],
+        tree: bool,
+        replays: tuple[int, int] | None,
+        replay_sources: list[int],
+        client: FTClient,
+    ) -> tuple[BatchStart, bool]:
+        """The shard's answers, and whether they count (`_checkpoint_call`)."""
+        start = client.begin_batch(
+            query=self.options.checkpoint_query,
+            position=end.to_json(),
+            sources=sorted(set(self.source_ids.values())),
+            mode=self.options.checkpoint_mode,
+            complete=None if complete is None else complete.to_json(),
+            ranges=ranges,
+            tree=tree,
+            replays=replays,
+            replay_sources=replay_sources,
+        )
+        return start, self._same_store(client, store)
+
+    def _same_store(self, client: FTClient, store: str | None) -> bool:
+        """Whether `client`'s answers came from `store` (None: any); a warning if not."""
+        if store is None or self.shards.store_on(client, client.connections) == store:
+            return True
+        log.warning(
+            "%s answered a checkpoint from another store than %s: the answer does not "
+            "count (the next batch goes back to the group offsets of its partitions)",
+            client.address,
+            store,
+        )
+        return False
+
     def _checkpoint_call(
         self,
         store: str | None,
@@ -407,15 +532,7 @@ class SourceDriver:
             mode=self.options.checkpoint_mode,
             complete=None if complete is None else complete.to_json(),
         )
-        if store is None or self.shards.store_on(client, client.connections) == store:
-            return report
-        log.warning(
-            "%s answered a checkpoint from another store than %s: the answer does not "
-            "count (the next batch goes back to the group offsets of its partitions)",
-            client.address,
-            store,
-        )
-        return None
+        return report if self._same_store(client, store) else None
 
     # ---- running batches ----
 
@@ -669,11 +786,7 @@ class SourceDriver:
         numbers = [p.range_number for p in parts]
         tree = self.options.completion == "tree"
         for shard in range(self.shards.count):
-            rows = [
-                i
-                for i, p in enumerate(parts)
-                if self.shard_map.owner(p.topic, p.partition) == shard
-            ]
+            rows = self._shard_rows(parts, shard)
             ranges = [
                 (p.source_id, p.topic, p.partition, p.start, p.end)
                 for p in (parts[i] for i in rows)
@@ -688,6 +801,11 @@ class SourceDriver:
             for i, number in zip(rows, given, strict=True):
                 numbers[i] = number
         return [p.with_range(n) for p, n in zip(parts, numbers, strict=True)]
+
+    def _shard_rows(self, parts: list[FTKafkaPartition], shard: int) -> list[int]:
+        """The indexes of the parts whose partition `shard` owns."""
+        owner = self.shard_map.owner
+        return [i for i, p in enumerate(parts) if owner(p.topic, p.partition) == shard]
 
     def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         """Copy the bytes of these sources' failed records stored by reference from

@@ -3,16 +3,18 @@
 Each input partition of a batch takes in the replays its source's replay partitioner
 routed to it, lo < replay seq <= hi on each shard (FTKafkaPartition.replays). A reader
 can fetch its own (FETCH_REPLAY naming its source and partition), one request per
-partition and shard, each on the path of a task. In barrier mode the planner does it
-for all of them instead (`give_replays`, from FTKafkaStreamReader.partitions): one FETCH_REPLAY per
-shard and source, whose rows it splits by the partition each was routed to and hands to
-that partition (`FTKafkaPartition.given`), so a reader emits them without a request.
+partition and shard, each on the path of a task. In barrier mode the planner has them
+fetched for all of them instead, in the request that begins the batch on each shard
+(BATCH_BEGIN, SourceDriver.begin_batch: one per shard, for every source of the query),
+whose rows `hand_over` splits by the partition each was routed to and hands to that
+partition (`FTKafkaPartition.given`), so a reader emits them without a request.
 
 The contract:
 
-- The fetch comes after the batch's CHECKPOINT_BEGIN (a barrier-mode replay's hold
-  belongs to the batch running when it is fetched: fetched before, it would complete
-  with the batch before, unprocessed), and only from a shard that answered it.
+- The fetch comes after the batch's barrier begins, in the same request (a
+  barrier-mode replay's hold belongs to the batch running when it is fetched: fetched
+  before, it would complete with the batch before, unprocessed), and only the rows of
+  a shard whose answer counts are handed over.
 - Only what the batch's readers would fetch themselves: the rows of the batch's sources
   routed to one of its partitions. A row routed to a partition the batch does not
   read (none such for Kafka, whose partitions the batch reads all) goes to the first
@@ -22,8 +24,9 @@ The contract:
   its readers fetch as they would (a second fetch of a replay is a re-run's,
   ftlayer.core.failure.fetch_replay), so the plan Spark ships with each task stays
   small.
-- A shard whose fetch fails hands nothing over: its readers fetch (and fail, or not,
-  as without this).
+- A shard whose request fails, or answers from another store than the batch's
+  position names, hands nothing over: its readers fetch (and fail, or not, as without
+  this).
 - Replays stored by reference are handed over as fetched; the reader reads their
   bytes from Kafka as after its own fetch.
 - Barrier mode only: a task Spark runs again emits the replays it was handed under the
@@ -35,54 +38,33 @@ The contract:
 from __future__ import annotations
 
 import logging
-from functools import partial
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
 
-from ftlayer.client import FTClient
-from ftlayer.errors import SourceError
 from ftlayer.records import Payloads, ReplayRecords
 
-from .cluster import CheckpointAnswers, ShardClients
 from .reader import FTKafkaPartition
 
 log = logging.getLogger("ftlayer.integration.source")
 
-__all__ = ["GIVEN_MAX_BYTES", "give_replays"]
+__all__ = ["GIVEN_MAX_BYTES", "hand_over"]
 
 #: The payload bytes a planner hands over at most, over all partitions of a batch.
 GIVEN_MAX_BYTES: Final = 4 * 1024 * 1024
 
 
-def give_replays(
-    shards: ShardClients, parts: list[FTKafkaPartition], answers: CheckpointAnswers
+def hand_over(
+    parts: list[FTKafkaPartition], found: Sequence[ReplayRecords | None]
 ) -> list[FTKafkaPartition]:
-    """`parts` with the replays each takes in handed over (module docstring)."""
-    if not parts or not parts[0].replays():  # every part has the batch's cursors
-        return parts
-    sources = sorted({p.source_id for p in parts})
-    found: list[ReplayRecords | None] = [None] * shards.count
-    for shard, lo, hi in parts[0].replays():
-        if shard >= len(answers.reports) or answers.reports[shard] is None:
-            continue  # its barrier did not go through: its readers fetch
-        try:
-            fetched = [
-                shards.quick(shard, "fetch the batch's replays", partial(_fetch, lo, hi, source))
-                for source in sources
-            ]
-        except SourceError as exc:
-            log.warning("%s; the batch's readers fetch their replays themselves", exc)
-            continue
-        found[shard] = ReplayRecords.concat(fetched)
+    """`parts` with the replays each takes in handed over, from the rows each shard's
+    BATCH_BEGIN fetched (`found`, None for a shard whose readers fetch): nothing when
+    they hold more than GIVEN_MAX_BYTES of payloads (module docstring)."""
     if sum(_payload_bytes(f) for f in found if f is not None) > GIVEN_MAX_BYTES:
         return parts
     given = [None if f is None else _by_partition(f, parts) for f in found]
     return [p.with_given(given) for p in parts]
-
-
-def _fetch(lo: int, hi: int, source_id: int, client: FTClient) -> ReplayRecords:
-    return client.fetch_replay(lo, hi, source_id)
 
 
 def _by_partition(

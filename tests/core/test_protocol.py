@@ -953,6 +953,17 @@ def _valid_frames() -> list[bytes]:
         p.encode_savepoint(26, None, "sp", savepoint_id="f00d"),
         p.encode_savepoint_read(27, "sp", 8, 64),
         p.encode_savepoint_bytes(28, b"\x00lmdb" * 9),
+        p.encode_batch_begin(
+            29,
+            query="q",
+            position={"replay": 1},
+            sources=[3],
+            mode="unaligned",
+            ranges=[(3, "t", 0, 1, 4)],
+            replays=(0, 3),
+            replay_sources=[3],
+        ),
+        p.encode_batch_begun(30, {"id": 1}, [5], replay),
     ]
 
 
@@ -1397,3 +1408,89 @@ def test_batch_ranges_say_tree_mode_and_a_range_read_carries_its_seed() -> None:
 def test_a_bad_range_read_or_tree_flag_is_refused(kind: p.Kind, body: bytes, match: str) -> None:
     with pytest.raises(p.ProtocolError, match=match):
         p.decode(frame(p.encode_frame(kind, 1, body)))
+
+
+def test_a_batch_begins_in_one_request_and_its_reply_carries_all_three_answers() -> None:
+    """BATCH_BEGIN (docs/protocol.md 5.20) carries a CHECKPOINT_BEGIN's object, a
+    BATCH_RANGES' ranges and a FETCH_REPLAY's bounds for the sources named; BATCH_BEGUN
+    the checkpoint, a number per range and the replays' page with its `through`."""
+    before = {"kafka": {"orders": {"0": 3}}, "replay": 1}
+    position = {"kafka": {"orders": {"0": 5}}, "replay": 3}
+    ranges = [(9, "orders", 0, 3, 5), (9, "orders", 1, 7, 7)]
+    request = frame(
+        p.encode_batch_begin(
+            5,
+            query="q",
+            position=position,
+            sources=[9, 4],
+            mode="unaligned",
+            complete=before,
+            ranges=ranges,
+            tree=True,
+            replays=(1, 3),
+            replay_sources=[9],
+        )
+    )
+    assert request.kind == p.Kind.BATCH_BEGIN
+    assert p.decode(request) == p.BatchBegin(
+        p.CheckpointRequest(True, "q", position, [9, 4], "unaligned", complete=before),
+        ranges,
+        tree=True,
+        replays=(1, 3),
+        replay_sources=(9,),
+    )
+    bare = p.decode(
+        frame(p.encode_batch_begin(6, query="q", position=position, sources=[9], mode="aligned"))
+    )
+    assert bare == p.BatchBegin(p.CheckpointRequest(True, "q", position, [9], "aligned"), [])
+
+    replay = ReplayRecords(
+        np.array([2, 3], dtype=np.uint64),
+        np.array([1, 0], dtype=np.int32),
+        small_batch(2, topics=["orders", "orders"]),
+    )
+    checkpoint = {"id": 4, "state": "begun", "completed": {"id": 3}}
+    begun = p.decode(frame(p.encode_batch_begun(5, checkpoint, [17, 0], replay, through=3)))
+    assert isinstance(begun, p.BatchBegun)
+    assert (begun.checkpoint, begun.range_numbers, begun.through) == (checkpoint, [17, 0], 3)
+    assert begun.replays.replay_seqs.tolist() == [2, 3]
+    assert begun.replays.partitions.tolist() == [1, 0]
+    assert begun.replays.records.payloads == replay.records.payloads
+    empty = p.decode(frame(p.encode_batch_begun(6, checkpoint, [], ReplayRecords.concat([]))))
+    assert isinstance(empty, p.BatchBegun) and len(empty.replays) == 0 and empty.through == 0
+
+
+_BEGIN = {
+    "checkpoint": {"query": "q", "position": {"replay": 1}, "sources": [1], "mode": "aligned"},
+    "ranges": [],
+    "tree": False,
+    "replays": None,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"tree": None}, "BATCH_BEGIN"),
+        ({"extra": 1}, "BATCH_BEGIN body must be"),
+        ({"ranges": [[1, "t", 0, 5, 3]]}, "BATCH_BEGIN body must be"),
+        ({"checkpoint": {"query": "q"}}, "CHECKPOINT_BEGIN body must be"),
+        ({"replays": [1, 2]}, '"replays" must be'),
+        ({"replays": {"lo": 3, "hi": 2, "sources": [1]}}, "lo <= hi"),
+        ({"replays": {"lo": 1, "hi": 2, "sources": [-1]}}, '"replays" must be'),
+        ({"replays": {"lo": 1, "hi": 2}}, '"replays" must be'),
+    ],
+)
+def test_a_bad_batch_begin_is_refused_naming_the_part_at_fault(
+    change: dict[str, object], match: str
+) -> None:
+    body = json.dumps({**_BEGIN, **change}).encode()
+    with pytest.raises(p.BadRequest, match=match):
+        p.decode(frame(p.encode_frame(p.Kind.BATCH_BEGIN, 1, body)))
+
+
+def test_a_batch_begun_whose_json_is_not_its_own_is_malformed() -> None:
+    for head in (b"[]", b'{"checkpoint": {}}', b'{"checkpoint": {}, "range_numbers": [true]}'):
+        body = struct.pack("<I", len(head)) + head + struct.pack("<I", 0) + bytes(8)
+        with pytest.raises(p.MalformedFrame):
+            p.decode(frame(p.encode_frame(p.Kind.BATCH_BEGUN, 1, body)))

@@ -31,8 +31,8 @@ def _rows(reader: FTKafkaStreamReader, parts: list) -> list[tuple[int, bytes, in
     return rows
 
 
-def _fetches(client: FTClient) -> int:
-    cost = client.status().requests.get("FETCH_REPLAY")
+def _requests(client: FTClient, kind: str) -> int:
+    cost = client.status().requests.get(kind)
     return 0 if cost is None else cost.count
 
 
@@ -41,8 +41,9 @@ def test_a_barrier_batchs_replays_take_one_fetch_and_each_reaches_its_partition(
 ) -> None:
     """Records of three partitions fail in one batch (by their range roots, as a task
     does); once the driver copied them in, the next batch takes each replay in, in the
-    input partition its key routes it to (its own: Kafka's partitioner), with one
-    FETCH_REPLAY for the whole batch made by its planner, and none by its readers."""
+    input partition its key routes it to (its own: Kafka's partitioner), fetched for
+    the whole batch by its planner in the one request that begins it (BATCH_BEGIN), with
+    no FETCH_REPLAY of its own and none by its readers."""
     topic = make_topic(PARTITIONS)
     produce(kafka_bootstrap, topic, [(b"k%d" % i, b"value-%d" % i) for i in range(N)])
     options = parse_options(
@@ -66,19 +67,20 @@ def test_a_barrier_batchs_replays_take_one_fetch_and_each_reaches_its_partition(
         assert {p for p, _, _ in failed} == set(range(PARTITIONS))
         client.fail(np.array([r for _, _, r in failed], dtype=np.uint64), FAILED)
         reader.commit(end)
-        before = _fetches(client)
+        before = _requests(client, "FETCH_REPLAY"), _requests(client, "BATCH_BEGIN")
         # The next trigger has its filler copy their bytes in (which queues them) while
         # it plans; the one after takes them in.
         reader.latestOffset(end, ReadAllAvailable())
         wait_until(lambda: client.status().unfilled == 0, 30, "the failed records copied in")
         second_end = reader.latestOffset(end, ReadAllAvailable())
         second = reader.partitions(end, second_end)
-        planned = _fetches(client)
+        planned = _requests(client, "FETCH_REPLAY"), _requests(client, "BATCH_BEGIN")
         replays = _rows(reader, second)
-        read = _fetches(client)
+        read = _requests(client, "FETCH_REPLAY")
     finally:
         reader.stop()
         client.close()
     assert sorted((p, v) for p, v, _ in replays) == sorted((p, v) for p, v, _ in failed)
-    assert planned - before == 1  # the planner's, for every partition
-    assert read == planned  # the readers asked for nothing
+    # The planner's one request, for every partition: its barrier and its replays.
+    assert (planned[0] - before[0], planned[1] - before[1]) == (0, 1)
+    assert read == planned[0]  # the readers asked for nothing
