@@ -19,7 +19,7 @@ from typing import Any
 from ftlayer.records import ReplayRecords
 
 from .blocks import dump_json, is_u32, is_u64, parse_json
-from .control import CheckpointRequest, _check_checkpoint, _checkpoint_request
+from .control import CheckpointRequest, _check_checkpoint, _checkpoint_request, checkpoint_body
 from .data import read_replay, replay_parts
 from .fills import _check_ranges
 from .frames import (
@@ -87,16 +87,8 @@ def encode_batch_begin(
     """BATCH_BEGIN: utf-8 JSON {"checkpoint": CHECKPOINT_BEGIN's object, "ranges":
     BATCH_RANGES' list, "tree": bool, "replays": {"lo": u64, "hi": u64, "sources":
     [u32]} or null}."""
-    checkpoint: dict[str, Any] = {
-        "query": query,
-        "position": dict(position),
-        "sources": list(sources),
-        "mode": mode,
-    }
-    if complete is not None:
-        checkpoint["complete"] = dict(complete)
     body = {
-        "checkpoint": checkpoint,
+        "checkpoint": checkpoint_body(query, position, sources, mode, complete),
         "ranges": [list(r) for r in ranges],
         "tree": tree,
         "replays": (

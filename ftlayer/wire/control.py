@@ -305,6 +305,19 @@ def encode_checkpoint_request(
     """CHECKPOINT_BEGIN (begin=True; with `complete`, that barrier is completed
     first) or CHECKPOINT_DONE."""
     kind = Kind.CHECKPOINT_BEGIN if begin else Kind.CHECKPOINT_DONE
+    body = checkpoint_body(query, position, sources, mode, complete)
+    _check_checkpoint(body, kind)
+    return encode_frame(kind, request_id, dump_json(body, f"{kind.name} body"))
+
+
+def checkpoint_body(
+    query: str,
+    position: Mapping[str, Any],
+    sources: Sequence[int],
+    mode: str,
+    complete: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """A checkpoint request's JSON object (unchecked)."""
     body: dict[str, Any] = {
         "query": query,
         "position": dict(position),
@@ -313,8 +326,7 @@ def encode_checkpoint_request(
     }
     if complete is not None:
         body["complete"] = dict(complete)
-    _check_checkpoint(body, kind)
-    return encode_frame(kind, request_id, dump_json(body, f"{kind.name} body"))
+    return body
 
 
 def _decode_checkpoint_request(message: Frame | bytes, kind: Kind) -> CheckpointRequest:
