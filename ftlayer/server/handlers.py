@@ -190,13 +190,18 @@ class RequestHandlers(ServerState):
         """The ranges are stored (one transaction, synced) before the reply: the source
         emits no row of them before it has their numbers."""
         message = decode_batch_ranges(frame)
-        self._own_partitions(
-            np.array([r[0] for r in message.ranges], dtype=np.int64),
-            np.array([r[2] for r in message.ranges], dtype=np.int64),
-        )
+        self._own_ranges(message.ranges)
         with self._core(noted=False) as ft:
             numbers = ft.register_ranges(message.ranges, tree=message.tree)
         return encode_range_numbers(rid, numbers)
+
+    def _own_ranges(self, ranges: list[tuple[int, str, int, int, int]]) -> None:
+        """A shard takes only ranges of its own partitions (docs/protocol.md 5.15)."""
+        if ranges:
+            self._own_partitions(
+                np.array([r[0] for r in ranges], dtype=np.int64),
+                np.array([r[2] for r in ranges], dtype=np.int64),
+            )
 
     def _range_read(self, rid: int, frame: Frame) -> bytes:
         """A reader announces the seed of its rows' ids before it emits them (in
@@ -284,8 +289,7 @@ class RequestHandlers(ServerState):
         m = decode_fetch_replay(frame)
         with self._core(noted=False) as ft:  # noted rows are queued only once filled
             replay = ft.fetch_replay(m.lo, m.hi, source_id=m.source_id, partition=m.partition)
-        page = _first_page(replay, self.max_frame)
-        through = m.hi if len(page) == len(replay) else None  # None: its last row's seq
+        page, through = _page(replay, m.hi, self.max_frame)
         return encode_replay(rid, page, through=through, max_frame=self.max_frame)
 
     def _ingest(self, rid: int, frame: Frame) -> bytes:
@@ -363,17 +367,13 @@ class RequestHandlers(ServerState):
 
     def _batch_begin(self, rid: int, frame: Frame) -> bytes:
         """BATCH_RANGES, CHECKPOINT_BEGIN and a FETCH_REPLAY per source, in that order,
-        under one hold of the lock (docs/protocol.md 5.19): the ranges are stored
+        under one hold of the lock (docs/protocol.md 5.20): the ranges are stored
         (synced) before the barrier begins, and the replays are fetched after it, so
         their holds belong to the batch it begins. An error of a step is the request's
         ERROR; the steps before it stay done (each is idempotent: the request is sent
         again as a whole)."""
         m = decode_batch_begin(frame)
-        if m.ranges:
-            self._own_partitions(
-                np.array([r[0] for r in m.ranges], dtype=np.int64),
-                np.array([r[2] for r in m.ranges], dtype=np.int64),
-            )
+        self._own_ranges(m.ranges)
         replay = ReplayRecords.concat([])
         with self._core(noted=False) as ft:  # as each of the three requests does
             numbers = ft.register_ranges(m.ranges, tree=m.tree) if m.ranges else []
@@ -386,9 +386,7 @@ class RequestHandlers(ServerState):
         through: int | None = 0
         if m.replays is not None:
             head = len(json.dumps(checkpoint)) + 12 * len(numbers) + _BEGUN_HEAD_SLACK
-            replay_page = _first_page(replay, self.max_frame - head)
-            through = m.replays[1] if len(replay_page) == len(replay) else None
-            replay = replay_page
+            replay, through = _page(replay, m.replays[1], self.max_frame - head)
         return encode_batch_begun(
             rid, checkpoint, numbers, replay, through=through, max_frame=self.max_frame
         )
@@ -599,6 +597,13 @@ def _by_seq(found: list[ReplayRecords]) -> ReplayRecords:
         return found[0]
     replay = ReplayRecords.concat(found)
     return replay.take(np.argsort(replay.replay_seqs, kind="stable"))
+
+
+def _page(replay: ReplayRecords, hi: int, max_frame: int) -> tuple[ReplayRecords, int | None]:
+    """The first page of `replay` (`_first_page`) and its `through`: `hi` when it holds
+    every row, None (its last row's seq) otherwise."""
+    page = _first_page(replay, max_frame)
+    return page, (hi if len(page) == len(replay) else None)
 
 
 def _first_page(replay: ReplayRecords, max_frame: int) -> ReplayRecords:

@@ -1,4 +1,4 @@
-"""A micro-batch's start in one round trip (docs/protocol.md 5.19): BATCH_BEGIN opens
+"""A micro-batch's start in one round trip (docs/protocol.md 5.20): BATCH_BEGIN opens
 the batch's offset ranges (as BATCH_RANGES), begins its barrier (as CHECKPOINT_BEGIN,
 completing the barrier before it first when asked) and fetches the replays it takes in
 (as FETCH_REPLAY, for each of its sources), in that order; BATCH_BEGUN answers with the
@@ -119,7 +119,7 @@ def _check(body: object) -> None:
         raise BadRequest(
             'BATCH_BEGIN body must be a JSON object {"checkpoint": object, "ranges": '
             f'[[u32 source id, topic, partition, start, end]], "tree": bool, "replays": '
-            f"[lo, hi] or null}}, got {body!r}"[:600]
+            f"object or null}}, got {body!r}"[:600]
         )
     _check_checkpoint(body["checkpoint"], Kind.CHECKPOINT_BEGIN)
     _check_ranges({"ranges": body["ranges"], "tree": body["tree"]}, Kind.BATCH_BEGIN)

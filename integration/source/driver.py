@@ -421,13 +421,7 @@ class SourceDriver:
         found: list[ReplayRecords | None] = [None] * self.shards.count
         kept = None if complete is None else same_stores(complete, end)
         for shard in range(self.shards.count):
-            rows = self._shard_rows(parts, shard) if self.options.by_range else []
-            ranges = [
-                (p.source_id, p.topic, p.partition, p.start, p.end)
-                for p in (parts[i] for i in rows)
-            ]
-            if not any(end_ > start for _, _, _, start, end_ in ranges):
-                rows, ranges = [], []  # nothing new on this shard: no range to open
+            rows, ranges = self._shard_ranges(parts, shard) if self.options.by_range else ([], [])
             store = None if end.stores is None else end.stores[shard]
             if shard in self.shards.stalled or store not in (None, self.shards.store_ids[shard]):
                 reports.append(None)  # down: its barriers when it is back; lost: gone
@@ -786,12 +780,8 @@ class SourceDriver:
         numbers = [p.range_number for p in parts]
         tree = self.options.completion == "tree"
         for shard in range(self.shards.count):
-            rows = self._shard_rows(parts, shard)
-            ranges = [
-                (p.source_id, p.topic, p.partition, p.start, p.end)
-                for p in (parts[i] for i in rows)
-            ]
-            if not any(end > start for _, _, _, start, end in ranges):
+            rows, ranges = self._shard_ranges(parts, shard)
+            if not ranges:
                 continue
             given = self.shards.call(
                 shard,
@@ -802,10 +792,19 @@ class SourceDriver:
                 numbers[i] = number
         return [p.with_range(n) for p, n in zip(parts, numbers, strict=True)]
 
-    def _shard_rows(self, parts: list[FTKafkaPartition], shard: int) -> list[int]:
-        """The indexes of the parts whose partition `shard` owns."""
+    def _shard_ranges(
+        self, parts: list[FTKafkaPartition], shard: int
+    ) -> tuple[list[int], list[tuple[int, str, int, int, int]]]:
+        """The indexes of the parts whose partition `shard` owns and their ranges
+        (source id, topic, partition, start, end); none when none of them is new."""
         owner = self.shard_map.owner
-        return [i for i, p in enumerate(parts) if owner(p.topic, p.partition) == shard]
+        rows = [i for i, p in enumerate(parts) if owner(p.topic, p.partition) == shard]
+        ranges = [
+            (p.source_id, p.topic, p.partition, p.start, p.end) for p in (parts[i] for i in rows)
+        ]
+        if not any(end > start for _, _, _, start, end in ranges):
+            return [], []  # nothing new on this shard: no range to open
+        return rows, ranges
 
     def fill_failed(self, source_ids: list[int], shard: int | None = None) -> int:
         """Copy the bytes of these sources' failed records stored by reference from
